@@ -1,0 +1,700 @@
+/* client.c - libepd: the connection to epd, Hello/Welcome, the request/response exchange,
+ * memory registration, groups and size hints. */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "client_internal.h"
+#include "tensor.h"
+#include "util.h"
+
+#define DEFAULT_TIMEOUT_MS 30000
+#define CLIENT_MAX_FRAME (16u << 20)
+
+int epd__client_fail(struct epd_client *c, int status, const char *fmt, ...)
+{
+        va_list ap;
+
+        va_start(ap, fmt);
+        vsnprintf(c->last_error, sizeof(c->last_error), fmt, ap);
+        va_end(ap);
+        return status;
+}
+
+const char *epd_client_last_error(const struct epd_client *client)
+{
+        return client ? client->last_error : "no client";
+}
+
+int epd__client_send_locked(struct epd_client *c, Epd__V1__Request *req, const int *fds,
+                            unsigned num_fds)
+{
+        size_t len;
+        uint8_t stackbuf[4096], *buf = stackbuf;
+        int rc;
+
+        if (c->broken)
+                return epd__client_fail(c, EPD_UNAVAILABLE, "connection to the daemon is lost");
+        req->id = ++c->next_id;
+        len = epd__v1__request__get_packed_size(req);
+        if (len > c->max_frame)
+                return epd__client_fail(c, EPD_INVALID_ARGUMENT,
+                                        "request of %zu bytes exceeds the daemon's frame limit %u",
+                                        len, c->max_frame);
+        if (len > sizeof(stackbuf) && !(buf = malloc(len)))
+                return epd__client_fail(c, EPD_INTERNAL, "out of memory");
+        epd__v1__request__pack(req, buf);
+        for (;;) {
+                rc = epd_frame_send(c->fd, EPD_PROTOCOL_VERSION, buf, len, fds, num_fds);
+                if (rc != -EAGAIN)
+                        break;
+                /* The daemon's receive queue is full: wait until it drains. */
+                struct pollfd pfd = { .fd = c->fd, .events = POLLOUT };
+                (void)poll(&pfd, 1, 1000);
+        }
+        if (buf != stackbuf)
+                free(buf);
+        if (rc < 0) {
+                c->broken = 1;
+                return epd__client_fail(c, EPD_UNAVAILABLE, "send to the daemon failed: %s",
+                                        strerror(-rc));
+        }
+        return 0;
+}
+
+static int stash_take(struct epd_client *c, uint64_t id, Epd__V1__Response **resp, int *fds_out)
+{
+        struct epd__stashed **pp;
+
+        for (pp = &c->stash; *pp; pp = &(*pp)->next) {
+                struct epd__stashed *s = *pp;
+                if (s->resp->id != id)
+                        continue;
+                *pp = s->next;
+                *resp = s->resp;
+                for (unsigned i = 0; i < 2; i++)
+                        fds_out[i] = i < s->num_fds ? s->fds[i] : -1;
+                free(s);
+                return 1;
+        }
+        return 0;
+}
+
+static int64_t now_ms(void)
+{
+        return (int64_t)(epd__now_ns() / 1000000);
+}
+
+int epd__client_wait_locked(struct epd_client *c, uint64_t id, int timeout_ms,
+                            Epd__V1__Response **resp, int *fds_out)
+{
+        int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+
+        fds_out[0] = fds_out[1] = -1;
+        for (;;) {
+                struct epd_frame frame;
+                const char *why = NULL;
+                int rc;
+
+                if (stash_take(c, id, resp, fds_out))
+                        return 0;
+                if (c->broken)
+                        return epd__client_fail(c, EPD_UNAVAILABLE,
+                                                "connection to the daemon is lost");
+                rc = epd_frame_recv(c->fd, c->rbuf, c->rbuf_len, c->max_frame, EPD_FRAME_MAX_FDS,
+                                    &frame, &why);
+                if (rc == -EAGAIN) {
+                        int wait = -1;
+                        if (deadline >= 0) {
+                                int64_t left = deadline - now_ms();
+                                if (left <= 0)
+                                        return epd__client_fail(c, EPD_TIMEOUT,
+                                                                "no reply from the daemon within %d ms",
+                                                                timeout_ms);
+                                wait = (int)left;
+                        }
+                        struct pollfd pfd = { .fd = c->fd, .events = POLLIN };
+                        (void)poll(&pfd, 1, wait);
+                        continue;
+                }
+                if (rc < 0) {
+                        c->broken = 1;
+                        return epd__client_fail(c, EPD_UNAVAILABLE,
+                                                "connection to the daemon is lost: %s",
+                                                rc == -ECONNRESET ? "daemon closed it"
+                                                                  : why ? why : strerror(-rc));
+                }
+                Epd__V1__Response *r = epd__v1__response__unpack(NULL, frame.body_len, frame.body);
+                if (!r) {
+                        epd_frame_close_fds(&frame);
+                        c->broken = 1;
+                        return epd__client_fail(c, EPD_INTERNAL, "undecodable reply from the daemon");
+                }
+                if (r->id == 0 && r->status != EPD__V1__STATUS_CODE__OK) {
+                        /* A connection-level error: the daemon closes the connection after it. */
+                        epd_frame_close_fds(&frame);
+                        c->broken = 1;
+                        int st = epd__status_from_wire(r->status);
+                        epd__client_fail(c, st, "%s", r->message ? r->message : "");
+                        epd__v1__response__free_unpacked(r, NULL);
+                        return st;
+                }
+                if (r->id == id) {
+                        for (unsigned i = 0; i < frame.num_fds && i < 2; i++)
+                                fds_out[i] = epd_frame_take_fd(&frame, i);
+                        epd_frame_close_fds(&frame);
+                        *resp = r;
+                        return 0;
+                }
+                struct epd__stashed *s = calloc(1, sizeof(*s));
+                if (!s) {
+                        epd_frame_close_fds(&frame);
+                        epd__v1__response__free_unpacked(r, NULL);
+                        continue;
+                }
+                s->resp = r;
+                for (unsigned i = 0; i < frame.num_fds && i < 2; i++)
+                        s->fds[s->num_fds++] = epd_frame_take_fd(&frame, i);
+                epd_frame_close_fds(&frame);
+                s->next = c->stash;
+                c->stash = s;
+        }
+}
+
+int epd__client_call(struct epd_client *c, Epd__V1__Request *req, const int *fds,
+                     unsigned num_fds, Epd__V1__Response **resp_out, int *fds_out)
+{
+        Epd__V1__Response *resp = NULL;
+        int tmp_fds[2];
+        int rc;
+
+        pthread_mutex_lock(&c->lock);
+        rc = epd__client_send_locked(c, req, fds, num_fds);
+        if (rc == 0)
+                rc = epd__client_wait_locked(c, req->id, c->timeout_ms, &resp, tmp_fds);
+        pthread_mutex_unlock(&c->lock);
+        if (rc < 0)
+                return rc;
+        if (resp->status != EPD__V1__STATUS_CODE__OK) {
+                rc = epd__status_from_wire(resp->status);
+                epd__client_fail(c, rc, "%s", resp->message ? resp->message : "");
+                epd__v1__response__free_unpacked(resp, NULL);
+                for (int i = 0; i < 2; i++)
+                        if (tmp_fds[i] >= 0)
+                                close(tmp_fds[i]);
+                return rc;
+        }
+        for (int i = 0; i < 2; i++) {
+                if (fds_out)
+                        fds_out[i] = tmp_fds[i];
+                else if (tmp_fds[i] >= 0)
+                        close(tmp_fds[i]);
+        }
+        *resp_out = resp;
+        return 0;
+}
+
+static void client_destroy(struct epd_client *c)
+{
+        while (c->stash) {
+                struct epd__stashed *s = c->stash;
+                c->stash = s->next;
+                for (unsigned i = 0; i < s->num_fds; i++)
+                        if (s->fds[i] >= 0)
+                                close(s->fds[i]);
+                epd__v1__response__free_unpacked(s->resp, NULL);
+                free(s);
+        }
+        for (unsigned i = 0; i < c->num_regions; i++)
+                if (c->regions[i].owned)
+                        munmap(c->regions[i].ptr, c->regions[i].bytes);
+        free(c->regions);
+        if (c->fd >= 0)
+                close(c->fd);
+        pthread_mutex_destroy(&c->lock);
+        free(c->rbuf);
+        free(c);
+}
+
+int epd_client_connect(const struct epd_connect_args *args, struct epd_client **out, char *err,
+                       size_t err_len)
+{
+        struct sockaddr_un sa = { .sun_family = AF_UNIX };
+        const char *path = args && args->socket_path ? args->socket_path : getenv("EPD_SOCKET");
+        struct epd_client *c;
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__Hello hello = EPD__V1__HELLO__INIT;
+        Epd__V1__Response *resp = NULL;
+        int rc;
+
+        if (!path)
+                path = "/run/epd/epd.sock";
+        if (args && args->size < offsetof(struct epd_connect_args, timeout_ms) + sizeof(int)) {
+                if (err)
+                        snprintf(err, err_len, "epd_connect_args.size is too small");
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (strlen(path) >= sizeof(sa.sun_path)) {
+                if (err)
+                        snprintf(err, err_len, "socket path too long: %s", path);
+                return EPD_INVALID_ARGUMENT;
+        }
+        c = calloc(1, sizeof(*c));
+        if (!c)
+                return EPD_INTERNAL;
+        pthread_mutex_init(&c->lock, NULL);
+        c->timeout_ms = args && args->timeout_ms ? args->timeout_ms : DEFAULT_TIMEOUT_MS;
+        c->max_frame = CLIENT_MAX_FRAME;
+        c->rbuf_len = EPD_FRAME_HEADER_BYTES + CLIENT_MAX_FRAME + 1;
+        c->rbuf = malloc(c->rbuf_len);
+        c->fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (!c->rbuf || c->fd < 0) {
+                if (err)
+                        snprintf(err, err_len, "cannot create socket: %s", strerror(errno));
+                client_destroy(c);
+                return EPD_INTERNAL;
+        }
+        snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+        if (connect(c->fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+                if (err)
+                        snprintf(err, err_len, "cannot connect to %s: %s", path, strerror(errno));
+                client_destroy(c);
+                return EPD_UNAVAILABLE;
+        }
+        hello.protocol_version = args && args->protocol_version ? args->protocol_version
+                                                                : EPD_PROTOCOL_VERSION;
+        hello.client_name = (char *)(args && args->client_name ? args->client_name : "");
+        hello.capabilities = EPD__V1__CAPABILITY__CAP_HOST_REGIONS;
+        req.body_case = EPD__V1__REQUEST__BODY_HELLO;
+        req.hello = &hello;
+        rc = epd__client_call(c, &req, NULL, 0, &resp, NULL);
+        if (rc == 0 && resp->body_case != EPD__V1__RESPONSE__BODY_WELCOME)
+                rc = epd__client_fail(c, EPD_INTERNAL, "daemon answered Hello without Welcome");
+        if (rc < 0) {
+                if (err)
+                        snprintf(err, err_len, "%s", c->last_error);
+                if (resp)
+                        epd__v1__response__free_unpacked(resp, NULL);
+                client_destroy(c);
+                return rc;
+        }
+        const Epd__V1__Welcome *w = resp->welcome;
+        c->info.protocol_version = w->protocol_version;
+        c->info.daemon_epoch = w->daemon_epoch;
+        c->info.client_id = w->client_id;
+        snprintf(c->info.backend, sizeof(c->info.backend), "%s", w->backend ? w->backend : "");
+        snprintf(c->info.version, sizeof(c->info.version), "%s", w->version ? w->version : "");
+        if (w->limits) {
+                c->info.max_frame_bytes = w->limits->max_frame_bytes;
+                c->info.max_fds_per_frame = w->limits->max_fds_per_frame;
+                if (w->limits->max_frame_bytes && w->limits->max_frame_bytes < c->max_frame)
+                        c->max_frame = w->limits->max_frame_bytes;
+        }
+        for (size_t i = 0; i < w->n_devices && i < 16; i++) {
+                struct epd_device_info *di = &c->info.devices[i];
+                di->index = w->devices[i]->index;
+                snprintf(di->uuid, sizeof(di->uuid), "%s", w->devices[i]->uuid);
+                snprintf(di->name, sizeof(di->name), "%s", w->devices[i]->name);
+                snprintf(di->kind, sizeof(di->kind), "%s", w->devices[i]->kind);
+                di->memory_bytes = w->devices[i]->memory_bytes;
+                c->info.num_devices++;
+        }
+        epd__v1__response__free_unpacked(resp, NULL);
+        *out = c;
+        return 0;
+}
+
+void epd_client_free(struct epd_client *client)
+{
+        if (client)
+                client_destroy(client);
+}
+
+int epd_client_daemon_info(const struct epd_client *client, struct epd_daemon_info *out)
+{
+        if (!client || !out)
+                return EPD_INVALID_ARGUMENT;
+        *out = client->info;
+        return 0;
+}
+
+/* ---- memory ---- */
+
+int epd_memfd_alloc(size_t bytes, int *fd_out, void **ptr_out)
+{
+        int fd;
+        void *p;
+
+        if (bytes == 0)
+                return EPD_INVALID_ARGUMENT;
+        /* Sealing is allowed so the daemon can forbid shrinking under its mapping. */
+        fd = memfd_create("epd-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        if (fd < 0)
+                return EPD_UNAVAILABLE;
+        if (ftruncate(fd, (off_t)bytes) < 0) {
+                close(fd);
+                return EPD_UNAVAILABLE;
+        }
+        p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) {
+                close(fd);
+                return EPD_UNAVAILABLE;
+        }
+        *fd_out = fd;
+        *ptr_out = p;
+        return 0;
+}
+
+int epd__client_region_add(struct epd_client *c, uint64_t id, void *ptr, uint64_t bytes,
+                           int owned)
+{
+        if (c->num_regions == c->cap_regions) {
+                unsigned cap = c->cap_regions ? c->cap_regions * 2 : 16;
+                struct epd__local_region *n = realloc(c->regions, cap * sizeof(*n));
+                if (!n)
+                        return EPD_INTERNAL;
+                c->regions = n;
+                c->cap_regions = cap;
+        }
+        c->regions[c->num_regions++] = (struct epd__local_region){ id, ptr, bytes, owned };
+        return 0;
+}
+
+void *epd__client_region_ptr(struct epd_client *c, uint64_t id, uint64_t offset)
+{
+        void *p = NULL;
+
+        pthread_mutex_lock(&c->lock);
+        for (unsigned i = 0; i < c->num_regions; i++)
+                if (c->regions[i].id == id && c->regions[i].ptr && offset <= c->regions[i].bytes)
+                        p = c->regions[i].ptr + offset;
+        pthread_mutex_unlock(&c->lock);
+        return p;
+}
+
+int epd_region_register_fd(struct epd_client *client, enum epd_region_kind kind, int fd,
+                           uint64_t bytes, uint32_t device, void *local_ptr, uint64_t *region_id)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__RegionRegister rr = EPD__V1__REGION_REGISTER__INIT;
+        Epd__V1__Response *resp;
+        int rc;
+
+        if (!client || fd < 0 || !region_id)
+                return EPD_INVALID_ARGUMENT;
+        rr.kind = (Epd__V1__RegionKind)kind;
+        rr.size = bytes;
+        rr.device = device;
+        req.body_case = EPD__V1__REQUEST__BODY_REGION_REGISTER;
+        req.region_register = &rr;
+        rc = epd__client_call(client, &req, &fd, 1, &resp, NULL);
+        if (rc < 0)
+                return rc;
+        uint64_t id = resp->region_registered ? resp->region_registered->region_id : 0;
+        epd__v1__response__free_unpacked(resp, NULL);
+        if (!id)
+                return epd__client_fail(client, EPD_INTERNAL, "daemon returned no region id");
+        pthread_mutex_lock(&client->lock);
+        rc = epd__client_region_add(client, id, local_ptr, bytes, 0);
+        pthread_mutex_unlock(&client->lock);
+        if (rc < 0)
+                return rc;
+        *region_id = id;
+        return 0;
+}
+
+int epd_region_alloc(struct epd_client *client, size_t bytes, void **ptr_out, uint64_t *region_id)
+{
+        void *p;
+        int fd, rc;
+        uint64_t id;
+
+        if (!client || !ptr_out || !region_id)
+                return EPD_INVALID_ARGUMENT;
+        rc = epd_memfd_alloc(bytes, &fd, &p);
+        if (rc < 0)
+                return epd__client_fail(client, rc, "cannot allocate a %zu-byte memfd", bytes);
+        rc = epd_region_register_fd(client, EPD_REGION_HOST_MEMFD, fd, bytes, 0, p, &id);
+        close(fd);
+        if (rc < 0) {
+                munmap(p, bytes);
+                return rc;
+        }
+        pthread_mutex_lock(&client->lock);
+        for (unsigned i = 0; i < client->num_regions; i++)
+                if (client->regions[i].id == id)
+                        client->regions[i].owned = 1;
+        pthread_mutex_unlock(&client->lock);
+        *ptr_out = p;
+        *region_id = id;
+        return 0;
+}
+
+int epd_region_release(struct epd_client *client, uint64_t region_id)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__RegionRelease rr = EPD__V1__REGION_RELEASE__INIT;
+        Epd__V1__Response *resp;
+        int rc;
+
+        if (!client)
+                return EPD_INVALID_ARGUMENT;
+        rr.region_id = region_id;
+        req.body_case = EPD__V1__REQUEST__BODY_REGION_RELEASE;
+        req.region_release = &rr;
+        rc = epd__client_call(client, &req, NULL, 0, &resp, NULL);
+        if (rc < 0)
+                return rc;
+        epd__v1__response__free_unpacked(resp, NULL);
+        pthread_mutex_lock(&client->lock);
+        for (unsigned i = 0; i < client->num_regions; i++) {
+                if (client->regions[i].id != region_id)
+                        continue;
+                if (client->regions[i].owned)
+                        munmap(client->regions[i].ptr, client->regions[i].bytes);
+                client->regions[i] = client->regions[--client->num_regions];
+                break;
+        }
+        pthread_mutex_unlock(&client->lock);
+        return 0;
+}
+
+int epd_tensor_at(struct epd_client *client, const void *ptr, enum epd_dtype dtype, uint32_t ndim,
+                  const uint64_t *sizes, struct epd_tensor *out)
+{
+        const uint8_t *p = ptr;
+        uint64_t bytes = epd_dtype_size(dtype);
+
+        if (!client || !out || ndim == 0 || ndim > EPD_TENSOR_MAX_DIMS || bytes == 0)
+                return EPD_INVALID_ARGUMENT;
+        for (uint32_t i = 0; i < ndim; i++)
+                bytes *= sizes[i];
+        pthread_mutex_lock(&client->lock);
+        for (unsigned i = 0; i < client->num_regions; i++) {
+                const struct epd__local_region *r = &client->regions[i];
+                if (!r->ptr || p < r->ptr || p > r->ptr + r->bytes ||
+                    bytes > (uint64_t)(r->ptr + r->bytes - p))
+                        continue;
+                memset(out, 0, sizeof(*out));
+                out->dtype = dtype;
+                out->ndim = ndim;
+                for (uint32_t d = 0; d < ndim; d++)
+                        out->sizes[d] = sizes[d];
+                out->region_id = r->id;
+                out->offset = (uint64_t)(p - r->ptr);
+                pthread_mutex_unlock(&client->lock);
+                return 0;
+        }
+        pthread_mutex_unlock(&client->lock);
+        return epd__client_fail(client, EPD_NOT_FOUND,
+                                "pointer %p with %llu bytes is not inside a registered region",
+                                ptr, (unsigned long long)bytes);
+}
+
+/* ---- groups ---- */
+
+static void config_to_wire(const struct epd_group_config *cfg, Epd__V1__GroupConfig *w)
+{
+        epd__v1__group_config__init(w);
+        w->world_size = cfg->world_size;
+        w->num_experts = cfg->num_experts;
+        w->hidden = cfg->hidden;
+        w->max_tokens_per_rank = cfg->max_tokens_per_rank;
+        w->max_topk = cfg->max_topk;
+        w->dispatch_dtype = (Epd__V1__DType)cfg->dispatch_dtype;
+        w->scale_block = cfg->scale_block;
+        w->op_timeout_ms = cfg->op_timeout_ms;
+        w->arena_bytes = cfg->arena_bytes;
+}
+
+static int group_enter(struct epd_client *c, const struct epd_group_args *args, int create,
+                       struct epd_group **out)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__GroupCreate gc = EPD__V1__GROUP_CREATE__INIT;
+        Epd__V1__GroupJoin gj = EPD__V1__GROUP_JOIN__INIT;
+        Epd__V1__GroupConfig wcfg;
+        Epd__V1__Response *resp;
+        struct epd_group *g;
+        int fds[2], rc;
+
+        if (!c || !args || !out || !args->name || args->size < sizeof(*args))
+                return EPD_INVALID_ARGUMENT;
+        if (create) {
+                if (!args->config)
+                        return epd__client_fail(c, EPD_INVALID_ARGUMENT,
+                                                "group create needs a config");
+                config_to_wire(args->config, &wcfg);
+                gc.name = (char *)args->name;
+                gc.secret.data = (uint8_t *)args->secret;
+                gc.secret.len = args->secret_len;
+                gc.config = &wcfg;
+                gc.rank = args->rank;
+                gc.device = args->device;
+                gc.device_uuid = (char *)(args->device_uuid ? args->device_uuid : "");
+                req.body_case = EPD__V1__REQUEST__BODY_GROUP_CREATE;
+                req.group_create = &gc;
+        } else {
+                gj.name = (char *)args->name;
+                gj.secret.data = (uint8_t *)args->secret;
+                gj.secret.len = args->secret_len;
+                gj.rank = args->rank;
+                gj.device = args->device;
+                gj.device_uuid = (char *)(args->device_uuid ? args->device_uuid : "");
+                req.body_case = EPD__V1__REQUEST__BODY_GROUP_JOIN;
+                req.group_join = &gj;
+        }
+        rc = epd__client_call(c, &req, NULL, 0, &resp, fds);
+        if (rc < 0)
+                return rc;
+        const Epd__V1__GroupJoined *j = resp->group_joined;
+        g = calloc(1, sizeof(*g));
+        if (!g || !j || !j->config) {
+                free(g);
+                rc = epd__client_fail(c, j ? EPD_INTERNAL : EPD_INTERNAL,
+                                      "bad GroupJoined reply");
+                goto out;
+        }
+        g->client = c;
+        g->id = j->group_id;
+        g->rank = j->rank;
+        g->device = j->device;
+        g->config.size = sizeof(g->config);
+        g->config.world_size = j->config->world_size;
+        g->config.num_experts = j->config->num_experts;
+        g->config.hidden = j->config->hidden;
+        g->config.max_tokens_per_rank = j->config->max_tokens_per_rank;
+        g->config.max_topk = j->config->max_topk;
+        g->config.dispatch_dtype = (enum epd_dtype)j->config->dispatch_dtype;
+        g->config.scale_block = j->config->scale_block;
+        g->config.op_timeout_ms = j->config->op_timeout_ms;
+        g->config.arena_bytes = j->config->arena_bytes;
+        if (j->arena_bytes && fds[0] >= 0 && j->arena_kind == EPD__V1__REGION_KIND__HOST_MEMFD) {
+                void *p = mmap(NULL, j->arena_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+                if (p == MAP_FAILED) {
+                        free(g);
+                        rc = epd__client_fail(c, EPD_UNAVAILABLE, "cannot map the output arena: %s",
+                                              strerror(errno));
+                        goto out;
+                }
+                g->arena = p;
+                g->arena_bytes = j->arena_bytes;
+                g->arena_region_id = j->arena_region_id;
+                pthread_mutex_lock(&c->lock);
+                epd__client_region_add(c, g->arena_region_id, p, g->arena_bytes, 0);
+                pthread_mutex_unlock(&c->lock);
+        }
+        *out = g;
+out:
+        for (int i = 0; i < 2; i++)
+                if (fds[i] >= 0)
+                        close(fds[i]);
+        epd__v1__response__free_unpacked(resp, NULL);
+        return rc;
+}
+
+int epd_group_create(struct epd_client *client, const struct epd_group_args *args,
+                     struct epd_group **out)
+{
+        return group_enter(client, args, 1, out);
+}
+
+int epd_group_join(struct epd_client *client, const struct epd_group_args *args,
+                   struct epd_group **out)
+{
+        return group_enter(client, args, 0, out);
+}
+
+int epd_group_leave(struct epd_group *group)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__GroupLeave gl = EPD__V1__GROUP_LEAVE__INIT;
+        Epd__V1__Response *resp;
+        struct epd_client *c;
+        int rc;
+
+        if (!group)
+                return 0;
+        c = group->client;
+        gl.group_id = group->id;
+        gl.rank = group->rank;
+        req.body_case = EPD__V1__REQUEST__BODY_GROUP_LEAVE;
+        req.group_leave = &gl;
+        rc = epd__client_call(c, &req, NULL, 0, &resp, NULL);
+        if (rc == 0)
+                epd__v1__response__free_unpacked(resp, NULL);
+        pthread_mutex_lock(&c->lock);
+        for (unsigned i = 0; i < c->num_regions; i++) {
+                if (c->regions[i].id == group->arena_region_id && group->arena_region_id) {
+                        c->regions[i] = c->regions[--c->num_regions];
+                        break;
+                }
+        }
+        pthread_mutex_unlock(&c->lock);
+        if (group->arena)
+                munmap(group->arena, group->arena_bytes);
+        free(group);
+        return rc;
+}
+
+uint64_t epd_group_id(const struct epd_group *group)
+{
+        return group ? group->id : 0;
+}
+
+uint32_t epd_group_rank(const struct epd_group *group)
+{
+        return group ? group->rank : 0;
+}
+
+const struct epd_group_config *epd_group_config(const struct epd_group *group)
+{
+        return group ? &group->config : NULL;
+}
+
+void *epd_group_arena(const struct epd_group *group, uint64_t *bytes)
+{
+        if (!group)
+                return NULL;
+        if (bytes)
+                *bytes = group->arena_bytes;
+        return group->arena;
+}
+
+int epd_size_hint(struct epd_client *client, const struct epd_group_config *config,
+                  uint32_t expert_alignment, struct epd_size_hint *out)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__SizeHint sh = EPD__V1__SIZE_HINT__INIT;
+        Epd__V1__GroupConfig wcfg;
+        Epd__V1__Response *resp;
+        int rc;
+
+        if (!client || !config || !out)
+                return EPD_INVALID_ARGUMENT;
+        config_to_wire(config, &wcfg);
+        sh.config = &wcfg;
+        sh.expert_alignment = expert_alignment;
+        req.body_case = EPD__V1__REQUEST__BODY_SIZE_HINT;
+        req.size_hint = &sh;
+        rc = epd__client_call(client, &req, NULL, 0, &resp, NULL);
+        if (rc < 0)
+                return rc;
+        if (resp->size_hint) {
+                out->daemon_bytes_per_rank = resp->size_hint->daemon_bytes_per_rank;
+                out->max_rows_non_expand = resp->size_hint->max_rows_non_expand;
+                out->max_rows_expand = resp->size_hint->max_rows_expand;
+                out->arena_bytes_non_expand = resp->size_hint->arena_bytes_non_expand;
+                out->arena_bytes_expand = resp->size_hint->arena_bytes_expand;
+        }
+        epd__v1__response__free_unpacked(resp, NULL);
+        return 0;
+}

@@ -1,0 +1,263 @@
+/* epctl - the control CLI of epd: status, groups, clients (human tables or --json). */
+#include <getopt.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "client_internal.h"
+
+static const char *dtype_name(int d)
+{
+        switch (d) {
+        case EPD_DTYPE_BF16: return "bf16";
+        case EPD_DTYPE_FP8_E4M3: return "fp8_e4m3";
+        default: return "invalid";
+        }
+}
+
+static void usage(FILE *f)
+{
+        fprintf(f,
+                "Usage: epctl [--socket PATH] COMMAND [--json]\n"
+                "Commands:\n"
+                "  status    daemon version, backend, devices, groups and clients\n"
+                "  groups    groups with their state and ranks\n"
+                "  clients   connected clients with their regions and bindings\n"
+                "Options:\n"
+                "  -s, --socket PATH   daemon socket (default $EPD_SOCKET or /run/epd/epd.sock)\n"
+                "  -j, --json          print JSON instead of a table\n"
+                "  -h, --help          this text\n");
+}
+
+static int request(struct epd_client *c, Epd__V1__Request *req, Epd__V1__Response **resp)
+{
+        int rc = epd__client_call(c, req, NULL, 0, resp, NULL);
+
+        if (rc < 0)
+                fprintf(stderr, "epctl: %s: %s\n", epd_status_name(rc), epd_client_last_error(c));
+        return rc;
+}
+
+static json_t *device_json(const Epd__V1__Device *d)
+{
+        return json_pack("{s:I, s:s, s:s, s:s, s:I}", "index", (json_int_t)d->index, "uuid",
+                         d->uuid, "name", d->name, "kind", d->kind, "memory_bytes",
+                         (json_int_t)d->memory_bytes);
+}
+
+static int cmd_status(struct epd_client *c, int json)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__StatusRequest sr = EPD__V1__STATUS_REQUEST__INIT;
+        Epd__V1__Response *resp;
+        int rc;
+
+        req.body_case = EPD__V1__REQUEST__BODY_STATUS;
+        req.status = &sr;
+        if ((rc = request(c, &req, &resp)) < 0)
+                return 1;
+        const Epd__V1__StatusReply *s = resp->status_reply;
+        if (json) {
+                char epoch[24];
+                snprintf(epoch, sizeof(epoch), "%016llx", (unsigned long long)s->daemon_epoch);
+                json_t *devs = json_array();
+                for (size_t i = 0; i < s->n_devices; i++)
+                        json_array_append_new(devs, device_json(s->devices[i]));
+                json_t *o = json_pack(
+                        "{s:s, s:s, s:s, s:I, s:i, s:o, s:I, s:I, s:I, s:I, s:I, s:I, s:b}",
+                        "version", s->version, "backend", s->backend, "daemon_epoch", epoch, "uptime_ms", (json_int_t)s->uptime_ms, "pid",
+                        s->pid, "devices", devs, "groups", (json_int_t)s->num_groups, "clients",
+                        (json_int_t)s->num_clients, "regions", (json_int_t)s->num_regions,
+                        "region_bytes", (json_int_t)s->region_bytes, "ops_completed",
+                        (json_int_t)s->ops_completed, "ops_failed", (json_int_t)s->ops_failed,
+                        "draining", s->draining);
+                json_dumpf(o, stdout, JSON_INDENT(2));
+                putchar('\n');
+                json_decref(o);
+        } else {
+                printf("epd %s  pid %d  backend %s  uptime %.1f s%s\n", s->version, s->pid,
+                       s->backend, s->uptime_ms / 1000.0, s->draining ? "  DRAINING" : "");
+                printf("clients %u  groups %u  regions %u (%llu bytes)  ops %llu ok / %llu failed\n",
+                       s->num_clients, s->num_groups, s->num_regions,
+                       (unsigned long long)s->region_bytes, (unsigned long long)s->ops_completed,
+                       (unsigned long long)s->ops_failed);
+                printf("%-4s %-6s %-48s %s\n", "DEV", "KIND", "UUID", "NAME");
+                for (size_t i = 0; i < s->n_devices; i++)
+                        printf("%-4u %-6s %-48s %s\n", s->devices[i]->index, s->devices[i]->kind,
+                               s->devices[i]->uuid, s->devices[i]->name);
+        }
+        epd__v1__response__free_unpacked(resp, NULL);
+        return 0;
+}
+
+static int cmd_groups(struct epd_client *c, int json)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__ListGroups lg = EPD__V1__LIST_GROUPS__INIT;
+        Epd__V1__Response *resp;
+
+        req.body_case = EPD__V1__REQUEST__BODY_LIST_GROUPS;
+        req.list_groups = &lg;
+        if (request(c, &req, &resp) < 0)
+                return 1;
+        const Epd__V1__ListGroupsReply *r = resp->groups;
+        if (json) {
+                json_t *arr = json_array();
+                for (size_t i = 0; i < r->n_groups; i++) {
+                        const Epd__V1__GroupInfo *g = r->groups[i];
+                        const Epd__V1__GroupConfig *cfg = g->config;
+                        json_t *ranks = json_array();
+                        for (size_t k = 0; k < g->n_ranks; k++) {
+                                const Epd__V1__RankInfo *ri = g->ranks[k];
+                                json_array_append_new(
+                                        ranks, json_pack("{s:I, s:b, s:I, s:I, s:I}", "rank",
+                                                         (json_int_t)ri->rank, "bound", ri->bound,
+                                                         "client_id", (json_int_t)ri->client_id,
+                                                         "device", (json_int_t)ri->device,
+                                                         "next_op", (json_int_t)ri->next_op));
+                        }
+                        json_array_append_new(
+                                arr,
+                                json_pack("{s:I, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:I, s:o}",
+                                          "id", (json_int_t)g->id, "name", g->name, "state",
+                                          g->state, "world_size", (json_int_t)cfg->world_size,
+                                          "num_experts", (json_int_t)cfg->num_experts, "hidden",
+                                          (json_int_t)cfg->hidden, "max_tokens_per_rank",
+                                          (json_int_t)cfg->max_tokens_per_rank, "max_topk",
+                                          (json_int_t)cfg->max_topk, "dispatch_dtype",
+                                          dtype_name(cfg->dispatch_dtype), "arena_bytes",
+                                          (json_int_t)cfg->arena_bytes, "ops_completed",
+                                          (json_int_t)g->ops_completed, "ops_failed",
+                                          (json_int_t)g->ops_failed, "handles",
+                                          (json_int_t)g->num_handles, "pending_ops",
+                                          (json_int_t)g->pending_ops, "ranks", ranks));
+                }
+                json_dumpf(arr, stdout, JSON_INDENT(2));
+                putchar('\n');
+                json_decref(arr);
+        } else {
+                printf("%-4s %-20s %-9s %5s %7s %6s %6s %-8s %10s %8s %7s %s\n", "ID", "NAME",
+                       "STATE", "RANKS", "EXPERTS", "HIDDEN", "TOKENS", "DTYPE", "OPS", "FAILED",
+                       "HANDLES", "BOUND");
+                for (size_t i = 0; i < r->n_groups; i++) {
+                        const Epd__V1__GroupInfo *g = r->groups[i];
+                        unsigned bound = 0;
+                        for (size_t k = 0; k < g->n_ranks; k++)
+                                bound += g->ranks[k]->bound;
+                        printf("%-4llu %-20s %-9s %5u %7u %6u %6u %-8s %10llu %8llu %7u %u/%zu\n",
+                               (unsigned long long)g->id, g->name, g->state,
+                               g->config->world_size, g->config->num_experts, g->config->hidden,
+                               g->config->max_tokens_per_rank,
+                               dtype_name(g->config->dispatch_dtype),
+                               (unsigned long long)g->ops_completed,
+                               (unsigned long long)g->ops_failed, g->num_handles, bound,
+                               g->n_ranks);
+                }
+        }
+        epd__v1__response__free_unpacked(resp, NULL);
+        return 0;
+}
+
+static int cmd_clients(struct epd_client *c, int json)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__ListClients lc = EPD__V1__LIST_CLIENTS__INIT;
+        Epd__V1__Response *resp;
+
+        req.body_case = EPD__V1__REQUEST__BODY_LIST_CLIENTS;
+        req.list_clients = &lc;
+        if (request(c, &req, &resp) < 0)
+                return 1;
+        const Epd__V1__ListClientsReply *r = resp->clients;
+        if (json) {
+                json_t *arr = json_array();
+                for (size_t i = 0; i < r->n_clients; i++) {
+                        const Epd__V1__ClientInfo *ci = r->clients[i];
+                        json_t *b = json_array();
+                        for (size_t k = 0; k < ci->n_bindings; k++)
+                                json_array_append_new(b, json_string(ci->bindings[k]));
+                        json_array_append_new(
+                                arr, json_pack("{s:I, s:i, s:I, s:I, s:s, s:I, s:I, s:I, s:o}",
+                                               "id", (json_int_t)ci->id, "pid", ci->pid, "uid",
+                                               (json_int_t)ci->uid, "gid", (json_int_t)ci->gid,
+                                               "name", ci->name, "regions",
+                                               (json_int_t)ci->num_regions, "region_bytes",
+                                               (json_int_t)ci->region_bytes, "outstanding_ops",
+                                               (json_int_t)ci->outstanding_ops, "bindings", b));
+                }
+                json_dumpf(arr, stdout, JSON_INDENT(2));
+                putchar('\n');
+                json_decref(arr);
+        } else {
+                printf("%-6s %-8s %-6s %-16s %7s %14s %5s %s\n", "ID", "PID", "UID", "NAME",
+                       "REGIONS", "BYTES", "OPS", "BINDINGS");
+                for (size_t i = 0; i < r->n_clients; i++) {
+                        const Epd__V1__ClientInfo *ci = r->clients[i];
+                        printf("%-6llu %-8d %-6u %-16s %7u %14llu %5u ", (unsigned long long)ci->id,
+                               ci->pid, ci->uid, ci->name[0] ? ci->name : "-", ci->num_regions,
+                               (unsigned long long)ci->region_bytes, ci->outstanding_ops);
+                        for (size_t k = 0; k < ci->n_bindings; k++)
+                                printf("%s%s", k ? "," : "", ci->bindings[k]);
+                        printf("%s\n", ci->n_bindings ? "" : "-");
+                }
+        }
+        epd__v1__response__free_unpacked(resp, NULL);
+        return 0;
+}
+
+int main(int argc, char **argv)
+{
+        static const struct option options[] = {
+                { "socket", required_argument, NULL, 's' },
+                { "json", no_argument, NULL, 'j' },
+                { "help", no_argument, NULL, 'h' },
+                { NULL, 0, NULL, 0 },
+        };
+        struct epd_connect_args args = { .size = sizeof(args), .client_name = "epctl" };
+        struct epd_client *c;
+        char err[512];
+        int json = 0, opt, rc;
+        const char *cmd;
+
+        while ((opt = getopt_long(argc, argv, "+s:jh", options, NULL)) != -1) {
+                switch (opt) {
+                case 's': args.socket_path = optarg; break;
+                case 'j': json = 1; break;
+                case 'h': usage(stdout); return 0;
+                default: usage(stderr); return 2;
+                }
+        }
+        if (optind >= argc) {
+                usage(stderr);
+                return 2;
+        }
+        cmd = argv[optind++];
+        /* Options may also follow the command: `epctl status --json`. */
+        for (; optind < argc; optind++) {
+                if (strcmp(argv[optind], "--json") == 0 || strcmp(argv[optind], "-j") == 0) {
+                        json = 1;
+                } else {
+                        fprintf(stderr, "epctl: unexpected argument '%s'\n", argv[optind]);
+                        return 2;
+                }
+        }
+        if (strcmp(cmd, "status") && strcmp(cmd, "groups") && strcmp(cmd, "clients")) {
+                fprintf(stderr, "epctl: unknown command '%s'\n", cmd);
+                usage(stderr);
+                return 2;
+        }
+        rc = epd_client_connect(&args, &c, err, sizeof(err));
+        if (rc < 0) {
+                fprintf(stderr, "epctl: %s: %s\n", epd_status_name(rc), err);
+                return 1;
+        }
+        if (strcmp(cmd, "status") == 0)
+                rc = cmd_status(c, json);
+        else if (strcmp(cmd, "groups") == 0)
+                rc = cmd_groups(c, json);
+        else
+                rc = cmd_clients(c, json);
+        epd_client_free(c);
+        return rc;
+}

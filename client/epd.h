@@ -1,0 +1,301 @@
+/* epd.h - the public C API of libepd, the client library of the epd expert-parallel daemon.
+ *
+ * Conventions (DESIGN.md section 3a):
+ * - Long-lived objects are opaque (struct epd_client, struct epd_group, struct epd_op) and come in
+ *   create/free pairs; every free function accepts NULL.
+ * - Calls with many parameters take an argument struct whose first field `size` the caller sets to
+ *   sizeof(the struct), so fields can be appended without breaking callers.
+ * - Every call returns 0 (EPD_OK) or a negative enum epd_status. The message of the last failure is
+ *   kept per object (epd_client_last_error, epd_op_error); strings are never handed out to be freed.
+ * - Output parameters are written only on success.
+ *
+ * Thread safety: a struct epd_client and everything created from it may be used from several
+ * threads; calls on one client are serialised by a mutex inside the client. Ops of one client may
+ * be waited on from any thread.
+ */
+#ifndef EPD_H
+#define EPD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EPD_PROTOCOL_VERSION 1u
+#define EPD_VERSION_STRING "0.1.0"
+
+/* SEMANTICS.md section 4. The wire code is the negated value. */
+enum epd_status {
+        EPD_OK = 0,
+        EPD_INVALID_ARGUMENT = -1,
+        EPD_NOT_FOUND = -2,
+        EPD_ALREADY_EXISTS = -3,
+        EPD_PERMISSION_DENIED = -4,
+        EPD_CAPACITY_EXCEEDED = -5,
+        EPD_PEER_LOST = -6,
+        EPD_TIMEOUT = -7,
+        EPD_ABORTED = -8,
+        EPD_UNAVAILABLE = -9,
+        EPD_VERSION_MISMATCH = -10,
+        EPD_INTERNAL = -11,
+};
+#define EPD_STATUS_COUNT 12
+
+/* "OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for values outside the enum. Static storage. */
+const char *epd_status_name(int status);
+
+enum epd_dtype {
+        EPD_DTYPE_INVALID = 0,
+        EPD_DTYPE_BF16 = 1,
+        EPD_DTYPE_FP8_E4M3 = 2,
+        EPD_DTYPE_FP32 = 3,
+        EPD_DTYPE_INT32 = 4,
+        EPD_DTYPE_INT64 = 5,
+};
+
+/* Bytes per element, 0 for EPD_DTYPE_INVALID or unknown values. */
+size_t epd_dtype_size(enum epd_dtype dtype);
+
+enum epd_layout {
+        EPD_LAYOUT_NON_EXPAND = 0,
+        EPD_LAYOUT_EXPAND = 1,
+};
+
+enum epd_region_kind {
+        EPD_REGION_HOST_MEMFD = 1,
+        EPD_REGION_CUDA_IPC = 2,
+        EPD_REGION_CUMEM_FD = 3,
+};
+
+#define EPD_TENSOR_MAX_DIMS 4
+
+/* A tensor living in a registered region, as a value type. sizes/strides are in elements;
+ * strides[ndim-1] must be 1 (or all strides 0 meaning contiguous). For outputs, sizes[0] is the
+ * capacity in rows. A tensor with region_id 0 is absent. */
+struct epd_tensor {
+        enum epd_dtype dtype;
+        uint32_t ndim;
+        uint64_t sizes[EPD_TENSOR_MAX_DIMS];
+        uint64_t strides[EPD_TENSOR_MAX_DIMS];
+        uint64_t region_id;
+        uint64_t offset; /* bytes from the region's start */
+};
+
+struct epd_client;
+struct epd_group;
+struct epd_op;
+
+/* ---- connection ---- */
+
+struct epd_connect_args {
+        size_t size;
+        const char *socket_path;  /* NULL: $EPD_SOCKET, else /run/epd/epd.sock */
+        const char *client_name;  /* shown by epctl clients; may be NULL */
+        uint32_t protocol_version; /* 0: EPD_PROTOCOL_VERSION (tests override it) */
+        int timeout_ms;           /* per-request reply timeout for control calls; 0: 30000 */
+};
+
+/* Connects and performs Hello/Welcome. On failure *out is untouched; the reason is in the
+ * returned status and, when err/err_len are given, in err. */
+int epd_client_connect(const struct epd_connect_args *args, struct epd_client **out, char *err,
+                       size_t err_len);
+/* Closes the connection; the daemon releases every region, binding and handle of this client. */
+void epd_client_free(struct epd_client *client);
+const char *epd_client_last_error(const struct epd_client *client);
+
+struct epd_device_info {
+        uint32_t index;
+        char uuid[64];
+        char name[64];
+        char kind[16];
+        uint64_t memory_bytes;
+};
+
+struct epd_daemon_info {
+        uint32_t protocol_version;
+        uint64_t daemon_epoch;
+        uint64_t client_id;
+        char backend[16];
+        char version[32];
+        uint32_t max_frame_bytes;
+        uint32_t max_fds_per_frame;
+        uint32_t num_devices;
+        struct epd_device_info devices[16]; /* the first 16 */
+};
+
+/* Copies what the daemon said in Welcome. */
+int epd_client_daemon_info(const struct epd_client *client, struct epd_daemon_info *out);
+
+/* ---- memory ---- */
+
+/* Creates an anonymous shared-memory file (memfd, MFD_CLOEXEC) of `bytes`, maps it read/write.
+ * The caller owns the fd and the mapping (munmap + close). */
+int epd_memfd_alloc(size_t bytes, int *fd_out, void **ptr_out);
+
+/* Registers an fd-backed region (host memfd or cuMem POSIX fd). The fd is sent to the daemon and
+ * stays owned by the caller. local_ptr, if not NULL, is where the caller has the region mapped,
+ * which lets epd_tensor_at resolve pointers. */
+int epd_region_register_fd(struct epd_client *client, enum epd_region_kind kind, int fd,
+                           uint64_t bytes, uint32_t device, void *local_ptr, uint64_t *region_id);
+/* Allocates a memfd of `bytes`, maps it and registers it: the common host-backend path. The
+ * mapping is owned by the client object and unmapped by epd_region_release/epd_client_free. */
+int epd_region_alloc(struct epd_client *client, size_t bytes, void **ptr_out,
+                     uint64_t *region_id);
+int epd_region_release(struct epd_client *client, uint64_t region_id);
+
+/* Describes a contiguous tensor at local pointer ptr inside a region registered with local_ptr.
+ * ndim <= EPD_TENSOR_MAX_DIMS. */
+int epd_tensor_at(struct epd_client *client, const void *ptr, enum epd_dtype dtype, uint32_t ndim,
+                  const uint64_t *sizes, struct epd_tensor *out);
+
+/* ---- groups ---- */
+
+struct epd_group_config {
+        size_t size;
+        uint32_t world_size;
+        uint32_t num_experts;
+        uint32_t hidden;
+        uint32_t max_tokens_per_rank;
+        uint32_t max_topk;
+        enum epd_dtype dispatch_dtype; /* BF16 or FP8_E4M3 */
+        uint32_t scale_block;          /* fp8 only; 0: 128 */
+        uint32_t op_timeout_ms;        /* 0: daemon default */
+        uint64_t arena_bytes;          /* per-rank output arena; 0: daemon default */
+};
+
+struct epd_group_args {
+        size_t size;
+        const char *name;
+        const void *secret;
+        size_t secret_len;
+        uint32_t rank;
+        uint32_t device;             /* device index */
+        const char *device_uuid;     /* if not NULL, overrides device */
+        const struct epd_group_config *config; /* create only */
+};
+
+int epd_group_create(struct epd_client *client, const struct epd_group_args *args,
+                     struct epd_group **out);
+int epd_group_join(struct epd_client *client, const struct epd_group_args *args,
+                   struct epd_group **out);
+/* Leaves the group (unbinds the rank) and frees the object. NULL is accepted. */
+int epd_group_leave(struct epd_group *group);
+uint64_t epd_group_id(const struct epd_group *group);
+uint32_t epd_group_rank(const struct epd_group *group);
+/* The group config as the daemon holds it (defaults filled in). */
+const struct epd_group_config *epd_group_config(const struct epd_group *group);
+/* The rank's output arena, mapped into this process, or NULL when the group has none. */
+void *epd_group_arena(const struct epd_group *group, uint64_t *bytes);
+
+/* ---- sizing ---- */
+
+struct epd_size_hint {
+        uint64_t daemon_bytes_per_rank;
+        uint64_t max_rows_non_expand;
+        uint64_t max_rows_expand;
+        uint64_t arena_bytes_non_expand;
+        uint64_t arena_bytes_expand;
+};
+
+int epd_size_hint(struct epd_client *client, const struct epd_group_config *config,
+                  uint32_t expert_alignment, struct epd_size_hint *out);
+
+/* ---- dispatch and combine (SEMANTICS.md sections 2 and 3) ---- */
+
+struct epd_dispatch_args {
+        size_t size;
+        uint32_t num_tokens;           /* N_s <= T */
+        uint32_t num_topk;             /* K_op <= K; 0: topk_idx.sizes[1] */
+        struct epd_tensor x;           /* [N, H] bf16 or fp8 bytes */
+        struct epd_tensor scales;      /* [N, H/scale_block] fp32, fp8 only */
+        struct epd_tensor topk_idx;    /* [N, K_op] int32 or int64; absent for cached dispatch */
+        struct epd_tensor topk_weights;/* [N, K_op] fp32, optional */
+        uint64_t handle_id;            /* non-zero: cached dispatch */
+        enum epd_layout layout;
+        uint32_t expert_alignment;     /* 0: 1 */
+        int zero_padding;              /* EXPAND only */
+        int use_arena;                 /* outputs placed in the rank's output arena */
+        /* Client-registered outputs (when !use_arena); sizes[0] is the capacity in rows. */
+        struct epd_tensor recv_x;
+        struct epd_tensor recv_scales;
+        struct epd_tensor recv_topk_idx;   /* NON_EXPAND */
+        struct epd_tensor recv_weights;    /* NON_EXPAND [rows, K_op]; EXPAND [rows] */
+        struct epd_tensor recv_src;
+        struct epd_tensor recv_topk_slot;  /* EXPAND */
+};
+
+/* What a completed dispatch returns (SEMANTICS.md 2.3). The arrays are owned by the op and valid
+ * until epd_op_free. With use_arena, the output tensors name the arena (region_id is the arena's
+ * id) and *_ptr point into this process's mapping of it. */
+struct epd_dispatch_result {
+        uint64_t op_number;
+        uint64_t handle_id;
+        int32_t num_recv_tokens;
+        int32_t num_expanded_rows;
+        uint32_t num_local_experts;
+        const int32_t *num_recv_tokens_per_expert;         /* [L] */
+        const int32_t *num_recv_tokens_per_expert_aligned; /* [L] */
+        uint32_t world_size;
+        const int32_t *rank_prefix;                        /* [R+1] */
+        struct epd_tensor recv_x, recv_scales, recv_topk_idx, recv_weights, recv_src,
+                recv_topk_slot;
+        void *recv_x_ptr, *recv_scales_ptr, *recv_topk_idx_ptr, *recv_weights_ptr, *recv_src_ptr,
+                *recv_topk_slot_ptr;
+        uint64_t exec_ns;  /* backend execution time of the whole op */
+        uint64_t queue_ns; /* from this rank's submission to launch */
+};
+
+struct epd_combine_args {
+        size_t size;
+        uint64_t handle_id;
+        struct epd_tensor y;            /* dispatch layout rows, bf16 */
+        int apply_weights;              /* EXPAND only */
+        uint32_t num_bias;              /* 0, 1 or 2 */
+        struct epd_tensor bias[2];      /* [N_s, H] bf16 */
+        struct epd_tensor combined;     /* [N_s, H] bf16 */
+        struct epd_tensor combined_topk_weights; /* [N_s, K_op] fp32, optional */
+};
+
+struct epd_combine_result {
+        uint64_t op_number;
+        uint32_t num_tokens;
+        uint64_t exec_ns;
+        uint64_t queue_ns;
+};
+
+/* Async forms: submit returns an op at once; epd_op_wait blocks until it completes. */
+int epd_dispatch_submit(struct epd_group *group, const struct epd_dispatch_args *args,
+                        struct epd_op **out);
+int epd_combine_submit(struct epd_group *group, const struct epd_combine_args *args,
+                       struct epd_op **out);
+/* Waits for completion; timeout_ms < 0 waits forever. Returns the op's status, or EPD_TIMEOUT
+ * when the wait itself timed out (the op stays pending and may be waited on again). */
+int epd_op_wait(struct epd_op *op, int timeout_ms);
+/* Status and message of a completed op. */
+int epd_op_status(const struct epd_op *op);
+const char *epd_op_error(const struct epd_op *op);
+int epd_op_dispatch_result(const struct epd_op *op, struct epd_dispatch_result *out);
+int epd_op_combine_result(const struct epd_op *op, struct epd_combine_result *out);
+/* Frees a completed op; freeing a pending op waits for it first. NULL is accepted. */
+void epd_op_free(struct epd_op *op);
+
+/* Blocking forms. On failure the group's client holds the message (epd_client_last_error). */
+int epd_dispatch(struct epd_group *group, const struct epd_dispatch_args *args,
+                 struct epd_op **out);
+int epd_combine(struct epd_group *group, const struct epd_combine_args *args,
+                struct epd_combine_result *out);
+
+/* Releases this rank's share of a handle (local bookkeeping, not collective). */
+int epd_handle_release(struct epd_group *group, uint64_t handle_id);
+
+/* ---- bf16 helpers (exact, round to nearest even, NaN -> 0x7FFF) ---- */
+float epd_bf16_to_float(uint16_t value);
+uint16_t epd_float_to_bf16(float value);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

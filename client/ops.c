@@ -1,0 +1,310 @@
+/* ops.c - libepd: dispatch and combine submission, waiting, results, and handle release. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "client_internal.h"
+#include "tensor.h"
+#include "util.h"
+
+struct epd_op {
+        struct epd_client *client;
+        struct epd_group *group;
+        uint64_t request_id;
+        int kind;                     /* 1 dispatch, 2 combine */
+        int done;
+        int status;
+        char message[512];
+        Epd__V1__Response *resp;
+};
+
+static struct epd_op *op_new(struct epd_group *g, int kind)
+{
+        struct epd_op *op = calloc(1, sizeof(*op));
+
+        if (!op)
+                return NULL;
+        op->client = g->client;
+        op->group = g;
+        op->kind = kind;
+        return op;
+}
+
+static int op_send(struct epd_op *op, Epd__V1__Request *req, struct epd_op **out)
+{
+        struct epd_client *c = op->client;
+        int rc;
+
+        pthread_mutex_lock(&c->lock);
+        rc = epd__client_send_locked(c, req, NULL, 0);
+        pthread_mutex_unlock(&c->lock);
+        if (rc < 0) {
+                free(op);
+                return rc;
+        }
+        op->request_id = req->id;
+        *out = op;
+        return 0;
+}
+
+#define TENSOR_FIELD(name)                                                              \
+        Epd__V1__TensorRef w_##name;                                                    \
+        if (epd__tensor_present(&args->name)) {                                         \
+                epd__tensor_to_wire(&args->name, &w_##name);                            \
+                m.name = &w_##name;                                                     \
+        }
+
+int epd_dispatch_submit(struct epd_group *group, const struct epd_dispatch_args *args,
+                        struct epd_op **out)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__Dispatch m = EPD__V1__DISPATCH__INIT;
+        struct epd_op *op;
+
+        if (!group || !args || !out)
+                return EPD_INVALID_ARGUMENT;
+        if (args->size < sizeof(*args))
+                return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
+                                        "epd_dispatch_args.size %zu is smaller than %zu", args->size,
+                                        sizeof(*args));
+        m.group_id = group->id;
+        m.rank = group->rank;
+        m.handle_id = args->handle_id;
+        m.num_tokens = args->num_tokens;
+        m.num_topk = args->num_topk;
+        m.layout = (Epd__V1__Layout)args->layout;
+        m.expert_alignment = args->expert_alignment;
+        m.zero_padding = args->zero_padding != 0;
+        m.use_arena = args->use_arena != 0;
+        TENSOR_FIELD(x)
+        TENSOR_FIELD(scales)
+        TENSOR_FIELD(topk_idx)
+        TENSOR_FIELD(topk_weights)
+        TENSOR_FIELD(recv_x)
+        TENSOR_FIELD(recv_scales)
+        TENSOR_FIELD(recv_topk_idx)
+        TENSOR_FIELD(recv_weights)
+        TENSOR_FIELD(recv_src)
+        TENSOR_FIELD(recv_topk_slot)
+        req.body_case = EPD__V1__REQUEST__BODY_DISPATCH;
+        req.dispatch = &m;
+        op = op_new(group, 1);
+        if (!op)
+                return EPD_INTERNAL;
+        return op_send(op, &req, out);
+}
+
+int epd_combine_submit(struct epd_group *group, const struct epd_combine_args *args,
+                       struct epd_op **out)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__Combine m = EPD__V1__COMBINE__INIT;
+        Epd__V1__TensorRef w_bias[2], *bias_ptrs[2];
+        struct epd_op *op;
+
+        if (!group || !args || !out)
+                return EPD_INVALID_ARGUMENT;
+        if (args->size < sizeof(*args))
+                return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
+                                        "epd_combine_args.size %zu is smaller than %zu", args->size,
+                                        sizeof(*args));
+        if (args->num_bias > 2)
+                return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
+                                        "num_bias %u; at most 2", args->num_bias);
+        m.group_id = group->id;
+        m.rank = group->rank;
+        m.handle_id = args->handle_id;
+        m.apply_weights = args->apply_weights != 0;
+        TENSOR_FIELD(y)
+        TENSOR_FIELD(combined)
+        TENSOR_FIELD(combined_topk_weights)
+        for (uint32_t b = 0; b < args->num_bias; b++) {
+                epd__tensor_to_wire(&args->bias[b], &w_bias[b]);
+                bias_ptrs[b] = &w_bias[b];
+        }
+        m.n_bias = args->num_bias;
+        m.bias = bias_ptrs;
+        req.body_case = EPD__V1__REQUEST__BODY_COMBINE;
+        req.combine = &m;
+        op = op_new(group, 2);
+        if (!op)
+                return EPD_INTERNAL;
+        return op_send(op, &req, out);
+}
+
+int epd_op_wait(struct epd_op *op, int timeout_ms)
+{
+        struct epd_client *c;
+        Epd__V1__Response *resp = NULL;
+        int fds[2], rc;
+
+        if (!op)
+                return EPD_INVALID_ARGUMENT;
+        if (op->done)
+                return op->status;
+        c = op->client;
+        pthread_mutex_lock(&c->lock);
+        rc = epd__client_wait_locked(c, op->request_id, timeout_ms, &resp, fds);
+        pthread_mutex_unlock(&c->lock);
+        if (rc == EPD_TIMEOUT && !c->broken)
+                return rc; /* the op is still pending */
+        op->done = 1;
+        if (rc < 0) {
+                op->status = rc;
+                snprintf(op->message, sizeof(op->message), "%s", c->last_error);
+                return rc;
+        }
+        for (int i = 0; i < 2; i++)
+                if (fds[i] >= 0)
+                        close(fds[i]);
+        op->resp = resp;
+        op->status = epd__status_from_wire(resp->status);
+        snprintf(op->message, sizeof(op->message), "%s", resp->message ? resp->message : "");
+        if (op->status < 0)
+                epd__client_fail(c, op->status, "%s", op->message);
+        return op->status;
+}
+
+int epd_op_status(const struct epd_op *op)
+{
+        if (!op)
+                return EPD_INVALID_ARGUMENT;
+        return op->done ? op->status : EPD_UNAVAILABLE;
+}
+
+const char *epd_op_error(const struct epd_op *op)
+{
+        if (!op)
+                return "no op";
+        return op->done ? op->message : "op not completed";
+}
+
+static void result_tensor(struct epd_op *op, const Epd__V1__TensorRef *ref, struct epd_tensor *t,
+                          void **ptr)
+{
+        if (epd__tensor_from_wire(ref, t) < 0 || !epd__tensor_present(t)) {
+                memset(t, 0, sizeof(*t));
+                *ptr = NULL;
+                return;
+        }
+        *ptr = epd__client_region_ptr(op->client, t->region_id, t->offset);
+}
+
+int epd_op_dispatch_result(const struct epd_op *op_c, struct epd_dispatch_result *out)
+{
+        struct epd_op *op = (struct epd_op *)op_c;
+        const Epd__V1__DispatchReply *r;
+
+        if (!op || !out || op->kind != 1)
+                return EPD_INVALID_ARGUMENT;
+        if (!op->done)
+                return EPD_UNAVAILABLE;
+        if (op->status < 0)
+                return op->status;
+        r = op->resp->dispatch;
+        if (!r)
+                return EPD_INTERNAL;
+        memset(out, 0, sizeof(*out));
+        out->op_number = r->op_number;
+        out->handle_id = r->handle_id;
+        out->num_recv_tokens = r->num_recv_tokens;
+        out->num_expanded_rows = r->num_expanded_rows;
+        out->num_local_experts = (uint32_t)r->n_num_recv_tokens_per_expert;
+        out->num_recv_tokens_per_expert = r->num_recv_tokens_per_expert;
+        out->num_recv_tokens_per_expert_aligned = r->num_recv_tokens_per_expert_aligned;
+        out->world_size = r->n_rank_prefix ? (uint32_t)r->n_rank_prefix - 1 : 0;
+        out->rank_prefix = r->rank_prefix;
+        out->exec_ns = r->exec_ns;
+        out->queue_ns = r->queue_ns;
+        result_tensor(op, r->recv_x, &out->recv_x, &out->recv_x_ptr);
+        result_tensor(op, r->recv_scales, &out->recv_scales, &out->recv_scales_ptr);
+        result_tensor(op, r->recv_topk_idx, &out->recv_topk_idx, &out->recv_topk_idx_ptr);
+        result_tensor(op, r->recv_weights, &out->recv_weights, &out->recv_weights_ptr);
+        result_tensor(op, r->recv_src, &out->recv_src, &out->recv_src_ptr);
+        result_tensor(op, r->recv_topk_slot, &out->recv_topk_slot, &out->recv_topk_slot_ptr);
+        return 0;
+}
+
+int epd_op_combine_result(const struct epd_op *op, struct epd_combine_result *out)
+{
+        const Epd__V1__CombineReply *r;
+
+        if (!op || !out || op->kind != 2)
+                return EPD_INVALID_ARGUMENT;
+        if (!op->done)
+                return EPD_UNAVAILABLE;
+        if (op->status < 0)
+                return op->status;
+        r = op->resp->combine;
+        if (!r)
+                return EPD_INTERNAL;
+        out->op_number = r->op_number;
+        out->num_tokens = r->num_tokens;
+        out->exec_ns = r->exec_ns;
+        out->queue_ns = r->queue_ns;
+        return 0;
+}
+
+void epd_op_free(struct epd_op *op)
+{
+        if (!op)
+                return;
+        if (!op->done)
+                (void)epd_op_wait(op, -1);
+        if (op->resp)
+                epd__v1__response__free_unpacked(op->resp, NULL);
+        free(op);
+}
+
+int epd_dispatch(struct epd_group *group, const struct epd_dispatch_args *args,
+                 struct epd_op **out)
+{
+        struct epd_op *op;
+        int rc = epd_dispatch_submit(group, args, &op);
+
+        if (rc < 0)
+                return rc;
+        rc = epd_op_wait(op, -1);
+        if (rc < 0) {
+                epd_op_free(op);
+                return rc;
+        }
+        *out = op;
+        return 0;
+}
+
+int epd_combine(struct epd_group *group, const struct epd_combine_args *args,
+                struct epd_combine_result *out)
+{
+        struct epd_op *op;
+        int rc = epd_combine_submit(group, args, &op);
+
+        if (rc < 0)
+                return rc;
+        rc = epd_op_wait(op, -1);
+        if (rc == 0 && out)
+                rc = epd_op_combine_result(op, out);
+        epd_op_free(op);
+        return rc;
+}
+
+int epd_handle_release(struct epd_group *group, uint64_t handle_id)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__HandleRelease hr = EPD__V1__HANDLE_RELEASE__INIT;
+        Epd__V1__Response *resp;
+        int rc;
+
+        if (!group)
+                return EPD_INVALID_ARGUMENT;
+        hr.group_id = group->id;
+        hr.rank = group->rank;
+        hr.handle_id = handle_id;
+        req.body_case = EPD__V1__REQUEST__BODY_HANDLE_RELEASE;
+        req.handle_release = &hr;
+        rc = epd__client_call(group->client, &req, NULL, 0, &resp, NULL);
+        if (rc == 0)
+                epd__v1__response__free_unpacked(resp, NULL);
+        return rc;
+}

@@ -1,0 +1,103 @@
+/* backend.c - backend selection and the completion queue from backend threads to the loop. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "log.h"
+
+static void on_done_async(uv_async_t *handle)
+{
+        struct epd_backend *b = handle->data;
+        struct epd_list batch;
+
+        epd_list_init(&batch);
+        pthread_mutex_lock(&b->done_lock);
+        if (!epd_list_empty(&b->done)) {
+                /* Move the whole queue out, then complete without holding the lock. */
+                batch.next = b->done.next;
+                batch.prev = b->done.prev;
+                batch.next->prev = &batch;
+                batch.prev->next = &batch;
+                epd_list_init(&b->done);
+        }
+        pthread_mutex_unlock(&b->done_lock);
+        while (!epd_list_empty(&batch)) {
+                struct epd_exec *ex = epd_list_entry(batch.next, struct epd_exec, link);
+                epd_list_del(&ex->link);
+                epd_op_complete(ex);
+        }
+}
+
+void epd_exec_done(struct epd_backend *b, struct epd_exec *ex)
+{
+        pthread_mutex_lock(&b->done_lock);
+        epd_list_add_tail(&b->done, &ex->link);
+        pthread_mutex_unlock(&b->done_lock);
+        uv_async_send(&b->done_async);
+}
+
+int epd_backend_open(struct epd_daemon *d, struct epd_backend **out, char *err, size_t err_len)
+{
+        const struct epd_backend_ops *candidates[2];
+        unsigned n = 0;
+        struct epd_backend *b;
+        int rc = EPD_UNAVAILABLE;
+
+        if (strcmp(d->cfg.backend, "host") == 0) {
+                candidates[n++] = &epd_backend_host_ops;
+        } else if (strcmp(d->cfg.backend, "cuda") == 0) {
+#ifdef EPD_HAVE_CUDA
+                candidates[n++] = &epd_backend_cuda_ops;
+#else
+                snprintf(err, err_len, "this epd was built without CUDA support");
+                return EPD_UNAVAILABLE;
+#endif
+        } else {
+#ifdef EPD_HAVE_CUDA
+                candidates[n++] = &epd_backend_cuda_ops;
+#endif
+                candidates[n++] = &epd_backend_host_ops;
+        }
+        for (unsigned i = 0; i < n; i++) {
+                b = calloc(1, sizeof(*b));
+                if (!b)
+                        return EPD_INTERNAL;
+                b->ops = candidates[i];
+                b->daemon = d;
+                pthread_mutex_init(&b->done_lock, NULL);
+                epd_list_init(&b->done);
+                uv_async_init(d->loop, &b->done_async, on_done_async);
+                b->done_async.data = b;
+                rc = b->ops->init(b, &d->cfg, err, err_len);
+                if (rc == 0) {
+                        *out = b;
+                        return 0;
+                }
+                if (i + 1 < n)
+                        log_info("backend %s unavailable (%s), trying the next", b->ops->name, err);
+                uv_close((uv_handle_t *)&b->done_async, NULL);
+                uv_run(d->loop, UV_RUN_NOWAIT);
+                pthread_mutex_destroy(&b->done_lock);
+                free(b);
+        }
+        return rc;
+}
+
+static void on_backend_closed(uv_handle_t *handle)
+{
+        struct epd_backend *b = handle->data;
+
+        pthread_mutex_destroy(&b->done_lock);
+        free(b);
+}
+
+void epd_backend_close(struct epd_backend *b)
+{
+        if (!b)
+                return;
+        b->ops->fini(b);
+        /* The loop runs once more in main() to finish closing the handle, which frees b. */
+        uv_close((uv_handle_t *)&b->done_async, on_backend_closed);
+}

@@ -1,0 +1,131 @@
+/* backend.h - the interface between the daemon core and an execution backend (host, cuda).
+ *
+ * The core (loop thread) resolves every tensor of an op to a backend address and a row stride,
+ * checked against its region, and hands the backend one struct epd_exec per op. The backend runs
+ * it on its own threads and calls epd_exec_done from any thread; the core then sees the result on
+ * the loop thread. A backend never touches daemon objects other than the exec it was given and
+ * the arenas named in it.
+ */
+#ifndef EPD_DAEMON_BACKEND_H
+#define EPD_DAEMON_BACKEND_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "config.h"
+#include "daemon.h"
+#include "host_exec.h"
+
+struct epd_device_desc {
+        uint32_t index;
+        char uuid[64];
+        char name[64];
+        char kind[16];
+        uint64_t memory_bytes;
+};
+
+/* Per-rank part of an exec. Pointers are backend addresses, already bounds-checked. */
+struct epd_exec_rank {
+        uint32_t num_tokens;
+        uint32_t device;
+        /* dispatch inputs */
+        struct epd_dispatch_src_io src;
+        const uint8_t *topk_idx;      /* NULL for cached dispatch */
+        uint64_t topk_stride;         /* elements */
+        /* dispatch outputs */
+        struct epd_dispatch_dst_io dst;
+        uint64_t capacity_rows;       /* smallest capacity among the rank's outputs */
+        int use_arena;
+        struct epd_arena *arena;
+        /* Placement in the arena: filled by the backend for a new placement, or given (used set)
+         * when a cached dispatch reuses its handle's placement. On failure the backend releases
+         * any placement it made. */
+        struct epd_arena_place place;
+        /* combine */
+        struct epd_mat y;
+        uint64_t y_rows;              /* rows the client declared for y */
+        struct epd_combine_src_io comb;
+        /* results of a dispatch, filled by the backend */
+        int32_t num_recv_tokens;
+        int32_t num_expanded_rows;
+        int32_t *per_expert;          /* [L] */
+        int32_t *per_expert_aligned;  /* [L] */
+        int32_t *rank_prefix;         /* [R+1] */
+};
+
+struct epd_exec {
+        struct epd_daemon *daemon;
+        struct epd_op *op;            /* loop-thread back pointer; the backend does not use it */
+        enum epd_op_kind kind;
+        struct epd_group_cfg cfg;
+        uint32_t num_topk;
+        enum epd_dtype topk_dtype;
+        enum epd_layout layout;
+        uint32_t expert_alignment;
+        int zero_padding;
+        int has_weights;
+        int apply_weights;
+        void *handle_state;           /* combine / cached dispatch: the handle's state */
+        void *new_handle_state;       /* dispatch: state produced for the new handle */
+        struct epd_exec_rank *ranks;  /* [R] */
+        /* Result, written by the backend before epd_exec_done. */
+        int status;
+        char message[512];
+        uint64_t exec_ns;
+        uint64_t bytes;               /* floor bytes moved, for statistics */
+        struct epd_list link;         /* completion queue */
+};
+
+struct epd_backend;
+
+struct epd_backend_ops {
+        const char *name;
+        int (*init)(struct epd_backend *b, const struct epd_config *cfg, char *err,
+                    size_t err_len);
+        void (*fini)(struct epd_backend *b);
+        /* Maps or imports a client allocation; sets r->base and r->backend_state. Consumes fd
+         * (closes it) in every case. */
+        int (*region_import)(struct epd_backend *b, struct epd_region *r, int fd,
+                             const void *ipc_handle, size_t ipc_len, uint64_t offset,
+                             char *err, size_t err_len);
+        void (*region_release)(struct epd_backend *b, struct epd_region *r);
+        /* Creates the memory of an output arena on a device: a daemon address and an fd the
+         * client can map (kind says how). */
+        int (*arena_alloc)(struct epd_backend *b, uint32_t device, uint64_t bytes, uint8_t **base,
+                           int *fd, enum epd_region_kind *kind, char *err, size_t err_len);
+        void (*arena_free)(struct epd_backend *b, uint8_t *base, uint64_t bytes);
+        /* Starts an op; returns at once. Completion: epd_exec_done(ex) from any thread. */
+        void (*submit)(struct epd_backend *b, struct epd_exec *ex);
+        /* Frees a handle's state. Called on the loop thread when no op uses the handle. */
+        void (*handle_free)(struct epd_backend *b, void *state);
+        /* Liveness of the backend's threads for the watchdog: 0 when every thread made progress
+         * or is idle. */
+        int (*check_alive)(struct epd_backend *b);
+};
+
+struct epd_backend {
+        const struct epd_backend_ops *ops;
+        struct epd_daemon *daemon;
+        unsigned num_devices;
+        struct epd_device_desc devices[64];
+        void *priv;
+        /* Completion queue drained on the loop thread. */
+        uv_async_t done_async;
+        pthread_mutex_t done_lock;
+        struct epd_list done;
+};
+
+/* Picks and initialises the backend named by cfg->backend ("auto": cuda when a GPU is usable,
+ * else host). */
+int epd_backend_open(struct epd_daemon *d, struct epd_backend **out, char *err, size_t err_len);
+void epd_backend_close(struct epd_backend *b);
+/* Thread-safe completion: queues ex for the loop thread. */
+void epd_exec_done(struct epd_backend *b, struct epd_exec *ex);
+
+extern const struct epd_backend_ops epd_backend_host_ops;
+#ifdef EPD_HAVE_CUDA
+extern const struct epd_backend_ops epd_backend_cuda_ops;
+#endif
+
+#endif

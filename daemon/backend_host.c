@@ -1,0 +1,717 @@
+/* backend_host.c - the host (CPU) backend: virtual devices, memfd regions mapped by the daemon,
+ * and an executor thread that runs each op with a pool of copy threads.
+ *
+ * Threads: one executor thread takes ops in submission order (ops of one group are already
+ * serialised by the core) and runs each op's parallel loops with host_threads - 1 helper
+ * threads. The virtual devices share these threads: they share one memory system, so one pool
+ * sized to the CPUs reaches the memcpy ceiling without oversubscribing cores.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <systemd/sd-id128.h>
+#include <unistd.h>
+
+#include "arena.h"
+#include "backend.h"
+#include "log.h"
+#include "plan.h"
+#include "util.h"
+
+/* ---- a small parallel-for pool ---- */
+
+typedef void (*pool_fn)(void *ctx, uint64_t item);
+
+struct pool {
+        unsigned num_helpers;
+        pthread_t *threads;
+        pthread_mutex_t lock;
+        pthread_cond_t work_cond;
+        pthread_cond_t done_cond;
+        uint64_t generation;
+        unsigned helpers_done;
+        int stop;
+        pool_fn fn;
+        void *ctx;
+        uint64_t num_items;
+        atomic_uint_fast64_t next_item;
+};
+
+static void pool_work(struct pool *p)
+{
+        for (;;) {
+                uint64_t i = atomic_fetch_add(&p->next_item, 1);
+                if (i >= p->num_items)
+                        return;
+                p->fn(p->ctx, i);
+        }
+}
+
+static void *pool_helper(void *arg)
+{
+        struct pool *p = arg;
+        uint64_t seen = 0;
+
+        pthread_mutex_lock(&p->lock);
+        for (;;) {
+                while (!p->stop && p->generation == seen)
+                        pthread_cond_wait(&p->work_cond, &p->lock);
+                if (p->stop)
+                        break;
+                seen = p->generation;
+                pthread_mutex_unlock(&p->lock);
+                pool_work(p);
+                pthread_mutex_lock(&p->lock);
+                if (++p->helpers_done == p->num_helpers)
+                        pthread_cond_signal(&p->done_cond);
+        }
+        pthread_mutex_unlock(&p->lock);
+        return NULL;
+}
+
+/* Runs fn(ctx, i) for every i < num_items on the caller and every helper; returns when all are
+ * done. Only the executor thread calls it. */
+static void pool_run(struct pool *p, pool_fn fn, void *ctx, uint64_t num_items)
+{
+        if (num_items == 0)
+                return;
+        if (p->num_helpers == 0 || num_items == 1) {
+                for (uint64_t i = 0; i < num_items; i++)
+                        fn(ctx, i);
+                return;
+        }
+        pthread_mutex_lock(&p->lock);
+        p->fn = fn;
+        p->ctx = ctx;
+        p->num_items = num_items;
+        atomic_store(&p->next_item, 0);
+        p->helpers_done = 0;
+        p->generation++;
+        pthread_cond_broadcast(&p->work_cond);
+        pthread_mutex_unlock(&p->lock);
+        pool_work(p);
+        pthread_mutex_lock(&p->lock);
+        while (p->helpers_done < p->num_helpers)
+                pthread_cond_wait(&p->done_cond, &p->lock);
+        pthread_mutex_unlock(&p->lock);
+}
+
+/* ---- backend state ---- */
+
+struct host_backend {
+        struct epd_backend *b;
+        struct pool pool;
+        pthread_t executor;
+        pthread_mutex_t lock;
+        pthread_cond_t cond;
+        struct epd_list queue;
+        int stop;
+        atomic_uint_fast64_t heartbeat_ns;
+        atomic_int busy;
+};
+
+/* A handle's routing state on this backend. */
+struct host_handle {
+        struct epd_plan *plan;
+        float **weights;              /* [R] -> [N_s * K] or NULL */
+};
+
+static void host_handle_free(struct host_handle *hh, uint32_t R)
+{
+        if (!hh)
+                return;
+        if (hh->weights)
+                for (uint32_t r = 0; r < R; r++)
+                        free(hh->weights[r]);
+        free(hh->weights);
+        epd_plan_free(hh->plan);
+        free(hh);
+}
+
+/* ---- dispatch ---- */
+
+struct count_ctx {
+        struct epd_exec *ex;
+        struct epd_plan *plan;
+        int *rc;
+        char (*err)[256];
+};
+
+static void count_item(void *arg, uint64_t s)
+{
+        struct count_ctx *c = arg;
+        struct epd_exec_rank *er = &c->ex->ranks[s];
+
+        c->rc[s] = epd_plan_count_source(c->plan, (uint32_t)s, er->topk_idx, c->ex->topk_dtype,
+                                         er->topk_stride, c->err[s], sizeof(c->err[s]));
+}
+
+static void place_item(void *arg, uint64_t s)
+{
+        epd_plan_place_source(arg, (uint32_t)s);
+}
+
+static void dispatch_item(void *arg, uint64_t i)
+{
+        epd_host_dispatch_item(arg, i);
+}
+
+static void combine_item(void *arg, uint64_t i)
+{
+        epd_host_combine_item(arg, i);
+}
+
+/* Lays out a rank's outputs in one arena extent. */
+static int arena_place(struct epd_exec *ex, struct epd_exec_rank *er, uint64_t rows)
+{
+        const struct epd_group_cfg *cfg = &ex->cfg;
+        int expand = ex->layout == EPD_LAYOUT_EXPAND;
+        uint64_t bytes[EPD_OUT_FIELDS] = {
+                rows * cfg->row_bytes,
+                cfg->scale_cols ? rows * cfg->scale_cols * 4 : 0,
+                expand ? 0 : rows * ex->num_topk * epd_dtype_size(ex->topk_dtype),
+                ex->has_weights ? rows * (expand ? 1 : ex->num_topk) * 4 : 0,
+                rows * 8,
+                expand ? rows * 4 : 0,
+        };
+        int needed[EPD_OUT_FIELDS] = { 1, cfg->scale_cols != 0, !expand, ex->has_weights, 1,
+                                       expand };
+        uint64_t total = 0, off;
+
+        for (int f = 0; f < EPD_OUT_FIELDS; f++)
+                if (needed[f])
+                        total += (bytes[f] + EPD_ARENA_ALIGN - 1) / EPD_ARENA_ALIGN *
+                                 EPD_ARENA_ALIGN;
+        if (epd_arena_alloc(er->arena, total, &off) < 0)
+                return -1;
+        er->place.used = 1;
+        er->place.ext_off = off;
+        er->place.ext_len = total;
+        for (int f = 0; f < EPD_OUT_FIELDS; f++) {
+                if (!needed[f]) {
+                        er->place.off[f] = UINT64_MAX;
+                        continue;
+                }
+                er->place.off[f] = off;
+                off += (bytes[f] + EPD_ARENA_ALIGN - 1) / EPD_ARENA_ALIGN * EPD_ARENA_ALIGN;
+        }
+        return 0;
+}
+
+/* Points a rank's output matrices at its arena placement. */
+static void arena_bind_outputs(struct epd_exec *ex, struct epd_exec_rank *er)
+{
+        const struct epd_group_cfg *cfg = &ex->cfg;
+        uint8_t *base = er->arena->base;
+        const struct epd_arena_place *pl = &er->place;
+        int expand = ex->layout == EPD_LAYOUT_EXPAND;
+
+        memset(&er->dst, 0, sizeof(er->dst));
+        er->dst.recv_x = (struct epd_mat){ base + pl->off[EPD_OUT_RECV_X], cfg->row_bytes };
+        if (pl->off[EPD_OUT_RECV_SCALES] != UINT64_MAX)
+                er->dst.recv_scales = (struct epd_mat){ base + pl->off[EPD_OUT_RECV_SCALES],
+                                                        cfg->scale_cols * 4 };
+        if (pl->off[EPD_OUT_RECV_TOPK_IDX] != UINT64_MAX)
+                er->dst.recv_topk_idx =
+                        (struct epd_mat){ base + pl->off[EPD_OUT_RECV_TOPK_IDX],
+                                          ex->num_topk * epd_dtype_size(ex->topk_dtype) };
+        if (pl->off[EPD_OUT_RECV_WEIGHTS] != UINT64_MAX)
+                er->dst.recv_weights = (struct epd_mat){ base + pl->off[EPD_OUT_RECV_WEIGHTS],
+                                                         expand ? 4 : ex->num_topk * 4ull };
+        er->dst.recv_src = (struct epd_mat){ base + pl->off[EPD_OUT_RECV_SRC], 8 };
+        if (pl->off[EPD_OUT_RECV_TOPK_SLOT] != UINT64_MAX)
+                er->dst.recv_topk_slot =
+                        (struct epd_mat){ base + pl->off[EPD_OUT_RECV_TOPK_SLOT], 4 };
+}
+
+static void release_new_placements(struct epd_exec *ex, const int *made)
+{
+        for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
+                struct epd_exec_rank *er = &ex->ranks[r];
+                if (made[r]) {
+                        epd_arena_release(er->arena, er->place.ext_off, er->place.ext_len);
+                        memset(&er->place, 0, sizeof(er->place));
+                }
+        }
+}
+
+static void run_dispatch(struct host_backend *hb, struct epd_exec *ex)
+{
+        const struct epd_group_cfg *cfg = &ex->cfg;
+        uint32_t R = cfg->world_size, L = cfg->num_local_experts;
+        struct host_handle *hh = ex->handle_state, *fresh = NULL;
+        struct epd_plan *plan;
+        struct epd_dispatch_src_io *src = NULL;
+        struct epd_dispatch_dst_io *dst = NULL;
+        int *made = NULL;
+        size_t msg_len = 0;
+        uint64_t bytes = 0;
+
+        if (!hh) {
+                uint32_t *num_tokens = calloc(R, sizeof(*num_tokens));
+                int *rc = calloc(R, sizeof(*rc));
+                char (*err)[256] = calloc(R, sizeof(*err));
+
+                fresh = calloc(1, sizeof(*fresh));
+                if (!num_tokens || !rc || !err || !fresh) {
+                        free(num_tokens);
+                        free(rc);
+                        free(err);
+                        goto oom;
+                }
+                for (uint32_t r = 0; r < R; r++)
+                        num_tokens[r] = ex->ranks[r].num_tokens;
+                fresh->plan = epd_plan_new(R, cfg->num_experts, cfg->max_tokens, ex->num_topk,
+                                           ex->expert_alignment, ex->layout, num_tokens);
+                free(num_tokens);
+                if (!fresh->plan) {
+                        free(rc);
+                        free(err);
+                        goto oom;
+                }
+                struct count_ctx cc = { ex, fresh->plan, rc, err };
+                pool_run(&hb->pool, count_item, &cc, R);
+                for (uint32_t r = 0; r < R; r++) {
+                        if (rc[r] < 0) {
+                                ex->status = rc[r];
+                                snprintf(ex->message, sizeof(ex->message),
+                                         "invalid topk_idx on rank %u: %s", r, err[r]);
+                                break;
+                        }
+                }
+                free(rc);
+                free(err);
+                if (ex->status < 0)
+                        goto fail;
+                epd_plan_finish(fresh->plan);
+                hh = fresh;
+        } else if (hh->plan->expert_alignment != ex->expert_alignment) {
+                ex->status = EPD_INVALID_ARGUMENT;
+                snprintf(ex->message, sizeof(ex->message),
+                         "cached dispatch with expert_alignment %u, the handle has %u",
+                         ex->expert_alignment, hh->plan->expert_alignment);
+                goto fail;
+        }
+        plan = hh->plan;
+
+        /* SEMANTICS.md 2.5: check every rank's capacity before any byte moves. */
+        made = calloc(R, sizeof(*made));
+        if (!made)
+                goto oom;
+        for (uint32_t d = 0; d < R; d++) {
+                struct epd_exec_rank *er = &ex->ranks[d];
+                int64_t rows = epd_plan_rows(plan, d);
+                if (er->use_arena) {
+                        if (!er->place.used) {
+                                if (arena_place(ex, er, (uint64_t)rows) < 0) {
+                                        if (ex->status == 0)
+                                                msg_len = (size_t)snprintf(ex->message, sizeof(ex->message),
+                                                        "op does not fit:");
+                                        ex->status = EPD_CAPACITY_EXCEEDED;
+                                        if (msg_len < sizeof(ex->message))
+                                                msg_len += (size_t)snprintf(ex->message + msg_len,
+                                                        sizeof(ex->message) - msg_len,
+                                                        " rank %u needs %lld rows, its output arena has no free extent that large (largest %llu bytes of %llu);",
+                                                        d, (long long)rows,
+                                                        (unsigned long long)epd_arena_largest_free(er->arena),
+                                                        (unsigned long long)er->arena->bytes);
+                                        continue;
+                                }
+                                made[d] = 1;
+                        }
+                        arena_bind_outputs(ex, er);
+                } else if ((uint64_t)rows > er->capacity_rows) {
+                        if (ex->status == 0)
+                                msg_len = (size_t)snprintf(ex->message, sizeof(ex->message),
+                                                           "op does not fit:");
+                        ex->status = EPD_CAPACITY_EXCEEDED;
+                        if (msg_len < sizeof(ex->message))
+                                msg_len += (size_t)snprintf(ex->message + msg_len,
+                                                            sizeof(ex->message) - msg_len,
+                                                            " rank %u needs %lld rows, capacity %llu;",
+                                                            d, (long long)rows,
+                                                            (unsigned long long)er->capacity_rows);
+                }
+        }
+        if (ex->status < 0) {
+                release_new_placements(ex, made);
+                goto fail;
+        }
+        if (fresh)
+                pool_run(&hb->pool, place_item, plan, R);
+
+        /* The handle keeps its own copy of the weights: combine and combined_topk_weights use
+         * them after the client's input may have changed. */
+        if (ex->has_weights) {
+                if (!hh->weights && !(hh->weights = calloc(R, sizeof(*hh->weights)))) {
+                        release_new_placements(ex, made);
+                        goto oom;
+                }
+                for (uint32_t s = 0; s < R; s++) {
+                        const struct epd_exec_rank *er = &ex->ranks[s];
+                        size_t n = (size_t)er->num_tokens * ex->num_topk;
+                        float *w = hh->weights[s] ? hh->weights[s] : malloc(n * sizeof(float) + 1);
+                        if (!w) {
+                                release_new_placements(ex, made);
+                                goto oom;
+                        }
+                        for (uint32_t t = 0; t < er->num_tokens; t++)
+                                memcpy(w + (size_t)t * ex->num_topk,
+                                       er->src.weights.ptr + t * er->src.weights.stride,
+                                       ex->num_topk * sizeof(float));
+                        hh->weights[s] = w;
+                }
+        }
+        src = calloc(R, sizeof(*src));
+        dst = calloc(R, sizeof(*dst));
+        if (!src || !dst) {
+                release_new_placements(ex, made);
+                goto oom;
+        }
+        for (uint32_t r = 0; r < R; r++) {
+                src[r] = ex->ranks[r].src;
+                dst[r] = ex->ranks[r].dst;
+                if (!ex->has_weights)
+                        src[r].weights.ptr = NULL, dst[r].recv_weights.ptr = NULL;
+        }
+        struct epd_dispatch_exec de = {
+                .plan = plan,
+                .row_bytes = cfg->row_bytes,
+                .scale_bytes = cfg->scale_cols * 4,
+                .topk_dtype = ex->topk_dtype,
+                .has_weights = ex->has_weights,
+                .zero_padding = ex->zero_padding,
+                .src = src,
+                .dst = dst,
+        };
+        pool_run(&hb->pool, dispatch_item, &de, epd_host_dispatch_items(&de));
+
+        for (uint32_t d = 0; d < R; d++) {
+                struct epd_exec_rank *er = &ex->ranks[d];
+                er->num_recv_tokens = epd_plan_num_recv_tokens(plan, d);
+                er->num_expanded_rows = epd_plan_num_expanded_rows(plan, d);
+                memcpy(er->per_expert, plan->expert_count + (size_t)d * L, L * sizeof(int32_t));
+                memcpy(er->per_expert_aligned, plan->expert_aligned + (size_t)d * L,
+                       L * sizeof(int32_t));
+                memcpy(er->rank_prefix, plan->rank_prefix + (size_t)d * (R + 1),
+                       (R + 1) * sizeof(int32_t));
+                bytes += (uint64_t)epd_plan_rows(plan, d) * (cfg->row_bytes + cfg->scale_cols * 4);
+        }
+        ex->bytes = 2 * bytes;
+        ex->status = 0;
+        if (fresh)
+                ex->new_handle_state = fresh;
+        free(made);
+        free(src);
+        free(dst);
+        return;
+oom:
+        ex->status = EPD_INTERNAL;
+        snprintf(ex->message, sizeof(ex->message), "out of memory");
+fail:
+        host_handle_free(fresh, R);
+        free(made);
+        free(src);
+        free(dst);
+}
+
+static void run_combine(struct host_backend *hb, struct epd_exec *ex)
+{
+        const struct epd_group_cfg *cfg = &ex->cfg;
+        uint32_t R = cfg->world_size;
+        struct host_handle *hh = ex->handle_state;
+        struct epd_mat *y = calloc(R, sizeof(*y));
+        struct epd_combine_src_io *src = calloc(R, sizeof(*src));
+        uint64_t rows = 0;
+
+        if (!y || !src) {
+                free(y);
+                free(src);
+                ex->status = EPD_INTERNAL;
+                snprintf(ex->message, sizeof(ex->message), "out of memory");
+                return;
+        }
+        for (uint32_t r = 0; r < R; r++) {
+                y[r] = ex->ranks[r].y;
+                src[r] = ex->ranks[r].comb;
+                src[r].weights = hh->weights ? hh->weights[r] : NULL;
+                rows += ex->ranks[r].y_rows;
+        }
+        struct epd_combine_exec ce = {
+                .plan = hh->plan,
+                .hidden = cfg->hidden,
+                .apply_weights = ex->apply_weights,
+                .y = y,
+                .src = src,
+        };
+        pool_run(&hb->pool, combine_item, &ce, epd_host_combine_items(&ce));
+        ex->bytes = rows * cfg->hidden * 2;
+        ex->status = 0;
+        free(y);
+        free(src);
+}
+
+static void *executor_main(void *arg)
+{
+        struct host_backend *hb = arg;
+
+        pthread_mutex_lock(&hb->lock);
+        for (;;) {
+                while (!hb->stop && epd_list_empty(&hb->queue)) {
+                        struct timespec ts;
+                        atomic_store(&hb->heartbeat_ns, epd__now_ns());
+                        clock_gettime(CLOCK_REALTIME, &ts);
+                        ts.tv_sec += 1;
+                        pthread_cond_timedwait(&hb->cond, &hb->lock, &ts);
+                }
+                if (hb->stop && epd_list_empty(&hb->queue))
+                        break;
+                struct epd_exec *ex = epd_list_entry(hb->queue.next, struct epd_exec, link);
+                epd_list_del(&ex->link);
+                pthread_mutex_unlock(&hb->lock);
+
+                uint64_t t0 = epd__now_ns();
+                atomic_store(&hb->heartbeat_ns, t0);
+                atomic_store(&hb->busy, 1);
+                ex->status = 0;
+                ex->message[0] = '\0';
+                if (ex->kind == EPD_OP_DISPATCH)
+                        run_dispatch(hb, ex);
+                else
+                        run_combine(hb, ex);
+                ex->exec_ns = epd__now_ns() - t0;
+                atomic_store(&hb->busy, 0);
+                atomic_store(&hb->heartbeat_ns, epd__now_ns());
+                epd_exec_done(hb->b, ex);
+
+                pthread_mutex_lock(&hb->lock);
+        }
+        pthread_mutex_unlock(&hb->lock);
+        return NULL;
+}
+
+/* ---- backend ops ---- */
+
+static int host_init(struct epd_backend *b, const struct epd_config *cfg, char *err,
+                     size_t err_len)
+{
+        struct host_backend *hb = calloc(1, sizeof(*hb));
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        unsigned threads = cfg->host_threads ? cfg->host_threads : (unsigned)(cpus > 0 ? cpus : 1);
+        unsigned devices = cfg->host_devices ? cfg->host_devices : 1;
+        sd_id128_t app = SD_ID128_MAKE(6b, 3e, 0a, 51, 8c, 2f, 4d, 17, 9e, 41, c3, 70, 5d, 88, 12, ab);
+
+        if (!hb) {
+                snprintf(err, err_len, "out of memory");
+                return EPD_INTERNAL;
+        }
+        if (devices > EPD_ARRAY_SIZE(b->devices))
+                devices = EPD_ARRAY_SIZE(b->devices);
+        hb->b = b;
+        b->priv = hb;
+        b->num_devices = devices;
+        for (unsigned i = 0; i < devices; i++) {
+                struct epd_device_desc *dev = &b->devices[i];
+                sd_id128_t id;
+                /* Stable per machine and index, UUID-shaped like a GPU's. */
+                if (sd_id128_get_machine_app_specific(app, &id) < 0)
+                        memset(&id, 0, sizeof(id));
+                id.bytes[15] ^= (uint8_t)i;
+                id.bytes[14] ^= (uint8_t)(i >> 8);
+                dev->index = i;
+                snprintf(dev->uuid, sizeof(dev->uuid), "HOST-" SD_ID128_UUID_FORMAT_STR,
+                         SD_ID128_FORMAT_VAL(id));
+                snprintf(dev->name, sizeof(dev->name), "host virtual device %u", i);
+                snprintf(dev->kind, sizeof(dev->kind), "host");
+                dev->memory_bytes = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+        }
+        epd_list_init(&hb->queue);
+        pthread_mutex_init(&hb->lock, NULL);
+        pthread_cond_init(&hb->cond, NULL);
+        atomic_store(&hb->heartbeat_ns, epd__now_ns());
+        pthread_mutex_init(&hb->pool.lock, NULL);
+        pthread_cond_init(&hb->pool.work_cond, NULL);
+        pthread_cond_init(&hb->pool.done_cond, NULL);
+        hb->pool.threads = calloc(threads, sizeof(pthread_t));
+        if (!hb->pool.threads) {
+                snprintf(err, err_len, "out of memory");
+                return EPD_INTERNAL;
+        }
+        for (unsigned i = 0; i + 1 < threads; i++) {
+                if (pthread_create(&hb->pool.threads[i], NULL, pool_helper, &hb->pool) != 0)
+                        break;
+                hb->pool.num_helpers++;
+        }
+        if (pthread_create(&hb->executor, NULL, executor_main, hb) != 0) {
+                snprintf(err, err_len, "cannot start the executor thread");
+                return EPD_INTERNAL;
+        }
+        log_info("host backend devices=%u threads=%u", devices, hb->pool.num_helpers + 1);
+        return 0;
+}
+
+static void host_fini(struct epd_backend *b)
+{
+        struct host_backend *hb = b->priv;
+
+        if (!hb)
+                return;
+        pthread_mutex_lock(&hb->lock);
+        hb->stop = 1;
+        pthread_cond_signal(&hb->cond);
+        pthread_mutex_unlock(&hb->lock);
+        pthread_join(hb->executor, NULL);
+        pthread_mutex_lock(&hb->pool.lock);
+        hb->pool.stop = 1;
+        pthread_cond_broadcast(&hb->pool.work_cond);
+        pthread_mutex_unlock(&hb->pool.lock);
+        for (unsigned i = 0; i < hb->pool.num_helpers; i++)
+                pthread_join(hb->pool.threads[i], NULL);
+        free(hb->pool.threads);
+        free(hb);
+        b->priv = NULL;
+}
+
+static int host_region_import(struct epd_backend *b, struct epd_region *r, int fd,
+                              const void *ipc_handle, size_t ipc_len, uint64_t offset, char *err,
+                              size_t err_len)
+{
+        struct stat st;
+        long page = sysconf(_SC_PAGESIZE);
+        uint64_t map_off, map_len;
+        int seals;
+        void *p;
+
+        (void)b;
+        (void)ipc_handle;
+        (void)ipc_len;
+        if (r->kind != EPD_REGION_HOST_MEMFD) {
+                snprintf(err, err_len, "the host backend accepts only host memfd regions");
+                goto fail;
+        }
+        if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+                snprintf(err, err_len, "region fd is not a memfd or regular file");
+                goto fail;
+        }
+        if (offset > (uint64_t)st.st_size || r->size > (uint64_t)st.st_size - offset) {
+                snprintf(err, err_len, "region of %llu bytes at offset %llu exceeds the file's %lld bytes",
+                         (unsigned long long)r->size, (unsigned long long)offset,
+                         (long long)st.st_size);
+                goto fail;
+        }
+        /* A client that shrank the file later would make the daemon fault on access: seal it
+         * against shrinking first. */
+        seals = fcntl(fd, F_GET_SEALS);
+        if (seals < 0 || (!(seals & F_SEAL_SHRINK) && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) < 0)) {
+                snprintf(err, err_len,
+                         "memfd must allow sealing (MFD_ALLOW_SEALING) so that it cannot shrink under the daemon");
+                goto fail;
+        }
+        map_off = offset / (uint64_t)page * (uint64_t)page;
+        map_len = offset - map_off + r->size;
+        p = mmap(NULL, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)map_off);
+        if (p == MAP_FAILED) {
+                snprintf(err, err_len, "mmap of region failed: %s", strerror(errno));
+                goto fail;
+        }
+        close(fd);
+        r->base = (uint8_t *)p + (offset - map_off);
+        r->backend_state = (void *)(uintptr_t)(offset - map_off);
+        return 0;
+fail:
+        close(fd);
+        return EPD_INVALID_ARGUMENT;
+}
+
+static void host_region_release(struct epd_backend *b, struct epd_region *r)
+{
+        uintptr_t lead = (uintptr_t)r->backend_state;
+
+        (void)b;
+        if (r->base)
+                munmap(r->base - lead, lead + r->size);
+        r->base = NULL;
+}
+
+static int host_arena_alloc(struct epd_backend *b, uint32_t device, uint64_t bytes,
+                            uint8_t **base, int *fd_out, enum epd_region_kind *kind, char *err,
+                            size_t err_len)
+{
+        int fd;
+        void *p;
+
+        (void)b;
+        (void)device;
+        fd = memfd_create("epd-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        if (fd < 0 || ftruncate(fd, (off_t)bytes) < 0 ||
+            fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) < 0) {
+                snprintf(err, err_len, "cannot create a %llu-byte output arena: %s",
+                         (unsigned long long)bytes, strerror(errno));
+                if (fd >= 0)
+                        close(fd);
+                return EPD_UNAVAILABLE;
+        }
+        p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) {
+                snprintf(err, err_len, "cannot map the output arena: %s", strerror(errno));
+                close(fd);
+                return EPD_UNAVAILABLE;
+        }
+        *base = p;
+        *fd_out = fd;
+        *kind = EPD_REGION_HOST_MEMFD;
+        return 0;
+}
+
+static void host_arena_free(struct epd_backend *b, uint8_t *base, uint64_t bytes)
+{
+        (void)b;
+        munmap(base, bytes);
+}
+
+static void host_submit(struct epd_backend *b, struct epd_exec *ex)
+{
+        struct host_backend *hb = b->priv;
+
+        pthread_mutex_lock(&hb->lock);
+        epd_list_add_tail(&hb->queue, &ex->link);
+        pthread_cond_signal(&hb->cond);
+        pthread_mutex_unlock(&hb->lock);
+}
+
+static void host_handle_free_op(struct epd_backend *b, void *state)
+{
+        struct host_handle *hh = state;
+
+        (void)b;
+        if (hh)
+                host_handle_free(hh, hh->plan ? hh->plan->world_size : 0);
+}
+
+static int host_check_alive(struct epd_backend *b)
+{
+        struct host_backend *hb = b->priv;
+        uint64_t age = epd__now_ns() - atomic_load(&hb->heartbeat_ns);
+
+        /* An idle executor wakes every second; a busy one is alive while ops finish. A minute
+         * without either means it is stuck. */
+        return age > 60ull * 1000000000ull ? -1 : 0;
+}
+
+const struct epd_backend_ops epd_backend_host_ops = {
+        .name = "host",
+        .init = host_init,
+        .fini = host_fini,
+        .region_import = host_region_import,
+        .region_release = host_region_release,
+        .arena_alloc = host_arena_alloc,
+        .arena_free = host_arena_free,
+        .submit = host_submit,
+        .handle_free = host_handle_free_op,
+        .check_alive = host_check_alive,
+};

@@ -1,0 +1,221 @@
+/* config.c - defaults, INI parsing with inih, and hot reload of the daemon configuration. */
+#include <errno.h>
+#include <ini.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <syslog.h>
+
+#include "config.h"
+#include "log.h"
+
+void epd_config_defaults(struct epd_config *cfg)
+{
+        memset(cfg, 0, sizeof(*cfg));
+        snprintf(cfg->config_path, sizeof(cfg->config_path), "%s", EPD_CONFIG_PATH_DEFAULT);
+        snprintf(cfg->socket_path, sizeof(cfg->socket_path), "%s", EPD_SOCKET_PATH_DEFAULT);
+        snprintf(cfg->backend, sizeof(cfg->backend), "auto");
+        cfg->socket_mode = 0660;
+        cfg->log_level = LOG_INFO;
+        cfg->op_timeout_ms = 10000;
+        cfg->peer_lost_ms = 100;
+        cfg->arena_bytes = 64ull << 20;
+        cfg->max_clients = 256;
+        cfg->max_groups = 64;
+        cfg->max_regions_per_client = 1024;
+        cfg->max_region_bytes_per_client = 1ull << 40;
+        cfg->max_outstanding_ops_per_client = 64;
+        cfg->max_frame_bytes = 64u * 1024u;
+        cfg->max_fds_per_frame = 8;
+        cfg->max_output_queue_bytes = 8ull << 20;
+        cfg->host_devices = 1;
+        cfg->host_threads = 0;
+}
+
+static int parse_u64(const char *value, uint64_t max, uint64_t *out)
+{
+        char *end;
+        unsigned long long v;
+        uint64_t mult = 1;
+
+        errno = 0;
+        v = strtoull(value, &end, 0);
+        if (errno || end == value || value[0] == '-')
+                return -EINVAL;
+        /* Sizes may carry a binary suffix: K, M, G, T. */
+        if (*end) {
+                switch (*end) {
+                case 'K': case 'k': mult = 1ull << 10; break;
+                case 'M': case 'm': mult = 1ull << 20; break;
+                case 'G': case 'g': mult = 1ull << 30; break;
+                case 'T': case 't': mult = 1ull << 40; break;
+                default: return -EINVAL;
+                }
+                if (end[1] && strcasecmp(end + 1, "iB") != 0 && strcasecmp(end + 1, "B") != 0)
+                        return -EINVAL;
+        }
+        if (v > max / mult)
+                return -ERANGE;
+        *out = v * mult;
+        return 0;
+}
+
+static int parse_id_list(const char *value, uint32_t *ids, unsigned *count)
+{
+        char buf[512], *save = NULL, *tok;
+
+        snprintf(buf, sizeof(buf), "%s", value);
+        *count = 0;
+        for (tok = strtok_r(buf, ", ", &save); tok; tok = strtok_r(NULL, ", ", &save)) {
+                uint64_t v;
+                if (*count >= EPD_MAX_ALLOW || parse_u64(tok, UINT32_MAX, &v) < 0)
+                        return -EINVAL;
+                ids[(*count)++] = (uint32_t)v;
+        }
+        return 0;
+}
+
+#define STR_KEY(sec, key, field)                                                        \
+        if (strcmp(section, sec) == 0 && strcmp(name, key) == 0) {                      \
+                if (strlen(value) >= sizeof(cfg->field))                                \
+                        goto too_long;                                                  \
+                snprintf(cfg->field, sizeof(cfg->field), "%s", value);                  \
+                return 0;                                                               \
+        }
+#define NUM_KEY(sec, key, field, max)                                                   \
+        if (strcmp(section, sec) == 0 && strcmp(name, key) == 0) {                      \
+                uint64_t v_;                                                            \
+                if (parse_u64(value, max, &v_) < 0)                                     \
+                        goto bad_number;                                                \
+                cfg->field = v_;                                                        \
+                return 0;                                                               \
+        }
+
+int epd_config_set(struct epd_config *cfg, const char *section, const char *name,
+                   const char *value, char *err, size_t err_len)
+{
+        STR_KEY("daemon", "socket", socket_path)
+        STR_KEY("daemon", "socket_group", socket_group)
+        STR_KEY("daemon", "metrics_listen", metrics_listen)
+        STR_KEY("daemon", "admin_group", admin_group)
+        NUM_KEY("daemon", "op_timeout_ms", op_timeout_ms, 3600000)
+        NUM_KEY("daemon", "peer_lost_ms", peer_lost_ms, 60000)
+        NUM_KEY("daemon", "arena_bytes", arena_bytes, 1ull << 40)
+        NUM_KEY("limits", "max_clients", max_clients, 65536)
+        NUM_KEY("limits", "max_groups", max_groups, 65536)
+        NUM_KEY("limits", "max_regions_per_client", max_regions_per_client, 1u << 20)
+        NUM_KEY("limits", "max_region_bytes_per_client", max_region_bytes_per_client, 1ull << 50)
+        NUM_KEY("limits", "max_outstanding_ops_per_client", max_outstanding_ops_per_client, 1u << 16)
+        NUM_KEY("limits", "max_frame_bytes", max_frame_bytes, 16u << 20)
+        NUM_KEY("limits", "max_fds_per_frame", max_fds_per_frame, 16)
+        NUM_KEY("limits", "max_output_queue_bytes", max_output_queue_bytes, 1ull << 34)
+        NUM_KEY("host", "devices", host_devices, 64)
+        NUM_KEY("host", "threads", host_threads, 256)
+        if (strcmp(section, "daemon") == 0 && strcmp(name, "backend") == 0) {
+                if (strcmp(value, "auto") && strcmp(value, "host") && strcmp(value, "cuda")) {
+                        snprintf(err, err_len, "backend must be auto, host or cuda, not '%s'", value);
+                        return -EINVAL;
+                }
+                snprintf(cfg->backend, sizeof(cfg->backend), "%s", value);
+                return 0;
+        }
+        if (strcmp(section, "daemon") == 0 && strcmp(name, "socket_mode") == 0) {
+                char *end;
+                unsigned long mode = strtoul(value, &end, 8);
+                if (*value == '\0' || *end || mode > 0777) {
+                        snprintf(err, err_len, "socket_mode must be octal like 0660, not '%s'", value);
+                        return -EINVAL;
+                }
+                cfg->socket_mode = (unsigned)mode;
+                return 0;
+        }
+        if (strcmp(section, "daemon") == 0 && strcmp(name, "log_level") == 0) {
+                int level = epd_log_parse_level(value);
+                if (level < 0) {
+                        snprintf(err, err_len, "log_level must be error, warning, notice, info or debug, not '%s'", value);
+                        return -EINVAL;
+                }
+                cfg->log_level = level;
+                return 0;
+        }
+        if (strcmp(section, "daemon") == 0 && strcmp(name, "allow_uids") == 0) {
+                if (parse_id_list(value, cfg->allow_uids, &cfg->num_allow_uids) < 0)
+                        goto bad_number;
+                return 0;
+        }
+        if (strcmp(section, "daemon") == 0 && strcmp(name, "allow_gids") == 0) {
+                if (parse_id_list(value, cfg->allow_gids, &cfg->num_allow_gids) < 0)
+                        goto bad_number;
+                return 0;
+        }
+        snprintf(err, err_len, "unknown key [%s] %s", section, name);
+        return -EINVAL;
+too_long:
+        snprintf(err, err_len, "value of [%s] %s is too long", section, name);
+        return -EINVAL;
+bad_number:
+        snprintf(err, err_len, "[%s] %s: '%s' is not a valid number in range", section, name, value);
+        return -EINVAL;
+}
+
+struct load_ctx {
+        struct epd_config *cfg;
+        char *err;
+        size_t err_len;
+        int failed;
+};
+
+static int config_ini_handler(void *user, const char *section, const char *name, const char *value)
+{
+        struct load_ctx *ctx = user;
+
+        if (ctx->failed)
+                return 0;
+        if (epd_config_set(ctx->cfg, section, name, value, ctx->err, ctx->err_len) < 0) {
+                ctx->failed = 1;
+                return 0;
+        }
+        return 1;
+}
+
+int epd_config_load(struct epd_config *cfg, const char *path, char *err, size_t err_len)
+{
+        struct load_ctx ctx = { cfg, err, err_len, 0 };
+        FILE *f = fopen(path, "re");
+        int line;
+
+        if (!f) {
+                snprintf(err, err_len, "cannot open %s: %s", path, strerror(errno));
+                return -errno;
+        }
+        line = ini_parse_file(f, config_ini_handler, &ctx);
+        fclose(f);
+        if (ctx.failed || line != 0) {
+                if (!ctx.failed)
+                        snprintf(err, err_len, "syntax error");
+                char msg[256];
+                snprintf(msg, sizeof(msg), "%s:%d: %s", path, line, err);
+                snprintf(err, err_len, "%s", msg);
+                return -EINVAL;
+        }
+        return 0;
+}
+
+void epd_config_apply_hot(struct epd_config *dst, const struct epd_config *src)
+{
+        dst->log_level = src->log_level;
+        dst->op_timeout_ms = src->op_timeout_ms;
+        dst->peer_lost_ms = src->peer_lost_ms;
+        dst->max_clients = src->max_clients;
+        dst->max_groups = src->max_groups;
+        dst->max_regions_per_client = src->max_regions_per_client;
+        dst->max_region_bytes_per_client = src->max_region_bytes_per_client;
+        dst->max_outstanding_ops_per_client = src->max_outstanding_ops_per_client;
+        dst->max_output_queue_bytes = src->max_output_queue_bytes;
+        memcpy(dst->allow_uids, src->allow_uids, sizeof(dst->allow_uids));
+        dst->num_allow_uids = src->num_allow_uids;
+        memcpy(dst->allow_gids, src->allow_gids, sizeof(dst->allow_gids));
+        dst->num_allow_gids = src->num_allow_gids;
+        snprintf(dst->admin_group, sizeof(dst->admin_group), "%s", src->admin_group);
+}

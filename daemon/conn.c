@@ -1,0 +1,319 @@
+/* conn.c - one client connection: frame reception, protocol checks, replies with an output
+ * queue, and the release of everything the client held when it goes away. Loop thread only. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "daemon.h"
+#include "frame.h"
+#include "log.h"
+#include "util.h"
+
+static void on_conn_event(uv_poll_t *handle, int status, int events);
+
+static void conn_update_poll(struct epd_conn *c)
+{
+        int want = UV_READABLE | (epd_list_empty(&c->out_queue) ? 0 : UV_WRITABLE);
+
+        if (c->closing || want == c->poll_events)
+                return;
+        c->poll_events = want;
+        uv_poll_start(&c->poll, want, on_conn_event);
+}
+
+/* Refuses a connection with one status frame, then closes it. */
+static void refuse(int fd, int status, const char *message)
+{
+        Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
+        uint8_t buf[512];
+
+        resp.status = (Epd__V1__StatusCode)epd__status_to_wire(status);
+        resp.message = (char *)message;
+        size_t len = epd__v1__response__get_packed_size(&resp);
+        if (len <= sizeof(buf)) {
+                epd__v1__response__pack(&resp, buf);
+                (void)epd_frame_send(fd, EPD_PROTOCOL_VERSION, buf, len, NULL, 0);
+        }
+        close(fd);
+}
+
+int epd_conn_accept(struct epd_daemon *d, int fd)
+{
+        struct ucred cred;
+        socklen_t len = sizeof(cred);
+        struct epd_conn *c;
+
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
+                log_warning("SO_PEERCRED failed: %s, ignoring connection", strerror(errno));
+                close(fd);
+                return -errno;
+        }
+        if (!epd_conn_is_allowed(d, cred.uid, cred.gid)) {
+                d->stats.clients_refused++;
+                log_notice("refused client pid=%d uid=%u gid=%u: not in the allow list",
+                           (int)cred.pid, cred.uid, cred.gid);
+                refuse(fd, EPD_PERMISSION_DENIED, "uid/gid not allowed by the daemon's allow list");
+                return -EPERM;
+        }
+        if (d->shutting_down) {
+                refuse(fd, EPD_UNAVAILABLE, "daemon is shutting down");
+                return -ESHUTDOWN;
+        }
+        if (d->num_conns >= d->cfg.max_clients) {
+                d->stats.clients_refused++;
+                log_notice("refused client pid=%d: max_clients=%u reached", (int)cred.pid,
+                           d->cfg.max_clients);
+                refuse(fd, EPD_UNAVAILABLE, "too many clients (max_clients reached)");
+                return -EMFILE;
+        }
+        c = calloc(1, sizeof(*c));
+        if (!c) {
+                close(fd);
+                return -ENOMEM;
+        }
+        c->daemon = d;
+        c->id = ++d->next_client_id;
+        c->fd = fd;
+        c->pid = cred.pid;
+        c->uid = cred.uid;
+        c->gid = cred.gid;
+        c->admin = epd_conn_is_admin(d, cred.uid, cred.gid);
+        epd_list_init(&c->regions);
+        epd_list_init(&c->bindings);
+        epd_list_init(&c->out_queue);
+        epd_list_add_tail(&d->conns, &c->link);
+        d->num_conns++;
+        d->stats.clients_accepted++;
+        uv_poll_init(d->loop, &c->poll, fd);
+        c->poll.data = c;
+        c->poll_events = 0;
+        conn_update_poll(c);
+        log_debug("client connected client=%llu pid=%d uid=%u", (unsigned long long)c->id,
+                  (int)c->pid, c->uid);
+        return 0;
+}
+
+static void free_out_msg(struct epd_out_msg *m)
+{
+        for (unsigned i = 0; i < m->num_fds; i++)
+                close(m->fds[i]);
+        free(m);
+}
+
+static void on_conn_closed(uv_handle_t *handle)
+{
+        struct epd_conn *c = handle->data;
+
+        free(c);
+}
+
+void epd_conn_close(struct epd_conn *c, const char *why)
+{
+        struct epd_daemon *d = c->daemon;
+        struct epd_list *pos, *tmp;
+
+        if (c->closing)
+                return;
+        c->closing = 1;
+        /* A clean close is routine; anything else is worth the operator's attention. */
+        epd_log(strcmp(why, "end of stream") ? LOG_INFO : LOG_DEBUG,
+                "client disconnected client=%llu pid=%d reason=\"%s\"",
+                (unsigned long long)c->id, (int)c->pid, why);
+        uv_poll_stop(&c->poll);
+        /* Unbind every rank first: the groups fail or finish the ops of this client, and no
+         * reply is sent to it any more. */
+        epd_list_for_each_safe(pos, tmp, &c->bindings)
+        {
+                struct epd_binding *b = epd_list_entry(pos, struct epd_binding, conn_link);
+                struct epd_group *g = b->group;
+                epd_group_unbind(g, b->rank, 1);
+                epd_group_maybe_free(g);
+        }
+        epd_region_release_all(c);
+        epd_list_for_each_safe(pos, tmp, &c->out_queue)
+        {
+                struct epd_out_msg *m = epd_list_entry(pos, struct epd_out_msg, link);
+                epd_list_del(&m->link);
+                free_out_msg(m);
+        }
+        close(c->fd);
+        c->fd = -1;
+        epd_list_del(&c->link);
+        d->num_conns--;
+        uv_close((uv_handle_t *)&c->poll, on_conn_closed);
+}
+
+/* Sends queued frames until the socket is full. Returns 0 or -errno (connection broken). */
+static int conn_flush(struct epd_conn *c)
+{
+        struct epd_list *pos, *tmp;
+
+        epd_list_for_each_safe(pos, tmp, &c->out_queue)
+        {
+                struct epd_out_msg *m = epd_list_entry(pos, struct epd_out_msg, link);
+                int rc = epd_frame_send(c->fd, EPD_PROTOCOL_VERSION, m->data, m->len, m->fds,
+                                        m->num_fds);
+                if (rc == -EAGAIN)
+                        break;
+                if (rc < 0)
+                        return rc;
+                c->out_bytes -= m->len;
+                epd_list_del(&m->link);
+                free_out_msg(m);
+                c->daemon->stats.frames_out++;
+        }
+        conn_update_poll(c);
+        return 0;
+}
+
+int epd_conn_send(struct epd_conn *c, const Epd__V1__Response *resp, const int *fds,
+                  unsigned num_fds)
+{
+        struct epd_daemon *d = c->daemon;
+        size_t len;
+        struct epd_out_msg *m;
+        int rc;
+
+        if (c->closing)
+                return -ECONNRESET;
+        len = epd__v1__response__get_packed_size(resp);
+        if (len > d->cfg.max_frame_bytes) {
+                log_error("reply of %zu bytes exceeds max_frame_bytes=%u client=%llu", len,
+                          d->cfg.max_frame_bytes, (unsigned long long)c->id);
+                epd_conn_reply_status(c, resp->id, EPD_INTERNAL,
+                                      "reply of %zu bytes exceeds the maximum frame size %u",
+                                      len, d->cfg.max_frame_bytes);
+                return -EMSGSIZE;
+        }
+        m = malloc(sizeof(*m) + len);
+        if (!m)
+                return -ENOMEM;
+        m->len = len;
+        m->num_fds = 0;
+        epd__v1__response__pack(resp, m->data);
+        for (unsigned i = 0; i < num_fds && i < EPD_ARRAY_SIZE(m->fds); i++) {
+                /* The queue owns a duplicate, so the caller's fd may close before the send. */
+                int dup_fd = fcntl(fds[i], F_DUPFD_CLOEXEC, 3);
+                if (dup_fd < 0) {
+                        free_out_msg(m);
+                        return -errno;
+                }
+                m->fds[m->num_fds++] = dup_fd;
+        }
+        epd_list_add_tail(&c->out_queue, &m->link);
+        c->out_bytes += len;
+        if (c->out_bytes > d->cfg.max_output_queue_bytes) {
+                epd_conn_close(c, "output queue limit exceeded: the client does not read its replies");
+                return -ENOBUFS;
+        }
+        rc = conn_flush(c);
+        if (rc < 0) {
+                epd_conn_close(c, "send failed");
+                return rc;
+        }
+        return 0;
+}
+
+void epd_conn_reply_status(struct epd_conn *c, uint64_t request_id, int status, const char *fmt,
+                           ...)
+{
+        Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
+        Epd__V1__Empty empty = EPD__V1__EMPTY__INIT;
+        char message[1024];
+        va_list ap;
+
+        va_start(ap, fmt);
+        vsnprintf(message, sizeof(message), fmt, ap);
+        va_end(ap);
+        resp.id = request_id;
+        resp.status = (Epd__V1__StatusCode)epd__status_to_wire(status);
+        resp.message = message;
+        resp.body_case = EPD__V1__RESPONSE__BODY_EMPTY;
+        resp.empty = &empty;
+        (void)epd_conn_send(c, &resp, NULL, 0);
+}
+
+/* Reads and handles every waiting frame. Returns -1 once the connection was closed. */
+static int conn_read(struct epd_conn *c)
+{
+        struct epd_daemon *d = c->daemon;
+
+        for (int budget = 0; budget < 64 && !c->closing; budget++) {
+                struct epd_frame frame;
+                const char *why = NULL;
+                int rc = epd_frame_recv(c->fd, d->rbuf, d->rbuf_len, d->cfg.max_frame_bytes,
+                                        d->cfg.max_fds_per_frame, &frame, &why);
+                if (rc == -EAGAIN)
+                        return 0;
+                if (rc == -ECONNRESET) {
+                        epd_conn_close(c, "end of stream");
+                        return -1;
+                }
+                if (rc < 0) {
+                        char msg[256];
+                        d->stats.protocol_errors++;
+                        snprintf(msg, sizeof(msg), "protocol error: %s",
+                                 why ? why : strerror(-rc));
+                        log_notice("client=%llu %s", (unsigned long long)c->id, msg);
+                        epd_conn_reply_status(c, 0, EPD_INVALID_ARGUMENT, "%s", msg);
+                        epd_conn_close(c, msg);
+                        return -1;
+                }
+                d->stats.frames_in++;
+                c->stats.requests++;
+                if (frame.header.version != EPD_PROTOCOL_VERSION) {
+                        epd_frame_close_fds(&frame);
+                        epd_conn_reply_status(c, 0, EPD_VERSION_MISMATCH,
+                                              "frame protocol version %u, daemon speaks %u",
+                                              frame.header.version, EPD_PROTOCOL_VERSION);
+                        epd_conn_close(c, "protocol version mismatch");
+                        return -1;
+                }
+                Epd__V1__Request *req =
+                        epd__v1__request__unpack(NULL, frame.body_len, frame.body);
+                if (!req) {
+                        d->stats.protocol_errors++;
+                        epd_frame_close_fds(&frame);
+                        epd_conn_reply_status(c, 0, EPD_INVALID_ARGUMENT,
+                                              "protocol error: body is not a valid Request");
+                        epd_conn_close(c, "undecodable request");
+                        return -1;
+                }
+                /* The handler takes the fds it uses (setting them to -1); the rest are closed
+                 * here, so a stray fd never outlives its frame. */
+                rc = epd_handle_request(c, req, frame.fds, frame.num_fds);
+                epd_frame_close_fds(&frame);
+                if (rc < 0) {
+                        if (!c->closing)
+                                epd_conn_close(c, "request handler closed the connection");
+                        return -1;
+                }
+        }
+        return 0;
+}
+
+static void on_conn_event(uv_poll_t *handle, int status, int events)
+{
+        struct epd_conn *c = handle->data;
+
+        if (c->closing)
+                return;
+        if (status < 0) {
+                epd_conn_close(c, uv_strerror(status));
+                return;
+        }
+        if (events & UV_WRITABLE) {
+                if (conn_flush(c) < 0) {
+                        epd_conn_close(c, "send failed");
+                        return;
+                }
+        }
+        if (events & (UV_READABLE | UV_DISCONNECT))
+                conn_read(c);
+}

@@ -1,0 +1,423 @@
+/* group.c - EP groups (SEMANTICS.md section 1): configuration checks, rank binding, the
+ * FORMING -> READY <-> BROKEN lifecycle, output arenas and handles. Loop thread only. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "arena.h"
+#include "backend.h"
+#include "daemon.h"
+#include "log.h"
+#include "routing.h"
+
+const char *epd_group_state_name(enum epd_group_state s)
+{
+        switch (s) {
+        case EPD_GROUP_FORMING: return "FORMING";
+        case EPD_GROUP_READY: return "READY";
+        case EPD_GROUP_DRAINING: return "DRAINING";
+        case EPD_GROUP_BROKEN: return "BROKEN";
+        case EPD_GROUP_CLOSED: return "CLOSED";
+        }
+        return "UNKNOWN";
+}
+
+struct epd_group *epd_group_find(struct epd_daemon *d, uint64_t id)
+{
+        struct epd_list *pos;
+
+        epd_list_for_each(pos, &d->groups)
+        {
+                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                if (g->id == id && g->state != EPD_GROUP_CLOSED)
+                        return g;
+        }
+        return NULL;
+}
+
+struct epd_group *epd_group_find_name(struct epd_daemon *d, const char *name)
+{
+        struct epd_list *pos;
+
+        epd_list_for_each(pos, &d->groups)
+        {
+                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                if (strcmp(g->name, name) == 0 && g->state != EPD_GROUP_CLOSED)
+                        return g;
+        }
+        return NULL;
+}
+
+int epd_group_cfg_from_wire(const struct epd_daemon *d, const Epd__V1__GroupConfig *w,
+                            struct epd_group_cfg *cfg, char *err, size_t err_len)
+{
+        if (!w) {
+                snprintf(err, err_len, "group config missing");
+                return EPD_INVALID_ARGUMENT;
+        }
+        memset(cfg, 0, sizeof(*cfg));
+        if (w->world_size < 1 || w->world_size > EPD_MAX_WORLD_SIZE) {
+                snprintf(err, err_len, "world_size %u outside 1..%u", w->world_size,
+                         EPD_MAX_WORLD_SIZE);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (w->num_experts < 1 || w->num_experts > EPD_MAX_EXPERTS ||
+            w->num_experts % w->world_size) {
+                snprintf(err, err_len,
+                         "num_experts %u must be in 1..%u and a multiple of world_size %u",
+                         w->num_experts, EPD_MAX_EXPERTS, w->world_size);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (w->num_experts / w->world_size > EPD_MAX_LOCAL_EXPERTS) {
+                snprintf(err, err_len, "num_experts/world_size = %u exceeds %u local experts",
+                         w->num_experts / w->world_size, EPD_MAX_LOCAL_EXPERTS);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (w->max_topk < 1 || w->max_topk > EPD_MAX_TOPK) {
+                snprintf(err, err_len, "max_topk %u outside 1..%u", w->max_topk, EPD_MAX_TOPK);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (w->hidden < 1 || w->hidden > (1u << 20)) {
+                snprintf(err, err_len, "hidden %u outside 1..%u", w->hidden, 1u << 20);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (w->max_tokens_per_rank > (1u << 24)) {
+                snprintf(err, err_len, "max_tokens_per_rank %u exceeds %u", w->max_tokens_per_rank,
+                         1u << 24);
+                return EPD_INVALID_ARGUMENT;
+        }
+        cfg->world_size = w->world_size;
+        cfg->num_experts = w->num_experts;
+        cfg->num_local_experts = w->num_experts / w->world_size;
+        cfg->hidden = w->hidden;
+        cfg->max_tokens = w->max_tokens_per_rank;
+        cfg->max_topk = w->max_topk;
+        cfg->dtype = (enum epd_dtype)w->dispatch_dtype;
+        if (cfg->dtype == EPD_DTYPE_BF16) {
+                cfg->row_bytes = (uint64_t)w->hidden * 2;
+        } else if (cfg->dtype == EPD_DTYPE_FP8_E4M3) {
+                cfg->scale_block = w->scale_block ? w->scale_block : EPD_DEFAULT_SCALE_BLOCK;
+                if (w->hidden % cfg->scale_block) {
+                        snprintf(err, err_len, "hidden %u is not a multiple of scale_block %u",
+                                 w->hidden, cfg->scale_block);
+                        return EPD_INVALID_ARGUMENT;
+                }
+                cfg->row_bytes = w->hidden;
+                cfg->scale_cols = w->hidden / cfg->scale_block;
+        } else {
+                snprintf(err, err_len, "dispatch_dtype must be BF16 or FP8_E4M3");
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (cfg->row_bytes % 16) {
+                snprintf(err, err_len, "dispatch row bytes %llu must be a multiple of 16",
+                         (unsigned long long)cfg->row_bytes);
+                return EPD_INVALID_ARGUMENT;
+        }
+        cfg->op_timeout_ms = w->op_timeout_ms ? w->op_timeout_ms : d->cfg.op_timeout_ms;
+        cfg->arena_bytes = w->arena_bytes ? w->arena_bytes : d->cfg.arena_bytes;
+        if (cfg->arena_bytes > (1ull << 40)) {
+                snprintf(err, err_len, "arena_bytes %llu exceeds 1 TiB",
+                         (unsigned long long)cfg->arena_bytes);
+                return EPD_INVALID_ARGUMENT;
+        }
+        return 0;
+}
+
+void epd_group_cfg_to_wire(const struct epd_group_cfg *cfg, Epd__V1__GroupConfig *w)
+{
+        epd__v1__group_config__init(w);
+        w->world_size = cfg->world_size;
+        w->num_experts = cfg->num_experts;
+        w->hidden = cfg->hidden;
+        w->max_tokens_per_rank = cfg->max_tokens;
+        w->max_topk = cfg->max_topk;
+        w->dispatch_dtype = (Epd__V1__DType)cfg->dtype;
+        w->scale_block = cfg->scale_block;
+        w->op_timeout_ms = cfg->op_timeout_ms;
+        w->arena_bytes = cfg->arena_bytes;
+}
+
+int epd_group_new(struct epd_daemon *d, const char *name, const void *secret, size_t secret_len,
+                  const struct epd_group_cfg *cfg, struct epd_group **out, char *err,
+                  size_t err_len)
+{
+        struct epd_group *g;
+
+        if (!name[0] || strlen(name) >= sizeof(g->name)) {
+                snprintf(err, err_len, "group name must be 1..%zu bytes", sizeof(g->name) - 1);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (secret_len > sizeof(g->secret)) {
+                snprintf(err, err_len, "group secret longer than %zu bytes", sizeof(g->secret));
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (epd_group_find_name(d, name)) {
+                snprintf(err, err_len, "group '%s' already exists", name);
+                return EPD_ALREADY_EXISTS;
+        }
+        if (d->num_groups >= d->cfg.max_groups) {
+                snprintf(err, err_len, "the daemon has %u groups, the limit max_groups",
+                         d->num_groups);
+                return EPD_UNAVAILABLE;
+        }
+        g = calloc(1, sizeof(*g));
+        if (!g || !(g->ranks = calloc(cfg->world_size, sizeof(*g->ranks)))) {
+                free(g);
+                snprintf(err, err_len, "out of memory");
+                return EPD_INTERNAL;
+        }
+        g->daemon = d;
+        g->id = ++d->next_group_id;
+        snprintf(g->name, sizeof(g->name), "%s", name);
+        memcpy(g->secret, secret, secret_len);
+        g->secret_len = secret_len;
+        g->cfg = *cfg;
+        g->state = EPD_GROUP_FORMING;
+        g->next_handle_id = 1;
+        epd_list_init(&g->ops);
+        epd_list_init(&g->handles);
+        epd_list_add_tail(&d->groups, &g->link);
+        d->num_groups++;
+        log_info("group created group=%s id=%llu ranks=%u experts=%u hidden=%u tokens=%u topk=%u",
+                 g->name, (unsigned long long)g->id, cfg->world_size, cfg->num_experts,
+                 cfg->hidden, cfg->max_tokens, cfg->max_topk);
+        *out = g;
+        return 0;
+}
+
+static int rank_arena_create(struct epd_group *g, struct epd_rank *r, char *err, size_t err_len)
+{
+        struct epd_backend *b = g->daemon->backend;
+        uint8_t *base = NULL;
+        int fd = -1;
+        enum epd_region_kind kind;
+        int rc;
+
+        if (r->arena || g->cfg.arena_bytes == 0)
+                return 0;
+        rc = b->ops->arena_alloc(b, r->device, g->cfg.arena_bytes, &base, &fd, &kind, err,
+                                 err_len);
+        if (rc < 0)
+                return rc;
+        r->arena = epd_arena_new(base, g->cfg.arena_bytes, fd, kind);
+        if (!r->arena) {
+                b->ops->arena_free(b, base, g->cfg.arena_bytes);
+                snprintf(err, err_len, "out of memory");
+                return EPD_INTERNAL;
+        }
+        return 0;
+}
+
+static void rank_arena_destroy(struct epd_group *g, struct epd_rank *r)
+{
+        struct epd_backend *b = g->daemon->backend;
+
+        if (!r->arena)
+                return;
+        b->ops->arena_free(b, r->arena->base, r->arena->bytes);
+        epd_arena_free(r->arena);
+        r->arena = NULL;
+}
+
+int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint32_t device,
+                   char *err, size_t err_len)
+{
+        struct epd_daemon *d = g->daemon;
+        struct epd_rank *r;
+        struct epd_binding *b;
+        int rc;
+
+        if (rank >= g->cfg.world_size) {
+                snprintf(err, err_len, "rank %u outside 0..%u of group '%s'", rank,
+                         g->cfg.world_size - 1, g->name);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (device >= d->backend->num_devices) {
+                snprintf(err, err_len, "device %u does not exist (the daemon has %u)", device,
+                         d->backend->num_devices);
+                return EPD_INVALID_ARGUMENT;
+        }
+        r = &g->ranks[rank];
+        if (r->conn) {
+                snprintf(err, err_len, "rank %u of group '%s' is already bound to client %llu",
+                         rank, g->name, (unsigned long long)r->conn->id);
+                return EPD_ALREADY_EXISTS;
+        }
+        if (r->arena && r->device != device)
+                rank_arena_destroy(g, r); /* the arena lives on the rank's device */
+        r->device = device;
+        rc = rank_arena_create(g, r, err, err_len);
+        if (rc < 0)
+                return rc;
+        b = calloc(1, sizeof(*b));
+        if (!b) {
+                snprintf(err, err_len, "out of memory");
+                return EPD_INTERNAL;
+        }
+        b->group = g;
+        b->rank = rank;
+        epd_list_add_tail(&c->bindings, &b->conn_link);
+        if (r->arena && epd_region_add_arena(c, r->arena, device, &r->arena_region_id) < 0) {
+                epd_list_del(&b->conn_link);
+                free(b);
+                snprintf(err, err_len, "out of memory");
+                return EPD_INTERNAL;
+        }
+        r->conn = c;
+        r->binding = b;
+        r->next_op = 0;
+        g->num_bound++;
+        if (g->num_bound == g->cfg.world_size &&
+            (g->state == EPD_GROUP_FORMING || g->state == EPD_GROUP_BROKEN)) {
+                /* SEMANTICS.md 1: a re-formed group restarts at op 0 on every rank. */
+                for (uint32_t i = 0; i < g->cfg.world_size; i++)
+                        g->ranks[i].next_op = 0;
+                log_info("group ready group=%s from=%s", g->name, epd_group_state_name(g->state));
+                g->state = EPD_GROUP_READY;
+        }
+        return 0;
+}
+
+void epd_group_handle_free(struct epd_group *g, struct epd_handle *h)
+{
+        struct epd_backend *b = g->daemon->backend;
+
+        epd_list_del(&h->link);
+        g->num_handles--;
+        for (uint32_t r = 0; r < g->cfg.world_size; r++) {
+                struct epd_arena_place *pl = &h->ranks[r].arena;
+                if (pl->used && g->ranks[r].arena)
+                        epd_arena_release(g->ranks[r].arena, pl->ext_off, pl->ext_len);
+                pl->used = 0;
+        }
+        if (h->state)
+                b->ops->handle_free(b, h->state);
+        free(h->ranks);
+        free(h);
+}
+
+struct epd_handle *epd_group_handle_find(struct epd_group *g, uint64_t id)
+{
+        struct epd_list *pos;
+
+        epd_list_for_each(pos, &g->handles)
+        {
+                struct epd_handle *h = epd_list_entry(pos, struct epd_handle, link);
+                if (h->id == id)
+                        return h;
+        }
+        return NULL;
+}
+
+int epd_group_handle_all_released(const struct epd_group *g, const struct epd_handle *h)
+{
+        for (uint32_t r = 0; r < g->cfg.world_size; r++)
+                if (!h->ranks[r].released)
+                        return 0;
+        return 1;
+}
+
+void epd_group_handle_release(struct epd_group *g, struct epd_handle *h, uint32_t rank)
+{
+        struct epd_arena_place *pl = &h->ranks[rank].arena;
+
+        h->ranks[rank].released = 1;
+        /* The rank's outputs are its own business: free its arena space now, unless an op
+         * still writes it. */
+        if (!h->busy && pl->used && g->ranks[rank].arena) {
+                epd_arena_release(g->ranks[rank].arena, pl->ext_off, pl->ext_len);
+                pl->used = 0;
+        }
+        if (!h->busy && epd_group_handle_all_released(g, h))
+                epd_group_handle_free(g, h);
+}
+
+static void free_all_handles(struct epd_group *g)
+{
+        struct epd_list *pos, *tmp;
+
+        epd_list_for_each_safe(pos, tmp, &g->handles)
+        {
+                struct epd_handle *h = epd_list_entry(pos, struct epd_handle, link);
+                if (h->busy) {
+                        /* The executing op still uses it; op.c frees it on completion since
+                         * the group's epoch moved on. */
+                        continue;
+                }
+                epd_group_handle_free(g, h);
+        }
+}
+
+void epd_group_unbind(struct epd_group *g, uint32_t rank, int lost)
+{
+        struct epd_rank *r = &g->ranks[rank];
+        struct epd_list *pos;
+
+        if (!r->conn)
+                return;
+        /* No reply goes to this client any more. */
+        epd_list_for_each(pos, &g->ops)
+        {
+                struct epd_op *op = epd_list_entry(pos, struct epd_op, link);
+                op->subs[rank].conn = NULL;
+        }
+        if (r->arena_region_id) {
+                struct epd_region *ar = epd_region_find(r->conn, r->arena_region_id);
+                if (ar)
+                        epd_region_detach(r->conn, ar);
+                r->arena_region_id = 0;
+        }
+        epd_list_del(&r->binding->conn_link);
+        free(r->binding);
+        r->binding = NULL;
+        r->conn = NULL;
+        g->num_bound--;
+        if (g->num_bound == 0) {
+                g->state = EPD_GROUP_CLOSED;
+                epd_op_fail_pending(g, EPD_ABORTED, "group '%s' closed: its last client left",
+                                    g->name);
+                return;
+        }
+        /* A group that has run (or collected) ops breaks: its op numbering restarts at 0 on
+         * every rank once the rank is bound again. A group still forming without any op stays
+         * FORMING. */
+        int ran = 0;
+        for (uint32_t i = 0; i < g->cfg.world_size; i++)
+                ran |= g->ranks[i].next_op > 0;
+        if (g->state == EPD_GROUP_READY || g->state == EPD_GROUP_DRAINING ||
+            (g->state == EPD_GROUP_FORMING && ran)) {
+                log_notice("group broken group=%s rank=%u reason=%s", g->name, rank,
+                           lost ? "client lost" : "rank left");
+                g->state = EPD_GROUP_BROKEN;
+                g->epoch++;
+        }
+        epd_op_fail_pending(g, EPD_PEER_LOST, "group '%s': rank %u %s", g->name, rank,
+                            lost ? "was lost (its client disconnected)" : "left the group");
+        if (g->state == EPD_GROUP_BROKEN)
+                free_all_handles(g);
+}
+
+void epd_group_maybe_free(struct epd_group *g)
+{
+        struct epd_daemon *d = g->daemon;
+        struct epd_list *pos, *tmp;
+
+        if (g->num_bound > 0)
+                return;
+        g->state = EPD_GROUP_CLOSED;
+        if (g->executing) {
+                g->free_pending = 1;
+                return;
+        }
+        epd_list_for_each_safe(pos, tmp, &g->handles)
+                epd_group_handle_free(g, epd_list_entry(pos, struct epd_handle, link));
+        epd_op_destroy_all(g);
+        for (uint32_t r = 0; r < g->cfg.world_size; r++)
+                rank_arena_destroy(g, &g->ranks[r]);
+        log_info("group destroyed group=%s id=%llu", g->name, (unsigned long long)g->id);
+        epd_list_del(&g->link);
+        d->num_groups--;
+        free(g->ranks);
+        free(g);
+}

@@ -1,0 +1,74 @@
+/* host_exec.h - the data movement of dispatch and combine on the CPU (host backend).
+ *
+ * Pure compute over raw pointers that the caller has already bounds-checked against registered
+ * regions: no daemon state, no locking, no allocation except a per-call fp32 accumulator. Work is
+ * cut into independent items so that several threads can share one op: each item writes rows that
+ * no other item writes.
+ *
+ * Floating point follows SEMANTICS.md section 3 exactly; this file is compiled with
+ * -ffp-contract=off and without fast-math.
+ */
+#ifndef EPD_DAEMON_HOST_EXEC_H
+#define EPD_DAEMON_HOST_EXEC_H
+
+#include <stdint.h>
+
+#include "plan.h"
+
+/* A row-major matrix: row i starts at ptr + i * stride bytes. ptr NULL means absent. */
+struct epd_mat {
+        uint8_t *ptr;
+        uint64_t stride;
+};
+
+struct epd_dispatch_src_io { /* inputs of one source rank */
+        struct epd_mat x;        /* row_bytes per row */
+        struct epd_mat scales;   /* fp32 [N, H/scale_block], fp8 only */
+        struct epd_mat weights;  /* fp32 [N, K_op], optional */
+};
+
+struct epd_dispatch_dst_io { /* outputs of one destination rank */
+        struct epd_mat recv_x;
+        struct epd_mat recv_scales;
+        struct epd_mat recv_topk_idx;  /* NON_EXPAND; element dtype = topk_dtype */
+        struct epd_mat recv_weights;   /* NON_EXPAND [rows, K_op]; EXPAND [rows] (stride 4) */
+        struct epd_mat recv_src;       /* int64 [rows] */
+        struct epd_mat recv_topk_slot; /* EXPAND int32 [rows] */
+};
+
+struct epd_dispatch_exec {
+        const struct epd_plan *plan;   /* placed (epd_plan_place_source done for every s) */
+        uint64_t row_bytes;            /* bytes of one x row */
+        uint64_t scale_bytes;          /* bytes of one scales row, 0 for bf16 */
+        enum epd_dtype topk_dtype;     /* INT32 or INT64, for recv_topk_idx */
+        int has_weights;
+        int zero_padding;              /* EXPAND only */
+        const struct epd_dispatch_src_io *src; /* [R] */
+        const struct epd_dispatch_dst_io *dst; /* [R] */
+};
+
+/* Work items of a dispatch: token chunks of every source, then the padding of every
+ * destination. Item i may run on any thread, in any order, concurrently with other items. */
+uint64_t epd_host_dispatch_items(const struct epd_dispatch_exec *op);
+void epd_host_dispatch_item(const struct epd_dispatch_exec *op, uint64_t item);
+
+struct epd_combine_src_io { /* inputs and outputs of one source rank (the combine's receiver) */
+        struct epd_mat bias[2];                 /* bf16 [N, H]; ptr NULL when absent */
+        struct epd_mat combined;                /* bf16 [N, H] */
+        struct epd_mat combined_topk_weights;   /* fp32 [N, K_op], optional */
+        const float *weights;                   /* [N * K_op] the dispatch's weights, or NULL */
+};
+
+struct epd_combine_exec {
+        const struct epd_plan *plan;
+        uint32_t hidden;
+        int apply_weights;
+        const struct epd_mat *y;                /* [R]: rank d's y (bf16 rows, layout of plan) */
+        const struct epd_combine_src_io *src;   /* [R] */
+};
+
+/* Work items of a combine: token chunks of every source. */
+uint64_t epd_host_combine_items(const struct epd_combine_exec *op);
+void epd_host_combine_item(const struct epd_combine_exec *op, uint64_t item);
+
+#endif

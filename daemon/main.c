@@ -1,0 +1,260 @@
+/* main.c - epd: configuration, start-up, signals, systemd notification and watchdog, and the
+ * orderly shutdown that drains in-flight ops. */
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "daemon.h"
+#include "frame.h"
+#include "log.h"
+#include "util.h"
+
+#define DRAIN_LIMIT_MS 30000
+
+static void usage(FILE *f)
+{
+        fprintf(f,
+                "Usage: epd [OPTIONS]\n"
+                "The epd expert-parallel daemon: serves MoE dispatch/combine to local workers.\n\n"
+                "  -c, --config PATH        configuration file (default %s)\n"
+                "  -s, --socket PATH        Unix socket to listen on (default %s)\n"
+                "  -b, --backend NAME       auto, host or cuda (default auto)\n"
+                "      --socket-mode MODE   octal mode of the socket (default 0660)\n"
+                "      --op-timeout-ms MS   default op timeout of new groups\n"
+                "      --arena-bytes N      default per-rank output arena (K/M/G suffixes)\n"
+                "      --host-devices N     virtual devices of the host backend\n"
+                "      --host-threads N     copy threads of the host backend (0: CPUs)\n"
+                "      --metrics-listen A:P serve Prometheus metrics on this address\n"
+                "      --log-level LEVEL    error, warning, notice, info or debug\n"
+                "  -h, --help               this text\n"
+                "  -V, --version            print the version\n",
+                EPD_CONFIG_PATH_DEFAULT, EPD_SOCKET_PATH_DEFAULT);
+}
+
+struct flag_override {
+        const char *section, *name, *value;
+};
+
+static void on_drain_tick(uv_timer_t *timer)
+{
+        struct epd_daemon *d = timer->data;
+        struct epd_list *pos, *tmp;
+        int busy = 0;
+        uint64_t waited_ms = (epd__now_ns() - d->drain_start_ns) / 1000000;
+
+        epd_list_for_each(pos, &d->groups)
+        {
+                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                busy |= g->executing != NULL;
+        }
+        if (busy && waited_ms < DRAIN_LIMIT_MS)
+                return;
+        if (busy)
+                log_warning("ops still executing after %d ms; stopping anyway", DRAIN_LIMIT_MS);
+        /* Nothing runs any more: answer what waits, then close every client. */
+        epd_list_for_each(pos, &d->groups)
+        {
+                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                epd_op_fail_pending(g, EPD_ABORTED, "daemon shutting down");
+        }
+        epd_list_for_each_safe(pos, tmp, &d->conns)
+                epd_conn_close(epd_list_entry(pos, struct epd_conn, link), "daemon shutting down");
+        uv_timer_stop(timer);
+        uv_stop(d->loop);
+}
+
+static void begin_shutdown(struct epd_daemon *d, const char *why)
+{
+        if (d->shutting_down)
+                return;
+        d->shutting_down = 1;
+        log_info("shutting down reason=%s: draining in-flight ops", why);
+        sd_notify(0, "STOPPING=1\nSTATUS=draining in-flight ops");
+        epd_server_close(d);
+        d->drain_start_ns = epd__now_ns();
+        uv_timer_start(&d->drain_timer, on_drain_tick, 0, 10);
+}
+
+static void on_signal(uv_signal_t *handle, int signum)
+{
+        struct epd_daemon *d = handle->data;
+
+        if (signum == SIGHUP) {
+                struct epd_config fresh;
+                char err[256];
+                epd_config_defaults(&fresh);
+                if (epd_config_load(&fresh, d->cfg.config_path, err, sizeof(err)) < 0 &&
+                    d->cfg.config_path_set) {
+                        log_warning("reload failed: %s, keeping the running configuration", err);
+                        return;
+                }
+                epd_config_apply_hot(&d->cfg, &fresh);
+                epd_log_set_level(d->cfg.log_level);
+                log_info("configuration reloaded path=%s", d->cfg.config_path);
+                return;
+        }
+        begin_shutdown(d, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+static void on_watchdog(uv_timer_t *timer)
+{
+        struct epd_daemon *d = timer->data;
+        char status[128];
+
+        /* This timer firing proves the loop thread runs; the backend vouches for its threads. */
+        if (d->backend->ops->check_alive(d->backend) < 0) {
+                log_error("backend thread stuck; withholding the watchdog ping");
+                return;
+        }
+        snprintf(status, sizeof(status), "STATUS=%u clients, %u groups, %llu ops",
+                 d->num_conns, d->num_groups, (unsigned long long)d->stats.ops_completed);
+        sd_notify(0, status);
+        sd_notify(0, "WATCHDOG=1");
+}
+
+int main(int argc, char **argv)
+{
+        static const struct option options[] = {
+                { "config", required_argument, NULL, 'c' },
+                { "socket", required_argument, NULL, 's' },
+                { "backend", required_argument, NULL, 'b' },
+                { "socket-mode", required_argument, NULL, 1 },
+                { "op-timeout-ms", required_argument, NULL, 2 },
+                { "arena-bytes", required_argument, NULL, 3 },
+                { "host-devices", required_argument, NULL, 4 },
+                { "host-threads", required_argument, NULL, 5 },
+                { "metrics-listen", required_argument, NULL, 6 },
+                { "log-level", required_argument, NULL, 7 },
+                { "help", no_argument, NULL, 'h' },
+                { "version", no_argument, NULL, 'V' },
+                { NULL, 0, NULL, 0 },
+        };
+        static struct epd_daemon daemon_state;
+        struct epd_daemon *d = &daemon_state;
+        struct flag_override overrides[32];
+        unsigned num_overrides = 0;
+        char err[512];
+        int opt, rc;
+        uint64_t watchdog_usec = 0;
+
+        epd_log_init();
+        epd_config_defaults(&d->cfg);
+        while ((opt = getopt_long(argc, argv, "c:s:b:hV", options, NULL)) != -1) {
+                struct flag_override *o = &overrides[num_overrides];
+                if (num_overrides >= EPD_ARRAY_SIZE(overrides)) {
+                        fprintf(stderr, "epd: too many options\n");
+                        return 2;
+                }
+                switch (opt) {
+                case 'c':
+                        snprintf(d->cfg.config_path, sizeof(d->cfg.config_path), "%s", optarg);
+                        d->cfg.config_path_set = 1;
+                        continue;
+                case 's': *o = (struct flag_override){ "daemon", "socket", optarg }; break;
+                case 'b': *o = (struct flag_override){ "daemon", "backend", optarg }; break;
+                case 1: *o = (struct flag_override){ "daemon", "socket_mode", optarg }; break;
+                case 2: *o = (struct flag_override){ "daemon", "op_timeout_ms", optarg }; break;
+                case 3: *o = (struct flag_override){ "daemon", "arena_bytes", optarg }; break;
+                case 4: *o = (struct flag_override){ "host", "devices", optarg }; break;
+                case 5: *o = (struct flag_override){ "host", "threads", optarg }; break;
+                case 6: *o = (struct flag_override){ "daemon", "metrics_listen", optarg }; break;
+                case 7: *o = (struct flag_override){ "daemon", "log_level", optarg }; break;
+                case 'h':
+                        usage(stdout);
+                        return 0;
+                case 'V':
+                        printf("epd %s (%s)\n", EPD_VERSION_STRING, EPD_GIT_REV);
+                        return 0;
+                default:
+                        usage(stderr);
+                        return 2;
+                }
+                num_overrides++;
+        }
+        if (optind < argc) {
+                fprintf(stderr, "epd: unexpected argument '%s'\n", argv[optind]);
+                return 2;
+        }
+        rc = epd_config_load(&d->cfg, d->cfg.config_path, err, sizeof(err));
+        if (rc < 0 && (rc != -ENOENT || d->cfg.config_path_set)) {
+                fprintf(stderr, "epd: %s\n", err);
+                return 2;
+        }
+        for (unsigned i = 0; i < num_overrides; i++) {
+                if (epd_config_set(&d->cfg, overrides[i].section, overrides[i].name,
+                                   overrides[i].value, err, sizeof(err)) < 0) {
+                        fprintf(stderr, "epd: option --%s: %s\n", overrides[i].name, err);
+                        return 2;
+                }
+        }
+        epd_log_set_level(d->cfg.log_level);
+        signal(SIGPIPE, SIG_IGN);
+
+        d->loop = uv_default_loop();
+        d->listen_fd = -1;
+        d->start_ns = epd__now_ns();
+        epd_list_init(&d->conns);
+        epd_list_init(&d->groups);
+        if (epd__random_bytes(&d->epoch, sizeof(d->epoch)) < 0) {
+                fprintf(stderr, "epd: no randomness for the daemon epoch\n");
+                return 1;
+        }
+        d->rbuf_len = EPD_FRAME_HEADER_BYTES + d->cfg.max_frame_bytes + 1;
+        d->rbuf = malloc(d->rbuf_len);
+        if (!d->rbuf)
+                return 1;
+        rc = epd_backend_open(d, &d->backend, err, sizeof(err));
+        if (rc < 0) {
+                log_error("no usable backend: %s", err);
+                return 1;
+        }
+        rc = epd_server_listen(d, err, sizeof(err));
+        if (rc < 0) {
+                log_error("cannot listen: %s", err);
+                epd_backend_close(d->backend);
+                uv_run(d->loop, UV_RUN_NOWAIT);
+                return 1;
+        }
+        uv_signal_init(d->loop, &d->sig_term);
+        uv_signal_init(d->loop, &d->sig_int);
+        uv_signal_init(d->loop, &d->sig_hup);
+        d->sig_term.data = d->sig_int.data = d->sig_hup.data = d;
+        uv_signal_start(&d->sig_term, on_signal, SIGTERM);
+        uv_signal_start(&d->sig_int, on_signal, SIGINT);
+        uv_signal_start(&d->sig_hup, on_signal, SIGHUP);
+        uv_timer_init(d->loop, &d->drain_timer);
+        d->drain_timer.data = d;
+        uv_timer_init(d->loop, &d->watchdog_timer);
+        d->watchdog_timer.data = d;
+        if (sd_watchdog_enabled(0, &watchdog_usec) > 0 && watchdog_usec > 0) {
+                uint64_t period_ms = watchdog_usec / 2000;
+                uv_timer_start(&d->watchdog_timer, on_watchdog, 0, period_ms ? period_ms : 1);
+        }
+        log_info("epd %s ready socket=%s backend=%s devices=%u pid=%d", EPD_VERSION_STRING,
+                 d->listen_fd_activated ? "(activated)" : d->cfg.socket_path,
+                 d->backend->ops->name, d->backend->num_devices, (int)getpid());
+        sd_notifyf(0, "READY=1\nSTATUS=serving on %s with the %s backend\nMAINPID=%d",
+                   d->cfg.socket_path, d->backend->ops->name, (int)getpid());
+
+        uv_run(d->loop, UV_RUN_DEFAULT);
+
+        uv_timer_stop(&d->watchdog_timer);
+        uv_close((uv_handle_t *)&d->watchdog_timer, NULL);
+        uv_close((uv_handle_t *)&d->drain_timer, NULL);
+        uv_close((uv_handle_t *)&d->sig_term, NULL);
+        uv_close((uv_handle_t *)&d->sig_int, NULL);
+        uv_close((uv_handle_t *)&d->sig_hup, NULL);
+        epd_server_close(d);
+        epd_backend_close(d->backend);
+        uv_run(d->loop, UV_RUN_DEFAULT);
+        uv_loop_close(d->loop);
+        free(d->rbuf);
+        log_info("epd stopped");
+        return 0;
+}

@@ -1,0 +1,954 @@
+/* op.c - per-group op sequencing (DESIGN.md sections 3 and 4): op n is collected from every
+ * rank, checked for consistency across ranks, resolved against the submitters' regions, handed
+ * to the backend, and answered on every rank with one status. A rank that never submits turns
+ * into TIMEOUT, a lost rank into PEER_LOST; no op waits on a GPU for a rank that is not there.
+ * Loop thread only.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "arena.h"
+#include "backend.h"
+#include "daemon.h"
+#include "log.h"
+#include "tensor.h"
+#include "util.h"
+
+static void op_free_cb(uv_handle_t *handle)
+{
+        struct epd_op *op = handle->data;
+
+        free(op);
+}
+
+static void op_destroy(struct epd_op *op)
+{
+        uint32_t R = op->group->cfg.world_size;
+
+        epd_list_del(&op->link);
+        for (uint32_t r = 0; r < R; r++)
+                if (op->subs[r].req)
+                        epd__v1__request__free_unpacked(op->subs[r].req, NULL);
+        free(op->subs);
+        op->subs = NULL;
+        if (op->timer_active)
+                uv_timer_stop(&op->timer);
+        uv_close((uv_handle_t *)&op->timer, op_free_cb);
+}
+
+void epd_op_destroy_all(struct epd_group *g)
+{
+        struct epd_list *pos, *tmp;
+
+        epd_list_for_each_safe(pos, tmp, &g->ops)
+        {
+                struct epd_op *op = epd_list_entry(pos, struct epd_op, link);
+                if (op->state != EPD_OP_EXECUTING)
+                        op_destroy(op);
+        }
+}
+
+static void reply_error(struct epd_op *op, uint32_t rank)
+{
+        struct epd_submission *sub = &op->subs[rank];
+
+        if (sub->conn) {
+                sub->conn->outstanding_ops--;
+                epd_conn_reply_status(sub->conn, sub->request_id, op->status, "%s", op->message);
+        }
+        sub->conn = NULL;
+}
+
+/* Ends an op that did not run: every rank that arrived gets the status now, later arrivals get
+ * it on arrival (the op stays FINISHED until every rank has passed it). */
+static int op_finish(struct epd_op *op, int status, const char *message)
+{
+        struct epd_group *g = op->group;
+        uint32_t R = g->cfg.world_size;
+
+        op->status = status;
+        snprintf(op->message, sizeof(op->message), "%s", message);
+        op->state = EPD_OP_FINISHED;
+        if (op->timer_active) {
+                uv_timer_stop(&op->timer);
+                op->timer_active = 0;
+        }
+        g->stats.ops_failed++;
+        g->daemon->stats.ops_failed++;
+        for (uint32_t r = 0; r < R; r++) {
+                if (op->subs[r].arrived) {
+                        epd_op_stats_record(&g->ranks[r].stats.kind[op->kind - 1], status, 0, 0);
+                        reply_error(op, r);
+                }
+        }
+        if (op->arrived == R) {
+                op_destroy(op);
+                return 1;
+        }
+        return 0;
+}
+
+void epd_op_fail_pending(struct epd_group *g, int status, const char *fmt, ...)
+{
+        struct epd_list *pos, *tmp;
+        char message[512];
+        va_list ap;
+
+        va_start(ap, fmt);
+        vsnprintf(message, sizeof(message), fmt, ap);
+        va_end(ap);
+        epd_list_for_each_safe(pos, tmp, &g->ops)
+        {
+                struct epd_op *op = epd_list_entry(pos, struct epd_op, link);
+                if (op->state == EPD_OP_COLLECTING || op->state == EPD_OP_QUEUED) {
+                        char full[600];
+                        snprintf(full, sizeof(full), "op %llu: %s", (unsigned long long)op->number,
+                                 message);
+                        if (!op_finish(op, status, full))
+                                op_destroy(op);
+                } else if (op->state == EPD_OP_FINISHED) {
+                        /* Nobody will pass this op any more: the group re-forms at op 0. */
+                        op_destroy(op);
+                }
+        }
+}
+
+static void on_op_timeout(uv_timer_t *timer)
+{
+        struct epd_op *op = timer->data;
+        struct epd_group *g = op->group;
+        char missing[256] = "";
+        size_t len = 0;
+        char message[512];
+
+        op->timer_active = 0;
+        if (op->state != EPD_OP_COLLECTING)
+                return;
+        for (uint32_t r = 0; r < g->cfg.world_size && len < sizeof(missing) - 16; r++)
+                if (!op->subs[r].arrived)
+                        len += (size_t)snprintf(missing + len, sizeof(missing) - len, "%s%u",
+                                                len ? "," : "", r);
+        snprintf(message, sizeof(message),
+                 "group '%s' op %llu: rank(s) %s did not submit within %u ms", g->name,
+                 (unsigned long long)op->number, missing, g->cfg.op_timeout_ms);
+        log_notice("op timeout group=%s op=%llu missing=%s", g->name,
+                   (unsigned long long)op->number, missing);
+        op_finish(op, EPD_TIMEOUT, message);
+}
+
+static struct epd_op *op_get(struct epd_group *g, uint64_t number, enum epd_op_kind kind)
+{
+        struct epd_list *pos;
+        struct epd_op *op;
+
+        epd_list_for_each(pos, &g->ops)
+        {
+                op = epd_list_entry(pos, struct epd_op, link);
+                if (op->number == number)
+                        return op;
+        }
+        op = calloc(1, sizeof(*op));
+        if (!op)
+                return NULL;
+        op->subs = calloc(g->cfg.world_size, sizeof(*op->subs));
+        if (!op->subs) {
+                free(op);
+                return NULL;
+        }
+        op->group = g;
+        op->number = number;
+        op->kind = kind;
+        op->state = EPD_OP_COLLECTING;
+        uv_timer_init(g->daemon->loop, &op->timer);
+        op->timer.data = op;
+        /* Keep the list sorted by number: ops are created in submission order per rank, and a
+         * rank's numbers grow, so an op is newer than every op already listed unless another
+         * rank is ahead. */
+        struct epd_list *at = &g->ops;
+        epd_list_for_each(pos, &g->ops)
+        {
+                struct epd_op *o = epd_list_entry(pos, struct epd_op, link);
+                if (o->number > number) {
+                        at = pos;
+                        break;
+                }
+        }
+        epd_list_add_tail(at, &op->link);
+        return op;
+}
+
+void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__V1__Request *req,
+                   enum epd_op_kind kind)
+{
+        struct epd_daemon *d = g->daemon;
+        struct epd_op *op;
+        struct epd_submission *sub;
+
+        if (g->state == EPD_GROUP_BROKEN) {
+                epd_conn_reply_status(c, req->id, EPD_PEER_LOST,
+                                      "group '%s' is broken: a rank was lost; it is usable again once every rank is bound",
+                                      g->name);
+                epd__v1__request__free_unpacked(req, NULL);
+                return;
+        }
+        if (c->outstanding_ops >= d->cfg.max_outstanding_ops_per_client) {
+                epd_conn_reply_status(c, req->id, EPD_UNAVAILABLE,
+                                      "client has %u outstanding ops, the limit max_outstanding_ops_per_client",
+                                      c->outstanding_ops);
+                epd__v1__request__free_unpacked(req, NULL);
+                return;
+        }
+        op = op_get(g, g->ranks[rank].next_op, kind);
+        if (!op) {
+                epd_conn_reply_status(c, req->id, EPD_INTERNAL, "out of memory");
+                epd__v1__request__free_unpacked(req, NULL);
+                return;
+        }
+        g->ranks[rank].next_op++;
+        c->outstanding_ops++;
+        c->stats.ops++;
+        sub = &op->subs[rank];
+        sub->arrived = 1;
+        sub->request_id = req->id;
+        sub->conn = c;
+        sub->submitted_ns = epd__now_ns();
+        sub->req = req;
+        op->arrived++;
+        if (op->state == EPD_OP_FINISHED) {
+                epd_op_stats_record(&g->ranks[rank].stats.kind[kind - 1], op->status, 0, 0);
+                reply_error(op, rank);
+                if (op->arrived == g->cfg.world_size)
+                        op_destroy(op);
+                return;
+        }
+        if (op->arrived == 1 && g->cfg.world_size > 1) {
+                uv_timer_start(&op->timer, on_op_timeout, g->cfg.op_timeout_ms, 0);
+                op->timer_active = 1;
+        }
+        if (op->arrived == g->cfg.world_size) {
+                if (op->timer_active) {
+                        uv_timer_stop(&op->timer);
+                        op->timer_active = 0;
+                }
+                op->state = EPD_OP_QUEUED;
+                epd_op_kick(g);
+        }
+}
+
+/* ---- preparing an exec: consistency across ranks and region resolution ---- */
+
+struct prep {
+        struct epd_op *op;
+        struct epd_exec *ex;
+        struct epd_region **refs;     /* regions referenced by the exec */
+        unsigned num_refs, cap_refs;
+        char err[512];
+        int status;
+};
+
+static int prep_fail(struct prep *p, int status, uint32_t rank, const char *fmt, ...)
+        __attribute__((format(printf, 4, 5)));
+
+static int prep_fail(struct prep *p, int status, uint32_t rank, const char *fmt, ...)
+{
+        char detail[400];
+        va_list ap;
+
+        va_start(ap, fmt);
+        vsnprintf(detail, sizeof(detail), fmt, ap);
+        va_end(ap);
+        snprintf(p->err, sizeof(p->err), "group '%s' op %llu rank %u: %s", p->op->group->name,
+                 (unsigned long long)p->op->number, rank, detail);
+        p->status = status;
+        return status;
+}
+
+static int prep_ref(struct prep *p, struct epd_region *r)
+{
+        if (p->num_refs == p->cap_refs) {
+                unsigned cap = p->cap_refs ? p->cap_refs * 2 : 16;
+                struct epd_region **n = realloc(p->refs, cap * sizeof(*n));
+                if (!n)
+                        return EPD_INTERNAL;
+                p->refs = n;
+                p->cap_refs = cap;
+        }
+        epd_region_ref(r);
+        p->refs[p->num_refs++] = r;
+        return 0;
+}
+
+/* Checks dtype and shape [rows, cols] (cols 0: one-dimensional [rows]) and resolves the tensor.
+ * exact_rows: sizes[0] must equal rows; else sizes[0] >= rows and the whole declared extent is
+ * resolved (outputs: sizes[0] is the capacity). */
+static int prep_tensor(struct prep *p, uint32_t rank, const char *what,
+                       const Epd__V1__TensorRef *ref, enum epd_dtype dtype, uint64_t rows,
+                       uint64_t cols, int exact_rows, struct epd_mat *out, uint64_t *capacity)
+{
+        struct epd_conn *c = p->op->subs[rank].conn;
+        struct epd_tensor t;
+        struct epd_region *r;
+        char err[256];
+        int rc;
+
+        memset(out, 0, sizeof(*out));
+        if (epd__tensor_from_wire(ref, &t) < 0)
+                return prep_fail(p, EPD_INVALID_ARGUMENT, rank, "%s: malformed tensor", what);
+        if (t.dtype != dtype)
+                return prep_fail(p, EPD_INVALID_ARGUMENT, rank, "%s: dtype %d, expected %d", what,
+                                 (int)t.dtype, (int)dtype);
+        if (t.ndim != (cols ? 2u : 1u))
+                return prep_fail(p, EPD_INVALID_ARGUMENT, rank, "%s: %u dims, expected %u", what,
+                                 t.ndim, cols ? 2u : 1u);
+        if (cols && t.sizes[1] != cols)
+                return prep_fail(p, EPD_INVALID_ARGUMENT, rank,
+                                 "%s: %llu columns, expected %llu", what,
+                                 (unsigned long long)t.sizes[1], (unsigned long long)cols);
+        if (exact_rows ? t.sizes[0] != rows : t.sizes[0] < rows)
+                return prep_fail(p, EPD_INVALID_ARGUMENT, rank, "%s: %llu rows, expected %s%llu",
+                                 what, (unsigned long long)t.sizes[0], exact_rows ? "" : "at least ",
+                                 (unsigned long long)rows);
+        rc = epd_region_resolve(c, &t, t.sizes[0], cols ? cols : 1, &r, &out->ptr, &out->stride,
+                                err, sizeof(err));
+        if (rc < 0)
+                return prep_fail(p, rc, rank, "%s: %s", what, err);
+        if (capacity)
+                *capacity = t.sizes[0];
+        return prep_ref(p, r);
+}
+
+static int present(const Epd__V1__TensorRef *ref)
+{
+        return ref && ref->region_id != 0;
+}
+
+static uint32_t dispatch_topk(const Epd__V1__Dispatch *m)
+{
+        if (m->num_topk)
+                return m->num_topk;
+        return present(m->topk_idx) && m->topk_idx->n_sizes == 2 ? (uint32_t)m->topk_idx->sizes[1]
+                                                                 : 0;
+}
+
+static int prep_dispatch(struct prep *p)
+{
+        struct epd_op *op = p->op;
+        struct epd_group *g = op->group;
+        struct epd_exec *ex = p->ex;
+        const struct epd_group_cfg *cfg = &g->cfg;
+        const Epd__V1__Dispatch *m0 = op->subs[0].req->dispatch;
+        struct epd_handle *h = NULL;
+        uint32_t R = cfg->world_size;
+
+        ex->layout = (enum epd_layout)m0->layout;
+        ex->expert_alignment = m0->expert_alignment ? m0->expert_alignment : 1;
+        ex->zero_padding = m0->zero_padding;
+        ex->has_weights = present(m0->topk_weights);
+        ex->num_topk = dispatch_topk(m0);
+        ex->topk_dtype = present(m0->topk_idx) ? (enum epd_dtype)m0->topk_idx->dtype
+                                               : EPD_DTYPE_INVALID;
+        if (m0->handle_id) {
+                h = epd_group_handle_find(g, m0->handle_id);
+                if (!h)
+                        return prep_fail(p, EPD_NOT_FOUND, 0, "handle %llu does not exist",
+                                         (unsigned long long)m0->handle_id);
+                ex->handle_state = h->state;
+                ex->topk_dtype = h->topk_dtype;
+                if (!ex->num_topk)
+                        ex->num_topk = h->num_topk;
+        }
+        /* SEMANTICS.md 1: what must match across ranks. */
+        for (uint32_t r = 1; r < R; r++) {
+                const Epd__V1__Dispatch *m = op->subs[r].req->dispatch;
+                if (m->handle_id != m0->handle_id)
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                         "handle %llu differs from rank 0's %llu",
+                                         (unsigned long long)m->handle_id,
+                                         (unsigned long long)m0->handle_id);
+                if (m->layout != m0->layout || m->expert_alignment != m0->expert_alignment ||
+                    m->zero_padding != m0->zero_padding)
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                         "layout/expert_alignment/zero_padding differ from rank 0's");
+                if (present(m->topk_weights) != ex->has_weights)
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                         "topk_weights %s but %s on rank 0",
+                                         ex->has_weights ? "absent" : "present",
+                                         ex->has_weights ? "present" : "absent");
+                if ((dispatch_topk(m) ? dispatch_topk(m) : ex->num_topk) != ex->num_topk)
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                         "top-k width %u differs from rank 0's %u",
+                                         dispatch_topk(m), ex->num_topk);
+                if (!h && present(m->topk_idx) &&
+                    (enum epd_dtype)m->topk_idx->dtype != ex->topk_dtype)
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                         "topk_idx dtype differs from rank 0's");
+        }
+        if (ex->layout != EPD_LAYOUT_NON_EXPAND && ex->layout != EPD_LAYOUT_EXPAND)
+                return prep_fail(p, EPD_INVALID_ARGUMENT, 0, "unknown layout %d", (int)ex->layout);
+        if (ex->expert_alignment > 4096)
+                return prep_fail(p, EPD_INVALID_ARGUMENT, 0, "expert_alignment %u exceeds 4096",
+                                 ex->expert_alignment);
+        if (ex->zero_padding && ex->layout != EPD_LAYOUT_EXPAND)
+                return prep_fail(p, EPD_INVALID_ARGUMENT, 0, "zero_padding needs the EXPAND layout");
+        if (ex->num_topk < 1 || ex->num_topk > cfg->max_topk)
+                return prep_fail(p, EPD_INVALID_ARGUMENT, 0, "top-k width %u outside 1..%u",
+                                 ex->num_topk, cfg->max_topk);
+        if (h && (h->layout != ex->layout || h->num_topk != ex->num_topk))
+                return prep_fail(p, EPD_INVALID_ARGUMENT, 0,
+                                 "cached dispatch must use the handle's layout and top-k width");
+        if (!h && ex->topk_dtype != EPD_DTYPE_INT32 && ex->topk_dtype != EPD_DTYPE_INT64)
+                return prep_fail(p, EPD_INVALID_ARGUMENT, 0, "topk_idx must be int32 or int64");
+
+        int expand = ex->layout == EPD_LAYOUT_EXPAND;
+        for (uint32_t r = 0; r < R; r++) {
+                const Epd__V1__Dispatch *m = op->subs[r].req->dispatch;
+                struct epd_exec_rank *er = &ex->ranks[r];
+                uint32_t n = m->num_tokens;
+                uint64_t cap = UINT64_MAX, c;
+                int rc;
+
+                er->num_tokens = n;
+                er->device = g->ranks[r].device;
+                if (n > cfg->max_tokens)
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                         "num_tokens %u exceeds max_tokens_per_rank %u", n,
+                                         cfg->max_tokens);
+                if (h && h->ranks[r].num_tokens != n)
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                         "cached dispatch with %u tokens, the handle has %u", n,
+                                         h->ranks[r].num_tokens);
+                if (n > 0 || present(m->x)) {
+                        rc = prep_tensor(p, r, "x", m->x, cfg->dtype, n, cfg->hidden, 1,
+                                         &er->src.x, NULL);
+                        if (rc < 0)
+                                return rc;
+                }
+                if (cfg->dtype == EPD_DTYPE_FP8_E4M3) {
+                        if (n > 0 || present(m->scales)) {
+                                rc = prep_tensor(p, r, "scales", m->scales, EPD_DTYPE_FP32, n,
+                                                 cfg->scale_cols, 1, &er->src.scales, NULL);
+                                if (rc < 0)
+                                        return rc;
+                        }
+                } else if (present(m->scales)) {
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r, "scales given for a bf16 group");
+                }
+                if (h) {
+                        if (present(m->topk_idx))
+                                return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                                 "cached dispatch takes no topk_idx");
+                } else if (n > 0 || present(m->topk_idx)) {
+                        struct epd_mat topk;
+                        rc = prep_tensor(p, r, "topk_idx", m->topk_idx, ex->topk_dtype, n,
+                                         ex->num_topk, 1, &topk, NULL);
+                        if (rc < 0)
+                                return rc;
+                        er->topk_idx = topk.ptr;
+                        er->topk_stride = topk.stride / epd_dtype_size(ex->topk_dtype);
+                }
+                if (ex->has_weights && (n > 0 || present(m->topk_weights))) {
+                        rc = prep_tensor(p, r, "topk_weights", m->topk_weights, EPD_DTYPE_FP32, n,
+                                         ex->num_topk, 1, &er->src.weights, NULL);
+                        if (rc < 0)
+                                return rc;
+                }
+                /* Outputs. */
+                er->use_arena = m->use_arena;
+                if (m->use_arena) {
+                        if (!g->ranks[r].arena)
+                                return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                                 "use_arena but the group has no output arena (arena_bytes 0)");
+                        if (present(m->recv_x) || present(m->recv_src))
+                                return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                                 "use_arena and output tensors are exclusive");
+                        er->arena = g->ranks[r].arena;
+                        er->capacity_rows = UINT64_MAX;
+                        if (h && h->ranks[r].arena.used)
+                                er->place = h->ranks[r].arena;
+                        continue;
+                }
+                if (!present(m->recv_x))
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                         "recv_x is required (or use_arena)");
+                rc = prep_tensor(p, r, "recv_x", m->recv_x, cfg->dtype, 0, cfg->hidden, 0,
+                                 &er->dst.recv_x, &c);
+                if (rc < 0)
+                        return rc;
+                cap = c;
+                if (cfg->dtype == EPD_DTYPE_FP8_E4M3) {
+                        if (!present(m->recv_scales))
+                                return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                                 "recv_scales is required for fp8");
+                        rc = prep_tensor(p, r, "recv_scales", m->recv_scales, EPD_DTYPE_FP32, 0,
+                                         cfg->scale_cols, 0, &er->dst.recv_scales, &c);
+                        if (rc < 0)
+                                return rc;
+                        cap = c < cap ? c : cap;
+                }
+                if (present(m->recv_topk_idx)) {
+                        if (expand)
+                                return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                                 "EXPAND has no recv_topk_idx");
+                        rc = prep_tensor(p, r, "recv_topk_idx", m->recv_topk_idx, ex->topk_dtype,
+                                         0, ex->num_topk, 0, &er->dst.recv_topk_idx, &c);
+                        if (rc < 0)
+                                return rc;
+                        cap = c < cap ? c : cap;
+                }
+                if (present(m->recv_weights) && ex->has_weights) {
+                        rc = prep_tensor(p, r, "recv_weights", m->recv_weights, EPD_DTYPE_FP32, 0,
+                                         expand ? 0 : ex->num_topk, 0, &er->dst.recv_weights, &c);
+                        if (rc < 0)
+                                return rc;
+                        cap = c < cap ? c : cap;
+                }
+                if (present(m->recv_src)) {
+                        rc = prep_tensor(p, r, "recv_src", m->recv_src, EPD_DTYPE_INT64, 0, 0, 0,
+                                         &er->dst.recv_src, &c);
+                        if (rc < 0)
+                                return rc;
+                        cap = c < cap ? c : cap;
+                }
+                if (present(m->recv_topk_slot)) {
+                        if (!expand)
+                                return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                                 "NON_EXPAND has no recv_topk_slot");
+                        rc = prep_tensor(p, r, "recv_topk_slot", m->recv_topk_slot,
+                                         EPD_DTYPE_INT32, 0, 0, 0, &er->dst.recv_topk_slot, &c);
+                        if (rc < 0)
+                                return rc;
+                        cap = c < cap ? c : cap;
+                }
+                er->capacity_rows = cap;
+        }
+        if (h) {
+                h->busy = 1;
+                op->handle = h;
+        }
+        return 0;
+}
+
+static int prep_combine(struct prep *p)
+{
+        struct epd_op *op = p->op;
+        struct epd_group *g = op->group;
+        struct epd_exec *ex = p->ex;
+        const struct epd_group_cfg *cfg = &g->cfg;
+        const Epd__V1__Combine *m0 = op->subs[0].req->combine;
+        uint32_t R = cfg->world_size;
+        struct epd_handle *h;
+
+        for (uint32_t r = 1; r < R; r++) {
+                const Epd__V1__Combine *m = op->subs[r].req->combine;
+                if (m->handle_id != m0->handle_id)
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                         "handle %llu differs from rank 0's %llu",
+                                         (unsigned long long)m->handle_id,
+                                         (unsigned long long)m0->handle_id);
+                if (m->apply_weights != m0->apply_weights)
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                         "apply_weights differs from rank 0's");
+        }
+        h = epd_group_handle_find(g, m0->handle_id);
+        if (!h)
+                return prep_fail(p, EPD_NOT_FOUND, 0, "handle %llu does not exist",
+                                 (unsigned long long)m0->handle_id);
+        for (uint32_t r = 0; r < R; r++)
+                if (h->ranks[r].released)
+                        return prep_fail(p, EPD_NOT_FOUND, r, "handle %llu was released by rank %u",
+                                         (unsigned long long)h->id, r);
+        ex->handle_state = h->state;
+        ex->layout = h->layout;
+        ex->num_topk = h->num_topk;
+        ex->topk_dtype = h->topk_dtype;
+        ex->has_weights = h->has_weights;
+        ex->apply_weights = m0->apply_weights;
+        if (ex->apply_weights && (ex->layout != EPD_LAYOUT_EXPAND || !h->has_weights))
+                return prep_fail(p, EPD_INVALID_ARGUMENT, 0,
+                                 "apply_weights needs an EXPAND dispatch that carried weights");
+        for (uint32_t r = 0; r < R; r++) {
+                const Epd__V1__Combine *m = op->subs[r].req->combine;
+                struct epd_exec_rank *er = &ex->ranks[r];
+                uint32_t n = h->ranks[r].num_tokens;
+                int rc;
+
+                er->num_tokens = n;
+                er->device = g->ranks[r].device;
+                er->y_rows = (uint64_t)h->ranks[r].rows;
+                if (h->ranks[r].rows > 0 || present(m->y)) {
+                        rc = prep_tensor(p, r, "y", m->y, EPD_DTYPE_BF16, (uint64_t)h->ranks[r].rows,
+                                         cfg->hidden, 0, &er->y, NULL);
+                        if (rc < 0)
+                                return rc;
+                }
+                if (m->n_bias > 2)
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r, "%zu biases; at most 2",
+                                         m->n_bias);
+                for (size_t b = 0; b < m->n_bias; b++) {
+                        if (!present(m->bias[b]) && n == 0)
+                                continue;
+                        rc = prep_tensor(p, r, b ? "bias[1]" : "bias[0]", m->bias[b],
+                                         EPD_DTYPE_BF16, n, cfg->hidden, 1, &er->comb.bias[b],
+                                         NULL);
+                        if (rc < 0)
+                                return rc;
+                }
+                if (n > 0 || present(m->combined)) {
+                        rc = prep_tensor(p, r, "combined", m->combined, EPD_DTYPE_BF16, n,
+                                         cfg->hidden, 0, &er->comb.combined, NULL);
+                        if (rc < 0)
+                                return rc;
+                }
+                if (present(m->combined_topk_weights)) {
+                        if (!h->has_weights)
+                                return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                                 "combined_topk_weights needs a dispatch that carried weights");
+                        rc = prep_tensor(p, r, "combined_topk_weights", m->combined_topk_weights,
+                                         EPD_DTYPE_FP32, n, ex->num_topk, 0,
+                                         &er->comb.combined_topk_weights, NULL);
+                        if (rc < 0)
+                                return rc;
+                }
+        }
+        h->busy = 1;
+        op->handle = h;
+        return 0;
+}
+
+static void exec_free(struct epd_exec *ex)
+{
+        if (!ex)
+                return;
+        if (ex->ranks) {
+                free(ex->ranks[0].per_expert);
+        }
+        free(ex->ranks);
+        free(ex);
+}
+
+static struct epd_exec *exec_new(struct epd_group *g)
+{
+        uint32_t R = g->cfg.world_size, L = g->cfg.num_local_experts;
+        struct epd_exec *ex = calloc(1, sizeof(*ex));
+        int32_t *counts;
+
+        if (!ex)
+                return NULL;
+        ex->ranks = calloc(R, sizeof(*ex->ranks));
+        /* One block for every rank's count arrays: [L] + [L] + [R+1] per rank. */
+        counts = calloc((size_t)R * (2 * L + R + 1), sizeof(int32_t));
+        if (!ex->ranks || !counts) {
+                free(counts);
+                exec_free(ex);
+                return NULL;
+        }
+        for (uint32_t r = 0; r < R; r++) {
+                int32_t *base = counts + (size_t)r * (2 * L + R + 1);
+                ex->ranks[r].per_expert = base;
+                ex->ranks[r].per_expert_aligned = base + L;
+                ex->ranks[r].rank_prefix = base + 2 * L;
+        }
+        ex->cfg = g->cfg;
+        ex->daemon = g->daemon;
+        return ex;
+}
+
+static int op_launch(struct epd_op *op)
+{
+        struct epd_group *g = op->group;
+        struct epd_daemon *d = g->daemon;
+        uint32_t R = g->cfg.world_size;
+        struct prep p = { .op = op };
+        int rc;
+
+        for (uint32_t r = 0; r < R; r++) {
+                const Epd__V1__Request *req = op->subs[r].req;
+                int is_dispatch = req->body_case == EPD__V1__REQUEST__BODY_DISPATCH;
+                if ((op->kind == EPD_OP_DISPATCH) != is_dispatch) {
+                        char msg[256];
+                        snprintf(msg, sizeof(msg),
+                                 "group '%s' op %llu: rank %u submitted a %s, rank 0 a %s",
+                                 g->name, (unsigned long long)op->number, r,
+                                 is_dispatch ? "dispatch" : "combine",
+                                 op->kind == EPD_OP_DISPATCH ? "dispatch" : "combine");
+                        op_finish(op, EPD_INVALID_ARGUMENT, msg);
+                        return -1;
+                }
+                if (!op->subs[r].conn) {
+                        char msg[256];
+                        snprintf(msg, sizeof(msg), "group '%s' op %llu: rank %u was lost", g->name,
+                                 (unsigned long long)op->number, r);
+                        op_finish(op, EPD_PEER_LOST, msg);
+                        return -1;
+                }
+        }
+        p.ex = exec_new(g);
+        if (!p.ex) {
+                op_finish(op, EPD_INTERNAL, "out of memory");
+                return -1;
+        }
+        p.ex->kind = op->kind;
+        rc = op->kind == EPD_OP_DISPATCH ? prep_dispatch(&p) : prep_combine(&p);
+        if (rc < 0) {
+                for (unsigned i = 0; i < p.num_refs; i++)
+                        epd_region_unref(d, p.refs[i]);
+                free(p.refs);
+                exec_free(p.ex);
+                log_debug("op rejected: %s", p.err);
+                op_finish(op, p.status, p.err);
+                return -1;
+        }
+        op->refs = p.refs;
+        op->num_refs = p.num_refs;
+        op->epoch = g->epoch;
+        p.ex->op = op;
+        op->exec = p.ex;
+        op->state = EPD_OP_EXECUTING;
+        op->launch_ns = epd__now_ns();
+        g->executing = op;
+        d->backend->ops->submit(d->backend, p.ex);
+        return 0;
+}
+
+void epd_op_kick(struct epd_group *g)
+{
+        struct epd_daemon *d = g->daemon;
+
+        struct epd_list *pos, *tmp;
+
+        if (g->executing || d->draining || g->state == EPD_GROUP_DRAINING)
+                return;
+        epd_list_for_each_safe(pos, tmp, &g->ops)
+        {
+                struct epd_op *op = epd_list_entry(pos, struct epd_op, link);
+                if (op->state == EPD_OP_FINISHED)
+                        continue; /* waits only for late arrivals */
+                if (op->state != EPD_OP_QUEUED || op_launch(op) == 0)
+                        return;
+                /* The op failed before launch; try the next one. */
+                tmp = g->ops.next;
+        }
+}
+
+/* ---- completion ---- */
+
+static void wire_arena_tensor(Epd__V1__TensorRef *t, uint64_t *sizes, uint64_t region_id,
+                              uint64_t off, enum epd_dtype dtype, uint64_t rows, uint64_t cols)
+{
+        epd__v1__tensor_ref__init(t);
+        t->region_id = region_id;
+        t->offset = off;
+        t->dtype = (Epd__V1__DType)dtype;
+        sizes[0] = rows;
+        sizes[1] = cols;
+        t->sizes = sizes;
+        t->n_sizes = cols ? 2 : 1;
+}
+
+static void reply_dispatch(struct epd_op *op, uint32_t r, struct epd_handle *h)
+{
+        struct epd_group *g = op->group;
+        struct epd_exec *ex = op->exec;
+        struct epd_exec_rank *er = &ex->ranks[r];
+        struct epd_submission *sub = &op->subs[r];
+        uint32_t L = g->cfg.num_local_experts, R = g->cfg.world_size;
+        Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
+        Epd__V1__DispatchReply dr = EPD__V1__DISPATCH_REPLY__INIT;
+        Epd__V1__TensorRef t[EPD_OUT_FIELDS];
+        uint64_t sizes[EPD_OUT_FIELDS][2];
+
+        dr.op_number = op->number;
+        dr.handle_id = h->id;
+        dr.num_recv_tokens = er->num_recv_tokens;
+        dr.num_expanded_rows = er->num_expanded_rows;
+        dr.n_num_recv_tokens_per_expert = L;
+        dr.num_recv_tokens_per_expert = er->per_expert;
+        dr.n_num_recv_tokens_per_expert_aligned = L;
+        dr.num_recv_tokens_per_expert_aligned = er->per_expert_aligned;
+        dr.n_rank_prefix = R + 1;
+        dr.rank_prefix = er->rank_prefix;
+        dr.exec_ns = ex->exec_ns;
+        dr.queue_ns = op->launch_ns - sub->submitted_ns;
+        if (er->use_arena) {
+                const struct epd_arena_place *pl = &h->ranks[r].arena;
+                uint64_t id = g->ranks[r].arena_region_id;
+                uint64_t rows = (uint64_t)h->ranks[r].rows;
+                int expand = ex->layout == EPD_LAYOUT_EXPAND;
+                Epd__V1__TensorRef **slots[EPD_OUT_FIELDS] = {
+                        &dr.recv_x, &dr.recv_scales, &dr.recv_topk_idx,
+                        &dr.recv_weights, &dr.recv_src, &dr.recv_topk_slot,
+                };
+                const enum epd_dtype dt[EPD_OUT_FIELDS] = {
+                        g->cfg.dtype, EPD_DTYPE_FP32, ex->topk_dtype,
+                        EPD_DTYPE_FP32, EPD_DTYPE_INT64, EPD_DTYPE_INT32,
+                };
+                const uint64_t cols[EPD_OUT_FIELDS] = {
+                        g->cfg.hidden, g->cfg.scale_cols, ex->num_topk,
+                        expand ? 0 : ex->num_topk, 0, 0,
+                };
+                for (int f = 0; f < EPD_OUT_FIELDS; f++) {
+                        if (pl->off[f] == UINT64_MAX)
+                                continue;
+                        wire_arena_tensor(&t[f], sizes[f], id, pl->off[f], dt[f], rows, cols[f]);
+                        *slots[f] = &t[f];
+                }
+        }
+        resp.id = sub->request_id;
+        resp.status = EPD__V1__STATUS_CODE__OK;
+        resp.message = "";
+        resp.body_case = EPD__V1__RESPONSE__BODY_DISPATCH;
+        resp.dispatch = &dr;
+        (void)epd_conn_send(sub->conn, &resp, NULL, 0);
+}
+
+static void reply_combine(struct epd_op *op, uint32_t r)
+{
+        struct epd_submission *sub = &op->subs[r];
+        Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
+        Epd__V1__CombineReply cr = EPD__V1__COMBINE_REPLY__INIT;
+
+        cr.op_number = op->number;
+        cr.num_tokens = op->exec->ranks[r].num_tokens;
+        cr.exec_ns = op->exec->exec_ns;
+        cr.queue_ns = op->launch_ns - sub->submitted_ns;
+        resp.id = sub->request_id;
+        resp.status = EPD__V1__STATUS_CODE__OK;
+        resp.message = "";
+        resp.body_case = EPD__V1__RESPONSE__BODY_COMBINE;
+        resp.combine = &cr;
+        (void)epd_conn_send(sub->conn, &resp, NULL, 0);
+}
+
+static struct epd_handle *handle_new(struct epd_group *g, struct epd_exec *ex)
+{
+        uint32_t R = g->cfg.world_size;
+        struct epd_handle *h = calloc(1, sizeof(*h));
+
+        if (!h || !(h->ranks = calloc(R, sizeof(*h->ranks)))) {
+                free(h);
+                return NULL;
+        }
+        h->id = g->next_handle_id++;
+        h->layout = ex->layout;
+        h->topk_dtype = ex->topk_dtype;
+        h->num_topk = ex->num_topk;
+        h->epoch = g->epoch;
+        h->state = ex->new_handle_state;
+        epd_list_add_tail(&g->handles, &h->link);
+        g->num_handles++;
+        return h;
+}
+
+static void handle_record(struct epd_group *g, struct epd_handle *h, struct epd_exec *ex)
+{
+        h->has_weights = ex->has_weights;
+        for (uint32_t r = 0; r < g->cfg.world_size; r++) {
+                struct epd_exec_rank *er = &ex->ranks[r];
+                h->ranks[r].num_tokens = er->num_tokens;
+                h->ranks[r].rows = ex->layout == EPD_LAYOUT_EXPAND ? er->num_expanded_rows
+                                                                   : er->num_recv_tokens;
+                if (er->use_arena)
+                        h->ranks[r].arena = er->place;
+        }
+}
+
+/* Floor bytes of SEMANTICS/BENCHMARKS accounting are the benchmark's business; the statistics
+ * count the bytes the op wrote to its outputs, which the backend reports in ex->bytes. */
+void epd_op_complete(struct epd_exec *ex)
+{
+        struct epd_op *op = ex->op;
+        struct epd_group *g = op->group;
+        struct epd_daemon *d = g->daemon;
+        struct epd_backend *b = d->backend;
+        uint32_t R = g->cfg.world_size;
+        struct epd_handle *h = op->handle;
+        uint64_t now = epd__now_ns();
+        int status = ex->status;
+
+        if (status == EPD_OK) {
+                for (uint32_t r = 0; r < R; r++) {
+                        if (!op->subs[r].conn || g->epoch != op->epoch) {
+                                status = EPD_PEER_LOST;
+                                snprintf(ex->message, sizeof(ex->message),
+                                         "group '%s' op %llu: a rank was lost before the op completed on every rank",
+                                         g->name, (unsigned long long)op->number);
+                                break;
+                        }
+                }
+        }
+        if (op->kind == EPD_OP_DISPATCH) {
+                if (status == EPD_OK) {
+                        if (!h) {
+                                h = handle_new(g, ex);
+                                if (!h) {
+                                        status = EPD_INTERNAL;
+                                        snprintf(ex->message, sizeof(ex->message), "out of memory");
+                                        b->ops->handle_free(b, ex->new_handle_state);
+                                }
+                        }
+                        if (h)
+                                handle_record(g, h, ex);
+                } else {
+                        if (ex->new_handle_state)
+                                b->ops->handle_free(b, ex->new_handle_state);
+                }
+        }
+        if (op->handle) {
+                op->handle->busy = 0;
+                if (op->handle->epoch != g->epoch ||
+                    epd_group_handle_all_released(g, op->handle)) {
+                        if (h == op->handle)
+                                h = NULL;
+                        epd_group_handle_free(g, op->handle);
+                } else {
+                        /* Ranks that released during the op: free their arena space now. */
+                        for (uint32_t r = 0; r < R; r++)
+                                if (op->handle->ranks[r].released)
+                                        epd_group_handle_release(g, op->handle, r);
+                }
+                op->handle = NULL;
+        }
+        for (uint32_t r = 0; r < R; r++) {
+                struct epd_submission *sub = &op->subs[r];
+                struct epd_op_stats *st = &g->ranks[r].stats.kind[op->kind - 1];
+                epd_op_stats_record(st, status, ex->bytes / (R ? R : 1),
+                                    now - sub->submitted_ns);
+                if (!sub->conn)
+                        continue;
+                if (status != EPD_OK) {
+                        sub->conn->outstanding_ops--;
+                        epd_conn_reply_status(sub->conn, sub->request_id, status, "%s",
+                                              ex->message);
+                } else {
+                        sub->conn->outstanding_ops--;
+                        if (op->kind == EPD_OP_DISPATCH)
+                                reply_dispatch(op, r, h);
+                        else
+                                reply_combine(op, r);
+                }
+        }
+        epd_op_stats_record(&g->stats.kind[op->kind - 1], status, ex->bytes,
+                            now - op->launch_ns);
+        if (status == EPD_OK) {
+                g->stats.ops_completed++;
+                d->stats.ops_completed++;
+        } else {
+                g->stats.ops_failed++;
+                d->stats.ops_failed++;
+        }
+        for (unsigned i = 0; i < op->num_refs; i++)
+                epd_region_unref(d, op->refs[i]);
+        free(op->refs);
+        op->refs = NULL;
+        exec_free(ex);
+        op->exec = NULL;
+        g->executing = NULL;
+        op->state = EPD_OP_FINISHED;
+        op_destroy(op);
+        if (g->state == EPD_GROUP_CLOSED || g->free_pending)
+                epd_group_maybe_free(g);
+        else
+                epd_op_kick(g);
+}

@@ -1,0 +1,222 @@
+/* registry.c - the region registry: client memory registered with the daemon, and the bounds
+ * check every later access goes through. A client reaches only its own regions: lookups go
+ * through the connection's own table. Loop thread only. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "arena.h"
+#include "backend.h"
+#include "daemon.h"
+#include "log.h"
+
+int epd_region_register(struct epd_conn *c, const Epd__V1__RegionRegister *rr, int fd,
+                        uint64_t *region_id, char *err, size_t err_len)
+{
+        struct epd_daemon *d = c->daemon;
+        struct epd_region *r;
+        int rc;
+
+        if (c->num_regions >= d->cfg.max_regions_per_client) {
+                snprintf(err, err_len, "client has %u regions, the limit max_regions_per_client",
+                         c->num_regions);
+                rc = EPD_UNAVAILABLE;
+                goto fail_fd;
+        }
+        if (rr->size == 0) {
+                snprintf(err, err_len, "region size must be > 0");
+                rc = EPD_INVALID_ARGUMENT;
+                goto fail_fd;
+        }
+        if (rr->size > d->cfg.max_region_bytes_per_client - c->region_bytes ||
+            c->region_bytes > d->cfg.max_region_bytes_per_client) {
+                snprintf(err, err_len,
+                         "registering %llu bytes would exceed max_region_bytes_per_client=%llu (client has %llu)",
+                         (unsigned long long)rr->size,
+                         (unsigned long long)d->cfg.max_region_bytes_per_client,
+                         (unsigned long long)c->region_bytes);
+                rc = EPD_UNAVAILABLE;
+                goto fail_fd;
+        }
+        if (rr->device >= d->backend->num_devices) {
+                snprintf(err, err_len, "device %u does not exist (the daemon has %u)", rr->device,
+                         d->backend->num_devices);
+                rc = EPD_INVALID_ARGUMENT;
+                goto fail_fd;
+        }
+        r = calloc(1, sizeof(*r));
+        if (!r) {
+                snprintf(err, err_len, "out of memory");
+                rc = EPD_INTERNAL;
+                goto fail_fd;
+        }
+        r->owner = c;
+        r->kind = (enum epd_region_kind)rr->kind;
+        r->size = rr->size;
+        r->device = rr->device;
+        /* region_import consumes fd on every path. */
+        rc = d->backend->ops->region_import(d->backend, r, fd, rr->ipc_handle.data,
+                                            rr->ipc_handle.len, rr->offset, err, err_len);
+        if (rc < 0) {
+                free(r);
+                return rc;
+        }
+        r->id = ++d->next_region_id;
+        r->refs = 1;
+        epd_list_add_tail(&c->regions, &r->conn_link);
+        c->num_regions++;
+        c->region_bytes += r->size;
+        *region_id = r->id;
+        return 0;
+fail_fd:
+        if (fd >= 0)
+                close(fd);
+        return rc;
+}
+
+void epd_region_ref(struct epd_region *r)
+{
+        r->refs++;
+}
+
+void epd_region_unref(struct epd_daemon *d, struct epd_region *r)
+{
+        if (--r->refs > 0)
+                return;
+        if (!r->is_arena)
+                d->backend->ops->region_release(d->backend, r);
+        free(r);
+}
+
+static void region_detach(struct epd_conn *c, struct epd_region *r)
+{
+        epd_list_del(&r->conn_link);
+        if (!r->is_arena) {
+                c->num_regions--;
+                c->region_bytes -= r->size;
+        }
+        r->owner = NULL;
+        epd_region_unref(c->daemon, r);
+}
+
+struct epd_region *epd_region_find(struct epd_conn *c, uint64_t region_id)
+{
+        struct epd_list *pos;
+
+        epd_list_for_each(pos, &c->regions)
+        {
+                struct epd_region *r = epd_list_entry(pos, struct epd_region, conn_link);
+                if (r->id == region_id)
+                        return r;
+        }
+        return NULL;
+}
+
+int epd_region_release_id(struct epd_conn *c, uint64_t region_id)
+{
+        struct epd_region *r = epd_region_find(c, region_id);
+
+        if (!r)
+                return EPD_NOT_FOUND;
+        if (r->is_arena)
+                return EPD_PERMISSION_DENIED; /* released with the rank binding */
+        region_detach(c, r);
+        return 0;
+}
+
+void epd_region_detach(struct epd_conn *c, struct epd_region *r)
+{
+        region_detach(c, r);
+}
+
+void epd_region_release_all(struct epd_conn *c)
+{
+        struct epd_list *pos, *tmp;
+
+        epd_list_for_each_safe(pos, tmp, &c->regions)
+                region_detach(c, epd_list_entry(pos, struct epd_region, conn_link));
+}
+
+int epd_region_resolve(struct epd_conn *c, const struct epd_tensor *t, uint64_t rows,
+                       uint64_t cols, struct epd_region **region, uint8_t **ptr,
+                       uint64_t *row_stride, char *err, size_t err_len)
+{
+        struct epd_region *r = epd_region_find(c, t->region_id);
+        size_t esize = epd_dtype_size(t->dtype);
+        uint64_t stride_elems, stride_bytes, row_bytes, extent;
+
+        if (!r) {
+                snprintf(err, err_len, "region %llu is not registered by this client",
+                         (unsigned long long)t->region_id);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (esize == 0) {
+                snprintf(err, err_len, "invalid dtype %d", (int)t->dtype);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (t->ndim >= 2 && t->strides[t->ndim - 1] > 1) {
+                snprintf(err, err_len, "the innermost dimension must be contiguous (stride %llu)",
+                         (unsigned long long)t->strides[t->ndim - 1]);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (cols > UINT64_MAX / esize) {
+                snprintf(err, err_len, "row size overflows");
+                return EPD_INVALID_ARGUMENT;
+        }
+        row_bytes = cols * esize;
+        stride_elems = t->ndim >= 2 && t->strides[0] ? t->strides[0] : cols;
+        if (t->ndim == 1 && t->strides[0] > 1) {
+                snprintf(err, err_len, "a one-dimensional tensor must be contiguous");
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (stride_elems < cols || stride_elems > UINT64_MAX / esize) {
+                snprintf(err, err_len, "row stride %llu is smaller than a row of %llu elements",
+                         (unsigned long long)stride_elems, (unsigned long long)cols);
+                return EPD_INVALID_ARGUMENT;
+        }
+        stride_bytes = stride_elems * esize;
+        /* Extent of the rows touched: (rows-1) strides plus one row, checked for overflow. */
+        if (rows == 0) {
+                extent = 0;
+        } else {
+                if (rows - 1 > (UINT64_MAX - row_bytes) / stride_bytes) {
+                        snprintf(err, err_len, "tensor extent overflows");
+                        return EPD_INVALID_ARGUMENT;
+                }
+                extent = (rows - 1) * stride_bytes + row_bytes;
+        }
+        if (t->offset > r->size || extent > r->size - t->offset) {
+                snprintf(err, err_len,
+                         "tensor at offset %llu with %llu bytes runs past the end of region %llu (%llu bytes)",
+                         (unsigned long long)t->offset, (unsigned long long)extent,
+                         (unsigned long long)r->id, (unsigned long long)r->size);
+                return EPD_INVALID_ARGUMENT;
+        }
+        *region = r;
+        *ptr = r->base + t->offset;
+        *row_stride = stride_bytes;
+        return 0;
+}
+
+int epd_region_add_arena(struct epd_conn *c, struct epd_arena *arena, uint32_t device,
+                         uint64_t *region_id)
+{
+        struct epd_region *r = calloc(1, sizeof(*r));
+
+        if (!r)
+                return EPD_INTERNAL;
+        r->owner = c;
+        r->kind = arena->kind;
+        r->size = arena->bytes;
+        r->device = device;
+        r->base = arena->base;
+        r->is_arena = 1;
+        r->id = ++c->daemon->next_region_id;
+        r->refs = 1;
+        /* Arena regions count against no client limit: the daemon sized them. */
+        epd_list_add_tail(&c->regions, &r->conn_link);
+        *region_id = r->id;
+        return 0;
+}

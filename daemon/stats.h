@@ -1,0 +1,57 @@
+/* stats.h - counters and latency histograms. Updated on the loop thread only (which owns every
+ * object they live in), so the hot path takes no lock. */
+#ifndef EPD_DAEMON_STATS_H
+#define EPD_DAEMON_STATS_H
+
+#include <stdint.h>
+
+#include "epd.h"
+
+/* Bucket i counts latencies below 2^i microseconds (the last bucket is open-ended). */
+#define EPD_LAT_BUCKETS 24
+
+struct epd_latency_hist {
+        uint64_t buckets[EPD_LAT_BUCKETS];
+        uint64_t count;
+        uint64_t sum_ns;
+        uint64_t max_ns;
+};
+
+struct epd_op_stats {
+        uint64_t ops;
+        uint64_t bytes;
+        uint64_t errors[EPD_STATUS_COUNT];
+        struct epd_latency_hist latency;
+};
+
+struct epd_rank_stats {
+        struct epd_op_stats kind[2];  /* dispatch, combine */
+};
+
+struct epd_group_stats {
+        uint64_t ops_completed;
+        uint64_t ops_failed;
+        struct epd_op_stats kind[2];
+};
+
+struct epd_client_stats {
+        uint64_t requests;
+        uint64_t ops;
+};
+
+struct epd_daemon_stats {
+        uint64_t ops_completed;
+        uint64_t ops_failed;
+        uint64_t frames_in;
+        uint64_t frames_out;
+        uint64_t protocol_errors;
+        uint64_t clients_accepted;
+        uint64_t clients_refused;
+};
+
+void epd_latency_record(struct epd_latency_hist *h, uint64_t ns);
+/* Approximate quantile (upper bucket bound, capped by max) in nanoseconds. */
+uint64_t epd_latency_quantile(const struct epd_latency_hist *h, double q);
+void epd_op_stats_record(struct epd_op_stats *s, int status, uint64_t bytes, uint64_t ns);
+
+#endif
