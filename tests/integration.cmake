@@ -1,0 +1,18 @@
+# Integration tests: the real build/bin/epd and real client processes. The harness finds the
+# binaries next to the test executable, so a copied build directory still works.
+add_library(epd_harness STATIC ${CMAKE_CURRENT_SOURCE_DIR}/harness.c)
+target_include_directories(epd_harness PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(epd_harness PUBLIC epd_client_static)
+
+# Each integration test binary depends on the daemon and epctl being built.
+function(epd_integration_test name)
+  add_executable(${name} ${ARGN})
+  target_include_directories(${name} PRIVATE ${CMAKE_CURRENT_SOURCE_DIR} ${CMAKE_SOURCE_DIR}/common)
+  target_link_libraries(${name} PRIVATE epd_harness PkgConfig::CHECK)
+  add_dependencies(${name} epd epctl)
+  add_test(NAME ${name} COMMAND ${name})
+  set_tests_properties(${name} PROPERTIES LABELS "integration" TIMEOUT 600)
+endfunction()
+
+include(${CMAKE_CURRENT_SOURCE_DIR}/integ_proto.cmake OPTIONAL)
+include(${CMAKE_CURRENT_SOURCE_DIR}/integ_ops.cmake OPTIONAL)
