@@ -54,8 +54,9 @@ struct epd_plan *epd_plan_new(uint32_t world_size, uint32_t num_experts, uint32_
 /* Releases a plan; NULL is accepted. Returns NULL. */
 struct epd_plan *epd_plan_free(struct epd_plan *plan);
 
-/* Copies source s's topk_idx (int32 or int64 elements; row_stride in elements) into plan->topk[s],
- * validates it and counts it. Returns 0, or EPD_INVALID_ARGUMENT with a message in err naming the
+/* Copies source s's topk_idx (int32 or int64 elements; row_stride in elements, 0 meaning K_op)
+ * into plan->topk[s], validates it and counts it. topk_idx may be NULL when N_s is 0. An int64 id
+ * is range-checked before it is narrowed, so 2^32 + 3 is rejected rather than read as 3. Returns 0, or EPD_INVALID_ARGUMENT with a message in err naming the
  * token, position and value (an id outside [0,E) other than -1, or an expert repeated in a row). */
 int epd_plan_count_source(struct epd_plan *plan, uint32_t s, const void *topk_idx,
                           enum epd_dtype dtype, uint64_t row_stride, char *err, size_t err_len);

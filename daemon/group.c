@@ -270,9 +270,11 @@ int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint3
         g->num_bound++;
         if (g->num_bound == g->cfg.world_size &&
             (g->state == EPD_GROUP_FORMING || g->state == EPD_GROUP_BROKEN)) {
-                /* SEMANTICS.md 1: a re-formed group restarts at op 0 on every rank. */
-                for (uint32_t i = 0; i < g->cfg.world_size; i++)
-                        g->ranks[i].next_op = 0;
+                /* SEMANTICS.md 1: a re-formed group restarts at op 0 on every rank. A group
+                 * forming for the first time keeps the ops its early ranks already submitted. */
+                if (g->state == EPD_GROUP_BROKEN)
+                        for (uint32_t i = 0; i < g->cfg.world_size; i++)
+                                g->ranks[i].next_op = 0;
                 log_info("group ready group=%s from=%s", g->name, epd_group_state_name(g->state));
                 g->state = EPD_GROUP_READY;
         }

@@ -528,6 +528,12 @@ static void handle_handle_release(struct epd_conn *c, const Epd__V1__Request *re
         if (!g)
                 return;
         h = epd_group_handle_find(g, m->handle_id);
+        if (!h && m->handle_id > 0 && m->handle_id < g->next_handle_id) {
+                /* It existed and is gone (released by every rank, or invalidated when the group
+                 * broke): releasing it again is harmless cleanup. */
+                epd_conn_reply_status(c, req->id, EPD_OK, "%s", "");
+                return;
+        }
         if (!h || h->ranks[m->rank].released) {
                 epd_conn_reply_status(c, req->id, EPD_NOT_FOUND,
                                       "handle %llu of group '%s' does not exist for rank %u",

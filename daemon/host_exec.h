@@ -47,8 +47,9 @@ struct epd_dispatch_exec {
         const struct epd_dispatch_dst_io *dst; /* [R] */
 };
 
-/* Work items of a dispatch: token chunks of every source, then the padding of every
- * destination. Item i may run on any thread, in any order, concurrently with other items. */
+/* Work items of a dispatch: R * ceil(T / 32) token chunks (chunks past N_s are empty), then, for
+ * EXPAND, one padding item per (destination, local expert). Item i may run on any thread, in any
+ * order, concurrently with other items. Optional outputs whose ptr is NULL are skipped. */
 uint64_t epd_host_dispatch_items(const struct epd_dispatch_exec *op);
 void epd_host_dispatch_item(const struct epd_dispatch_exec *op, uint64_t item);
 
@@ -67,7 +68,10 @@ struct epd_combine_exec {
         const struct epd_combine_src_io *src;   /* [R] */
 };
 
-/* Work items of a combine: token chunks of every source. */
+/* Work items of a combine: R * ceil(T / 32) token chunks. combined_topk_weights is written only
+ * when both it and weights are given; apply_weights without weights is treated as no weights
+ * (the caller rejects that combination with INVALID_ARGUMENT first). Combine on x86-64 runs an
+ * AVX2 clone of its kernels when the CPU has AVX2; the bits are the same either way. */
 uint64_t epd_host_combine_items(const struct epd_combine_exec *op);
 void epd_host_combine_item(const struct epd_combine_exec *op, uint64_t item);
 

@@ -1,0 +1,258 @@
+/* combine.cu - combine: gather every token's rows back and reduce them (SEMANTICS.md 3).
+ *
+ * One kernel per device covers every source (the combine's receiver) on that device. A warp owns
+ * one token: lane k reads top-k position k's expert, row and weight from the handle's workspace,
+ * a ballot gives the contributing positions, and the warp walks the hidden dimension, 16 bf16
+ * values per lane per step, adding the contributions in ascending k with one fp32 rounding per
+ * operation. The next contribution's load is issued before the current one is added, so two
+ * rows are in flight per lane.
+ *
+ * Floating point: __fmul_rn and __fadd_rn are never contracted into an FMA, and the library is
+ * built with --fmad=false -ftz=false as well; bf16 -> fp32 is a shift; fp32 -> bf16 is
+ * __float2bfloat16_rn (cvt.rn.bf16.f32: round to nearest even, subnormals kept, and a NaN input
+ * gives the canonical 0x7FFF), and NaN is mapped to 0x7FFF explicitly as well, so the bits match
+ * common/bf16.h's epd__float_to_bf16 whatever the conversion does with NaN payloads.
+ */
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+
+#include "internal.cuh"
+
+/* Tunables; overridable with -D for experiments. */
+#ifndef COMBINE_THREADS
+#define COMBINE_THREADS 256
+#endif
+#ifndef COMBINE_VEC
+#define COMBINE_VEC 2 /* 16-byte vectors per lane per step: 16 bf16 values */
+#endif
+
+static __device__ __forceinline__ float bf16_lo(uint32_t word)
+{
+        return __uint_as_float(word << 16);
+}
+
+static __device__ __forceinline__ float bf16_hi(uint32_t word)
+{
+        return __uint_as_float(word & 0xffff0000u);
+}
+
+static __device__ __forceinline__ uint32_t to_bf16(float v)
+{
+        if (v != v)
+                return 0x7fffu;
+        return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+static __device__ __forceinline__ void add_word(float *acc, uint32_t word, int weighted, float w)
+{
+        float lo = bf16_lo(word), hi = bf16_hi(word);
+        if (weighted) {
+                lo = __fmul_rn(lo, w);
+                hi = __fmul_rn(hi, w);
+        }
+        acc[0] = __fadd_rn(acc[0], lo);
+        acc[1] = __fadd_rn(acc[1], hi);
+}
+
+static __device__ __forceinline__ void add_vec(float *acc, int4 v, int weighted, float w)
+{
+        add_word(acc + 0, (uint32_t)v.x, weighted, w);
+        add_word(acc + 2, (uint32_t)v.y, weighted, w);
+        add_word(acc + 4, (uint32_t)v.z, weighted, w);
+        add_word(acc + 6, (uint32_t)v.w, weighted, w);
+}
+
+/* The 16-byte path: every row address and 2H are multiples of 16. my_row is this lane's
+ * contribution row (NULL when position `lane` does not contribute); mask the contributing
+ * positions; my_weight the weight of position `lane`. */
+static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float my_weight,
+                                   int weighted, const uint8_t *bias0, const uint8_t *bias1,
+                                   uint8_t *out, uint32_t hidden, uint32_t lane)
+{
+        const uint32_t nvec = hidden / 8;
+
+        for (uint32_t base = 0; base < nvec; base += 32 * COMBINE_VEC) {
+                float acc[8 * COMBINE_VEC];
+                int4 cur[COMBINE_VEC], nxt[COMBINE_VEC];
+#pragma unroll
+                for (int i = 0; i < 8 * COMBINE_VEC; i++)
+                        acc[i] = 0.0f;
+#pragma unroll
+                for (int u = 0; u < COMBINE_VEC; u++)
+                        cur[u] = nxt[u] = make_int4(0, 0, 0, 0);
+
+                uint32_t m = mask;
+                if (m != 0) {
+                        const int4 *p = (const int4 *)__shfl_sync(
+                                EPD_K_FULL_MASK, (unsigned long long)my_row, __ffs(m) - 1);
+#pragma unroll
+                        for (int u = 0; u < COMBINE_VEC; u++) {
+                                uint32_t i = base + u * 32 + lane;
+                                if (i < nvec)
+                                        cur[u] = __ldg(p + i);
+                        }
+                }
+                while (m != 0) {
+                        int j = __ffs(m) - 1;
+                        m &= m - 1;
+                        float w = __shfl_sync(EPD_K_FULL_MASK, my_weight, j);
+                        if (m != 0) {
+                                const int4 *p = (const int4 *)__shfl_sync(
+                                        EPD_K_FULL_MASK, (unsigned long long)my_row,
+                                        __ffs(m) - 1);
+#pragma unroll
+                                for (int u = 0; u < COMBINE_VEC; u++) {
+                                        uint32_t i = base + u * 32 + lane;
+                                        if (i < nvec)
+                                                nxt[u] = __ldg(p + i);
+                                }
+                        }
+#pragma unroll
+                        for (int u = 0; u < COMBINE_VEC; u++) {
+                                add_vec(acc + 8 * u, cur[u], weighted, w);
+                                cur[u] = nxt[u];
+                        }
+                }
+#pragma unroll
+                for (int u = 0; u < COMBINE_VEC; u++) {
+                        uint32_t i = base + u * 32 + lane;
+                        if (i >= nvec)
+                                continue;
+                        if (bias0 != NULL)
+                                add_vec(acc + 8 * u, __ldg((const int4 *)bias0 + i), 0, 0.0f);
+                        if (bias1 != NULL)
+                                add_vec(acc + 8 * u, __ldg((const int4 *)bias1 + i), 0, 0.0f);
+                        const float *a = acc + 8 * u;
+                        int4 o;
+                        o.x = (int)(to_bf16(a[0]) | to_bf16(a[1]) << 16);
+                        o.y = (int)(to_bf16(a[2]) | to_bf16(a[3]) << 16);
+                        o.z = (int)(to_bf16(a[4]) | to_bf16(a[5]) << 16);
+                        o.w = (int)(to_bf16(a[6]) | to_bf16(a[7]) << 16);
+                        ((int4 *)out)[i] = o;
+                }
+        }
+}
+
+/* Any alignment: one bf16 value per lane per step, same order of operations. */
+static __device__ void combine_scalar(const uint8_t *my_row, uint32_t mask, float my_weight,
+                                      int weighted, const uint8_t *bias0, const uint8_t *bias1,
+                                      uint8_t *out, uint32_t hidden, uint32_t lane)
+{
+        for (uint32_t base = 0; base < hidden; base += 32) {
+                uint32_t h = base + lane;
+                float acc = 0.0f;
+                for (uint32_t m = mask; m != 0; m &= m - 1) {
+                        int j = __ffs(m) - 1;
+                        const uint16_t *p = (const uint16_t *)__shfl_sync(
+                                EPD_K_FULL_MASK, (unsigned long long)my_row, j);
+                        float w = __shfl_sync(EPD_K_FULL_MASK, my_weight, j);
+                        if (h < hidden) {
+                                float v = __uint_as_float((uint32_t)p[h] << 16);
+                                if (weighted)
+                                        v = __fmul_rn(v, w);
+                                acc = __fadd_rn(acc, v);
+                        }
+                }
+                if (h >= hidden)
+                        continue;
+                if (bias0 != NULL)
+                        acc = __fadd_rn(acc, __uint_as_float((uint32_t)((const uint16_t *)bias0)[h]
+                                                             << 16));
+                if (bias1 != NULL)
+                        acc = __fadd_rn(acc, __uint_as_float((uint32_t)((const uint16_t *)bias1)[h]
+                                                             << 16));
+                ((uint16_t *)out)[h] = (uint16_t)to_bf16(acc);
+        }
+}
+
+static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_k_mat *m, uint64_t row)
+{
+        return m->ptr == NULL ? NULL : m->ptr + row * m->stride;
+}
+
+/* Grid-stride over the device's tokens, a warp per token.
+ *
+ * Memory ordering: everything it reads (the handle's rows, topk and weights; every rank's y;
+ * the biases) was written before the launch by kernels or copies that the host orders before it
+ * with events, so plain and read-only (__ldg) loads are correct: nothing written during this
+ * kernel is read by it. Each output element has one writer. */
+static __global__ void __launch_bounds__(COMBINE_THREADS)
+        combine_kernel(const __grid_constant__ struct epd_k_combine_args a,
+                       const __grid_constant__ struct epd_ws_layout l)
+{
+        const uint32_t L = l.num_local_experts, K = a.num_topk;
+        const uint32_t lane = threadIdx.x % 32;
+        const uint64_t warp = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+        const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
+        void *ws = (void *)a.workspace;
+
+        for (uint64_t g = warp; g < a.local_tokens; g += warps) {
+                const uint32_t i = epd__k_find_local(a.local, a.num_local, (uint32_t)g);
+                const uint32_t s = a.local[i].rank, t = (uint32_t)g - a.local[i].token_offset;
+                const struct epd_k_combine_rank *me = &a.ranks[s];
+                const uint64_t ent = epd_ws_entry(&l, s, t, K, 0);
+                int32_t expert = -1, row = -1;
+                float weight = 0.0f;
+
+                if (lane < K) {
+                        expert = epd_ws_i32(ws, l.topk)[ent + lane];
+                        row = epd_ws_i32(ws, l.row)[ent + lane];
+                        if (a.has_weights)
+                                weight = epd_ws_f32(ws, l.weights)[ent + lane];
+                        /* The dispatch's weights, masked to 0.0f where topk_idx held -1;
+                         * nothing to route back when the dispatch carried none. */
+                        if (a.has_weights && me->combined_topk_weights.ptr != NULL)
+                                ((float *)mat_row(&me->combined_topk_weights, t))[lane] =
+                                        expert >= 0 ? weight : 0.0f;
+                }
+                /* NON_EXPAND rows are set only at each destination's first position, EXPAND rows
+                 * at every selection: a row >= 0 is exactly a contribution. */
+                const uint8_t *my_row = NULL;
+                if (row >= 0) {
+                        const struct epd_k_combine_rank *d =
+                                &a.ranks[epd_route_expert_rank(expert, L)];
+                        my_row = d->y.ptr + (uint64_t)row * d->y.stride;
+                }
+                const uint32_t mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
+                const uint8_t *bias0 = mat_row(&me->bias[0], t);
+                const uint8_t *bias1 = mat_row(&me->bias[1], t);
+                uint8_t *out = (uint8_t *)mat_row(&me->combined, t);
+                if (out == NULL)
+                        continue;
+                uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)my_row) |
+                                (uint32_t)(uintptr_t)bias0 | (uint32_t)(uintptr_t)bias1 |
+                                (uint32_t)(uintptr_t)out | (a.hidden * 2u);
+                if ((bits & 15) == 0)
+                        combine_vec(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
+                                    a.hidden, lane);
+                else
+                        combine_scalar(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
+                                       a.hidden, lane);
+        }
+}
+
+extern "C" int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t stream)
+{
+        struct epd_ws_layout l;
+        int blocks, ret = epd__k_check_combine(args, &l);
+
+        if (ret < 0)
+                return ret;
+        if (args->num_local == 0 || args->local_tokens == 0)
+                return 0;
+        const uint64_t warps_per_block = COMBINE_THREADS / 32;
+        ret = epd__k_grid_blocks((const void *)combine_kernel, COMBINE_THREADS, 0,
+                                 (args->local_tokens + warps_per_block - 1) / warps_per_block,
+                                 &blocks);
+        if (ret < 0)
+                return ret;
+        combine_kernel<<<blocks, COMBINE_THREADS, 0, stream>>>(*args, l);
+        return epd__k_launch_status();
+}
+
+int epd__k_preload_combine(void)
+{
+        struct cudaFuncAttributes attr;
+        return epd__k_cuda_status(cudaFuncGetAttributes(&attr, combine_kernel));
+}

@@ -1,0 +1,186 @@
+/* epd_kernels.h - the C interface of epd's CUDA dispatch and combine kernels.
+ *
+ * Linked by the daemon's CUDA backend (daemon-executed mode) and later by libepd (client-executed
+ * mode, DESIGN.md 5a), so every address and size is an argument: no globals, no assumption about
+ * which process launches. Plain C; compiles with a C11 compiler that sees the CUDA include dir.
+ *
+ * Model. One op of a group covers all R ranks. Each launcher runs ONE kernel on the current
+ * device covering every rank that lives on that device (its "local" ranks): the caller calls
+ * cudaSetDevice to the stream's device first. Ranks may share a GPU or live on several GPUs with
+ * peer access; every pointer in the descriptors below must be addressable from every device
+ * that launches a kernel of the op (UVA peer mappings or cuMem mappings).
+ *
+ * A dispatch is three launches per device plus one for the group (see the sequencing notes at the
+ * end of this header):
+ *   count  (every device)  validates topk_idx, normalises it into the workspace, counts tokens per
+ *                          destination and selections per expert for each chunk of 256 tokens,
+ *                          and ranks each entry among its chunk's entries with the same key;
+ *   prefix (one device)    chunk bases, per-source totals, prefixes, expert bases and the
+ *                          capacity check; writes the verdict;
+ *   place  (every device)  row of every (s, t, k) = prefix + rank, exactly as plan.h documents;
+ *   copy   (every device)  pushes every row into its final place in each destination's outputs
+ *                          and writes EXPAND padding. Writes nothing when the verdict is an error.
+ * Cached dispatch replaces count/prefix/place with recheck (one device) and then copy.
+ * Combine is one launch per device.
+ *
+ * Errors: every launcher returns 0 or a negative enum epd_status. EPD_INVALID_ARGUMENT means the
+ * arguments break a documented rule (checked on the host, before anything is queued);
+ * EPD_UNAVAILABLE or EPD_INTERNAL mean CUDA refused (epd_k_last_cuda_error gives the code). The
+ * op's own verdict (invalid topk_idx, capacity) is never a return value: it is the workspace's
+ * struct epd_ws_error, which the host reads from the reply block once the op has completed.
+ *
+ * Threading: launchers keep no state; any thread may call them for any device.
+ */
+#ifndef EPD_KERNELS_H
+#define EPD_KERNELS_H
+
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#include "epd.h"
+#include "layout.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A row-major matrix: row i starts at ptr + i * stride bytes. ptr NULL means absent. Rows are
+ * moved with 16-byte accesses when ptr, stride and the row's bytes allow it, else with the widest
+ * access they allow. */
+struct epd_k_mat {
+        uint8_t *ptr;
+        uint64_t stride;
+};
+
+/* Where a device's ranks are, and where each one's tokens start in the device's flat token
+ * range. local[i].token_offset = sum of num_tokens of local[0..i-1]; entry [num_local] is the
+ * terminator holding the total (rank ignored). */
+struct epd_k_local {
+        uint32_t rank;
+        uint32_t token_offset;
+};
+
+/* One rank's tensors for a dispatch, as source (inputs) and as destination (outputs). */
+struct epd_k_dispatch_rank {
+        uint32_t num_tokens;           /* N_s <= T */
+        uint32_t reserved;
+        const void *topk_idx;          /* [N_s, K_op] int32 or int64; unused by cached dispatch */
+        uint64_t topk_stride;          /* elements between topk_idx rows; 0: K_op */
+        struct epd_k_mat x;            /* [N_s] rows of row_bytes */
+        struct epd_k_mat scales;       /* fp32 [N_s, H/scale_block], fp8 only */
+        struct epd_k_mat weights;      /* fp32 [N_s, K_op], when has_weights */
+        struct epd_k_mat recv_x;
+        struct epd_k_mat recv_scales;    /* fp8 only */
+        struct epd_k_mat recv_topk_idx;  /* NON_EXPAND, elements of topk_dtype */
+        struct epd_k_mat recv_weights;   /* NON_EXPAND [rows, K_op]; EXPAND [rows]; has_weights */
+        struct epd_k_mat recv_src;       /* int64 [rows] */
+        struct epd_k_mat recv_topk_slot; /* EXPAND int32 [rows] */
+        uint64_t capacity_rows;        /* smallest capacity among this rank's outputs */
+};
+
+struct epd_k_dispatch_args {
+        /* Group dims, fixed at creation: they address the workspace. */
+        uint32_t world_size;           /* R */
+        uint32_t num_experts;          /* E */
+        uint32_t max_tokens;           /* T */
+        uint32_t max_topk;             /* K */
+        /* The op. */
+        uint32_t num_topk;             /* K_op, 1..K */
+        uint32_t expert_alignment;     /* >= 1 */
+        enum epd_layout layout;
+        enum epd_dtype topk_dtype;     /* INT32 or INT64: topk_idx and recv_topk_idx */
+        int has_weights;
+        int zero_padding;              /* EXPAND only */
+        uint64_t row_bytes;            /* bytes of an x row (SEMANTICS.md 1 wants % 16 == 0;
+                                        * other sizes work, with narrower accesses) */
+        uint64_t scale_bytes;          /* bytes of a scales row; 0 for bf16 */
+        /* Memory. The caller owns all of it and keeps it alive until the launches complete. */
+        void *workspace;               /* epd_k_workspace_bytes(R, E, T, K) bytes */
+        /* ranks[]: every rank's descriptor, readable by the launching device (a copy in its own
+         * memory keeps the per-row descriptor reads local). prefix and recheck read only the
+         * capacities. */
+        const struct epd_k_dispatch_rank *ranks; /* [R], device memory */
+        const struct epd_k_local *local;         /* [num_local + 1], device memory */
+        uint32_t num_local;            /* ranks on the launching device (0 for prefix/recheck) */
+        uint32_t local_tokens;         /* local[num_local].token_offset, known to the host */
+};
+
+/* One rank's tensors for a combine. rank d's y is read by every device that hosts a source of a
+ * token d received; bias and outputs are the source's own. */
+struct epd_k_combine_rank {
+        uint32_t num_tokens;           /* N_s of the handle's dispatch */
+        uint32_t reserved;
+        struct epd_k_mat y;            /* bf16 rows in the dispatch's layout */
+        struct epd_k_mat bias[2];      /* bf16 [N_s, H]; ptr NULL when absent */
+        struct epd_k_mat combined;     /* bf16 [N_s, H] */
+        struct epd_k_mat combined_topk_weights; /* fp32 [N_s, K_op]; ptr NULL when absent */
+};
+
+struct epd_k_combine_args {
+        uint32_t world_size, num_experts, max_tokens, max_topk; /* as in the dispatch */
+        uint32_t num_topk;             /* K_op of the handle's dispatch */
+        enum epd_layout layout;        /* the handle's */
+        uint32_t hidden;               /* H */
+        int apply_weights;             /* EXPAND only, and only when has_weights */
+        int has_weights;               /* the handle carries weights: its dispatch's, or the
+                                        * last cached dispatch's that gave new ones (the copy
+                                        * step keeps them in the workspace) */
+        const void *workspace;         /* the handle's workspace (placed dispatch) */
+        const struct epd_k_combine_rank *ranks; /* [R], device memory */
+        const struct epd_k_local *local;        /* [num_local + 1], device memory */
+        uint32_t num_local;
+        uint32_t local_tokens;
+};
+
+/* Bytes of the group workspace, and of its reply block at offset 0 (error record and counts).
+ * 0 when the dims break SEMANTICS.md section 1. */
+uint64_t epd_k_workspace_bytes(uint32_t world_size, uint32_t num_experts, uint32_t max_tokens,
+                               uint32_t max_topk);
+uint64_t epd_k_reply_bytes(uint32_t world_size, uint32_t num_experts);
+
+/* The dispatch steps. count, place and copy run on every device that hosts ranks (args->local
+ * names them); prefix and recheck run once per op, on any one device. */
+int epd_k_dispatch_count(const struct epd_k_dispatch_args *args, cudaStream_t stream);
+int epd_k_dispatch_prefix(const struct epd_k_dispatch_args *args, cudaStream_t stream);
+int epd_k_dispatch_place(const struct epd_k_dispatch_args *args, cudaStream_t stream);
+int epd_k_dispatch_copy(const struct epd_k_dispatch_args *args, cudaStream_t stream);
+/* Cached dispatch: rewrites the verdict from the handle's counts and the new capacities. */
+int epd_k_dispatch_recheck(const struct epd_k_dispatch_args *args, cudaStream_t stream);
+
+int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t stream);
+
+/* Loads every kernel of this library into the current device's context. Call it once per
+ * device before the first op (the daemon at device start; libepd at attach): CUDA loads modules
+ * lazily by default (CUDA_MODULE_LOADING=LAZY), and a load can have to wait for kernels that are
+ * running, which a kernel spinning on a flag set by a not-yet-loaded kernel never finishes. It
+ * also keeps the load out of the first op's latency. */
+int epd_k_preload(void);
+
+/* The CUDA error behind the last EPD_UNAVAILABLE / EPD_INTERNAL returned on this thread
+ * (cudaSuccess when none). */
+cudaError_t epd_k_last_cuda_error(void);
+
+/* Sequencing (daemon-executed mode). Stream S_D on each device D hosting ranks, stream S_W on
+ * the device chosen for the group step (the workspace's device is the natural choice):
+ *
+ *   on each S_D:  [wait for the clients' inputs]  count(local of D)      record C_D
+ *   on S_W:       wait every C_D                  prefix                 record P
+ *                 cudaMemcpyAsync(reply block -> pinned host)             (the op's verdict)
+ *   on each S_D:  wait P                          place(D)  copy(D)      record done_D
+ *
+ * The host completes the op when every done_D and the reply copy have completed, then reads
+ * struct epd_ws_error: status != 0 means the op failed and no output byte was written. Kernels
+ * never wait on each other inside the GPU in this mode: events order them, and a kernel
+ * boundary makes its stores visible to every later kernel of the dependent streams, on any GPU.
+ * With every rank on one device the whole chain is one stream and needs no events.
+ *
+ * Combine: on each S_D, after the clients' y and biases are ready on every device (events on
+ * the producers' streams): combine(D). A combine must be ordered after the dispatch whose
+ * handle it names; the workspace of a handle must not be reused while the handle lives. */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

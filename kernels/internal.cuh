@@ -1,0 +1,126 @@
+/* internal.cuh - what the kernel files share: device helpers and the launchers' host helpers.
+ * Not installed, not included by C code.
+ */
+#ifndef EPD_KERNELS_INTERNAL_CUH
+#define EPD_KERNELS_INTERNAL_CUH
+
+#include <stdint.h>
+
+#include "epd_kernels.h"
+#include "layout.h"
+#include "ordering.cuh"
+#include "routing.h"
+
+#define EPD_K_FULL_MASK 0xffffffffu
+
+/* ---- host side (launch.cu) ---- */
+
+/* Records err as this thread's last CUDA error and converts it: errors that say the device is
+ * gone or unusable are EPD_UNAVAILABLE, everything else EPD_INTERNAL. */
+int epd__k_cuda_status(cudaError_t err);
+/* cudaGetLastError after a launch, converted. */
+int epd__k_launch_status(void);
+/* Checks the dims and the op fields of a dispatch; fills the workspace layout. */
+int epd__k_check_dispatch(const struct epd_k_dispatch_args *a, struct epd_ws_layout *l);
+int epd__k_check_combine(const struct epd_k_combine_args *a, struct epd_ws_layout *l);
+/* Blocks for a grid-stride kernel on the current device: the resident maximum (occupancy times
+ * multiprocessors), capped at what the work can use. */
+int epd__k_grid_blocks(const void *kernel, int threads, size_t smem, uint64_t work_blocks,
+                       int *blocks);
+
+/* Loads each file's kernels into the current device's context (epd_k_preload). */
+int epd__k_preload_route(void);
+int epd__k_preload_dispatch(void);
+int epd__k_preload_combine(void);
+
+/* ---- device side ---- */
+
+/* The local index of flat token g of a device: the i with local[i].token_offset <= g <
+ * local[i + 1].token_offset. Binary search; every lane of a warp asks for the same g, so the
+ * loads are broadcasts. Empty ranks (equal offsets) are skipped because the search finds the
+ * last i whose offset is <= g. */
+static __device__ __forceinline__ uint32_t epd__k_find_local(const struct epd_k_local *local,
+                                                            uint32_t num_local, uint32_t g)
+{
+        uint32_t lo = 0, hi = num_local; /* answer in [lo, hi) */
+
+        while (hi - lo > 1) {
+                uint32_t mid = (lo + hi) / 2;
+                if (local[mid].token_offset <= g)
+                        lo = mid;
+                else
+                        hi = mid;
+        }
+        return lo;
+}
+
+/* Reads one normalised-or-raw expert id from a topk_idx row of either dtype. */
+static __device__ __forceinline__ int64_t epd__k_load_topk(const void *topk, enum epd_dtype dtype,
+                                                          uint64_t index)
+{
+        if (dtype == EPD_DTYPE_INT64)
+                return ((const int64_t *)topk)[index];
+        return ((const int32_t *)topk)[index];
+}
+
+/* The widest power-of-two access (16, 8, 4, 2 or 1 bytes) that a set of addresses, strides and
+ * sizes ORed together allows. */
+static __device__ __forceinline__ uint32_t epd__k_access_width(uint64_t bits)
+{
+        if ((bits & 15) == 0)
+                return 16;
+        if ((bits & 7) == 0)
+                return 8;
+        if ((bits & 3) == 0)
+                return 4;
+        if ((bits & 1) == 0)
+                return 2;
+        return 1;
+}
+
+/* Read-only loads of inputs through the non-coherent path: the kernels never write what they
+ * read this way while they run. */
+static __device__ __forceinline__ int4 epd__k_ldg(const int4 *p)
+{
+        return __ldg(p);
+}
+static __device__ __forceinline__ uint2 epd__k_ldg(const uint2 *p)
+{
+        return __ldg(p);
+}
+static __device__ __forceinline__ unsigned int epd__k_ldg(const unsigned int *p)
+{
+        return __ldg(p);
+}
+static __device__ __forceinline__ unsigned short epd__k_ldg(const unsigned short *p)
+{
+        return __ldg(p);
+}
+static __device__ __forceinline__ unsigned char epd__k_ldg(const unsigned char *p)
+{
+        return __ldg(p);
+}
+
+template <typename V> static __device__ __forceinline__ V epd__k_zero(void);
+template <> __device__ __forceinline__ int4 epd__k_zero<int4>(void)
+{
+        return make_int4(0, 0, 0, 0);
+}
+template <> __device__ __forceinline__ uint2 epd__k_zero<uint2>(void)
+{
+        return make_uint2(0, 0);
+}
+template <> __device__ __forceinline__ unsigned int epd__k_zero<unsigned int>(void)
+{
+        return 0;
+}
+template <> __device__ __forceinline__ unsigned short epd__k_zero<unsigned short>(void)
+{
+        return 0;
+}
+template <> __device__ __forceinline__ unsigned char epd__k_zero<unsigned char>(void)
+{
+        return 0;
+}
+
+#endif

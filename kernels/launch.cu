@@ -1,0 +1,158 @@
+/* launch.cu - the host side shared by the launchers: sizing, argument checks, CUDA error
+ * conversion and grid sizing. Runs on whichever host thread calls a launcher; keeps no state
+ * except the calling thread's last CUDA error.
+ */
+#include <stdint.h>
+
+#include "internal.cuh"
+
+static thread_local cudaError_t last_cuda_error = cudaSuccess;
+
+extern "C" cudaError_t epd_k_last_cuda_error(void)
+{
+        return last_cuda_error;
+}
+
+extern "C" int epd_k_preload(void)
+{
+        int ret = epd__k_preload_route();
+        if (ret == 0)
+                ret = epd__k_preload_dispatch();
+        if (ret == 0)
+                ret = epd__k_preload_combine();
+        return ret;
+}
+
+int epd__k_cuda_status(cudaError_t err)
+{
+        if (err == cudaSuccess)
+                return 0;
+        last_cuda_error = err;
+        switch (err) {
+        case cudaErrorNoDevice:
+        case cudaErrorInvalidDevice:
+        case cudaErrorDevicesUnavailable:
+        case cudaErrorInsufficientDriver:
+        case cudaErrorSystemNotReady:
+        case cudaErrorDeviceUninitialized:
+        case cudaErrorCudartUnloading:
+        case cudaErrorNoKernelImageForDevice:
+                return EPD_UNAVAILABLE;
+        default:
+                return EPD_INTERNAL;
+        }
+}
+
+int epd__k_launch_status(void)
+{
+        return epd__k_cuda_status(cudaGetLastError());
+}
+
+/* SEMANTICS.md section 1 limits of the group dims. */
+static int dims_ok(uint32_t world_size, uint32_t num_experts, uint32_t max_tokens,
+                   uint32_t max_topk)
+{
+        if (world_size < 1 || world_size > EPD_MAX_WORLD_SIZE)
+                return 0;
+        if (num_experts < 1 || num_experts > EPD_MAX_EXPERTS || num_experts % world_size != 0)
+                return 0;
+        if (num_experts / world_size > EPD_MAX_LOCAL_EXPERTS)
+                return 0;
+        if (max_topk < 1 || max_topk > EPD_MAX_TOPK)
+                return 0;
+        /* Rows and flat token indices are int32 (SEMANTICS.md 2.3 counts are int32). */
+        if (max_tokens < 1 || (uint64_t)world_size * max_tokens * max_topk > INT32_MAX)
+                return 0;
+        return 1;
+}
+
+extern "C" uint64_t epd_k_workspace_bytes(uint32_t world_size, uint32_t num_experts,
+                                          uint32_t max_tokens, uint32_t max_topk)
+{
+        struct epd_ws_layout l;
+
+        if (!dims_ok(world_size, num_experts, max_tokens, max_topk))
+                return 0;
+        epd_ws_layout_init(&l, world_size, num_experts, max_tokens, max_topk);
+        return l.total_bytes;
+}
+
+extern "C" uint64_t epd_k_reply_bytes(uint32_t world_size, uint32_t num_experts)
+{
+        struct epd_ws_layout l;
+
+        if (!dims_ok(world_size, num_experts, 1, 1))
+                return 0;
+        epd_ws_layout_init(&l, world_size, num_experts, 1, 1);
+        return l.reply_bytes;
+}
+
+static int local_ok(const struct epd_k_local *local, uint32_t num_local, uint32_t world_size)
+{
+        if (num_local > world_size)
+                return 0;
+        return num_local == 0 || local != NULL;
+}
+
+int epd__k_check_dispatch(const struct epd_k_dispatch_args *a, struct epd_ws_layout *l)
+{
+        if (a == NULL || !dims_ok(a->world_size, a->num_experts, a->max_tokens, a->max_topk))
+                return EPD_INVALID_ARGUMENT;
+        if (a->num_topk < 1 || a->num_topk > a->max_topk || a->expert_alignment < 1)
+                return EPD_INVALID_ARGUMENT;
+        if (a->layout != EPD_LAYOUT_NON_EXPAND && a->layout != EPD_LAYOUT_EXPAND)
+                return EPD_INVALID_ARGUMENT;
+        if (a->topk_dtype != EPD_DTYPE_INT32 && a->topk_dtype != EPD_DTYPE_INT64)
+                return EPD_INVALID_ARGUMENT;
+        if (a->workspace == NULL || a->ranks == NULL ||
+            !local_ok(a->local, a->num_local, a->world_size))
+                return EPD_INVALID_ARGUMENT;
+        /* The worst-case EXPAND row count must fit the int32 row indices. */
+        if (epd_route_max_rows_expand(a->world_size, a->max_tokens, a->max_topk,
+                                      a->num_experts / a->world_size, a->expert_alignment) >
+            INT32_MAX)
+                return EPD_INVALID_ARGUMENT;
+        epd_ws_layout_init(l, a->world_size, a->num_experts, a->max_tokens, a->max_topk);
+        return 0;
+}
+
+int epd__k_check_combine(const struct epd_k_combine_args *a, struct epd_ws_layout *l)
+{
+        if (a == NULL || !dims_ok(a->world_size, a->num_experts, a->max_tokens, a->max_topk))
+                return EPD_INVALID_ARGUMENT;
+        if (a->num_topk < 1 || a->num_topk > a->max_topk || a->hidden < 1)
+                return EPD_INVALID_ARGUMENT;
+        if (a->layout != EPD_LAYOUT_NON_EXPAND && a->layout != EPD_LAYOUT_EXPAND)
+                return EPD_INVALID_ARGUMENT;
+        /* SEMANTICS.md 3: apply_weights needs EXPAND and a dispatch that carried weights. */
+        if (a->apply_weights && (a->layout != EPD_LAYOUT_EXPAND || !a->has_weights))
+                return EPD_INVALID_ARGUMENT;
+        if (a->workspace == NULL || a->ranks == NULL ||
+            !local_ok(a->local, a->num_local, a->world_size))
+                return EPD_INVALID_ARGUMENT;
+        epd_ws_layout_init(l, a->world_size, a->num_experts, a->max_tokens, a->max_topk);
+        return 0;
+}
+
+int epd__k_grid_blocks(const void *kernel, int threads, size_t smem, uint64_t work_blocks,
+                       int *blocks)
+{
+        int device, sms, per_sm;
+        cudaError_t err;
+
+        err = cudaGetDevice(&device);
+        if (err == cudaSuccess)
+                err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        if (err == cudaSuccess)
+                err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
+                                                                     smem);
+        if (err != cudaSuccess)
+                return epd__k_cuda_status(err);
+        if (per_sm < 1)
+                per_sm = 1;
+        uint64_t n = (uint64_t)sms * per_sm;
+        if (work_blocks < n)
+                n = work_blocks;
+        *blocks = n < 1 ? 1 : (int)n;
+        return 0;
+}

@@ -1,0 +1,32 @@
+# GPU tests: built only when CUDA is found, labelled `gpu`, and skipped (exit 77) where no GPU is
+# usable, so `ctest -LE gpu` on a CPU-only machine and `ctest -L gpu` on a GPU host both work.
+# tests/gpu/run-gpu-tests.sh runs the same binaries from a build directory copied to a GPU host,
+# where CTest's absolute paths no longer hold.
+if(EPD_HAVE_CUDA)
+  # The kernels against the host backend, bit for bit. plan.c and host_exec.c are compiled in
+  # directly (not through epd_common/epd_daemon) so that the binary needs nothing but the driver
+  # on the GPU host: no protobuf-c, libuv or systemd libraries.
+  add_executable(gpu_kernels_test
+    ${CMAKE_CURRENT_SOURCE_DIR}/gpu/gpu_kernels_test.cu
+    ${PROJECT_SOURCE_DIR}/common/plan.c
+    ${PROJECT_SOURCE_DIR}/daemon/host_exec.c)
+  target_include_directories(gpu_kernels_test PRIVATE ${PROJECT_SOURCE_DIR}/daemon)
+  target_link_libraries(gpu_kernels_test PRIVATE epd_kernels Threads::Threads)
+  # The top level's gcc flags stay on the C sources (-ffp-contract=off matters for the
+  # reference) and are hidden from nvcc (epd_cuda_filter_options comes from kernels/).
+  epd_cuda_filter_options(gpu_kernels_test)
+  target_compile_options(gpu_kernels_test PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:--fmad=false -ftz=false -lineinfo -Xcompiler=-Wall,-Wextra>
+    $<$<COMPILE_LANGUAGE:C>:-O3>)
+  set_target_properties(gpu_kernels_test PROPERTIES
+    CUDA_STANDARD 17
+    CUDA_STANDARD_REQUIRED ON
+    CUDA_RUNTIME_LIBRARY Static)
+  add_test(NAME gpu_kernels COMMAND gpu_kernels_test)
+  set_tests_properties(gpu_kernels PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 1200)
+
+  # The runner and the list of GPU test binaries, relative to the build directory.
+  configure_file(${CMAKE_CURRENT_SOURCE_DIR}/gpu/run-gpu-tests.sh
+                 ${CMAKE_BINARY_DIR}/tests/gpu/run-gpu-tests.sh COPYONLY)
+  file(WRITE ${CMAKE_BINARY_DIR}/tests/gpu/gpu-tests.list "bin/gpu_kernels_test\n")
+endif()

@@ -1,0 +1,31 @@
+# Unit suites (Check, fork mode) and the test library shared with integration tests and the
+# benchmark. Included by tests/CMakeLists.txt; paths are taken from this file's location so the
+# file does not depend on which directory includes it.
+get_filename_component(EPD_ROOT_DIR ${CMAKE_CURRENT_LIST_DIR}/.. ABSOLUTE)
+
+# The independent reference and the seeded data generators. They need epd.h for the enums only.
+add_library(epd_testlib STATIC
+  ${CMAKE_CURRENT_LIST_DIR}/reference.c
+  ${CMAKE_CURRENT_LIST_DIR}/testdata.c)
+target_include_directories(epd_testlib PUBLIC ${CMAKE_CURRENT_LIST_DIR})
+target_link_libraries(epd_testlib PUBLIC epd_common m)
+
+if(CHECK_FOUND)
+  add_executable(unit_plan ${CMAKE_CURRENT_LIST_DIR}/unit_plan.c)
+  target_link_libraries(unit_plan PRIVATE epd_testlib epd_common PkgConfig::CHECK)
+  add_test(NAME unit_plan COMMAND unit_plan)
+
+  # host_exec.c is compiled into the test directly, so the test does not pull in the daemon's
+  # libuv/systemd dependencies. -O3 as in the daemon: the test then exercises the vectorised loops
+  # that production runs.
+  add_executable(unit_host_exec ${CMAKE_CURRENT_LIST_DIR}/unit_host_exec.c
+    ${EPD_ROOT_DIR}/daemon/host_exec.c)
+  set_source_files_properties(${EPD_ROOT_DIR}/daemon/host_exec.c PROPERTIES COMPILE_OPTIONS "-O3")
+  target_include_directories(unit_host_exec PRIVATE ${EPD_ROOT_DIR}/daemon)
+  target_link_libraries(unit_host_exec PRIVATE epd_testlib epd_common PkgConfig::CHECK
+    Threads::Threads)
+  add_test(NAME unit_host_exec COMMAND unit_host_exec)
+  set_tests_properties(unit_plan unit_host_exec PROPERTIES TIMEOUT 600)
+else()
+  message(STATUS "epd: Check not found, unit tests disabled")
+endif()
