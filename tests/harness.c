@@ -45,9 +45,12 @@ static int socket_ready(const char *path)
         struct sockaddr_un sa = { .sun_family = AF_UNIX };
         int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0), rc;
 
-        if (fd < 0)
+        if (fd < 0 || strlen(path) >= sizeof(sa.sun_path)) {
+                if (fd >= 0)
+                        close(fd);
                 return 0;
-        snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+        }
+        memcpy(sa.sun_path, path, strlen(path) + 1);
         rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
         close(fd);
         return rc == 0;

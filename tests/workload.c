@@ -278,7 +278,8 @@ int wl_worker(const struct wl_case *c, const char *socket_path, const char *grou
                 if (c->has_weights)
                         da.topk_weights = tensor2(&slab, weights, EPD_DTYPE_FP32, n, K, 0);
 
-                struct ref_dispatch_actual act = { { 0 } };
+                struct ref_dispatch_actual act;
+                memset(&act, 0, sizeof(act));
                 uint8_t *o_x = NULL;
                 if (!c->use_arena) {
                         int expand = c->layout == EPD_LAYOUT_EXPAND;
