@@ -42,6 +42,7 @@ struct epd_exec_rank {
          * when a cached dispatch reuses its handle's placement. On failure the backend releases
          * any placement it made. */
         struct epd_arena_place place;
+        int place_new;                /* place was made by this op (released if it fails) */
         /* combine */
         struct epd_mat y;
         uint64_t y_rows;              /* rows the client declared for y */
@@ -90,10 +91,13 @@ struct epd_backend_ops {
                              const void *ipc_handle, size_t ipc_len, uint64_t offset,
                              char *err, size_t err_len);
         void (*region_release)(struct epd_backend *b, struct epd_region *r);
-        /* Creates the memory of an output arena on a device: a daemon address and an fd the
-         * client can map (kind says how). */
-        int (*arena_alloc)(struct epd_backend *b, uint32_t device, uint64_t bytes, uint8_t **base,
-                           int *fd, enum epd_region_kind *kind, char *err, size_t err_len);
+        /* Creates the memory of an output arena for a rank on a device: a daemon address and an
+         * fd the client can map (kind says how). host_memory: the client cannot map device
+         * memory (it announced no CUDA capability), so the arena must be host memory that the
+         * backend's devices can reach. */
+        int (*arena_alloc)(struct epd_backend *b, uint32_t device, int host_memory,
+                           uint64_t bytes, uint8_t **base, int *fd, enum epd_region_kind *kind,
+                           char *err, size_t err_len);
         void (*arena_free)(struct epd_backend *b, uint8_t *base, uint64_t bytes);
         /* Starts an op; returns at once. Completion: epd_exec_done(ex) from any thread. */
         void (*submit)(struct epd_backend *b, struct epd_exec *ex);
@@ -115,6 +119,14 @@ struct epd_backend {
         pthread_mutex_t done_lock;
         struct epd_list done;
 };
+
+/* exec_arena.c: once every arena rank's num_recv_tokens / num_expanded_rows is set, places
+ * the outputs of ranks without a placement and points every arena rank's outputs at it.
+ * Returns 0, or -1 with ex->status CAPACITY_EXCEEDED (new placements released). */
+int epd_exec_place_arenas(struct epd_exec *ex);
+void epd_exec_bind_arena(struct epd_exec *ex, struct epd_exec_rank *er);
+/* Releases the placements this op made; idempotent. */
+void epd_exec_release_new_arenas(struct epd_exec *ex);
 
 /* Picks and initialises the backend named by cfg->backend ("auto": cuda when a GPU is usable,
  * else host). */

@@ -20,6 +20,7 @@
 #include "arena.h"
 #include "backend.h"
 #include "log.h"
+#include "memfd.h"
 #include "plan.h"
 #include "util.h"
 
@@ -166,80 +167,6 @@ static void combine_item(void *arg, uint64_t i)
         epd_host_combine_item(arg, i);
 }
 
-/* Lays out a rank's outputs in one arena extent. */
-static int arena_place(struct epd_exec *ex, struct epd_exec_rank *er, uint64_t rows)
-{
-        const struct epd_group_cfg *cfg = &ex->cfg;
-        int expand = ex->layout == EPD_LAYOUT_EXPAND;
-        uint64_t bytes[EPD_OUT_FIELDS] = {
-                rows * cfg->row_bytes,
-                cfg->scale_cols ? rows * cfg->scale_cols * 4 : 0,
-                expand ? 0 : rows * ex->num_topk * epd_dtype_size(ex->topk_dtype),
-                ex->has_weights ? rows * (expand ? 1 : ex->num_topk) * 4 : 0,
-                rows * 8,
-                expand ? rows * 4 : 0,
-        };
-        int needed[EPD_OUT_FIELDS] = { 1, cfg->scale_cols != 0, !expand, ex->has_weights, 1,
-                                       expand };
-        uint64_t total = 0, off;
-
-        for (int f = 0; f < EPD_OUT_FIELDS; f++)
-                if (needed[f])
-                        total += (bytes[f] + EPD_ARENA_ALIGN - 1) / EPD_ARENA_ALIGN *
-                                 EPD_ARENA_ALIGN;
-        if (epd_arena_alloc(er->arena, total, &off) < 0)
-                return -1;
-        er->place.used = 1;
-        er->place.ext_off = off;
-        er->place.ext_len = total;
-        for (int f = 0; f < EPD_OUT_FIELDS; f++) {
-                if (!needed[f]) {
-                        er->place.off[f] = UINT64_MAX;
-                        continue;
-                }
-                er->place.off[f] = off;
-                off += (bytes[f] + EPD_ARENA_ALIGN - 1) / EPD_ARENA_ALIGN * EPD_ARENA_ALIGN;
-        }
-        return 0;
-}
-
-/* Points a rank's output matrices at its arena placement. */
-static void arena_bind_outputs(struct epd_exec *ex, struct epd_exec_rank *er)
-{
-        const struct epd_group_cfg *cfg = &ex->cfg;
-        uint8_t *base = er->arena->base;
-        const struct epd_arena_place *pl = &er->place;
-        int expand = ex->layout == EPD_LAYOUT_EXPAND;
-
-        memset(&er->dst, 0, sizeof(er->dst));
-        er->dst.recv_x = (struct epd_mat){ base + pl->off[EPD_OUT_RECV_X], cfg->row_bytes };
-        if (pl->off[EPD_OUT_RECV_SCALES] != UINT64_MAX)
-                er->dst.recv_scales = (struct epd_mat){ base + pl->off[EPD_OUT_RECV_SCALES],
-                                                        cfg->scale_cols * 4 };
-        if (pl->off[EPD_OUT_RECV_TOPK_IDX] != UINT64_MAX)
-                er->dst.recv_topk_idx =
-                        (struct epd_mat){ base + pl->off[EPD_OUT_RECV_TOPK_IDX],
-                                          ex->num_topk * epd_dtype_size(ex->topk_dtype) };
-        if (pl->off[EPD_OUT_RECV_WEIGHTS] != UINT64_MAX)
-                er->dst.recv_weights = (struct epd_mat){ base + pl->off[EPD_OUT_RECV_WEIGHTS],
-                                                         expand ? 4 : ex->num_topk * 4ull };
-        er->dst.recv_src = (struct epd_mat){ base + pl->off[EPD_OUT_RECV_SRC], 8 };
-        if (pl->off[EPD_OUT_RECV_TOPK_SLOT] != UINT64_MAX)
-                er->dst.recv_topk_slot =
-                        (struct epd_mat){ base + pl->off[EPD_OUT_RECV_TOPK_SLOT], 4 };
-}
-
-static void release_new_placements(struct epd_exec *ex, const int *made)
-{
-        for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
-                struct epd_exec_rank *er = &ex->ranks[r];
-                if (made[r]) {
-                        epd_arena_release(er->arena, er->place.ext_off, er->place.ext_len);
-                        memset(&er->place, 0, sizeof(er->place));
-                }
-        }
-}
-
 static void run_dispatch(struct host_backend *hb, struct epd_exec *ex)
 {
         const struct epd_group_cfg *cfg = &ex->cfg;
@@ -248,7 +175,6 @@ static void run_dispatch(struct host_backend *hb, struct epd_exec *ex)
         struct epd_plan *plan;
         struct epd_dispatch_src_io *src = NULL;
         struct epd_dispatch_dst_io *dst = NULL;
-        int *made = NULL;
         size_t msg_len = 0;
         uint64_t bytes = 0;
 
@@ -300,48 +226,26 @@ static void run_dispatch(struct host_backend *hb, struct epd_exec *ex)
         plan = hh->plan;
 
         /* SEMANTICS.md 2.5: check every rank's capacity before any byte moves. */
-        made = calloc(R, sizeof(*made));
-        if (!made)
-                goto oom;
         for (uint32_t d = 0; d < R; d++) {
                 struct epd_exec_rank *er = &ex->ranks[d];
                 int64_t rows = epd_plan_rows(plan, d);
-                if (er->use_arena) {
-                        if (!er->place.used) {
-                                if (arena_place(ex, er, (uint64_t)rows) < 0) {
-                                        if (ex->status == 0)
-                                                msg_len = (size_t)snprintf(ex->message, sizeof(ex->message),
-                                                        "op does not fit:");
-                                        ex->status = EPD_CAPACITY_EXCEEDED;
-                                        if (msg_len < sizeof(ex->message))
-                                                msg_len += (size_t)snprintf(ex->message + msg_len,
-                                                        sizeof(ex->message) - msg_len,
-                                                        " rank %u needs %lld rows, its output arena has no free extent that large (largest %llu bytes of %llu);",
-                                                        d, (long long)rows,
-                                                        (unsigned long long)epd_arena_largest_free(er->arena),
-                                                        (unsigned long long)er->arena->bytes);
-                                        continue;
-                                }
-                                made[d] = 1;
-                        }
-                        arena_bind_outputs(ex, er);
-                } else if ((uint64_t)rows > er->capacity_rows) {
-                        if (ex->status == 0)
-                                msg_len = (size_t)snprintf(ex->message, sizeof(ex->message),
-                                                           "op does not fit:");
-                        ex->status = EPD_CAPACITY_EXCEEDED;
-                        if (msg_len < sizeof(ex->message))
-                                msg_len += (size_t)snprintf(ex->message + msg_len,
-                                                            sizeof(ex->message) - msg_len,
-                                                            " rank %u needs %lld rows, capacity %llu;",
-                                                            d, (long long)rows,
-                                                            (unsigned long long)er->capacity_rows);
-                }
+                er->num_recv_tokens = epd_plan_num_recv_tokens(plan, d);
+                er->num_expanded_rows = epd_plan_num_expanded_rows(plan, d);
+                if (er->use_arena || (uint64_t)rows <= er->capacity_rows)
+                        continue;
+                if (ex->status == 0)
+                        msg_len = (size_t)snprintf(ex->message, sizeof(ex->message),
+                                                   "op does not fit:");
+                ex->status = EPD_CAPACITY_EXCEEDED;
+                if (msg_len < sizeof(ex->message))
+                        msg_len += (size_t)snprintf(ex->message + msg_len,
+                                                    sizeof(ex->message) - msg_len,
+                                                    " rank %u needs %lld rows, capacity %llu;",
+                                                    d, (long long)rows,
+                                                    (unsigned long long)er->capacity_rows);
         }
-        if (ex->status < 0) {
-                release_new_placements(ex, made);
+        if (ex->status < 0 || epd_exec_place_arenas(ex) < 0)
                 goto fail;
-        }
         if (fresh)
                 pool_run(&hb->pool, place_item, plan, R);
 
@@ -349,7 +253,7 @@ static void run_dispatch(struct host_backend *hb, struct epd_exec *ex)
          * them after the client's input may have changed. */
         if (ex->has_weights) {
                 if (!hh->weights && !(hh->weights = calloc(R, sizeof(*hh->weights)))) {
-                        release_new_placements(ex, made);
+                        epd_exec_release_new_arenas(ex);
                         goto oom;
                 }
                 for (uint32_t s = 0; s < R; s++) {
@@ -357,7 +261,7 @@ static void run_dispatch(struct host_backend *hb, struct epd_exec *ex)
                         size_t n = (size_t)er->num_tokens * ex->num_topk;
                         float *w = hh->weights[s] ? hh->weights[s] : malloc(n * sizeof(float) + 1);
                         if (!w) {
-                                release_new_placements(ex, made);
+                                epd_exec_release_new_arenas(ex);
                                 goto oom;
                         }
                         for (uint32_t t = 0; t < er->num_tokens; t++)
@@ -370,7 +274,7 @@ static void run_dispatch(struct host_backend *hb, struct epd_exec *ex)
         src = calloc(R, sizeof(*src));
         dst = calloc(R, sizeof(*dst));
         if (!src || !dst) {
-                release_new_placements(ex, made);
+                epd_exec_release_new_arenas(ex);
                 goto oom;
         }
         for (uint32_t r = 0; r < R; r++) {
@@ -393,8 +297,6 @@ static void run_dispatch(struct host_backend *hb, struct epd_exec *ex)
 
         for (uint32_t d = 0; d < R; d++) {
                 struct epd_exec_rank *er = &ex->ranks[d];
-                er->num_recv_tokens = epd_plan_num_recv_tokens(plan, d);
-                er->num_expanded_rows = epd_plan_num_expanded_rows(plan, d);
                 memcpy(er->per_expert, plan->expert_count + (size_t)d * L, L * sizeof(int32_t));
                 memcpy(er->per_expert_aligned, plan->expert_aligned + (size_t)d * L,
                        L * sizeof(int32_t));
@@ -406,7 +308,6 @@ static void run_dispatch(struct host_backend *hb, struct epd_exec *ex)
         ex->status = 0;
         if (fresh)
                 ex->new_handle_state = fresh;
-        free(made);
         free(src);
         free(dst);
         return;
@@ -414,8 +315,8 @@ oom:
         ex->status = EPD_INTERNAL;
         snprintf(ex->message, sizeof(ex->message), "out of memory");
 fail:
+        epd_exec_release_new_arenas(ex);
         host_handle_free(fresh, R);
-        free(made);
         free(src);
         free(dst);
 }
@@ -581,91 +482,39 @@ static int host_region_import(struct epd_backend *b, struct epd_region *r, int f
                               const void *ipc_handle, size_t ipc_len, uint64_t offset, char *err,
                               size_t err_len)
 {
-        struct stat st;
-        long page = sysconf(_SC_PAGESIZE);
-        uint64_t map_off, map_len;
-        int seals;
-        void *p;
+        uint64_t lead = 0;
+        int rc;
 
         (void)b;
         (void)ipc_handle;
         (void)ipc_len;
         if (r->kind != EPD_REGION_HOST_MEMFD) {
                 snprintf(err, err_len, "the host backend accepts only host memfd regions");
-                goto fail;
+                close(fd);
+                return EPD_INVALID_ARGUMENT;
         }
-        if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
-                snprintf(err, err_len, "region fd is not a memfd or regular file");
-                goto fail;
-        }
-        if (offset > (uint64_t)st.st_size || r->size > (uint64_t)st.st_size - offset) {
-                snprintf(err, err_len, "region of %llu bytes at offset %llu exceeds the file's %lld bytes",
-                         (unsigned long long)r->size, (unsigned long long)offset,
-                         (long long)st.st_size);
-                goto fail;
-        }
-        /* A client that shrank the file later would make the daemon fault on access: seal it
-         * against shrinking first. */
-        seals = fcntl(fd, F_GET_SEALS);
-        if (seals < 0 || (!(seals & F_SEAL_SHRINK) && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) < 0)) {
-                snprintf(err, err_len,
-                         "memfd must allow sealing (MFD_ALLOW_SEALING) so that it cannot shrink under the daemon");
-                goto fail;
-        }
-        map_off = offset / (uint64_t)page * (uint64_t)page;
-        map_len = offset - map_off + r->size;
-        p = mmap(NULL, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)map_off);
-        if (p == MAP_FAILED) {
-                snprintf(err, err_len, "mmap of region failed: %s", strerror(errno));
-                goto fail;
-        }
+        rc = epd__memfd_map(fd, offset, r->size, &r->base, &lead, err, err_len);
         close(fd);
-        r->base = (uint8_t *)p + (offset - map_off);
-        r->backend_state = (void *)(uintptr_t)(offset - map_off);
-        return 0;
-fail:
-        close(fd);
-        return EPD_INVALID_ARGUMENT;
+        r->backend_state = (void *)(uintptr_t)lead;
+        return rc;
 }
 
 static void host_region_release(struct epd_backend *b, struct epd_region *r)
 {
-        uintptr_t lead = (uintptr_t)r->backend_state;
-
         (void)b;
-        if (r->base)
-                munmap(r->base - lead, lead + r->size);
+        epd__memfd_unmap(r->base, (uint64_t)(uintptr_t)r->backend_state, r->size);
         r->base = NULL;
 }
 
-static int host_arena_alloc(struct epd_backend *b, uint32_t device, uint64_t bytes,
-                            uint8_t **base, int *fd_out, enum epd_region_kind *kind, char *err,
-                            size_t err_len)
+static int host_arena_alloc(struct epd_backend *b, uint32_t device, int host_memory,
+                            uint64_t bytes, uint8_t **base, int *fd_out,
+                            enum epd_region_kind *kind, char *err, size_t err_len)
 {
-        int fd;
-        void *p;
-
         (void)b;
         (void)device;
-        fd = memfd_create("epd-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-        if (fd < 0 || ftruncate(fd, (off_t)bytes) < 0 ||
-            fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) < 0) {
-                snprintf(err, err_len, "cannot create a %llu-byte output arena: %s",
-                         (unsigned long long)bytes, strerror(errno));
-                if (fd >= 0)
-                        close(fd);
-                return EPD_UNAVAILABLE;
-        }
-        p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (p == MAP_FAILED) {
-                snprintf(err, err_len, "cannot map the output arena: %s", strerror(errno));
-                close(fd);
-                return EPD_UNAVAILABLE;
-        }
-        *base = p;
-        *fd_out = fd;
+        (void)host_memory;
         *kind = EPD_REGION_HOST_MEMFD;
-        return 0;
+        return epd__memfd_arena(bytes, base, fd_out, err, err_len);
 }
 
 static void host_arena_free(struct epd_backend *b, uint8_t *base, uint64_t bytes)

@@ -82,6 +82,7 @@ struct epd_conn {
         uid_t uid;
         gid_t gid;
         int admin;                    /* root or member of admin_group */
+        int cuda_capable;             /* announced CAP_CUDA_REGIONS: can map device memory */
         char name[64];
         int hello_done;
         int closing;
@@ -132,6 +133,7 @@ struct epd_rank {
         uint64_t next_op;
         struct epd_arena *arena;      /* daemon-owned output arena, exported to the client */
         uint64_t arena_region_id;     /* the arena in the bound client's region table */
+        int arena_host;               /* the arena is host memory */
         struct epd_rank_stats stats;
 };
 

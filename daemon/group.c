@@ -186,7 +186,8 @@ int epd_group_new(struct epd_daemon *d, const char *name, const void *secret, si
         return 0;
 }
 
-static int rank_arena_create(struct epd_group *g, struct epd_rank *r, char *err, size_t err_len)
+static int rank_arena_create(struct epd_group *g, struct epd_rank *r, int host_memory, char *err,
+                             size_t err_len)
 {
         struct epd_backend *b = g->daemon->backend;
         uint8_t *base = NULL;
@@ -196,8 +197,8 @@ static int rank_arena_create(struct epd_group *g, struct epd_rank *r, char *err,
 
         if (r->arena || g->cfg.arena_bytes == 0)
                 return 0;
-        rc = b->ops->arena_alloc(b, r->device, g->cfg.arena_bytes, &base, &fd, &kind, err,
-                                 err_len);
+        rc = b->ops->arena_alloc(b, r->device, host_memory, g->cfg.arena_bytes, &base, &fd, &kind,
+                                 err, err_len);
         if (rc < 0)
                 return rc;
         r->arena = epd_arena_new(base, g->cfg.arena_bytes, fd, kind);
@@ -244,10 +245,12 @@ int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint3
                          rank, g->name, (unsigned long long)r->conn->id);
                 return EPD_ALREADY_EXISTS;
         }
-        if (r->arena && r->device != device)
-                rank_arena_destroy(g, r); /* the arena lives on the rank's device */
+        /* The arena lives on the rank's device, in memory this client can map. */
+        if (r->arena && (r->device != device || r->arena_host != !c->cuda_capable))
+                rank_arena_destroy(g, r);
         r->device = device;
-        rc = rank_arena_create(g, r, err, err_len);
+        r->arena_host = !c->cuda_capable;
+        rc = rank_arena_create(g, r, r->arena_host, err, err_len);
         if (rc < 0)
                 return rc;
         b = calloc(1, sizeof(*b));

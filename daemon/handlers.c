@@ -63,6 +63,7 @@ static int handle_hello(struct epd_conn *c, const Epd__V1__Request *req)
                 return -1;
         }
         c->hello_done = 1;
+        c->cuda_capable = (h->capabilities & EPD__V1__CAPABILITY__CAP_CUDA_REGIONS) != 0;
         snprintf(c->name, sizeof(c->name), "%s", h->client_name ? h->client_name : "");
         limits.max_frame_bytes = d->cfg.max_frame_bytes;
         limits.max_fds_per_frame = d->cfg.max_fds_per_frame;

@@ -87,7 +87,8 @@ int h_daemon_start(struct h_daemon *d, const char *const *extra_args)
         snprintf(epd, sizeof(epd), "%s/epd", h_bin_dir());
         argv[argc++] = epd;
         argv[argc++] = "--backend";
-        argv[argc++] = "host";
+        /* EPD_TEST_BACKEND=cuda runs the same integration tests against the GPU backend. */
+        argv[argc++] = getenv("EPD_TEST_BACKEND") ? getenv("EPD_TEST_BACKEND") : "host";
         argv[argc++] = "--socket";
         argv[argc++] = d->socket;
         argv[argc++] = "--config";

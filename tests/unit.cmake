@@ -12,7 +12,7 @@ target_link_libraries(epd_testlib PUBLIC epd_common m)
 
 if(CHECK_FOUND)
   add_executable(unit_plan ${CMAKE_CURRENT_LIST_DIR}/unit_plan.c)
-  target_link_libraries(unit_plan PRIVATE epd_testlib epd_common PkgConfig::CHECK)
+  target_link_libraries(unit_plan PRIVATE epd_testlib epd_common epd_check)
   add_test(NAME unit_plan COMMAND unit_plan)
 
   # host_exec.c is compiled into the test directly, so the test does not pull in the daemon's
@@ -22,7 +22,7 @@ if(CHECK_FOUND)
     ${EPD_ROOT_DIR}/daemon/host_exec.c)
   set_source_files_properties(${EPD_ROOT_DIR}/daemon/host_exec.c PROPERTIES COMPILE_OPTIONS "-O3")
   target_include_directories(unit_host_exec PRIVATE ${EPD_ROOT_DIR}/daemon)
-  target_link_libraries(unit_host_exec PRIVATE epd_testlib epd_common PkgConfig::CHECK
+  target_link_libraries(unit_host_exec PRIVATE epd_testlib epd_common epd_check
     Threads::Threads)
   add_test(NAME unit_host_exec COMMAND unit_host_exec)
   set_tests_properties(unit_plan unit_host_exec PROPERTIES TIMEOUT 600)

@@ -1,0 +1,1267 @@
+/* epd_bench.c - epd-bench: dispatch and combine bandwidth and latency of epd, driven through real
+ * client processes and reported as docs/BENCHMARKS.md defines.
+ *
+ * The parent process measures the host memcpy ceiling, starts a daemon (unless --socket names a
+ * running one), generates every rank's inputs into shared memfds, builds the independent
+ * reference once, and forks one worker process per rank. Workers inherit the mappings: each
+ * registers only its own rank's memfds with the daemon, but can read every rank's inputs and y,
+ * which the bitwise check of the first iteration needs. Workers write their per-iteration samples
+ * into a shared anonymous mapping; the parent turns them into the table and JSON lines once every
+ * worker has exited.
+ *
+ * While an op runs every worker is blocked in epd_op_wait (poll on its socket), so the daemon's
+ * executor and copy threads have the CPUs to themselves.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "epd.h"
+#include "harness.h"
+#include "reference.h"
+#include "testdata.h"
+
+#ifndef EPD_GIT_REV
+#define EPD_GIT_REV "unknown"
+#endif
+
+/* The BENCHMARKS.md model shape, common to every workload. */
+#define BENCH_HIDDEN 7168u
+#define BENCH_TOPK 8u
+#define BENCH_EXPERTS 256u
+#define BENCH_SCALE_BLOCK 128u
+
+/* The memcpy ceiling: BENCHMARKS.md asks for buffers of at least 1 GiB. */
+#define CEILING_BYTES (1ull << 30)
+#define CEILING_REPS 5
+
+#define OP_DISPATCH 0
+#define OP_COMBINE 1
+
+struct workload_spec {
+        const char *name;
+        uint32_t tokens;        /* nominal T */
+        enum epd_dtype dtype;
+        int descending;         /* rank r sends T - r tokens */
+};
+
+static const struct workload_spec workloads[] = {
+        { "prefill", 4096, EPD_DTYPE_FP8_E4M3, 1 },
+        { "prefill-bf16", 4096, EPD_DTYPE_BF16, 1 },
+        { "decode", 128, EPD_DTYPE_FP8_E4M3, 0 },
+        { "tiny", 8, EPD_DTYPE_BF16, 0 },
+};
+
+struct options {
+        const struct workload_spec *wl;
+        uint32_t ranks;
+        uint32_t iters;
+        uint32_t warmup;
+        uint32_t tokens;        /* 0: the workload's nominal T */
+        uint32_t threads;       /* 0: CPUs */
+        uint64_t seed;
+        enum epd_layout layout;
+        int use_arena;
+        int json;
+        const char *socket;     /* NULL: start our own daemon */
+};
+
+/* A MAP_SHARED memfd made before fork, so that every worker sees it at the same address. */
+struct shm_buf {
+        int fd;
+        uint8_t *ptr;
+        uint64_t bytes;
+};
+
+struct rank_data {
+        uint32_t num_tokens;
+        struct shm_buf in;      /* x, scales, topk_idx (int64), weights, 64-byte aligned */
+        uint8_t *x;
+        float *scales;
+        int64_t *topk;
+        float *weights;
+        struct shm_buf y;       /* bf16 [rows, H]: the combine input of this rank */
+        int64_t rows;           /* rows this rank receives in the dispatch layout */
+};
+
+/* One op as one worker saw it. */
+struct sample {
+        uint64_t submit_ns;     /* CLOCK_MONOTONIC just before submit */
+        uint64_t done_ns;       /* just after epd_op_wait returned */
+        uint64_t exec_ns;       /* the backend's execution time of the whole op */
+        uint64_t queue_ns;      /* from this rank's submission to launch, per the daemon */
+};
+
+struct bench {
+        struct options opt;
+        uint32_t R, T, H, K, E, scale_cols, cpus, threads;
+        uint64_t row_bytes;     /* bytes of one x row */
+        struct rank_data *ranks;
+        struct ref_dispatch *ref;
+        char socket[PATH_MAX];
+        char group_name[64];
+        uint64_t arena_bytes;
+        uint32_t total_iters;
+        struct sample *samples; /* shared: [R][total_iters][2] */
+        size_t samples_bytes;
+};
+
+/* For the signal handler: what to take down if the user interrupts the run. */
+static volatile pid_t g_daemon_pid;
+static volatile pid_t *g_worker_pids;
+static volatile uint32_t g_num_workers;
+
+static uint64_t now_ns(void)
+{
+        struct timespec ts;
+
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t align64(uint64_t v)
+{
+        return (v + 63) / 64 * 64;
+}
+
+static void on_signal(int sig)
+{
+        for (uint32_t i = 0; g_worker_pids && i < g_num_workers; i++)
+                if (g_worker_pids[i] > 0)
+                        kill(g_worker_pids[i], SIGKILL);
+        if (g_daemon_pid > 0)
+                kill(g_daemon_pid, SIGTERM);
+        _exit(128 + sig);
+}
+
+/* ---- machine facts ---- */
+
+/* The last-level cache in bytes, from sysfs (index3 is L3 on x86 and most arm64), else sysconf;
+ * 0 when unknown. */
+static uint64_t llc_bytes(void)
+{
+        FILE *f = fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
+        unsigned long long v = 0;
+        char unit = 0;
+        long sc;
+
+        if (f) {
+                int n = fscanf(f, "%llu%c", &v, &unit);
+                fclose(f);
+                if (n >= 1) {
+                        if (unit == 'K')
+                                v <<= 10;
+                        else if (unit == 'M')
+                                v <<= 20;
+                        return v;
+                }
+        }
+        sc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+        return sc > 0 ? (uint64_t)sc : 0;
+}
+
+/* ---- the host memcpy ceiling ---- */
+
+struct copy_job {
+        uint8_t *dst;
+        const uint8_t *src;
+        size_t bytes;
+};
+
+static void *copy_thread(void *arg)
+{
+        struct copy_job *j = arg;
+
+        memcpy(j->dst, j->src, j->bytes);
+        return NULL;
+}
+
+/* Copies `bytes` with `threads` threads, each its own contiguous slice, CEILING_REPS times after
+ * one untimed pass that faults every page in. Returns the best rate in GB/s (bytes read plus bytes
+ * written, 1e9 B/s) and the median in *median; 0 on failure. */
+static double measure_memcpy(unsigned threads, uint64_t bytes, double *median)
+{
+        uint8_t *src = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        uint8_t *dst = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        pthread_t *tids = calloc(threads, sizeof(*tids));
+        struct copy_job *jobs = calloc(threads, sizeof(*jobs));
+        double rates[CEILING_REPS], best = 0;
+
+        if (src == MAP_FAILED || dst == MAP_FAILED || !tids || !jobs) {
+                fprintf(stderr, "epd-bench: cannot allocate 2 x %llu bytes for the memcpy ceiling\n",
+                        (unsigned long long)bytes);
+                best = 0;
+                goto out;
+        }
+        /* Real pages on both sides: an untouched source would read the shared zero page. */
+        memset(src, 0x5A, bytes);
+        memset(dst, 0, bytes);
+        for (unsigned i = 0; i < threads; i++) {
+                uint64_t lo = bytes * i / threads / 4096 * 4096;
+                uint64_t hi = i + 1 == threads ? bytes : bytes * (i + 1) / threads / 4096 * 4096;
+                jobs[i] = (struct copy_job){ dst + lo, src + lo, hi - lo };
+        }
+        for (int rep = -1; rep < CEILING_REPS; rep++) {
+                uint64_t t0 = now_ns();
+                for (unsigned i = 0; i < threads; i++)
+                        pthread_create(&tids[i], NULL, copy_thread, &jobs[i]);
+                for (unsigned i = 0; i < threads; i++)
+                        pthread_join(tids[i], NULL);
+                uint64_t t1 = now_ns();
+                if (rep >= 0)
+                        rates[rep] = 2.0 * (double)bytes / (double)(t1 - t0);
+        }
+        for (int i = 0; i < CEILING_REPS; i++) {
+                if (rates[i] > best)
+                        best = rates[i];
+                for (int j = i + 1; j < CEILING_REPS; j++) {
+                        if (rates[j] < rates[i]) {
+                                double tmp = rates[i];
+                                rates[i] = rates[j];
+                                rates[j] = tmp;
+                        }
+                }
+        }
+        *median = rates[CEILING_REPS / 2];
+out:
+        if (src != MAP_FAILED)
+                munmap(src, bytes);
+        if (dst != MAP_FAILED)
+                munmap(dst, bytes);
+        free(tids);
+        free(jobs);
+        return best;
+}
+
+/* ---- inputs, reference, sizes ---- */
+
+static int shm_alloc(struct shm_buf *b, uint64_t bytes)
+{
+        void *p;
+
+        /* Never zero bytes: a region needs a size, and ranks may receive no rows. */
+        b->bytes = bytes < 4096 ? 4096 : bytes;
+        if (epd_memfd_alloc(b->bytes, &b->fd, &p) < 0) {
+                fprintf(stderr, "epd-bench: cannot create a %llu-byte memfd: %s\n",
+                        (unsigned long long)b->bytes, strerror(errno));
+                b->fd = -1;
+                return -1;
+        }
+        b->ptr = p;
+        return 0;
+}
+
+static void shm_free(struct shm_buf *b)
+{
+        if (b->fd < 0 || !b->ptr)
+                return;
+        munmap(b->ptr, b->bytes);
+        close(b->fd);
+        b->fd = -1;
+        b->ptr = NULL;
+}
+
+static uint32_t tokens_of(const struct bench *b, uint32_t r)
+{
+        if (!b->opt.wl->descending)
+                return b->T;
+        return b->T > r ? b->T - r : 0;
+}
+
+/* Generates every rank's inputs (seeded by the run seed and the rank, BENCHMARKS.md routing:
+ * uniform random top-k without repeats) into shared memfds. Payloads are finite normals: a
+ * benchmark has no business timing denormal arithmetic. */
+static int make_inputs(struct bench *b)
+{
+        for (uint32_t r = 0; r < b->R; r++) {
+                struct rank_data *rd = &b->ranks[r];
+                uint32_t n = tokens_of(b, r);
+                uint64_t x_bytes = align64((uint64_t)n * b->row_bytes);
+                uint64_t s_bytes = align64((uint64_t)n * b->scale_cols * 4);
+                uint64_t k_bytes = align64((uint64_t)n * b->K * 8);
+                uint64_t w_bytes = align64((uint64_t)n * b->K * 4);
+                struct td_rng rng;
+
+                rd->num_tokens = n;
+                if (shm_alloc(&rd->in, x_bytes + s_bytes + k_bytes + w_bytes) < 0)
+                        return -1;
+                rd->x = rd->in.ptr;
+                rd->scales = (float *)(rd->in.ptr + x_bytes);
+                rd->topk = (int64_t *)(rd->in.ptr + x_bytes + s_bytes);
+                rd->weights = (float *)(rd->in.ptr + x_bytes + s_bytes + k_bytes);
+                td_rng_seed(&rng, td_mix_seed(b->opt.seed, r));
+                if (b->opt.wl->dtype == EPD_DTYPE_BF16)
+                        td_fill_bf16(&rng, rd->x, n, b->H, 0, 0.0);
+                else
+                        td_fill_bytes(&rng, rd->x, n, b->row_bytes, 0);
+                if (b->scale_cols)
+                        td_fill_f32(&rng, rd->scales, n, b->scale_cols, 0, 0.5f, 2.0f);
+                struct td_routing_args ra = {
+                        .world_size = b->R, .num_experts = b->E, .num_tokens = n,
+                        .num_topk = b->K, .mode = TD_ROUTING_UNIFORM, .dtype = EPD_DTYPE_INT64,
+                };
+                td_gen_topk(&rng, &ra, rd->topk);
+                td_fill_f32(&rng, rd->weights, n, b->K, 0, 0.0f, 1.0f);
+        }
+        return 0;
+}
+
+static int build_reference(struct bench *b)
+{
+        struct ref_params p = {
+                .world_size = b->R, .num_experts = b->E, .hidden = b->H, .max_tokens = b->T,
+                .num_topk = b->K, .dtype = b->opt.wl->dtype, .scale_block = BENCH_SCALE_BLOCK,
+                .topk_dtype = EPD_DTYPE_INT64, .layout = b->opt.layout, .expert_alignment = 1,
+                .zero_padding = 0, .has_weights = 1,
+        };
+        struct ref_src *src = calloc(b->R, sizeof(*src));
+        char err[512];
+        int rc;
+
+        if (!src)
+                return -1;
+        for (uint32_t r = 0; r < b->R; r++) {
+                const struct rank_data *rd = &b->ranks[r];
+                src[r] = (struct ref_src){
+                        .num_tokens = rd->num_tokens,
+                        .x = { rd->x, 0 },
+                        .scales = { b->scale_cols ? rd->scales : NULL, 0 },
+                        .topk_idx = { rd->topk, 0 },
+                        .weights = { rd->weights, 0 },
+                };
+        }
+        rc = ref_dispatch_new(&p, src, &b->ref, err, sizeof(err));
+        free(src);
+        if (rc < 0) {
+                fprintf(stderr, "epd-bench: reference: %s\n", err);
+                return -1;
+        }
+        for (uint32_t r = 0; r < b->R; r++)
+                b->ranks[r].rows = b->ref->dst[r].rows;
+        return 0;
+}
+
+/* The y buffers (combine inputs). For bf16 the worker copies its received rows in after the
+ * first dispatch, so y is the identity expert; fp8 rows are not bf16, so y is seeded bf16. */
+static int make_y(struct bench *b)
+{
+        for (uint32_t r = 0; r < b->R; r++) {
+                struct rank_data *rd = &b->ranks[r];
+
+                if (shm_alloc(&rd->y, (uint64_t)rd->rows * b->H * 2) < 0)
+                        return -1;
+                if (b->opt.wl->dtype != EPD_DTYPE_BF16) {
+                        struct td_rng rng;
+                        td_rng_seed(&rng, td_mix_seed(b->opt.seed, 1000000 + r));
+                        td_fill_bf16(&rng, rd->y.ptr, (uint64_t)rd->rows, b->H, 0, 0.0);
+                }
+        }
+        return 0;
+}
+
+/* Bytes of the metadata a received row carries, BENCHMARKS.md's logical definition: NON_EXPAND
+ * rows carry recv_topk_idx (counted as int64) and recv_topk_weights (fp32) for all K_op
+ * positions. EXPAND rows carry one weight (fp32) and one top-k slot, counted as int64 like
+ * topk_idx. */
+static uint64_t meta_bytes(const struct bench *b)
+{
+        return b->opt.layout == EPD_LAYOUT_EXPAND ? 8 + 4 : (uint64_t)b->K * (8 + 4);
+}
+
+/* fp32 weights a row carries back in combine: [K_op] per NON_EXPAND row, one per EXPAND row. */
+static uint64_t combine_weight_bytes(const struct bench *b)
+{
+        return b->opt.layout == EPD_LAYOUT_EXPAND ? 4 : (uint64_t)b->K * 4;
+}
+
+struct byte_counts {
+        uint64_t rows;          /* received rows, every destination, own tokens included */
+        uint64_t tokens;        /* source tokens, every rank */
+        uint64_t logical[2];    /* [OP_DISPATCH], [OP_COMBINE] */
+        uint64_t floor[2];
+        uint64_t data;          /* inputs read plus outputs written by one dispatch */
+};
+
+static void count_bytes(const struct bench *b, struct byte_counts *c)
+{
+        uint64_t row = b->row_bytes + (uint64_t)b->scale_cols * 4 + meta_bytes(b);
+
+        memset(c, 0, sizeof(*c));
+        for (uint32_t r = 0; r < b->R; r++) {
+                c->rows += (uint64_t)b->ranks[r].rows;
+                c->tokens += b->ranks[r].num_tokens;
+        }
+        c->logical[OP_DISPATCH] = c->rows * row;
+        /* Every received row is read once at its source and written once at its destination. */
+        c->floor[OP_DISPATCH] = 2 * c->rows * row;
+        c->logical[OP_COMBINE] = c->rows * ((uint64_t)b->H * 2 + combine_weight_bytes(b));
+        /* Every contributed y row read once; every combined row (and its combined_topk_weights,
+         * which the benchmark requests) written once. */
+        c->floor[OP_COMBINE] = c->rows * (uint64_t)b->H * 2 +
+                               c->tokens * ((uint64_t)b->H * 2 + (uint64_t)b->K * 4);
+        c->data = c->tokens * (b->row_bytes + (uint64_t)b->scale_cols * 4 + (uint64_t)b->K * 12) +
+                  c->rows * row;
+}
+
+/* The arena a rank needs for its outputs: every field rounded up as the daemon places them. */
+static uint64_t arena_need(const struct bench *b, uint64_t rows)
+{
+        int expand = b->opt.layout == EPD_LAYOUT_EXPAND;
+        uint64_t f[6] = {
+                rows * b->row_bytes,
+                rows * b->scale_cols * 4,
+                expand ? 0 : rows * b->K * 8,
+                rows * (expand ? 1 : b->K) * 4,
+                rows * 8,
+                expand ? rows * 4 : 0,
+        };
+        uint64_t total = 0;
+
+        for (int i = 0; i < 6; i++)
+                total += (f[i] + 4095) / 4096 * 4096;
+        return total + (1u << 20);
+}
+
+/* ---- the worker ---- */
+
+#define WFAIL(...)                                                                      \
+        do {                                                                            \
+                fprintf(stderr, "epd-bench rank %u (seed %llu): ", rank,                \
+                        (unsigned long long)b->opt.seed);                               \
+                fprintf(stderr, __VA_ARGS__);                                           \
+                fprintf(stderr, "\n");                                                  \
+                goto out;                                                               \
+        } while (0)
+
+static int enter_group(const struct bench *b, struct epd_client *client, uint32_t rank,
+                       struct epd_group **out)
+{
+        unsigned char secret[16];
+        struct epd_group_config cfg = {
+                .size = sizeof(cfg), .world_size = b->R, .num_experts = b->E, .hidden = b->H,
+                .max_tokens_per_rank = b->T, .max_topk = b->K,
+                .dispatch_dtype = b->opt.wl->dtype, .scale_block = BENCH_SCALE_BLOCK,
+                .op_timeout_ms = 120000, .arena_bytes = b->arena_bytes,
+        };
+        struct epd_group_args ga = {
+                .size = sizeof(ga), .name = b->group_name, .secret = secret,
+                .secret_len = sizeof(secret), .rank = rank, .config = &cfg,
+        };
+
+        h_secret(b->group_name, secret);
+        if (rank == 0)
+                return epd_group_create(client, &ga, out);
+        /* Rank 0 may not have created the group yet: retry for up to 20 s. */
+        for (int attempt = 0; attempt < 4000; attempt++) {
+                int rc = epd_group_join(client, &ga, out);
+                if (rc != EPD_NOT_FOUND)
+                        return rc;
+                usleep(5000);
+        }
+        return EPD_NOT_FOUND;
+}
+
+/* A tensor at ptr inside one of this client's registered regions. */
+static int tensor(struct epd_client *c, const void *ptr, enum epd_dtype dt, uint64_t rows,
+                  uint64_t cols, struct epd_tensor *out)
+{
+        uint64_t sizes[2] = { rows, cols };
+
+        return epd_tensor_at(c, ptr, dt, cols ? 2 : 1, sizes, out);
+}
+
+static int worker_run(struct bench *b, uint32_t rank)
+{
+        struct rank_data *me = &b->ranks[rank];
+        const int expand = b->opt.layout == EPD_LAYOUT_EXPAND;
+        const enum epd_dtype dt = b->opt.wl->dtype;
+        const uint32_t n = me->num_tokens, H = b->H, K = b->K;
+        struct epd_connect_args ca = { .size = sizeof(ca), .socket_path = b->socket,
+                                       .client_name = "epd-bench", .timeout_ms = 120000 };
+        struct epd_client *client = NULL;
+        struct epd_group *group = NULL;
+        struct epd_op *op = NULL;
+        struct ref_buf *ybufs = calloc(b->R, sizeof(*ybufs));
+        uint64_t region_id;
+        char err[1024];
+        int rc, status = 1;
+
+        if (!ybufs)
+                WFAIL("out of memory");
+        for (uint32_t d = 0; d < b->R; d++)
+                ybufs[d] = (struct ref_buf){ b->ranks[d].y.ptr, 0 };
+        rc = epd_client_connect(&ca, &client, err, sizeof(err));
+        if (rc < 0)
+                WFAIL("connect to %s: %s: %s", b->socket, epd_status_name(rc), err);
+        rc = enter_group(b, client, rank, &group);
+        if (rc < 0)
+                WFAIL("enter group %s: %s: %s", b->group_name, epd_status_name(rc),
+                      epd_client_last_error(client));
+        rc = epd_region_register_fd(client, EPD_REGION_HOST_MEMFD, me->in.fd, me->in.bytes, 0,
+                                    me->in.ptr, &region_id);
+        if (rc >= 0)
+                rc = epd_region_register_fd(client, EPD_REGION_HOST_MEMFD, me->y.fd, me->y.bytes,
+                                            0, me->y.ptr, &region_id);
+        if (rc < 0)
+                WFAIL("register inputs: %s", epd_client_last_error(client));
+
+        /* Combine outputs: combined [N, H] bf16 and combined_topk_weights [N, K] fp32. */
+        uint64_t comb_x = align64((uint64_t)n * H * 2);
+        void *cbase;
+        rc = epd_region_alloc(client, comb_x + (uint64_t)n * K * 4 + 4096, &cbase, &region_id);
+        if (rc < 0)
+                WFAIL("combined region: %s", epd_client_last_error(client));
+        uint16_t *combined = cbase;
+        float *cw = (float *)((uint8_t *)cbase + comb_x);
+
+        struct epd_dispatch_args da = {
+                .size = sizeof(da), .num_tokens = n, .num_topk = K, .layout = b->opt.layout,
+                .expert_alignment = 1, .use_arena = b->opt.use_arena,
+        };
+        rc = tensor(client, me->x, dt, n, H, &da.x);
+        if (rc >= 0 && b->scale_cols)
+                rc = tensor(client, me->scales, EPD_DTYPE_FP32, n, b->scale_cols, &da.scales);
+        if (rc >= 0)
+                rc = tensor(client, me->topk, EPD_DTYPE_INT64, n, K, &da.topk_idx);
+        if (rc >= 0)
+                rc = tensor(client, me->weights, EPD_DTYPE_FP32, n, K, &da.topk_weights);
+        if (rc < 0)
+                WFAIL("input tensors: %s", epd_client_last_error(client));
+
+        /* Client-registered outputs of exactly the rows this rank receives (the capacity check of
+         * SEMANTICS.md 2.5 is then tight), laid out in one region. */
+        struct ref_dispatch_actual act;
+        memset(&act, 0, sizeof(act));
+        if (!b->opt.use_arena) {
+                uint64_t cap = me->rows > 0 ? (uint64_t)me->rows : 1;
+                uint64_t sz[6] = {
+                        align64(cap * b->row_bytes), align64(cap * b->scale_cols * 4),
+                        expand ? 0 : align64(cap * K * 8), align64(cap * (expand ? 1 : K) * 4),
+                        align64(cap * 8), expand ? align64(cap * 4) : 0,
+                };
+                uint64_t total = 0;
+                uint8_t *p;
+                void *obase;
+
+                for (int i = 0; i < 6; i++)
+                        total += sz[i];
+                rc = epd_region_alloc(client, total + 4096, &obase, &region_id);
+                if (rc < 0)
+                        WFAIL("output region: %s", epd_client_last_error(client));
+                p = obase;
+                rc = tensor(client, p, dt, cap, H, &da.recv_x);
+                act.recv_x = (struct ref_buf){ p, 0 };
+                p += sz[0];
+                if (rc >= 0 && b->scale_cols) {
+                        rc = tensor(client, p, EPD_DTYPE_FP32, cap, b->scale_cols, &da.recv_scales);
+                        act.recv_scales = (struct ref_buf){ p, 0 };
+                }
+                p += sz[1];
+                if (rc >= 0 && !expand) {
+                        rc = tensor(client, p, EPD_DTYPE_INT64, cap, K, &da.recv_topk_idx);
+                        act.recv_topk_idx = (struct ref_buf){ p, 0 };
+                }
+                p += sz[2];
+                if (rc >= 0) {
+                        rc = tensor(client, p, EPD_DTYPE_FP32, cap, expand ? 0 : K, &da.recv_weights);
+                        act.recv_weights = (struct ref_buf){ p, 0 };
+                }
+                p += sz[3];
+                if (rc >= 0) {
+                        rc = tensor(client, p, EPD_DTYPE_INT64, cap, 0, &da.recv_src);
+                        act.recv_src = (struct ref_buf){ p, 0 };
+                }
+                p += sz[4];
+                if (rc >= 0 && expand) {
+                        rc = tensor(client, p, EPD_DTYPE_INT32, cap, 0, &da.recv_topk_slot);
+                        act.recv_topk_slot = (struct ref_buf){ p, 0 };
+                }
+                if (rc < 0)
+                        WFAIL("output tensors: %s", epd_client_last_error(client));
+        }
+
+        struct epd_combine_args cb = {
+                .size = sizeof(cb), .apply_weights = expand, .num_bias = 0,
+        };
+        rc = tensor(client, me->y.ptr, EPD_DTYPE_BF16, (uint64_t)me->rows, H, &cb.y);
+        if (rc >= 0)
+                rc = tensor(client, combined, EPD_DTYPE_BF16, n, H, &cb.combined);
+        if (rc >= 0)
+                rc = tensor(client, cw, EPD_DTYPE_FP32, n, K, &cb.combined_topk_weights);
+        if (rc < 0)
+                WFAIL("combine tensors: %s", epd_client_last_error(client));
+
+        for (uint32_t it = 0; it < b->total_iters; it++) {
+                struct sample *smp = &b->samples[((size_t)rank * b->total_iters + it) * 2];
+                struct epd_dispatch_result dr;
+                struct epd_combine_result cr;
+                uint64_t t0, t1;
+
+                t0 = now_ns();
+                rc = epd_dispatch_submit(group, &da, &op);
+                if (rc >= 0)
+                        rc = epd_op_wait(op, -1);
+                t1 = now_ns();
+                if (rc < 0)
+                        WFAIL("dispatch %u: %s: %s", it, epd_status_name(rc),
+                              op ? epd_op_error(op) : epd_client_last_error(client));
+                rc = epd_op_dispatch_result(op, &dr);
+                if (rc < 0)
+                        WFAIL("dispatch %u result: %s", it, epd_status_name(rc));
+                smp[OP_DISPATCH] = (struct sample){ t0, t1, dr.exec_ns, dr.queue_ns };
+
+                if (it == 0) {
+                        struct ref_counts_actual counts = {
+                                dr.num_recv_tokens, dr.num_expanded_rows,
+                                dr.num_recv_tokens_per_expert,
+                                dr.num_recv_tokens_per_expert_aligned, dr.rank_prefix,
+                        };
+                        if (b->opt.use_arena) {
+                                act.recv_x = (struct ref_buf){ dr.recv_x_ptr, 0 };
+                                act.recv_scales = (struct ref_buf){ dr.recv_scales_ptr, 0 };
+                                act.recv_topk_idx = (struct ref_buf){ dr.recv_topk_idx_ptr, 0 };
+                                act.recv_weights = (struct ref_buf){ dr.recv_weights_ptr, 0 };
+                                act.recv_src = (struct ref_buf){ dr.recv_src_ptr, 0 };
+                                act.recv_topk_slot = (struct ref_buf){ dr.recv_topk_slot_ptr, 0 };
+                                if (me->rows > 0 && !dr.recv_x_ptr)
+                                        WFAIL("dispatch reply names no arena placement");
+                        }
+                        if (ref_check_counts(b->ref, rank, &counts, err, sizeof(err)) != 0)
+                                WFAIL("VERIFICATION FAILED: dispatch counts: %s", err);
+                        if (ref_check_dispatch(b->ref, rank, &act, err, sizeof(err)) != 0)
+                                WFAIL("VERIFICATION FAILED: dispatch outputs: %s", err);
+                        /* The identity expert: y is the received rows, outside the timing. */
+                        if (dt == EPD_DTYPE_BF16 && me->rows > 0)
+                                memcpy(me->y.ptr, act.recv_x.ptr, (size_t)me->rows * b->row_bytes);
+                }
+                cb.handle_id = dr.handle_id;
+                epd_op_free(op);
+                op = NULL;
+
+                t0 = now_ns();
+                rc = epd_combine_submit(group, &cb, &op);
+                if (rc >= 0)
+                        rc = epd_op_wait(op, -1);
+                t1 = now_ns();
+                if (rc < 0)
+                        WFAIL("combine %u: %s: %s", it, epd_status_name(rc),
+                              op ? epd_op_error(op) : epd_client_last_error(client));
+                rc = epd_op_combine_result(op, &cr);
+                if (rc < 0)
+                        WFAIL("combine %u result: %s", it, epd_status_name(rc));
+                smp[OP_COMBINE] = (struct sample){ t0, t1, cr.exec_ns, cr.queue_ns };
+                epd_op_free(op);
+                op = NULL;
+
+                if (it == 0) {
+                        /* Every rank wrote its y before submitting the combine, and the combine
+                         * completed only after every rank submitted: all y are in place. */
+                        struct ref_combine_in cin = { ybufs, cb.apply_weights };
+                        struct ref_buf bias[2] = { { NULL, 0 }, { NULL, 0 } };
+                        if (ref_check_combine(b->ref, &cin, rank, bias,
+                                              (struct ref_buf){ combined, 0 },
+                                              (struct ref_buf){ cw, 0 }, err, sizeof(err)) != 0)
+                                WFAIL("VERIFICATION FAILED: combine outputs: %s", err);
+                }
+                rc = epd_handle_release(group, cb.handle_id);
+                if (rc < 0)
+                        WFAIL("handle release: %s", epd_client_last_error(client));
+        }
+        status = 0;
+out:
+        epd_op_free(op);
+        epd_group_leave(group);
+        epd_client_free(client);
+        free(ybufs);
+        return status;
+}
+
+/* ---- statistics ---- */
+
+static int cmp_double(const void *a, const void *b)
+{
+        double x = *(const double *)a, y = *(const double *)b;
+
+        return x < y ? -1 : x > y;
+}
+
+/* Nearest-rank percentile of sorted v[n]. */
+static double pct(const double *v, size_t n, double p)
+{
+        size_t i;
+
+        if (n == 0)
+                return NAN;
+        i = (size_t)ceil(p / 100.0 * (double)n);
+        if (i > 0)
+                i--;
+        return v[i < n ? i : n - 1];
+}
+
+struct op_stats {
+        double exec_p50, exec_p99;       /* us: the backend's time of the whole op */
+        double e2e_p50, e2e_p99, e2e_max; /* us: client-observed, every rank's samples */
+        double ovh_p50, ovh_p99;         /* us: e2e minus exec of the same op, every rank */
+        double last_ovh_p50, last_ovh_p99; /* us: the same for the rank that submitted last */
+        double queue_p50;                /* us: submission to launch, every rank */
+        double exec_spread_max;          /* us: largest difference of exec_ns between ranks */
+};
+
+static void op_stats(const struct bench *b, int kind, struct op_stats *st)
+{
+        uint32_t R = b->R, iters = b->opt.iters, w = b->opt.warmup;
+        size_t ns = (size_t)R * iters;
+        double *exec = calloc(iters, sizeof(double));
+        double *e2e = calloc(ns, sizeof(double)), *ovh = calloc(ns, sizeof(double));
+        double *last = calloc(iters, sizeof(double)), *queue = calloc(ns, sizeof(double));
+        size_t k = 0;
+
+        memset(st, 0, sizeof(*st));
+        if (!exec || !e2e || !ovh || !last || !queue)
+                goto out;
+        for (uint32_t i = 0; i < iters; i++) {
+                uint64_t emax = 0, emin = UINT64_MAX, last_submit = 0;
+                double last_ovh = 0;
+
+                for (uint32_t r = 0; r < R; r++) {
+                        const struct sample *s =
+                                &b->samples[((size_t)r * b->total_iters + w + i) * 2 + kind];
+                        emax = s->exec_ns > emax ? s->exec_ns : emax;
+                        emin = s->exec_ns < emin ? s->exec_ns : emin;
+                }
+                for (uint32_t r = 0; r < R; r++) {
+                        const struct sample *s =
+                                &b->samples[((size_t)r * b->total_iters + w + i) * 2 + kind];
+                        double t = (double)(s->done_ns - s->submit_ns) / 1e3;
+                        e2e[k] = t;
+                        ovh[k] = t - (double)s->exec_ns / 1e3;
+                        queue[k] = (double)s->queue_ns / 1e3;
+                        k++;
+                        if (s->submit_ns >= last_submit) {
+                                last_submit = s->submit_ns;
+                                last_ovh = t - (double)s->exec_ns / 1e3;
+                        }
+                }
+                /* One exec serves every rank: its time is the device figure. */
+                exec[i] = (double)emax / 1e3;
+                last[i] = last_ovh;
+                if ((double)(emax - emin) / 1e3 > st->exec_spread_max)
+                        st->exec_spread_max = (double)(emax - emin) / 1e3;
+        }
+        qsort(exec, iters, sizeof(double), cmp_double);
+        qsort(e2e, ns, sizeof(double), cmp_double);
+        qsort(ovh, ns, sizeof(double), cmp_double);
+        qsort(last, iters, sizeof(double), cmp_double);
+        qsort(queue, ns, sizeof(double), cmp_double);
+        st->exec_p50 = pct(exec, iters, 50);
+        st->exec_p99 = pct(exec, iters, 99);
+        st->e2e_p50 = pct(e2e, ns, 50);
+        st->e2e_p99 = pct(e2e, ns, 99);
+        st->e2e_max = pct(e2e, ns, 100);
+        st->ovh_p50 = pct(ovh, ns, 50);
+        st->ovh_p99 = pct(ovh, ns, 99);
+        st->last_ovh_p50 = pct(last, iters, 50);
+        st->last_ovh_p99 = pct(last, iters, 99);
+        st->queue_p50 = pct(queue, ns, 50);
+out:
+        free(exec);
+        free(e2e);
+        free(ovh);
+        free(last);
+        free(queue);
+}
+
+/* ---- command line ---- */
+
+static void usage(FILE *f)
+{
+        fprintf(f,
+                "Usage: epd-bench --workload prefill|prefill-bf16|decode|tiny --ranks N --iters N\n"
+                "                 [--json] [--socket PATH] [--tokens T] [--layout non-expand|expand]\n"
+                "                 [--seed S] [--warmup N] [--threads N] [--outputs arena|regions]\n\n"
+                "Measures dispatch and combine through real client processes, one per rank, as\n"
+                "docs/BENCHMARKS.md defines. Without --socket it starts build/bin/epd (host backend)\n"
+                "on a temporary socket and stops it at the end.\n\n"
+                "  --workload NAME   prefill (fp8, T=4096, rank r sends T-r), prefill-bf16, decode\n"
+                "                    (fp8, T=128), tiny (bf16, T=8; --tokens 1 for the 1-token case)\n"
+                "  --ranks N         world size (1..64)\n"
+                "  --iters N         measured iterations of dispatch -> combine (default 200)\n"
+                "  --warmup N        unmeasured iterations first (default 5); iteration 0 is\n"
+                "                    always verified bitwise against the reference\n"
+                "  --tokens T        tokens per rank; below the workload's T the run is 'scaled'\n"
+                "  --layout L        non-expand (default) or expand\n"
+                "  --seed S          data and routing seed (default 1)\n"
+                "  --threads N       host backend threads (daemon --host-threads) and memcpy-ceiling\n"
+                "                    threads; default: the number of CPUs\n"
+                "  --outputs O       arena (default): outputs in the daemon's output arena;\n"
+                "                    regions: client-registered outputs of exact capacity\n"
+                "  --socket PATH     use a running daemon instead of starting one\n"
+                "  --json            one JSON object per line per result on stdout (table on stderr)\n");
+}
+
+static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
+{
+        char *end;
+        unsigned long v;
+
+        errno = 0;
+        v = strtoul(s, &end, 0);
+        if (errno || end == s || *end || s[0] == '-' || v < lo || v > hi)
+                return -1;
+        *out = (uint32_t)v;
+        return 0;
+}
+
+static int parse_args(int argc, char **argv, struct options *o)
+{
+        static const struct option longopts[] = {
+                { "workload", required_argument, NULL, 'w' },
+                { "ranks", required_argument, NULL, 'r' },
+                { "iters", required_argument, NULL, 'i' },
+                { "warmup", required_argument, NULL, 'W' },
+                { "tokens", required_argument, NULL, 't' },
+                { "layout", required_argument, NULL, 'l' },
+                { "seed", required_argument, NULL, 's' },
+                { "threads", required_argument, NULL, 'T' },
+                { "outputs", required_argument, NULL, 'o' },
+                { "socket", required_argument, NULL, 'S' },
+                { "json", no_argument, NULL, 'j' },
+                { "help", no_argument, NULL, 'h' },
+                { NULL, 0, NULL, 0 },
+        };
+        int c;
+
+        memset(o, 0, sizeof(*o));
+        o->iters = 200;
+        o->warmup = 5;
+        o->seed = 1;
+        o->use_arena = 1;
+        o->layout = EPD_LAYOUT_NON_EXPAND;
+        while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+                switch (c) {
+                case 'w':
+                        for (size_t i = 0; i < sizeof(workloads) / sizeof(workloads[0]); i++)
+                                if (strcmp(optarg, workloads[i].name) == 0)
+                                        o->wl = &workloads[i];
+                        if (!o->wl) {
+                                fprintf(stderr, "epd-bench: unknown workload '%s'\n", optarg);
+                                return -1;
+                        }
+                        break;
+                case 'r':
+                        if (parse_u32(optarg, 1, 64, &o->ranks) < 0)
+                                goto bad;
+                        break;
+                case 'i':
+                        if (parse_u32(optarg, 1, 10000000, &o->iters) < 0)
+                                goto bad;
+                        break;
+                case 'W':
+                        if (parse_u32(optarg, 0, 10000000, &o->warmup) < 0)
+                                goto bad;
+                        break;
+                case 't':
+                        if (parse_u32(optarg, 1, 1u << 20, &o->tokens) < 0)
+                                goto bad;
+                        break;
+                case 'T':
+                        if (parse_u32(optarg, 1, 256, &o->threads) < 0)
+                                goto bad;
+                        break;
+                case 'l':
+                        if (strcmp(optarg, "non-expand") == 0)
+                                o->layout = EPD_LAYOUT_NON_EXPAND;
+                        else if (strcmp(optarg, "expand") == 0)
+                                o->layout = EPD_LAYOUT_EXPAND;
+                        else
+                                goto bad;
+                        break;
+                case 'o':
+                        if (strcmp(optarg, "arena") == 0)
+                                o->use_arena = 1;
+                        else if (strcmp(optarg, "regions") == 0)
+                                o->use_arena = 0;
+                        else
+                                goto bad;
+                        break;
+                case 's': {
+                        char *end;
+                        errno = 0;
+                        o->seed = strtoull(optarg, &end, 0);
+                        if (errno || end == optarg || *end)
+                                goto bad;
+                        break;
+                }
+                case 'S':
+                        o->socket = optarg;
+                        break;
+                case 'j':
+                        o->json = 1;
+                        break;
+                case 'h':
+                        usage(stdout);
+                        exit(0);
+                default:
+                        usage(stderr);
+                        return -1;
+                }
+                continue;
+bad:
+                fprintf(stderr, "epd-bench: bad value '%s'\n", optarg);
+                return -1;
+        }
+        if (optind < argc || !o->wl || !o->ranks) {
+                fprintf(stderr, "epd-bench: --workload and --ranks are required\n");
+                usage(stderr);
+                return -1;
+        }
+        return 0;
+}
+
+/* ---- output ---- */
+
+static const char *dtype_name(enum epd_dtype d)
+{
+        return d == EPD_DTYPE_BF16 ? "bf16" : "fp8_e4m3";
+}
+
+struct run_info {
+        char backend[16];
+        uint32_t devices;
+        int scaled;
+        uint64_t llc;
+        double ceiling, ceiling_median;
+        struct byte_counts bytes;
+        struct op_stats st[2];
+};
+
+static void print_table(const struct bench *b, const struct run_info *ri, FILE *f)
+{
+        static const char *names[2] = { "dispatch", "combine" };
+        const struct byte_counts *bc = &ri->bytes;
+
+        fprintf(f, "\nepd-bench %s: %u ranks, T=%u%s, H=%u, top-k %u of %u experts, %s, %s, "
+                   "%s outputs, seed %llu\n",
+                b->opt.wl->name, b->R, b->T,
+                ri->scaled ? " (SCALED DOWN from the workload's T)" : "", b->H, b->K, b->E,
+                dtype_name(b->opt.wl->dtype),
+                b->opt.layout == EPD_LAYOUT_EXPAND ? "expand" : "non-expand",
+                b->opt.use_arena ? "arena" : "client-region", (unsigned long long)b->opt.seed);
+        if (ri->scaled)
+                fprintf(f, "  SCALED: %u tokens per rank instead of %u to fit this machine\n", b->T,
+                        b->opt.wl->tokens);
+        fprintf(f, "  backend %s, %u device(s), MPS n/a, %u host threads, %u CPUs, rev %s\n",
+                ri->backend, ri->devices, b->threads, b->cpus, EPD_GIT_REV);
+        fprintf(f, "  %u measured iterations after %u warm-up; iteration 0 verified bitwise\n",
+                b->opt.iters, b->opt.warmup);
+        fprintf(f, "  data per dispatch %.1f MiB (inputs + outputs); last-level cache %.1f MiB%s\n",
+                (double)bc->data / 1048576.0, (double)ri->llc / 1048576.0,
+                ri->llc == 0 ? " (unknown)" : bc->data > ri->llc ? ": data is larger"
+                                                                 : ": DATA FITS IN THE CACHE");
+        fprintf(f, "  host memcpy ceiling: 2 x %.0f MiB buffers, %u threads, read + written: "
+                   "best %.2f GB/s, median %.2f GB/s\n",
+                (double)CEILING_BYTES / 1048576.0, b->threads, ri->ceiling, ri->ceiling_median);
+        fprintf(f, "  time = the host backend's exec time of the whole op (all ranks in one exec: "
+                   "the device figure); GB = 1e9 bytes\n\n");
+        fprintf(f, "%-9s %9s %11s %11s %10s %9s %9s %8s %10s %10s %10s %9s %9s %9s %9s\n",
+                "op", "rows", "logical MB", "floor MB", "exec p50", "logic", "floor", "floor/",
+                "e2e p50", "e2e p99", "e2e max", "ovh p50", "ovh p99", "last-sub", "last-sub");
+        fprintf(f, "%-9s %9s %11s %11s %10s %9s %9s %8s %10s %10s %10s %9s %9s %9s %9s\n",
+                "", "", "", "", "us", "GB/s", "GB/s", "ceiling", "us", "us", "us", "us", "us",
+                "ovh p50", "ovh p99");
+        for (int k = 0; k < 2; k++) {
+                const struct op_stats *st = &ri->st[k];
+                double lg = (double)bc->logical[k] / (st->exec_p50 * 1e3);
+                double fl = (double)bc->floor[k] / (st->exec_p50 * 1e3);
+                fprintf(f, "%-9s %9llu %11.1f %11.1f %10.1f %9.2f %9.2f %7.1f%% %10.1f %10.1f "
+                           "%10.1f %9.1f %9.1f %9.1f %9.1f\n",
+                        names[k], (unsigned long long)bc->rows, (double)bc->logical[k] / 1e6,
+                        (double)bc->floor[k] / 1e6, st->exec_p50, lg, fl,
+                        100.0 * fl / ri->ceiling, st->e2e_p50, st->e2e_p99, st->e2e_max,
+                        st->ovh_p50, st->ovh_p99, st->last_ovh_p50, st->last_ovh_p99);
+        }
+        fprintf(f, "\n  logical bytes (DeepEP): received rows x (x + scales + topk_idx as int64 + "
+                   "fp32 weights); combine: rows sent x (bf16 row + fp32 weights)\n"
+                   "  floor bytes: dispatch 2 x rows x row bytes; combine y rows read once + "
+                   "combined rows (and weights) written once\n"
+                   "  ovh = client-observed (submit to completion) minus exec, over every rank's "
+                   "samples; last-sub = the same for the rank that submitted last\n");
+}
+
+static void print_json(const struct bench *b, const struct run_info *ri)
+{
+        static const char *names[2] = { "dispatch", "combine" };
+
+        for (int k = 0; k < 2; k++) {
+                const struct op_stats *st = &ri->st[k];
+                double lg = (double)ri->bytes.logical[k] / (st->exec_p50 * 1e3);
+                double fl = (double)ri->bytes.floor[k] / (st->exec_p50 * 1e3);
+                json_t *o = json_object();
+                char *s;
+
+                json_object_set_new(o, "bench", json_string("epd-bench"));
+                json_object_set_new(o, "op", json_string(names[k]));
+                json_object_set_new(o, "workload", json_string(b->opt.wl->name));
+                json_object_set_new(o, "ranks", json_integer(b->R));
+                json_object_set_new(o, "devices", json_integer(ri->devices));
+                json_object_set_new(o, "backend", json_string(ri->backend));
+                if (strcmp(ri->backend, "host") == 0)
+                        json_object_set_new(o, "mps", json_string("n/a"));
+                else
+                        json_object_set_new(o, "mps", json_string("unknown"));
+                json_object_set_new(o, "git_rev", json_string(EPD_GIT_REV));
+                json_object_set_new(o, "tokens", json_integer(b->T));
+                json_object_set_new(o, "nominal_tokens", json_integer(b->opt.wl->tokens));
+                json_object_set_new(o, "scaled", json_boolean(ri->scaled));
+                json_object_set_new(o, "hidden", json_integer(b->H));
+                json_object_set_new(o, "topk", json_integer(b->K));
+                json_object_set_new(o, "experts", json_integer(b->E));
+                json_object_set_new(o, "dtype", json_string(dtype_name(b->opt.wl->dtype)));
+                json_object_set_new(o, "layout", json_string(b->opt.layout == EPD_LAYOUT_EXPAND
+                                                                     ? "expand" : "non-expand"));
+                json_object_set_new(o, "outputs", json_string(b->opt.use_arena ? "arena"
+                                                                               : "regions"));
+                json_object_set_new(o, "seed", json_integer((json_int_t)b->opt.seed));
+                json_object_set_new(o, "iters", json_integer(b->opt.iters));
+                json_object_set_new(o, "warmup", json_integer(b->opt.warmup));
+                json_object_set_new(o, "host_threads", json_integer(b->threads));
+                json_object_set_new(o, "cpus", json_integer(b->cpus));
+                json_object_set_new(o, "verified", json_true());
+                json_object_set_new(o, "rows", json_integer((json_int_t)ri->bytes.rows));
+                json_object_set_new(o, "logical_bytes", json_integer((json_int_t)ri->bytes.logical[k]));
+                json_object_set_new(o, "floor_bytes", json_integer((json_int_t)ri->bytes.floor[k]));
+                json_object_set_new(o, "data_bytes", json_integer((json_int_t)ri->bytes.data));
+                json_object_set_new(o, "llc_bytes", json_integer((json_int_t)ri->llc));
+                json_object_set_new(o, "time_basis", json_string("host backend exec_ns"));
+                json_object_set_new(o, "kernel_time_p50_us", json_real(st->exec_p50));
+                json_object_set_new(o, "kernel_time_p99_us", json_real(st->exec_p99));
+                json_object_set_new(o, "e2e_p50_us", json_real(st->e2e_p50));
+                json_object_set_new(o, "e2e_p99_us", json_real(st->e2e_p99));
+                json_object_set_new(o, "e2e_max_us", json_real(st->e2e_max));
+                json_object_set_new(o, "daemon_overhead_p50_us", json_real(st->ovh_p50));
+                json_object_set_new(o, "daemon_overhead_p99_us", json_real(st->ovh_p99));
+                json_object_set_new(o, "daemon_overhead_last_submitter_p50_us",
+                                    json_real(st->last_ovh_p50));
+                json_object_set_new(o, "daemon_overhead_last_submitter_p99_us",
+                                    json_real(st->last_ovh_p99));
+                json_object_set_new(o, "queue_p50_us", json_real(st->queue_p50));
+                json_object_set_new(o, "logical_gbps", json_real(lg));
+                json_object_set_new(o, "floor_gbps", json_real(fl));
+                json_object_set_new(o, "floor_fraction_of_ceiling", json_real(fl / ri->ceiling));
+                json_object_set_new(o, "ceiling_memcpy_gbps", json_real(ri->ceiling));
+                json_object_set_new(o, "ceiling_memcpy_median_gbps", json_real(ri->ceiling_median));
+                json_object_set_new(o, "ceiling_buffer_bytes", json_integer((json_int_t)CEILING_BYTES));
+                json_object_set_new(o, "ceiling_threads", json_integer(b->threads));
+                s = json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER);
+                if (s)
+                        printf("%s\n", s);
+                free(s);
+                json_decref(o);
+        }
+        fflush(stdout);
+}
+
+/* ---- main ---- */
+
+/* Connects once to learn the backend and its devices, and closes again before any fork. */
+static int daemon_info(const char *socket, struct run_info *ri)
+{
+        struct epd_connect_args ca = { .size = sizeof(ca), .socket_path = socket,
+                                       .client_name = "epd-bench" };
+        struct epd_client *c = NULL;
+        struct epd_daemon_info info;
+        char err[512];
+        int rc = epd_client_connect(&ca, &c, err, sizeof(err));
+
+        if (rc < 0) {
+                fprintf(stderr, "epd-bench: connect to %s: %s: %s\n", socket, epd_status_name(rc),
+                        err);
+                return -1;
+        }
+        rc = epd_client_daemon_info(c, &info);
+        if (rc == 0) {
+                snprintf(ri->backend, sizeof(ri->backend), "%s", info.backend);
+                ri->devices = info.num_devices;
+        }
+        epd_client_free(c);
+        return rc < 0 ? -1 : 0;
+}
+
+int main(int argc, char **argv)
+{
+        struct bench b;
+        struct run_info ri;
+        struct h_daemon daemon;
+        pid_t *pids = NULL;
+        int own_daemon = 0, failures = 0, status = 1;
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        FILE *tf;
+
+        memset(&b, 0, sizeof(b));
+        memset(&ri, 0, sizeof(ri));
+        memset(&daemon, 0, sizeof(daemon));
+        if (parse_args(argc, argv, &b.opt) < 0)
+                return 2;
+        tf = b.opt.json ? stderr : stdout;
+        b.R = b.opt.ranks;
+        b.T = b.opt.tokens ? b.opt.tokens : b.opt.wl->tokens;
+        b.H = BENCH_HIDDEN;
+        b.K = BENCH_TOPK;
+        b.E = BENCH_EXPERTS;
+        b.cpus = cpus > 0 ? (uint32_t)cpus : 1;
+        b.threads = b.opt.threads ? b.opt.threads : b.cpus;
+        b.scale_cols = b.opt.wl->dtype == EPD_DTYPE_FP8_E4M3 ? b.H / BENCH_SCALE_BLOCK : 0;
+        b.row_bytes = (uint64_t)b.H * epd_dtype_size(b.opt.wl->dtype);
+        b.total_iters = b.opt.warmup + b.opt.iters;
+        /* tiny is defined for 1 and 8 tokens; everything else below the nominal T is scaled. */
+        ri.scaled = strcmp(b.opt.wl->name, "tiny") == 0 ? (b.T != 1 && b.T != 8)
+                                                        : b.T != b.opt.wl->tokens;
+        ri.llc = llc_bytes();
+        if (BENCH_EXPERTS % b.R) {
+                fprintf(stderr, "epd-bench: %u experts do not divide over %u ranks\n",
+                        BENCH_EXPERTS, b.R);
+                return 2;
+        }
+        snprintf(b.group_name, sizeof(b.group_name), "epd-bench-%d-%llu", (int)getpid(),
+                 (unsigned long long)(now_ns() % 1000000007ull));
+        signal(SIGINT, on_signal);
+        signal(SIGTERM, on_signal);
+        signal(SIGPIPE, SIG_IGN);
+
+        /* The ceiling first, while nothing else holds memory or CPUs. */
+        fprintf(stderr, "epd-bench: measuring the host memcpy ceiling (%u threads, 2 x 1 GiB)\n",
+                b.threads);
+        ri.ceiling = measure_memcpy(b.threads, CEILING_BYTES, &ri.ceiling_median);
+        if (ri.ceiling <= 0)
+                return 1;
+
+        b.ranks = calloc(b.R, sizeof(*b.ranks));
+        if (!b.ranks)
+                return 1;
+        for (uint32_t r = 0; r < b.R; r++)
+                b.ranks[r].in.fd = b.ranks[r].y.fd = -1;
+        fprintf(stderr, "epd-bench: generating inputs and the reference\n");
+        if (make_inputs(&b) < 0 || build_reference(&b) < 0 || make_y(&b) < 0)
+                goto out;
+        count_bytes(&b, &ri.bytes);
+        if (ri.scaled && ri.llc && ri.bytes.data <= ri.llc) {
+                fprintf(stderr, "epd-bench: a scaled workload must be larger than the last-level "
+                                "cache (%llu bytes), this one moves %llu: raise --tokens\n",
+                        (unsigned long long)ri.llc, (unsigned long long)ri.bytes.data);
+                status = 2;
+                goto out;
+        }
+        if (b.opt.use_arena) {
+                for (uint32_t r = 0; r < b.R; r++) {
+                        uint64_t need = arena_need(&b, (uint64_t)b.ranks[r].rows);
+                        b.arena_bytes = need > b.arena_bytes ? need : b.arena_bytes;
+                }
+        } else {
+                b.arena_bytes = 1u << 20; /* the group insists on some arena; unused */
+        }
+        b.samples_bytes = (size_t)b.R * b.total_iters * 2 * sizeof(struct sample);
+        b.samples = mmap(NULL, b.samples_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                         -1, 0);
+        if (b.samples == MAP_FAILED) {
+                b.samples = NULL;
+                goto out;
+        }
+
+        if (b.opt.socket) {
+                snprintf(b.socket, sizeof(b.socket), "%s", b.opt.socket);
+        } else {
+                char threads[16];
+                const char *extra[] = { "--host-threads", threads, "--log-level", "warning", NULL };
+                snprintf(threads, sizeof(threads), "%u", b.threads);
+                fprintf(stderr, "epd-bench: starting %s/epd --backend host --host-threads %u\n",
+                        h_bin_dir(), b.threads);
+                if (h_daemon_start(&daemon, extra) < 0)
+                        goto out;
+                own_daemon = 1;
+                g_daemon_pid = daemon.pid;
+                snprintf(b.socket, sizeof(b.socket), "%s", daemon.socket);
+        }
+        if (daemon_info(b.socket, &ri) < 0)
+                goto out;
+
+        fprintf(stderr, "epd-bench: %u workers, %u + %u iterations\n", b.R, b.opt.warmup,
+                b.opt.iters);
+        fflush(stdout);
+        fflush(stderr);
+        pids = calloc(b.R, sizeof(*pids));
+        if (!pids)
+                goto out;
+        g_worker_pids = pids;
+        for (uint32_t r = 0; r < b.R; r++) {
+                pids[r] = fork();
+                if (pids[r] == 0) {
+                        int rc;
+                        signal(SIGINT, SIG_DFL);
+                        signal(SIGTERM, SIG_DFL);
+                        rc = worker_run(&b, r);
+                        fflush(stderr);
+                        _exit(rc);
+                }
+                if (pids[r] < 0) {
+                        fprintf(stderr, "epd-bench: fork: %s\n", strerror(errno));
+                        failures++;
+                        break;
+                }
+                g_num_workers = r + 1;
+        }
+        for (uint32_t r = 0; r < g_num_workers; r++) {
+                int ws;
+                if (waitpid(pids[r], &ws, 0) != pids[r] || !WIFEXITED(ws) || WEXITSTATUS(ws)) {
+                        fprintf(stderr, "epd-bench: worker of rank %u failed (status 0x%x)\n", r,
+                                ws);
+                        failures++;
+                }
+                pids[r] = 0;
+        }
+        g_num_workers = 0;
+        if (failures) {
+                fprintf(stderr, "epd-bench: FAILED: %d worker(s) did not complete; no results\n",
+                        failures);
+                if (own_daemon)
+                        h_daemon_dump_log(&daemon);
+                goto out;
+        }
+        op_stats(&b, OP_DISPATCH, &ri.st[OP_DISPATCH]);
+        op_stats(&b, OP_COMBINE, &ri.st[OP_COMBINE]);
+        print_table(&b, &ri, tf);
+        if (b.opt.json)
+                print_json(&b, &ri);
+        status = 0;
+out:
+        if (own_daemon) {
+                int rc = h_daemon_stop(&daemon, 30000);
+                g_daemon_pid = 0;
+                if (rc != 0) {
+                        fprintf(stderr, "epd-bench: the daemon exited with status %d\n", rc);
+                        if (status == 0)
+                                status = 1;
+                }
+        }
+        if (b.samples)
+                munmap(b.samples, b.samples_bytes);
+        for (uint32_t r = 0; b.ranks && r < b.R; r++) {
+                shm_free(&b.ranks[r].in);
+                shm_free(&b.ranks[r].y);
+        }
+        ref_dispatch_free(b.ref);
+        free(b.ranks);
+        free(pids);
+        return status;
+}

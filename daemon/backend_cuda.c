@@ -1,0 +1,886 @@
+/* backend_cuda.c - the CUDA backend, daemon-executed mode (DESIGN.md sections 5 and 5a).
+ *
+ * Devices are the node's GPUs, named by UUID. Client memory reaches the kernels three ways: host
+ * memfd regions are mapped and registered with CUDA (cudaHostRegister, portable and mapped), so
+ * a host-only client can use the GPU path; CUDA IPC handles are opened with
+ * cudaIpcOpenMemHandle; cuMem POSIX fds are imported, mapped into a reserved VA range and made
+ * accessible to every device. Every op runs on the executor thread as the launch sequence of
+ * kernels/epd_kernels.h: count on each device, prefix on the first rank's device, place and copy
+ * on each device, with events between streams and no host round trip, except when outputs go to
+ * the output arena, whose exact placement needs the counts first.
+ *
+ * Each dispatch handle owns a workspace (routing state for combine and cached dispatch) in the
+ * memory of its group's first device, reachable from the group's other devices through peer
+ * access.
+ *
+ * Threads: init, region import and arena creation run on the loop thread; every launch and
+ * synchronisation runs on the one executor thread.
+ */
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "arena.h"
+#include "backend.h"
+#include "epd_kernels.h"
+#include "layout.h"
+#include "log.h"
+#include "memfd.h"
+#include "util.h"
+
+#define MAX_DEVICES 64
+
+struct cuda_dev {
+        cudaStream_t stream;
+        cudaEvent_t counted, done;
+        /* Descriptor staging: pinned host buffers and their device copies, reused by every op
+         * (the executor runs one op at a time and waits for it). */
+        void *h_desc, *d_desc;
+        size_t desc_bytes;
+};
+
+struct cuda_backend {
+        struct epd_backend *b;
+        int num_devices;
+        struct cuda_dev dev[MAX_DEVICES];
+        uint64_t granularity;
+        pthread_t executor;
+        pthread_mutex_t lock;
+        pthread_cond_t cond;
+        struct epd_list queue;
+        int stop;
+        atomic_uint_fast64_t heartbeat_ns;
+        /* Workspaces to free, queued by the loop thread and freed by the executor. */
+        void **dead_ws;
+        unsigned num_dead, cap_dead;
+        void *h_reply;               /* pinned copy of the reply block */
+        size_t reply_cap;
+        cudaEvent_t prefixed;
+};
+
+struct cuda_handle {
+        void *ws;
+        int device;
+        struct epd_ws_layout layout;
+};
+
+/* How a region is held on this backend. */
+struct cuda_region {
+        enum epd_region_kind kind;
+        uint64_t lead;               /* memfd: bytes mapped before base */
+        void *ipc_ptr;               /* CUDA IPC: the opened base pointer */
+        CUdeviceptr va;              /* cuMem: reserved range */
+        uint64_t va_size;
+        CUmemGenericAllocationHandle mem;
+};
+
+static int cuda_fail(char *err, size_t err_len, const char *what, cudaError_t e)
+{
+        snprintf(err, err_len, "%s: %s", what, cudaGetErrorString(e));
+        return EPD_UNAVAILABLE;
+}
+
+static int cu_fail(char *err, size_t err_len, const char *what, CUresult r)
+{
+        const char *s = NULL;
+        cuGetErrorString(r, &s);
+        snprintf(err, err_len, "%s: %s", what, s ? s : "CUDA driver error");
+        return EPD_UNAVAILABLE;
+}
+
+/* ---- executor ---- */
+
+static void *ensure_desc(struct cuda_dev *dv, size_t bytes)
+{
+        if (dv->desc_bytes >= bytes)
+                return dv->h_desc;
+        if (dv->h_desc)
+                cudaFreeHost(dv->h_desc);
+        if (dv->d_desc)
+                cudaFree(dv->d_desc);
+        dv->h_desc = dv->d_desc = NULL;
+        dv->desc_bytes = 0;
+        if (cudaMallocHost(&dv->h_desc, bytes) != cudaSuccess ||
+            cudaMalloc(&dv->d_desc, bytes) != cudaSuccess)
+                return NULL;
+        dv->desc_bytes = bytes;
+        return dv->h_desc;
+}
+
+static struct epd_k_mat kmat(struct epd_mat m)
+{
+        return (struct epd_k_mat){ m.ptr, m.stride };
+}
+
+/* Local-rank lists of each device: counts[d] ranks and their token offsets. */
+static void build_local(const struct epd_exec *ex, int dev, struct epd_k_local *local,
+                        uint32_t *num_local, uint32_t *local_tokens, int combine)
+{
+        uint32_t n = 0, tokens = 0;
+
+        for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
+                if ((int)ex->ranks[r].device != dev)
+                        continue;
+                local[n].rank = r;
+                local[n].token_offset = tokens;
+                tokens += ex->ranks[r].num_tokens;
+                n++;
+        }
+        (void)combine;
+        local[n].rank = 0;
+        local[n].token_offset = tokens;
+        *num_local = n;
+        *local_tokens = tokens;
+}
+
+static void fill_dispatch_ranks(const struct epd_exec *ex, struct epd_k_dispatch_rank *kr)
+{
+        for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
+                const struct epd_exec_rank *er = &ex->ranks[r];
+                memset(&kr[r], 0, sizeof(kr[r]));
+                kr[r].num_tokens = er->num_tokens;
+                kr[r].topk_idx = er->topk_idx;
+                kr[r].topk_stride = er->topk_stride;
+                kr[r].x = kmat(er->src.x);
+                kr[r].scales = kmat(er->src.scales);
+                kr[r].weights = ex->has_weights ? kmat(er->src.weights) : (struct epd_k_mat){ 0 };
+                kr[r].recv_x = kmat(er->dst.recv_x);
+                kr[r].recv_scales = kmat(er->dst.recv_scales);
+                kr[r].recv_topk_idx = kmat(er->dst.recv_topk_idx);
+                kr[r].recv_weights = ex->has_weights ? kmat(er->dst.recv_weights)
+                                                     : (struct epd_k_mat){ 0 };
+                kr[r].recv_src = kmat(er->dst.recv_src);
+                kr[r].recv_topk_slot = kmat(er->dst.recv_topk_slot);
+                kr[r].capacity_rows = er->capacity_rows;
+        }
+}
+
+/* Uploads the rank descriptors and each device's local list; returns per-device args. */
+static int upload_dispatch(struct cuda_backend *cb, struct epd_exec *ex, void *ws,
+                           struct epd_k_dispatch_args *args)
+{
+        uint32_t R = ex->cfg.world_size;
+        size_t ranks_bytes = sizeof(struct epd_k_dispatch_rank) * R;
+        size_t bytes = ranks_bytes + sizeof(struct epd_k_local) * (R + 1);
+
+        for (int d = 0; d < cb->num_devices; d++) {
+                struct cuda_dev *dv = &cb->dev[d];
+                struct epd_k_dispatch_args *a = &args[d];
+                uint8_t *h;
+
+                memset(a, 0, sizeof(*a));
+                cudaSetDevice(d);
+                if (!(h = ensure_desc(dv, bytes)))
+                        return EPD_INTERNAL;
+                fill_dispatch_ranks(ex, (struct epd_k_dispatch_rank *)h);
+                build_local(ex, d, (struct epd_k_local *)(h + ranks_bytes), &a->num_local,
+                            &a->local_tokens, 0);
+                if (cudaMemcpyAsync(dv->d_desc, h, bytes, cudaMemcpyHostToDevice, dv->stream) !=
+                    cudaSuccess)
+                        return EPD_INTERNAL;
+                a->world_size = R;
+                a->num_experts = ex->cfg.num_experts;
+                a->max_tokens = ex->cfg.max_tokens;
+                a->max_topk = ex->cfg.max_topk;
+                a->num_topk = ex->num_topk;
+                a->expert_alignment = ex->expert_alignment;
+                a->layout = ex->layout;
+                a->topk_dtype = ex->topk_dtype;
+                a->has_weights = ex->has_weights;
+                a->zero_padding = ex->zero_padding;
+                a->row_bytes = ex->cfg.row_bytes;
+                a->scale_bytes = ex->cfg.scale_cols * 4;
+                a->workspace = ws;
+                a->ranks = dv->d_desc;
+                a->local = (const struct epd_k_local *)((uint8_t *)dv->d_desc + ranks_bytes);
+        }
+        return 0;
+}
+
+static int devices_of(const struct epd_exec *ex, int *used)
+{
+        int n = 0;
+
+        memset(used, 0, sizeof(int) * MAX_DEVICES);
+        for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
+                if (!used[ex->ranks[r].device])
+                        n++;
+                used[ex->ranks[r].device] = 1;
+        }
+        return n;
+}
+
+static void fetch_reply(struct cuda_backend *cb, struct epd_exec *ex,
+                        const struct epd_ws_layout *l)
+{
+        uint32_t R = ex->cfg.world_size, L = ex->cfg.num_local_experts;
+        uint8_t *h = cb->h_reply;
+
+        for (uint32_t d = 0; d < R; d++) {
+                struct epd_exec_rank *er = &ex->ranks[d];
+                er->num_recv_tokens = epd_ws_num_recv_tokens(h, l, d);
+                er->num_expanded_rows = epd_ws_num_expanded_rows(h, l, d);
+                memcpy(er->rank_prefix, epd_ws_i32(h, l->rank_prefix) + (size_t)d * (R + 1),
+                       (R + 1) * sizeof(int32_t));
+                memcpy(er->per_expert, epd_ws_i32(h, l->expert_count) + (size_t)d * L,
+                       L * sizeof(int32_t));
+                memcpy(er->per_expert_aligned, epd_ws_i32(h, l->expert_aligned) + (size_t)d * L,
+                       L * sizeof(int32_t));
+        }
+}
+
+/* Turns the workspace's verdict into the op's status and message. */
+static int verdict(struct epd_exec *ex, const struct epd_ws_layout *l, uint8_t *h)
+{
+        const struct epd_ws_error *e = epd_ws_error_rec(h, l);
+        uint32_t R = ex->cfg.world_size;
+        size_t len;
+
+        if (e->status == 0)
+                return 0;
+        ex->status = e->status;
+        switch (e->reason) {
+        case EPD_WS_REASON_BAD_EXPERT:
+                snprintf(ex->message, sizeof(ex->message),
+                         "invalid topk_idx on rank %d: token %d position %d holds expert id %lld outside [0, %u) and not -1",
+                         e->rank, e->token, e->pos, (long long)e->value, ex->cfg.num_experts);
+                break;
+        case EPD_WS_REASON_DUP_EXPERT:
+                snprintf(ex->message, sizeof(ex->message),
+                         "invalid topk_idx on rank %d: token %d repeats expert %lld at position %d",
+                         e->rank, e->token, (long long)e->value, e->pos);
+                break;
+        case EPD_WS_REASON_CAPACITY:
+                len = (size_t)snprintf(ex->message, sizeof(ex->message), "op does not fit:");
+                for (uint32_t d = 0; d < R && len < sizeof(ex->message); d++) {
+                        int64_t rows = ex->layout == EPD_LAYOUT_EXPAND
+                                               ? epd_ws_num_expanded_rows(h, l, d)
+                                               : epd_ws_num_recv_tokens(h, l, d);
+                        if ((uint64_t)rows > ex->ranks[d].capacity_rows)
+                                len += (size_t)snprintf(ex->message + len,
+                                                        sizeof(ex->message) - len,
+                                                        " rank %u needs %lld rows, capacity %llu;",
+                                                        d, (long long)rows,
+                                                        (unsigned long long)ex->ranks[d].capacity_rows);
+                }
+                break;
+        default:
+                snprintf(ex->message, sizeof(ex->message), "dispatch rejected (reason %d, rank %d)",
+                         e->reason, e->rank);
+        }
+        return -1;
+}
+
+static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
+{
+        uint32_t R = ex->cfg.world_size;
+        struct cuda_handle *ch = ex->handle_state, *fresh = NULL;
+        struct epd_k_dispatch_args args[MAX_DEVICES];
+        int used[MAX_DEVICES];
+        int W = (int)ex->ranks[0].device, arena = 0;
+        cudaError_t ce;
+
+        devices_of(ex, used);
+        for (uint32_t r = 0; r < R; r++)
+                arena |= ex->ranks[r].use_arena && !ex->ranks[r].place.used;
+        if (!ch) {
+                fresh = calloc(1, sizeof(*fresh));
+                if (!fresh)
+                        goto oom;
+                epd_ws_layout_init(&fresh->layout, R, ex->cfg.num_experts, ex->cfg.max_tokens,
+                                   ex->cfg.max_topk);
+                fresh->device = W;
+                cudaSetDevice(W);
+                if (cudaMalloc(&fresh->ws, fresh->layout.total_bytes) != cudaSuccess)
+                        goto oom;
+                ch = fresh;
+        } else {
+                W = ch->device;
+        }
+        if (cb->reply_cap < ch->layout.reply_bytes) {
+                if (cb->h_reply)
+                        cudaFreeHost(cb->h_reply);
+                cb->reply_cap = 0;
+                if (cudaMallocHost(&cb->h_reply, ch->layout.reply_bytes) != cudaSuccess)
+                        goto oom;
+                cb->reply_cap = ch->layout.reply_bytes;
+        }
+        /* Ranks whose arena placement is already known (cached dispatch) get their outputs
+         * bound now; new placements wait for the counts. */
+        for (uint32_t r = 0; r < R; r++) {
+                struct epd_exec_rank *er = &ex->ranks[r];
+                if (er->use_arena && er->place.used)
+                        epd_exec_bind_arena(ex, er);
+        }
+        if (upload_dispatch(cb, ex, ch->ws, args) < 0)
+                goto cuda_error;
+
+        /* count on every device, prefix on W (or recheck for a cached dispatch) */
+        int rc = 0;
+        if (!fresh) {
+                cudaSetDevice(W);
+                rc = epd_k_dispatch_recheck(&args[W], cb->dev[W].stream);
+        } else {
+                for (int d = 0; d < cb->num_devices && rc == 0; d++) {
+                        if (!used[d])
+                                continue;
+                        cudaSetDevice(d);
+                        rc = epd_k_dispatch_count(&args[d], cb->dev[d].stream);
+                        if (rc == 0 && d != W)
+                                rc = cudaEventRecord(cb->dev[d].counted, cb->dev[d].stream) ==
+                                                     cudaSuccess ? 0 : EPD_INTERNAL;
+                }
+                cudaSetDevice(W);
+                for (int d = 0; d < cb->num_devices && rc == 0; d++)
+                        if (used[d] && d != W)
+                                cudaStreamWaitEvent(cb->dev[W].stream, cb->dev[d].counted, 0);
+                if (rc == 0)
+                        rc = epd_k_dispatch_prefix(&args[W], cb->dev[W].stream);
+        }
+        if (rc < 0)
+                goto cuda_error;
+        cudaSetDevice(W);
+        cudaMemcpyAsync(cb->h_reply, ch->ws, ch->layout.reply_bytes, cudaMemcpyDeviceToHost,
+                        cb->dev[W].stream);
+        if (arena) {
+                /* The arena needs exact sizes: wait for the counts, place, re-upload. */
+                if (cudaStreamSynchronize(cb->dev[W].stream) != cudaSuccess)
+                        goto cuda_error;
+                if (verdict(ex, &ch->layout, cb->h_reply) < 0)
+                        goto fail;
+                fetch_reply(cb, ex, &ch->layout);
+                if (epd_exec_place_arenas(ex) < 0)
+                        goto fail;
+                if (upload_dispatch(cb, ex, ch->ws, args) < 0)
+                        goto cuda_error;
+                cudaSetDevice(W);
+                if (epd_k_dispatch_recheck(&args[W], cb->dev[W].stream) < 0)
+                        goto cuda_error;
+        }
+        cudaEventRecord(cb->prefixed, cb->dev[W].stream);
+        for (int d = 0; d < cb->num_devices && rc == 0; d++) {
+                if (!used[d])
+                        continue;
+                cudaSetDevice(d);
+                if (d != W)
+                        cudaStreamWaitEvent(cb->dev[d].stream, cb->prefixed, 0);
+                if (fresh)
+                        rc = epd_k_dispatch_place(&args[d], cb->dev[d].stream);
+                if (rc == 0)
+                        rc = epd_k_dispatch_copy(&args[d], cb->dev[d].stream);
+        }
+        if (rc < 0)
+                goto cuda_error;
+        for (int d = 0; d < cb->num_devices; d++) {
+                if (!used[d])
+                        continue;
+                cudaSetDevice(d);
+                ce = cudaStreamSynchronize(cb->dev[d].stream);
+                if (ce != cudaSuccess)
+                        goto cuda_error;
+        }
+        if (verdict(ex, &ch->layout, cb->h_reply) < 0)
+                goto fail;
+        fetch_reply(cb, ex, &ch->layout);
+        ex->bytes = 0;
+        for (uint32_t d = 0; d < R; d++) {
+                int64_t rows = ex->layout == EPD_LAYOUT_EXPAND ? ex->ranks[d].num_expanded_rows
+                                                               : ex->ranks[d].num_recv_tokens;
+                ex->bytes += 2 * (uint64_t)rows * (ex->cfg.row_bytes + ex->cfg.scale_cols * 4);
+        }
+        if (fresh)
+                ex->new_handle_state = fresh;
+        return 0;
+oom:
+        ex->status = EPD_INTERNAL;
+        snprintf(ex->message, sizeof(ex->message), "out of GPU or pinned memory");
+        goto fail;
+cuda_error:
+        ex->status = EPD_UNAVAILABLE;
+        snprintf(ex->message, sizeof(ex->message), "CUDA error: %s",
+                 cudaGetErrorString(cudaGetLastError()));
+fail:
+        epd_exec_release_new_arenas(ex);
+        if (fresh) {
+                if (fresh->ws)
+                        cudaFree(fresh->ws);
+                free(fresh);
+        }
+        return -1;
+}
+
+static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
+{
+        uint32_t R = ex->cfg.world_size;
+        struct cuda_handle *ch = ex->handle_state;
+        size_t ranks_bytes = sizeof(struct epd_k_combine_rank) * R;
+        size_t bytes = ranks_bytes + sizeof(struct epd_k_local) * (R + 1);
+        int used[MAX_DEVICES];
+        int rc = 0;
+
+        devices_of(ex, used);
+        for (int d = 0; d < cb->num_devices && rc == 0; d++) {
+                struct cuda_dev *dv = &cb->dev[d];
+                struct epd_k_combine_args a;
+                uint8_t *h;
+
+                if (!used[d])
+                        continue;
+                cudaSetDevice(d);
+                if (!(h = ensure_desc(dv, bytes))) {
+                        rc = EPD_INTERNAL;
+                        break;
+                }
+                struct epd_k_combine_rank *kr = (struct epd_k_combine_rank *)h;
+                for (uint32_t r = 0; r < R; r++) {
+                        const struct epd_exec_rank *er = &ex->ranks[r];
+                        memset(&kr[r], 0, sizeof(kr[r]));
+                        kr[r].num_tokens = er->num_tokens;
+                        kr[r].y = kmat(er->y);
+                        kr[r].bias[0] = kmat(er->comb.bias[0]);
+                        kr[r].bias[1] = kmat(er->comb.bias[1]);
+                        kr[r].combined = kmat(er->comb.combined);
+                        kr[r].combined_topk_weights = kmat(er->comb.combined_topk_weights);
+                }
+                memset(&a, 0, sizeof(a));
+                build_local(ex, d, (struct epd_k_local *)(h + ranks_bytes), &a.num_local,
+                            &a.local_tokens, 1);
+                cudaMemcpyAsync(dv->d_desc, h, bytes, cudaMemcpyHostToDevice, dv->stream);
+                a.world_size = R;
+                a.num_experts = ex->cfg.num_experts;
+                a.max_tokens = ex->cfg.max_tokens;
+                a.max_topk = ex->cfg.max_topk;
+                a.num_topk = ex->num_topk;
+                a.layout = ex->layout;
+                a.hidden = ex->cfg.hidden;
+                a.apply_weights = ex->apply_weights;
+                a.has_weights = ex->has_weights;
+                a.workspace = ch->ws;
+                a.ranks = dv->d_desc;
+                a.local = (const struct epd_k_local *)((uint8_t *)dv->d_desc + ranks_bytes);
+                rc = epd_k_combine(&a, dv->stream);
+        }
+        for (int d = 0; d < cb->num_devices; d++) {
+                if (!used[d])
+                        continue;
+                cudaSetDevice(d);
+                if (cudaStreamSynchronize(cb->dev[d].stream) != cudaSuccess)
+                        rc = EPD_UNAVAILABLE;
+        }
+        if (rc < 0) {
+                ex->status = rc;
+                snprintf(ex->message, sizeof(ex->message), "CUDA error in combine: %s",
+                         cudaGetErrorString(cudaGetLastError()));
+                return -1;
+        }
+        uint64_t rows = 0;
+        for (uint32_t r = 0; r < R; r++)
+                rows += ex->ranks[r].y_rows;
+        ex->bytes = rows * ex->cfg.hidden * 2;
+        return 0;
+}
+
+static void free_dead(struct cuda_backend *cb)
+{
+        pthread_mutex_lock(&cb->lock);
+        for (unsigned i = 0; i < cb->num_dead; i++)
+                cudaFree(cb->dead_ws[i]);
+        cb->num_dead = 0;
+        pthread_mutex_unlock(&cb->lock);
+}
+
+static void *executor_main(void *arg)
+{
+        struct cuda_backend *cb = arg;
+
+        pthread_mutex_lock(&cb->lock);
+        for (;;) {
+                while (!cb->stop && epd_list_empty(&cb->queue) && cb->num_dead == 0) {
+                        struct timespec ts;
+                        atomic_store(&cb->heartbeat_ns, epd__now_ns());
+                        clock_gettime(CLOCK_REALTIME, &ts);
+                        ts.tv_sec += 1;
+                        pthread_cond_timedwait(&cb->cond, &cb->lock, &ts);
+                }
+                if (cb->num_dead) {
+                        pthread_mutex_unlock(&cb->lock);
+                        free_dead(cb);
+                        pthread_mutex_lock(&cb->lock);
+                        continue;
+                }
+                if (cb->stop && epd_list_empty(&cb->queue))
+                        break;
+                struct epd_exec *ex = epd_list_entry(cb->queue.next, struct epd_exec, link);
+                epd_list_del(&ex->link);
+                pthread_mutex_unlock(&cb->lock);
+
+                uint64_t t0 = epd__now_ns();
+                atomic_store(&cb->heartbeat_ns, t0);
+                ex->status = 0;
+                ex->message[0] = '\0';
+                if (ex->kind == EPD_OP_DISPATCH)
+                        run_dispatch(cb, ex);
+                else
+                        run_combine(cb, ex);
+                ex->exec_ns = epd__now_ns() - t0;
+                atomic_store(&cb->heartbeat_ns, epd__now_ns());
+                epd_exec_done(cb->b, ex);
+                pthread_mutex_lock(&cb->lock);
+        }
+        pthread_mutex_unlock(&cb->lock);
+        return NULL;
+}
+
+/* ---- backend ops ---- */
+
+static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *err,
+                     size_t err_len)
+{
+        struct cuda_backend *cb;
+        int n = 0;
+        cudaError_t ce;
+
+        (void)cfg;
+        ce = cudaGetDeviceCount(&n);
+        if (ce != cudaSuccess || n == 0) {
+                snprintf(err, err_len, "no usable GPU: %s",
+                         ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices");
+                return EPD_UNAVAILABLE;
+        }
+        if (cuInit(0) != CUDA_SUCCESS) {
+                snprintf(err, err_len, "cuInit failed");
+                return EPD_UNAVAILABLE;
+        }
+        cb = calloc(1, sizeof(*cb));
+        if (!cb)
+                return EPD_INTERNAL;
+        cb->b = b;
+        b->priv = cb;
+        cb->num_devices = n > MAX_DEVICES ? MAX_DEVICES : n;
+        b->num_devices = (unsigned)cb->num_devices;
+        for (int d = 0; d < cb->num_devices; d++) {
+                struct cudaDeviceProp prop;
+                struct epd_device_desc *dev = &b->devices[d];
+                const unsigned char *u;
+
+                cudaSetDevice(d);
+                if (cudaGetDeviceProperties(&prop, d) != cudaSuccess)
+                        return cuda_fail(err, err_len, "cudaGetDeviceProperties", cudaGetLastError());
+                u = (const unsigned char *)prop.uuid.bytes;
+                dev->index = (uint32_t)d;
+                snprintf(dev->uuid, sizeof(dev->uuid),
+                         "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+                         u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
+                         u[12], u[13], u[14], u[15]);
+                snprintf(dev->name, sizeof(dev->name), "%.63s", prop.name);
+                snprintf(dev->kind, sizeof(dev->kind), "cuda");
+                dev->memory_bytes = prop.totalGlobalMem;
+                if ((ce = cudaStreamCreateWithFlags(&cb->dev[d].stream, cudaStreamNonBlocking)) ||
+                    (ce = cudaEventCreateWithFlags(&cb->dev[d].counted, cudaEventDisableTiming)) ||
+                    (ce = cudaEventCreateWithFlags(&cb->dev[d].done, cudaEventDisableTiming)))
+                        return cuda_fail(err, err_len, "stream/event creation", ce);
+                if (epd_k_preload() < 0)
+                        return cuda_fail(err, err_len, "kernel preload", epd_k_last_cuda_error());
+                /* Peer access to every device that allows it; a group spanning devices without
+                 * it is refused at bind time. */
+                for (int p = 0; p < cb->num_devices; p++) {
+                        int can = 0;
+                        if (p == d)
+                                continue;
+                        cudaDeviceCanAccessPeer(&can, d, p);
+                        if (can) {
+                                ce = cudaDeviceEnablePeerAccess(p, 0);
+                                if (ce != cudaSuccess && ce != cudaErrorPeerAccessAlreadyEnabled)
+                                        log_warning("peer access %d->%d: %s, ignoring", d, p,
+                                                    cudaGetErrorString(ce));
+                                cudaGetLastError();
+                        }
+                }
+        }
+        cudaSetDevice(0);
+        cudaEventCreateWithFlags(&cb->prefixed, cudaEventDisableTiming);
+        CUmemAllocationProp prop = { 0 };
+        size_t gran = 0;
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = 0;
+        prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        if (cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) ==
+            CUDA_SUCCESS)
+                cb->granularity = gran;
+        epd_list_init(&cb->queue);
+        pthread_mutex_init(&cb->lock, NULL);
+        pthread_cond_init(&cb->cond, NULL);
+        atomic_store(&cb->heartbeat_ns, epd__now_ns());
+        if (pthread_create(&cb->executor, NULL, executor_main, cb) != 0) {
+                snprintf(err, err_len, "cannot start the executor thread");
+                return EPD_INTERNAL;
+        }
+        log_info("cuda backend devices=%d", cb->num_devices);
+        return 0;
+}
+
+static void cuda_fini(struct epd_backend *b)
+{
+        struct cuda_backend *cb = b->priv;
+
+        if (!cb)
+                return;
+        pthread_mutex_lock(&cb->lock);
+        cb->stop = 1;
+        pthread_cond_signal(&cb->cond);
+        pthread_mutex_unlock(&cb->lock);
+        pthread_join(cb->executor, NULL);
+        free_dead(cb);
+        free(cb->dead_ws);
+        free(cb);
+        b->priv = NULL;
+}
+
+int epd_cuda_peer_ok(struct epd_backend *b, uint32_t a, uint32_t d)
+{
+        int can = 0;
+
+        (void)b;
+        if (a == d)
+                return 1;
+        cudaDeviceCanAccessPeer(&can, (int)a, (int)d);
+        return can;
+}
+
+static int cuda_region_import(struct epd_backend *b, struct epd_region *r, int fd,
+                              const void *ipc_handle, size_t ipc_len, uint64_t offset, char *err,
+                              size_t err_len)
+{
+        struct cuda_backend *cb = b->priv;
+        struct cuda_region *cr = calloc(1, sizeof(*cr));
+        cudaError_t ce;
+        CUresult res;
+        int rc = EPD_INVALID_ARGUMENT;
+
+        if (!cr) {
+                if (fd >= 0)
+                        close(fd);
+                return EPD_INTERNAL;
+        }
+        cr->kind = r->kind;
+        cudaSetDevice((int)r->device);
+        switch (r->kind) {
+        case EPD_REGION_HOST_MEMFD:
+                rc = epd__memfd_map(fd, offset, r->size, &r->base, &cr->lead, err, err_len);
+                if (rc < 0)
+                        break;
+                /* Portable: every device's kernels may reach it; mapped: through UVA. */
+                ce = cudaHostRegister(r->base - cr->lead, cr->lead + r->size,
+                                      cudaHostRegisterPortable | cudaHostRegisterMapped);
+                if (ce != cudaSuccess) {
+                        epd__memfd_unmap(r->base, cr->lead, r->size);
+                        rc = cuda_fail(err, err_len, "cudaHostRegister", ce);
+                        break;
+                }
+                rc = 0;
+                break;
+        case EPD_REGION_CUDA_IPC: {
+                cudaIpcMemHandle_t h;
+                void *p;
+                CUdeviceptr abase;
+                size_t asize;
+                if (ipc_len != sizeof(h)) {
+                        snprintf(err, err_len, "CUDA IPC handle must be %zu bytes, got %zu",
+                                 sizeof(h), ipc_len);
+                        break;
+                }
+                memcpy(&h, ipc_handle, sizeof(h));
+                ce = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+                if (ce != cudaSuccess) {
+                        rc = cuda_fail(err, err_len, "cudaIpcOpenMemHandle", ce);
+                        break;
+                }
+                if (cuMemGetAddressRange(&abase, &asize, (CUdeviceptr)(uintptr_t)p) !=
+                            CUDA_SUCCESS ||
+                    offset > asize || r->size > asize - offset) {
+                        snprintf(err, err_len,
+                                 "region of %llu bytes at offset %llu exceeds the IPC allocation",
+                                 (unsigned long long)r->size, (unsigned long long)offset);
+                        cudaIpcCloseMemHandle(p);
+                        break;
+                }
+                cr->ipc_ptr = p;
+                r->base = (uint8_t *)p + offset;
+                rc = 0;
+                break;
+        }
+        case EPD_REGION_CUMEM_FD: {
+                uint64_t g = cb->granularity ? cb->granularity : (2u << 20);
+                uint64_t size = (offset + r->size + g - 1) / g * g;
+                CUmemAccessDesc acc[MAX_DEVICES];
+                int n = 0;
+                res = cuMemImportFromShareableHandle(&cr->mem, (void *)(uintptr_t)fd,
+                                                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+                if (res != CUDA_SUCCESS) {
+                        rc = cu_fail(err, err_len, "cuMemImportFromShareableHandle", res);
+                        break;
+                }
+                res = cuMemAddressReserve(&cr->va, size, g, 0, 0);
+                if (res == CUDA_SUCCESS)
+                        res = cuMemMap(cr->va, size, 0, cr->mem, 0);
+                if (res != CUDA_SUCCESS) {
+                        if (cr->va)
+                                cuMemAddressFree(cr->va, size);
+                        cuMemRelease(cr->mem);
+                        rc = cu_fail(err, err_len,
+                                     "mapping the cuMem allocation (is the size right?)", res);
+                        break;
+                }
+                for (int d = 0; d < cb->num_devices; d++) {
+                        if (!epd_cuda_peer_ok(b, r->device, (uint32_t)d))
+                                continue;
+                        acc[n].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+                        acc[n].location.id = d;
+                        acc[n].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                        n++;
+                }
+                res = cuMemSetAccess(cr->va, size, acc, (size_t)n);
+                if (res != CUDA_SUCCESS) {
+                        cuMemUnmap(cr->va, size);
+                        cuMemAddressFree(cr->va, size);
+                        cuMemRelease(cr->mem);
+                        rc = cu_fail(err, err_len, "cuMemSetAccess", res);
+                        break;
+                }
+                cr->va_size = size;
+                r->base = (uint8_t *)(uintptr_t)cr->va + offset;
+                rc = 0;
+                break;
+        }
+        default:
+                snprintf(err, err_len, "unknown region kind %d", (int)r->kind);
+        }
+        if (fd >= 0)
+                close(fd);
+        if (rc < 0) {
+                free(cr);
+                return rc;
+        }
+        r->backend_state = cr;
+        return 0;
+}
+
+static void cuda_region_release(struct epd_backend *b, struct epd_region *r)
+{
+        struct cuda_region *cr = r->backend_state;
+
+        (void)b;
+        if (!cr)
+                return;
+        switch (cr->kind) {
+        case EPD_REGION_HOST_MEMFD:
+                cudaHostUnregister(r->base - cr->lead);
+                epd__memfd_unmap(r->base, cr->lead, r->size);
+                break;
+        case EPD_REGION_CUDA_IPC:
+                cudaIpcCloseMemHandle(cr->ipc_ptr);
+                break;
+        case EPD_REGION_CUMEM_FD:
+                cuMemUnmap(cr->va, cr->va_size);
+                cuMemAddressFree(cr->va, cr->va_size);
+                cuMemRelease(cr->mem);
+                break;
+        }
+        free(cr);
+        r->backend_state = NULL;
+        r->base = NULL;
+}
+
+static int cuda_arena_alloc(struct epd_backend *b, uint32_t device, int host_memory,
+                            uint64_t bytes, uint8_t **base, int *fd, enum epd_region_kind *kind,
+                            char *err, size_t err_len)
+{
+        cudaError_t ce;
+        int rc;
+
+        (void)b;
+        if (!host_memory) {
+                /* Device arenas exported as cuMem fds come with client-executed mode; until
+                 * then a CUDA-capable client also gets a host arena the GPUs can reach. */
+                log_debug("device arena requested; using a host arena");
+        }
+        rc = epd__memfd_arena(bytes, base, fd, err, err_len);
+        if (rc < 0)
+                return rc;
+        cudaSetDevice((int)device);
+        ce = cudaHostRegister(*base, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+        if (ce != cudaSuccess) {
+                munmap(*base, bytes);
+                close(*fd);
+                return cuda_fail(err, err_len, "cudaHostRegister of the arena", ce);
+        }
+        *kind = EPD_REGION_HOST_MEMFD;
+        return 0;
+}
+
+static void cuda_arena_free(struct epd_backend *b, uint8_t *base, uint64_t bytes)
+{
+        (void)b;
+        cudaHostUnregister(base);
+        munmap(base, bytes);
+}
+
+static void cuda_submit(struct epd_backend *b, struct epd_exec *ex)
+{
+        struct cuda_backend *cb = b->priv;
+
+        pthread_mutex_lock(&cb->lock);
+        epd_list_add_tail(&cb->queue, &ex->link);
+        pthread_cond_signal(&cb->cond);
+        pthread_mutex_unlock(&cb->lock);
+}
+
+static void cuda_handle_free(struct epd_backend *b, void *state)
+{
+        struct cuda_backend *cb = b->priv;
+        struct cuda_handle *ch = state;
+
+        if (!ch)
+                return;
+        pthread_mutex_lock(&cb->lock);
+        if (cb->num_dead == cb->cap_dead) {
+                unsigned cap = cb->cap_dead ? cb->cap_dead * 2 : 16;
+                void **n = realloc(cb->dead_ws, cap * sizeof(*n));
+                if (n) {
+                        cb->dead_ws = n;
+                        cb->cap_dead = cap;
+                }
+        }
+        if (cb->num_dead < cb->cap_dead)
+                cb->dead_ws[cb->num_dead++] = ch->ws;
+        pthread_cond_signal(&cb->cond);
+        pthread_mutex_unlock(&cb->lock);
+        free(ch);
+}
+
+static int cuda_check_alive(struct epd_backend *b)
+{
+        struct cuda_backend *cb = b->priv;
+
+        return epd__now_ns() - atomic_load(&cb->heartbeat_ns) > 60ull * 1000000000ull ? -1 : 0;
+}
+
+const struct epd_backend_ops epd_backend_cuda_ops = {
+        .name = "cuda",
+        .init = cuda_init,
+        .fini = cuda_fini,
+        .region_import = cuda_region_import,
+        .region_release = cuda_region_release,
+        .arena_alloc = cuda_arena_alloc,
+        .arena_free = cuda_arena_free,
+        .submit = cuda_submit,
+        .handle_free = cuda_handle_free,
+        .check_alive = cuda_check_alive,
+};

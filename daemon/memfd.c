@@ -1,0 +1,79 @@
+/* memfd.c - see memfd.h. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "epd.h"
+#include "memfd.h"
+
+int epd__memfd_map(int fd, uint64_t offset, uint64_t size, uint8_t **base, uint64_t *lead,
+                   char *err, size_t err_len)
+{
+        struct stat st;
+        uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), map_off;
+        int seals;
+        void *p;
+
+        if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+                snprintf(err, err_len, "region fd is not a memfd or regular file");
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (offset > (uint64_t)st.st_size || size > (uint64_t)st.st_size - offset) {
+                snprintf(err, err_len,
+                         "region of %llu bytes at offset %llu exceeds the file's %lld bytes",
+                         (unsigned long long)size, (unsigned long long)offset,
+                         (long long)st.st_size);
+                return EPD_INVALID_ARGUMENT;
+        }
+        seals = fcntl(fd, F_GET_SEALS);
+        if (seals < 0 || (!(seals & F_SEAL_SHRINK) && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) < 0)) {
+                snprintf(err, err_len,
+                         "memfd must allow sealing (MFD_ALLOW_SEALING) so that it cannot shrink under the daemon");
+                return EPD_INVALID_ARGUMENT;
+        }
+        map_off = offset / page * page;
+        p = mmap(NULL, offset - map_off + size, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                 (off_t)map_off);
+        if (p == MAP_FAILED) {
+                snprintf(err, err_len, "mmap of region failed: %s", strerror(errno));
+                return EPD_INVALID_ARGUMENT;
+        }
+        *lead = offset - map_off;
+        *base = (uint8_t *)p + *lead;
+        return 0;
+}
+
+void epd__memfd_unmap(uint8_t *base, uint64_t lead, uint64_t size)
+{
+        if (base)
+                munmap(base - lead, lead + size);
+}
+
+int epd__memfd_arena(uint64_t bytes, uint8_t **base, int *fd_out, char *err, size_t err_len)
+{
+        int fd = memfd_create("epd-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        void *p;
+
+        /* Sealed against growing and shrinking: the client maps exactly this size. */
+        if (fd < 0 || ftruncate(fd, (off_t)bytes) < 0 ||
+            fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) < 0) {
+                snprintf(err, err_len, "cannot create a %llu-byte output arena: %s",
+                         (unsigned long long)bytes, strerror(errno));
+                if (fd >= 0)
+                        close(fd);
+                return EPD_UNAVAILABLE;
+        }
+        p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) {
+                snprintf(err, err_len, "cannot map the output arena: %s", strerror(errno));
+                close(fd);
+                return EPD_UNAVAILABLE;
+        }
+        *base = p;
+        *fd_out = fd;
+        return 0;
+}
