@@ -354,6 +354,12 @@ static int prep_dispatch(struct prep *p)
                 if (!h)
                         return prep_fail(p, EPD_NOT_FOUND, 0, "handle %llu does not exist",
                                          (unsigned long long)m0->handle_id);
+                /* As for combine: a rank that released the handle no longer has it. */
+                for (uint32_t r = 0; r < R; r++)
+                        if (h->ranks[r].released)
+                                return prep_fail(p, EPD_NOT_FOUND, r,
+                                                 "handle %llu was released by rank %u",
+                                                 (unsigned long long)h->id, r);
                 ex->handle_state = h->state;
                 ex->topk_dtype = h->topk_dtype;
                 if (!ex->num_topk)
@@ -367,7 +373,9 @@ static int prep_dispatch(struct prep *p)
                                          "handle %llu differs from rank 0's %llu",
                                          (unsigned long long)m->handle_id,
                                          (unsigned long long)m0->handle_id);
-                if (m->layout != m0->layout || m->expert_alignment != m0->expert_alignment ||
+                /* expert_alignment 0 means 1 (epd.h): compare what the values mean. */
+                if (m->layout != m0->layout ||
+                    (m->expert_alignment ? m->expert_alignment : 1) != ex->expert_alignment ||
                     m->zero_padding != m0->zero_padding)
                         return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                          "layout/expert_alignment/zero_padding differ from rank 0's");
@@ -663,19 +671,23 @@ static int op_launch(struct epd_op *op)
         struct prep p = { .op = op };
         int rc;
 
-        for (uint32_t r = 0; r < R; r++) {
-                const Epd__V1__Request *req = op->subs[r].req;
-                int is_dispatch = req->body_case == EPD__V1__REQUEST__BODY_DISPATCH;
-                if ((op->kind == EPD_OP_DISPATCH) != is_dispatch) {
+        /* Every rank must submit what rank 0 submitted. (The op took its kind from whichever
+         * rank arrived first, so rank 0 is the reference the message names.) */
+        int dispatch0 = op->subs[0].req->body_case == EPD__V1__REQUEST__BODY_DISPATCH;
+        for (uint32_t r = 1; r < R; r++) {
+                int is_dispatch = op->subs[r].req->body_case == EPD__V1__REQUEST__BODY_DISPATCH;
+                if (is_dispatch != dispatch0) {
                         char msg[256];
                         snprintf(msg, sizeof(msg),
                                  "group '%s' op %llu: rank %u submitted a %s, rank 0 a %s",
                                  g->name, (unsigned long long)op->number, r,
                                  is_dispatch ? "dispatch" : "combine",
-                                 op->kind == EPD_OP_DISPATCH ? "dispatch" : "combine");
+                                 dispatch0 ? "dispatch" : "combine");
                         op_finish(op, EPD_INVALID_ARGUMENT, msg);
                         return -1;
                 }
+        }
+        for (uint32_t r = 0; r < R; r++) {
                 if (!op->subs[r].conn) {
                         char msg[256];
                         snprintf(msg, sizeof(msg), "group '%s' op %llu: rank %u was lost", g->name,

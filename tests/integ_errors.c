@@ -129,14 +129,16 @@ static int failf(const struct rank *rk, int line, const char *fmt, ...)
 
 static int failf(const struct rank *rk, int line, const char *fmt, ...)
 {
+        char detail[1536];
         va_list ap;
 
-        fprintf(stderr, "[%s variant=%d seed=%llu rank=%u line=%d] ", rk->sh->c.name,
-                rk->sh->variant, (unsigned long long)rk->sh->c.seed, rk->idx, line);
         va_start(ap, fmt);
-        vfprintf(stderr, fmt, ap);
+        vsnprintf(detail, sizeof(detail), fmt, ap);
         va_end(ap);
-        fprintf(stderr, "\n");
+        /* One write per line: the ranks' workers share stderr. */
+        fprintf(stderr, "[%s variant=%d seed=%llu rank=%u line=%d] %s\n", rk->sh->c.name,
+                rk->sh->variant, (unsigned long long)rk->sh->c.seed, rk->idx, line, detail);
+        fflush(stderr);
         return 1;
 }
 
@@ -699,11 +701,12 @@ static void workers_run(struct h_daemon *d, struct shared *sh, int (*worker)(voi
 }
 
 /* name, seed, R, E, H, T, K, dtype, topk dtype, layout, align, zero_pad, weights, routing,
- * -1 probability, tokens (the rest is zero) */
+ * -1 probability, tokens, biases, apply_weights, arena, cached, steps, row padding, arena bytes
+ * (only the group shape, the inputs' options and the seed matter here) */
 static const struct wl_case capacity_cases[] = {
-        { "capacity_ne", 301, 3, 12, 64, 16, 4, BF, I64, NE, 1, 0, 1, UNI, 0.1, WL_TOKENS_FULL, 0 },
+        { "capacity_ne", 301, 3, 12, 64, 16, 4, BF, I64, NE, 1, 0, 1, UNI, 0.1, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 },
         { "capacity_ex_a4", 302, 3, 12, 64, 16, 4, BF, I32, EX, 4, 1, 1, UNI, 0.1,
-          WL_TOKENS_DESCENDING, 0 },
+          WL_TOKENS_DESCENDING, 0, 0, 0, 0, 1, 0, 0 },
 };
 
 /* ---- 1. CAPACITY_EXCEEDED ---- */
@@ -783,7 +786,7 @@ END_TEST
 /* The output arena holds SMALL_ARENA bytes: too small for the full op on every rank (its recv_x
  * alone is larger), large enough for two tokens per rank. */
 static const struct wl_case arena_case = { "capacity_arena", 303, 3, 12, 64, 16, 4, BF, I64, NE,
-                                           1, 0, 1, UNI, 0.0, WL_TOKENS_FULL, 0 };
+                                           1, 0, 1, UNI, 0.0, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 };
 
 static int arena_worker(void *arg, int index)
 {
@@ -851,3 +854,730 @@ START_TEST(test_capacity_arena)
         daemon_stop_clean(&d);
 }
 END_TEST
+
+/* ---- 2. a mismatch across ranks ---- */
+
+enum mismatch {
+        MM_KIND,                     /* rank 0 dispatches while rank 1 combines */
+        MM_LAYOUT,                   /* rank 1 NON_EXPAND, rank 0 EXPAND */
+        MM_ALIGNMENT,                /* expert_alignment 4 on rank 1, 1 on rank 0 */
+        MM_ZERO_PADDING,             /* zero_padding on rank 1 only */
+        MM_WEIGHTS,                  /* topk_weights on rank 0 only */
+        MM_TOPK_WIDTH,               /* K_op 2 on rank 1, 4 on rank 0 */
+        MM_TOPK_DTYPE,               /* int32 topk_idx on rank 1, int64 on rank 0 */
+        MM_COMBINE_HANDLE,           /* combine naming different handles */
+        MM_APPLY_WEIGHTS_DIFFER,     /* apply_weights on rank 0 only */
+        MM_APPLY_WEIGHTS_NON_EXPAND, /* apply_weights after a NON_EXPAND dispatch */
+        MM_APPLY_WEIGHTS_NO_WEIGHTS, /* apply_weights after a dispatch without weights */
+        MM_COUNT
+};
+
+static const char *const mismatch_names[MM_COUNT] = {
+        "mismatch_kind", "mismatch_layout", "mismatch_alignment", "mismatch_zero_padding",
+        "mismatch_weights", "mismatch_topk_width", "mismatch_topk_dtype",
+        "mismatch_combine_handle", "mismatch_apply_weights", "apply_weights_non_expand",
+        "apply_weights_no_weights",
+};
+
+static const struct wl_case mismatch_case = { "mismatch", 311, 2, 8, 64, 16, 4, BF, I64, EX, 1,
+                                              0, 1, UNI, 0.1, WL_TOKENS_DESCENDING, 0, 0, 0, 0, 1, 0, 0 };
+
+/* Rank 1's case for a dispatch-field mismatch; returns what the message must say. */
+static const char *mismatch_bad_case(int variant, struct wl_case *bad)
+{
+        switch (variant) {
+        case MM_LAYOUT:
+                bad->layout = NE;
+                return "layout/expert_alignment/zero_padding differ from rank 0's";
+        case MM_ALIGNMENT:
+                bad->expert_alignment = 4;
+                return "layout/expert_alignment/zero_padding differ from rank 0's";
+        case MM_ZERO_PADDING:
+                bad->zero_padding = 1;
+                return "layout/expert_alignment/zero_padding differ from rank 0's";
+        case MM_WEIGHTS:
+                bad->has_weights = 0;
+                return "topk_weights absent but present on rank 0";
+        case MM_TOPK_WIDTH:
+                bad->num_topk = 2;
+                return "top-k width 2 differs from rank 0's 4";
+        default:
+                bad->topk_dtype = I32;
+                return "topk_idx dtype differs from rank 0's";
+        }
+}
+
+static int mismatch_dispatch(struct rank *rk)
+{
+        const struct shared *sh = rk->sh;
+        struct wl_case bad = sh->c;
+        const char *detail = mismatch_bad_case(sh->variant, &bad);
+        const struct wl_case *mine = rk->idx == 1 ? &bad : &sh->c;
+        struct step st = { 0 };
+        struct epd_dispatch_args da;
+        struct outputs o;
+        struct epd_op *op = NULL;
+        uint64_t cap[OF_COUNT], handle;
+        int status;
+
+        TRY(step_make(rk, &st, mine, 0, 0, 0, 0));
+        caps_all(cap, caps_worst(mine));
+        build_dispatch(rk, &st, cap, &da, &o);
+        status = dispatch_run(rk, &da, NULL);
+        TRY(expect_fail(rk, "mismatched dispatch", status, EPD_INVALID_ARGUMENT, 0, "rank 1",
+                        detail, NULL));
+        TRY(outputs_untouched(rk, &o));
+
+        /* Op 1 agrees and succeeds. expert_alignment 0 means 1: rank 0 passes 0, rank 1 1. */
+        TRY(step_make(rk, &st, &sh->c, 1, 0, 0, 1));
+        caps_all(cap, (uint64_t)ref_rows(&st, rk->idx));
+        build_dispatch(rk, &st, cap, &da, &o);
+        if (sh->variant == MM_ALIGNMENT)
+                da.expert_alignment = rk->idx == 0 ? 0 : 1;
+        status = dispatch_run(rk, &da, &op);
+        CHECK(status == EPD_OK, "dispatch after the mismatch gave %s: %s", status_text(status),
+              rk->msg);
+        TRY(dispatch_check(rk, &st, op, &o, 1, &handle));
+        epd_op_free(op);
+        TRY(combine_ok(rk, &st, handle, 0, 1, 2));
+        TRY(handle_release(rk, handle));
+        step_free(&st);
+        return 0;
+}
+
+static int mismatch_kind(struct rank *rk)
+{
+        const char *detail = "rank 1 submitted a combine, rank 0 a dispatch";
+        struct step st = { 0 }, st2 = { 0 };
+        uint64_t handle, cap[OF_COUNT];
+        int status;
+
+        TRY(step_make(rk, &st, &rk->sh->c, 0, 0, 0, 1));
+        TRY(dispatch_ok(rk, &st, 0, &handle));
+        if (rk->idx == 1) {
+                /* Rank 1 submits its combine first, so op 1 starts out as a combine. */
+                struct epd_combine_args cb;
+                struct epd_op *op = NULL;
+                uint16_t *combined;
+                float *cw;
+
+                build_combine(rk, &st, handle, 0, 0, &cb, &combined, &cw);
+                CHECK(epd_combine_submit(rk->group, &cb, &op) == 0, "combine submit: %s",
+                      epd_client_last_error(rk->client));
+                atomic_store(&rk->sh->flag[FLAG_COMBINE_SUBMITTED], 1);
+                status = op_finish(rk, op, NULL);
+                TRY(expect_fail(rk, "combine against a dispatch", status, EPD_INVALID_ARGUMENT,
+                                1, detail, NULL));
+                TRY(bytes_are(rk, "combined", (const uint8_t *)combined,
+                              (uint64_t)st.ins[1].num_tokens * st.c->hidden * 2, COMBINED_FILL));
+        } else {
+                struct epd_dispatch_args da;
+                struct outputs o;
+
+                CHECK(flag_wait(&rk->sh->flag[FLAG_COMBINE_SUBMITTED], 1, WAIT_MS) == 0,
+                      "rank 1 did not submit its combine");
+                usleep(50000);
+                TRY(step_make(rk, &st2, &rk->sh->c, 1, 0, 0, 0));
+                caps_all(cap, caps_worst(st2.c));
+                build_dispatch(rk, &st2, cap, &da, &o);
+                status = dispatch_run(rk, &da, NULL);
+                TRY(expect_fail(rk, "dispatch against a combine", status, EPD_INVALID_ARGUMENT, 1,
+                                detail, NULL));
+                TRY(outputs_untouched(rk, &o));
+                step_free(&st2);
+        }
+        /* The handle is intact: op 2, its combine, succeeds on both ranks. */
+        TRY(combine_ok(rk, &st, handle, 0, 0, 2));
+        TRY(handle_release(rk, handle));
+        step_free(&st);
+        return 0;
+}
+
+static int mismatch_combine_handle(struct rank *rk)
+{
+        struct step st1 = { 0 }, st2 = { 0 };
+        uint64_t h1, h2;
+        char detail[128];
+
+        TRY(step_make(rk, &st1, &rk->sh->c, 0, 0, 0, 1));
+        TRY(dispatch_ok(rk, &st1, 0, &h1));
+        TRY(step_make(rk, &st2, &rk->sh->c, 1, 0, 0, 1));
+        TRY(dispatch_ok(rk, &st2, 1, &h2));
+        CHECK(h1 != h2, "two dispatches returned the same handle %llu", (unsigned long long)h1);
+        snprintf(detail, sizeof(detail), "handle %llu differs from rank 0's %llu",
+                 (unsigned long long)h2, (unsigned long long)h1);
+        TRY(combine_fails(rk, rk->idx == 0 ? &st1 : &st2, rk->idx == 0 ? h1 : h2, 0,
+                          EPD_INVALID_ARGUMENT, 2, "rank 1", detail));
+        TRY(combine_ok(rk, &st2, h2, 0, 0, 3));
+        TRY(combine_ok(rk, &st1, h1, 0, 1, 4));
+        TRY(handle_release(rk, h1));
+        TRY(handle_release(rk, h2));
+        step_free(&st1);
+        step_free(&st2);
+        return 0;
+}
+
+static int mismatch_apply_weights(struct rank *rk)
+{
+        int differ = rk->sh->variant == MM_APPLY_WEIGHTS_DIFFER;
+        struct step st = { 0 };
+        uint64_t handle;
+
+        TRY(step_make(rk, &st, &rk->sh->c, 0, 0, 0, 1));
+        TRY(dispatch_ok(rk, &st, 0, &handle));
+        if (differ)
+                TRY(combine_fails(rk, &st, handle, rk->idx == 0, EPD_INVALID_ARGUMENT, 1,
+                                  "rank 1", "apply_weights differs from rank 0's"));
+        else
+                TRY(combine_fails(rk, &st, handle, 1, EPD_INVALID_ARGUMENT, 1,
+                                  "apply_weights needs an EXPAND dispatch that carried weights",
+                                  NULL));
+        /* Op 2 agrees (with weights applied where they exist) and succeeds. */
+        TRY(combine_ok(rk, &st, handle, differ, 0, 2));
+        TRY(handle_release(rk, handle));
+        step_free(&st);
+        return 0;
+}
+
+static int mismatch_worker(void *arg, int index)
+{
+        struct shared *sh = arg;
+        struct rank rk_s, *rk = &rk_s;
+
+        TRY(rank_open(rk, sh, (uint32_t)index));
+        switch (sh->variant) {
+        case MM_KIND:
+                TRY(mismatch_kind(rk));
+                break;
+        case MM_COMBINE_HANDLE:
+                TRY(mismatch_combine_handle(rk));
+                break;
+        case MM_APPLY_WEIGHTS_DIFFER:
+        case MM_APPLY_WEIGHTS_NON_EXPAND:
+        case MM_APPLY_WEIGHTS_NO_WEIGHTS:
+                TRY(mismatch_apply_weights(rk));
+                break;
+        default:
+                TRY(mismatch_dispatch(rk));
+                break;
+        }
+        return rank_close(rk);
+}
+
+START_TEST(test_mismatch)
+{
+        struct wl_case c = mismatch_case;
+        struct h_daemon d;
+        struct shared *sh;
+
+        c.name = mismatch_names[_i];
+        if (_i == MM_APPLY_WEIGHTS_NON_EXPAND)
+                c.layout = NE;
+        if (_i == MM_APPLY_WEIGHTS_NO_WEIGHTS)
+                c.has_weights = 0;
+        announce(&c, _i, "mismatch across ranks");
+        daemon_start(&d, NULL);
+        sh = shared_new(&d, &c, _i);
+        workers_run(&d, sh, mismatch_worker);
+        munmap(sh, sizeof(*sh));
+        daemon_stop_clean(&d);
+}
+END_TEST
+
+/* ---- 3. invalid routing on one rank ---- */
+
+enum bad_route { ROUTE_TOO_LARGE, ROUTE_BELOW_MINUS_ONE, ROUTE_DUPLICATE, ROUTE_COUNT };
+
+#define BAD_RANK 1u
+#define BAD_TOKEN 3u
+
+static const struct wl_case route_cases[ROUTE_COUNT] = {
+        { "route_id_E", 321, 3, 12, 64, 16, 4, BF, I64, NE, 1, 0, 1, UNI, 0.1, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 },
+        { "route_id_minus_2", 322, 3, 12, 64, 16, 4, BF, I32, EX, 1, 0, 1, UNI, 0.1,
+          WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 },
+        { "route_duplicate", 323, 3, 12, 64, 16, 4, BF, I64, NE, 1, 0, 0, UNI, 0.1,
+          WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 },
+};
+
+/* Corrupts token BAD_TOKEN of rank BAD_RANK in st; returns what the message must say. */
+static const char *route_corrupt(struct step *st, int variant, char *detail, size_t len)
+{
+        const struct wl_case *c = st->c;
+        void *topk = st->ins[BAD_RANK].topk;
+
+        switch (variant) {
+        case ROUTE_TOO_LARGE:
+                topk_set(c, topk, BAD_TOKEN, 0, c->num_experts);
+                snprintf(detail, len, "expert id %u outside", c->num_experts);
+                break;
+        case ROUTE_BELOW_MINUS_ONE:
+                topk_set(c, topk, BAD_TOKEN, 0, -2);
+                snprintf(detail, len, "expert id -2 outside");
+                break;
+        default:
+                topk_set(c, topk, BAD_TOKEN, 0, 5);
+                topk_set(c, topk, BAD_TOKEN, 1, 5);
+                snprintf(detail, len, "expert 5 selected at topk positions 0 and 1");
+                break;
+        }
+        return detail;
+}
+
+static int route_worker(void *arg, int index)
+{
+        struct shared *sh = arg;
+        struct rank rk_s, *rk = &rk_s;
+        struct step st = { 0 };
+        struct epd_dispatch_args da;
+        struct outputs o;
+        struct ref_dispatch *ref = NULL;
+        struct ref_src srcs[MAX_RANKS];
+        struct ref_params params;
+        uint64_t cap[OF_COUNT], handle;
+        char detail[128], where[64], err[256];
+        int status;
+
+        TRY(rank_open(rk, sh, (uint32_t)index));
+        TRY(step_make(rk, &st, &sh->c, 0, 0, 0, 0));
+        route_corrupt(&st, sh->variant, detail, sizeof(detail));
+        /* The reference agrees that the routing is invalid. */
+        for (uint32_t s = 0; s < sh->c.world_size; s++)
+                srcs[s] = (struct ref_src){ .num_tokens = st.ins[s].num_tokens,
+                                            .x = { st.ins[s].x, st.ins[s].x_stride },
+                                            .topk_idx = { st.ins[s].topk, 0 },
+                                            .weights = { st.ins[s].weights, 0 } };
+        wl_ref_params(&sh->c, &params);
+        CHECK(ref_dispatch_new(&params, srcs, &ref, err, sizeof(err)) == EPD_INVALID_ARGUMENT,
+              "the reference accepts the corrupted routing");
+
+        caps_all(cap, caps_worst(&sh->c));
+        build_dispatch(rk, &st, cap, &da, &o);
+        status = dispatch_run(rk, &da, NULL);
+        snprintf(where, sizeof(where), "rank %u token %u", BAD_RANK, BAD_TOKEN);
+        TRY(expect_fail(rk, "dispatch with invalid routing", status, EPD_INVALID_ARGUMENT, 0,
+                        where, detail, NULL));
+        TRY(outputs_untouched(rk, &o));
+
+        TRY(step_make(rk, &st, &sh->c, 1, 0, 0, 1));
+        TRY(dispatch_ok(rk, &st, 1, &handle));
+        TRY(combine_ok(rk, &st, handle, 0, 0, 2));
+        TRY(handle_release(rk, handle));
+        step_free(&st);
+        return rank_close(rk);
+}
+
+START_TEST(test_invalid_routing)
+{
+        const struct wl_case *c = &route_cases[_i];
+        struct h_daemon d;
+        struct shared *sh;
+
+        announce(c, _i, "invalid routing");
+        daemon_start(&d, NULL);
+        sh = shared_new(&d, c, _i);
+        workers_run(&d, sh, route_worker);
+        munmap(sh, sizeof(*sh));
+        daemon_stop_clean(&d);
+}
+END_TEST
+
+/* ---- 4. TIMEOUT ---- */
+
+#define DAEMON_OP_TIMEOUT_MS 200u
+
+/* Rank 2 submits op 0 only after ranks 0 and 1 timed out. Variant 0: the group's op timeout
+ * (300 ms); variant 1: the daemon's default (--op-timeout-ms 200, group config 0). */
+static const struct wl_case timeout_case = { "timeout", 331, 3, 12, 64, 8, 2, BF, I64, NE, 1, 0,
+                                             0, UNI, 0.0, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 };
+
+static int timeout_worker(void *arg, int index)
+{
+        struct shared *sh = arg;
+        struct rank rk_s, *rk = &rk_s;
+        uint32_t timeout_ms = sh->op_timeout_ms ? sh->op_timeout_ms : DAEMON_OP_TIMEOUT_MS;
+        struct step st = { 0 };
+        struct epd_dispatch_args da;
+        struct outputs o;
+        uint64_t cap[OF_COUNT], handle;
+        char detail[128];
+        long long t0, elapsed;
+        int status;
+
+        TRY(rank_open(rk, sh, (uint32_t)index));
+        CHECK(epd_group_config(rk->group)->op_timeout_ms == timeout_ms,
+              "the group's op timeout is %u ms, expected %u",
+              epd_group_config(rk->group)->op_timeout_ms, timeout_ms);
+        TRY(step_make(rk, &st, &sh->c, 0, 0, 0, 1));
+        caps_all(cap, (uint64_t)ref_rows(&st, rk->idx));
+        snprintf(detail, sizeof(detail), "rank(s) 2 did not submit within %u ms", timeout_ms);
+        CHECK(barrier(sh, 0, 3) == 0, "not every rank joined");
+        if (rk->idx < 2) {
+                build_dispatch(rk, &st, cap, &da, &o);
+                t0 = now_ms();
+                status = dispatch_run(rk, &da, NULL);
+                elapsed = now_ms() - t0;
+                TRY(expect_fail(rk, "dispatch without rank 2", status, EPD_TIMEOUT, 0, detail,
+                                NULL));
+                CHECK(elapsed >= (long long)timeout_ms - 50 && elapsed <= 2000,
+                      "TIMEOUT after %lld ms with an op timeout of %u ms", elapsed, timeout_ms);
+                TRY(outputs_untouched(rk, &o));
+        }
+        CHECK(barrier(sh, 1, 3) == 0, "ranks 0 and 1 did not finish op 0");
+        if (rk->idx == 2) {
+                /* The late rank's op 0 ends the same way (SEMANTICS.md 4), at once. */
+                build_dispatch(rk, &st, cap, &da, &o);
+                t0 = now_ms();
+                status = dispatch_run(rk, &da, NULL);
+                elapsed = now_ms() - t0;
+                TRY(expect_fail(rk, "late dispatch", status, EPD_TIMEOUT, 0, detail, NULL));
+                CHECK(elapsed < 1000, "the late op 0 took %lld ms to fail", elapsed);
+                TRY(outputs_untouched(rk, &o));
+        }
+        /* Op 1 with every rank succeeds. */
+        TRY(dispatch_ok(rk, &st, 1, &handle));
+        TRY(combine_ok(rk, &st, handle, 0, 0, 2));
+        TRY(handle_release(rk, handle));
+        step_free(&st);
+        return rank_close(rk);
+}
+
+START_TEST(test_timeout)
+{
+        static const char *const daemon_args[] = { "--op-timeout-ms", "200", NULL };
+        struct h_daemon d;
+        struct shared *sh;
+
+        announce(&timeout_case, _i, _i ? "timeout, daemon default" : "timeout, group config");
+        daemon_start(&d, _i ? daemon_args : NULL);
+        sh = shared_new(&d, &timeout_case, _i);
+        sh->op_timeout_ms = _i ? 0 : 300;
+        workers_run(&d, sh, timeout_worker);
+        munmap(sh, sizeof(*sh));
+        daemon_stop_clean(&d);
+}
+END_TEST
+
+/* ---- 5. PEER_LOST ---- */
+
+/* Op 0 succeeds on all three ranks; ranks 0 and 1 submit op 1 and the test SIGKILLs rank 2's
+ * process before it submits. A new process binds rank 2 again and the group restarts at op 0. */
+static const struct wl_case peer_case = { "peer_lost", 341, 3, 12, 64, 16, 4, BF, I64, EX, 4, 1,
+                                          1, UNI, 0.1, WL_TOKENS_DESCENDING, 0, 0, 0, 0, 1, 0, 0 };
+
+/* Every rank after the group re-formed: op 0 is a fresh dispatch, the old handle is gone (op
+ * 1), and the new one combines (op 2). */
+static int peer_after_rejoin(struct rank *rk, uint64_t old_handle)
+{
+        struct step st = { 0 };
+        uint64_t handle;
+        char detail[128];
+        int rc;
+
+        TRY(step_make(rk, &st, &rk->sh->c, 2, 0, 0, 1));
+        TRY(dispatch_ok(rk, &st, 0, &handle));
+        CHECK(handle != old_handle, "the re-formed group reused handle id %llu",
+              (unsigned long long)handle);
+        snprintf(detail, sizeof(detail), "handle %llu does not exist",
+                 (unsigned long long)old_handle);
+        TRY(combine_fails(rk, &st, old_handle, 0, EPD_NOT_FOUND, 1, detail, NULL));
+        TRY(combine_ok(rk, &st, handle, 1, 0, 2));
+        TRY(handle_release(rk, handle));
+        /* Releasing a handle that the break invalidated is harmless cleanup. */
+        rc = epd_handle_release(rk->group, old_handle);
+        CHECK(rc == 0, "release of the invalidated handle: %s", epd_client_last_error(rk->client));
+        step_free(&st);
+        return rank_close(rk);
+}
+
+static int peer_first_worker(void *arg, int index)
+{
+        struct shared *sh = arg;
+        struct rank rk_s, *rk = &rk_s;
+        struct step st = { 0 };
+        struct epd_dispatch_args da;
+        struct outputs o;
+        struct epd_op *op = NULL;
+        uint64_t cap[OF_COUNT], old_handle;
+        long long done, killed;
+        int status;
+
+        TRY(rank_open(rk, sh, (uint32_t)index));
+        TRY(step_make(rk, &st, &sh->c, 0, 0, 0, 1));
+        TRY(dispatch_ok(rk, &st, 0, &old_handle));
+        if (rk->idx == 0)
+                atomic_store(&sh->old_handle, old_handle);
+        if (rk->idx == 2) {
+                /* The victim: killed before it submits op 1. */
+                atomic_store(&sh->flag[FLAG_VICTIM_READY], 1);
+                for (;;)
+                        pause();
+        }
+        TRY(step_make(rk, &st, &sh->c, 1, 0, 0, 0));
+        caps_all(cap, caps_worst(&sh->c));
+        build_dispatch(rk, &st, cap, &da, &o);
+        CHECK(epd_dispatch_submit(rk->group, &da, &op) == 0, "submit: %s",
+              epd_client_last_error(rk->client));
+        atomic_fetch_add(&sh->flag[FLAG_SUBMITTED], 1);
+        status = op_finish(rk, op, NULL);
+        done = now_ms();
+        killed = atomic_load(&sh->kill_ms);
+        TRY(expect_fail(rk, "dispatch while rank 2 dies", status, EPD_PEER_LOST, 1, "rank 2",
+                        NULL));
+        CHECK(killed > 0 && done >= killed, "op 1 ended before rank 2 was killed");
+        CHECK(done - killed <= 1000, "PEER_LOST came %lld ms after the kill", done - killed);
+        TRY(outputs_untouched(rk, &o));
+        step_free(&st);
+        CHECK(flag_wait(&sh->flag[FLAG_REJOINED], 1, WAIT_MS) == 0, "rank 2 did not re-join");
+        return peer_after_rejoin(rk, old_handle);
+}
+
+static int peer_rejoin_worker(void *arg, int index)
+{
+        struct shared *sh = arg;
+        struct rank rk_s, *rk = &rk_s;
+
+        TRY(rank_open(rk, sh, (uint32_t)index));
+        atomic_store(&sh->flag[FLAG_REJOINED], 1);
+        return peer_after_rejoin(rk, atomic_load(&sh->old_handle));
+}
+
+START_TEST(test_peer_lost)
+{
+        struct h_daemon d;
+        struct shared *sh;
+        pid_t pids[3];
+        int status, failures;
+
+        announce(&peer_case, 0, "peer lost");
+        daemon_start(&d, NULL);
+        sh = shared_new(&d, &peer_case, 0);
+        for (int r = 0; r < 3; r++)
+                pids[r] = h_spawn(peer_first_worker, sh, r);
+        if (flag_wait(&sh->flag[FLAG_VICTIM_READY], 1, WAIT_MS) < 0 ||
+            flag_wait(&sh->flag[FLAG_SUBMITTED], 2, WAIT_MS) < 0) {
+                for (int r = 0; r < 3; r++)
+                        kill(pids[r], SIGKILL);
+                h_wait_all(pids, 3, 1000);
+                h_daemon_dump_log(&d);
+                ck_abort_msg("op 0 did not complete or op 1 was not submitted (seed %llu)",
+                             (unsigned long long)peer_case.seed);
+        }
+        usleep(100000); /* the daemon holds both submissions of op 1 */
+        atomic_store(&sh->kill_ms, now_ms());
+        ck_assert_int_eq(kill(pids[2], SIGKILL), 0);
+        ck_assert_int_eq(waitpid(pids[2], &status, 0), pids[2]);
+        pids[2] = h_spawn(peer_rejoin_worker, sh, 2);
+        failures = h_wait_all(pids, 3, 30000);
+        if (failures)
+                h_daemon_dump_log(&d);
+        ck_assert_msg(failures == 0, "peer lost (seed %llu): %d worker(s) failed",
+                      (unsigned long long)peer_case.seed, failures);
+        munmap(sh, sizeof(*sh));
+        daemon_stop_clean(&d);
+}
+END_TEST
+
+/* ---- 7. cached dispatch errors ---- */
+
+static const struct wl_case cached_case = { "cached", 351, 2, 8, 64, 16, 4, BF, I64, NE, 1, 0, 1,
+                                            UNI, 0.1, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 };
+
+/* A cached dispatch of st's inputs naming `handle` (no topk_idx); outputs of cap rows. */
+static void build_cached(struct rank *rk, const struct step *st, uint64_t handle, uint64_t rows,
+                         struct epd_dispatch_args *da, struct outputs *o)
+{
+        uint64_t cap[OF_COUNT];
+
+        caps_all(cap, rows);
+        build_dispatch(rk, st, cap, da, o);
+        memset(&da->topk_idx, 0, sizeof(da->topk_idx));
+        da->handle_id = handle;
+}
+
+static int cached_worker(void *arg, int index)
+{
+        struct shared *sh = arg;
+        struct rank rk_s, *rk = &rk_s;
+        struct wl_case expand = sh->c;
+        struct step st = { 0 }, st2 = { 0 };
+        struct epd_dispatch_args da;
+        struct outputs o;
+        struct epd_op *op = NULL;
+        uint64_t handle, worst = caps_worst(&sh->c), T = sh->c.max_tokens, h2;
+        char detail[128];
+        int status;
+
+        TRY(rank_open(rk, sh, (uint32_t)index));
+        TRY(step_make(rk, &st, &sh->c, 0, 0, 0, 1));
+        TRY(dispatch_ok(rk, &st, 0, &handle));
+
+        /* Op 1: rank 1 names one token fewer than the handle holds. */
+        TRY(step_make(rk, &st2, &sh->c, 0, 1, 0, 0));
+        if (rk->idx == 1)
+                st2.ins[1].num_tokens = (uint32_t)T - 1;
+        build_cached(rk, &st2, handle, worst, &da, &o);
+        status = dispatch_run(rk, &da, NULL);
+        snprintf(detail, sizeof(detail), "cached dispatch with %llu tokens, the handle has %llu",
+                 (unsigned long long)T - 1, (unsigned long long)T);
+        TRY(expect_fail(rk, "cached dispatch with another N", status, EPD_INVALID_ARGUMENT, 1,
+                        "rank 1", detail, NULL));
+        TRY(outputs_untouched(rk, &o));
+
+        /* Op 2: a handle that never existed. */
+        TRY(step_make(rk, &st2, &sh->c, 0, 1, 0, 0));
+        build_cached(rk, &st2, handle + 1000, worst, &da, &o);
+        status = dispatch_run(rk, &da, NULL);
+        snprintf(detail, sizeof(detail), "handle %llu does not exist",
+                 (unsigned long long)handle + 1000);
+        TRY(expect_fail(rk, "cached dispatch of an unknown handle", status, EPD_NOT_FOUND, 2,
+                        detail, NULL));
+        TRY(outputs_untouched(rk, &o));
+
+        /* Op 3: the EXPAND layout for a NON_EXPAND handle. */
+        expand.layout = EX;
+        TRY(step_make(rk, &st2, &expand, 0, 1, 0, 0));
+        build_cached(rk, &st2, handle, caps_worst(&expand), &da, &o);
+        status = dispatch_run(rk, &da, NULL);
+        TRY(expect_fail(rk, "cached dispatch with another layout", status, EPD_INVALID_ARGUMENT,
+                        3, "cached dispatch must use the handle's layout", NULL));
+        TRY(outputs_untouched(rk, &o));
+
+        /* Op 4: a correct cached dispatch with new weights rewrites every output; op 5
+         * combines. */
+        TRY(step_make(rk, &st2, &sh->c, 0, 1, 0, 1));
+        build_cached(rk, &st2, handle, (uint64_t)ref_rows(&st2, rk->idx), &da, &o);
+        status = dispatch_run(rk, &da, &op);
+        CHECK(status == EPD_OK, "cached dispatch gave %s: %s", status_text(status), rk->msg);
+        TRY(dispatch_check(rk, &st2, op, &o, 4, &h2));
+        epd_op_free(op);
+        CHECK(h2 == handle, "the cached dispatch named handle %llu, expected %llu",
+              (unsigned long long)h2, (unsigned long long)handle);
+        TRY(combine_ok(rk, &st2, handle, 0, 0, 5));
+        TRY(handle_release(rk, handle));
+        step_free(&st);
+        step_free(&st2);
+        return rank_close(rk);
+}
+
+START_TEST(test_cached_dispatch_errors)
+{
+        struct h_daemon d;
+        struct shared *sh;
+
+        announce(&cached_case, 0, "cached dispatch errors");
+        daemon_start(&d, NULL);
+        sh = shared_new(&d, &cached_case, 0);
+        workers_run(&d, sh, cached_worker);
+        munmap(sh, sizeof(*sh));
+        daemon_stop_clean(&d);
+}
+END_TEST
+
+/* ---- 8. a handle released by one rank ---- */
+
+static const struct wl_case release_case = { "released", 361, 3, 12, 64, 16, 4, BF, I64, NE, 1,
+                                             0, 1, UNI, 0.1, WL_TOKENS_DESCENDING, 0, 0, 0, 0, 1, 0, 0 };
+
+static int release_worker(void *arg, int index)
+{
+        struct shared *sh = arg;
+        struct rank rk_s, *rk = &rk_s;
+        struct step st = { 0 }, st2 = { 0 };
+        struct epd_dispatch_args da;
+        struct outputs o;
+        uint64_t handle, h2;
+        char detail[128];
+        int status;
+
+        TRY(rank_open(rk, sh, (uint32_t)index));
+        TRY(step_make(rk, &st, &sh->c, 0, 0, 0, 1));
+        TRY(dispatch_ok(rk, &st, 0, &handle));
+        /* Rank 0 releases before it submits op 1, so op 1 cannot start before the release. */
+        if (rk->idx == 0)
+                TRY(handle_release(rk, handle));
+        snprintf(detail, sizeof(detail), "handle %llu was released by rank 0",
+                 (unsigned long long)handle);
+        TRY(combine_fails(rk, &st, handle, 0, EPD_NOT_FOUND, 1, detail, NULL));
+
+        /* Op 2: a cached dispatch naming it fails the same way. */
+        TRY(step_make(rk, &st2, &sh->c, 0, 1, 0, 0));
+        build_cached(rk, &st2, handle, caps_worst(&sh->c), &da, &o);
+        status = dispatch_run(rk, &da, NULL);
+        TRY(expect_fail(rk, "cached dispatch of a released handle", status, EPD_NOT_FOUND, 2,
+                        detail, NULL));
+        TRY(outputs_untouched(rk, &o));
+
+        /* The group carries on: ops 3 and 4. */
+        TRY(step_make(rk, &st2, &sh->c, 1, 0, 0, 1));
+        TRY(dispatch_ok(rk, &st2, 3, &h2));
+        TRY(combine_ok(rk, &st2, h2, 0, 0, 4));
+        TRY(handle_release(rk, h2));
+        if (rk->idx != 0)
+                TRY(handle_release(rk, handle));
+        step_free(&st);
+        step_free(&st2);
+        return rank_close(rk);
+}
+
+START_TEST(test_released_handle)
+{
+        struct h_daemon d;
+        struct shared *sh;
+
+        announce(&release_case, 0, "released handle");
+        daemon_start(&d, NULL);
+        sh = shared_new(&d, &release_case, 0);
+        workers_run(&d, sh, release_worker);
+        munmap(sh, sizeof(*sh));
+        daemon_stop_clean(&d);
+}
+END_TEST
+
+static Suite *errors_suite(void)
+{
+        Suite *s = suite_create("integ_errors");
+        TCase *tc;
+
+        tc = tcase_create("capacity");
+        tcase_set_timeout(tc, 30);
+        tcase_add_loop_test(tc, test_capacity_client_outputs, 0,
+                            (int)(sizeof(capacity_cases) / sizeof(capacity_cases[0])));
+        tcase_add_test(tc, test_capacity_arena);
+        suite_add_tcase(s, tc);
+
+        tc = tcase_create("mismatch");
+        tcase_set_timeout(tc, 30);
+        tcase_add_loop_test(tc, test_mismatch, 0, MM_COUNT);
+        suite_add_tcase(s, tc);
+
+        tc = tcase_create("routing");
+        tcase_set_timeout(tc, 30);
+        tcase_add_loop_test(tc, test_invalid_routing, 0, ROUTE_COUNT);
+        suite_add_tcase(s, tc);
+
+        tc = tcase_create("lost_and_late");
+        tcase_set_timeout(tc, 30);
+        tcase_add_loop_test(tc, test_timeout, 0, 2);
+        tcase_add_test(tc, test_peer_lost);
+        suite_add_tcase(s, tc);
+
+        tc = tcase_create("handles");
+        tcase_set_timeout(tc, 30);
+        tcase_add_test(tc, test_cached_dispatch_errors);
+        tcase_add_test(tc, test_released_handle);
+        suite_add_tcase(s, tc);
+        return s;
+}
+
+int main(void)
+{
+        SRunner *sr = srunner_create(errors_suite());
+        int failed;
+
+        /* Fork mode: each test is its own process; CK_ENV: CK_VERBOSITY=verbose lists them. */
+        srunner_set_fork_status(sr, CK_FORK);
+        srunner_run_all(sr, CK_ENV);
+        failed = srunner_ntests_failed(sr);
+        srunner_free(sr);
+        return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
