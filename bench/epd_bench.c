@@ -104,6 +104,14 @@ struct sample {
         uint64_t queue_ns;      /* from this rank's submission to launch, per the daemon */
 };
 
+/* Shared between the workers: a barrier that lines them up after the verified iteration and
+ * before the measured ones, so that no rank's first measured op waits for a slower peer's
+ * verification; then the samples. */
+struct shared {
+        pthread_barrier_t barrier;
+        struct sample samples[];
+};
+
 struct bench {
         struct options opt;
         uint32_t R, T, H, K, E, scale_cols, cpus, threads;
@@ -114,8 +122,9 @@ struct bench {
         char group_name[64];
         uint64_t arena_bytes;
         uint32_t total_iters;
-        struct sample *samples; /* shared: [R][total_iters][2] */
-        size_t samples_bytes;
+        struct shared *shared;  /* MAP_SHARED between the parent and the workers */
+        struct sample *samples; /* shared->samples: [R][total_iters][2] */
+        size_t shared_bytes;
 };
 
 /* For the signal handler: what to take down if the user interrupts the run. */
@@ -391,7 +400,12 @@ struct byte_counts {
         uint64_t tokens;        /* source tokens, every rank */
         uint64_t logical[2];    /* [OP_DISPATCH], [OP_COMBINE] */
         uint64_t floor[2];
-        uint64_t data;          /* inputs read plus outputs written by one dispatch */
+        /* Each distinct byte read or written once: dispatch reads a source token once however
+         * many destinations it goes to, which the floor counts once per destination (a host
+         * backend copies a token to all its destinations from cache, so its floor fraction can
+         * pass 100%). For combine it equals the floor. */
+        uint64_t unique[2];
+        uint64_t data;          /* = unique[OP_DISPATCH], compared with the LLC */
 };
 
 static void count_bytes(const struct bench *b, struct byte_counts *c)
@@ -411,8 +425,11 @@ static void count_bytes(const struct bench *b, struct byte_counts *c)
          * which the benchmark requests) written once. */
         c->floor[OP_COMBINE] = c->rows * (uint64_t)b->H * 2 +
                                c->tokens * ((uint64_t)b->H * 2 + (uint64_t)b->K * 4);
-        c->data = c->tokens * (b->row_bytes + (uint64_t)b->scale_cols * 4 + (uint64_t)b->K * 12) +
-                  c->rows * row;
+        c->unique[OP_DISPATCH] = c->tokens * (b->row_bytes + (uint64_t)b->scale_cols * 4 +
+                                              (uint64_t)b->K * 12) +
+                                 c->rows * row;
+        c->unique[OP_COMBINE] = c->floor[OP_COMBINE];
+        c->data = c->unique[OP_DISPATCH];
 }
 
 /* The arena a rank needs for its outputs: every field rounded up as the daemon places them. */
@@ -678,6 +695,10 @@ static int worker_run(struct bench *b, uint32_t rank)
                 rc = epd_handle_release(group, cb.handle_id);
                 if (rc < 0)
                         WFAIL("handle release: %s", epd_client_last_error(client));
+                /* A rank that fails exits; the parent then stops the others, which may be
+                 * waiting here for it. */
+                if (it == 0 || it + 1 == b->opt.warmup)
+                        pthread_barrier_wait(&b->shared->barrier);
         }
         status = 0;
 out:
@@ -942,7 +963,8 @@ struct run_info {
         uint32_t devices;
         int scaled;
         uint64_t llc;
-        double ceiling, ceiling_median;
+        double ceiling;                 /* the best of the two measurements below */
+        double ceiling_before, ceiling_before_median, ceiling_after, ceiling_after_median;
         struct byte_counts bytes;
         struct op_stats st[2];
 };
@@ -962,7 +984,8 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
         if (ri->scaled)
                 fprintf(f, "  SCALED: %u tokens per rank instead of %u to fit this machine\n", b->T,
                         b->opt.wl->tokens);
-        fprintf(f, "  backend %s, %u device(s), MPS n/a, %u host threads, %u CPUs, rev %s\n",
+        fprintf(f, "  backend %s, every rank on device 0 (daemon has %u), MPS n/a, %u host threads, "
+                   "%u CPUs, rev %s\n",
                 ri->backend, ri->devices, b->threads, b->cpus, EPD_GIT_REV);
         fprintf(f, "  %u measured iterations after %u warm-up; iteration 0 verified bitwise\n",
                 b->opt.iters, b->opt.warmup);
@@ -970,9 +993,12 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
                 (double)bc->data / 1048576.0, (double)ri->llc / 1048576.0,
                 ri->llc == 0 ? " (unknown)" : bc->data > ri->llc ? ": data is larger"
                                                                  : ": DATA FITS IN THE CACHE");
-        fprintf(f, "  host memcpy ceiling: 2 x %.0f MiB buffers, %u threads, read + written: "
-                   "best %.2f GB/s, median %.2f GB/s\n",
-                (double)CEILING_BYTES / 1048576.0, b->threads, ri->ceiling, ri->ceiling_median);
+        fprintf(f, "  host memcpy ceiling: 2 x %.0f MiB buffers, %u threads, read + written, best "
+                   "of %d: %.2f GB/s before the run (median %.2f), %.2f after (median %.2f); "
+                   "ceiling = %.2f GB/s\n",
+                (double)CEILING_BYTES / 1048576.0, b->threads, CEILING_REPS, ri->ceiling_before,
+                ri->ceiling_before_median, ri->ceiling_after, ri->ceiling_after_median,
+                ri->ceiling);
         fprintf(f, "  time = the host backend's exec time of the whole op (all ranks in one exec: "
                    "the device figure); GB = 1e9 bytes\n\n");
         fprintf(f, "%-9s %9s %11s %11s %10s %9s %9s %8s %10s %10s %10s %9s %9s %9s %9s\n",
@@ -998,6 +1024,12 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
                    "combined rows (and weights) written once\n"
                    "  ovh = client-observed (submit to completion) minus exec, over every rank's "
                    "samples; last-sub = the same for the rank that submitted last\n");
+        for (int k = 0; k < 2; k++) {
+                double u = (double)bc->unique[k] / (ri->st[k].exec_p50 * 1e3);
+                fprintf(f, "  %s unique bytes (every distinct byte read or written once): "
+                           "%.1f MB, %.2f GB/s, %.1f%% of the ceiling\n",
+                        names[k], (double)bc->unique[k] / 1e6, u, 100.0 * u / ri->ceiling);
+        }
 }
 
 static void print_json(const struct bench *b, const struct run_info *ri)
@@ -1008,6 +1040,7 @@ static void print_json(const struct bench *b, const struct run_info *ri)
                 const struct op_stats *st = &ri->st[k];
                 double lg = (double)ri->bytes.logical[k] / (st->exec_p50 * 1e3);
                 double fl = (double)ri->bytes.floor[k] / (st->exec_p50 * 1e3);
+                double un = (double)ri->bytes.unique[k] / (st->exec_p50 * 1e3);
                 json_t *o = json_object();
                 char *s;
 
@@ -1015,7 +1048,9 @@ static void print_json(const struct bench *b, const struct run_info *ri)
                 json_object_set_new(o, "op", json_string(names[k]));
                 json_object_set_new(o, "workload", json_string(b->opt.wl->name));
                 json_object_set_new(o, "ranks", json_integer(b->R));
-                json_object_set_new(o, "devices", json_integer(ri->devices));
+                /* Every rank binds device 0: the device figure is the whole op. */
+                json_object_set_new(o, "devices", json_integer(1));
+                json_object_set_new(o, "daemon_devices", json_integer(ri->devices));
                 json_object_set_new(o, "backend", json_string(ri->backend));
                 if (strcmp(ri->backend, "host") == 0)
                         json_object_set_new(o, "mps", json_string("n/a"));
@@ -1060,8 +1095,16 @@ static void print_json(const struct bench *b, const struct run_info *ri)
                 json_object_set_new(o, "logical_gbps", json_real(lg));
                 json_object_set_new(o, "floor_gbps", json_real(fl));
                 json_object_set_new(o, "floor_fraction_of_ceiling", json_real(fl / ri->ceiling));
+                json_object_set_new(o, "unique_bytes", json_integer((json_int_t)ri->bytes.unique[k]));
+                json_object_set_new(o, "unique_gbps", json_real(un));
+                json_object_set_new(o, "unique_fraction_of_ceiling", json_real(un / ri->ceiling));
                 json_object_set_new(o, "ceiling_memcpy_gbps", json_real(ri->ceiling));
-                json_object_set_new(o, "ceiling_memcpy_median_gbps", json_real(ri->ceiling_median));
+                json_object_set_new(o, "ceiling_memcpy_before_gbps", json_real(ri->ceiling_before));
+                json_object_set_new(o, "ceiling_memcpy_before_median_gbps",
+                                    json_real(ri->ceiling_before_median));
+                json_object_set_new(o, "ceiling_memcpy_after_gbps", json_real(ri->ceiling_after));
+                json_object_set_new(o, "ceiling_memcpy_after_median_gbps",
+                                    json_real(ri->ceiling_after_median));
                 json_object_set_new(o, "ceiling_buffer_bytes", json_integer((json_int_t)CEILING_BYTES));
                 json_object_set_new(o, "ceiling_threads", json_integer(b->threads));
                 s = json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER);
@@ -1143,8 +1186,8 @@ int main(int argc, char **argv)
         /* The ceiling first, while nothing else holds memory or CPUs. */
         fprintf(stderr, "epd-bench: measuring the host memcpy ceiling (%u threads, 2 x 1 GiB)\n",
                 b.threads);
-        ri.ceiling = measure_memcpy(b.threads, CEILING_BYTES, &ri.ceiling_median);
-        if (ri.ceiling <= 0)
+        ri.ceiling_before = measure_memcpy(b.threads, CEILING_BYTES, &ri.ceiling_before_median);
+        if (ri.ceiling_before <= 0)
                 return 1;
 
         b.ranks = calloc(b.R, sizeof(*b.ranks));
@@ -1171,12 +1214,21 @@ int main(int argc, char **argv)
         } else {
                 b.arena_bytes = 1u << 20; /* the group insists on some arena; unused */
         }
-        b.samples_bytes = (size_t)b.R * b.total_iters * 2 * sizeof(struct sample);
-        b.samples = mmap(NULL, b.samples_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
-                         -1, 0);
-        if (b.samples == MAP_FAILED) {
-                b.samples = NULL;
+        b.shared_bytes = sizeof(struct shared) +
+                         (size_t)b.R * b.total_iters * 2 * sizeof(struct sample);
+        b.shared = mmap(NULL, b.shared_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                        -1, 0);
+        if (b.shared == MAP_FAILED) {
+                b.shared = NULL;
                 goto out;
+        }
+        b.samples = b.shared->samples;
+        {
+                pthread_barrierattr_t ba;
+                pthread_barrierattr_init(&ba);
+                pthread_barrierattr_setpshared(&ba, PTHREAD_PROCESS_SHARED);
+                pthread_barrier_init(&b.shared->barrier, &ba, b.R);
+                pthread_barrierattr_destroy(&ba);
         }
 
         if (b.opt.socket) {
@@ -1221,14 +1273,27 @@ int main(int argc, char **argv)
                 }
                 g_num_workers = r + 1;
         }
-        for (uint32_t r = 0; r < g_num_workers; r++) {
-                int ws;
-                if (waitpid(pids[r], &ws, 0) != pids[r] || !WIFEXITED(ws) || WEXITSTATUS(ws)) {
-                        fprintf(stderr, "epd-bench: worker of rank %u failed (status 0x%x)\n", r,
-                                ws);
-                        failures++;
+        /* Polled rather than waitpid(-1), which could reap our daemon under h_daemon_stop;
+         * 20 ms naps cost the measurement nothing. */
+        for (uint32_t left = g_num_workers; left > 0;) {
+                usleep(20000);
+                for (uint32_t r = 0; r < g_num_workers; r++) {
+                        int ws;
+
+                        if (pids[r] <= 0 || waitpid(pids[r], &ws, WNOHANG) != pids[r])
+                                continue;
+                        pids[r] = 0;
+                        left--;
+                        if (WIFEXITED(ws) && WEXITSTATUS(ws) == 0)
+                                continue;
+                        fprintf(stderr, "epd-bench: worker of rank %u failed (status 0x%x)\n",
+                                r, ws);
+                        /* Its peers may wait for it at the shared barrier: stop them. */
+                        if (failures++ == 0)
+                                for (uint32_t i = 0; i < g_num_workers; i++)
+                                        if (pids[i] > 0)
+                                                kill(pids[i], SIGKILL);
                 }
-                pids[r] = 0;
         }
         g_num_workers = 0;
         if (failures) {
@@ -1238,6 +1303,11 @@ int main(int argc, char **argv)
                         h_daemon_dump_log(&daemon);
                 goto out;
         }
+        /* Again after the workload: on a shared machine the memory system's speed drifts, and
+         * the best of both is the ceiling (the conservative choice for the fractions). */
+        fprintf(stderr, "epd-bench: measuring the host memcpy ceiling again\n");
+        ri.ceiling_after = measure_memcpy(b.threads, CEILING_BYTES, &ri.ceiling_after_median);
+        ri.ceiling = ri.ceiling_after > ri.ceiling_before ? ri.ceiling_after : ri.ceiling_before;
         op_stats(&b, OP_DISPATCH, &ri.st[OP_DISPATCH]);
         op_stats(&b, OP_COMBINE, &ri.st[OP_COMBINE]);
         print_table(&b, &ri, tf);
@@ -1254,8 +1324,8 @@ out:
                                 status = 1;
                 }
         }
-        if (b.samples)
-                munmap(b.samples, b.samples_bytes);
+        if (b.shared)
+                munmap(b.shared, b.shared_bytes);
         for (uint32_t r = 0; b.ranks && r < b.R; r++) {
                 shm_free(&b.ranks[r].in);
                 shm_free(&b.ranks[r].y);

@@ -273,6 +273,11 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
                                                                 : EPD_PROTOCOL_VERSION;
         hello.client_name = (char *)(args && args->client_name ? args->client_name : "");
         hello.capabilities = EPD__V1__CAPABILITY__CAP_HOST_REGIONS;
+#ifdef EPD_HAVE_CUDA
+        /* Announcing the capability touches no CUDA state: libepd initialises CUDA only when a
+         * device function is called, so a process may connect and then fork. */
+        hello.capabilities |= EPD__V1__CAPABILITY__CAP_CUDA_REGIONS;
+#endif
         req.body_case = EPD__V1__REQUEST__BODY_HELLO;
         req.hello = &hello;
         rc = epd__client_call(c, &req, NULL, 0, &resp, NULL);
@@ -290,6 +295,7 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
         c->info.protocol_version = w->protocol_version;
         c->info.daemon_epoch = w->daemon_epoch;
         c->info.client_id = w->client_id;
+        c->daemon_caps = w->capabilities;
         snprintf(c->info.backend, sizeof(c->info.backend), "%s", w->backend ? w->backend : "");
         snprintf(c->info.version, sizeof(c->info.version), "%s", w->version ? w->version : "");
         if (w->limits) {
@@ -380,36 +386,66 @@ void *epd__client_region_ptr(struct epd_client *c, uint64_t id, uint64_t offset)
         return p;
 }
 
-int epd_region_register_fd(struct epd_client *client, enum epd_region_kind kind, int fd,
-                           uint64_t bytes, uint32_t device, void *local_ptr, uint64_t *region_id)
+int epd__client_region_register(struct epd_client *c, enum epd_region_kind kind, int fd,
+                                const void *ipc_handle, size_t ipc_len, uint64_t bytes,
+                                uint64_t offset, uint32_t device, void *local_ptr,
+                                uint64_t *region_id)
 {
         Epd__V1__Request req = EPD__V1__REQUEST__INIT;
         Epd__V1__RegionRegister rr = EPD__V1__REGION_REGISTER__INIT;
         Epd__V1__Response *resp;
         int rc;
 
-        if (!client || fd < 0 || !region_id)
-                return EPD_INVALID_ARGUMENT;
         rr.kind = (Epd__V1__RegionKind)kind;
         rr.size = bytes;
         rr.device = device;
+        rr.offset = offset;
+        if (ipc_handle) {
+                rr.ipc_handle.data = (uint8_t *)ipc_handle;
+                rr.ipc_handle.len = ipc_len;
+        }
         req.body_case = EPD__V1__REQUEST__BODY_REGION_REGISTER;
         req.region_register = &rr;
-        rc = epd__client_call(client, &req, &fd, 1, &resp, NULL);
+        rc = epd__client_call(c, &req, fd >= 0 ? &fd : NULL, fd >= 0 ? 1 : 0, &resp, NULL);
         if (rc < 0)
                 return rc;
         uint64_t id = resp->region_registered ? resp->region_registered->region_id : 0;
         epd__v1__response__free_unpacked(resp, NULL);
         if (!id)
-                return epd__client_fail(client, EPD_INTERNAL, "daemon returned no region id");
-        pthread_mutex_lock(&client->lock);
-        rc = epd__client_region_add(client, id, local_ptr, bytes, 0);
-        pthread_mutex_unlock(&client->lock);
+                return epd__client_fail(c, EPD_INTERNAL, "daemon returned no region id");
+        pthread_mutex_lock(&c->lock);
+        rc = epd__client_region_add(c, id, local_ptr, bytes, 0);
+        pthread_mutex_unlock(&c->lock);
         if (rc < 0)
                 return rc;
         *region_id = id;
         return 0;
 }
+
+int epd_region_register_fd(struct epd_client *client, enum epd_region_kind kind, int fd,
+                           uint64_t bytes, uint32_t device, void *local_ptr, uint64_t *region_id)
+{
+        if (!client || fd < 0 || !region_id)
+                return EPD_INVALID_ARGUMENT;
+        return epd__client_region_register(client, kind, fd, NULL, 0, bytes, 0, device,
+                                           local_ptr, region_id);
+}
+
+#ifndef EPD_HAVE_CUDA
+/* Without CUDA support in libepd (client/cuda.c), device memory cannot be exported. */
+int epd_region_register_device(struct epd_client *client, const void *dev_ptr, size_t bytes,
+                               uint32_t device, uint64_t *region_id)
+{
+        (void)dev_ptr;
+        (void)bytes;
+        (void)device;
+        (void)region_id;
+        if (!client)
+                return EPD_UNAVAILABLE;
+        return epd__client_fail(client, EPD_UNAVAILABLE,
+                                "libepd was built without CUDA support: device memory cannot be registered");
+}
+#endif
 
 int epd_region_alloc(struct epd_client *client, size_t bytes, void **ptr_out, uint64_t *region_id)
 {
@@ -577,9 +613,17 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
         g->config.scale_block = j->config->scale_block;
         g->config.op_timeout_ms = j->config->op_timeout_ms;
         g->config.arena_bytes = j->config->arena_bytes;
-        if (j->arena_bytes && fds[0] >= 0 && j->arena_kind == EPD__V1__REGION_KIND__HOST_MEMFD) {
-                void *p = mmap(NULL, j->arena_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+        if (fds[0] >= 0 && j->doorbell_bytes >= sizeof(struct epd_doorbell)) {
+                void *p = mmap(NULL, j->doorbell_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                               fds[0], 0);
+                if (p != MAP_FAILED)
+                        g->doorbell = p;
+        }
+        if (j->arena_bytes && fds[1] >= 0 && j->arena_kind == EPD__V1__REGION_KIND__HOST_MEMFD) {
+                void *p = mmap(NULL, j->arena_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
                 if (p == MAP_FAILED) {
+                        if (g->doorbell)
+                                munmap(g->doorbell, EPD_DOORBELL_BYTES);
                         free(g);
                         rc = epd__client_fail(c, EPD_UNAVAILABLE, "cannot map the output arena: %s",
                                               strerror(errno));
@@ -641,6 +685,9 @@ int epd_group_leave(struct epd_group *group)
         pthread_mutex_unlock(&c->lock);
         if (group->arena)
                 munmap(group->arena, group->arena_bytes);
+        epd__group_stream_fini(group);
+        if (group->doorbell)
+                munmap(group->doorbell, EPD_DOORBELL_BYTES);
         free(group);
         return rc;
 }

@@ -8,6 +8,7 @@
 
 #include "epd.h"
 #include "epd.pb-c.h"
+#include "doorbell.h"
 #include "frame.h"
 
 struct epd__stashed {
@@ -19,9 +20,14 @@ struct epd__stashed {
 
 struct epd__local_region {
         uint64_t id;
-        uint8_t *ptr;                 /* local mapping, or NULL when unknown */
+        uint8_t *ptr;                 /* local mapping (or device address), NULL when unknown */
         uint64_t bytes;
         int owned;                    /* mapping made by libepd: unmap on release */
+        /* GPU memory registered by epd_region_register_device: ptr and bytes are the whole
+         * CUDA allocation, the registration cache's key. */
+        int device_mem;
+        uint32_t device;              /* the daemon's device index */
+        uint64_t buffer_id;           /* CUDA's process-unique allocation id; 0 unknown */
 };
 
 struct epd_client {
@@ -32,6 +38,7 @@ struct epd_client {
         int broken;                   /* the connection failed; every call fails */
         char last_error[512];
         struct epd_daemon_info info;
+        uint64_t daemon_caps;         /* Welcome.capabilities */
         uint8_t *rbuf;
         size_t rbuf_len;
         uint32_t max_frame;
@@ -49,6 +56,10 @@ struct epd_group {
         uint8_t *arena;
         uint64_t arena_bytes;
         uint64_t arena_region_id;
+        struct epd_doorbell *doorbell; /* mapped doorbell page (common/doorbell.h) */
+        void *doorbell_dev;           /* its device address once registered with CUDA */
+        uint64_t submitted;           /* ops this rank submitted since it was bound */
+        uint64_t inputs_marked;       /* inputs_ready values handed out */
 };
 
 /* Records a failure on the client and returns status. */
@@ -69,7 +80,18 @@ int epd__client_call(struct epd_client *c, Epd__V1__Request *req, const int *fds
 /* Adds an entry to the local region table (lock held). */
 int epd__client_region_add(struct epd_client *c, uint64_t id, void *ptr, uint64_t bytes,
                            int owned);
+/* Sends RegionRegister (fd: -1 for none; ipc_handle: NULL for none) and adds the region to the
+ * local table with local_ptr/bytes. On success *region_id is the daemon's id. Lock not held. */
+int epd__client_region_register(struct epd_client *c, enum epd_region_kind kind, int fd,
+                                const void *ipc_handle, size_t ipc_len, uint64_t bytes,
+                                uint64_t offset, uint32_t device, void *local_ptr,
+                                uint64_t *region_id);
 /* Local address of region `id` + offset, or NULL. */
 void *epd__client_region_ptr(struct epd_client *c, uint64_t id, uint64_t offset);
+
+/* Releases what the stream-ordering functions set up for a group (CUDA registration of its
+ * doorbell page); a no-op without CUDA. */
+void epd__group_stream_fini(struct epd_group *group);
+struct epd_group *epd__op_group(const struct epd_op *op);
 
 #endif

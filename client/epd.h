@@ -145,7 +145,38 @@ int epd_region_alloc(struct epd_client *client, size_t bytes, void **ptr_out,
                      uint64_t *region_id);
 int epd_region_release(struct epd_client *client, uint64_t region_id);
 
-/* Describes a contiguous tensor at local pointer ptr inside a region registered with local_ptr.
+/* `device` of epd_region_register_device: the daemon device whose GPU holds the memory. */
+#define EPD_DEVICE_AUTO UINT32_MAX
+
+/* Registers GPU memory of this process with the daemon (cuda backend; Welcome announces
+ * CAP_CUDA_REGIONS) and returns the region that holds [dev_ptr, dev_ptr + bytes).
+ *
+ * The whole CUDA allocation containing dev_ptr is shared, so the region starts at the
+ * allocation's base, not at dev_ptr: build tensors with epd_tensor_at(client, any device pointer
+ * inside it, ...), which resolves device pointers like host ones. Supported allocations:
+ * - cuMemCreate with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR among requestedHandleTypes, mapped
+ *   with cuMemMap: exported as a POSIX fd (EPD_REGION_CUMEM_FD);
+ * - cudaMalloc / cuMemAlloc: exported as a CUDA IPC handle (EPD_REGION_CUDA_IPC).
+ * Managed memory, host memory and stream-ordered pool memory (cudaMallocAsync) are refused
+ * with EPD_INVALID_ARGUMENT.
+ *
+ * Registration cache: registering a pointer inside an allocation this client already
+ * registered returns the same region id without a request. An entry whose allocation was
+ * freed and replaced by another at the same address (CUDA's buffer id differs) is released and
+ * the new allocation registered.
+ *
+ * device is the daemon's device index (epd_client_daemon_info), checked against the GPU that
+ * holds the memory by UUID when the daemon listed it; EPD_DEVICE_AUTO picks it by UUID.
+ * Ownership: the memory stays the caller's and must stay allocated until the region is released
+ * (epd_region_release, or epd_client_free). CUDA is initialised by this call, never by
+ * epd_client_connect. The calling thread's current CUDA context is preserved.
+ * Returns EPD_UNAVAILABLE when libepd was built without CUDA or the daemon cannot import GPU
+ * memory. */
+int epd_region_register_device(struct epd_client *client, const void *dev_ptr, size_t bytes,
+                               uint32_t device, uint64_t *region_id);
+
+/* Describes a contiguous tensor at local pointer ptr inside a region registered with local_ptr
+ * (or a device pointer inside a region from epd_region_register_device).
  * ndim <= EPD_TENSOR_MAX_DIMS. */
 int epd_tensor_at(struct epd_client *client, const void *ptr, enum epd_dtype dtype, uint32_t ndim,
                   const uint64_t *sizes, struct epd_tensor *out);
@@ -224,6 +255,9 @@ struct epd_dispatch_args {
         struct epd_tensor recv_weights;    /* NON_EXPAND [rows, K_op]; EXPAND [rows] */
         struct epd_tensor recv_src;
         struct epd_tensor recv_topk_slot;  /* EXPAND */
+        /* Stream ordering: non-zero makes the daemon wait until this rank's inputs_ready
+         * doorbell reaches it (epd_group_mark_inputs_ready) before reading the inputs. */
+        uint64_t wait_inputs;
 };
 
 /* What a completed dispatch returns (SEMANTICS.md 2.3). The arrays are owned by the op and valid
@@ -256,6 +290,7 @@ struct epd_combine_args {
         struct epd_tensor bias[2];      /* [N_s, H] bf16 */
         struct epd_tensor combined;     /* [N_s, H] bf16 */
         struct epd_tensor combined_topk_weights; /* [N_s, K_op] fp32, optional */
+        uint64_t wait_inputs;           /* as in struct epd_dispatch_args */
 };
 
 struct epd_combine_result {
@@ -286,6 +321,29 @@ int epd_dispatch(struct epd_group *group, const struct epd_dispatch_args *args,
                  struct epd_op **out);
 int epd_combine(struct epd_group *group, const struct epd_combine_args *args,
                 struct epd_combine_result *out);
+
+/* ---- stream ordering without host round trips (common/doorbell.h) ----
+ *
+ * Each rank binding has a doorbell page shared with the daemon. `completed` counts this rank's
+ * finished ops; op n of the rank (its n-th submission since it was bound) is finished when
+ * completed >= epd_op_sequence(op), whatever its status: read the status with epd_op_wait.
+ * `inputs_ready` is written by the client when the inputs of a request are ready; a request
+ * submitted with wait_inputs = v makes the daemon wait for inputs_ready >= v (bounded by the
+ * group's op timeout) before reading them. */
+
+/* The doorbell value that marks this op finished. */
+uint64_t epd_op_sequence(const struct epd_op *op);
+/* Host-side access to the words (for clients without CUDA, and for tests). */
+int epd_group_doorbell(const struct epd_group *group, const volatile uint64_t **completed,
+                       volatile uint64_t **inputs_ready);
+/* Marks the inputs of the next request ready from the host (release store); *seq is the value
+ * to pass as wait_inputs. */
+int epd_group_mark_inputs_ready_host(struct epd_group *group, uint64_t *seq);
+/* CUDA (EPD_UNAVAILABLE when libepd was built without it): make `stream` (a cudaStream_t) wait
+ * until the op has finished, or write the inputs_ready doorbell on `stream` once the work queued
+ * before it is done. Neither involves the host; both can be captured in CUDA graphs. */
+int epd_op_stream_wait(struct epd_op *op, void *stream);
+int epd_group_mark_inputs_ready(struct epd_group *group, void *stream, uint64_t *seq);
 
 /* Releases this rank's share of a handle (local bookkeeping, not collective). */
 int epd_handle_release(struct epd_group *group, uint64_t handle_id);

@@ -13,6 +13,7 @@ struct epd_op {
         struct epd_group *group;
         uint64_t request_id;
         int kind;                     /* 1 dispatch, 2 combine */
+        uint64_t seq;                 /* doorbell value of its completion */
         int done;
         int status;
         char message[512];
@@ -38,6 +39,8 @@ static int op_send(struct epd_op *op, Epd__V1__Request *req, struct epd_op **out
 
         pthread_mutex_lock(&c->lock);
         rc = epd__client_send_locked(c, req, NULL, 0);
+        if (rc == 0)
+                op->seq = ++op->group->submitted;
         pthread_mutex_unlock(&c->lock);
         if (rc < 0) {
                 free(op);
@@ -77,6 +80,7 @@ int epd_dispatch_submit(struct epd_group *group, const struct epd_dispatch_args 
         m.expert_alignment = args->expert_alignment;
         m.zero_padding = args->zero_padding != 0;
         m.use_arena = args->use_arena != 0;
+        m.wait_inputs = args->wait_inputs;
         TENSOR_FIELD(x)
         TENSOR_FIELD(scales)
         TENSOR_FIELD(topk_idx)
@@ -116,6 +120,7 @@ int epd_combine_submit(struct epd_group *group, const struct epd_combine_args *a
         m.rank = group->rank;
         m.handle_id = args->handle_id;
         m.apply_weights = args->apply_weights != 0;
+        m.wait_inputs = args->wait_inputs;
         TENSOR_FIELD(y)
         TENSOR_FIELD(combined)
         TENSOR_FIELD(combined_topk_weights)
@@ -308,3 +313,65 @@ int epd_handle_release(struct epd_group *group, uint64_t handle_id)
                 epd__v1__response__free_unpacked(resp, NULL);
         return rc;
 }
+
+struct epd_group *epd__op_group(const struct epd_op *op)
+{
+        return op->group;
+}
+
+uint64_t epd_op_sequence(const struct epd_op *op)
+{
+        return op ? op->seq : 0;
+}
+
+int epd_group_doorbell(const struct epd_group *group, const volatile uint64_t **completed,
+                       volatile uint64_t **inputs_ready)
+{
+        if (!group || !group->doorbell)
+                return EPD_UNAVAILABLE;
+        if (completed)
+                *completed = &group->doorbell->completed;
+        if (inputs_ready)
+                *inputs_ready = &group->doorbell->inputs_ready;
+        return 0;
+}
+
+int epd_group_mark_inputs_ready_host(struct epd_group *group, uint64_t *seq)
+{
+        uint64_t v;
+
+        if (!group || !group->doorbell)
+                return EPD_UNAVAILABLE;
+        pthread_mutex_lock(&group->client->lock);
+        v = ++group->inputs_marked;
+        pthread_mutex_unlock(&group->client->lock);
+        /* Release: the daemon that acquires the value also sees the inputs written before. */
+        __atomic_store_n(&group->doorbell->inputs_ready, v, __ATOMIC_RELEASE);
+        if (seq)
+                *seq = v;
+        return 0;
+}
+
+#ifndef EPD_HAVE_CUDA
+int epd_op_stream_wait(struct epd_op *op, void *stream)
+{
+        (void)stream;
+        if (op)
+                epd__client_fail(op->client, EPD_UNAVAILABLE, "libepd was built without CUDA");
+        return EPD_UNAVAILABLE;
+}
+
+int epd_group_mark_inputs_ready(struct epd_group *group, void *stream, uint64_t *seq)
+{
+        (void)stream;
+        (void)seq;
+        if (group)
+                epd__client_fail(group->client, EPD_UNAVAILABLE, "libepd was built without CUDA");
+        return EPD_UNAVAILABLE;
+}
+
+void epd__group_stream_fini(struct epd_group *group)
+{
+        (void)group;
+}
+#endif

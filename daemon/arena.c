@@ -48,6 +48,9 @@ int epd_arena_alloc(struct epd_arena *a, uint64_t len, uint64_t *off)
 {
         int rc = -ENOMEM;
 
+        /* Rounding a length near UINT64_MAX up would wrap to a tiny extent. */
+        if (len > a->bytes)
+                return -ENOMEM;
         len = round_up(len ? len : 1);
         pthread_mutex_lock(&a->lock);
         for (unsigned i = 0; i < a->num_free; i++) {

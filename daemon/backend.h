@@ -47,6 +47,11 @@ struct epd_exec_rank {
         struct epd_mat y;
         uint64_t y_rows;              /* rows the client declared for y */
         struct epd_combine_src_io comb;
+        /* Stream ordering (common/doorbell.h). */
+        struct epd_doorbell *doorbell;  /* host address of the rank's doorbell */
+        void *doorbell_dev;             /* device address, cuda backend */
+        uint64_t completed_value;       /* value of `completed` once this op is done */
+        uint64_t wait_inputs;           /* 0, or wait for inputs_ready >= this first */
         /* results of a dispatch, filled by the backend */
         int32_t num_recv_tokens;
         int32_t num_expanded_rows;
@@ -75,6 +80,7 @@ struct epd_exec {
         char message[512];
         uint64_t exec_ns;
         uint64_t bytes;               /* floor bytes moved, for statistics */
+        uint64_t timeout_ns;          /* the group's op timeout, for waits on clients */
         struct epd_list link;         /* completion queue */
 };
 
@@ -99,6 +105,10 @@ struct epd_backend_ops {
                            uint64_t bytes, uint8_t **base, int *fd, enum epd_region_kind *kind,
                            char *err, size_t err_len);
         void (*arena_free)(struct epd_backend *b, uint8_t *base, uint64_t bytes);
+        /* Makes daemon host memory (a doorbell page) reachable by the backend's devices; *dev
+         * is its device address, or NULL when the backend has no devices. */
+        int (*host_register)(struct epd_backend *b, void *ptr, uint64_t bytes, void **dev);
+        void (*host_unregister)(struct epd_backend *b, void *ptr);
         /* Starts an op; returns at once. Completion: epd_exec_done(ex) from any thread. */
         void (*submit)(struct epd_backend *b, struct epd_exec *ex);
         /* Frees a handle's state. Called on the loop thread when no op uses the handle. */
@@ -120,7 +130,11 @@ struct epd_backend {
         struct epd_list done;
 };
 
-/* exec_arena.c: once every arena rank's num_recv_tokens / num_expanded_rows is set, places
+/* Waits on the host until every rank's inputs_ready has reached its wait_inputs, or until
+ * deadline_ns; on expiry releases the doorbells it waited on and returns -1. Host backend. */
+int epd_exec_wait_inputs_host(struct epd_exec *ex, uint64_t deadline_ns);
+
+/* exec_common.c: once every arena rank's num_recv_tokens / num_expanded_rows is set, places
  * the outputs of ranks without a placement and points every arena rank's outputs at it.
  * Returns 0, or -1 with ex->status CAPACITY_EXCEEDED (new placements released). */
 int epd_exec_place_arenas(struct epd_exec *ex);

@@ -19,6 +19,8 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <errno.h>
+#include <stddef.h>
+#include <time.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -277,6 +279,72 @@ static int verdict(struct epd_exec *ex, const struct epd_ws_layout *l, uint8_t *
         return -1;
 }
 
+/* Queues, on `stream`, the waits for every rank's inputs that the op was told to wait for. */
+static void queue_input_waits(const struct epd_exec *ex, cudaStream_t stream)
+{
+        for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
+                const struct epd_exec_rank *er = &ex->ranks[r];
+                if (!er->wait_inputs || !er->doorbell_dev)
+                        continue;
+                cuStreamWaitValue64((CUstream)stream,
+                                    (CUdeviceptr)(uintptr_t)er->doorbell_dev +
+                                            offsetof(struct epd_doorbell, inputs_ready),
+                                    er->wait_inputs, CU_STREAM_WAIT_VALUE_GEQ);
+        }
+}
+
+/* Queues the completion doorbell of every rank after the op's last kernel on `stream`. */
+static void queue_completions(const struct epd_exec *ex, cudaStream_t stream)
+{
+        for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
+                const struct epd_exec_rank *er = &ex->ranks[r];
+                if (!er->doorbell_dev)
+                        continue;
+                cuStreamWriteValue64((CUstream)stream,
+                                     (CUdeviceptr)(uintptr_t)er->doorbell_dev +
+                                             offsetof(struct epd_doorbell, completed),
+                                     er->completed_value, 0);
+        }
+}
+
+/* Waits for a stream with a bound: past the op timeout, the input doorbells the op waits on are
+ * released from the host (their clients did not mark their inputs ready), the stream drains,
+ * and the op fails with TIMEOUT. */
+static cudaError_t sync_stream(struct epd_exec *ex, int dev, cudaStream_t stream,
+                               uint64_t deadline_ns)
+{
+        int released = 0;
+
+        cudaSetDevice(dev);
+        for (unsigned spin = 0;; spin++) {
+                cudaError_t ce = cudaStreamQuery(stream);
+                if (ce != cudaErrorNotReady)
+                        return ce;
+                if (!released && epd__now_ns() > deadline_ns) {
+                        for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
+                                struct epd_exec_rank *er = &ex->ranks[r];
+                                if (er->wait_inputs && er->doorbell &&
+                                    er->doorbell->inputs_ready < er->wait_inputs) {
+                                        __atomic_store_n(&er->doorbell->inputs_ready,
+                                                         EPD_DOORBELL_RELEASED, __ATOMIC_RELEASE);
+                                        if (ex->status == 0) {
+                                                ex->status = EPD_TIMEOUT;
+                                                snprintf(ex->message, sizeof(ex->message),
+                                                         "rank %u's inputs were not marked ready within the op timeout",
+                                                         r);
+                                        }
+                                }
+                        }
+                        released = 1;
+                }
+                /* Spin briefly (ops are often short), then yield the core. */
+                if (spin > 2000) {
+                        struct timespec ts = { 0, 5000 };
+                        nanosleep(&ts, NULL);
+                }
+        }
+}
+
 static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
 {
         uint32_t R = ex->cfg.world_size;
@@ -321,6 +389,13 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         if (upload_dispatch(cb, ex, ch->ws, args) < 0)
                 goto cuda_error;
 
+        uint64_t deadline = epd__now_ns() + ex->timeout_ns;
+        for (int d = 0; d < cb->num_devices; d++) {
+                if (!used[d])
+                        continue;
+                cudaSetDevice(d);
+                queue_input_waits(ex, cb->dev[d].stream);
+        }
         /* count on every device, prefix on W (or recheck for a cached dispatch) */
         int rc = 0;
         if (!fresh) {
@@ -350,8 +425,10 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                         cb->dev[W].stream);
         if (arena) {
                 /* The arena needs exact sizes: wait for the counts, place, re-upload. */
-                if (cudaStreamSynchronize(cb->dev[W].stream) != cudaSuccess)
+                if (sync_stream(ex, W, cb->dev[W].stream, deadline) != cudaSuccess)
                         goto cuda_error;
+                if (ex->status < 0)
+                        goto fail;
                 if (verdict(ex, &ch->layout, cb->h_reply) < 0)
                         goto fail;
                 fetch_reply(cb, ex, &ch->layout);
@@ -377,14 +454,26 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         }
         if (rc < 0)
                 goto cuda_error;
+        /* Every device's copy done, then the completion doorbells on W's stream. */
+        for (int d = 0; d < cb->num_devices; d++) {
+                if (!used[d] || d == W)
+                        continue;
+                cudaSetDevice(d);
+                cudaEventRecord(cb->dev[d].done, cb->dev[d].stream);
+                cudaSetDevice(W);
+                cudaStreamWaitEvent(cb->dev[W].stream, cb->dev[d].done, 0);
+        }
+        cudaSetDevice(W);
+        queue_completions(ex, cb->dev[W].stream);
         for (int d = 0; d < cb->num_devices; d++) {
                 if (!used[d])
                         continue;
-                cudaSetDevice(d);
-                ce = cudaStreamSynchronize(cb->dev[d].stream);
+                ce = sync_stream(ex, d, cb->dev[d].stream, deadline);
                 if (ce != cudaSuccess)
                         goto cuda_error;
         }
+        if (ex->status < 0)
+                goto fail;
         if (verdict(ex, &ch->layout, cb->h_reply) < 0)
                 goto fail;
         fetch_reply(cb, ex, &ch->layout);
@@ -423,6 +512,9 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
         size_t bytes = ranks_bytes + sizeof(struct epd_k_local) * (R + 1);
         int used[MAX_DEVICES];
         int rc = 0;
+
+        uint64_t deadline = epd__now_ns() + ex->timeout_ns;
+        int W = (int)ex->ranks[0].device;
 
         devices_of(ex, used);
         for (int d = 0; d < cb->num_devices && rc == 0; d++) {
@@ -464,15 +556,28 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                 a.workspace = ch->ws;
                 a.ranks = dv->d_desc;
                 a.local = (const struct epd_k_local *)((uint8_t *)dv->d_desc + ranks_bytes);
+                queue_input_waits(ex, dv->stream);
                 rc = epd_k_combine(&a, dv->stream);
         }
+        for (int d = 0; d < cb->num_devices && rc == 0; d++) {
+                if (!used[d] || d == W)
+                        continue;
+                cudaSetDevice(d);
+                cudaEventRecord(cb->dev[d].done, cb->dev[d].stream);
+                cudaSetDevice(W);
+                cudaStreamWaitEvent(cb->dev[W].stream, cb->dev[d].done, 0);
+        }
+        cudaSetDevice(W);
+        if (rc == 0)
+                queue_completions(ex, cb->dev[W].stream);
         for (int d = 0; d < cb->num_devices; d++) {
                 if (!used[d])
                         continue;
-                cudaSetDevice(d);
-                if (cudaStreamSynchronize(cb->dev[d].stream) != cudaSuccess)
+                if (sync_stream(ex, d, cb->dev[d].stream, deadline) != cudaSuccess)
                         rc = EPD_UNAVAILABLE;
         }
+        if (ex->status < 0)
+                return -1;
         if (rc < 0) {
                 ex->status = rc;
                 snprintf(ex->message, sizeof(ex->message), "CUDA error in combine: %s",
@@ -832,6 +937,28 @@ static void cuda_arena_free(struct epd_backend *b, uint8_t *base, uint64_t bytes
         munmap(base, bytes);
 }
 
+static int cuda_host_register(struct epd_backend *b, void *ptr, uint64_t bytes, void **dev)
+{
+        cudaError_t ce;
+
+        (void)b;
+        ce = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+        if (ce == cudaSuccess)
+                ce = cudaHostGetDevicePointer(dev, ptr, 0);
+        if (ce != cudaSuccess) {
+                log_warning("cannot register a doorbell page: %s", cudaGetErrorString(ce));
+                cudaGetLastError();
+                return EPD_UNAVAILABLE;
+        }
+        return 0;
+}
+
+static void cuda_host_unregister(struct epd_backend *b, void *ptr)
+{
+        (void)b;
+        cudaHostUnregister(ptr);
+}
+
 static void cuda_submit(struct epd_backend *b, struct epd_exec *ex)
 {
         struct cuda_backend *cb = b->priv;
@@ -880,6 +1007,8 @@ const struct epd_backend_ops epd_backend_cuda_ops = {
         .region_release = cuda_region_release,
         .arena_alloc = cuda_arena_alloc,
         .arena_free = cuda_arena_free,
+        .host_register = cuda_host_register,
+        .host_unregister = cuda_host_unregister,
         .submit = cuda_submit,
         .handle_free = cuda_handle_free,
         .check_alive = cuda_check_alive,

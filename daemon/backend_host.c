@@ -381,7 +381,9 @@ static void *executor_main(void *arg)
                 atomic_store(&hb->busy, 1);
                 ex->status = 0;
                 ex->message[0] = '\0';
-                if (ex->kind == EPD_OP_DISPATCH)
+                if (epd_exec_wait_inputs_host(ex, t0 + ex->timeout_ns) < 0)
+                        ; /* TIMEOUT set; nothing was read */
+                else if (ex->kind == EPD_OP_DISPATCH)
                         run_dispatch(hb, ex);
                 else
                         run_combine(hb, ex);
@@ -523,6 +525,21 @@ static void host_arena_free(struct epd_backend *b, uint8_t *base, uint64_t bytes
         munmap(base, bytes);
 }
 
+static int host_host_register(struct epd_backend *b, void *ptr, uint64_t bytes, void **dev)
+{
+        (void)b;
+        (void)ptr;
+        (void)bytes;
+        *dev = NULL;
+        return 0;
+}
+
+static void host_host_unregister(struct epd_backend *b, void *ptr)
+{
+        (void)b;
+        (void)ptr;
+}
+
 static void host_submit(struct epd_backend *b, struct epd_exec *ex)
 {
         struct host_backend *hb = b->priv;
@@ -560,6 +577,8 @@ const struct epd_backend_ops epd_backend_host_ops = {
         .region_release = host_region_release,
         .arena_alloc = host_arena_alloc,
         .arena_free = host_arena_free,
+        .host_register = host_host_register,
+        .host_unregister = host_host_unregister,
         .submit = host_submit,
         .handle_free = host_handle_free_op,
         .check_alive = host_check_alive,

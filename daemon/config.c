@@ -1,4 +1,5 @@
 /* config.c - defaults, INI parsing with inih, and hot reload of the daemon configuration. */
+#include <ctype.h>
 #include <errno.h>
 #include <ini.h>
 #include <stdio.h>
@@ -33,15 +34,21 @@ void epd_config_defaults(struct epd_config *cfg)
         cfg->host_threads = 0;
 }
 
+/* Decimal, or hexadecimal with 0x. Not octal: a leading zero is a decimal digit here, so that
+ * "0100" in allow_uids means uid 100, not 64. Signs and leading spaces are refused (strtoull
+ * would silently negate "-1" into a huge value). */
 static int parse_u64(const char *value, uint64_t max, uint64_t *out)
 {
         char *end;
         unsigned long long v;
         uint64_t mult = 1;
+        int hex = value[0] == '0' && (value[1] == 'x' || value[1] == 'X');
 
+        if (!isdigit((unsigned char)value[0]) || (hex && !isxdigit((unsigned char)value[2])))
+                return -EINVAL;
         errno = 0;
-        v = strtoull(value, &end, 0);
-        if (errno || end == value || value[0] == '-')
+        v = strtoull(value, &end, hex ? 16 : 10);
+        if (errno || end == value)
                 return -EINVAL;
         /* Sizes may carry a binary suffix: K, M, G, T. */
         if (*end) {
@@ -61,18 +68,25 @@ static int parse_u64(const char *value, uint64_t max, uint64_t *out)
         return 0;
 }
 
+/* ids and count are written only on success: a bad list leaves the previous one in place. */
 static int parse_id_list(const char *value, uint32_t *ids, unsigned *count)
 {
         char buf[512], *save = NULL, *tok;
+        uint32_t parsed[EPD_MAX_ALLOW];
+        unsigned n = 0;
 
+        /* A list cut short by the buffer could end in a truncated, different id. */
+        if (strlen(value) >= sizeof(buf))
+                return -EINVAL;
         snprintf(buf, sizeof(buf), "%s", value);
-        *count = 0;
         for (tok = strtok_r(buf, ", ", &save); tok; tok = strtok_r(NULL, ", ", &save)) {
                 uint64_t v;
-                if (*count >= EPD_MAX_ALLOW || parse_u64(tok, UINT32_MAX, &v) < 0)
+                if (n >= EPD_MAX_ALLOW || parse_u64(tok, UINT32_MAX, &v) < 0)
                         return -EINVAL;
-                ids[(*count)++] = (uint32_t)v;
+                parsed[n++] = (uint32_t)v;
         }
+        memcpy(ids, parsed, n * sizeof(*ids));
+        *count = n;
         return 0;
 }
 
@@ -186,8 +200,9 @@ int epd_config_load(struct epd_config *cfg, const char *path, char *err, size_t 
         int line;
 
         if (!f) {
-                snprintf(err, err_len, "cannot open %s: %s", path, strerror(errno));
-                return -errno;
+                int rc = -errno;
+                snprintf(err, err_len, "cannot open %s: %s", path, strerror(-rc));
+                return rc;
         }
         line = ini_parse_file(f, config_ini_handler, &ctx);
         fclose(f);

@@ -19,15 +19,16 @@ struct epd_config {
         char backend[16];             /* auto | host | cuda */
         int log_level;                /* hot */
         char metrics_listen[64];      /* ADDR:PORT, empty: off */
-        char admin_group[64];         /* may use admin verbs besides root; empty: root only */
-        uint32_t allow_uids[EPD_MAX_ALLOW]; /* empty lists: anyone who can open the socket */
+        char admin_group[64];         /* hot; may use admin verbs besides root; empty: root only */
+        uint32_t allow_uids[EPD_MAX_ALLOW]; /* hot; empty lists: anyone who can open the socket */
         unsigned num_allow_uids;
         uint32_t allow_gids[EPD_MAX_ALLOW];
         unsigned num_allow_gids;
         uint32_t op_timeout_ms;       /* hot; default group op timeout */
-        uint32_t peer_lost_ms;        /* bound on reporting PEER_LOST after a disconnect */
+        uint32_t peer_lost_ms;        /* hot; bound on reporting PEER_LOST after a disconnect */
         uint64_t arena_bytes;         /* default per-rank output arena */
-        /* [limits], all hot (apply to new requests) */
+        /* [limits], hot (apply to new requests) except max_frame_bytes and max_fds_per_frame:
+         * those size the receive buffer at start and are announced to clients at hello. */
         uint32_t max_clients;
         uint32_t max_groups;
         uint32_t max_regions_per_client;

@@ -11,6 +11,7 @@
 #include <uv.h>
 
 #include "config.h"
+#include "doorbell.h"
 #include "epd.h"
 #include "epd.pb-c.h"
 #include "list.h"
@@ -133,6 +134,10 @@ struct epd_rank {
         uint64_t next_op;
         struct epd_arena *arena;      /* daemon-owned output arena, exported to the client */
         uint64_t arena_region_id;     /* the arena in the bound client's region table */
+        struct epd_doorbell *doorbell; /* this binding's doorbell page (common/doorbell.h) */
+        int doorbell_fd;
+        void *doorbell_dev;           /* its device address (cuda backend), else NULL */
+        uint64_t completed;           /* ops of this binding finished, as in the doorbell */
         int arena_host;               /* the arena is host memory */
         struct epd_rank_stats stats;
 };
@@ -234,6 +239,7 @@ struct epd_group {
         uint64_t next_handle_id;
         uint64_t epoch;               /* bumped when the group breaks: old handles die */
         int free_pending;             /* destroy once the executing op completes */
+        struct epd_list retired_doorbells; /* pages of past bindings an executing op may use */
         struct epd_group_stats stats;
 };
 
@@ -269,6 +275,10 @@ int epd_region_resolve(struct epd_conn *c, const struct epd_tensor *tensor, uint
                        uint64_t *row_stride, char *err, size_t err_len);
 
 /* group.c */
+/* Counts one finished op of `rank` (any status) and publishes it in the rank's doorbell. */
+void epd_group_rank_op_finished(struct epd_group *g, uint32_t rank);
+/* Frees doorbell pages of past bindings (no op executing). */
+void epd_group_free_retired(struct epd_group *g);
 struct epd_group *epd_group_find(struct epd_daemon *d, uint64_t id);
 struct epd_group *epd_group_find_name(struct epd_daemon *d, const char *name);
 int epd_group_cfg_from_wire(const struct epd_daemon *d, const Epd__V1__GroupConfig *wire,

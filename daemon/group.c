@@ -6,6 +6,9 @@
 #include <string.h>
 
 #include "arena.h"
+#include "memfd.h"
+#include <sys/mman.h>
+#include <unistd.h>
 #include "backend.h"
 #include "daemon.h"
 #include "log.h"
@@ -177,6 +180,9 @@ int epd_group_new(struct epd_daemon *d, const char *name, const void *secret, si
         g->next_handle_id = 1;
         epd_list_init(&g->ops);
         epd_list_init(&g->handles);
+        epd_list_init(&g->retired_doorbells);
+        for (uint32_t r = 0; r < cfg->world_size; r++)
+                g->ranks[r].doorbell_fd = -1;
         epd_list_add_tail(&d->groups, &g->link);
         d->num_groups++;
         log_info("group created group=%s id=%llu ranks=%u experts=%u hidden=%u tokens=%u topk=%u",
@@ -221,6 +227,95 @@ static void rank_arena_destroy(struct epd_group *g, struct epd_rank *r)
         r->arena = NULL;
 }
 
+struct retired_doorbell {
+        struct epd_list link;
+        struct epd_doorbell *page;
+        int fd;
+};
+
+static void doorbell_free(struct epd_group *g, struct epd_doorbell *page, int fd)
+{
+        struct epd_backend *b = g->daemon->backend;
+
+        if (!page)
+                return;
+        b->ops->host_unregister(b, page);
+        munmap(page, EPD_DOORBELL_BYTES);
+        if (fd >= 0)
+                close(fd);
+}
+
+void epd_group_free_retired(struct epd_group *g)
+{
+        struct epd_list *pos, *tmp;
+
+        epd_list_for_each_safe(pos, tmp, &g->retired_doorbells)
+        {
+                struct retired_doorbell *rd = epd_list_entry(pos, struct retired_doorbell, link);
+                epd_list_del(&rd->link);
+                doorbell_free(g, rd->page, rd->fd);
+                free(rd);
+        }
+}
+
+/* Retires a binding's doorbell page: freed now, or once the executing op (which may still
+ * have stream operations queued on it) completes. */
+static void rank_doorbell_retire(struct epd_group *g, struct epd_rank *r)
+{
+        struct retired_doorbell *rd;
+
+        if (!r->doorbell)
+                return;
+        /* Release the daemon's own streams that may wait for this client's inputs. */
+        __atomic_store_n(&r->doorbell->inputs_ready, EPD_DOORBELL_RELEASED, __ATOMIC_RELEASE);
+        rd = g->executing ? calloc(1, sizeof(*rd)) : NULL;
+        if (rd) {
+                rd->page = r->doorbell;
+                rd->fd = r->doorbell_fd;
+                epd_list_add_tail(&g->retired_doorbells, &rd->link);
+        } else {
+                doorbell_free(g, r->doorbell, r->doorbell_fd);
+        }
+        r->doorbell = NULL;
+        r->doorbell_dev = NULL;
+        r->doorbell_fd = -1;
+}
+
+static int rank_doorbell_create(struct epd_group *g, struct epd_rank *r, char *err,
+                                size_t err_len)
+{
+        struct epd_backend *b = g->daemon->backend;
+        uint8_t *page;
+        int fd, rc;
+
+        rc = epd__memfd_arena(EPD_DOORBELL_BYTES, &page, &fd, err, err_len);
+        if (rc < 0)
+                return rc;
+        memset(page, 0, EPD_DOORBELL_BYTES);
+        rc = b->ops->host_register(b, page, EPD_DOORBELL_BYTES, &r->doorbell_dev);
+        if (rc < 0) {
+                munmap(page, EPD_DOORBELL_BYTES);
+                close(fd);
+                snprintf(err, err_len, "cannot register the doorbell page with the backend");
+                return rc;
+        }
+        r->doorbell = (struct epd_doorbell *)page;
+        r->doorbell_fd = fd;
+        r->completed = 0;
+        return 0;
+}
+
+void epd_group_rank_op_finished(struct epd_group *g, uint32_t rank)
+{
+        struct epd_rank *r = &g->ranks[rank];
+
+        r->completed++;
+        /* Release: a client that sees the count also sees the op's outputs (the backend's
+         * work is complete before the loop thread learns of it). */
+        if (r->doorbell)
+                __atomic_store_n(&r->doorbell->completed, r->completed, __ATOMIC_RELEASE);
+}
+
 int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint32_t device,
                    char *err, size_t err_len)
 {
@@ -251,6 +346,9 @@ int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint3
         r->device = device;
         r->arena_host = !c->cuda_capable;
         rc = rank_arena_create(g, r, r->arena_host, err, err_len);
+        if (rc < 0)
+                return rc;
+        rc = rank_doorbell_create(g, r, err, err_len);
         if (rc < 0)
                 return rc;
         b = calloc(1, sizeof(*b));
@@ -373,6 +471,7 @@ void epd_group_unbind(struct epd_group *g, uint32_t rank, int lost)
                         epd_region_detach(r->conn, ar);
                 r->arena_region_id = 0;
         }
+        rank_doorbell_retire(g, r);
         epd_list_del(&r->binding->conn_link);
         free(r->binding);
         r->binding = NULL;
@@ -418,8 +517,11 @@ void epd_group_maybe_free(struct epd_group *g)
         epd_list_for_each_safe(pos, tmp, &g->handles)
                 epd_group_handle_free(g, epd_list_entry(pos, struct epd_handle, link));
         epd_op_destroy_all(g);
-        for (uint32_t r = 0; r < g->cfg.world_size; r++)
+        for (uint32_t r = 0; r < g->cfg.world_size; r++) {
                 rank_arena_destroy(g, &g->ranks[r]);
+                rank_doorbell_retire(g, &g->ranks[r]);
+        }
+        epd_group_free_retired(g);
         log_info("group destroyed group=%s id=%llu", g->name, (unsigned long long)g->id);
         epd_list_del(&g->link);
         d->num_groups--;

@@ -124,23 +124,27 @@ static void reply_joined(struct epd_conn *c, uint64_t request_id, struct epd_gro
         Epd__V1__GroupJoined j = EPD__V1__GROUP_JOINED__INIT;
         Epd__V1__GroupConfig cfg;
         struct epd_rank *r = &g->ranks[rank];
-        int fd = -1;
+        int fds[2];
+        unsigned num_fds = 0;
 
         epd_group_cfg_to_wire(&g->cfg, &cfg);
         j.group_id = g->id;
         j.config = &cfg;
         j.rank = rank;
         j.device = r->device;
+        /* The doorbell page first, then the arena (proto/epd.proto, GroupJoined). */
+        j.doorbell_bytes = EPD_DOORBELL_BYTES;
+        fds[num_fds++] = r->doorbell_fd;
         if (r->arena) {
                 j.arena_bytes = r->arena->bytes;
                 j.arena_kind = (Epd__V1__RegionKind)r->arena->kind;
                 j.arena_region_id = r->arena_region_id;
-                fd = r->arena->fd;
+                fds[num_fds++] = r->arena->fd;
         }
         resp.id = request_id;
         resp.body_case = EPD__V1__RESPONSE__BODY_GROUP_JOINED;
         resp.group_joined = &j;
-        reply(c, &resp, &fd, fd >= 0 ? 1 : 0);
+        reply(c, &resp, fds, num_fds);
 }
 
 static void handle_group_create(struct epd_conn *c, const Epd__V1__Request *req)

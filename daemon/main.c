@@ -88,9 +88,12 @@ static void on_signal(uv_signal_t *handle, int signum)
         if (signum == SIGHUP) {
                 struct epd_config fresh;
                 char err[256];
+                int rc;
                 epd_config_defaults(&fresh);
-                if (epd_config_load(&fresh, d->cfg.config_path, err, sizeof(err)) < 0 &&
-                    d->cfg.config_path_set) {
+                /* Only a missing default file means "defaults"; a file with an error keeps
+                 * the running configuration rather than applying the keys before the error. */
+                rc = epd_config_load(&fresh, d->cfg.config_path, err, sizeof(err));
+                if (rc < 0 && (rc != -ENOENT || d->cfg.config_path_set)) {
                         log_warning("reload failed: %s, keeping the running configuration", err);
                         return;
                 }

@@ -78,8 +78,9 @@ static int op_finish(struct epd_op *op, int status, const char *message)
         g->stats.ops_failed++;
         g->daemon->stats.ops_failed++;
         for (uint32_t r = 0; r < R; r++) {
-                if (op->subs[r].arrived) {
+                if (op->subs[r].arrived && op->subs[r].conn) {
                         epd_op_stats_record(&g->ranks[r].stats.kind[op->kind - 1], status, 0, 0);
+                        epd_group_rank_op_finished(g, r);
                         reply_error(op, r);
                 }
         }
@@ -187,6 +188,7 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
         struct epd_submission *sub;
 
         if (g->state == EPD_GROUP_BROKEN) {
+                epd_group_rank_op_finished(g, rank);
                 epd_conn_reply_status(c, req->id, EPD_PEER_LOST,
                                       "group '%s' is broken: a rank was lost; it is usable again once every rank is bound",
                                       g->name);
@@ -194,6 +196,7 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
                 return;
         }
         if (c->outstanding_ops >= d->cfg.max_outstanding_ops_per_client) {
+                epd_group_rank_op_finished(g, rank);
                 epd_conn_reply_status(c, req->id, EPD_UNAVAILABLE,
                                       "client has %u outstanding ops, the limit max_outstanding_ops_per_client",
                                       c->outstanding_ops);
@@ -202,6 +205,7 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
         }
         op = op_get(g, g->ranks[rank].next_op, kind);
         if (!op) {
+                epd_group_rank_op_finished(g, rank);
                 epd_conn_reply_status(c, req->id, EPD_INTERNAL, "out of memory");
                 epd__v1__request__free_unpacked(req, NULL);
                 return;
@@ -218,6 +222,7 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
         op->arrived++;
         if (op->state == EPD_OP_FINISHED) {
                 epd_op_stats_record(&g->ranks[rank].stats.kind[kind - 1], op->status, 0, 0);
+                epd_group_rank_op_finished(g, rank);
                 reply_error(op, rank);
                 if (op->arrived == g->cfg.world_size)
                         op_destroy(op);
@@ -712,6 +717,17 @@ static int op_launch(struct epd_op *op)
                 op_finish(op, p.status, p.err);
                 return -1;
         }
+        for (uint32_t r = 0; r < R; r++) {
+                struct epd_exec_rank *er = &p.ex->ranks[r];
+                const Epd__V1__Request *req = op->subs[r].req;
+                er->doorbell = g->ranks[r].doorbell;
+                er->doorbell_dev = g->ranks[r].doorbell_dev;
+                /* Ops of a group complete in order, so this one is the rank's next. */
+                er->completed_value = g->ranks[r].completed + 1;
+                er->wait_inputs = op->kind == EPD_OP_DISPATCH ? req->dispatch->wait_inputs
+                                                             : req->combine->wait_inputs;
+        }
+        p.ex->timeout_ns = (uint64_t)g->cfg.op_timeout_ms * 1000000ull;
         op->refs = p.refs;
         op->num_refs = p.num_refs;
         op->epoch = g->epoch;
@@ -922,6 +938,8 @@ void epd_op_complete(struct epd_exec *ex)
                 }
                 op->handle = NULL;
         }
+        /* Messages made here name the group already; the backend's do not. */
+        int named = strncmp(ex->message, "group '", 7) == 0;
         for (uint32_t r = 0; r < R; r++) {
                 struct epd_submission *sub = &op->subs[r];
                 struct epd_op_stats *st = &g->ranks[r].stats.kind[op->kind - 1];
@@ -929,10 +947,17 @@ void epd_op_complete(struct epd_exec *ex)
                                     now - sub->submitted_ns);
                 if (!sub->conn)
                         continue;
-                if (status != EPD_OK) {
+                epd_group_rank_op_finished(g, r);
+                if (status != EPD_OK && named) {
                         sub->conn->outstanding_ops--;
                         epd_conn_reply_status(sub->conn, sub->request_id, status, "%s",
                                               ex->message);
+                } else if (status != EPD_OK) {
+                        /* SEMANTICS.md 4: the backend's message gets the group and op number. */
+                        sub->conn->outstanding_ops--;
+                        epd_conn_reply_status(sub->conn, sub->request_id, status,
+                                              "group '%s' op %llu: %s", g->name,
+                                              (unsigned long long)op->number, ex->message);
                 } else {
                         sub->conn->outstanding_ops--;
                         if (op->kind == EPD_OP_DISPATCH)
@@ -957,6 +982,7 @@ void epd_op_complete(struct epd_exec *ex)
         exec_free(ex);
         op->exec = NULL;
         g->executing = NULL;
+        epd_group_free_retired(g);
         op->state = EPD_OP_FINISHED;
         op_destroy(op);
         if (g->state == EPD_GROUP_CLOSED || g->free_pending)

@@ -161,6 +161,11 @@ int epd_region_resolve(struct epd_conn *c, const struct epd_tensor *t, uint64_t 
                          (unsigned long long)t->strides[t->ndim - 1]);
                 return EPD_INVALID_ARGUMENT;
         }
+        if (cols == 0) {
+                /* Callers pass 1 for one-dimensional tensors; 0 would make the stride zero. */
+                snprintf(err, err_len, "a row must have at least one element");
+                return EPD_INVALID_ARGUMENT;
+        }
         if (cols > UINT64_MAX / esize) {
                 snprintf(err, err_len, "row size overflows");
                 return EPD_INVALID_ARGUMENT;

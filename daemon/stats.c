@@ -28,6 +28,9 @@ uint64_t epd_latency_quantile(const struct epd_latency_hist *h, double q)
                 seen += h->buckets[b];
                 if (seen >= target) {
                         uint64_t bound = (1ull << b) * 1000;
+                        /* The last bucket is open-ended: its only upper bound is the max. */
+                        if (b == EPD_LAT_BUCKETS - 1)
+                                return h->max_ns;
                         return bound < h->max_ns ? bound : h->max_ns;
                 }
         }

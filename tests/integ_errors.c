@@ -388,11 +388,10 @@ static int outputs_untouched(struct rank *rk, const struct outputs *o)
  * message goes to rk->msg. A hung op is leaked: freeing it would wait for it. */
 static int op_finish(struct rank *rk, struct epd_op *op, struct epd_op **out)
 {
-        int status;
+        int rc = epd_op_wait(op, WAIT_MS), status = epd_op_status(op);
 
-        epd_op_wait(op, WAIT_MS);
-        status = epd_op_status(op);
-        if (status == EPD_UNAVAILABLE && strcmp(epd_op_error(op), "op not completed") == 0) {
+        /* epd_op_status tells a completed op from a wait that itself ran out. */
+        if (rc == EPD_TIMEOUT && status == EPD_UNAVAILABLE) {
                 snprintf(rk->msg, sizeof(rk->msg), "no completion within %d ms", WAIT_MS);
                 return HUNG;
         }

@@ -1,12 +1,14 @@
-/* exec_arena.c - placing a dispatch's outputs in the ranks' output arenas, shared by every
- * backend: once the counts are known, each arena rank gets one extent holding all its output
- * fields, and its output matrices are pointed into it. Runs on backend threads; the arena
- * allocator has its own lock. */
+/* exec_common.c - the backend-independent parts of executing an op, shared by every backend:
+ * placing a dispatch's outputs in the ranks' output arenas once the counts are known (one
+ * extent per rank holding all its output fields), and waiting on the host for clients' inputs.
+ * Runs on backend threads; the arena allocator has its own lock. */
 #include <stdio.h>
+#include <time.h>
 #include <string.h>
 
 #include "arena.h"
 #include "backend.h"
+#include "util.h"
 
 static uint64_t align_up(uint64_t bytes)
 {
@@ -119,4 +121,29 @@ void epd_exec_release_new_arenas(struct epd_exec *ex)
                 memset(&er->place, 0, sizeof(er->place));
                 er->place_new = 0;
         }
+}
+
+int epd_exec_wait_inputs_host(struct epd_exec *ex, uint64_t deadline_ns)
+{
+        for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
+                struct epd_exec_rank *er = &ex->ranks[r];
+                if (!er->wait_inputs || !er->doorbell)
+                        continue;
+                /* Acquire pairs with the client stream's system-scope write: once the value is
+                 * seen, the inputs written before it are visible too. */
+                while (__atomic_load_n(&er->doorbell->inputs_ready, __ATOMIC_ACQUIRE) <
+                       er->wait_inputs) {
+                        if (epd__now_ns() > deadline_ns) {
+                                ex->status = EPD_TIMEOUT;
+                                snprintf(ex->message, sizeof(ex->message),
+                                         "rank %u's inputs were not marked ready (inputs_ready %llu < %llu) within the op timeout",
+                                         r, (unsigned long long)er->doorbell->inputs_ready,
+                                         (unsigned long long)er->wait_inputs);
+                                return -1;
+                        }
+                        struct timespec ts = { 0, 20000 };
+                        nanosleep(&ts, NULL);
+                }
+        }
+        return 0;
 }

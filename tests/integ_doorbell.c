@@ -1,0 +1,161 @@
+/* integ_doorbell.c - the doorbell page through the real daemon (host backend): `completed`
+ * counts a rank's finished ops in order, a request with wait_inputs is held until the client
+ * marks its inputs ready, and a mark that never comes turns into TIMEOUT instead of a hang. */
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "workload.h"
+
+static const struct wl_case base_case = {
+        "doorbell", 301, 1, 8, 64, 16, 2, EPD_DTYPE_BF16, EPD_DTYPE_INT64, EPD_LAYOUT_NON_EXPAND,
+        1, 0, 1, TD_ROUTING_UNIFORM, 0.0, WL_TOKENS_FULL, 0, 0, 1, 0, 1, 0, 0,
+};
+
+struct setup {
+        struct h_daemon d;
+        struct epd_client *c;
+        struct epd_group *g;
+        struct wl_inputs in;
+        struct epd_dispatch_args da;
+        int64_t *topk_ptr;
+};
+
+static double now_ms(void)
+{
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static void setup_group(struct setup *s, uint32_t timeout_ms)
+{
+        const struct wl_case *c = &base_case;
+        struct epd_group_config cfg = {
+                .size = sizeof(cfg), .world_size = 1, .num_experts = c->num_experts,
+                .hidden = c->hidden, .max_tokens_per_rank = c->max_tokens, .max_topk = c->num_topk,
+                .dispatch_dtype = EPD_DTYPE_BF16, .op_timeout_ms = timeout_ms,
+                .arena_bytes = 1 << 20,
+        };
+        void *p;
+        uint64_t region;
+
+        ck_assert_int_eq(h_daemon_start(&s->d, NULL), 0);
+        s->c = h_connect(&s->d, "doorbell");
+        ck_assert_ptr_nonnull(s->c);
+        ck_assert_int_eq(wl_enter_group(s->c, "db", 0, &cfg, &s->g), 0);
+        ck_assert_int_eq(wl_inputs_make(c, 0, 0, 0, &s->in), 0);
+        ck_assert_int_eq(epd_region_alloc(s->c, 1 << 16, &p, &region), 0);
+        memcpy(p, s->in.x, (size_t)c->max_tokens * c->hidden * 2);
+        memcpy((uint8_t *)p + 32768, s->in.topk, (size_t)c->max_tokens * c->num_topk * 8);
+        s->topk_ptr = (int64_t *)((uint8_t *)p + 32768);
+        uint64_t xs[2] = { c->max_tokens, c->hidden }, ks[2] = { c->max_tokens, c->num_topk };
+        memset(&s->da, 0, sizeof(s->da));
+        s->da.size = sizeof(s->da);
+        s->da.num_tokens = c->max_tokens;
+        s->da.use_arena = 1;
+        ck_assert_int_eq(epd_tensor_at(s->c, p, EPD_DTYPE_BF16, 2, xs, &s->da.x), 0);
+        ck_assert_int_eq(epd_tensor_at(s->c, (uint8_t *)p + 32768, EPD_DTYPE_INT64, 2, ks,
+                                       &s->da.topk_idx), 0);
+}
+
+static void teardown(struct setup *s)
+{
+        wl_inputs_free(&s->in);
+        epd_group_leave(s->g);
+        epd_client_free(s->c);
+        ck_assert_int_eq(h_daemon_stop(&s->d, 10000), 0);
+}
+
+START_TEST(test_completed_counts_ops)
+{
+        struct setup s;
+        const volatile uint64_t *completed;
+        struct epd_op *op;
+
+        setup_group(&s, 5000);
+        ck_assert_int_eq(epd_group_doorbell(s.g, &completed, NULL), 0);
+        ck_assert_uint_eq(*completed, 0);
+        for (uint64_t i = 1; i <= 3; i++) {
+                ck_assert_int_eq(epd_dispatch(s.g, &s.da, &op), 0);
+                ck_assert_uint_eq(epd_op_sequence(op), i);
+                /* The reply follows the doorbell store, so it is visible by now. */
+                ck_assert_uint_eq(__atomic_load_n(completed, __ATOMIC_ACQUIRE), i);
+                struct epd_dispatch_result dr;
+                ck_assert_int_eq(epd_op_dispatch_result(op, &dr), 0);
+                ck_assert_int_eq(epd_handle_release(s.g, dr.handle_id), 0);
+                epd_op_free(op);
+        }
+        /* A failed op finishes too: a bad top-k id. */
+        int64_t *topk = s.topk_ptr;
+        topk[0] = 9999;
+        ck_assert_int_eq(epd_dispatch(s.g, &s.da, &op), EPD_INVALID_ARGUMENT);
+        ck_assert_uint_eq(__atomic_load_n(completed, __ATOMIC_ACQUIRE), 4);
+        teardown(&s);
+}
+END_TEST
+
+START_TEST(test_wait_inputs)
+{
+        struct setup s;
+        struct epd_op *op;
+        uint64_t seq;
+
+        setup_group(&s, 5000);
+        s.da.wait_inputs = 1;
+        ck_assert_int_eq(epd_dispatch_submit(s.g, &s.da, &op), 0);
+        /* Held: the inputs are not marked ready. */
+        ck_assert_int_eq(epd_op_wait(op, 200), EPD_TIMEOUT);
+        ck_assert_int_eq(epd_group_mark_inputs_ready_host(s.g, &seq), 0);
+        ck_assert_uint_eq(seq, 1);
+        ck_assert_int_eq(epd_op_wait(op, 5000), 0);
+        epd_op_free(op);
+        teardown(&s);
+}
+END_TEST
+
+START_TEST(test_wait_inputs_timeout)
+{
+        struct setup s;
+        struct epd_op *op;
+
+        setup_group(&s, 300);
+        s.da.wait_inputs = 7;
+        double t0 = now_ms();
+        ck_assert_int_eq(epd_dispatch_submit(s.g, &s.da, &op), 0);
+        int rc = epd_op_wait(op, 5000);
+        double dt = now_ms() - t0;
+        ck_assert_int_eq(rc, EPD_TIMEOUT);
+        ck_assert_msg(strstr(epd_op_error(op), "inputs") != NULL, "message: %s", epd_op_error(op));
+        ck_assert_msg(dt >= 250 && dt < 3000, "timeout after %.0f ms", dt);
+        epd_op_free(op);
+        /* The group still works. */
+        s.da.wait_inputs = 0;
+        ck_assert_int_eq(epd_dispatch(s.g, &s.da, &op), 0);
+        epd_op_free(op);
+        teardown(&s);
+}
+END_TEST
+
+int main(void)
+{
+        Suite *su = suite_create("integ_doorbell");
+        TCase *tc = tcase_create("doorbell");
+        SRunner *sr;
+        int failed;
+
+        tcase_set_timeout(tc, 60);
+        tcase_add_test(tc, test_completed_counts_ops);
+        tcase_add_test(tc, test_wait_inputs);
+        tcase_add_test(tc, test_wait_inputs_timeout);
+        suite_add_tcase(su, tc);
+        sr = srunner_create(su);
+        srunner_run_all(sr, CK_NORMAL);
+        failed = srunner_ntests_failed(sr);
+        srunner_free(sr);
+        return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
