@@ -6,6 +6,7 @@
 #include <stddef.h>
 
 #include "client_internal.h"
+#include "cudrv.h"
 
 /* Registers the doorbell page with CUDA once; the page is host memory, so one device address
  * serves every device (portable). Caller holds the client lock. */
@@ -46,7 +47,9 @@ int epd_op_stream_wait(struct epd_op *op, void *stream)
                 return rc;
         /* The daemon stores `completed` after the op's last kernel (its stream, or the host at
          * completion); waiting at system scope on host memory sees either writer. */
-        r = cuStreamWaitValue64((CUstream)stream,
+        if (!epd_cudrv())
+                return epd__client_fail(g->client, EPD_UNAVAILABLE, "CUDA driver unavailable");
+        r = epd_cudrv()->StreamWaitValue64((CUstream)stream,
                                 (CUdeviceptr)(uintptr_t)g->doorbell_dev +
                                         offsetof(struct epd_doorbell, completed),
                                 seq, CU_STREAM_WAIT_VALUE_GEQ);
@@ -72,7 +75,9 @@ int epd_group_mark_inputs_ready(struct epd_group *g, void *stream, uint64_t *seq
                 return rc;
         /* Stream memory writes are ordered after the stream's earlier work and flushed at system
          * scope by default, so the daemon's wait sees the inputs that preceded it. */
-        r = cuStreamWriteValue64((CUstream)stream,
+        if (!epd_cudrv())
+                return epd__client_fail(g->client, EPD_UNAVAILABLE, "CUDA driver unavailable");
+        r = epd_cudrv()->StreamWriteValue64((CUstream)stream,
                                  (CUdeviceptr)(uintptr_t)g->doorbell_dev +
                                          offsetof(struct epd_doorbell, inputs_ready),
                                  v, 0);

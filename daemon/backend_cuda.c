@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "arena.h"
+#include "cudrv.h"
 #include "backend.h"
 #include "epd_kernels.h"
 #include "layout.h"
@@ -91,7 +92,8 @@ static int cuda_fail(char *err, size_t err_len, const char *what, cudaError_t e)
 static int cu_fail(char *err, size_t err_len, const char *what, CUresult r)
 {
         const char *s = NULL;
-        cuGetErrorString(r, &s);
+        if (epd_cudrv())
+                epd_cudrv()->GetErrorString(r, &s);
         snprintf(err, err_len, "%s: %s", what, s ? s : "CUDA driver error");
         return EPD_UNAVAILABLE;
 }
@@ -286,7 +288,7 @@ static void queue_input_waits(const struct epd_exec *ex, cudaStream_t stream)
                 const struct epd_exec_rank *er = &ex->ranks[r];
                 if (!er->wait_inputs || !er->doorbell_dev)
                         continue;
-                cuStreamWaitValue64((CUstream)stream,
+                epd_cudrv()->StreamWaitValue64((CUstream)stream,
                                     (CUdeviceptr)(uintptr_t)er->doorbell_dev +
                                             offsetof(struct epd_doorbell, inputs_ready),
                                     er->wait_inputs, CU_STREAM_WAIT_VALUE_GEQ);
@@ -300,7 +302,7 @@ static void queue_completions(const struct epd_exec *ex, cudaStream_t stream)
                 const struct epd_exec_rank *er = &ex->ranks[r];
                 if (!er->doorbell_dev)
                         continue;
-                cuStreamWriteValue64((CUstream)stream,
+                epd_cudrv()->StreamWriteValue64((CUstream)stream,
                                      (CUdeviceptr)(uintptr_t)er->doorbell_dev +
                                              offsetof(struct epd_doorbell, completed),
                                      er->completed_value, 0);
@@ -658,8 +660,8 @@ static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *
                          ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices");
                 return EPD_UNAVAILABLE;
         }
-        if (cuInit(0) != CUDA_SUCCESS) {
-                snprintf(err, err_len, "cuInit failed");
+        if (!epd_cudrv()) {
+                snprintf(err, err_len, "the CUDA driver lacks a function epd needs (driver too old?)");
                 return EPD_UNAVAILABLE;
         }
         cb = calloc(1, sizeof(*cb));
@@ -716,7 +718,7 @@ static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *
         prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
         prop.location.id = 0;
         prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-        if (cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) ==
+        if (epd_cudrv()->MemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) ==
             CUDA_SUCCESS)
                 cb->granularity = gran;
         epd_list_init(&cb->queue);
@@ -807,7 +809,7 @@ static int cuda_region_import(struct epd_backend *b, struct epd_region *r, int f
                         rc = cuda_fail(err, err_len, "cudaIpcOpenMemHandle", ce);
                         break;
                 }
-                if (cuMemGetAddressRange(&abase, &asize, (CUdeviceptr)(uintptr_t)p) !=
+                if (epd_cudrv()->MemGetAddressRange(&abase, &asize, (CUdeviceptr)(uintptr_t)p) !=
                             CUDA_SUCCESS ||
                     offset > asize || r->size > asize - offset) {
                         snprintf(err, err_len,
@@ -826,19 +828,19 @@ static int cuda_region_import(struct epd_backend *b, struct epd_region *r, int f
                 uint64_t size = (offset + r->size + g - 1) / g * g;
                 CUmemAccessDesc acc[MAX_DEVICES];
                 int n = 0;
-                res = cuMemImportFromShareableHandle(&cr->mem, (void *)(uintptr_t)fd,
+                res = epd_cudrv()->MemImportFromShareableHandle(&cr->mem, (void *)(uintptr_t)fd,
                                                      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
                 if (res != CUDA_SUCCESS) {
                         rc = cu_fail(err, err_len, "cuMemImportFromShareableHandle", res);
                         break;
                 }
-                res = cuMemAddressReserve(&cr->va, size, g, 0, 0);
+                res = epd_cudrv()->MemAddressReserve(&cr->va, size, g, 0, 0);
                 if (res == CUDA_SUCCESS)
-                        res = cuMemMap(cr->va, size, 0, cr->mem, 0);
+                        res = epd_cudrv()->MemMap(cr->va, size, 0, cr->mem, 0);
                 if (res != CUDA_SUCCESS) {
                         if (cr->va)
-                                cuMemAddressFree(cr->va, size);
-                        cuMemRelease(cr->mem);
+                                epd_cudrv()->MemAddressFree(cr->va, size);
+                        epd_cudrv()->MemRelease(cr->mem);
                         rc = cu_fail(err, err_len,
                                      "mapping the cuMem allocation (is the size right?)", res);
                         break;
@@ -851,11 +853,11 @@ static int cuda_region_import(struct epd_backend *b, struct epd_region *r, int f
                         acc[n].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
                         n++;
                 }
-                res = cuMemSetAccess(cr->va, size, acc, (size_t)n);
+                res = epd_cudrv()->MemSetAccess(cr->va, size, acc, (size_t)n);
                 if (res != CUDA_SUCCESS) {
-                        cuMemUnmap(cr->va, size);
-                        cuMemAddressFree(cr->va, size);
-                        cuMemRelease(cr->mem);
+                        epd_cudrv()->MemUnmap(cr->va, size);
+                        epd_cudrv()->MemAddressFree(cr->va, size);
+                        epd_cudrv()->MemRelease(cr->mem);
                         rc = cu_fail(err, err_len, "cuMemSetAccess", res);
                         break;
                 }
@@ -893,9 +895,9 @@ static void cuda_region_release(struct epd_backend *b, struct epd_region *r)
                 cudaIpcCloseMemHandle(cr->ipc_ptr);
                 break;
         case EPD_REGION_CUMEM_FD:
-                cuMemUnmap(cr->va, cr->va_size);
-                cuMemAddressFree(cr->va, cr->va_size);
-                cuMemRelease(cr->mem);
+                epd_cudrv()->MemUnmap(cr->va, cr->va_size);
+                epd_cudrv()->MemAddressFree(cr->va, cr->va_size);
+                epd_cudrv()->MemRelease(cr->mem);
                 break;
         }
         free(cr);
