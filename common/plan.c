@@ -173,8 +173,8 @@ int epd_plan_count_source(struct epd_plan *plan, uint32_t s, const void *topk_id
                                         if (err && err_len)
                                                 snprintf(err, err_len,
                                                          "rank %u token %u: expert %" PRId64
-                                                         " selected at topk positions %u and %u",
-                                                         s, t, v, j, k);
+                                                         " selected twice, again at topk position %u",
+                                                         s, t, v, k);
                                         return EPD_INVALID_ARGUMENT;
                                 }
                         }

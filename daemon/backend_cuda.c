@@ -252,13 +252,14 @@ static int verdict(struct epd_exec *ex, const struct epd_ws_layout *l, uint8_t *
         switch (e->reason) {
         case EPD_WS_REASON_BAD_EXPERT:
                 snprintf(ex->message, sizeof(ex->message),
-                         "invalid topk_idx on rank %d: token %d position %d holds expert id %lld outside [0, %u) and not -1",
-                         e->rank, e->token, e->pos, (long long)e->value, ex->cfg.num_experts);
+                         "invalid topk_idx on rank %d: rank %d token %d topk position %d: expert id %lld outside [0, %u) and not -1",
+                         e->rank, e->rank, e->token, e->pos, (long long)e->value,
+                         ex->cfg.num_experts);
                 break;
         case EPD_WS_REASON_DUP_EXPERT:
                 snprintf(ex->message, sizeof(ex->message),
-                         "invalid topk_idx on rank %d: token %d repeats expert %lld at position %d",
-                         e->rank, e->token, (long long)e->value, e->pos);
+                         "invalid topk_idx on rank %d: rank %d token %d: expert %lld selected twice, again at topk position %d",
+                         e->rank, e->rank, e->token, (long long)e->value, e->pos);
                 break;
         case EPD_WS_REASON_CAPACITY:
                 len = (size_t)snprintf(ex->message, sizeof(ex->message), "op does not fit:");

@@ -59,7 +59,7 @@ struct shared {
         struct wl_case c;        /* the group's shape and the inputs' seed */
         int variant;             /* scenario variant */
         uint32_t op_timeout_ms;  /* group config; 0: the daemon's default */
-        uint64_t arena_bytes;    /* group config; 0: none to speak of (64 KiB) */
+        uint64_t arena_bytes;    /* group config; 0: a small 64 KiB arena (unused) */
         atomic_int barrier[8];
         atomic_int flag[8];
         atomic_llong kill_ms;    /* PEER_LOST: when the test killed the victim */
@@ -1116,7 +1116,8 @@ static const char *route_corrupt(struct step *st, int variant, char *detail, siz
         default:
                 topk_set(c, topk, BAD_TOKEN, 0, 5);
                 topk_set(c, topk, BAD_TOKEN, 1, 5);
-                snprintf(detail, len, "expert 5 selected at topk positions 0 and 1");
+                snprintf(detail, len, "token %d: expert 5 selected twice, again at topk position 1",
+                         BAD_TOKEN);
                 break;
         }
         return detail;
