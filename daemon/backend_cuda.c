@@ -31,6 +31,7 @@
 #include "arena.h"
 #include "cudrv.h"
 #include "backend.h"
+#include "executor.h"
 #include "epd_kernels.h"
 #include "layout.h"
 #include "log.h"
@@ -53,13 +54,10 @@ struct cuda_backend {
         int num_devices;
         struct cuda_dev dev[MAX_DEVICES];
         uint64_t granularity;
-        pthread_t executor;
+        struct epd_executor executor;
+        /* Workspaces to free, queued by the loop thread and freed by the executor; the list has
+         * its own lock. */
         pthread_mutex_t lock;
-        pthread_cond_t cond;
-        struct epd_list queue;
-        int stop;
-        atomic_uint_fast64_t heartbeat_ns;
-        /* Workspaces to free, queued by the loop thread and freed by the executor. */
         void **dead_ws;
         unsigned num_dead, cap_dead;
         void *h_reply;               /* pinned copy of the reply block */
@@ -603,46 +601,17 @@ static void free_dead(struct cuda_backend *cb)
         pthread_mutex_unlock(&cb->lock);
 }
 
-static void *executor_main(void *arg)
+static void cuda_run(void *ctx, struct epd_exec *ex)
 {
-        struct cuda_backend *cb = arg;
+        if (ex->kind == EPD_OP_DISPATCH)
+                run_dispatch(ctx, ex);
+        else
+                run_combine(ctx, ex);
+}
 
-        pthread_mutex_lock(&cb->lock);
-        for (;;) {
-                while (!cb->stop && epd_list_empty(&cb->queue) && cb->num_dead == 0) {
-                        struct timespec ts;
-                        atomic_store(&cb->heartbeat_ns, epd__now_ns());
-                        clock_gettime(CLOCK_REALTIME, &ts);
-                        ts.tv_sec += 1;
-                        pthread_cond_timedwait(&cb->cond, &cb->lock, &ts);
-                }
-                if (cb->num_dead) {
-                        pthread_mutex_unlock(&cb->lock);
-                        free_dead(cb);
-                        pthread_mutex_lock(&cb->lock);
-                        continue;
-                }
-                if (cb->stop && epd_list_empty(&cb->queue))
-                        break;
-                struct epd_exec *ex = epd_list_entry(cb->queue.next, struct epd_exec, link);
-                epd_list_del(&ex->link);
-                pthread_mutex_unlock(&cb->lock);
-
-                uint64_t t0 = epd__now_ns();
-                atomic_store(&cb->heartbeat_ns, t0);
-                ex->status = 0;
-                ex->message[0] = '\0';
-                if (ex->kind == EPD_OP_DISPATCH)
-                        run_dispatch(cb, ex);
-                else
-                        run_combine(cb, ex);
-                ex->exec_ns = epd__now_ns() - t0;
-                atomic_store(&cb->heartbeat_ns, epd__now_ns());
-                epd_exec_done(cb->b, ex);
-                pthread_mutex_lock(&cb->lock);
-        }
-        pthread_mutex_unlock(&cb->lock);
-        return NULL;
+static void cuda_idle(void *ctx)
+{
+        free_dead(ctx);
 }
 
 /* ---- backend ops ---- */
@@ -722,11 +691,12 @@ static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *
         if (epd_cudrv()->MemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) ==
             CUDA_SUCCESS)
                 cb->granularity = gran;
-        epd_list_init(&cb->queue);
         pthread_mutex_init(&cb->lock, NULL);
-        pthread_cond_init(&cb->cond, NULL);
-        atomic_store(&cb->heartbeat_ns, epd__now_ns());
-        if (pthread_create(&cb->executor, NULL, executor_main, cb) != 0) {
+        cb->executor.b = b;
+        cb->executor.run = cuda_run;
+        cb->executor.idle = cuda_idle;
+        cb->executor.ctx = cb;
+        if (epd_executor_start(&cb->executor) < 0) {
                 snprintf(err, err_len, "cannot start the executor thread");
                 return EPD_INTERNAL;
         }
@@ -740,11 +710,7 @@ static void cuda_fini(struct epd_backend *b)
 
         if (!cb)
                 return;
-        pthread_mutex_lock(&cb->lock);
-        cb->stop = 1;
-        pthread_cond_signal(&cb->cond);
-        pthread_mutex_unlock(&cb->lock);
-        pthread_join(cb->executor, NULL);
+        epd_executor_stop(&cb->executor);
         free_dead(cb);
         free(cb->dead_ws);
         free(cb);
@@ -966,10 +932,7 @@ static void cuda_submit(struct epd_backend *b, struct epd_exec *ex)
 {
         struct cuda_backend *cb = b->priv;
 
-        pthread_mutex_lock(&cb->lock);
-        epd_list_add_tail(&cb->queue, &ex->link);
-        pthread_cond_signal(&cb->cond);
-        pthread_mutex_unlock(&cb->lock);
+        epd_executor_submit(&cb->executor, ex);
 }
 
 static void cuda_handle_free(struct epd_backend *b, void *state)
@@ -990,8 +953,8 @@ static void cuda_handle_free(struct epd_backend *b, void *state)
         }
         if (cb->num_dead < cb->cap_dead)
                 cb->dead_ws[cb->num_dead++] = ch->ws;
-        pthread_cond_signal(&cb->cond);
         pthread_mutex_unlock(&cb->lock);
+        epd_executor_kick(&cb->executor);
         free(ch);
 }
 
@@ -999,7 +962,7 @@ static int cuda_check_alive(struct epd_backend *b)
 {
         struct cuda_backend *cb = b->priv;
 
-        return epd__now_ns() - atomic_load(&cb->heartbeat_ns) > 60ull * 1000000000ull ? -1 : 0;
+        return epd_executor_alive(&cb->executor);
 }
 
 const struct epd_backend_ops epd_backend_cuda_ops = {

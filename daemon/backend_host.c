@@ -19,6 +19,7 @@
 
 #include "arena.h"
 #include "backend.h"
+#include "executor.h"
 #include "log.h"
 #include "memfd.h"
 #include "plan.h"
@@ -107,13 +108,7 @@ static void pool_run(struct pool *p, pool_fn fn, void *ctx, uint64_t num_items)
 struct host_backend {
         struct epd_backend *b;
         struct pool pool;
-        pthread_t executor;
-        pthread_mutex_t lock;
-        pthread_cond_t cond;
-        struct epd_list queue;
-        int stop;
-        atomic_uint_fast64_t heartbeat_ns;
-        atomic_int busy;
+        struct epd_executor executor;
 };
 
 /* A handle's routing state on this backend. */
@@ -357,45 +352,12 @@ static void run_combine(struct host_backend *hb, struct epd_exec *ex)
         free(src);
 }
 
-static void *executor_main(void *arg)
+static void host_run(void *ctx, struct epd_exec *ex)
 {
-        struct host_backend *hb = arg;
-
-        pthread_mutex_lock(&hb->lock);
-        for (;;) {
-                while (!hb->stop && epd_list_empty(&hb->queue)) {
-                        struct timespec ts;
-                        atomic_store(&hb->heartbeat_ns, epd__now_ns());
-                        clock_gettime(CLOCK_REALTIME, &ts);
-                        ts.tv_sec += 1;
-                        pthread_cond_timedwait(&hb->cond, &hb->lock, &ts);
-                }
-                if (hb->stop && epd_list_empty(&hb->queue))
-                        break;
-                struct epd_exec *ex = epd_list_entry(hb->queue.next, struct epd_exec, link);
-                epd_list_del(&ex->link);
-                pthread_mutex_unlock(&hb->lock);
-
-                uint64_t t0 = epd__now_ns();
-                atomic_store(&hb->heartbeat_ns, t0);
-                atomic_store(&hb->busy, 1);
-                ex->status = 0;
-                ex->message[0] = '\0';
-                if (epd_exec_wait_inputs_host(ex, t0 + ex->timeout_ns) < 0)
-                        ; /* TIMEOUT set; nothing was read */
-                else if (ex->kind == EPD_OP_DISPATCH)
-                        run_dispatch(hb, ex);
-                else
-                        run_combine(hb, ex);
-                ex->exec_ns = epd__now_ns() - t0;
-                atomic_store(&hb->busy, 0);
-                atomic_store(&hb->heartbeat_ns, epd__now_ns());
-                epd_exec_done(hb->b, ex);
-
-                pthread_mutex_lock(&hb->lock);
-        }
-        pthread_mutex_unlock(&hb->lock);
-        return NULL;
+        if (ex->kind == EPD_OP_DISPATCH)
+                run_dispatch(ctx, ex);
+        else
+                run_combine(ctx, ex);
 }
 
 /* ---- backend ops ---- */
@@ -433,10 +395,6 @@ static int host_init(struct epd_backend *b, const struct epd_config *cfg, char *
                 snprintf(dev->kind, sizeof(dev->kind), "host");
                 dev->memory_bytes = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
         }
-        epd_list_init(&hb->queue);
-        pthread_mutex_init(&hb->lock, NULL);
-        pthread_cond_init(&hb->cond, NULL);
-        atomic_store(&hb->heartbeat_ns, epd__now_ns());
         pthread_mutex_init(&hb->pool.lock, NULL);
         pthread_cond_init(&hb->pool.work_cond, NULL);
         pthread_cond_init(&hb->pool.done_cond, NULL);
@@ -450,7 +408,12 @@ static int host_init(struct epd_backend *b, const struct epd_config *cfg, char *
                         break;
                 hb->pool.num_helpers++;
         }
-        if (pthread_create(&hb->executor, NULL, executor_main, hb) != 0) {
+        hb->executor.b = b;
+        hb->executor.run = host_run;
+        hb->executor.ctx = hb;
+        /* The host backend reads inputs on the CPU: wait for clients' doorbells there. */
+        hb->executor.host_input_waits = 1;
+        if (epd_executor_start(&hb->executor) < 0) {
                 snprintf(err, err_len, "cannot start the executor thread");
                 return EPD_INTERNAL;
         }
@@ -464,11 +427,7 @@ static void host_fini(struct epd_backend *b)
 
         if (!hb)
                 return;
-        pthread_mutex_lock(&hb->lock);
-        hb->stop = 1;
-        pthread_cond_signal(&hb->cond);
-        pthread_mutex_unlock(&hb->lock);
-        pthread_join(hb->executor, NULL);
+        epd_executor_stop(&hb->executor);
         pthread_mutex_lock(&hb->pool.lock);
         hb->pool.stop = 1;
         pthread_cond_broadcast(&hb->pool.work_cond);
@@ -544,10 +503,7 @@ static void host_submit(struct epd_backend *b, struct epd_exec *ex)
 {
         struct host_backend *hb = b->priv;
 
-        pthread_mutex_lock(&hb->lock);
-        epd_list_add_tail(&hb->queue, &ex->link);
-        pthread_cond_signal(&hb->cond);
-        pthread_mutex_unlock(&hb->lock);
+        epd_executor_submit(&hb->executor, ex);
 }
 
 static void host_handle_free_op(struct epd_backend *b, void *state)
@@ -562,11 +518,8 @@ static void host_handle_free_op(struct epd_backend *b, void *state)
 static int host_check_alive(struct epd_backend *b)
 {
         struct host_backend *hb = b->priv;
-        uint64_t age = epd__now_ns() - atomic_load(&hb->heartbeat_ns);
 
-        /* An idle executor wakes every second; a busy one is alive while ops finish. A minute
-         * without either means it is stuck. */
-        return age > 60ull * 1000000000ull ? -1 : 0;
+        return epd_executor_alive(&hb->executor);
 }
 
 const struct epd_backend_ops epd_backend_host_ops = {

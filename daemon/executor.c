@@ -1,0 +1,95 @@
+/* executor.c - see executor.h. */
+#include <time.h>
+
+#include "executor.h"
+#include "util.h"
+
+static void *executor_main(void *arg)
+{
+        struct epd_executor *e = arg;
+
+        pthread_mutex_lock(&e->lock);
+        for (;;) {
+                while (!e->stop && !e->kicked && epd_list_empty(&e->queue)) {
+                        struct timespec ts;
+                        atomic_store(&e->heartbeat_ns, epd__now_ns());
+                        clock_gettime(CLOCK_REALTIME, &ts);
+                        ts.tv_sec += 1;
+                        pthread_cond_timedwait(&e->cond, &e->lock, &ts);
+                }
+                if (e->kicked || epd_list_empty(&e->queue)) {
+                        e->kicked = 0;
+                        pthread_mutex_unlock(&e->lock);
+                        if (e->idle)
+                                e->idle(e->ctx);
+                        pthread_mutex_lock(&e->lock);
+                        if (e->stop && epd_list_empty(&e->queue))
+                                break;
+                        continue;
+                }
+                struct epd_exec *ex = epd_list_entry(e->queue.next, struct epd_exec, link);
+                epd_list_del(&ex->link);
+                pthread_mutex_unlock(&e->lock);
+
+                uint64_t t0 = epd__now_ns();
+                atomic_store(&e->heartbeat_ns, t0);
+                ex->status = 0;
+                ex->message[0] = '\0';
+                if (!e->host_input_waits || epd_exec_wait_inputs_host(ex, t0 + ex->timeout_ns) == 0)
+                        e->run(e->ctx, ex);
+                ex->exec_ns = epd__now_ns() - t0;
+                atomic_store(&e->heartbeat_ns, epd__now_ns());
+                epd_exec_done(e->b, ex);
+
+                pthread_mutex_lock(&e->lock);
+        }
+        pthread_mutex_unlock(&e->lock);
+        return NULL;
+}
+
+int epd_executor_start(struct epd_executor *e)
+{
+        epd_list_init(&e->queue);
+        pthread_mutex_init(&e->lock, NULL);
+        pthread_cond_init(&e->cond, NULL);
+        atomic_store(&e->heartbeat_ns, epd__now_ns());
+        if (pthread_create(&e->thread, NULL, executor_main, e) != 0)
+                return -1;
+        e->started = 1;
+        return 0;
+}
+
+void epd_executor_submit(struct epd_executor *e, struct epd_exec *ex)
+{
+        pthread_mutex_lock(&e->lock);
+        epd_list_add_tail(&e->queue, &ex->link);
+        pthread_cond_signal(&e->cond);
+        pthread_mutex_unlock(&e->lock);
+}
+
+void epd_executor_kick(struct epd_executor *e)
+{
+        pthread_mutex_lock(&e->lock);
+        e->kicked = 1;
+        pthread_cond_signal(&e->cond);
+        pthread_mutex_unlock(&e->lock);
+}
+
+void epd_executor_stop(struct epd_executor *e)
+{
+        if (!e->started)
+                return;
+        pthread_mutex_lock(&e->lock);
+        e->stop = 1;
+        pthread_cond_signal(&e->cond);
+        pthread_mutex_unlock(&e->lock);
+        pthread_join(e->thread, NULL);
+        pthread_mutex_destroy(&e->lock);
+        pthread_cond_destroy(&e->cond);
+        e->started = 0;
+}
+
+int epd_executor_alive(struct epd_executor *e)
+{
+        return epd__now_ns() - atomic_load(&e->heartbeat_ns) > 60ull * 1000000000ull ? -1 : 0;
+}

@@ -1,0 +1,36 @@
+/* executor.h - the thread that runs a backend's ops in submission order: it takes each exec from
+ * a queue, runs the backend's function on it (with the op's wait for client inputs done on the
+ * host first when the backend asks for it), times it, and hands it back to the loop with
+ * epd_exec_done. It also keeps a heartbeat for the watchdog. Shared by every backend. */
+#ifndef EPD_DAEMON_EXECUTOR_H
+#define EPD_DAEMON_EXECUTOR_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "backend.h"
+
+struct epd_executor {
+        struct epd_backend *b;
+        void (*run)(void *ctx, struct epd_exec *ex); /* sets ex->status and ex->message */
+        void (*idle)(void *ctx);      /* housekeeping between ops (may be NULL), unlocked */
+        void *ctx;
+        int host_input_waits;         /* wait for inputs_ready on the host before run */
+        pthread_t thread;
+        pthread_mutex_t lock;
+        pthread_cond_t cond;
+        struct epd_list queue;
+        int stop, started, kicked;
+        atomic_uint_fast64_t heartbeat_ns;
+};
+
+int epd_executor_start(struct epd_executor *e);
+void epd_executor_submit(struct epd_executor *e, struct epd_exec *ex);
+/* Wakes the thread to run `idle` soon. */
+void epd_executor_kick(struct epd_executor *e);
+/* Runs what is queued, then joins the thread. */
+void epd_executor_stop(struct epd_executor *e);
+/* 0 while the thread made progress within the last minute (an idle thread wakes every second). */
+int epd_executor_alive(struct epd_executor *e);
+
+#endif
