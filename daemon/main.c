@@ -243,7 +243,8 @@ int main(int argc, char **argv)
                  d->listen_fd_activated ? "(activated)" : d->cfg.socket_path,
                  d->backend->ops->name, d->backend->num_devices, (int)getpid());
         sd_notifyf(0, "READY=1\nSTATUS=serving on %s with the %s backend\nMAINPID=%d",
-                   d->cfg.socket_path, d->backend->ops->name, (int)getpid());
+                   d->listen_fd_activated ? "the activated socket" : d->cfg.socket_path,
+                   d->backend->ops->name, (int)getpid());
 
         uv_run(d->loop, UV_RUN_DEFAULT);
 

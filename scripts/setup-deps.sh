@@ -3,7 +3,7 @@
 # Runs as root on Debian 12 (the CI machine); elsewhere it only reports what is missing.
 set -eu
 pkgs="cmake make gcc pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler check
-libsystemd-dev libinih-dev libjansson-dev libmicrohttpd-dev python3 python3-numpy"
+libsystemd-dev libinih-dev libjansson-dev libmicrohttpd-dev python3 python3-numpy systemd tmux"
 missing=""
 for p in $pkgs; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
