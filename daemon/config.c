@@ -137,7 +137,8 @@ int epd_config_set(struct epd_config *cfg, const char *section, const char *name
         if (strcmp(section, "daemon") == 0 && strcmp(name, "socket_mode") == 0) {
                 char *end;
                 unsigned long mode = strtoul(value, &end, 8);
-                if (*value == '\0' || *end || mode > 0777) {
+                /* strtoul would also take leading spaces and a sign ("-0"). */
+                if (*value < '0' || *value > '7' || *end || mode > 0777) {
                         snprintf(err, err_len, "socket_mode must be octal like 0660, not '%s'", value);
                         return -EINVAL;
                 }
@@ -175,19 +176,47 @@ bad_number:
 
 struct load_ctx {
         struct epd_config *cfg;
+        FILE *f;
         char *err;
         size_t err_len;
-        int failed;
+        int line;                     /* lines read so far: the line the handler is called for */
+        int failed_line;              /* first line refused (bad key, or too long); 0: none */
 };
+
+/* fgets that counts lines, so that a refused key is reported with its own line even after an
+ * earlier syntax error (inih returns only the first error's line), and that refuses a line
+ * longer than inih's buffer: inih would parse its tail as a line of its own, or, when the tail
+ * starts with a space, as a continuation that replaces the value. Reading stops at the first
+ * refusal. */
+static char *config_reader(char *str, int num, void *stream)
+{
+        struct load_ctx *ctx = stream;
+        size_t len;
+
+        if (ctx->failed_line || !fgets(str, num, ctx->f))
+                return NULL;
+        ctx->line++;
+        len = strlen(str);
+        if (len > 0 && str[len - 1] != '\n' && len == (size_t)num - 1) {
+                int c = getc(ctx->f);
+                if (c != EOF) {
+                        snprintf(ctx->err, ctx->err_len, "line longer than %d characters",
+                                 num - 2);
+                        ctx->failed_line = ctx->line;
+                        return NULL;
+                }
+        }
+        return str;
+}
 
 static int config_ini_handler(void *user, const char *section, const char *name, const char *value)
 {
         struct load_ctx *ctx = user;
 
-        if (ctx->failed)
+        if (ctx->failed_line)
                 return 0;
         if (epd_config_set(ctx->cfg, section, name, value, ctx->err, ctx->err_len) < 0) {
-                ctx->failed = 1;
+                ctx->failed_line = ctx->line;
                 return 0;
         }
         return 1;
@@ -195,26 +224,28 @@ static int config_ini_handler(void *user, const char *section, const char *name,
 
 int epd_config_load(struct epd_config *cfg, const char *path, char *err, size_t err_len)
 {
-        struct load_ctx ctx = { cfg, err, err_len, 0 };
-        FILE *f = fopen(path, "re");
+        struct load_ctx ctx = { .cfg = cfg, .err = err, .err_len = err_len };
+        char msg[512];
         int line;
 
-        if (!f) {
+        ctx.f = fopen(path, "re");
+        if (!ctx.f) {
                 int rc = -errno;
                 snprintf(err, err_len, "cannot open %s: %s", path, strerror(-rc));
                 return rc;
         }
-        line = ini_parse_file(f, config_ini_handler, &ctx);
-        fclose(f);
-        if (ctx.failed || line != 0) {
-                if (!ctx.failed)
-                        snprintf(err, err_len, "syntax error");
-                char msg[256];
-                snprintf(msg, sizeof(msg), "%s:%d: %s", path, line, err);
-                snprintf(err, err_len, "%s", msg);
-                return -EINVAL;
-        }
-        return 0;
+        line = ini_parse_stream(config_reader, &ctx, config_ini_handler, &ctx);
+        fclose(ctx.f);
+        if (line > 0 && (ctx.failed_line == 0 || line < ctx.failed_line))
+                snprintf(msg, sizeof(msg), "%s:%d: syntax error", path, line);
+        else if (ctx.failed_line)
+                snprintf(msg, sizeof(msg), "%s:%d: %s", path, ctx.failed_line, err);
+        else if (line != 0)
+                snprintf(msg, sizeof(msg), "%s: cannot parse (inih error %d)", path, line);
+        else
+                return 0;
+        snprintf(err, err_len, "%s", msg);
+        return -EINVAL;
 }
 
 void epd_config_apply_hot(struct epd_config *dst, const struct epd_config *src)

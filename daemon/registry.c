@@ -176,9 +176,14 @@ int epd_region_resolve(struct epd_conn *c, const struct epd_tensor *t, uint64_t 
                 snprintf(err, err_len, "a one-dimensional tensor must be contiguous");
                 return EPD_INVALID_ARGUMENT;
         }
-        if (stride_elems < cols || stride_elems > UINT64_MAX / esize) {
+        if (stride_elems < cols) {
                 snprintf(err, err_len, "row stride %llu is smaller than a row of %llu elements",
                          (unsigned long long)stride_elems, (unsigned long long)cols);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (stride_elems > UINT64_MAX / esize) {
+                snprintf(err, err_len, "row stride %llu overflows in bytes",
+                         (unsigned long long)stride_elems);
                 return EPD_INVALID_ARGUMENT;
         }
         stride_bytes = stride_elems * esize;

@@ -26,6 +26,21 @@ if(CHECK_FOUND)
     Threads::Threads)
   add_test(NAME unit_host_exec COMMAND unit_host_exec)
   set_tests_properties(unit_plan unit_host_exec PROPERTIES TIMEOUT 600)
+
+  # Framing needs only epd_common; config, registry, arena and stats come from the daemon
+  # library (which pulls libuv, inih and libsystemd in, unused by these tests).
+  add_executable(unit_frame ${CMAKE_CURRENT_LIST_DIR}/unit_frame.c)
+  target_link_libraries(unit_frame PRIVATE epd_common epd_check)
+  add_test(NAME unit_frame COMMAND unit_frame)
+
+  add_executable(unit_config ${CMAKE_CURRENT_LIST_DIR}/unit_config.c)
+  target_link_libraries(unit_config PRIVATE epd_daemon epd_check)
+  add_test(NAME unit_config COMMAND unit_config)
+
+  add_executable(unit_registry ${CMAKE_CURRENT_LIST_DIR}/unit_registry.c)
+  target_link_libraries(unit_registry PRIVATE epd_daemon epd_check)
+  add_test(NAME unit_registry COMMAND unit_registry)
+  set_tests_properties(unit_frame unit_config unit_registry PROPERTIES TIMEOUT 120)
 else()
   message(STATUS "epd: Check not found, unit tests disabled")
 endif()
