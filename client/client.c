@@ -370,7 +370,8 @@ int epd__client_region_add(struct epd_client *c, uint64_t id, void *ptr, uint64_
                 c->regions = n;
                 c->cap_regions = cap;
         }
-        c->regions[c->num_regions++] = (struct epd__local_region){ id, ptr, bytes, owned };
+        c->regions[c->num_regions++] =
+                (struct epd__local_region){ .id = id, .ptr = ptr, .bytes = bytes, .owned = owned };
         return 0;
 }
 

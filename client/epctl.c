@@ -1,5 +1,10 @@
-/* epctl - the control CLI of epd: status, groups, clients (human tables or --json). */
+/* epctl - the control CLI of epd: status, groups, clients, stats (human tables or --json) and
+ * top (a live view). */
 #include <getopt.h>
+#include <poll.h>
+#include <signal.h>
+#include <termios.h>
+#include <unistd.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,9 +29,13 @@ static void usage(FILE *f)
                 "  status    daemon version, backend, devices, groups and clients\n"
                 "  groups    groups with their state and ranks\n"
                 "  clients   connected clients with their regions and bindings\n"
+                "  stats     per group, rank, client and device: ops, bytes, errors, latency\n"
+                "  top       live view of the stats, refreshed every second (q or Ctrl-C quits)\n"
                 "Options:\n"
                 "  -s, --socket PATH   daemon socket (default $EPD_SOCKET or /run/epd/epd.sock)\n"
                 "  -j, --json          print JSON instead of a table\n"
+                "  -n, --iterations N  top: stop after N refreshes\n"
+                "  -d, --delay MS      top: refresh interval (default 1000)\n"
                 "  -h, --help          this text\n");
 }
 
@@ -206,11 +215,229 @@ static int cmd_clients(struct epd_client *c, int json)
         return 0;
 }
 
+
+static json_t *op_stats_json(const Epd__V1__OpStats *o)
+{
+        json_t *errors = json_object();
+
+        if (!o)
+                return json_null();
+        for (size_t i = 1; i < o->n_errors; i++)
+                if (o->errors[i])
+                        json_object_set_new(errors, epd_status_name(-(int)i),
+                                            json_integer((json_int_t)o->errors[i]));
+        return json_pack("{s:I, s:I, s:o, s:I, s:I, s:I, s:I, s:I, s:I}", "ops",
+                         (json_int_t)o->ops, "bytes", (json_int_t)o->bytes, "errors", errors,
+                         "latency_p50_ns", (json_int_t)o->latency_p50_ns, "latency_p90_ns",
+                         (json_int_t)o->latency_p90_ns, "latency_p99_ns",
+                         (json_int_t)o->latency_p99_ns, "latency_max_ns",
+                         (json_int_t)o->latency_max_ns, "latency_count",
+                         (json_int_t)o->latency_count, "latency_sum_ns",
+                         (json_int_t)o->latency_sum_ns);
+}
+
+static Epd__V1__Response *fetch_stats(struct epd_client *c)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__StatsRequest sr = EPD__V1__STATS_REQUEST__INIT;
+        Epd__V1__Response *resp;
+
+        req.body_case = EPD__V1__REQUEST__BODY_STATS;
+        req.stats = &sr;
+        if (request(c, &req, &resp) < 0)
+                return NULL;
+        if (!resp->stats) {
+                epd__v1__response__free_unpacked(resp, NULL);
+                return NULL;
+        }
+        return resp;
+}
+
+static uint64_t errors_total(const Epd__V1__OpStats *o)
+{
+        uint64_t n = 0;
+
+        for (size_t i = 1; o && i < o->n_errors; i++)
+                n += o->errors[i];
+        return n;
+}
+
+static void print_stats_table(const Epd__V1__StatsReply *s, const Epd__V1__StatsReply *prev,
+                              double dt)
+{
+        printf("epd  backend %s  uptime %.1f s  ops %llu ok / %llu failed  clients %zu\n",
+               s->backend, s->uptime_ms / 1000.0, (unsigned long long)s->ops_completed,
+               (unsigned long long)s->ops_failed, s->n_clients);
+        printf("%-16s %4s %5s %9s %8s %8s %8s %9s %8s %8s %6s %5s %12s\n", "GROUP", "RANK", "DEV",
+               "DISPATCH", "/s", "p50[us]", "p99[us]", "COMBINE", "p50[us]", "p99[us]", "ERR",
+               "QUEUE", "ARENA[MiB]");
+        for (size_t g = 0; g < s->n_groups; g++) {
+                const Epd__V1__GroupStats *gs = s->groups[g];
+                const Epd__V1__GroupStats *pg = NULL;
+                for (size_t k = 0; prev && k < prev->n_groups; k++)
+                        if (prev->groups[k]->id == gs->id)
+                                pg = prev->groups[k];
+                for (size_t r = 0; r < gs->n_ranks; r++) {
+                        const Epd__V1__RankStats *rs = gs->ranks[r];
+                        double rate = 0;
+                        if (pg && r < pg->n_ranks && dt > 0)
+                                rate = (double)(rs->dispatch->ops + rs->combine->ops -
+                                                pg->ranks[r]->dispatch->ops -
+                                                pg->ranks[r]->combine->ops) / dt;
+                        printf("%-16.16s %4u %5u %9llu %8.0f %8.1f %8.1f %9llu %8.1f %8.1f %6llu %5u %5.1f/%-6.1f\n",
+                               r ? "" : gs->name, rs->rank, rs->device,
+                               (unsigned long long)rs->dispatch->ops, rate,
+                               rs->dispatch->latency_p50_ns / 1e3,
+                               rs->dispatch->latency_p99_ns / 1e3,
+                               (unsigned long long)rs->combine->ops,
+                               rs->combine->latency_p50_ns / 1e3,
+                               rs->combine->latency_p99_ns / 1e3,
+                               (unsigned long long)(errors_total(rs->dispatch) +
+                                                    errors_total(rs->combine)),
+                               rs->queue_depth, rs->arena_used_bytes / 1048576.0,
+                               rs->arena_bytes / 1048576.0);
+                }
+        }
+        printf("%-6s %-44s %6s %12s %14s\n", "DEV", "UUID", "RANKS", "RANK-OPS", "BYTES");
+        for (size_t i = 0; i < s->n_devices; i++)
+                printf("%-6u %-44s %6u %12llu %14llu\n", s->devices[i]->index, s->devices[i]->uuid,
+                       s->devices[i]->ranks, (unsigned long long)s->devices[i]->ops,
+                       (unsigned long long)s->devices[i]->bytes);
+}
+
+static int cmd_stats(struct epd_client *c, int json)
+{
+        Epd__V1__Response *resp = fetch_stats(c);
+
+        if (!resp)
+                return 1;
+        const Epd__V1__StatsReply *s = resp->stats;
+        if (!json) {
+                print_stats_table(s, NULL, 0);
+                epd__v1__response__free_unpacked(resp, NULL);
+                return 0;
+        }
+        json_t *groups = json_array(), *clients = json_array(), *devices = json_array();
+        for (size_t g = 0; g < s->n_groups; g++) {
+                const Epd__V1__GroupStats *gs = s->groups[g];
+                json_t *ranks = json_array();
+                for (size_t r = 0; r < gs->n_ranks; r++) {
+                        const Epd__V1__RankStats *rs = gs->ranks[r];
+                        json_array_append_new(
+                                ranks, json_pack("{s:I, s:b, s:I, s:I, s:o, s:o, s:I, s:I, s:I, s:I}",
+                                                 "rank", (json_int_t)rs->rank, "bound", rs->bound,
+                                                 "client_id", (json_int_t)rs->client_id, "device",
+                                                 (json_int_t)rs->device, "dispatch",
+                                                 op_stats_json(rs->dispatch), "combine",
+                                                 op_stats_json(rs->combine), "arena_bytes",
+                                                 (json_int_t)rs->arena_bytes, "arena_used_bytes",
+                                                 (json_int_t)rs->arena_used_bytes, "queue_depth",
+                                                 (json_int_t)rs->queue_depth, "next_op",
+                                                 (json_int_t)rs->next_op));
+                }
+                json_array_append_new(
+                        groups, json_pack("{s:I, s:s, s:s, s:I, s:o, s:o, s:I, s:I, s:o}", "id",
+                                          (json_int_t)gs->id, "name", gs->name, "state", gs->state,
+                                          "world_size", (json_int_t)gs->world_size, "dispatch",
+                                          op_stats_json(gs->dispatch), "combine",
+                                          op_stats_json(gs->combine), "pending_ops",
+                                          (json_int_t)gs->pending_ops, "handles",
+                                          (json_int_t)gs->handles, "ranks", ranks));
+        }
+        for (size_t i = 0; i < s->n_clients; i++) {
+                const Epd__V1__ClientStats *cs = s->clients[i];
+                json_array_append_new(
+                        clients, json_pack("{s:I, s:i, s:s, s:I, s:I, s:I, s:I, s:I}", "id",
+                                           (json_int_t)cs->id, "pid", cs->pid, "name", cs->name,
+                                           "requests", (json_int_t)cs->requests, "ops",
+                                           (json_int_t)cs->ops, "outstanding_ops",
+                                           (json_int_t)cs->outstanding_ops, "regions",
+                                           (json_int_t)cs->regions, "region_bytes",
+                                           (json_int_t)cs->region_bytes));
+        }
+        for (size_t i = 0; i < s->n_devices; i++) {
+                const Epd__V1__DeviceStats *ds = s->devices[i];
+                json_array_append_new(devices,
+                                      json_pack("{s:I, s:s, s:s, s:I, s:I, s:I}", "index",
+                                                (json_int_t)ds->index, "uuid", ds->uuid, "kind",
+                                                ds->kind, "ranks", (json_int_t)ds->ranks, "ops",
+                                                (json_int_t)ds->ops, "bytes",
+                                                (json_int_t)ds->bytes));
+        }
+        json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:o}", "backend",
+                              s->backend, "uptime_ms", (json_int_t)s->uptime_ms, "ops_completed",
+                              (json_int_t)s->ops_completed, "ops_failed",
+                              (json_int_t)s->ops_failed, "protocol_errors",
+                              (json_int_t)s->protocol_errors, "clients_accepted",
+                              (json_int_t)s->clients_accepted, "clients_refused",
+                              (json_int_t)s->clients_refused, "groups", groups, "clients",
+                              clients, "devices", devices);
+        json_dumpf(o, stdout, JSON_INDENT(2));
+        putchar('\n');
+        json_decref(o);
+        epd__v1__response__free_unpacked(resp, NULL);
+        return 0;
+}
+
+static volatile sig_atomic_t top_stop;
+
+static void on_top_signal(int sig)
+{
+        (void)sig;
+        top_stop = 1;
+}
+
+/* A live view like top(1): clear, print, sleep; q on a terminal or SIGINT/SIGTERM quits. */
+static int cmd_top(struct epd_client *c, long iterations, long delay_ms)
+{
+        Epd__V1__Response *prev = NULL;
+        struct termios saved;
+        int tty = isatty(STDIN_FILENO);
+
+        signal(SIGINT, on_top_signal);
+        signal(SIGTERM, on_top_signal);
+        if (tty && tcgetattr(STDIN_FILENO, &saved) == 0) {
+                struct termios raw = saved;
+                raw.c_lflag &= (tcflag_t) ~(ICANON | ECHO);
+                tcsetattr(STDIN_FILENO, TCSANOW, &raw);
+        } else {
+                tty = 0;
+        }
+        for (long i = 0; !top_stop && (iterations <= 0 || i < iterations); i++) {
+                Epd__V1__Response *cur = fetch_stats(c);
+                if (!cur)
+                        break;
+                double dt = prev ? (cur->stats->uptime_ms - prev->stats->uptime_ms) / 1000.0 : 0;
+                printf("\033[H\033[2J");
+                print_stats_table(cur->stats, prev ? prev->stats : NULL, dt);
+                printf("\n(refresh %ld ms; q quits)\n", delay_ms);
+                fflush(stdout);
+                if (prev)
+                        epd__v1__response__free_unpacked(prev, NULL);
+                prev = cur;
+                if (iterations > 0 && i + 1 >= iterations)
+                        break;
+                struct pollfd pfd = { .fd = STDIN_FILENO, .events = POLLIN };
+                if (poll(&pfd, tty ? 1 : 0, (int)delay_ms) > 0) {
+                        char ch;
+                        if (read(STDIN_FILENO, &ch, 1) == 1 && (ch == 'q' || ch == 'Q'))
+                                break;
+                }
+        }
+        if (tty)
+                tcsetattr(STDIN_FILENO, TCSANOW, &saved);
+        if (prev)
+                epd__v1__response__free_unpacked(prev, NULL);
+        return 0;
+}
+
 int main(int argc, char **argv)
 {
         static const struct option options[] = {
                 { "socket", required_argument, NULL, 's' },
                 { "json", no_argument, NULL, 'j' },
+                { "iterations", required_argument, NULL, 'n' },
+                { "delay", required_argument, NULL, 'd' },
                 { "help", no_argument, NULL, 'h' },
                 { NULL, 0, NULL, 0 },
         };
@@ -218,12 +445,15 @@ int main(int argc, char **argv)
         struct epd_client *c;
         char err[512];
         int json = 0, opt, rc;
+        long iterations = 0, delay_ms = 1000;
         const char *cmd;
 
-        while ((opt = getopt_long(argc, argv, "+s:jh", options, NULL)) != -1) {
+        while ((opt = getopt_long(argc, argv, "+s:jn:d:h", options, NULL)) != -1) {
                 switch (opt) {
                 case 's': args.socket_path = optarg; break;
                 case 'j': json = 1; break;
+                case 'n': iterations = strtol(optarg, NULL, 10); break;
+                case 'd': delay_ms = strtol(optarg, NULL, 10); break;
                 case 'h': usage(stdout); return 0;
                 default: usage(stderr); return 2;
                 }
@@ -237,12 +467,19 @@ int main(int argc, char **argv)
         for (; optind < argc; optind++) {
                 if (strcmp(argv[optind], "--json") == 0 || strcmp(argv[optind], "-j") == 0) {
                         json = 1;
+                } else if ((strcmp(argv[optind], "-n") == 0 ||
+                            strcmp(argv[optind], "--iterations") == 0) && optind + 1 < argc) {
+                        iterations = strtol(argv[++optind], NULL, 10);
+                } else if ((strcmp(argv[optind], "-d") == 0 ||
+                            strcmp(argv[optind], "--delay") == 0) && optind + 1 < argc) {
+                        delay_ms = strtol(argv[++optind], NULL, 10);
                 } else {
                         fprintf(stderr, "epctl: unexpected argument '%s'\n", argv[optind]);
                         return 2;
                 }
         }
-        if (strcmp(cmd, "status") && strcmp(cmd, "groups") && strcmp(cmd, "clients")) {
+        if (strcmp(cmd, "status") && strcmp(cmd, "groups") && strcmp(cmd, "clients") &&
+            strcmp(cmd, "stats") && strcmp(cmd, "top")) {
                 fprintf(stderr, "epctl: unknown command '%s'\n", cmd);
                 usage(stderr);
                 return 2;
@@ -256,6 +493,10 @@ int main(int argc, char **argv)
                 rc = cmd_status(c, json);
         else if (strcmp(cmd, "groups") == 0)
                 rc = cmd_groups(c, json);
+        else if (strcmp(cmd, "stats") == 0)
+                rc = cmd_stats(c, json);
+        else if (strcmp(cmd, "top") == 0)
+                rc = cmd_top(c, iterations, delay_ms > 0 ? delay_ms : 1000);
         else
                 rc = cmd_clients(c, json);
         epd_client_free(c);

@@ -168,8 +168,11 @@ int epd_region_release(struct epd_client *client, uint64_t region_id);
  * device is the daemon's device index (epd_client_daemon_info), checked against the GPU that
  * holds the memory by UUID when the daemon listed it; EPD_DEVICE_AUTO picks it by UUID.
  * Ownership: the memory stays the caller's and must stay allocated until the region is released
- * (epd_region_release, or epd_client_free). CUDA is initialised by this call, never by
- * epd_client_connect. The calling thread's current CUDA context is preserved.
+ * (epd_region_release, or epd_client_free): freeing cudaMalloc memory that the daemon still has
+ * open through CUDA IPC is undefined behaviour in CUDA (the cache's buffer-id check is only a
+ * safety net; a cuMem allocation stays alive in the daemon until the release). CUDA is
+ * initialised by this call, never by epd_client_connect; it does not change the calling
+ * thread's current CUDA device. Any thread.
  * Returns EPD_UNAVAILABLE when libepd was built without CUDA or the daemon cannot import GPU
  * memory. */
 int epd_region_register_device(struct epd_client *client, const void *dev_ptr, size_t bytes,

@@ -44,6 +44,14 @@ static void load(void)
                 { "cuMemRelease", (void **)&table.MemRelease },
                 { "cuStreamWaitValue64", (void **)&table.StreamWaitValue64 },
                 { "cuStreamWriteValue64", (void **)&table.StreamWriteValue64 },
+                { "cuGetErrorName", (void **)&table.GetErrorName },
+                { "cuCtxPushCurrent", (void **)&table.CtxPushCurrent },
+                { "cuCtxPopCurrent", (void **)&table.CtxPopCurrent },
+                { "cuDeviceGet", (void **)&table.DeviceGet },
+                { "cuDeviceGetUuid", (void **)&table.DeviceGetUuid },
+                { "cuDevicePrimaryCtxRetain", (void **)&table.DevicePrimaryCtxRetain },
+                { "cuDevicePrimaryCtxRelease", (void **)&table.DevicePrimaryCtxRelease },
+                { "cuPointerGetAttribute", (void **)&table.PointerGetAttribute },
         };
 
         for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++)

@@ -32,6 +32,14 @@ struct epd_cudrv {
         CUresult (*MemRelease)(CUmemGenericAllocationHandle);
         CUresult (*StreamWaitValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
         CUresult (*StreamWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+        CUresult (*GetErrorName)(CUresult, const char **);
+        CUresult (*CtxPushCurrent)(CUcontext);
+        CUresult (*CtxPopCurrent)(CUcontext *);
+        CUresult (*DeviceGet)(CUdevice *, int);
+        CUresult (*DeviceGetUuid)(CUuuid *, CUdevice);
+        CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+        CUresult (*DevicePrimaryCtxRelease)(CUdevice);
+        CUresult (*PointerGetAttribute)(void *, CUpointer_attribute, CUdeviceptr);
 };
 
 /* The resolved table, loaded once (thread-safe); NULL when the driver or a symbol is missing. */

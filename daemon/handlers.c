@@ -15,6 +15,7 @@
 #include "backend.h"
 #include "daemon.h"
 #include "log.h"
+#include "report.h"
 #include "routing.h"
 #include "util.h"
 
@@ -600,6 +601,9 @@ int epd_handle_request(struct epd_conn *c, Epd__V1__Request *req, int *fds, unsi
                 break;
         case EPD__V1__REQUEST__BODY_HANDLE_RELEASE:
                 handle_handle_release(c, req);
+                break;
+        case EPD__V1__REQUEST__BODY_STATS:
+                epd_handle_stats(c, req);
                 break;
         case EPD__V1__REQUEST__BODY_DISPATCH:
         case EPD__V1__REQUEST__BODY_COMBINE: {

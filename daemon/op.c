@@ -945,6 +945,10 @@ void epd_op_complete(struct epd_exec *ex)
                 struct epd_op_stats *st = &g->ranks[r].stats.kind[op->kind - 1];
                 epd_op_stats_record(st, status, ex->bytes / (R ? R : 1),
                                     now - sub->submitted_ns);
+                if (status == EPD_OK && g->ranks[r].device < 64) {
+                        d->stats.devices[g->ranks[r].device].ops++;
+                        d->stats.devices[g->ranks[r].device].bytes += ex->bytes / (R ? R : 1);
+                }
                 if (!sub->conn)
                         continue;
                 epd_group_rank_op_finished(g, r);

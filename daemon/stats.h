@@ -47,6 +47,10 @@ struct epd_daemon_stats {
         uint64_t protocol_errors;
         uint64_t clients_accepted;
         uint64_t clients_refused;
+        struct {
+                uint64_t ops;         /* rank-ops executed for ranks on this device */
+                uint64_t bytes;
+        } devices[64];
 };
 
 void epd_latency_record(struct epd_latency_hist *h, uint64_t ns);

@@ -25,8 +25,40 @@ if(EPD_HAVE_CUDA)
   add_test(NAME gpu_kernels COMMAND gpu_kernels_test)
   set_tests_properties(gpu_kernels PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 1200)
 
+  set(EPD_GPU_TESTS "bin/gpu_kernels_test\n")
+
+  # Client processes whose tensors live in their own GPU memory (epd_region_register_device)
+  # against the real daemon with the CUDA backend, checked bitwise against the reference.
+  # Needs libepd built with CUDA (client/client_cuda.cmake) and Check.
+  if(CHECK_FOUND AND TARGET epd_workload)
+    add_executable(gpu_integ ${CMAKE_CURRENT_SOURCE_DIR}/gpu/gpu_integ.c)
+    target_include_directories(gpu_integ PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+    target_link_libraries(gpu_integ PRIVATE epd_workload epd_harness epd_check
+      CUDA::cudart_static CUDA::cuda_driver)
+    add_dependencies(gpu_integ epd epctl)
+    # It links libcuda (cuMem, and libepd's CUDA code), so without a driver it cannot even load:
+    # skip there before trying, as its own probe would.
+    add_test(NAME gpu_integ
+      COMMAND sh -c "ls /dev/nvidia[0-9]* >/dev/null 2>&1 || exit 77; exec \"$0\""
+              $<TARGET_FILE:gpu_integ>)
+    set_tests_properties(gpu_integ PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 900)
+    string(APPEND EPD_GPU_TESTS "bin/gpu_integ\n")
+  endif()
+
+  # The host-memory integration matrix on the CUDA backend: memfd regions the GPUs reach through
+  # cudaHostRegister, outputs compared bitwise with the reference. integ_ops has no GPU check of
+  # its own, so the test skips where the host shows no NVIDIA device node.
+  if(TARGET integ_ops)
+    add_test(NAME integ_ops_cuda
+      COMMAND sh -c "ls /dev/nvidia[0-9]* >/dev/null 2>&1 || exit 77; exec \"$0\""
+              $<TARGET_FILE:integ_ops>)
+    set_tests_properties(integ_ops_cuda PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 1200
+      ENVIRONMENT EPD_TEST_BACKEND=cuda)
+    string(APPEND EPD_GPU_TESTS "EPD_TEST_BACKEND=cuda bin/integ_ops\n")
+  endif()
+
   # The runner and the list of GPU test binaries, relative to the build directory.
   configure_file(${CMAKE_CURRENT_SOURCE_DIR}/gpu/run-gpu-tests.sh
                  ${CMAKE_BINARY_DIR}/tests/gpu/run-gpu-tests.sh COPYONLY)
-  file(WRITE ${CMAKE_BINARY_DIR}/tests/gpu/gpu-tests.list "bin/gpu_kernels_test\n")
+  file(WRITE ${CMAKE_BINARY_DIR}/tests/gpu/gpu-tests.list "${EPD_GPU_TESTS}")
 endif()

@@ -9,7 +9,10 @@
 #
 # The binaries are found relative to the build directory (tests/gpu/gpu-tests.list, written at
 # configure time, else BUILD/bin/*gpu*test*), never through CTest files, whose absolute paths do
-# not survive copying the build directory to a GPU host.
+# not survive copying the build directory to a GPU host. A list line may start with environment
+# assignments, as in "EPD_TEST_BACKEND=cuda bin/integ_ops" (the host-memory integration matrix on
+# the CUDA backend); its log is then NAME_VALUE.log, and it is skipped on a host without an
+# NVIDIA device node, since such a binary has no skip of its own.
 #
 # Exit: 0 when every test passed (or skipped while another passed), 1 when any failed, 77 when
 # every test skipped (no GPU).
@@ -45,8 +48,8 @@ out=$(cd "$out" && pwd)
 
 tests=()
 if [ -f "$build/tests/gpu/gpu-tests.list" ]; then
-        while IFS= read -r rel; do
-                [ -n "$rel" ] && tests+=("$build/$rel")
+        while IFS= read -r line; do
+                [ -n "$line" ] && tests+=("$line")
         done < "$build/tests/gpu/gpu-tests.list"
 else
         for f in "$build"/bin/*gpu*test*; do
@@ -62,19 +65,48 @@ passed=0
 failed=0
 skipped=0
 : > "$out/summary.txt"
-for t in "${tests[@]}"; do
-        name=$(basename "$t")
+have_gpu=0
+for dev in /dev/nvidia[0-9]*; do
+        [ -e "$dev" ] && have_gpu=1
+done
+
+for line in "${tests[@]}"; do
+        # Leading NAME=value words are environment for this test; the next word is the binary.
+        envs=()
+        suffix=""
+        t=""
+        for word in $line; do
+                if [ -z "$t" ] && [[ $word =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; then
+                        envs+=("$word")
+                        suffix="${suffix}_${word#*=}"
+                elif [ -z "$t" ]; then
+                        t=$word
+                fi
+        done
+        case $t in
+        /*) ;;
+        *) t="$build/$t" ;;
+        esac
+        name=$(basename "$t")$suffix
         if [ ! -x "$t" ]; then
                 echo "$name: MISSING ($t)" | tee -a "$out/summary.txt"
                 failed=$((failed + 1))
                 continue
         fi
-        echo "== $name $*"
+        if [ ${#envs[@]} -gt 0 ] && [ $have_gpu -eq 0 ]; then
+                echo "$name: SKIP (no /dev/nvidia* device)" | tee -a "$out/summary.txt"
+                skipped=$((skipped + 1))
+                continue
+        fi
+        echo "== ${envs[*]:-}${envs[*]:+ }$name $*"
         start=$(date +%s)
-        "$t" "$@" > "$out/$name.log" 2>&1
+        (cd "$build" && env ${envs[@]+"${envs[@]}"} "$t" "$@") > "$out/$name.log" 2>&1
         rc=$?
         secs=$(( $(date +%s) - start ))
         tail -n 40 "$out/$name.log"
+        if [ $rc -eq 127 ] && [ $have_gpu -eq 0 ]; then
+                rc=77 # it could not load without the driver's libcuda: no GPU here
+        fi
         case $rc in
         0) verdict=PASS; passed=$((passed + 1)) ;;
         77) verdict=SKIP; skipped=$((skipped + 1)) ;;
