@@ -1263,6 +1263,92 @@ START_TEST(test_peer_lost)
 }
 END_TEST
 
+/* Stream ordering without host round trips: the inputs are uploaded on the worker's stream,
+ * whose inputs_ready doorbell the daemon waits for; the same stream waits for the op's
+ * completion doorbell and downloads the outputs. The host never waits for the op before the
+ * download is queued, so correct outputs prove both orderings. */
+static const struct gcase stream_case = {
+        CASE("gpu_stream_order", 741, 2, 16, 2048, 256, 8, BF, I64, NE, 1, 0, 1,
+             TD_ROUTING_UNIFORM, 0.0, WL_TOKENS_FULL, 0, 0, 0), MEM_MALLOC, 0
+};
+
+static int stream_worker(void *arg, int index)
+{
+        struct shared *sh = arg;
+        struct worker w_s, *w = &w_s;
+        struct step st;
+        struct outputs o;
+        struct epd_dispatch_args da;
+        struct epd_op *op = NULL;
+        cudaStream_t stream;
+        uint8_t *pinned_x = NULL, *pinned_out = NULL;
+        uint64_t seq = 0;
+        int rc;
+
+        memset(&st, 0, sizeof(st));
+        TRY(worker_open(w, sh, (uint32_t)index));
+        TRY(step_make(w, &st, 0, 0));
+        TRY(build_dispatch(w, &st, (uint64_t)my_rows(w, &st), POISON, &da, &o));
+        const struct wl_inputs *in = &st.ins[w->rank];
+        uint64_t x_bytes = (uint64_t)in->num_tokens * in->x_stride;
+        uint64_t out_bytes = o.bytes[OF_X] + o.bytes[OF_SRC];
+        CU(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        CU(cudaMallocHost((void **)&pinned_x, x_bytes + 1));
+        CU(cudaMallocHost((void **)&pinned_out, out_bytes + 1));
+        memcpy(pinned_x, in->x, x_bytes);
+        /* Spoil x on the device; only the upload queued on the stream repairs it. */
+        CU(cudaMemset(o.x_dev, 0x7F, x_bytes));
+        CU(cudaDeviceSynchronize());
+        CU(cudaMemcpyAsync(o.x_dev, pinned_x, x_bytes, cudaMemcpyHostToDevice, stream));
+        rc = epd_group_mark_inputs_ready(w->group, stream, &seq);
+        CHECK(rc == 0, "mark inputs ready: %s", epd_client_last_error(w->client));
+        da.wait_inputs = seq;
+        rc = epd_dispatch_submit(w->group, &da, &op);
+        CHECK(rc == 0, "submit: %s", epd_client_last_error(w->client));
+        rc = epd_op_stream_wait(op, stream);
+        CHECK(rc == 0, "stream wait: %s", epd_client_last_error(w->client));
+        CU(cudaMemcpyAsync(pinned_out, o.dev[OF_X], o.bytes[OF_X], cudaMemcpyDeviceToHost, stream));
+        CU(cudaMemcpyAsync(pinned_out + o.bytes[OF_X], o.dev[OF_SRC], o.bytes[OF_SRC],
+                           cudaMemcpyDeviceToHost, stream));
+        CU(cudaStreamSynchronize(stream));
+        /* Only now does the host look at the op. */
+        rc = epd_op_wait(op, 60000);
+        CHECK(rc == 0, "dispatch: %s: %s", epd_status_name(rc), epd_op_error(op));
+        struct ref_dispatch_actual act;
+        char err[1024];
+        memset(&act, 0, sizeof(act));
+        act.recv_x = (struct ref_buf){ pinned_out, 0 };
+        act.recv_src = (struct ref_buf){ pinned_out + o.bytes[OF_X], 0 };
+        CHECK(ref_check_dispatch(st.ref, w->rank, &act, err, sizeof(err)) == 0,
+              "outputs read by the stream after epd_op_stream_wait: %s", err);
+        printf("rank %u: stream-ordered dispatch verified (inputs_ready %llu, op sequence %llu)\n",
+               w->rank, (unsigned long long)seq, (unsigned long long)epd_op_sequence(op));
+        fflush(stdout);
+        epd_op_free(op);
+        cudaFreeHost(pinned_x);
+        cudaFreeHost(pinned_out);
+        cudaStreamDestroy(stream);
+        step_free(&st);
+        return worker_close(w);
+}
+
+START_TEST(test_stream_order)
+{
+        struct h_daemon d;
+        struct shared *sh;
+        int failures;
+
+        announce(&stream_case, "stream ordering");
+        daemon_start(&d);
+        sh = shared_new(&d, &stream_case);
+        failures = spawn_and_wait(sh, stream_worker, 2);
+        munmap(sh, sizeof(*sh));
+        expect_ok(&d, failures, "stream ordering", stream_case.c.seed);
+        probe_daemon(&d, "stream_order");
+        daemon_stop_clean(&d);
+}
+END_TEST
+
 START_TEST(test_register_api)
 {
         static const char *const host_args[] = { "--backend", "host", NULL };
@@ -1350,6 +1436,7 @@ int main(void)
         tcase_add_loop_test(tc, test_matrix, 0, (int)(sizeof(matrix) / sizeof(matrix[0])));
         tcase_add_test(tc, test_capacity);
         tcase_add_test(tc, test_peer_lost);
+        tcase_add_test(tc, test_stream_order);
         suite_add_tcase(s, tc);
         sr = srunner_create(s);
         srunner_run_all(sr, CK_NORMAL);
