@@ -1,0 +1,52 @@
+"""epd: Python binding of libepd, the client library of the epd expert-parallel daemon.
+
+Pure Python over ctypes; needs NumPy and libepd.so (found through ``$EPD_LIBRARY``, else the
+source tree's ``build/lib/libepd.so``, else the system loader). A worker's MoE step::
+
+    import epd
+
+    with epd.connect(socket="/run/epd/epd.sock") as client:
+        group = epd.Group.create(client, "layer0", b"secret", rank=0, world_size=2,
+                                 num_experts=16, hidden=1024, max_tokens_per_rank=256,
+                                 max_topk=4)            # other ranks: epd.Group.join(...)
+        res = group.dispatch(x_bf16, topk_idx=topk, topk_weights=w, layout="expand")
+        res.recv_x[:] = experts(res)                    # in place, in the output arena
+        y, _ = group.combine(res.recv_x, res.handle, apply_weights=True)
+        res.handle.release()
+
+bf16 tensors are NumPy ``uint16`` arrays of bf16 bits (:func:`float_to_bf16`,
+:func:`bf16_to_float`); fp8 tensors are ``uint8`` e4m3 bytes. Inputs in shared memory from
+:func:`empty` travel without a copy; other arrays are copied into a cached staging region.
+
+Not supported yet: CUDA tensors (GPU memory regions) and stream ordering from Python
+(``Future.stream_wait`` raises :class:`StreamWaitUnavailable`, a NotImplementedError, where
+libepd or the daemon has no CUDA); caller-supplied dispatch output tensors (outputs go to the
+arena or to a region the binding allocates per dispatch); torch tensors outside
+:mod:`epd.compat.deep_ep`.
+"""
+
+from ._lib import EXPECTED_SIZES as _EXPECTED_SIZES  # noqa: F401  (tests)
+from .bf16 import bf16_to_float, float_to_bf16, round_bf16
+from .client import Client, Region, connect, empty
+from .errors import (Aborted, AlreadyExists, CapacityExceeded, Error, Internal,
+                     InvalidArgument, NotFound, PeerLost, PermissionDenied, Timeout,
+                     Unavailable, VersionMismatch, error_class)
+from .group import (EXPAND, NON_EXPAND, DispatchResult, Future, Group, Handle,
+                    StreamWaitUnavailable)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Aborted", "AlreadyExists", "CapacityExceeded", "Client", "DispatchResult", "EXPAND",
+    "Error", "Future", "Group", "Handle", "Internal", "InvalidArgument", "NON_EXPAND",
+    "NotFound", "PeerLost", "PermissionDenied", "Region", "StreamWaitUnavailable", "Timeout",
+    "Unavailable",
+    "VersionMismatch", "bf16_to_float", "connect", "empty", "error_class", "float_to_bf16",
+    "library_path", "round_bf16",
+]
+
+
+def library_path():
+    """The path libepd was (or will be) loaded from; loads it if needed."""
+    from . import _lib
+    return _lib.load().path

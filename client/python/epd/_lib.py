@@ -1,0 +1,362 @@
+"""ctypes declarations of libepd's public API (client/epd.h) and the loader of libepd.so.
+
+Every structure here mirrors the C declaration field for field; tests/python/test_binding.py
+checks the sizes that the layout implies. The library is loaded on first use, not at import,
+so the pure-NumPy helpers (bf16 conversion) work without it.
+
+Where the library is looked for, in order:
+
+1. the path in the environment variable ``EPD_LIBRARY``;
+2. ``build/lib/libepd.so`` of the source tree this package sits in
+   (``client/python/epd/../../../build/lib/libepd.so``);
+3. the system loader (``libepd.so.0``, then ``libepd.so``).
+"""
+
+import ctypes
+import os
+import threading
+
+# enum epd_status
+OK = 0
+INVALID_ARGUMENT = -1
+NOT_FOUND = -2
+ALREADY_EXISTS = -3
+PERMISSION_DENIED = -4
+CAPACITY_EXCEEDED = -5
+PEER_LOST = -6
+TIMEOUT = -7
+ABORTED = -8
+UNAVAILABLE = -9
+VERSION_MISMATCH = -10
+INTERNAL = -11
+
+# enum epd_dtype
+DTYPE_INVALID = 0
+DTYPE_BF16 = 1
+DTYPE_FP8_E4M3 = 2
+DTYPE_FP32 = 3
+DTYPE_INT32 = 4
+DTYPE_INT64 = 5
+
+# enum epd_layout
+LAYOUT_NON_EXPAND = 0
+LAYOUT_EXPAND = 1
+
+# enum epd_region_kind
+REGION_HOST_MEMFD = 1
+
+TENSOR_MAX_DIMS = 4
+
+_u32 = ctypes.c_uint32
+_u64 = ctypes.c_uint64
+_i32 = ctypes.c_int32
+_int = ctypes.c_int
+_size = ctypes.c_size_t
+
+
+class Tensor(ctypes.Structure):
+    """struct epd_tensor."""
+
+    _fields_ = [
+        ("dtype", _int),
+        ("ndim", _u32),
+        ("sizes", _u64 * TENSOR_MAX_DIMS),
+        ("strides", _u64 * TENSOR_MAX_DIMS),
+        ("region_id", _u64),
+        ("offset", _u64),
+    ]
+
+
+class ConnectArgs(ctypes.Structure):
+    """struct epd_connect_args."""
+
+    _fields_ = [
+        ("size", _size),
+        ("socket_path", ctypes.c_char_p),
+        ("client_name", ctypes.c_char_p),
+        ("protocol_version", _u32),
+        ("timeout_ms", _int),
+    ]
+
+
+class DeviceInfo(ctypes.Structure):
+    """struct epd_device_info."""
+
+    _fields_ = [
+        ("index", _u32),
+        ("uuid", ctypes.c_char * 64),
+        ("name", ctypes.c_char * 64),
+        ("kind", ctypes.c_char * 16),
+        ("memory_bytes", _u64),
+    ]
+
+
+class DaemonInfo(ctypes.Structure):
+    """struct epd_daemon_info."""
+
+    _fields_ = [
+        ("protocol_version", _u32),
+        ("daemon_epoch", _u64),
+        ("client_id", _u64),
+        ("backend", ctypes.c_char * 16),
+        ("version", ctypes.c_char * 32),
+        ("max_frame_bytes", _u32),
+        ("max_fds_per_frame", _u32),
+        ("num_devices", _u32),
+        ("devices", DeviceInfo * 16),
+    ]
+
+
+class GroupConfig(ctypes.Structure):
+    """struct epd_group_config."""
+
+    _fields_ = [
+        ("size", _size),
+        ("world_size", _u32),
+        ("num_experts", _u32),
+        ("hidden", _u32),
+        ("max_tokens_per_rank", _u32),
+        ("max_topk", _u32),
+        ("dispatch_dtype", _int),
+        ("scale_block", _u32),
+        ("op_timeout_ms", _u32),
+        ("arena_bytes", _u64),
+    ]
+
+
+class GroupArgs(ctypes.Structure):
+    """struct epd_group_args."""
+
+    _fields_ = [
+        ("size", _size),
+        ("name", ctypes.c_char_p),
+        ("secret", ctypes.c_void_p),
+        ("secret_len", _size),
+        ("rank", _u32),
+        ("device", _u32),
+        ("device_uuid", ctypes.c_char_p),
+        ("config", ctypes.POINTER(GroupConfig)),
+    ]
+
+
+class SizeHint(ctypes.Structure):
+    """struct epd_size_hint."""
+
+    _fields_ = [
+        ("daemon_bytes_per_rank", _u64),
+        ("max_rows_non_expand", _u64),
+        ("max_rows_expand", _u64),
+        ("arena_bytes_non_expand", _u64),
+        ("arena_bytes_expand", _u64),
+    ]
+
+
+class DispatchArgs(ctypes.Structure):
+    """struct epd_dispatch_args."""
+
+    _fields_ = [
+        ("size", _size),
+        ("num_tokens", _u32),
+        ("num_topk", _u32),
+        ("x", Tensor),
+        ("scales", Tensor),
+        ("topk_idx", Tensor),
+        ("topk_weights", Tensor),
+        ("handle_id", _u64),
+        ("layout", _int),
+        ("expert_alignment", _u32),
+        ("zero_padding", _int),
+        ("use_arena", _int),
+        ("recv_x", Tensor),
+        ("recv_scales", Tensor),
+        ("recv_topk_idx", Tensor),
+        ("recv_weights", Tensor),
+        ("recv_src", Tensor),
+        ("recv_topk_slot", Tensor),
+        ("wait_inputs", _u64),
+    ]
+
+
+class DispatchResult(ctypes.Structure):
+    """struct epd_dispatch_result."""
+
+    _fields_ = [
+        ("op_number", _u64),
+        ("handle_id", _u64),
+        ("num_recv_tokens", _i32),
+        ("num_expanded_rows", _i32),
+        ("num_local_experts", _u32),
+        ("num_recv_tokens_per_expert", ctypes.POINTER(_i32)),
+        ("num_recv_tokens_per_expert_aligned", ctypes.POINTER(_i32)),
+        ("world_size", _u32),
+        ("rank_prefix", ctypes.POINTER(_i32)),
+        ("recv_x", Tensor),
+        ("recv_scales", Tensor),
+        ("recv_topk_idx", Tensor),
+        ("recv_weights", Tensor),
+        ("recv_src", Tensor),
+        ("recv_topk_slot", Tensor),
+        ("recv_x_ptr", ctypes.c_void_p),
+        ("recv_scales_ptr", ctypes.c_void_p),
+        ("recv_topk_idx_ptr", ctypes.c_void_p),
+        ("recv_weights_ptr", ctypes.c_void_p),
+        ("recv_src_ptr", ctypes.c_void_p),
+        ("recv_topk_slot_ptr", ctypes.c_void_p),
+        ("exec_ns", _u64),
+        ("queue_ns", _u64),
+    ]
+
+
+class CombineArgs(ctypes.Structure):
+    """struct epd_combine_args."""
+
+    _fields_ = [
+        ("size", _size),
+        ("handle_id", _u64),
+        ("y", Tensor),
+        ("apply_weights", _int),
+        ("num_bias", _u32),
+        ("bias", Tensor * 2),
+        ("combined", Tensor),
+        ("combined_topk_weights", Tensor),
+        ("wait_inputs", _u64),
+    ]
+
+
+class CombineResult(ctypes.Structure):
+    """struct epd_combine_result."""
+
+    _fields_ = [
+        ("op_number", _u64),
+        ("num_tokens", _u32),
+        ("exec_ns", _u64),
+        ("queue_ns", _u64),
+    ]
+
+
+# Sizes the C compiler gives these structures on x86-64 and aarch64 Linux; the tests compare.
+EXPECTED_SIZES = {
+    Tensor: 88, ConnectArgs: 32, DeviceInfo: 160, DaemonInfo: 2648, GroupConfig: 48,
+    GroupArgs: 56, SizeHint: 40, DispatchArgs: 928, DispatchResult: 656, CombineArgs: 472,
+    CombineResult: 32,
+}
+
+_c_void_pp = ctypes.POINTER(ctypes.c_void_p)
+_PROTOTYPES = {
+    "epd_status_name": (ctypes.c_char_p, [_int]),
+    "epd_client_connect": (_int, [ctypes.POINTER(ConnectArgs), _c_void_pp, ctypes.c_char_p,
+                                  _size]),
+    "epd_client_free": (None, [ctypes.c_void_p]),
+    "epd_client_last_error": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "epd_client_daemon_info": (_int, [ctypes.c_void_p, ctypes.POINTER(DaemonInfo)]),
+    "epd_region_register_fd": (_int, [ctypes.c_void_p, _int, _int, _u64, _u32, ctypes.c_void_p,
+                                      ctypes.POINTER(_u64)]),
+    "epd_region_release": (_int, [ctypes.c_void_p, _u64]),
+    "epd_tensor_at": (_int, [ctypes.c_void_p, ctypes.c_void_p, _int, _u32,
+                             ctypes.POINTER(_u64), ctypes.POINTER(Tensor)]),
+    "epd_group_create": (_int, [ctypes.c_void_p, ctypes.POINTER(GroupArgs), _c_void_pp]),
+    "epd_group_join": (_int, [ctypes.c_void_p, ctypes.POINTER(GroupArgs), _c_void_pp]),
+    "epd_group_leave": (_int, [ctypes.c_void_p]),
+    "epd_group_id": (_u64, [ctypes.c_void_p]),
+    "epd_group_rank": (_u32, [ctypes.c_void_p]),
+    "epd_group_config": (ctypes.POINTER(GroupConfig), [ctypes.c_void_p]),
+    "epd_group_arena": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.POINTER(_u64)]),
+    "epd_size_hint": (_int, [ctypes.c_void_p, ctypes.POINTER(GroupConfig), _u32,
+                             ctypes.POINTER(SizeHint)]),
+    "epd_dispatch_submit": (_int, [ctypes.c_void_p, ctypes.POINTER(DispatchArgs), _c_void_pp]),
+    "epd_combine_submit": (_int, [ctypes.c_void_p, ctypes.POINTER(CombineArgs), _c_void_pp]),
+    "epd_op_wait": (_int, [ctypes.c_void_p, _int]),
+    "epd_op_status": (_int, [ctypes.c_void_p]),
+    "epd_op_error": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "epd_op_dispatch_result": (_int, [ctypes.c_void_p, ctypes.POINTER(DispatchResult)]),
+    "epd_op_combine_result": (_int, [ctypes.c_void_p, ctypes.POINTER(CombineResult)]),
+    "epd_op_free": (None, [ctypes.c_void_p]),
+    "epd_handle_release": (_int, [ctypes.c_void_p, _u64]),
+    "epd_op_sequence": (_u64, [ctypes.c_void_p]),
+    "epd_op_stream_wait": (_int, [ctypes.c_void_p, ctypes.c_void_p]),
+    "epd_bf16_to_float": (ctypes.c_float, [ctypes.c_uint16]),
+    "epd_float_to_bf16": (ctypes.c_uint16, [ctypes.c_float]),
+}
+
+# Declared in epd.h but not needed by the binding: a library without them still loads (the
+# attribute is then None). libepd.so of some builds does not export the bf16 helpers.
+_OPTIONAL = {"epd_op_sequence", "epd_op_stream_wait", "epd_bf16_to_float", "epd_float_to_bf16"}
+
+_lib = None
+_lib_lock = threading.Lock()
+
+
+def candidate_paths():
+    """The places, in order, where :func:`load` looks for libepd."""
+    paths = []
+    env = os.environ.get("EPD_LIBRARY")
+    if env:
+        paths.append(env)
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths.append(os.path.normpath(os.path.join(here, "..", "..", "..", "build", "lib",
+                                               "libepd.so")))
+    paths += ["libepd.so.0", "libepd.so"]
+    return paths
+
+
+def load():
+    """Returns the loaded libepd (a ctypes.CDLL), loading it on first use.
+
+    Raises OSError naming every place tried when none works. ``EPD_LIBRARY``, when set, is the
+    only place tried: a wrong path there is an error, not a reason to pick another library.
+    """
+    global _lib
+    if _lib is not None:
+        return _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        paths = candidate_paths()
+        if os.environ.get("EPD_LIBRARY"):
+            paths = paths[:1]
+        errors = []
+        for path in paths:
+            if os.sep in path and not os.path.exists(path):
+                errors.append("%s: no such file" % path)
+                continue
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                errors.append("%s: %s" % (path, e))
+                continue
+            missing = [name for name in _PROTOTYPES
+                       if name not in _OPTIONAL and not hasattr(lib, name)]
+            if missing:
+                errors.append("%s: lacks %s (an older libepd? rebuild it)" %
+                              (path, ", ".join(missing)))
+                continue
+            lib.optional = {}
+            for name, (restype, argtypes) in _PROTOTYPES.items():
+                if not hasattr(lib, name):
+                    lib.optional[name] = None
+                    continue
+                fn = getattr(lib, name)
+                fn.restype = restype
+                fn.argtypes = argtypes
+                if name in _OPTIONAL:
+                    lib.optional[name] = fn
+            lib.path = path
+            _lib = lib
+            return lib
+        raise OSError("cannot load libepd (set EPD_LIBRARY to build/lib/libepd.so): " +
+                      "; ".join(errors))
+
+
+def status_name(status):
+    """The name of a status code ("OK", "INVALID_ARGUMENT", ...), without loading libepd."""
+    names = ["OK", "INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED",
+             "CAPACITY_EXCEEDED", "PEER_LOST", "TIMEOUT", "ABORTED", "UNAVAILABLE",
+             "VERSION_MISMATCH", "INTERNAL"]
+    if isinstance(status, int) and -len(names) < status <= 0:
+        return names[-status]
+    return "UNKNOWN"
+
+
+def text(value):
+    """Decodes a C string returned by libepd (None stays "")."""
+    return value.decode("utf-8", "replace") if value else ""

@@ -1,0 +1,736 @@
+"""Groups, dispatch, combine, handles and futures: SEMANTICS.md sections 1 to 3 in Python.
+
+Argument names follow DeepEP's ``Buffer.dispatch`` / ``Buffer.combine`` where the meaning is the
+same (``x``, ``topk_idx``, ``topk_weights``, ``handle``, ``expert_alignment``, ``bias``,
+``async_op``...). Every dispatch and combine is a collective: every rank of the group must issue
+the same sequence of them (SEMANTICS.md section 1).
+
+Errors found by the daemon fail the op on every rank alike. The few argument errors the binding
+finds itself (an array of a dtype that cannot be carried, a missing ``topk_idx``) raise
+:class:`~epd.InvalidArgument` before anything is submitted, so the other ranks' op then ends in
+``Timeout`` after the group's op timeout.
+"""
+
+import ctypes
+import threading
+import time
+import weakref
+
+import numpy as np
+
+from . import _lib
+from .bf16 import float_to_bf16
+from .client import NUMPY_DTYPE, Staging, check, describe, epd_dtype
+from .errors import InvalidArgument, NotFound, Timeout, Unavailable, make_error
+
+#: ``layout`` values of :meth:`Group.dispatch`.
+NON_EXPAND = "non_expand"
+EXPAND = "expand"
+
+_LAYOUTS = {NON_EXPAND: _lib.LAYOUT_NON_EXPAND, EXPAND: _lib.LAYOUT_EXPAND}
+
+
+def _layout_code(layout):
+    if isinstance(layout, str) and layout.lower() in _LAYOUTS:
+        return _LAYOUTS[layout.lower()]
+    if layout in (_lib.LAYOUT_NON_EXPAND, _lib.LAYOUT_EXPAND) and not isinstance(layout, bool):
+        return int(layout)
+    raise InvalidArgument("layout must be 'non_expand' or 'expand', not %r" % (layout,))
+
+
+def _secret_bytes(secret):
+    if isinstance(secret, str):
+        return secret.encode()
+    if isinstance(secret, (bytes, bytearray, memoryview)):
+        return bytes(secret)
+    raise InvalidArgument("secret must be bytes or str")
+
+
+def _payload(array, epd_dt, what):
+    """``array`` as the carrier of an epd payload dtype (bf16 bits, fp8 bytes).
+
+    bf16: uint16/int16 (or any 2-byte non-float type, e.g. ml_dtypes.bfloat16) are taken as
+    bits; float arrays are rounded with :func:`epd.float_to_bf16`. fp8: any 1-byte type is taken
+    as the e4m3 bytes.
+    """
+    a = np.asarray(array)
+    if epd_dt == _lib.DTYPE_BF16:
+        if a.dtype.kind == "f":
+            return float_to_bf16(a)
+        if a.dtype.itemsize == 2 and a.dtype.kind in "uiV":
+            return a.view(np.uint16)
+        raise InvalidArgument("%s: a bf16 group takes uint16 bf16 bits or floats, not %s" %
+                              (what, a.dtype))
+    if a.dtype.itemsize == 1 and a.dtype.kind in "uiV":
+        return a.view(np.uint8)
+    raise InvalidArgument("%s: an fp8 group takes the e4m3 bytes as uint8, not %s" %
+                          (what, a.dtype))
+
+
+def _float32(array, what):
+    a = np.asarray(array)
+    if a.dtype == np.float32:
+        return a
+    if a.dtype.kind in "fiu":
+        return a.astype(np.float32)
+    raise InvalidArgument("%s must be float32, not %s" % (what, a.dtype))
+
+
+def _topk(array):
+    a = np.asarray(array)
+    if a.dtype in (np.int32, np.int64):
+        return a
+    if a.dtype.kind in "iu":
+        return a.astype(np.int64)
+    raise InvalidArgument("topk_idx must be int32 or int64, not %s" % a.dtype)
+
+
+def _dims(a, what):
+    if a.ndim < 1 or a.ndim > _lib.TENSOR_MAX_DIMS:
+        raise InvalidArgument("%s has %d dimensions" % (what, a.ndim))
+    return a
+
+
+def _release_handle(group_ref, handle_id, state):
+    group = group_ref()
+    if state[0] or group is None or not group._ptr or not group.client._ptr:
+        return
+    state[0] = True
+    _lib.load().epd_handle_release(group._ptr, handle_id)
+
+
+class StreamWaitUnavailable(Unavailable, NotImplementedError):
+    """Stream ordering is not available here (host backend, or libepd without CUDA)."""
+
+
+class Handle:
+    """The routing state of one dispatch, kept by the daemon until every rank releases it.
+
+    Pass it to :meth:`Group.combine` and to cached dispatches. :meth:`release` (or ``with``)
+    releases this rank's share; the daemon then reuses the arena space of the dispatch's
+    outputs, so arena views of that dispatch must not be read after it. Handles not released
+    are released when the group is left.
+    """
+
+    def __init__(self, group, handle_id, layout, num_tokens, num_topk, topk_dtype, has_weights,
+                 num_rows, expert_alignment, zero_padding):
+        self.group = group
+        self.id = handle_id
+        self.layout = layout
+        self.num_tokens = num_tokens
+        self.num_topk = num_topk
+        self.topk_dtype = topk_dtype
+        self.has_weights = has_weights
+        self.num_rows = num_rows
+        self.expert_alignment = expert_alignment
+        self.zero_padding = zero_padding
+        self._state = [False]  # released; shared with the auto-release finalizer
+
+    @property
+    def released(self):
+        """True once this rank released the handle."""
+        return self._state[0]
+
+    def release(self):
+        """Releases this rank's share of the handle (local, not collective; idempotent)."""
+        if self._state[0]:
+            return
+        self._state[0] = True
+        g = self.group
+        if g._ptr:
+            check(g.client, _lib.load().epd_handle_release(g._ptr, self.id))
+
+    def auto_release(self):
+        """Releases the handle when this object is garbage collected, unless released before.
+
+        For code written against DeepEP, whose handles are plain tensors that are never
+        released. Returns the handle.
+        """
+        fin = weakref.finalize(self, _release_handle, weakref.ref(self.group), self.id,
+                               self._state)
+        fin.atexit = False  # the daemon releases everything when the connection closes
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __repr__(self):
+        return "<epd.Handle %d %s tokens=%d rows=%d%s>" % (
+            self.id, self.layout, self.num_tokens, self.num_rows,
+            " released" if self.released else "")
+
+
+class DispatchResult:
+    """What a dispatch returns on this rank (SEMANTICS.md 2.1 to 2.3).
+
+    Arrays (None when the op has no such output):
+
+    * ``recv_x`` ``[rows, hidden]``: uint16 bf16 bits, or uint8 fp8 bytes;
+    * ``recv_x_scales`` float32 ``[rows, hidden/scale_block]`` (fp8 only);
+    * ``recv_topk_idx`` ``[rows, K]``, the input's int dtype (NON_EXPAND only);
+    * ``recv_weights`` float32: ``[rows, K]`` for NON_EXPAND, ``[rows]`` for EXPAND (only if
+      weights were given); ``recv_topk_weights`` is the same array;
+    * ``recv_src`` int64 ``[rows]``: ``source_rank * max_tokens_per_rank + token``, -1 on padding;
+    * ``recv_topk_slot`` int32 ``[rows]`` (EXPAND only).
+
+    ``rows`` is ``num_recv_tokens`` for NON_EXPAND and ``num_expanded_rows`` for EXPAND.
+
+    Counts: ``num_recv_tokens``, ``num_expanded_rows`` (ints); ``num_recv_tokens_per_expert``
+    and ``num_recv_tokens_per_expert_aligned`` (int32 arrays ``[num_local_experts]``),
+    ``num_recv_tokens_per_expert_list`` (the aligned counts as a list, DeepEP's name),
+    ``rank_prefix`` (int32 ``[world_size + 1]``). Also ``handle``, ``op_number``, ``exec_ns``,
+    ``queue_ns`` and ``layout``.
+
+    Lifetime: with the output arena (the default) the arrays are views of the arena, valid until
+    ``handle`` is released and never after the group is left; with ``copy_outputs=True`` or
+    ``use_arena=False`` they are ordinary arrays that live as long as they are referenced.
+    """
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+        self.recv_topk_weights = self.recv_weights
+
+    @property
+    def num_rows(self):
+        """Rows of the arrays: num_expanded_rows for EXPAND, num_recv_tokens for NON_EXPAND."""
+        return self.num_expanded_rows if self.layout == EXPAND else self.num_recv_tokens
+
+    def __iter__(self):
+        """Unpacks like DeepEP: recv_x, recv_topk_idx, recv_topk_weights, list, handle."""
+        x = self.recv_x if self.recv_x_scales is None else (self.recv_x, self.recv_x_scales)
+        return iter((x, self.recv_topk_idx, self.recv_topk_weights,
+                     self.num_recv_tokens_per_expert_list, self.handle))
+
+    def __repr__(self):
+        return "<epd.DispatchResult %s rows=%d tokens=%d handle=%d>" % (
+            self.layout, self.num_rows, self.num_recv_tokens, self.handle.id)
+
+
+class Future:
+    """An op in flight (``async_op=True``). :meth:`wait` returns what the blocking call returns.
+
+    The op's inputs are kept alive by the future until it completes. A future dropped without
+    being waited on stays tracked by its client until the client closes.
+    """
+
+    def __init__(self, group, op_ptr, kind, staging, finish):
+        self.group = group
+        self.kind = kind
+        self._op = op_ptr
+        self._staging = staging
+        self._finish = finish
+        self._lock = threading.Lock()
+        self._result = None
+        self._error = None
+        self._done = False
+
+    def _complete(self, rc):
+        lib = _lib.load()
+        try:
+            if rc < 0:
+                self._error = make_error(rc, _lib.text(lib.epd_op_error(self._op)))
+            else:
+                try:
+                    self._result = self._finish(self._op)
+                except Exception as e:  # a result that cannot be read fails the future
+                    self._error = e
+        finally:
+            lib.epd_op_free(self._op)
+            self._op = None
+            self._done = True
+            self._staging.done()
+            self._finish = None
+            self.group.client._untrack(self)
+
+    def _abandon(self):
+        # The client closes under a pending op: leak the C op rather than touch a freed client.
+        with self._lock:
+            if self._done:
+                return
+            self._op = None
+            self._done = True
+            self._error = Unavailable("the client was closed before the %s completed" %
+                                      self.kind)
+            self._finish = None
+
+    def wait(self, timeout=None):
+        """Waits for the op; returns its result or raises its :class:`~epd.Error`.
+
+        ``timeout`` in seconds (None: forever). When only the wait times out, raises
+        :class:`~epd.Timeout` with ``op_pending = True``; the op goes on and may be waited on
+        again.
+        """
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            raise self._wait_timeout(timeout)
+        try:
+            if not self._done:
+                ms = -1 if timeout is None else max(0, int(timeout * 1000))
+                lib = _lib.load()
+                rc = lib.epd_op_wait(self._op, ms)
+                if rc == _lib.TIMEOUT and lib.epd_op_status(self._op) == _lib.UNAVAILABLE:
+                    raise self._wait_timeout(timeout)
+                self._complete(rc)
+        finally:
+            self._lock.release()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _wait_timeout(self, timeout):
+        e = Timeout("the %s did not complete within %.3f s (still pending)" %
+                    (self.kind, timeout))
+        e.op_pending = True
+        return e
+
+    def done(self):
+        """True when the op has completed (polls without blocking)."""
+        if self._done:
+            return True
+        try:
+            self.wait(0)
+        except Timeout as e:
+            if e.op_pending:
+                return False
+        except Exception:
+            pass
+        return True
+
+    def stream_wait(self, stream):
+        """Makes a CUDA stream wait for the op on the GPU, without blocking the host.
+
+        ``stream`` is a ``cudaStream_t`` as an int, or an object with ``cuda_stream`` (torch)
+        or ``ptr`` (CuPy). Uses ``epd_op_stream_wait``; the host still has to :meth:`wait` (or
+        drop) the future to read the result and free the op. An op that already completed
+        needs no wait and returns at once.
+
+        Raises :class:`StreamWaitUnavailable` (both :class:`~epd.Unavailable` and
+        NotImplementedError) where stream ordering is not available: on the host backend,
+        with a libepd built without CUDA, or one that predates the call.
+        """
+        fn = _lib.load().optional.get("epd_op_stream_wait")
+        if fn is None:
+            raise StreamWaitUnavailable("this libepd has no epd_op_stream_wait; use wait()")
+        handle = getattr(stream, "cuda_stream", getattr(stream, "ptr", stream))
+        with self._lock:
+            if self._done:
+                return
+            rc = fn(self._op, ctypes.c_void_p(int(handle)))
+        if rc == _lib.UNAVAILABLE:
+            raise StreamWaitUnavailable(
+                "stream_wait needs CUDA (host backend or libepd without CUDA): %s; use wait()"
+                % self.group.client.last_error)
+        check(self.group.client, rc)
+
+    def __repr__(self):
+        return "<epd.Future %s %s>" % (self.kind, "done" if self._done else "pending")
+
+
+class Group:
+    """One rank's membership of an EP group (``epd_group_create`` / ``epd_group_join``).
+
+    Use :meth:`create` (one rank, usually 0, with the group's shape) and :meth:`join` (the
+    others). :meth:`leave` (or ``with``, or closing the client) unbinds the rank.
+    """
+
+    def __init__(self, client, ptr):
+        self.client = client
+        self._ptr = ptr
+        lib = _lib.load()
+        cfg = lib.epd_group_config(ptr).contents
+        self.id = lib.epd_group_id(ptr)
+        self.rank = lib.epd_group_rank(ptr)
+        self.world_size = cfg.world_size
+        self.num_experts = cfg.num_experts
+        self.num_local_experts = cfg.num_experts // max(1, cfg.world_size)
+        self.hidden = cfg.hidden
+        self.max_tokens_per_rank = cfg.max_tokens_per_rank
+        self.max_topk = cfg.max_topk
+        self.dtype_code = cfg.dispatch_dtype
+        self.dtype = "fp8" if cfg.dispatch_dtype == _lib.DTYPE_FP8_E4M3 else "bf16"
+        self.scale_block = cfg.scale_block or 128
+        self.op_timeout_ms = cfg.op_timeout_ms
+        self.arena_bytes = cfg.arena_bytes
+        nbytes = ctypes.c_uint64()
+        addr = lib.epd_group_arena(ptr, ctypes.byref(nbytes))
+        self._arena = None
+        self._arena_keep = None
+        if addr and nbytes.value:
+            region_id = client._region_of_pointer(addr, nbytes.value)
+            self._arena = (addr, nbytes.value, region_id)
+            client._add_range(addr, nbytes.value, region_id)
+        client._groups.add(self)
+
+    # ---- membership ----
+
+    @classmethod
+    def _enter(cls, client, name, secret, rank, device, device_uuid, config):
+        client._check_open()
+        lib = _lib.load()
+        sec = _secret_bytes(secret)
+        sec_buf = ctypes.create_string_buffer(sec, len(sec)) if sec else None
+        args = _lib.GroupArgs(
+            size=ctypes.sizeof(_lib.GroupArgs), name=name.encode(),
+            secret=ctypes.cast(sec_buf, ctypes.c_void_p) if sec_buf else None,
+            secret_len=len(sec), rank=int(rank), device=int(device),
+            device_uuid=device_uuid.encode() if device_uuid else None,
+            config=ctypes.pointer(config) if config is not None else None)
+        ptr = ctypes.c_void_p()
+        fn = lib.epd_group_create if config is not None else lib.epd_group_join
+        check(client, fn(client._ptr, ctypes.byref(args), ctypes.byref(ptr)))
+        return cls(client, ptr.value)
+
+    @classmethod
+    def create(cls, client, name, secret, rank, *, world_size, num_experts, hidden,
+               max_tokens_per_rank, max_topk, dtype="bf16", scale_block=0, arena_bytes=None,
+               op_timeout_ms=0, device=0, device_uuid=None):
+        """Creates group ``name`` and binds ``rank`` of it to ``client``.
+
+        ``secret`` (bytes or str) is what the other ranks must present to join. ``dtype`` is
+        'bf16' or 'fp8' (e4m3 with one fp32 scale per ``scale_block`` channels, default 128).
+        ``arena_bytes`` is each rank's output arena (None: the daemon's default);
+        ``op_timeout_ms`` how long an op waits for late ranks (0: the daemon's default).
+        ``device`` / ``device_uuid`` name the rank's device.
+        """
+        cfg = _lib.GroupConfig(
+            size=ctypes.sizeof(_lib.GroupConfig), world_size=world_size,
+            num_experts=num_experts, hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
+            max_topk=max_topk, dispatch_dtype=epd_dtype(dtype), scale_block=scale_block,
+            op_timeout_ms=op_timeout_ms, arena_bytes=arena_bytes or 0)
+        return cls._enter(client, name, secret, rank, device, device_uuid, cfg)
+
+    @classmethod
+    def join(cls, client, name, secret, rank, *, device=0, device_uuid=None, retry_timeout=0.0):
+        """Joins group ``name`` as ``rank``.
+
+        ``retry_timeout`` (seconds) keeps retrying while the group does not exist yet, for
+        workers that start before the creator; 0 tries once.
+        """
+        deadline = time.monotonic() + retry_timeout
+        while True:
+            try:
+                return cls._enter(client, name, secret, rank, device, device_uuid, None)
+            except NotFound:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.005)
+
+    @property
+    def closed(self):
+        """True once the rank has left the group."""
+        return not self._ptr
+
+    def leave(self):
+        """Unbinds the rank and frees the group object (idempotent).
+
+        The daemon releases this rank's handles; arena views of this group must not be used
+        afterwards (the arena is unmapped).
+        """
+        ptr, self._ptr = self._ptr, None
+        if not ptr:
+            return
+        self.client._groups.discard(self)
+        if self._arena:
+            self.client._forget_range(self._arena[2])
+        if self.client._ptr:
+            rc = _lib.load().epd_group_leave(ptr)
+            if rc < 0:
+                raise make_error(rc, self.client.last_error)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.leave()
+
+    def __del__(self):
+        try:
+            if self._ptr and self.client._ptr:
+                self.leave()
+        except Exception:
+            pass
+
+    def _check(self):
+        if not self._ptr:
+            raise Unavailable("the group was left")
+        self.client._check_open()
+
+    @property
+    def config(self):
+        """The group's shape as the daemon holds it, as a dict."""
+        return {k: getattr(self, k) for k in (
+            "world_size", "num_experts", "hidden", "max_tokens_per_rank", "max_topk", "dtype",
+            "scale_block", "op_timeout_ms", "arena_bytes")}
+
+    # ---- dispatch ----
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, x_scales=None, handle=None,
+                 expert_alignment=None, layout=None, zero_padding=None, async_op=False,
+                 use_arena=True, copy_outputs=False, recv_capacity=None):
+        """Sends each token to the ranks of its selected experts (SEMANTICS.md section 2).
+
+        ``x`` ``[N, hidden]``: bf16 bits as uint16 (floats are rounded to bf16), or for an fp8
+        group the e4m3 bytes as uint8 with ``x_scales`` float32 ``[N, hidden/scale_block]``.
+        ``topk_idx`` ``[N, K]`` int32/int64 expert ids, -1 for none; ``topk_weights`` float32
+        ``[N, K]``, optional. ``handle``: a :class:`Handle` for a cached dispatch (same routing,
+        no ``topk_idx``; new weights allowed). ``expert_alignment`` (default 1), ``layout``
+        ('non_expand' default, or 'expand') and ``zero_padding`` (EXPAND only) default to the
+        handle's for a cached dispatch.
+
+        Outputs go to the rank's output arena (``use_arena=True``) and come back as views of it
+        (``copy_outputs=True`` copies them). ``use_arena=False`` places them in a region the
+        binding allocates for this dispatch, ``recv_capacity`` rows (default: the worst case,
+        SEMANTICS.md section 5). Returns a :class:`DispatchResult`, or with ``async_op=True`` a
+        :class:`Future` of one.
+        """
+        self._check()
+        edt = self.dtype_code
+        x = _dims(_payload(x, edt, "x"), "x")
+        num_tokens = x.shape[0]
+        if handle is not None:
+            if topk_idx is not None:
+                raise InvalidArgument("a cached dispatch (handle given) takes no topk_idx")
+            layout = handle.layout if layout is None else layout
+            expert_alignment = (handle.expert_alignment if expert_alignment is None
+                                else expert_alignment)
+            zero_padding = handle.zero_padding if zero_padding is None else zero_padding
+        elif topk_idx is None:
+            raise InvalidArgument("topk_idx is required unless a handle is given")
+        layout_code = _layout_code(NON_EXPAND if layout is None else layout)
+        layout = NON_EXPAND if layout_code == _lib.LAYOUT_NON_EXPAND else EXPAND
+        expert_alignment = 1 if expert_alignment is None else int(expert_alignment)
+        zero_padding = bool(zero_padding)
+
+        st = Staging(self.client)
+        sx = st.input(x, edt)
+        ss = sk = sw = None
+        if x_scales is not None:
+            ss = st.input(_dims(_float32(x_scales, "x_scales"), "x_scales"), _lib.DTYPE_FP32)
+        if topk_idx is not None:
+            tk = _dims(_topk(topk_idx), "topk_idx")
+            topk_code = _lib.DTYPE_INT32 if tk.dtype == np.int32 else _lib.DTYPE_INT64
+            num_topk = tk.shape[1] if tk.ndim == 2 else 0
+            sk = st.input(tk, topk_code)
+        else:
+            topk_code, num_topk = handle.topk_dtype, handle.num_topk
+        if topk_weights is not None:
+            sw = st.input(_dims(_float32(topk_weights, "topk_weights"), "topk_weights"),
+                          _lib.DTYPE_FP32)
+        has_weights = topk_weights is not None
+        st.build()
+
+        args = _lib.DispatchArgs(size=ctypes.sizeof(_lib.DispatchArgs))
+        args.num_tokens = num_tokens
+        args.num_topk = num_topk
+        args.x = sx["tensor"]
+        if ss:
+            args.scales = ss["tensor"]
+        if sk:
+            args.topk_idx = sk["tensor"]
+        if sw:
+            args.topk_weights = sw["tensor"]
+        args.handle_id = handle.id if handle is not None else 0
+        args.layout = layout_code
+        args.expert_alignment = expert_alignment
+        args.zero_padding = int(zero_padding)
+        args.use_arena = int(bool(use_arena))
+        outs = None
+        if not use_arena:
+            outs = self._client_outputs(args, layout, num_topk, topk_code, has_weights,
+                                        expert_alignment, recv_capacity)
+            st.keep.append(outs)
+
+        def finish(op):
+            return self._dispatch_result(op, layout, handle, num_tokens, num_topk, topk_code,
+                                         has_weights, expert_alignment, zero_padding, outs,
+                                         copy_outputs)
+
+        return self._submit("dispatch", _lib.load().epd_dispatch_submit, args, st, finish,
+                            async_op)
+
+    def _client_outputs(self, args, layout, num_topk, topk_code, has_weights, alignment,
+                        capacity):
+        """Allocates a region for one dispatch's outputs and points ``args`` at it."""
+        R, T, L, H = (self.world_size, self.max_tokens_per_rank, self.num_local_experts,
+                      self.hidden)
+        expand = layout == EXPAND
+        if capacity is None:
+            capacity = (R * T * min(max(num_topk, 1), L) + L * (max(alignment, 1) - 1)
+                        if expand else R * T)
+        capacity = int(capacity)
+        fp8 = self.dtype_code == _lib.DTYPE_FP8_E4M3
+        specs = [("recv_x", (capacity, H), self.dtype_code)]
+        if fp8:
+            specs.append(("recv_scales", (capacity, H // self.scale_block), _lib.DTYPE_FP32))
+        if not expand:
+            specs.append(("recv_topk_idx", (capacity, num_topk), topk_code))
+        if has_weights:
+            specs.append(("recv_weights", (capacity,) if expand else (capacity, num_topk),
+                          _lib.DTYPE_FP32))
+        specs.append(("recv_src", (capacity,), _lib.DTYPE_INT64))
+        if expand:
+            specs.append(("recv_topk_slot", (capacity,), _lib.DTYPE_INT32))
+        total = sum((int(np.prod(s)) * NUMPY_DTYPE[d].itemsize + 127) // 64 * 64
+                    for _, s, d in specs)
+        region = self.client.region(max(total, 1))
+        outs, off = {}, 0
+        for name, shape, d in specs:
+            arr = region.array(shape, NUMPY_DTYPE[d], off)
+            off += (arr.nbytes + 127) // 64 * 64
+            outs[name] = arr
+            setattr(args, name, describe(arr, d, region.region_id,
+                                         arr.ctypes.data - region.address))
+        # The arrays own the mapping; the registration goes when they do.
+        return outs
+
+    def _arena_view(self, ptr, tensor, dtype_code):
+        if not ptr or not tensor.region_id:
+            return None
+        shape = tuple(tensor.sizes[i] for i in range(tensor.ndim))
+        dt = NUMPY_DTYPE.get(tensor.dtype, NUMPY_DTYPE[dtype_code])
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if nbytes == 0:
+            return np.empty(shape, dt)
+        buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        buf.group = self  # a view keeps the group (and so the arena mapping) alive
+        return np.frombuffer(buf, dtype=dt).reshape(shape)
+
+    def _dispatch_result(self, op, layout, handle, num_tokens, num_topk, topk_code, has_weights,
+                         alignment, zero_padding, outs, copy_outputs):
+        lib = _lib.load()
+        dr = _lib.DispatchResult()
+        check(self.client, lib.epd_op_dispatch_result(op, ctypes.byref(dr)))
+        L, R = dr.num_local_experts, dr.world_size
+        per_expert = np.ctypeslib.as_array(dr.num_recv_tokens_per_expert, (L,)).copy() \
+            if L else np.zeros(0, np.int32)
+        aligned = np.ctypeslib.as_array(dr.num_recv_tokens_per_expert_aligned, (L,)).copy() \
+            if L else np.zeros(0, np.int32)
+        prefix = np.ctypeslib.as_array(dr.rank_prefix, (R + 1,)).copy() \
+            if R else np.zeros(1, np.int32)
+        rows = dr.num_expanded_rows if layout == EXPAND else dr.num_recv_tokens
+        if handle is None:
+            handle = Handle(self, dr.handle_id, layout, num_tokens, num_topk, topk_code,
+                            has_weights, rows, alignment, zero_padding)
+        else:
+            handle.has_weights = has_weights  # a cached dispatch replaces the weights
+        names = {"recv_x": ("recv_x", self.dtype_code),
+                 "recv_x_scales": ("recv_scales", _lib.DTYPE_FP32),
+                 "recv_topk_idx": ("recv_topk_idx", topk_code),
+                 "recv_weights": ("recv_weights", _lib.DTYPE_FP32),
+                 "recv_src": ("recv_src", _lib.DTYPE_INT64),
+                 "recv_topk_slot": ("recv_topk_slot", _lib.DTYPE_INT32)}
+        arrays = {}
+        for field, (cname, code) in names.items():
+            if outs is not None:
+                arr = outs.get(cname)
+                arr = arr[:rows] if arr is not None else None
+            else:
+                arr = self._arena_view(getattr(dr, cname + "_ptr"), getattr(dr, cname), code)
+            if arr is not None and copy_outputs:
+                arr = arr.copy()
+            arrays[field] = arr
+        return DispatchResult(
+            layout=layout, handle=handle, op_number=dr.op_number, exec_ns=dr.exec_ns,
+            queue_ns=dr.queue_ns, num_recv_tokens=dr.num_recv_tokens,
+            num_expanded_rows=dr.num_expanded_rows, num_recv_tokens_per_expert=per_expert,
+            num_recv_tokens_per_expert_aligned=aligned,
+            num_recv_tokens_per_expert_list=[int(v) for v in aligned], rank_prefix=prefix,
+            **arrays)
+
+    # ---- combine ----
+
+    def combine(self, x, handle, bias=None, apply_weights=False, async_op=False, out=None):
+        """Sends rows back to their sources and reduces them (SEMANTICS.md section 3).
+
+        ``x`` is the experts' output in the dispatch layout of ``handle``: ``[rows, hidden]``
+        bf16 bits as uint16 (floats are rounded to bf16). It may be the dispatch's own
+        ``recv_x`` arena view, overwritten in place (no copy). ``bias`` is None, one array or
+        a tuple of up to two arrays ``[N, hidden]`` added on this (source) rank.
+        ``apply_weights`` multiplies each row by its dispatch weight (EXPAND with weights only).
+        ``out`` optionally receives ``combined_x`` (an array from :func:`epd.empty` avoids a
+        copy).
+
+        Returns ``(combined_x, combined_topk_weights)``: uint16 ``[N, hidden]`` and float32
+        ``[N, K]``, the weights the dispatch carried with 0 where ``topk_idx`` was -1 (None
+        when the dispatch carried none). epd routes the dispatch's weights back itself, so
+        combine takes no ``topk_weights``. With ``async_op=True``, a :class:`Future` of that.
+        """
+        self._check()
+        if not isinstance(handle, Handle):
+            raise InvalidArgument("combine needs the Handle of a dispatch")
+        y = _dims(_payload(x, _lib.DTYPE_BF16, "x"), "x")
+        if bias is None:
+            biases = []
+        elif isinstance(bias, (tuple, list)):
+            biases = [b for b in bias if b is not None]
+        else:
+            biases = [bias]
+        if len(biases) > 2:
+            raise InvalidArgument("at most 2 biases, not %d" % len(biases))
+        n, H = handle.num_tokens, self.hidden
+        st = Staging(self.client)
+        sy = st.input(y, _lib.DTYPE_BF16)
+        sb = [st.input(_dims(_payload(b, _lib.DTYPE_BF16, "bias"), "bias"), _lib.DTYPE_BF16)
+              for b in biases]
+        out_arr = where = None
+        if out is not None:
+            out_arr = np.asarray(out)
+            if out_arr.shape != (n, H) or out_arr.dtype.itemsize != 2 or \
+                    out_arr.dtype.kind == "f":
+                raise InvalidArgument("out must be uint16 [%d, %d]" % (n, H))
+            where = self.client._locate_range(out_arr.view(np.uint16))
+        if out_arr is not None and where is not None:
+            sc = st.input(out_arr.view(np.uint16), _lib.DTYPE_BF16)
+        else:
+            sc = st.output((n, H), np.uint16, _lib.DTYPE_BF16)
+        sw = None
+        if handle.has_weights:
+            sw = st.output((n, handle.num_topk), np.float32, _lib.DTYPE_FP32)
+        st.build()
+        args = _lib.CombineArgs(size=ctypes.sizeof(_lib.CombineArgs))
+        args.handle_id = handle.id
+        args.y = sy["tensor"]
+        args.apply_weights = int(bool(apply_weights))
+        args.num_bias = len(sb)
+        for i, s in enumerate(sb):
+            args.bias[i] = s["tensor"]
+        args.combined = sc["tensor"]
+        if sw:
+            args.combined_topk_weights = sw["tensor"]
+
+        def finish(op):
+            res = _lib.CombineResult()
+            check(self.client, _lib.load().epd_op_combine_result(op, ctypes.byref(res)))
+            combined = sc["array"]
+            if out_arr is not None:
+                if where is None:
+                    out_arr.view(np.uint16)[...] = combined
+                combined = out_arr
+            else:
+                combined = combined.copy()
+            weights = sw["array"].copy() if sw else None
+            return combined, weights
+
+        return self._submit("combine", _lib.load().epd_combine_submit, args, st, finish,
+                            async_op)
+
+    # ---- common ----
+
+    def _submit(self, kind, fn, args, staging, finish, async_op):
+        op = ctypes.c_void_p()
+        try:
+            check(self.client, fn(self._ptr, ctypes.byref(args), ctypes.byref(op)))
+        except BaseException:
+            staging.done()
+            raise
+        fut = Future(self, op.value, kind, staging, finish)
+        self.client._track(fut)
+        if async_op:
+            return fut
+        return fut.wait()
+
+    def __repr__(self):
+        return "<epd.Group id=%d rank=%d/%d %s%s>" % (
+            self.id, self.rank, self.world_size, self.dtype, " left" if self.closed else "")

@@ -1,0 +1,138 @@
+"""An independent NumPy reference of SEMANTICS.md sections 2 and 3, for the binding's tests.
+
+Written from the semantics document, not from the daemon's code: dispatch outputs per
+destination rank (NON_EXPAND and EXPAND, counts included) and combine's exact fp32 reduction.
+"""
+
+import numpy as np
+
+
+def _bf16_float(bits):
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _float_bf16(f):
+    f = np.ascontiguousarray(f, dtype=np.float32)
+    b = f.view(np.uint32)
+    out = ((b + (0x7FFF + ((b >> 16) & 1))) >> 16).astype(np.uint16)
+    out[np.isnan(f)] = 0x7FFF
+    return out
+
+
+class Routing:
+    """Dispatch of every rank's inputs, as every destination sees it.
+
+    ``xs[s]`` are the payload rows of source s (any dtype, compared bitwise), ``topks[s]``
+    ``[N_s, K]`` expert ids, ``weights[s]`` ``[N_s, K]`` float32 or None, ``scales[s]`` or None.
+    """
+
+    def __init__(self, world_size, num_experts, max_tokens, xs, topks, weights=None,
+                 scales=None, layout="non_expand", alignment=1):
+        self.R, self.E, self.T = world_size, num_experts, max_tokens
+        self.L = num_experts // world_size
+        self.xs, self.topks, self.weights, self.scales = xs, topks, weights, scales
+        self.layout, self.alignment = layout, alignment
+
+    def dest(self, d):
+        """Expected outputs of destination rank d, as a dict (padding rows hold None)."""
+        R, L, T = self.R, self.L, self.T
+        ne_rows, prefix = [], []
+        for s in range(R):
+            prefix.append(len(ne_rows))
+            for t in range(len(self.topks[s])):
+                if any(e >= 0 and e // L == d for e in self.topks[s][t]):
+                    ne_rows.append((s, t))
+        prefix.append(len(ne_rows))
+        sel = [[] for _ in range(L)]
+        for s in range(R):
+            for t in range(len(self.topks[s])):
+                for k, e in enumerate(self.topks[s][t]):
+                    if e >= 0 and e // L == d:
+                        sel[e % L].append((s, t, k))
+        counts = [len(g) for g in sel]
+        a = self.alignment
+        aligned = [(c + a - 1) // a * a for c in counts]
+        out = {"num_recv_tokens": len(ne_rows), "num_expanded_rows": sum(aligned),
+               "per_expert": counts, "aligned": aligned, "rank_prefix": prefix}
+        if self.layout == "non_expand":
+            out["rows"] = ne_rows
+            K = self.topks[0].shape[1] if len(self.topks) else 0
+            idx, w = [], []
+            for s, t in ne_rows:
+                row = self.topks[s][t]
+                idx.append([e - d * L if e >= 0 and e // L == d else -1 for e in row])
+                if self.weights is not None:
+                    w.append([self.weights[s][t][k] if row[k] >= 0 and row[k] // L == d
+                              else 0.0 for k in range(len(row))])
+            out["recv_topk_idx"] = np.array(idx, dtype=np.int64).reshape(-1, K)
+            out["recv_weights"] = (np.array(w, dtype=np.float32).reshape(-1, K)
+                                   if self.weights is not None else None)
+            out["recv_src"] = np.array([s * T + t for s, t in ne_rows], dtype=np.int64)
+        else:
+            rows = []
+            for i in range(L):
+                rows += sel[i] + [None] * (aligned[i] - counts[i])
+            out["rows"] = rows
+            out["recv_src"] = np.array([r[0] * T + r[1] if r else -1 for r in rows], np.int64)
+            out["recv_topk_slot"] = np.array([r[2] if r else -1 for r in rows], np.int32)
+            out["recv_weights"] = (np.array([self.weights[r[0]][r[1]][r[2]] if r else 0.0
+                                             for r in rows], np.float32)
+                                   if self.weights is not None else None)
+        return out
+
+    def recv_x(self, d, zero_padding_value=None):
+        """Expected recv_x of d; padding rows are ``zero_padding_value`` (None: unchecked)."""
+        info = self.dest(d)
+        rows = []
+        for r in info["rows"]:
+            if r is None:
+                rows.append(None)
+            else:
+                rows.append(self.xs[r[0]][r[1]])
+        return rows
+
+    def combine(self, s, ys, biases=(), apply_weights=False):
+        """Expected combined output (uint16 bf16 bits) of source s.
+
+        ``ys[d]`` is destination d's y (uint16 ``[rows, H]``) in the dispatch layout.
+        """
+        R, L = self.R, self.L
+        topk = self.topks[s]
+        n, K = topk.shape
+        H = ys[0].shape[1] if len(ys) and ys[0].ndim == 2 else (self.xs[s].shape[1])
+        # Where each (t, k) contribution sits: (d, row) or None.
+        where = {}
+        for d in range(R):
+            info = self.dest(d)
+            for i, r in enumerate(info["rows"]):
+                if r is None:
+                    continue
+                if self.layout == "non_expand":
+                    src, t = r
+                    if src != s:
+                        continue
+                    ks = [k for k in range(K) if topk[t][k] >= 0 and topk[t][k] // L == d]
+                    where[(t, ks[0])] = (d, i)
+                else:
+                    src, t, k = r
+                    if src == s:
+                        where[(t, k)] = (d, i)
+        acc = np.zeros((n, H), dtype=np.float32)
+        for k in range(K):
+            v = np.zeros((n, H), dtype=np.float32)
+            for t in range(n):
+                if (t, k) in where:
+                    d, i = where[(t, k)]
+                    row = _bf16_float(ys[d][i])
+                    if apply_weights:
+                        row = row * np.float32(self.weights[s][t][k])
+                    v[t] = row
+            acc = acc + v
+        for b in biases:
+            acc = acc + _bf16_float(b)
+        return _float_bf16(acc)
+
+    def combined_weights(self, s):
+        """Expected combined_topk_weights of source s."""
+        w = np.array(self.weights[s], dtype=np.float32)
+        return np.where(self.topks[s] >= 0, w, np.float32(0))

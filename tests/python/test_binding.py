@@ -1,0 +1,981 @@
+"""Tests of the Python binding (client/python/epd) against a real host-backend epd.
+
+Run by ctest as ``python_binding`` (tests/python.cmake), or by hand::
+
+    EPD_LIBRARY=build/lib/libepd.so PATH=build/bin:$PATH \\
+        python3 -m unittest discover -s tests/python -v
+
+The daemon binary is ``epd`` on PATH, else ``build/bin/epd``. Every argument of the binding
+is exercised, dispatch and combine outputs are compared bit for bit with an independent NumPy
+reference of SEMANTICS.md (reference.py), each status code maps to its exception, and the
+DeepEP front and the MoE example run at small size.
+"""
+
+import concurrent.futures
+import ctypes
+import os
+import pickle
+import shutil
+import signal
+import socket as socketlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "client", "python"))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+
+import epd  # noqa: E402
+from epd import _lib  # noqa: E402
+from epd.compat.deep_ep import Buffer  # noqa: E402
+from reference import Routing  # noqa: E402
+
+SECRET = b"0123456789abcdef-python-binding"
+DAEMON = {}
+
+
+def find_epd():
+    path = shutil.which("epd")
+    if path:
+        return path
+    return os.path.join(REPO, "build", "bin", "epd")
+
+
+def start_daemon(extra=()):
+    workdir = tempfile.mkdtemp(prefix="epd-pytest-")
+    sock = os.path.join(workdir, "epd.sock")
+    log = open(os.path.join(workdir, "epd.log"), "wb")
+    proc = subprocess.Popen([find_epd(), "--backend", "host", "--socket", sock, "--config",
+                             "/dev/null"] + list(extra), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_SEQPACKET) as s:
+                s.connect(sock)
+            return {"proc": proc, "socket": sock, "dir": workdir, "log": log}
+        except OSError:
+            time.sleep(0.01)
+    proc.kill()
+    raise RuntimeError("epd did not start: " + open(os.path.join(workdir, "epd.log")).read())
+
+
+def stop_daemon(d):
+    proc = d["proc"]
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    d["log"].close()
+    shutil.rmtree(d["dir"], ignore_errors=True)
+
+
+def setUpModule():
+    DAEMON.update(start_daemon())
+
+
+def tearDownModule():
+    if DAEMON:
+        stop_daemon(DAEMON)
+
+
+_names = iter(range(1 << 30))
+
+
+def unique(prefix):
+    return "%s-%d-%d" % (prefix, os.getpid(), next(_names))
+
+
+class World:
+    """R clients, each with one rank of one group; closed by close()."""
+
+    def __init__(self, R, name=None, **cfg):
+        cfg.setdefault("num_experts", 4 * R)
+        cfg.setdefault("hidden", 64)
+        cfg.setdefault("max_tokens_per_rank", 16)
+        cfg.setdefault("max_topk", 4)
+        cfg.setdefault("op_timeout_ms", 20000)
+        self.name = name or unique("g")
+        self.clients = [epd.connect(DAEMON["socket"], name="test-%d" % r) for r in range(R)]
+        self.groups = [epd.Group.create(self.clients[0], self.name, SECRET, 0, world_size=R,
+                                        **cfg)]
+        for r in range(1, R):
+            self.groups.append(epd.Group.join(self.clients[r], self.name, SECRET, r))
+        self.R = R
+        self.cfg = cfg
+
+    def close(self):
+        for c in self.clients:
+            c.close()
+
+    def collective(self, fn):
+        """Runs fn(rank, group) -> Future on every rank, then waits them all.
+
+        Returns the results, or the exceptions where a rank failed.
+        """
+        futs = [fn(r, g) for r, g in enumerate(self.groups)]
+        out = []
+        for f in futs:
+            try:
+                out.append(f.wait(timeout=30))
+            except epd.Error as e:
+                out.append(e)
+        return out
+
+
+def make_inputs(R, E, H, T, K, seed, dtype="bf16", tokens=None, minus_one=0.2,
+                topk_dtype=np.int64):
+    """Per-rank payloads, scales (fp8), routing (unique experts, some -1) and weights."""
+    rng = np.random.default_rng(seed)
+    xs, scales, topks, ws = [], [], [], []
+    for s in range(R):
+        n = T - s if tokens is None else tokens[s]
+        if dtype == "bf16":
+            xs.append(epd.float_to_bf16(rng.standard_normal((n, H), dtype=np.float32)))
+            scales.append(None)
+        else:
+            xs.append(rng.integers(0, 255, (n, H), dtype=np.uint8))
+            scales.append(rng.uniform(0.5, 2, (n, H // 128 if H >= 128 else 1))
+                          .astype(np.float32))
+        tk = np.stack([rng.permutation(E)[:K] for _ in range(n)]) if n else \
+            np.zeros((0, K), np.int64)
+        tk = np.where(rng.random((n, K)) < minus_one, -1, tk).astype(topk_dtype)
+        if n > 1:
+            tk[1] = -1  # a token that goes nowhere
+        topks.append(tk)
+        ws.append(rng.random((n, K), dtype=np.float32))
+    return xs, scales, topks, ws
+
+
+class TestBf16(unittest.TestCase):
+    def test_known_values(self):
+        f = np.array([1.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 3.4028235e38,
+                      1.00390625, 1.01171875], np.float32)
+        # 1 + 2^-8 is a tie: rounds to even (1.0); 1 + 3*2^-8 rounds up to 1 + 2^-6.
+        want = [0x3F80, 0x8000, 0x7F80, 0xFF80, 0x7FFF, 0x7FFF, 0x7F80, 0x3F80, 0x3F82]
+        self.assertEqual(epd.float_to_bf16(f).tolist(), want)
+        self.assertEqual(epd.float_to_bf16(f).dtype, np.uint16)
+
+    def test_round_trip_all_patterns(self):
+        bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+        f = epd.bf16_to_float(bits)
+        self.assertEqual(f.dtype, np.float32)
+        back = epd.float_to_bf16(f)
+        nan = np.isnan(f)
+        np.testing.assert_array_equal(back[~nan], bits[~nan])
+        self.assertTrue(np.all(back[nan] == 0x7FFF))
+        np.testing.assert_array_equal(epd.bf16_to_float(bits.view(np.int16)), f)
+
+    def test_matches_libepd(self):
+        lib = _lib.load()
+        fn = lib.optional.get("epd_float_to_bf16")
+        if fn is None:
+            self.skipTest("this libepd.so does not export epd_float_to_bf16")
+        rng = np.random.default_rng(1)
+        vals = np.concatenate([rng.standard_normal(2000).astype(np.float32),
+                               rng.integers(0, 2**32, 2000, dtype=np.uint64)
+                               .astype(np.uint32).view(np.float32)])
+        got = epd.float_to_bf16(vals)
+        for v, g in zip(vals, got):
+            self.assertEqual(fn(float(v)), int(g))
+
+    def test_rejects_floats_as_bits(self):
+        with self.assertRaises(TypeError):
+            epd.bf16_to_float(np.zeros(3, np.float16))
+        self.assertEqual(epd.round_bf16(np.float32(1.00390625)).item(), 1.0)
+
+
+class TestLibrary(unittest.TestCase):
+    def test_struct_sizes(self):
+        for cls, size in _lib.EXPECTED_SIZES.items():
+            self.assertEqual(ctypes.sizeof(cls), size, cls.__name__)
+
+    def test_library_path(self):
+        path = epd.library_path()
+        self.assertTrue(os.path.exists(path) or os.sep not in path)
+        if os.environ.get("EPD_LIBRARY"):
+            self.assertEqual(path, os.environ["EPD_LIBRARY"])
+
+    def test_bad_library_path(self):
+        env = dict(os.environ, EPD_LIBRARY="/nonexistent/libepd.so")
+        code = ("import sys; sys.path.insert(0, %r); import epd\n"
+                "try:\n    epd.connect('/nonexistent.sock')\n"
+                "except OSError as e:\n    print('OSError', e)\n") % \
+            os.path.join(REPO, "client", "python")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=60)
+        self.assertIn("OSError", out.stdout)
+        self.assertIn("/nonexistent/libepd.so", out.stdout)
+
+    def test_status_names(self):
+        self.assertEqual(_lib.status_name(-5), "CAPACITY_EXCEEDED")
+        self.assertEqual(_lib.status_name(3), "UNKNOWN")
+        self.assertEqual(_lib.text(_lib.load().epd_status_name(-4)), "PERMISSION_DENIED")
+
+
+class TestErrors(unittest.TestCase):
+    def test_classes(self):
+        for status in range(-1, -12, -1):
+            cls = epd.error_class(status)
+            e = cls("msg", status)
+            self.assertIsInstance(e, epd.Error)
+            self.assertEqual(e.status, status)
+            self.assertEqual(e.status_name, _lib.status_name(status))
+            self.assertEqual(str(e), "%s: msg" % e.status_name)
+            again = pickle.loads(pickle.dumps(e))
+            self.assertIs(type(again), cls)
+            self.assertEqual((again.status, again.message), (status, "msg"))
+        self.assertIs(epd.error_class(-99), epd.Internal)
+        self.assertTrue(issubclass(epd.InvalidArgument, ValueError))
+        self.assertTrue(issubclass(epd.Timeout, TimeoutError))
+        self.assertTrue(issubclass(epd.PermissionDenied, PermissionError))
+        self.assertTrue(issubclass(epd.NotFound, LookupError))
+        self.assertTrue(issubclass(epd.PeerLost, ConnectionError))
+        self.assertIsNone(epd.Timeout("x").errno)
+
+
+class TestClient(unittest.TestCase):
+    def test_connect_info(self):
+        with epd.connect(socket=DAEMON["socket"], name="info", timeout_ms=5000) as c:
+            info = c.info()
+            self.assertEqual(info["backend"], "host")
+            self.assertEqual(info["protocol_version"], 1)
+            self.assertGreater(info["client_id"], 0)
+            self.assertFalse(c.closed)
+        self.assertTrue(c.closed)
+        with self.assertRaises(epd.Unavailable):
+            c.info()
+        c.close()  # idempotent
+
+    def test_socket_from_environment(self):
+        old = os.environ.get("EPD_SOCKET")
+        os.environ["EPD_SOCKET"] = DAEMON["socket"]
+        try:
+            with epd.Client() as c:
+                self.assertEqual(c.info()["backend"], "host")
+        finally:
+            if old is None:
+                del os.environ["EPD_SOCKET"]
+            else:
+                os.environ["EPD_SOCKET"] = old
+
+    def test_no_daemon(self):
+        with self.assertRaises(epd.Unavailable) as cm:
+            epd.connect(os.path.join(DAEMON["dir"], "missing.sock"))
+        self.assertIn("missing.sock", cm.exception.message)
+
+    def test_version_mismatch(self):
+        with self.assertRaises(epd.VersionMismatch) as cm:
+            epd.connect(DAEMON["socket"], protocol_version=999)
+        self.assertTrue(cm.exception.message)
+
+    def test_size_hint(self):
+        with epd.connect(DAEMON["socket"]) as c:
+            h = c.size_hint(world_size=4, num_experts=16, hidden=128, max_tokens_per_rank=32,
+                            max_topk=8, dtype="bf16", expert_alignment=16)
+            self.assertEqual(h["max_rows_non_expand"], 4 * 32)
+            self.assertEqual(h["max_rows_expand"], 4 * 32 * 4 + 4 * 15)
+            self.assertGreater(h["arena_bytes_expand"], 0)
+            h8 = c.size_hint(4, 16, 256, 32, 8, dtype="fp8", scale_block=128)
+            self.assertEqual(h8["max_rows_non_expand"], 128)
+            with self.assertRaises(epd.InvalidArgument):
+                c.size_hint(3, 16, 128, 32, 8)  # 16 experts over 3 ranks
+
+    def test_empty_and_regions(self):
+        c = epd.connect(DAEMON["socket"])
+        a = epd.empty(c, (3, 5), "bf16")
+        self.assertEqual((a.shape, a.dtype), ((3, 5), np.uint16))
+        self.assertTrue(np.all(a == 0))
+        self.assertEqual(c.empty((7,), "fp8").dtype, np.uint8)
+        self.assertEqual(c.empty(4, np.float32).shape, (4,))
+        self.assertEqual(c.empty((2, 2), "int64").dtype, np.int64)
+        self.assertIsNotNone(c._locate_range(a))
+        self.assertIsNotNone(c._locate_range(a[1:, 1:4]))  # a row-strided view
+        self.assertIsNone(c._locate_range(a[:, ::2]))
+        self.assertIsNone(c._locate_range(np.zeros((3, 5), np.uint16)))
+        self.assertTrue(c.release(a))
+        self.assertIsNone(c._locate_range(a))
+        self.assertFalse(c.release(np.zeros(3)))
+        with c.region(1000) as r:
+            v = r.array((10, 10), np.float32)
+            w = r.array((4,), "int32", offset=400)
+            self.assertFalse(r.released)
+            self.assertIsNotNone(c._locate_range(w))
+            with self.assertRaises(epd.InvalidArgument):
+                r.array((2000,), np.float32)
+        self.assertTrue(r.released)
+        v[:] = 1.0  # the memory outlives the registration
+        with self.assertRaises(epd.InvalidArgument):
+            c.region(0)
+        b = c.empty((4,), np.int32)
+        c.close()
+        b[:] = 7  # and the connection
+        self.assertEqual(b.tolist(), [7] * 4)
+
+    def test_region_released_with_last_array(self):
+        c = epd.connect(DAEMON["socket"])
+        a = c.empty((16,), np.float32)
+        region_id = c._locate_range(a)[0]
+        view = a[4:]
+        del a
+        self.assertIn(region_id, c._ranges)
+        del view
+        import gc
+        gc.collect()
+        self.assertNotIn(region_id, c._ranges)
+        c.close()
+
+
+class TestGroups(unittest.TestCase):
+    def test_create_join_properties(self):
+        w = World(2, num_experts=8, hidden=128, max_tokens_per_rank=12, max_topk=3,
+                  dtype="fp8", scale_block=64, arena_bytes=1 << 20, op_timeout_ms=5000)
+        try:
+            g0, g1 = w.groups
+            self.assertEqual((g0.rank, g1.rank), (0, 1))
+            self.assertEqual(g0.id, g1.id)
+            cfg = g1.config
+            self.assertEqual(cfg, {"world_size": 2, "num_experts": 8, "hidden": 128,
+                                   "max_tokens_per_rank": 12, "max_topk": 3, "dtype": "fp8",
+                                   "scale_block": 64, "op_timeout_ms": 5000,
+                                   "arena_bytes": 1 << 20})
+            self.assertEqual(g0.num_local_experts, 4)
+            self.assertIn("rank=1/2", repr(g1))
+        finally:
+            w.close()
+
+    def test_wrong_secret(self):
+        w = World(2)
+        try:
+            with epd.connect(DAEMON["socket"]) as c:
+                with self.assertRaises(epd.PermissionDenied) as cm:
+                    epd.Group.join(c, w.name, b"x" * 16, 1)
+                self.assertTrue(cm.exception.message)
+        finally:
+            w.close()
+
+    def test_not_found_and_exists(self):
+        with epd.connect(DAEMON["socket"]) as c:
+            with self.assertRaises(epd.NotFound):
+                epd.Group.join(c, unique("nope"), SECRET, 1)
+            t0 = time.monotonic()
+            with self.assertRaises(epd.NotFound):
+                epd.Group.join(c, unique("nope"), SECRET, 1, retry_timeout=0.2)
+            self.assertGreaterEqual(time.monotonic() - t0, 0.2)
+            name = unique("dup")
+            g = epd.Group.create(c, name, SECRET, 0, world_size=2, num_experts=2, hidden=64,
+                                 max_tokens_per_rank=4, max_topk=1)
+            with epd.connect(DAEMON["socket"]) as c2:
+                with self.assertRaises(epd.AlreadyExists):
+                    epd.Group.create(c2, name, SECRET, 0, world_size=2, num_experts=2,
+                                     hidden=64, max_tokens_per_rank=4, max_topk=1)
+                with self.assertRaises(epd.AlreadyExists):
+                    epd.Group.join(c2, name, SECRET, 0)  # rank 0 is bound
+            g.leave()
+
+    def test_bad_config_and_secret(self):
+        with epd.connect(DAEMON["socket"]) as c:
+            with self.assertRaises(epd.InvalidArgument):
+                epd.Group.create(c, unique("short"), b"short", 0, world_size=1, num_experts=2,
+                                 hidden=64, max_tokens_per_rank=4, max_topk=1)
+            with self.assertRaises(epd.InvalidArgument):
+                epd.Group.create(c, unique("bad"), SECRET, 0, world_size=3, num_experts=4,
+                                 hidden=64, max_tokens_per_rank=4, max_topk=1)
+            with self.assertRaises(epd.InvalidArgument):
+                epd.Group.create(c, unique("bad"), SECRET, 0, world_size=1, num_experts=4,
+                                 hidden=64, max_tokens_per_rank=4, max_topk=1, dtype="fp16")
+            with self.assertRaises(epd.InvalidArgument):
+                epd.Group.create(c, unique("bad"), 12345, 0, world_size=1, num_experts=4,
+                                 hidden=64, max_tokens_per_rank=4, max_topk=1)
+
+    def test_devices(self):
+        with epd.connect(DAEMON["socket"]) as c:
+            uuid = c.info()["devices"][0]["uuid"]
+            shape = dict(world_size=1, num_experts=2, hidden=64, max_tokens_per_rank=4,
+                         max_topk=1)
+            with epd.Group.create(c, unique("dev"), SECRET, 0, device_uuid=uuid, **shape):
+                pass
+            with epd.Group.create(c, unique("dev"), SECRET, 0, device=0, **shape):
+                pass
+            with self.assertRaises(epd.InvalidArgument):
+                epd.Group.create(c, unique("dev"), SECRET, 0, device=99, **shape)
+            with self.assertRaises(epd.NotFound):
+                epd.Group.create(c, unique("dev"), SECRET, 0, device_uuid="HOST-nope", **shape)
+
+    def test_join_waits_for_create(self):
+        name = unique("late")
+        with epd.connect(DAEMON["socket"]) as c0, epd.connect(DAEMON["socket"]) as c1:
+            box = {}
+            th = threading.Thread(target=lambda: box.update(g=epd.Group.join(
+                c1, name, SECRET.decode(), 1, retry_timeout=10)))
+            th.start()
+            time.sleep(0.1)
+            with epd.Group.create(c0, name, SECRET.decode(), 0, world_size=2, num_experts=2,
+                                  hidden=64, max_tokens_per_rank=4, max_topk=1) as g0:
+                th.join(10)
+                self.assertEqual(box["g"].rank, 1)
+                box["g"].leave()
+                box["g"].leave()  # idempotent
+                self.assertTrue(box["g"].closed)
+            self.assertTrue(g0.closed)
+            with self.assertRaises(epd.Unavailable):
+                g0.dispatch(np.zeros((1, 64), np.uint16), np.zeros((1, 1), np.int64))
+
+
+class TestDispatchCombine(unittest.TestCase):
+    """Every argument of dispatch and combine, compared with the reference bit for bit."""
+
+    def run_case(self, R=2, layout="non_expand", dtype="bf16", topk_dtype=np.int64,
+                 weights=True, alignment=1, zero_padding=False, shared=False, floats=False,
+                 use_arena=True, copy_outputs=False, biases=0, apply_weights=False,
+                 tokens=None, cached=False, row_padding=0, seed=7):
+        E, H, T, K = 4 * R, 128 if dtype == "fp8" else 64, 12, 3
+        w = World(R, num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K,
+                  dtype=dtype)
+        try:
+            xs, scales, topks, ws = make_inputs(R, E, H, T, K, seed, dtype, tokens,
+                                                topk_dtype=topk_dtype)
+            ref = Routing(R, E, T, xs, topks, ws if weights else None, scales=scales,
+                          layout=layout, alignment=alignment)
+
+            def x_arg(r):
+                x = xs[r]
+                if floats:
+                    return epd.bf16_to_float(x)  # converted back exactly by the binding
+                if shared:
+                    big = epd.empty(w.clients[r], (max(1, x.shape[0]), H + row_padding),
+                                    x.dtype)
+                    big[:x.shape[0], :H] = x
+                    return big[:x.shape[0], :H]
+                return x
+
+            def dispatch(r, g, handle=None, new_w=None):
+                return g.dispatch(
+                    x_arg(r), topk_idx=None if handle else topks[r],
+                    topk_weights=(new_w[r] if new_w is not None else ws[r]) if weights
+                    else None,
+                    x_scales=scales[r], handle=handle,
+                    expert_alignment=None if handle else alignment,
+                    layout=None if handle else layout,
+                    zero_padding=None if handle else zero_padding, async_op=True,
+                    use_arena=use_arena, copy_outputs=copy_outputs)
+
+            results = w.collective(dispatch)
+            for r, res in enumerate(results):
+                self.assertIsInstance(res, epd.DispatchResult, res)
+                self.check_dispatch(ref, r, res, layout, dtype, topk_dtype, weights,
+                                    zero_padding)
+            if cached:
+                ws2 = [x * 2 for x in ws]
+                again = w.collective(lambda r, g: dispatch(r, g, results[r].handle, ws2))
+                ref = Routing(R, E, T, xs, topks, ws2 if weights else None, scales=scales,
+                              layout=layout, alignment=alignment)
+                for r, res in enumerate(again):
+                    self.assertIs(res.handle, results[r].handle)
+                    self.check_dispatch(ref, r, res, layout, dtype, topk_dtype, weights,
+                                        zero_padding)
+                results = again
+            if dtype != "bf16":
+                return
+            # Combine: y is a seeded function of the rows; in place in the arena when possible.
+            rng = np.random.default_rng(seed + 1)
+            ys = [epd.float_to_bf16(rng.standard_normal((res.num_rows, H), np.float32))
+                  for res in results]
+            bs = [[epd.float_to_bf16(rng.standard_normal((len(xs[r]), H), np.float32))
+                   for _ in range(biases)] for r in range(R)]
+
+            def combine(r, g):
+                res = results[r]
+                if use_arena and not copy_outputs:
+                    res.recv_x[...] = ys[r]
+                    y = res.recv_x
+                else:
+                    y = epd.bf16_to_float(ys[r]) if floats else ys[r]
+                bias = None if not biases else (bs[r][0] if biases == 1 else tuple(bs[r]))
+                return g.combine(y, res.handle, bias=bias, apply_weights=apply_weights,
+                                 async_op=True)
+
+            out = w.collective(combine)
+            for r in range(R):
+                self.assertIsInstance(out[r], tuple, out[r])
+                combined, cw = out[r]
+                want = ref.combine(r, ys, bs[r], apply_weights)
+                np.testing.assert_array_equal(combined, want)
+                if weights:
+                    np.testing.assert_array_equal(cw, ref.combined_weights(r))
+                else:
+                    self.assertIsNone(cw)
+            for res in results:
+                with res.handle as h:
+                    self.assertFalse(h.released)
+                self.assertTrue(res.handle.released)
+                res.handle.release()
+        finally:
+            w.close()
+
+    def check_dispatch(self, ref, r, res, layout, dtype, topk_dtype, weights, zero_padding):
+        want = ref.dest(r)
+        self.assertEqual(res.layout, layout)
+        self.assertEqual(res.num_recv_tokens, want["num_recv_tokens"])
+        self.assertEqual(res.num_expanded_rows, want["num_expanded_rows"])
+        self.assertEqual(res.num_recv_tokens_per_expert.tolist(), want["per_expert"])
+        self.assertEqual(res.num_recv_tokens_per_expert_aligned.tolist(), want["aligned"])
+        self.assertEqual(res.num_recv_tokens_per_expert_list, want["aligned"])
+        self.assertEqual(res.rank_prefix.tolist(), want["rank_prefix"])
+        rows = res.num_rows
+        self.assertEqual(res.recv_x.shape[0], rows)
+        self.assertEqual(res.recv_x.dtype, np.uint16 if dtype == "bf16" else np.uint8)
+        for i, xr in enumerate(ref.recv_x(r)):
+            if xr is not None:
+                np.testing.assert_array_equal(res.recv_x[i], xr)
+            elif zero_padding:
+                self.assertTrue(np.all(res.recv_x[i] == 0))
+        np.testing.assert_array_equal(res.recv_src, want["recv_src"])
+        if dtype == "fp8":
+            self.assertEqual(res.recv_x_scales.shape, (rows, res.recv_x.shape[1] // 128))
+            for i, row in enumerate(want["rows"]):
+                if row is not None:
+                    np.testing.assert_array_equal(res.recv_x_scales[i], ref.scales[row[0]][row[1]])
+        else:
+            self.assertIsNone(res.recv_x_scales)
+        if layout == "non_expand":
+            self.assertEqual(res.recv_topk_idx.dtype, topk_dtype)
+            np.testing.assert_array_equal(res.recv_topk_idx, want["recv_topk_idx"])
+            self.assertIsNone(res.recv_topk_slot)
+        else:
+            self.assertIsNone(res.recv_topk_idx)
+            np.testing.assert_array_equal(res.recv_topk_slot, want["recv_topk_slot"])
+        if weights:
+            self.assertIs(res.recv_topk_weights, res.recv_weights)
+            got, exp = res.recv_weights, want["recv_weights"]
+            if layout == "expand" and not zero_padding:
+                keep = want["recv_src"] >= 0
+                got, exp = got[keep], exp[keep]
+            np.testing.assert_array_equal(got, exp)
+        else:
+            self.assertIsNone(res.recv_weights)
+
+    def test_non_expand_bf16(self):
+        self.run_case()
+
+    def test_expand_bf16_apply_weights_alignment(self):
+        self.run_case(layout="expand", alignment=4, apply_weights=True, biases=2)
+
+    def test_expand_zero_padding_int32_shared(self):
+        self.run_case(R=3, layout="expand", alignment=8, zero_padding=True,
+                      topk_dtype=np.int32, shared=True, biases=1)
+
+    def test_non_expand_no_weights_floats(self):
+        self.run_case(R=3, weights=False, floats=True, tokens=[12, 0, 5])
+
+    def test_client_outputs(self):
+        self.run_case(use_arena=False, biases=1)
+        self.run_case(layout="expand", use_arena=False, alignment=2, apply_weights=True)
+
+    def test_copy_outputs(self):
+        self.run_case(layout="expand", copy_outputs=True)
+
+    def test_cached(self):
+        self.run_case(cached=True, shared=True)
+        self.run_case(layout="expand", cached=True, apply_weights=True, use_arena=False)
+
+    def test_row_strided_input(self):
+        self.run_case(shared=True, row_padding=8)
+
+    def test_fp8(self):
+        self.run_case(dtype="fp8")
+        self.run_case(dtype="fp8", layout="expand", alignment=4, zero_padding=True,
+                      shared=True, use_arena=False)
+
+    def test_single_rank(self):
+        self.run_case(R=1, layout="expand", apply_weights=True)
+
+    def test_combine_out_and_unpacking(self):
+        w = World(2)
+        try:
+            xs, _, topks, ws = make_inputs(2, 8, 64, 16, 2, 3)
+            res = w.collective(lambda r, g: g.dispatch(xs[r], topks[r], ws[r], async_op=True))
+            x, idx, wts, counts, handle = res[0]
+            self.assertIs(x, res[0].recv_x)
+            self.assertIs(handle, res[0].handle)
+            self.assertEqual(counts, res[0].num_recv_tokens_per_expert_list)
+            self.assertIn("rows=", repr(res[0]))
+            self.assertIn("handle", repr(res[0].handle).lower())
+            outs = [w.clients[0].empty((len(xs[0]), 64), "bf16"),
+                    np.zeros((len(xs[1]), 64), np.uint16)]
+            got = w.collective(lambda r, g: g.combine(res[r].recv_x, res[r].handle,
+                                                      out=outs[r], async_op=True))
+            for r in range(2):
+                self.assertIs(got[r][0], outs[r])
+                self.assertTrue(np.any(outs[r] != 0))
+            # The blocking form, from threads (every rank must take part).
+            with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                blocking = list(ex.map(lambda r: w.groups[r].combine(
+                    res[r].recv_x, res[r].handle), range(2)))
+            for r in range(2):
+                np.testing.assert_array_equal(blocking[r][0], outs[r])
+        finally:
+            w.close()
+
+
+class TestAsync(unittest.TestCase):
+    def test_wait_timeout_then_complete(self):
+        w = World(2)
+        try:
+            xs, _, topks, ws = make_inputs(2, 8, 64, 16, 2, 5)
+            f0 = w.groups[0].dispatch(xs[0], topks[0], ws[0], async_op=True)
+            self.assertFalse(f0.done())
+            with self.assertRaises(epd.Timeout) as cm:
+                f0.wait(timeout=0.05)
+            self.assertTrue(cm.exception.op_pending)
+            try:
+                f0.stream_wait(0)
+            except epd.StreamWaitUnavailable as e:
+                self.assertIsInstance(e, NotImplementedError)
+                self.assertIsInstance(e, epd.Unavailable)
+            f1 = w.groups[1].dispatch(xs[1], topks[1], ws[1], async_op=True)
+            r0, r1 = f0.wait(), f1.wait(timeout=10)
+            self.assertTrue(f0.done())
+            self.assertIs(f0.wait(), r0)  # a completed future answers again
+            f0.stream_wait(0)  # completed: nothing to wait for
+            self.assertIn("done", repr(f0))
+            self.assertEqual(r0.handle.id, r1.handle.id)
+        finally:
+            w.close()
+
+    def test_close_abandons_pending(self):
+        w = World(2)
+        xs, _, topks, ws = make_inputs(2, 8, 64, 16, 2, 5)
+        f0 = w.groups[0].dispatch(xs[0], topks[0], async_op=True)
+        w.clients[0].close()
+        with self.assertRaises(epd.Unavailable):
+            f0.wait()
+        w.close()
+
+
+class TestOpErrors(unittest.TestCase):
+    """Each collective failure reaches every rank as the same exception."""
+
+    def expect_all(self, results, cls, *fragments):
+        for r, res in enumerate(results):
+            self.assertIsInstance(res, cls, "rank %d: %r" % (r, res))
+            for f in fragments:
+                self.assertIn(f, res.message)
+
+    def test_capacity_arena(self):
+        w = World(2, arena_bytes=4096, hidden=256)
+        try:
+            xs, _, topks, ws = make_inputs(2, 8, 256, 16, 4, 9, minus_one=0)
+            res = w.collective(lambda r, g: g.dispatch(xs[r], topks[r], ws[r], async_op=True))
+            self.expect_all(res, epd.CapacityExceeded, "rows")
+            self.assertEqual(res[0].status, _lib.CAPACITY_EXCEEDED)
+        finally:
+            w.close()
+
+    def test_capacity_client_outputs(self):
+        w = World(2)
+        try:
+            xs, _, topks, ws = make_inputs(2, 8, 64, 16, 2, 9, minus_one=0)
+            res = w.collective(lambda r, g: g.dispatch(xs[r], topks[r], ws[r], async_op=True,
+                                                       use_arena=False, recv_capacity=1))
+            self.expect_all(res, epd.CapacityExceeded, "capacity")
+        finally:
+            w.close()
+
+    def test_bad_topk(self):
+        w = World(2)
+        try:
+            xs, _, topks, ws = make_inputs(2, 8, 64, 16, 2, 9)
+            bad = [t.copy() for t in topks]
+            bad[1][0, 0] = 8  # expert 8 of 8
+            res = w.collective(lambda r, g: g.dispatch(xs[r], bad[r], async_op=True))
+            self.expect_all(res, epd.InvalidArgument)
+            dup = [t.copy() for t in topks]
+            dup[0][2] = [3, 3]
+            res = w.collective(lambda r, g: g.dispatch(xs[r], dup[r], async_op=True))
+            self.expect_all(res, epd.InvalidArgument)
+            wide = [np.zeros((len(xs[r]), 5), np.int64) for r in range(2)]  # K 5 > max_topk
+            res = w.collective(lambda r, g: g.dispatch(xs[r], wide[r], async_op=True))
+            self.expect_all(res, epd.InvalidArgument)
+            cols = [x[:, :32] for x in xs]  # hidden 32, the group's is 64
+            res = w.collective(lambda r, g: g.dispatch(cols[r], topks[r], async_op=True))
+            self.expect_all(res, epd.InvalidArgument, "x")
+            # The group still works afterwards.
+            res = w.collective(lambda r, g: g.dispatch(xs[r], topks[r], async_op=True))
+            self.assertIsInstance(res[0], epd.DispatchResult)
+        finally:
+            w.close()
+
+    def test_combine_errors(self):
+        w = World(2)
+        try:
+            xs, _, topks, ws = make_inputs(2, 8, 64, 16, 2, 9)
+            res = w.collective(lambda r, g: g.dispatch(xs[r], topks[r], ws[r], async_op=True))
+            out = w.collective(lambda r, g: g.combine(res[r].recv_x, res[r].handle,
+                                                      apply_weights=True, async_op=True))
+            self.expect_all(out, epd.InvalidArgument, "apply_weights")
+            for x in res:
+                x.handle.release()
+            out = w.collective(lambda r, g: g.combine(res[r].recv_x, res[r].handle,
+                                                      async_op=True))
+            self.expect_all(out, epd.NotFound)
+        finally:
+            w.close()
+
+    def test_timeout(self):
+        w = World(2, op_timeout_ms=300)
+        try:
+            xs, _, topks, ws = make_inputs(2, 8, 64, 16, 2, 9)
+            t0 = time.monotonic()
+            with self.assertRaises(epd.Timeout) as cm:
+                w.groups[0].dispatch(xs[0], topks[0])
+            self.assertFalse(cm.exception.op_pending)
+            self.assertLess(time.monotonic() - t0, 10)
+            self.assertTrue(cm.exception.message)
+        finally:
+            w.close()
+
+    def test_peer_lost(self):
+        w = World(2)
+        try:
+            xs, _, topks, ws = make_inputs(2, 8, 64, 16, 2, 9)
+            f0 = w.groups[0].dispatch(xs[0], topks[0], async_op=True)
+            time.sleep(0.05)
+            w.clients[1].close()
+            with self.assertRaises(epd.PeerLost):
+                f0.wait(timeout=10)
+        finally:
+            w.close()
+
+    def test_local_argument_errors(self):
+        w = World(1)
+        try:
+            g = w.groups[0]
+            x = np.zeros((2, 64), np.uint16)
+            with self.assertRaises(epd.InvalidArgument):
+                g.dispatch(x)  # no topk_idx, no handle
+            with self.assertRaises(epd.InvalidArgument):
+                g.dispatch(x, np.zeros((2, 1), np.float32))
+            with self.assertRaises(epd.InvalidArgument):
+                g.dispatch(np.zeros((2, 64), np.int32), np.zeros((2, 1), np.int64))
+            with self.assertRaises(epd.InvalidArgument):
+                g.dispatch(x, np.zeros((2, 1), np.int64), layout="diagonal")
+            with self.assertRaises(epd.InvalidArgument):
+                g.dispatch(x, np.zeros((2, 1), np.int64), topk_weights=np.array([["a"]]))
+            res = g.dispatch(x, np.zeros((2, 1), np.int8), layout=epd.EXPAND)  # int8 -> int64
+            self.assertEqual(res.num_expanded_rows, 2)
+            with self.assertRaises(epd.InvalidArgument):
+                g.dispatch(x, np.zeros((2, 1), np.int64), handle=res.handle)
+            with self.assertRaises(epd.InvalidArgument):
+                g.combine(res.recv_x, res.handle, bias=(x, x, x))
+            with self.assertRaises(epd.InvalidArgument):
+                g.combine(res.recv_x, "not a handle")
+            with self.assertRaises(epd.InvalidArgument):
+                g.combine(res.recv_x, res.handle, out=np.zeros((3, 64), np.uint16))
+        finally:
+            w.close()
+
+
+class TestDeepEPCompat(unittest.TestCase):
+    def buffers(self, R, **kw):
+        name = unique("deepep")
+        kw.setdefault("num_experts", 4 * R)
+        kw.setdefault("hidden", 64)
+        bufs = [Buffer(name, rank=0, secret=SECRET, socket=DAEMON["socket"], world_size=R,
+                       max_tokens_per_rank=16, max_topk=4, **kw)]
+        for r in range(1, R):
+            bufs.append(Buffer(name, rank=r, secret=SECRET, socket=DAEMON["socket"]))
+        return bufs
+
+    def parallel(self, bufs, fn):
+        with concurrent.futures.ThreadPoolExecutor(len(bufs)) as ex:
+            return list(ex.map(lambda r: fn(r, bufs[r]), range(len(bufs))))
+
+    def test_layout_dispatch_combine(self):
+        R, E, H, T, K = 2, 8, 64, 16, 3
+        bufs = self.buffers(R)
+        try:
+            xs, _, topks, ws = make_inputs(R, E, H, T, K, 21)
+            ref = Routing(R, E, T, xs, topks, ws)
+            for r in range(R):
+                ntr, nrdma, nte, in_rank, ev = bufs[r].get_dispatch_layout(topks[r], E)
+                self.assertIsNone(nrdma)
+                self.assertIsNone(ev)
+                dest = np.where(topks[r] >= 0, topks[r] // (E // R), -1)
+                want_in = np.stack([(dest == d).any(1) for d in range(R)], axis=1)
+                np.testing.assert_array_equal(in_rank, want_in)
+                np.testing.assert_array_equal(ntr, want_in.sum(0))
+                np.testing.assert_array_equal(
+                    nte, np.bincount(topks[r][topks[r] >= 0], minlength=E))
+                self.assertEqual((ntr.dtype, nte.dtype, in_rank.dtype),
+                                 (np.int32, np.int32, bool))
+            with self.assertRaises(epd.InvalidArgument):
+                bufs[0].get_dispatch_layout(topks[0], E + 1)
+
+            def dispatch(r, b):
+                ntr, _, nte, in_rank, _ = b.get_dispatch_layout(topks[r], E)
+                return b.dispatch(xs[r], num_tokens_per_rank=ntr, is_token_in_rank=in_rank,
+                                  num_tokens_per_expert=nte, topk_idx=topks[r],
+                                  topk_weights=ws[r], expert_alignment=2)
+
+            out = self.parallel(bufs, dispatch)
+            for r, (rx, ridx, rw, counts, handle, ev) in enumerate(out):
+                want = ref.dest(r)
+                self.assertIsNone(ev)
+                np.testing.assert_array_equal(rx, np.array(
+                    [xs[s][t] for s, t in want["rows"]]).reshape(-1, H))
+                np.testing.assert_array_equal(ridx, want["recv_topk_idx"])
+                np.testing.assert_array_equal(rw, want["recv_weights"])
+                self.assertEqual(counts, [(c + 1) // 2 * 2 for c in want["per_expert"]])
+                self.assertIsInstance(handle, epd.Handle)
+            bias = [epd.float_to_bf16(np.full((len(xs[r]), H), 0.5, np.float32))
+                    for r in range(R)]
+            comb = self.parallel(bufs, lambda r, b: b.combine(out[r][0], out[r][4],
+                                                              topk_weights=out[r][2],
+                                                              bias=bias[r]))
+            for r, (cx, cw, ev) in enumerate(comb):
+                np.testing.assert_array_equal(cx, ref.combine(r, [o[0] for o in out],
+                                                              [bias[r]]))
+                np.testing.assert_array_equal(cw, ref.combined_weights(r))
+                self.assertIsNone(ev)
+            comb = self.parallel(bufs, lambda r, b: b.combine(out[r][0], out[r][4]))
+            self.assertIsNone(comb[0][1])
+            # Cached dispatch, then the handles go with their last reference.
+            cached = self.parallel(bufs, lambda r, b: b.dispatch(xs[r], handle=out[r][4],
+                                                                 topk_weights=ws[r] * 3))
+            for r, (rx, ridx, rw, counts, handle, ev) in enumerate(cached):
+                np.testing.assert_array_equal(rx, out[r][0])
+                self.assertIsNone(ridx)
+                self.assertIsNone(counts)
+                np.testing.assert_array_equal(rw, out[r][2] * 3)
+            with self.assertRaises(NotImplementedError):
+                bufs[0].dispatch(xs[0], topk_idx=topks[0], num_worst_tokens=64)
+            self.assertIsNone(Buffer.get_dispatch_config())
+            self.assertIsNone(Buffer.get_combine_config())
+            handle_ids = [o[4].id for o in out]
+            out = cached = comb = None
+            import gc
+            gc.collect()
+            for r, b in enumerate(bufs):
+                self.assertEqual(b.rank, r)
+                self.assertEqual(b.group_size, R)
+            # The released handle is gone on the daemon: combine on its id fails everywhere.
+            ghost = [epd.Handle(b.group, handle_ids[r], "non_expand", len(xs[r]), K,
+                                _lib.DTYPE_INT64, True, 0, 1, False)
+                     for r, b in enumerate(bufs)]
+            fail = self.parallel(bufs, lambda r, b: _catch(lambda: b.group.combine(
+                np.zeros((0, H), np.uint16), ghost[r])))
+            for f in fail:
+                self.assertIsInstance(f, epd.NotFound)
+        finally:
+            for b in bufs:
+                b.destroy()
+
+    def test_fp8_and_wrapped_group(self):
+        R, E, H, T, K = 2, 8, 128, 16, 2
+        w = World(R, num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K, dtype="fp8")
+        try:
+            bufs = [Buffer(g) for g in w.groups]
+            xs, scales, topks, ws = make_inputs(R, E, H, T, K, 22, dtype="fp8")
+            ref = Routing(R, E, T, xs, topks, ws)
+            out = self.parallel(bufs, lambda r, b: b.dispatch((xs[r], scales[r]),
+                                                              topk_idx=topks[r]))
+            for r, (rx, ridx, rw, counts, handle, ev) in enumerate(out):
+                recv_x, recv_scales = rx
+                want = ref.dest(r)
+                for i, (s, t) in enumerate(want["rows"]):
+                    np.testing.assert_array_equal(recv_x[i], xs[s][t])
+                    np.testing.assert_array_equal(recv_scales[i], scales[s][t])
+                self.assertIsNone(rw)
+            for b in bufs:
+                b.destroy()  # a wrapped group stays the caller's
+            self.assertFalse(w.groups[0].closed)
+        finally:
+            w.close()
+
+    def test_creator_needs_shape(self):
+        with self.assertRaises(epd.InvalidArgument):
+            Buffer(unique("noshape"), rank=0, secret=SECRET, socket=DAEMON["socket"])
+        with self.assertRaises(epd.InvalidArgument):
+            Buffer(unique("nosecret"), socket=DAEMON["socket"])
+
+    @unittest.skipUnless(__import__("importlib").util.find_spec("torch"), "torch not installed")
+    def test_torch_tensors(self):
+        import torch
+        R, E, H, T, K = 2, 8, 64, 16, 2
+        bufs = self.buffers(R, num_experts=E, hidden=H)
+        try:
+            xs, _, topks, ws = make_inputs(R, E, H, T, K, 23)
+            tx = [torch.from_numpy(epd.bf16_to_float(x)).to(torch.bfloat16) for x in xs]
+            tk = [torch.from_numpy(t) for t in topks]
+            tw = [torch.from_numpy(w) for w in ws]
+            lay = bufs[0].get_dispatch_layout(tk[0], E)
+            self.assertIsInstance(lay[3], torch.Tensor)
+            self.assertEqual(lay[3].dtype, torch.bool)
+            out = self.parallel(bufs, lambda r, b: b.dispatch(tx[r], topk_idx=tk[r],
+                                                              topk_weights=tw[r]))
+            ref = Routing(R, E, T, xs, topks, ws)
+            for r, (rx, ridx, rw, counts, handle, ev) in enumerate(out):
+                self.assertEqual(rx.dtype, torch.bfloat16)
+                self.assertEqual(ridx.dtype, torch.int64)
+                got = rx.view(torch.int16).numpy().view(np.uint16)
+                want = ref.dest(r)
+                np.testing.assert_array_equal(
+                    got, np.array([xs[s][t] for s, t in want["rows"]]).reshape(-1, H))
+            comb = self.parallel(bufs, lambda r, b: b.combine(out[r][0], out[r][4],
+                                                              topk_weights=out[r][2]))
+            for r, (cx, cw, _) in enumerate(comb):
+                self.assertEqual(cx.dtype, torch.bfloat16)
+                np.testing.assert_array_equal(
+                    cx.view(torch.int16).numpy().view(np.uint16),
+                    ref.combine(r, [o[0].view(torch.int16).numpy().view(np.uint16)
+                                    for o in out]))
+                self.assertEqual(cw.dtype, torch.float32)
+        finally:
+            for b in bufs:
+                b.destroy()
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except epd.Error as e:
+        return e
+
+
+class TestExample(unittest.TestCase):
+    def run_example(self, *args):
+        cmd = [sys.executable, os.path.join(REPO, "examples", "moe_worker.py"),
+               "--socket", DAEMON["socket"], "--ranks", "2", "--experts", "4", "--hidden",
+               "64", "--tokens", "16", "--topk", "2"] + list(args)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("PASS", out.stdout)
+        return out.stdout
+
+    def test_expand(self):
+        self.run_example("--layout", "expand", "--alignment", "4")
+
+    def test_non_expand(self):
+        self.run_example("--layout", "non_expand", "--steps", "3")
+
+    def test_detects_wrong_results(self):
+        cmd = [sys.executable, os.path.join(REPO, "examples", "moe_worker.py"),
+               "--socket", DAEMON["socket"], "--ranks", "2", "--experts", "4", "--hidden",
+               "64", "--tokens", "16", "--topk", "2", "--tol", "1e-7"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+        self.assertIn("FAIL", out.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()
