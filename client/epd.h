@@ -282,6 +282,7 @@ struct epd_dispatch_result {
                 *recv_topk_slot_ptr;
         uint64_t exec_ns;  /* backend execution time of the whole op */
         uint64_t queue_ns; /* from this rank's submission to launch */
+        uint64_t kernel_ns; /* GPU time of the op's kernels (cuda backend), else 0 */
 };
 
 struct epd_combine_args {
@@ -301,6 +302,7 @@ struct epd_combine_result {
         uint32_t num_tokens;
         uint64_t exec_ns;
         uint64_t queue_ns;
+        uint64_t kernel_ns; /* GPU time of the op's kernels (cuda backend), else 0 */
 };
 
 /* Async forms: submit returns an op at once; epd_op_wait blocks until it completes. */

@@ -222,6 +222,7 @@ int epd_op_dispatch_result(const struct epd_op *op_c, struct epd_dispatch_result
         out->rank_prefix = r->rank_prefix;
         out->exec_ns = r->exec_ns;
         out->queue_ns = r->queue_ns;
+        out->kernel_ns = r->kernel_ns;
         result_tensor(op, r->recv_x, &out->recv_x, &out->recv_x_ptr);
         result_tensor(op, r->recv_scales, &out->recv_scales, &out->recv_scales_ptr);
         result_tensor(op, r->recv_topk_idx, &out->recv_topk_idx, &out->recv_topk_idx_ptr);
@@ -248,6 +249,7 @@ int epd_op_combine_result(const struct epd_op *op, struct epd_combine_result *ou
         out->num_tokens = r->num_tokens;
         out->exec_ns = r->exec_ns;
         out->queue_ns = r->queue_ns;
+        out->kernel_ns = r->kernel_ns;
         return 0;
 }
 

@@ -79,6 +79,7 @@ struct epd_exec {
         int status;
         char message[512];
         uint64_t exec_ns;
+        uint64_t kernel_ns;           /* GPU time of the op's kernels (cuda), else 0 */
         uint64_t bytes;               /* floor bytes moved, for statistics */
         uint64_t timeout_ns;          /* the group's op timeout, for waits on clients */
         struct epd_list link;         /* completion queue */

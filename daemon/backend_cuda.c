@@ -43,6 +43,7 @@
 struct cuda_dev {
         cudaStream_t stream;
         cudaEvent_t counted, done;
+        cudaEvent_t t0, t1;           /* timing: around the op's kernels */
         /* Descriptor staging: pinned host buffers and their device copies, reused by every op
          * (the executor runs one op at a time and waits for it). */
         void *h_desc, *d_desc;
@@ -397,6 +398,10 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                 cudaSetDevice(d);
                 queue_input_waits(ex, cb->dev[d].stream);
         }
+        /* Kernel time starts once the inputs are ready: W waits for every device's input waits
+         * through the count events below, so t0 on W marks the first kernel closely enough. */
+        cudaSetDevice(W);
+        cudaEventRecord(cb->dev[W].t0, cb->dev[W].stream);
         /* count on every device, prefix on W (or recheck for a cached dispatch) */
         int rc = 0;
         if (!fresh) {
@@ -465,6 +470,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                 cudaStreamWaitEvent(cb->dev[W].stream, cb->dev[d].done, 0);
         }
         cudaSetDevice(W);
+        cudaEventRecord(cb->dev[W].t1, cb->dev[W].stream);
         queue_completions(ex, cb->dev[W].stream);
         for (int d = 0; d < cb->num_devices; d++) {
                 if (!used[d])
@@ -477,6 +483,12 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                 goto fail;
         if (verdict(ex, &ch->layout, cb->h_reply) < 0)
                 goto fail;
+        {
+                float ms = 0;
+                cudaSetDevice(W);
+                if (cudaEventElapsedTime(&ms, cb->dev[W].t0, cb->dev[W].t1) == cudaSuccess)
+                        ex->kernel_ns = (uint64_t)(ms * 1e6);
+        }
         fetch_reply(cb, ex, &ch->layout);
         ex->bytes = 0;
         for (uint32_t d = 0; d < R; d++) {
@@ -518,6 +530,14 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
         int W = (int)ex->ranks[0].device;
 
         devices_of(ex, used);
+        for (int d = 0; d < cb->num_devices; d++) {
+                if (!used[d])
+                        continue;
+                cudaSetDevice(d);
+                queue_input_waits(ex, cb->dev[d].stream);
+        }
+        cudaSetDevice(W);
+        cudaEventRecord(cb->dev[W].t0, cb->dev[W].stream);
         for (int d = 0; d < cb->num_devices && rc == 0; d++) {
                 struct cuda_dev *dv = &cb->dev[d];
                 struct epd_k_combine_args a;
@@ -557,7 +577,6 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                 a.workspace = ch->ws;
                 a.ranks = dv->d_desc;
                 a.local = (const struct epd_k_local *)((uint8_t *)dv->d_desc + ranks_bytes);
-                queue_input_waits(ex, dv->stream);
                 rc = epd_k_combine(&a, dv->stream);
         }
         for (int d = 0; d < cb->num_devices && rc == 0; d++) {
@@ -569,6 +588,7 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                 cudaStreamWaitEvent(cb->dev[W].stream, cb->dev[d].done, 0);
         }
         cudaSetDevice(W);
+        cudaEventRecord(cb->dev[W].t1, cb->dev[W].stream);
         if (rc == 0)
                 queue_completions(ex, cb->dev[W].stream);
         for (int d = 0; d < cb->num_devices; d++) {
@@ -585,6 +605,10 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                          cudaGetErrorString(cudaGetLastError()));
                 return -1;
         }
+        float ms = 0;
+        cudaSetDevice(W);
+        if (cudaEventElapsedTime(&ms, cb->dev[W].t0, cb->dev[W].t1) == cudaSuccess)
+                ex->kernel_ns = (uint64_t)(ms * 1e6);
         uint64_t rows = 0;
         for (uint32_t r = 0; r < R; r++)
                 rows += ex->ranks[r].y_rows;
@@ -660,7 +684,8 @@ static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *
                 dev->memory_bytes = prop.totalGlobalMem;
                 if ((ce = cudaStreamCreateWithFlags(&cb->dev[d].stream, cudaStreamNonBlocking)) ||
                     (ce = cudaEventCreateWithFlags(&cb->dev[d].counted, cudaEventDisableTiming)) ||
-                    (ce = cudaEventCreateWithFlags(&cb->dev[d].done, cudaEventDisableTiming)))
+                    (ce = cudaEventCreateWithFlags(&cb->dev[d].done, cudaEventDisableTiming)) ||
+                    (ce = cudaEventCreate(&cb->dev[d].t0)) || (ce = cudaEventCreate(&cb->dev[d].t1)))
                         return cuda_fail(err, err_len, "stream/event creation", ce);
                 if (epd_k_preload() < 0)
                         return cuda_fail(err, err_len, "kernel preload", epd_k_last_cuda_error());

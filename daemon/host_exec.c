@@ -10,9 +10,22 @@
  * bf16 (SEMANTICS.md section 3). The accumulator covers a block of columns at a time, so it stays
  * in L1 and needs no allocation however wide the hidden size is.
  *
+ * A dispatch that moves more data than the last-level cache holds writes its recv_x rows with
+ * non-temporal stores: the lines would be evicted before the client reads them anyway, and a
+ * regular store first reads the line it is about to overwrite (read for ownership), a third of a
+ * copy's memory traffic; on a 2-core EPYC guest this cut an 8-rank prefill dispatch from about
+ * 38 ms to 26 ms. Smaller ops keep regular stores, which leave their outputs in cache for the
+ * client. The bytes written are the same either way. Combine keeps regular stores: its output is
+ * a sixth of its traffic, and streaming it (through an L1 staging block) measured 10% slower.
+ *
  * Runs on the host backend's worker threads; items share nothing writable.
  */
+#include <stdatomic.h>
+#include <stdio.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #include "bf16.h"
 #include "host_exec.h"
@@ -35,6 +48,80 @@
 #define CHUNK_TOKENS 32u
 /* Columns of the combine accumulator: 8 KiB of fp32, well inside L1. */
 #define ACC_COLS 2048u
+
+/* ---- streaming stores ---- */
+
+uint64_t epd_host_stream_min_bytes;
+
+/* The last-level cache of this CPU in bytes, read once from sysfs (sysconf's figure is the whole
+ * package's, or a hypervisor's invention); 32 MiB when sysfs does not say. */
+static uint64_t llc_bytes(void)
+{
+        static _Atomic uint64_t cached;
+        uint64_t v = atomic_load_explicit(&cached, memory_order_relaxed);
+        unsigned long long size;
+        char unit = 0;
+        FILE *f;
+
+        if (v)
+                return v;
+        v = 32ull << 20;
+        f = fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "re");
+        if (f) {
+                if (fscanf(f, "%llu%c", &size, &unit) >= 1 && size > 0)
+                        v = unit == 'K' ? size << 10 : unit == 'M' ? size << 20 : size;
+                fclose(f);
+        }
+        /* Threads that race here compute the same value. */
+        atomic_store_explicit(&cached, v, memory_order_relaxed);
+        return v;
+}
+
+/* Whether a dispatch that reads and writes `bytes` in all streams its recv_x rows. */
+static int use_streaming(uint64_t bytes)
+{
+        uint64_t min = epd_host_stream_min_bytes ? epd_host_stream_min_bytes : llc_bytes();
+
+        return bytes >= min;
+}
+
+/* memcpy whose 16-byte-aligned body goes out with non-temporal stores (x86-64; elsewhere plain
+ * memcpy). The caller issues stream_fence() before its writes may be read by another thread. */
+static void copy_streaming(uint8_t *dst, const uint8_t *src, size_t n)
+{
+#if defined(__x86_64__)
+        size_t head = (size_t)(-(uintptr_t)dst & 15);
+
+        if (head > n)
+                head = n;
+        memcpy(dst, src, head);
+        dst += head;
+        src += head;
+        n -= head;
+        for (; n >= 64; n -= 64, dst += 64, src += 64) {
+                __m128i a = _mm_loadu_si128((const __m128i *)src);
+                __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+                __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+                __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+                _mm_stream_si128((__m128i *)dst, a);
+                _mm_stream_si128((__m128i *)(dst + 16), b);
+                _mm_stream_si128((__m128i *)(dst + 32), c);
+                _mm_stream_si128((__m128i *)(dst + 48), d);
+        }
+        for (; n >= 16; n -= 16, dst += 16, src += 16)
+                _mm_stream_si128((__m128i *)dst, _mm_loadu_si128((const __m128i *)src));
+#endif
+        memcpy(dst, src, n);
+}
+
+/* Non-temporal stores are weakly ordered: make them visible before the item ends, so the pool's
+ * completion (and the reply after it) cannot overtake them. */
+static void stream_fence(void)
+{
+#if defined(__x86_64__)
+        _mm_sfence();
+#endif
+}
 
 static uint64_t chunks_per_source(const struct epd_plan *plan)
 {
@@ -119,8 +206,19 @@ static void put_expand_meta(const struct epd_dispatch_exec *op,
         }
 }
 
+/* Bytes a dispatch reads and writes in all: every source row once, every output row once. */
+static uint64_t dispatch_bytes(const struct epd_dispatch_exec *op)
+{
+        const struct epd_plan *plan = op->plan;
+        uint64_t rows = 0;
+
+        for (uint32_t r = 0; r < plan->world_size; r++)
+                rows += plan->num_tokens[r] + (uint64_t)epd_plan_rows(plan, r);
+        return rows * (op->row_bytes + op->scale_bytes);
+}
+
 static void dispatch_tokens(const struct epd_dispatch_exec *op, uint32_t s, uint32_t t0,
-                            uint32_t t1)
+                            uint32_t t1, int stream)
 {
         const struct epd_plan *plan = op->plan;
         const uint32_t K = plan->num_topk, L = plan->num_local_experts;
@@ -142,7 +240,10 @@ static void dispatch_tokens(const struct epd_dispatch_exec *op, uint32_t s, uint
                                 continue;
                         d = epd_route_expert_rank(sel[k], L);
                         dst = &op->dst[d];
-                        memcpy(mat_row(&dst->recv_x, r), x, op->row_bytes);
+                        if (stream)
+                                copy_streaming(mat_row(&dst->recv_x, r), x, op->row_bytes);
+                        else
+                                memcpy(mat_row(&dst->recv_x, r), x, op->row_bytes);
                         if (scales)
                                 memcpy(mat_row(&dst->recv_scales, r), scales, op->scale_bytes);
                         if (expand)
@@ -193,8 +294,12 @@ void epd_host_dispatch_item(const struct epd_dispatch_exec *op, uint64_t item)
 
                 if (t1 > plan->num_tokens[s])
                         t1 = plan->num_tokens[s];
-                if (t0 < t1)
-                        dispatch_tokens(op, s, (uint32_t)t0, (uint32_t)t1);
+                if (t0 < t1) {
+                        int stream = use_streaming(dispatch_bytes(op));
+                        dispatch_tokens(op, s, (uint32_t)t0, (uint32_t)t1, stream);
+                        if (stream)
+                                stream_fence();
+                }
                 return;
         }
         item -= token_items;

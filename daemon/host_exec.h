@@ -21,6 +21,11 @@ struct epd_mat {
         uint64_t stride;
 };
 
+/* A dispatch that reads and writes at least this many bytes in all writes its recv_x rows with
+ * non-temporal stores on x86-64. 0, the default: the last-level cache size. Tests set it to 1 to
+ * run the streaming path on small ops. */
+extern uint64_t epd_host_stream_min_bytes;
+
 struct epd_dispatch_src_io { /* inputs of one source rank */
         struct epd_mat x;        /* row_bytes per row */
         struct epd_mat scales;   /* fp32 [N, H/scale_block], fp8 only */

@@ -798,6 +798,7 @@ static void reply_dispatch(struct epd_op *op, uint32_t r, struct epd_handle *h)
         dr.n_rank_prefix = R + 1;
         dr.rank_prefix = er->rank_prefix;
         dr.exec_ns = ex->exec_ns;
+        dr.kernel_ns = ex->kernel_ns;
         dr.queue_ns = op->launch_ns - sub->submitted_ns;
         if (er->use_arena) {
                 const struct epd_arena_place *pl = &h->ranks[r].arena;
@@ -840,6 +841,7 @@ static void reply_combine(struct epd_op *op, uint32_t r)
         cr.op_number = op->number;
         cr.num_tokens = op->exec->ranks[r].num_tokens;
         cr.exec_ns = op->exec->exec_ns;
+        cr.kernel_ns = op->exec->kernel_ns;
         cr.queue_ns = op->launch_ns - sub->submitted_ns;
         resp.id = sub->request_id;
         resp.status = EPD__V1__STATUS_CODE__OK;
