@@ -204,6 +204,7 @@ class DispatchResult(ctypes.Structure):
         ("recv_topk_slot_ptr", ctypes.c_void_p),
         ("exec_ns", _u64),
         ("queue_ns", _u64),
+        ("kernel_ns", _u64),
     ]
 
 
@@ -231,14 +232,15 @@ class CombineResult(ctypes.Structure):
         ("num_tokens", _u32),
         ("exec_ns", _u64),
         ("queue_ns", _u64),
+        ("kernel_ns", _u64),
     ]
 
 
 # Sizes the C compiler gives these structures on x86-64 and aarch64 Linux; the tests compare.
 EXPECTED_SIZES = {
     Tensor: 88, ConnectArgs: 32, DeviceInfo: 160, DaemonInfo: 2648, GroupConfig: 48,
-    GroupArgs: 56, SizeHint: 40, DispatchArgs: 928, DispatchResult: 656, CombineArgs: 472,
-    CombineResult: 32,
+    GroupArgs: 56, SizeHint: 40, DispatchArgs: 928, DispatchResult: 664, CombineArgs: 472,
+    CombineResult: 40,
 }
 
 _c_void_pp = ctypes.POINTER(ctypes.c_void_p)
