@@ -9,12 +9,19 @@
  * into a shared anonymous mapping; the parent turns them into the table and JSON lines once every
  * worker has exited.
  *
+ * The ceiling is measured in the same run, interleaved with the ops: at sync points (after the
+ * verified iteration, at the start of the measured iterations, every few of them, and at the end)
+ * every worker reports over its pipe and blocks reading the next; the parent copies 1 GiB while
+ * they are all blocked, then releases them. On a shared machine the memory system's speed drifts
+ * by a factor of two within a minute, and ops and ceiling probes sampled over the same span keep
+ * the fraction meaningful.
+ *
  * While an op runs every worker is blocked in epd_op_wait (poll on its socket), so the daemon's
  * executor and copy threads have the CPUs to themselves.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
-#include <inttypes.h>
 #include <jansson.h>
 #include <limits.h>
 #include <math.h>
@@ -43,9 +50,11 @@
 #define BENCH_EXPERTS 256u
 #define BENCH_SCALE_BLOCK 128u
 
-/* The memcpy ceiling: BENCHMARKS.md asks for buffers of at least 1 GiB. */
+/* The memcpy ceiling: BENCHMARKS.md asks for buffers of at least 1 GiB. CEILING_REPS copies
+ * before the workers start, then about CEILING_PROBES more spread over the measured iterations. */
 #define CEILING_BYTES (1ull << 30)
 #define CEILING_REPS 5
+#define CEILING_PROBES 10
 
 #define OP_DISPATCH 0
 #define OP_COMBINE 1
@@ -101,15 +110,8 @@ struct sample {
         uint64_t submit_ns;     /* CLOCK_MONOTONIC just before submit */
         uint64_t done_ns;       /* just after epd_op_wait returned */
         uint64_t exec_ns;       /* the backend's execution time of the whole op */
+        uint64_t kernel_ns;     /* GPU time of the op's kernels (cuda backend), else 0 */
         uint64_t queue_ns;      /* from this rank's submission to launch, per the daemon */
-};
-
-/* Shared between the workers: a barrier that lines them up after the verified iteration and
- * before the measured ones, so that no rank's first measured op waits for a slower peer's
- * verification; then the samples. */
-struct shared {
-        pthread_barrier_t barrier;
-        struct sample samples[];
 };
 
 struct bench {
@@ -122,13 +124,19 @@ struct bench {
         char group_name[64];
         uint64_t arena_bytes;
         uint32_t total_iters;
-        struct shared *shared;  /* MAP_SHARED between the parent and the workers */
-        struct sample *samples; /* shared->samples: [R][total_iters][2] */
-        size_t shared_bytes;
+        uint32_t probe_every;   /* measured iterations between ceiling probes */
+        /* The op time of BENCHMARKS.md: the GPU kernel time when the backend reports it for
+         * every measured op, else (host backend) the backend's execution time. */
+        int kernel_time;
+        struct sample *samples; /* MAP_SHARED with the workers: [R][total_iters][2] */
+        size_t samples_bytes;
+        int (*to_parent)[2];    /* [R] pipes: a worker says it reached a sync point */
+        int (*from_parent)[2];  /* [R] pipes: the parent lets it go on */
 };
 
 /* For the signal handler: what to take down if the user interrupts the run. */
 static volatile pid_t g_daemon_pid;
+static const struct h_daemon *volatile g_daemon;
 static volatile pid_t *g_worker_pids;
 static volatile uint32_t g_num_workers;
 
@@ -145,13 +153,22 @@ static uint64_t align64(uint64_t v)
         return (v + 63) / 64 * 64;
 }
 
+/* Workers first, so that the daemon has no op to drain and exits at once; then its temporary
+ * directory. Only async-signal-safe calls. */
 static void on_signal(int sig)
 {
         for (uint32_t i = 0; g_worker_pids && i < g_num_workers; i++)
                 if (g_worker_pids[i] > 0)
                         kill(g_worker_pids[i], SIGKILL);
-        if (g_daemon_pid > 0)
+        if (g_daemon_pid > 0) {
                 kill(g_daemon_pid, SIGTERM);
+                waitpid(g_daemon_pid, NULL, 0);
+                if (g_daemon) {
+                        unlink(g_daemon->socket);
+                        unlink(g_daemon->log);
+                        rmdir(g_daemon->dir);
+                }
+        }
         _exit(128 + sig);
 }
 
@@ -197,61 +214,76 @@ static void *copy_thread(void *arg)
         return NULL;
 }
 
-/* Copies `bytes` with `threads` threads, each its own contiguous slice, CEILING_REPS times after
- * one untimed pass that faults every page in. Returns the best rate in GB/s (bytes read plus bytes
- * written, 1e9 B/s) and the median in *median; 0 on failure. */
-static double measure_memcpy(unsigned threads, uint64_t bytes, double *median)
-{
-        uint8_t *src = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        uint8_t *dst = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        pthread_t *tids = calloc(threads, sizeof(*tids));
-        struct copy_job *jobs = calloc(threads, sizeof(*jobs));
-        double rates[CEILING_REPS], best = 0;
+/* Two 1 GiB buffers and the threads' slices of them, kept for the whole run. */
+struct ceiling {
+        uint8_t *src, *dst;
+        uint64_t bytes;
+        unsigned threads;
+        pthread_t *tids;
+        struct copy_job *jobs;
+        double *rates;          /* every timed copy, in GB/s */
+        unsigned num_rates, max_rates;
+};
 
-        if (src == MAP_FAILED || dst == MAP_FAILED || !tids || !jobs) {
+static void ceiling_free(struct ceiling *c)
+{
+        if (c->src && c->src != MAP_FAILED)
+                munmap(c->src, c->bytes);
+        if (c->dst && c->dst != MAP_FAILED)
+                munmap(c->dst, c->bytes);
+        free(c->tids);
+        free(c->jobs);
+        free(c->rates);
+        memset(c, 0, sizeof(*c));
+}
+
+static int ceiling_init(struct ceiling *c, unsigned threads, uint64_t bytes, unsigned max_rates)
+{
+        memset(c, 0, sizeof(*c));
+        c->bytes = bytes;
+        c->threads = threads;
+        c->max_rates = max_rates;
+        c->src = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        c->dst = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        c->tids = calloc(threads, sizeof(*c->tids));
+        c->jobs = calloc(threads, sizeof(*c->jobs));
+        c->rates = calloc(max_rates, sizeof(*c->rates));
+        if (c->src == MAP_FAILED || c->dst == MAP_FAILED || !c->tids || !c->jobs || !c->rates) {
                 fprintf(stderr, "epd-bench: cannot allocate 2 x %llu bytes for the memcpy ceiling\n",
                         (unsigned long long)bytes);
-                best = 0;
-                goto out;
+                ceiling_free(c);
+                return -1;
         }
+        /* The workers never touch these: do not copy their page tables into every fork. */
+        madvise(c->src, bytes, MADV_DONTFORK);
+        madvise(c->dst, bytes, MADV_DONTFORK);
         /* Real pages on both sides: an untouched source would read the shared zero page. */
-        memset(src, 0x5A, bytes);
-        memset(dst, 0, bytes);
+        memset(c->src, 0x5A, bytes);
+        memset(c->dst, 0, bytes);
         for (unsigned i = 0; i < threads; i++) {
                 uint64_t lo = bytes * i / threads / 4096 * 4096;
                 uint64_t hi = i + 1 == threads ? bytes : bytes * (i + 1) / threads / 4096 * 4096;
-                jobs[i] = (struct copy_job){ dst + lo, src + lo, hi - lo };
+                c->jobs[i] = (struct copy_job){ c->dst + lo, c->src + lo, hi - lo };
         }
-        for (int rep = -1; rep < CEILING_REPS; rep++) {
-                uint64_t t0 = now_ns();
-                for (unsigned i = 0; i < threads; i++)
-                        pthread_create(&tids[i], NULL, copy_thread, &jobs[i]);
-                for (unsigned i = 0; i < threads; i++)
-                        pthread_join(tids[i], NULL);
-                uint64_t t1 = now_ns();
-                if (rep >= 0)
-                        rates[rep] = 2.0 * (double)bytes / (double)(t1 - t0);
-        }
-        for (int i = 0; i < CEILING_REPS; i++) {
-                if (rates[i] > best)
-                        best = rates[i];
-                for (int j = i + 1; j < CEILING_REPS; j++) {
-                        if (rates[j] < rates[i]) {
-                                double tmp = rates[i];
-                                rates[i] = rates[j];
-                                rates[j] = tmp;
-                        }
-                }
-        }
-        *median = rates[CEILING_REPS / 2];
-out:
-        if (src != MAP_FAILED)
-                munmap(src, bytes);
-        if (dst != MAP_FAILED)
-                munmap(dst, bytes);
-        free(tids);
-        free(jobs);
-        return best;
+        return 0;
+}
+
+/* One copy of the whole buffer by every thread at once, each its own contiguous slice; records
+ * and returns the rate in GB/s, bytes read plus bytes written, 1e9 B/s. */
+static double ceiling_copy(struct ceiling *c, int record)
+{
+        uint64_t t0 = now_ns(), t1;
+        double rate;
+
+        for (unsigned i = 0; i < c->threads; i++)
+                pthread_create(&c->tids[i], NULL, copy_thread, &c->jobs[i]);
+        for (unsigned i = 0; i < c->threads; i++)
+                pthread_join(c->tids[i], NULL);
+        t1 = now_ns();
+        rate = 2.0 * (double)c->bytes / (double)(t1 - t0);
+        if (record && c->num_rates < c->max_rates)
+                c->rates[c->num_rates++] = rate;
+        return rate;
 }
 
 /* ---- inputs, reference, sizes ---- */
@@ -499,6 +531,27 @@ static int tensor(struct epd_client *c, const void *ptr, enum epd_dtype dt, uint
         return epd_tensor_at(c, ptr, dt, cols ? 2 : 1, sizes, out);
 }
 
+/* Whether the workers meet the parent after iteration `it`: after the verified iteration 0, so
+ * that no rank's next op waits for a slower peer's check, and at the measured-iteration
+ * boundaries where the parent probes the ceiling (*probe). Both sides call it, so they agree. */
+static int sync_after(const struct bench *b, uint32_t it, int *probe)
+{
+        uint32_t done = it + 1, w = b->opt.warmup;
+
+        *probe = done >= w && ((done - w) % b->probe_every == 0 || done == b->total_iters);
+        return it == 0 || *probe;
+}
+
+/* Tells the parent this worker is at a sync point and blocks until it says go on. */
+static int worker_sync(const struct bench *b, uint32_t rank)
+{
+        char c = 's';
+
+        if (write(b->to_parent[rank][1], &c, 1) != 1)
+                return -1;
+        return read(b->from_parent[rank][0], &c, 1) == 1 ? 0 : -1;
+}
+
 static int worker_run(struct bench *b, uint32_t rank)
 {
         struct rank_data *me = &b->ranks[rank];
@@ -637,7 +690,7 @@ static int worker_run(struct bench *b, uint32_t rank)
                 rc = epd_op_dispatch_result(op, &dr);
                 if (rc < 0)
                         WFAIL("dispatch %u result: %s", it, epd_status_name(rc));
-                smp[OP_DISPATCH] = (struct sample){ t0, t1, dr.exec_ns, dr.queue_ns };
+                smp[OP_DISPATCH] = (struct sample){ t0, t1, dr.exec_ns, dr.kernel_ns, dr.queue_ns };
 
                 if (it == 0) {
                         struct ref_counts_actual counts = {
@@ -678,7 +731,7 @@ static int worker_run(struct bench *b, uint32_t rank)
                 rc = epd_op_combine_result(op, &cr);
                 if (rc < 0)
                         WFAIL("combine %u result: %s", it, epd_status_name(rc));
-                smp[OP_COMBINE] = (struct sample){ t0, t1, cr.exec_ns, cr.queue_ns };
+                smp[OP_COMBINE] = (struct sample){ t0, t1, cr.exec_ns, cr.kernel_ns, cr.queue_ns };
                 epd_op_free(op);
                 op = NULL;
 
@@ -695,10 +748,9 @@ static int worker_run(struct bench *b, uint32_t rank)
                 rc = epd_handle_release(group, cb.handle_id);
                 if (rc < 0)
                         WFAIL("handle release: %s", epd_client_last_error(client));
-                /* A rank that fails exits; the parent then stops the others, which may be
-                 * waiting here for it. */
-                if (it == 0 || it + 1 == b->opt.warmup)
-                        pthread_barrier_wait(&b->shared->barrier);
+                int probe;
+                if (sync_after(b, it, &probe) && worker_sync(b, rank) < 0)
+                        WFAIL("lost the parent at the sync point after iteration %u", it);
         }
         status = 0;
 out:
@@ -731,13 +783,19 @@ static double pct(const double *v, size_t n, double p)
         return v[i < n ? i : n - 1];
 }
 
+/* The op time of a sample, in ns (see bench.kernel_time). */
+static uint64_t op_ns(const struct bench *b, const struct sample *s)
+{
+        return b->kernel_time ? s->kernel_ns : s->exec_ns;
+}
+
 struct op_stats {
-        double exec_p50, exec_p99;       /* us: the backend's time of the whole op */
+        double exec_p50, exec_p99;       /* us: the op time (kernel or backend execution) */
         double e2e_p50, e2e_p99, e2e_max; /* us: client-observed, every rank's samples */
-        double ovh_p50, ovh_p99;         /* us: e2e minus exec of the same op, every rank */
+        double ovh_p50, ovh_p99;         /* us: e2e minus op time of the same op, every rank */
         double last_ovh_p50, last_ovh_p99; /* us: the same for the rank that submitted last */
         double queue_p50;                /* us: submission to launch, every rank */
-        double exec_spread_max;          /* us: largest difference of exec_ns between ranks */
+        double exec_spread_max;          /* us: largest difference of op time between ranks */
 };
 
 static void op_stats(const struct bench *b, int kind, struct op_stats *st)
@@ -759,20 +817,20 @@ static void op_stats(const struct bench *b, int kind, struct op_stats *st)
                 for (uint32_t r = 0; r < R; r++) {
                         const struct sample *s =
                                 &b->samples[((size_t)r * b->total_iters + w + i) * 2 + kind];
-                        emax = s->exec_ns > emax ? s->exec_ns : emax;
-                        emin = s->exec_ns < emin ? s->exec_ns : emin;
+                        emax = op_ns(b, s) > emax ? op_ns(b, s) : emax;
+                        emin = op_ns(b, s) < emin ? op_ns(b, s) : emin;
                 }
                 for (uint32_t r = 0; r < R; r++) {
                         const struct sample *s =
                                 &b->samples[((size_t)r * b->total_iters + w + i) * 2 + kind];
                         double t = (double)(s->done_ns - s->submit_ns) / 1e3;
                         e2e[k] = t;
-                        ovh[k] = t - (double)s->exec_ns / 1e3;
+                        ovh[k] = t - (double)op_ns(b, s) / 1e3;
                         queue[k] = (double)s->queue_ns / 1e3;
                         k++;
                         if (s->submit_ns >= last_submit) {
                                 last_submit = s->submit_ns;
-                                last_ovh = t - (double)s->exec_ns / 1e3;
+                                last_ovh = t - (double)op_ns(b, s) / 1e3;
                         }
                 }
                 /* One exec serves every rank: its time is the device figure. */
@@ -819,8 +877,8 @@ static void usage(FILE *f)
                 "                    (fp8, T=128), tiny (bf16, T=8; --tokens 1 for the 1-token case)\n"
                 "  --ranks N         world size (1..64)\n"
                 "  --iters N         measured iterations of dispatch -> combine (default 200)\n"
-                "  --warmup N        unmeasured iterations first (default 5); iteration 0 is\n"
-                "                    always verified bitwise against the reference\n"
+                "  --warmup N        unmeasured iterations first (default 5, at least 1); iteration\n"
+                "                    0 is verified bitwise against the reference\n"
                 "  --tokens T        tokens per rank; below the workload's T the run is 'scaled'\n"
                 "  --layout L        non-expand (default) or expand\n"
                 "  --seed S          data and routing seed (default 1)\n"
@@ -890,7 +948,8 @@ static int parse_args(int argc, char **argv, struct options *o)
                                 goto bad;
                         break;
                 case 'W':
-                        if (parse_u32(optarg, 0, 10000000, &o->warmup) < 0)
+                        /* At least 1: iteration 0 is verified and faults the outputs in. */
+                        if (parse_u32(optarg, 1, 10000000, &o->warmup) < 0)
                                 goto bad;
                         break;
                 case 't':
@@ -963,11 +1022,21 @@ struct run_info {
         uint32_t devices;
         int scaled;
         uint64_t llc;
-        double ceiling;                 /* the best of the two measurements below */
-        double ceiling_before, ceiling_before_median, ceiling_after, ceiling_after_median;
+        /* GB/s of the 1 GiB memcpy: the median of the probes interleaved with the ops (the
+         * ceiling the fractions use), of the copies before the workers started, and the
+         * extremes of all of them. */
+        double ceiling, ceiling_initial, ceiling_min, ceiling_best;
+        unsigned num_probes;
         struct byte_counts bytes;
         struct op_stats st[2];
 };
+
+/* MPS is a CUDA matter: "n/a" on the host backend. The benchmark's clients register host memfds,
+ * which only the host backend takes, so another backend cannot get this far today. */
+static const char *mps_state(const struct run_info *ri)
+{
+        return strcmp(ri->backend, "host") == 0 ? "n/a" : "unknown";
+}
 
 static void print_table(const struct bench *b, const struct run_info *ri, FILE *f)
 {
@@ -977,30 +1046,34 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
         fprintf(f, "\nepd-bench %s: %u ranks, T=%u%s, H=%u, top-k %u of %u experts, %s, %s, "
                    "%s outputs, seed %llu\n",
                 b->opt.wl->name, b->R, b->T,
-                ri->scaled ? " (SCALED DOWN from the workload's T)" : "", b->H, b->K, b->E,
+                ri->scaled ? " (SCALED)" : "", b->H, b->K, b->E,
                 dtype_name(b->opt.wl->dtype),
                 b->opt.layout == EPD_LAYOUT_EXPAND ? "expand" : "non-expand",
                 b->opt.use_arena ? "arena" : "client-region", (unsigned long long)b->opt.seed);
         if (ri->scaled)
-                fprintf(f, "  SCALED: %u tokens per rank instead of %u to fit this machine\n", b->T,
-                        b->opt.wl->tokens);
-        fprintf(f, "  backend %s, every rank on device 0 (daemon has %u), MPS n/a, %u host threads, "
+                fprintf(f, "  SCALED: %u tokens per rank instead of the workload's %u (--tokens)\n",
+                        b->T, b->opt.wl->tokens);
+        fprintf(f, "  backend %s, every rank on device 0 (the daemon has %u), MPS %s, %u host threads, "
                    "%u CPUs, rev %s\n",
-                ri->backend, ri->devices, b->threads, b->cpus, EPD_GIT_REV);
+                ri->backend, ri->devices, mps_state(ri), b->threads, b->cpus, EPD_GIT_REV);
         fprintf(f, "  %u measured iterations after %u warm-up; iteration 0 verified bitwise\n",
                 b->opt.iters, b->opt.warmup);
         fprintf(f, "  data per dispatch %.1f MiB (inputs + outputs); last-level cache %.1f MiB%s\n",
                 (double)bc->data / 1048576.0, (double)ri->llc / 1048576.0,
                 ri->llc == 0 ? " (unknown)" : bc->data > ri->llc ? ": data is larger"
                                                                  : ": DATA FITS IN THE CACHE");
-        fprintf(f, "  host memcpy ceiling: 2 x %.0f MiB buffers, %u threads, read + written, best "
-                   "of %d: %.2f GB/s before the run (median %.2f), %.2f after (median %.2f); "
-                   "ceiling = %.2f GB/s\n",
-                (double)CEILING_BYTES / 1048576.0, b->threads, CEILING_REPS, ri->ceiling_before,
-                ri->ceiling_before_median, ri->ceiling_after, ri->ceiling_after_median,
-                ri->ceiling);
-        fprintf(f, "  time = the host backend's exec time of the whole op (all ranks in one exec: "
-                   "the device figure); GB = 1e9 bytes\n\n");
+        fprintf(f, "  host memcpy ceiling (2 x %.0f MiB buffers, %u threads, bytes read + written): "
+                   "%.2f GB/s = median of %u probes between the measured iterations; %.2f before "
+                   "the workers started (median of %d); all copies %.2f .. %.2f\n",
+                (double)CEILING_BYTES / 1048576.0, b->threads, ri->ceiling, ri->num_probes,
+                ri->ceiling_initial, CEILING_REPS, ri->ceiling_min, ri->ceiling_best);
+        if (b->kernel_time)
+                fprintf(f, "  time = the GPU time of the op's kernels as the daemon reports it "
+                           "(kernel_ns); the ceiling above is the HOST memcpy, not the device "
+                           "copy a GPU run is bounded by; GB = 1e9 bytes\n\n");
+        else
+                fprintf(f, "  time = the backend's exec time of the whole op (the host backend runs "
+                           "all ranks in one exec: the device figure); GB = 1e9 bytes\n\n");
         fprintf(f, "%-9s %9s %11s %11s %10s %9s %9s %8s %10s %10s %10s %9s %9s %9s %9s\n",
                 "op", "rows", "logical MB", "floor MB", "exec p50", "logic", "floor", "floor/",
                 "e2e p50", "e2e p99", "e2e max", "ovh p50", "ovh p99", "last-sub", "last-sub");
@@ -1026,9 +1099,12 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
                    "samples; last-sub = the same for the rank that submitted last\n");
         for (int k = 0; k < 2; k++) {
                 double u = (double)bc->unique[k] / (ri->st[k].exec_p50 * 1e3);
-                fprintf(f, "  %s unique bytes (every distinct byte read or written once): "
-                           "%.1f MB, %.2f GB/s, %.1f%% of the ceiling\n",
-                        names[k], (double)bc->unique[k] / 1e6, u, 100.0 * u / ri->ceiling);
+                double fl = (double)bc->floor[k] / (ri->st[k].exec_p50 * 1e3);
+                fprintf(f, "  %s: floor %.1f%% of the best single copy (%.2f GB/s); unique bytes "
+                           "(each distinct byte read or written once) %.1f MB = %.2f GB/s, %.1f%% "
+                           "of the ceiling\n",
+                        names[k], 100.0 * fl / ri->ceiling_best, ri->ceiling_best,
+                        (double)bc->unique[k] / 1e6, u, 100.0 * u / ri->ceiling);
         }
 }
 
@@ -1052,10 +1128,7 @@ static void print_json(const struct bench *b, const struct run_info *ri)
                 json_object_set_new(o, "devices", json_integer(1));
                 json_object_set_new(o, "daemon_devices", json_integer(ri->devices));
                 json_object_set_new(o, "backend", json_string(ri->backend));
-                if (strcmp(ri->backend, "host") == 0)
-                        json_object_set_new(o, "mps", json_string("n/a"));
-                else
-                        json_object_set_new(o, "mps", json_string("unknown"));
+                json_object_set_new(o, "mps", json_string(mps_state(ri)));
                 json_object_set_new(o, "git_rev", json_string(EPD_GIT_REV));
                 json_object_set_new(o, "tokens", json_integer(b->T));
                 json_object_set_new(o, "nominal_tokens", json_integer(b->opt.wl->tokens));
@@ -1079,7 +1152,8 @@ static void print_json(const struct bench *b, const struct run_info *ri)
                 json_object_set_new(o, "floor_bytes", json_integer((json_int_t)ri->bytes.floor[k]));
                 json_object_set_new(o, "data_bytes", json_integer((json_int_t)ri->bytes.data));
                 json_object_set_new(o, "llc_bytes", json_integer((json_int_t)ri->llc));
-                json_object_set_new(o, "time_basis", json_string("host backend exec_ns"));
+                json_object_set_new(o, "time_basis", json_string(b->kernel_time ? "kernel_ns"
+                                                                                 : "exec_ns"));
                 json_object_set_new(o, "kernel_time_p50_us", json_real(st->exec_p50));
                 json_object_set_new(o, "kernel_time_p99_us", json_real(st->exec_p99));
                 json_object_set_new(o, "e2e_p50_us", json_real(st->e2e_p50));
@@ -1099,12 +1173,12 @@ static void print_json(const struct bench *b, const struct run_info *ri)
                 json_object_set_new(o, "unique_gbps", json_real(un));
                 json_object_set_new(o, "unique_fraction_of_ceiling", json_real(un / ri->ceiling));
                 json_object_set_new(o, "ceiling_memcpy_gbps", json_real(ri->ceiling));
-                json_object_set_new(o, "ceiling_memcpy_before_gbps", json_real(ri->ceiling_before));
-                json_object_set_new(o, "ceiling_memcpy_before_median_gbps",
-                                    json_real(ri->ceiling_before_median));
-                json_object_set_new(o, "ceiling_memcpy_after_gbps", json_real(ri->ceiling_after));
-                json_object_set_new(o, "ceiling_memcpy_after_median_gbps",
-                                    json_real(ri->ceiling_after_median));
+                json_object_set_new(o, "ceiling_memcpy_probes", json_integer(ri->num_probes));
+                json_object_set_new(o, "ceiling_memcpy_initial_gbps", json_real(ri->ceiling_initial));
+                json_object_set_new(o, "ceiling_memcpy_min_gbps", json_real(ri->ceiling_min));
+                json_object_set_new(o, "ceiling_memcpy_best_gbps", json_real(ri->ceiling_best));
+                json_object_set_new(o, "floor_fraction_of_best_ceiling",
+                                    json_real(fl / ri->ceiling_best));
                 json_object_set_new(o, "ceiling_buffer_bytes", json_integer((json_int_t)CEILING_BYTES));
                 json_object_set_new(o, "ceiling_threads", json_integer(b->threads));
                 s = json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER);
@@ -1142,11 +1216,99 @@ static int daemon_info(const char *socket, struct run_info *ri)
         return rc < 0 ? -1 : 0;
 }
 
+static double median_of(const double *v, unsigned n)
+{
+        double *c = malloc((n ? n : 1) * sizeof(double)), m;
+
+        if (!c || n == 0) {
+                free(c);
+                return 0;
+        }
+        memcpy(c, v, n * sizeof(double));
+        qsort(c, n, sizeof(double), cmp_double);
+        m = c[n / 2];
+        free(c);
+        return m;
+}
+
+/* Summarises the ceiling: the first CEILING_REPS copies ran before the workers started, the
+ * rest interleaved with the ops. */
+static void ceiling_summary(const struct ceiling *c, struct run_info *ri)
+{
+        unsigned np = c->num_rates > CEILING_REPS ? c->num_rates - CEILING_REPS : 0;
+        const double *probes = c->rates + CEILING_REPS;
+
+        ri->ceiling_initial = median_of(c->rates, c->num_rates < CEILING_REPS ? c->num_rates
+                                                                              : CEILING_REPS);
+        ri->num_probes = np;
+        ri->ceiling = np ? median_of(probes, np) : ri->ceiling_initial;
+        ri->ceiling_min = ri->ceiling_best = c->num_rates ? c->rates[0] : 0;
+        for (unsigned i = 0; i < c->num_rates; i++) {
+                if (c->rates[i] > ri->ceiling_best)
+                        ri->ceiling_best = c->rates[i];
+                if (c->rates[i] < ri->ceiling_min)
+                        ri->ceiling_min = c->rates[i];
+        }
+}
+
+/* Closes every pipe end but worker `rank`'s own two (rank -1: the parent's, which keeps the read
+ * end from and the write end to every worker), so that a worker's death reaches the parent as
+ * end-of-file and the parent's as end-of-file in every worker. */
+static void close_foreign_pipes(const struct bench *b, int rank)
+{
+        for (uint32_t r = 0; r < b->R; r++) {
+                if (rank < 0) {
+                        close(b->to_parent[r][1]);
+                        close(b->from_parent[r][0]);
+                        continue;
+                }
+                close(b->to_parent[r][0]);
+                close(b->from_parent[r][1]);
+                if ((uint32_t)rank != r) {
+                        close(b->to_parent[r][1]);
+                        close(b->from_parent[r][0]);
+                }
+        }
+}
+
+/* The parent's side of the run: meets the workers at every sync point, probes the ceiling at
+ * those that ask for it, and returns 0, or -1 when a worker went away (it then stops the rest). */
+static int parent_loop(struct bench *b, struct ceiling *c, const pid_t *pids)
+{
+        for (uint32_t it = 0; it < b->total_iters; it++) {
+                int probe;
+                char ch = 'g';
+
+                if (!sync_after(b, it, &probe))
+                        continue;
+                for (uint32_t r = 0; r < b->R; r++) {
+                        if (read(b->to_parent[r][0], &ch, 1) != 1) {
+                                fprintf(stderr, "epd-bench: rank %u stopped before the sync "
+                                                "point after iteration %u\n", r, it);
+                                goto fail;
+                        }
+                }
+                /* Every worker is blocked in read(): the copy has the machine to itself. */
+                if (probe)
+                        ceiling_copy(c, 1);
+                for (uint32_t r = 0; r < b->R; r++)
+                        if (write(b->from_parent[r][1], &ch, 1) != 1)
+                                goto fail;
+        }
+        return 0;
+fail:
+        for (uint32_t r = 0; r < b->R; r++)
+                if (pids[r] > 0)
+                        kill(pids[r], SIGKILL);
+        return -1;
+}
+
 int main(int argc, char **argv)
 {
         struct bench b;
         struct run_info ri;
         struct h_daemon daemon;
+        struct ceiling ceil;
         pid_t *pids = NULL;
         int own_daemon = 0, failures = 0, status = 1;
         long cpus = sysconf(_SC_NPROCESSORS_ONLN);
@@ -1155,6 +1317,7 @@ int main(int argc, char **argv)
         memset(&b, 0, sizeof(b));
         memset(&ri, 0, sizeof(ri));
         memset(&daemon, 0, sizeof(daemon));
+        memset(&ceil, 0, sizeof(ceil));
         if (parse_args(argc, argv, &b.opt) < 0)
                 return 2;
         tf = b.opt.json ? stderr : stdout;
@@ -1168,6 +1331,7 @@ int main(int argc, char **argv)
         b.scale_cols = b.opt.wl->dtype == EPD_DTYPE_FP8_E4M3 ? b.H / BENCH_SCALE_BLOCK : 0;
         b.row_bytes = (uint64_t)b.H * epd_dtype_size(b.opt.wl->dtype);
         b.total_iters = b.opt.warmup + b.opt.iters;
+        b.probe_every = (b.opt.iters + CEILING_PROBES - 1) / CEILING_PROBES;
         /* tiny is defined for 1 and 8 tokens; everything else below the nominal T is scaled. */
         ri.scaled = strcmp(b.opt.wl->name, "tiny") == 0 ? (b.T != 1 && b.T != 8)
                                                         : b.T != b.opt.wl->tokens;
@@ -1183,16 +1347,12 @@ int main(int argc, char **argv)
         signal(SIGTERM, on_signal);
         signal(SIGPIPE, SIG_IGN);
 
-        /* The ceiling first, while nothing else holds memory or CPUs. */
-        fprintf(stderr, "epd-bench: measuring the host memcpy ceiling (%u threads, 2 x 1 GiB)\n",
-                b.threads);
-        ri.ceiling_before = measure_memcpy(b.threads, CEILING_BYTES, &ri.ceiling_before_median);
-        if (ri.ceiling_before <= 0)
-                return 1;
-
         b.ranks = calloc(b.R, sizeof(*b.ranks));
-        if (!b.ranks)
-                return 1;
+        b.to_parent = calloc(b.R, sizeof(*b.to_parent));
+        b.from_parent = calloc(b.R, sizeof(*b.from_parent));
+        pids = calloc(b.R, sizeof(*pids));
+        if (!b.ranks || !b.to_parent || !b.from_parent || !pids)
+                goto out;
         for (uint32_t r = 0; r < b.R; r++)
                 b.ranks[r].in.fd = b.ranks[r].y.fd = -1;
         fprintf(stderr, "epd-bench: generating inputs and the reference\n");
@@ -1206,6 +1366,16 @@ int main(int argc, char **argv)
                 status = 2;
                 goto out;
         }
+        /* The first ceiling copies, before the daemon and the workers exist. */
+        fprintf(stderr, "epd-bench: measuring the host memcpy ceiling (%u threads, 2 x 1 GiB)\n",
+                b.threads);
+        if (ceiling_init(&ceil, b.threads, CEILING_BYTES,
+                         CEILING_REPS + CEILING_PROBES + 4) < 0)
+                goto out;
+        ceiling_copy(&ceil, 0); /* untimed: the first pass warms up */
+        for (int i = 0; i < CEILING_REPS; i++)
+                ceiling_copy(&ceil, 1);
+
         if (b.opt.use_arena) {
                 for (uint32_t r = 0; r < b.R; r++) {
                         uint64_t need = arena_need(&b, (uint64_t)b.ranks[r].rows);
@@ -1214,21 +1384,12 @@ int main(int argc, char **argv)
         } else {
                 b.arena_bytes = 1u << 20; /* the group insists on some arena; unused */
         }
-        b.shared_bytes = sizeof(struct shared) +
-                         (size_t)b.R * b.total_iters * 2 * sizeof(struct sample);
-        b.shared = mmap(NULL, b.shared_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
-                        -1, 0);
-        if (b.shared == MAP_FAILED) {
-                b.shared = NULL;
+        b.samples_bytes = (size_t)b.R * b.total_iters * 2 * sizeof(struct sample);
+        b.samples = mmap(NULL, b.samples_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                         -1, 0);
+        if (b.samples == MAP_FAILED) {
+                b.samples = NULL;
                 goto out;
-        }
-        b.samples = b.shared->samples;
-        {
-                pthread_barrierattr_t ba;
-                pthread_barrierattr_init(&ba);
-                pthread_barrierattr_setpshared(&ba, PTHREAD_PROCESS_SHARED);
-                pthread_barrier_init(&b.shared->barrier, &ba, b.R);
-                pthread_barrierattr_destroy(&ba);
         }
 
         if (b.opt.socket) {
@@ -1242,19 +1403,24 @@ int main(int argc, char **argv)
                 if (h_daemon_start(&daemon, extra) < 0)
                         goto out;
                 own_daemon = 1;
+                g_daemon = &daemon;
                 g_daemon_pid = daemon.pid;
                 snprintf(b.socket, sizeof(b.socket), "%s", daemon.socket);
         }
         if (daemon_info(b.socket, &ri) < 0)
                 goto out;
 
-        fprintf(stderr, "epd-bench: %u workers, %u + %u iterations\n", b.R, b.opt.warmup,
-                b.opt.iters);
+        /* Pipes after the daemon started, so that it holds none of them. */
+        for (uint32_t r = 0; r < b.R; r++) {
+                if (pipe2(b.to_parent[r], O_CLOEXEC) < 0 || pipe2(b.from_parent[r], O_CLOEXEC) < 0) {
+                        fprintf(stderr, "epd-bench: pipe: %s\n", strerror(errno));
+                        goto out;
+                }
+        }
+        fprintf(stderr, "epd-bench: %u workers, %u + %u iterations, a ceiling probe every %u\n",
+                b.R, b.opt.warmup, b.opt.iters, b.probe_every);
         fflush(stdout);
         fflush(stderr);
-        pids = calloc(b.R, sizeof(*pids));
-        if (!pids)
-                goto out;
         g_worker_pids = pids;
         for (uint32_t r = 0; r < b.R; r++) {
                 pids[r] = fork();
@@ -1262,52 +1428,53 @@ int main(int argc, char **argv)
                         int rc;
                         signal(SIGINT, SIG_DFL);
                         signal(SIGTERM, SIG_DFL);
+                        close_foreign_pipes(&b, (int)r);
                         rc = worker_run(&b, r);
                         fflush(stderr);
                         _exit(rc);
                 }
                 if (pids[r] < 0) {
                         fprintf(stderr, "epd-bench: fork: %s\n", strerror(errno));
+                        pids[r] = 0;
                         failures++;
+                        for (uint32_t q = 0; q < r; q++)
+                                kill(pids[q], SIGKILL);
                         break;
                 }
                 g_num_workers = r + 1;
         }
-        /* Polled rather than waitpid(-1), which could reap our daemon under h_daemon_stop;
-         * 20 ms naps cost the measurement nothing. */
-        for (uint32_t left = g_num_workers; left > 0;) {
-                usleep(20000);
-                for (uint32_t r = 0; r < g_num_workers; r++) {
-                        int ws;
+        close_foreign_pipes(&b, -1);
+        if (!failures && parent_loop(&b, &ceil, pids) < 0)
+                failures++;
+        for (uint32_t r = 0; r < g_num_workers; r++) {
+                int ws;
 
-                        if (pids[r] <= 0 || waitpid(pids[r], &ws, WNOHANG) != pids[r])
-                                continue;
-                        pids[r] = 0;
-                        left--;
-                        if (WIFEXITED(ws) && WEXITSTATUS(ws) == 0)
-                                continue;
-                        fprintf(stderr, "epd-bench: worker of rank %u failed (status 0x%x)\n",
-                                r, ws);
-                        /* Its peers may wait for it at the shared barrier: stop them. */
-                        if (failures++ == 0)
-                                for (uint32_t i = 0; i < g_num_workers; i++)
-                                        if (pids[i] > 0)
-                                                kill(pids[i], SIGKILL);
-                }
+                if (waitpid(pids[r], &ws, 0) != pids[r])
+                        continue;
+                pids[r] = 0;
+                if (WIFEXITED(ws) && WEXITSTATUS(ws) == 0)
+                        continue;
+                fprintf(stderr, "epd-bench: worker of rank %u failed (%s %d)\n", r,
+                        WIFEXITED(ws) ? "exit status" : "signal",
+                        WIFEXITED(ws) ? WEXITSTATUS(ws) : WTERMSIG(ws));
+                failures++;
         }
         g_num_workers = 0;
+        for (uint32_t r = 0; r < b.R; r++) {
+                close(b.to_parent[r][0]);
+                close(b.from_parent[r][1]);
+        }
         if (failures) {
-                fprintf(stderr, "epd-bench: FAILED: %d worker(s) did not complete; no results\n",
-                        failures);
+                fprintf(stderr, "epd-bench: FAILED: the run did not complete; no results\n");
                 if (own_daemon)
                         h_daemon_dump_log(&daemon);
                 goto out;
         }
-        /* Again after the workload: on a shared machine the memory system's speed drifts, and
-         * the best of both is the ceiling (the conservative choice for the fractions). */
-        fprintf(stderr, "epd-bench: measuring the host memcpy ceiling again\n");
-        ri.ceiling_after = measure_memcpy(b.threads, CEILING_BYTES, &ri.ceiling_after_median);
-        ri.ceiling = ri.ceiling_after > ri.ceiling_before ? ri.ceiling_after : ri.ceiling_before;
+        b.kernel_time = 1;
+        for (size_t i = 0; i < (size_t)b.R * b.total_iters * 2; i++)
+                if (i / 2 % b.total_iters >= b.opt.warmup && b.samples[i].kernel_ns == 0)
+                        b.kernel_time = 0;
+        ceiling_summary(&ceil, &ri);
         op_stats(&b, OP_DISPATCH, &ri.st[OP_DISPATCH]);
         op_stats(&b, OP_COMBINE, &ri.st[OP_COMBINE]);
         print_table(&b, &ri, tf);
@@ -1324,14 +1491,17 @@ out:
                                 status = 1;
                 }
         }
-        if (b.shared)
-                munmap(b.shared, b.shared_bytes);
+        ceiling_free(&ceil);
+        if (b.samples)
+                munmap(b.samples, b.samples_bytes);
         for (uint32_t r = 0; b.ranks && r < b.R; r++) {
                 shm_free(&b.ranks[r].in);
                 shm_free(&b.ranks[r].y);
         }
         ref_dispatch_free(b.ref);
         free(b.ranks);
+        free(b.to_parent);
+        free(b.from_parent);
         free(pids);
         return status;
 }

@@ -592,6 +592,31 @@ START_TEST(test_random)
 }
 END_TEST
 
+/* The same cases with every dispatch taking the non-temporal store path that large dispatches
+ * use, whatever its size: strided cases put rows at every alignment, which covers the path's
+ * head and tail. */
+START_TEST(test_fixed_streamed)
+{
+        epd_host_stream_min_bytes = 1;
+        run_case(&fixed_cases[_i], td_mix_seed(BASE_SEED, (uint64_t)_i));
+        epd_host_stream_min_bytes = 0;
+}
+END_TEST
+
+START_TEST(test_random_streamed)
+{
+        uint64_t seed = td_mix_seed(BASE_SEED + 2, (uint64_t)_i);
+        struct td_rng rng;
+        struct hx_case c;
+
+        td_rng_seed(&rng, seed);
+        c = random_case(&rng);
+        epd_host_stream_min_bytes = 1;
+        run_case(&c, seed);
+        epd_host_stream_min_bytes = 0;
+}
+END_TEST
+
 /* ---- bf16 helpers ---- */
 
 static float f_of(uint32_t bits)
@@ -706,6 +731,12 @@ static Suite *host_exec_suite(void)
         tc = tcase_create("random");
         tcase_set_timeout(tc, 60);
         tcase_add_loop_test(tc, test_random, 0, NUM_RANDOM);
+        suite_add_tcase(s, tc);
+
+        tc = tcase_create("streamed");
+        tcase_set_timeout(tc, 300);
+        tcase_add_loop_test(tc, test_fixed_streamed, 0, NUM_FIXED);
+        tcase_add_loop_test(tc, test_random_streamed, 0, NUM_RANDOM);
         suite_add_tcase(s, tc);
         return s;
 }
