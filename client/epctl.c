@@ -1,5 +1,5 @@
-/* epctl - the control CLI of epd: status, groups, clients, stats (human tables or --json) and
- * top (a live view). */
+/* epctl - the control CLI of epd: status, groups, clients, stats (human tables or --json), top
+ * (a live view), and the admin verbs drain, undrain and evict. */
 #include <getopt.h>
 #include <poll.h>
 #include <signal.h>
@@ -24,13 +24,17 @@ static const char *dtype_name(int d)
 static void usage(FILE *f)
 {
         fprintf(f,
-                "Usage: epctl [--socket PATH] COMMAND [--json]\n"
+                "Usage: epctl [--socket PATH] COMMAND [ARG] [--json]\n"
                 "Commands:\n"
                 "  status    daemon version, backend, devices, groups and clients\n"
                 "  groups    groups with their state and ranks\n"
                 "  clients   connected clients with their regions and bindings\n"
                 "  stats     per group, rank, client and device: ops, bytes, errors, latency\n"
                 "  top       live view of the stats, refreshed every second (q or Ctrl-C quits)\n"
+                "  drain [GROUP]    stop launching ops of GROUP (name or id), or of the daemon\n"
+                "  undrain [GROUP]  resume GROUP, or the daemon and every drained group\n"
+                "  evict CLIENT_ID  disconnect a client as if it had crashed\n"
+                "  (drain, undrain and evict need root or the daemon's admin_group)\n"
                 "Options:\n"
                 "  -s, --socket PATH   daemon socket (default $EPD_SOCKET or /run/epd/epd.sock)\n"
                 "  -j, --json          print JSON instead of a table\n"
@@ -431,6 +435,97 @@ static int cmd_top(struct epd_client *c, long iterations, long delay_ms)
         return 0;
 }
 
+/* ---- admin verbs ---- */
+
+/* drain/undrain [GROUP]: GROUP is a name, or an id when no group has that name. */
+static int cmd_drain(struct epd_client *c, int drain, const char *group, int json)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__Drain dm = EPD__V1__DRAIN__INIT;
+        Epd__V1__Undrain um = EPD__V1__UNDRAIN__INIT;
+        Epd__V1__Response *resp;
+        uint64_t id = 0;
+
+        if (group) {
+                char *end;
+                unsigned long long v = strtoull(group, &end, 10);
+                if (group[0] >= '0' && group[0] <= '9' && !*end)
+                        id = v;
+        }
+        if (drain) {
+                req.body_case = EPD__V1__REQUEST__BODY_DRAIN;
+                req.drain = &dm;
+                dm.all = group == NULL;
+                dm.group_name = (char *)(group ? group : "");
+                dm.group_id = id;
+        } else {
+                req.body_case = EPD__V1__REQUEST__BODY_UNDRAIN;
+                req.undrain = &um;
+                um.all = group == NULL;
+                um.group_name = (char *)(group ? group : "");
+                um.group_id = id;
+        }
+        if (request(c, &req, &resp) < 0)
+                return 1;
+        const Epd__V1__DrainReply *r = resp->drain;
+        if (!r) {
+                fprintf(stderr, "epctl: the daemon sent no drain reply\n");
+                epd__v1__response__free_unpacked(resp, NULL);
+                return 1;
+        }
+        if (json) {
+                json_t *o = json_pack("{s:s, s:s?, s:I, s:I, s:I, s:b}", "action",
+                                      drain ? "drain" : "undrain", "group", group, "groups",
+                                      (json_int_t)r->groups, "executing_ops",
+                                      (json_int_t)r->executing_ops, "waiting_ops",
+                                      (json_int_t)r->waiting_ops, "daemon_draining",
+                                      r->daemon_draining);
+                json_dumpf(o, stdout, JSON_INDENT(2));
+                putchar('\n');
+                json_decref(o);
+        } else {
+                if (group)
+                        printf("group %s %s", group,
+                               drain ? "draining: no new ops are launched"
+                                     : "resumed");
+                else
+                        printf("daemon %s", drain ? "draining: no new ops are launched"
+                                                  : "resumed");
+                if (!drain && r->groups && !group)
+                        printf(" (and %u drained group%s)", r->groups, r->groups == 1 ? "" : "s");
+                printf("; %u op%s executing, %u waiting%s\n", r->executing_ops,
+                       r->executing_ops == 1 ? "" : "s", r->waiting_ops,
+                       !drain && r->daemon_draining ? "; the daemon itself is still draining" : "");
+        }
+        epd__v1__response__free_unpacked(resp, NULL);
+        return 0;
+}
+
+static int cmd_evict(struct epd_client *c, const char *client_id, int json)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__Evict em = EPD__V1__EVICT__INIT;
+        Epd__V1__Response *resp;
+        char *end;
+
+        em.client_id = strtoull(client_id, &end, 10);
+        if (!client_id[0] || *end || client_id[0] < '0' || client_id[0] > '9') {
+                fprintf(stderr, "epctl: evict: '%s' is not a client id (see epctl clients)\n",
+                        client_id);
+                return 2;
+        }
+        req.body_case = EPD__V1__REQUEST__BODY_EVICT;
+        req.evict = &em;
+        if (request(c, &req, &resp) < 0)
+                return 1;
+        if (json)
+                printf("{\n  \"evicted\": %llu\n}\n", (unsigned long long)em.client_id);
+        else
+                printf("client %llu evicted\n", (unsigned long long)em.client_id);
+        epd__v1__response__free_unpacked(resp, NULL);
+        return 0;
+}
+
 int main(int argc, char **argv)
 {
         static const struct option options[] = {
@@ -446,7 +541,7 @@ int main(int argc, char **argv)
         char err[512];
         int json = 0, opt, rc;
         long iterations = 0, delay_ms = 1000;
-        const char *cmd;
+        const char *cmd, *arg = NULL;
 
         while ((opt = getopt_long(argc, argv, "+s:jn:d:h", options, NULL)) != -1) {
                 switch (opt) {
@@ -473,15 +568,24 @@ int main(int argc, char **argv)
                 } else if ((strcmp(argv[optind], "-d") == 0 ||
                             strcmp(argv[optind], "--delay") == 0) && optind + 1 < argc) {
                         delay_ms = strtol(argv[++optind], NULL, 10);
+                } else if (!arg && argv[optind][0] != '-' &&
+                           (strcmp(cmd, "drain") == 0 || strcmp(cmd, "undrain") == 0 ||
+                            strcmp(cmd, "evict") == 0)) {
+                        arg = argv[optind];
                 } else {
                         fprintf(stderr, "epctl: unexpected argument '%s'\n", argv[optind]);
                         return 2;
                 }
         }
         if (strcmp(cmd, "status") && strcmp(cmd, "groups") && strcmp(cmd, "clients") &&
-            strcmp(cmd, "stats") && strcmp(cmd, "top")) {
+            strcmp(cmd, "stats") && strcmp(cmd, "top") && strcmp(cmd, "drain") &&
+            strcmp(cmd, "undrain") && strcmp(cmd, "evict")) {
                 fprintf(stderr, "epctl: unknown command '%s'\n", cmd);
                 usage(stderr);
+                return 2;
+        }
+        if (strcmp(cmd, "evict") == 0 && !arg) {
+                fprintf(stderr, "epctl: evict needs a CLIENT_ID (see epctl clients)\n");
                 return 2;
         }
         rc = epd_client_connect(&args, &c, err, sizeof(err));
@@ -497,6 +601,10 @@ int main(int argc, char **argv)
                 rc = cmd_stats(c, json);
         else if (strcmp(cmd, "top") == 0)
                 rc = cmd_top(c, iterations, delay_ms > 0 ? delay_ms : 1000);
+        else if (strcmp(cmd, "drain") == 0 || strcmp(cmd, "undrain") == 0)
+                rc = cmd_drain(c, strcmp(cmd, "drain") == 0, arg, json);
+        else if (strcmp(cmd, "evict") == 0)
+                rc = cmd_evict(c, arg, json);
         else
                 rc = cmd_clients(c, json);
         epd_client_free(c);

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "admin.h"
 #include "arena.h"
 #include "backend.h"
 #include "daemon.h"
@@ -604,6 +605,11 @@ int epd_handle_request(struct epd_conn *c, Epd__V1__Request *req, int *fds, unsi
                 break;
         case EPD__V1__REQUEST__BODY_STATS:
                 epd_handle_stats(c, req);
+                break;
+        case EPD__V1__REQUEST__BODY_DRAIN:
+        case EPD__V1__REQUEST__BODY_UNDRAIN:
+        case EPD__V1__REQUEST__BODY_EVICT:
+                epd_handle_admin(c, req); /* admin.c */
                 break;
         case EPD__V1__REQUEST__BODY_DISPATCH:
         case EPD__V1__REQUEST__BODY_COMBINE: {

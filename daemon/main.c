@@ -13,6 +13,7 @@
 #include "daemon.h"
 #include "frame.h"
 #include "log.h"
+#include "metrics.h"
 #include "util.h"
 
 #define DRAIN_LIMIT_MS 30000
@@ -140,6 +141,8 @@ int main(int argc, char **argv)
         };
         static struct epd_daemon daemon_state;
         struct epd_daemon *d = &daemon_state;
+        struct epd_metrics *metrics = NULL;
+        char metrics_status[160] = "";
         struct flag_override overrides[32];
         unsigned num_overrides = 0;
         char err[512];
@@ -224,6 +227,25 @@ int main(int argc, char **argv)
                 uv_run(d->loop, UV_RUN_NOWAIT);
                 return 1;
         }
+        if (d->cfg.metrics_listen[0]) {
+                rc = epd_metrics_start(d, d->cfg.metrics_listen, &metrics, err, sizeof(err));
+                if (rc < 0) {
+                        log_error("cannot serve metrics: %s", err);
+                        epd_server_close(d);
+                        epd_backend_close(d->backend);
+                        uv_run(d->loop, UV_RUN_NOWAIT);
+                        return 1;
+                }
+                /* Tests and operators find the real port (with port 0) here. */
+                log_info("metrics listening address=%s url=http://%s/metrics",
+                         epd_metrics_address(metrics), epd_metrics_address(metrics));
+                if (strncmp(epd_metrics_address(metrics), "127.", 4) != 0 &&
+                    strncmp(epd_metrics_address(metrics), "[::1]", 5) != 0)
+                        log_warning("metrics address=%s is not loopback: the endpoint has no authentication",
+                                    epd_metrics_address(metrics));
+                snprintf(metrics_status, sizeof(metrics_status), "; metrics on http://%s/metrics",
+                         epd_metrics_address(metrics));
+        }
         uv_signal_init(d->loop, &d->sig_term);
         uv_signal_init(d->loop, &d->sig_int);
         uv_signal_init(d->loop, &d->sig_hup);
@@ -242,9 +264,9 @@ int main(int argc, char **argv)
         log_info("epd %s ready socket=%s backend=%s devices=%u pid=%d", EPD_VERSION_STRING,
                  d->listen_fd_activated ? "(activated)" : d->cfg.socket_path,
                  d->backend->ops->name, d->backend->num_devices, (int)getpid());
-        sd_notifyf(0, "READY=1\nSTATUS=serving on %s with the %s backend\nMAINPID=%d",
+        sd_notifyf(0, "READY=1\nSTATUS=serving on %s with the %s backend%s\nMAINPID=%d",
                    d->listen_fd_activated ? "the activated socket" : d->cfg.socket_path,
-                   d->backend->ops->name, (int)getpid());
+                   d->backend->ops->name, metrics_status, (int)getpid());
 
         uv_run(d->loop, UV_RUN_DEFAULT);
 
@@ -255,6 +277,7 @@ int main(int argc, char **argv)
         uv_close((uv_handle_t *)&d->sig_int, NULL);
         uv_close((uv_handle_t *)&d->sig_hup, NULL);
         epd_server_close(d);
+        epd_metrics_stop(metrics);
         epd_backend_close(d->backend);
         uv_run(d->loop, UV_RUN_DEFAULT);
         uv_loop_close(d->loop);

@@ -16,3 +16,4 @@ endfunction()
 
 include(${CMAKE_CURRENT_SOURCE_DIR}/integ_proto.cmake OPTIONAL)
 include(${CMAKE_CURRENT_SOURCE_DIR}/integ_ops.cmake OPTIONAL)
+include(${CMAKE_CURRENT_SOURCE_DIR}/integ_admin.cmake OPTIONAL)
