@@ -347,6 +347,50 @@ static cudaError_t sync_stream(struct epd_exec *ex, int dev, cudaStream_t stream
         }
 }
 
+/* The start of an op on its devices: every used stream waits for the clients' inputs, then
+ * t0 on W marks the start of the kernel time. */
+static void op_begin(struct cuda_backend *cb, const struct epd_exec *ex, const int *used, int W)
+{
+        for (int d = 0; d < cb->num_devices; d++) {
+                if (!used[d])
+                        continue;
+                cudaSetDevice(d);
+                queue_input_waits(ex, cb->dev[d].stream);
+        }
+        cudaSetDevice(W);
+        cudaEventRecord(cb->dev[W].t0, cb->dev[W].stream);
+}
+
+/* The end of an op: W's stream joins every other device's work, t1 marks the end of the
+ * kernel time, and the completion doorbells follow. */
+static void op_end(struct cuda_backend *cb, const struct epd_exec *ex, const int *used, int W,
+                   int ring_doorbells)
+{
+        for (int d = 0; d < cb->num_devices; d++) {
+                if (!used[d] || d == W)
+                        continue;
+                cudaSetDevice(d);
+                cudaEventRecord(cb->dev[d].done, cb->dev[d].stream);
+                cudaSetDevice(W);
+                cudaStreamWaitEvent(cb->dev[W].stream, cb->dev[d].done, 0);
+        }
+        cudaSetDevice(W);
+        cudaEventRecord(cb->dev[W].t1, cb->dev[W].stream);
+        if (ring_doorbells)
+                queue_completions(ex, cb->dev[W].stream);
+}
+
+/* GPU time between op_begin and op_end, once both have completed. */
+static uint64_t op_kernel_ns(struct cuda_backend *cb, int W)
+{
+        float ms = 0;
+
+        cudaSetDevice(W);
+        if (cudaEventElapsedTime(&ms, cb->dev[W].t0, cb->dev[W].t1) != cudaSuccess)
+                return 0;
+        return (uint64_t)(ms * 1e6);
+}
+
 static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
 {
         uint32_t R = ex->cfg.world_size;
@@ -392,16 +436,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                 goto cuda_error;
 
         uint64_t deadline = epd__now_ns() + ex->timeout_ns;
-        for (int d = 0; d < cb->num_devices; d++) {
-                if (!used[d])
-                        continue;
-                cudaSetDevice(d);
-                queue_input_waits(ex, cb->dev[d].stream);
-        }
-        /* Kernel time starts once the inputs are ready: W waits for every device's input waits
-         * through the count events below, so t0 on W marks the first kernel closely enough. */
-        cudaSetDevice(W);
-        cudaEventRecord(cb->dev[W].t0, cb->dev[W].stream);
+        op_begin(cb, ex, used, W);
         /* count on every device, prefix on W (or recheck for a cached dispatch) */
         int rc = 0;
         if (!fresh) {
@@ -461,17 +496,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         if (rc < 0)
                 goto cuda_error;
         /* Every device's copy done, then the completion doorbells on W's stream. */
-        for (int d = 0; d < cb->num_devices; d++) {
-                if (!used[d] || d == W)
-                        continue;
-                cudaSetDevice(d);
-                cudaEventRecord(cb->dev[d].done, cb->dev[d].stream);
-                cudaSetDevice(W);
-                cudaStreamWaitEvent(cb->dev[W].stream, cb->dev[d].done, 0);
-        }
-        cudaSetDevice(W);
-        cudaEventRecord(cb->dev[W].t1, cb->dev[W].stream);
-        queue_completions(ex, cb->dev[W].stream);
+        op_end(cb, ex, used, W, 1);
         for (int d = 0; d < cb->num_devices; d++) {
                 if (!used[d])
                         continue;
@@ -483,12 +508,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                 goto fail;
         if (verdict(ex, &ch->layout, cb->h_reply) < 0)
                 goto fail;
-        {
-                float ms = 0;
-                cudaSetDevice(W);
-                if (cudaEventElapsedTime(&ms, cb->dev[W].t0, cb->dev[W].t1) == cudaSuccess)
-                        ex->kernel_ns = (uint64_t)(ms * 1e6);
-        }
+        ex->kernel_ns = op_kernel_ns(cb, W);
         fetch_reply(cb, ex, &ch->layout);
         ex->bytes = 0;
         for (uint32_t d = 0; d < R; d++) {
@@ -530,14 +550,7 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
         int W = (int)ex->ranks[0].device;
 
         devices_of(ex, used);
-        for (int d = 0; d < cb->num_devices; d++) {
-                if (!used[d])
-                        continue;
-                cudaSetDevice(d);
-                queue_input_waits(ex, cb->dev[d].stream);
-        }
-        cudaSetDevice(W);
-        cudaEventRecord(cb->dev[W].t0, cb->dev[W].stream);
+        op_begin(cb, ex, used, W);
         for (int d = 0; d < cb->num_devices && rc == 0; d++) {
                 struct cuda_dev *dv = &cb->dev[d];
                 struct epd_k_combine_args a;
@@ -579,18 +592,7 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                 a.local = (const struct epd_k_local *)((uint8_t *)dv->d_desc + ranks_bytes);
                 rc = epd_k_combine(&a, dv->stream);
         }
-        for (int d = 0; d < cb->num_devices && rc == 0; d++) {
-                if (!used[d] || d == W)
-                        continue;
-                cudaSetDevice(d);
-                cudaEventRecord(cb->dev[d].done, cb->dev[d].stream);
-                cudaSetDevice(W);
-                cudaStreamWaitEvent(cb->dev[W].stream, cb->dev[d].done, 0);
-        }
-        cudaSetDevice(W);
-        cudaEventRecord(cb->dev[W].t1, cb->dev[W].stream);
-        if (rc == 0)
-                queue_completions(ex, cb->dev[W].stream);
+        op_end(cb, ex, used, W, rc == 0);
         for (int d = 0; d < cb->num_devices; d++) {
                 if (!used[d])
                         continue;
@@ -605,10 +607,7 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                          cudaGetErrorString(cudaGetLastError()));
                 return -1;
         }
-        float ms = 0;
-        cudaSetDevice(W);
-        if (cudaEventElapsedTime(&ms, cb->dev[W].t0, cb->dev[W].t1) == cudaSuccess)
-                ex->kernel_ns = (uint64_t)(ms * 1e6);
+        ex->kernel_ns = op_kernel_ns(cb, W);
         uint64_t rows = 0;
         for (uint32_t r = 0; r < R; r++)
                 rows += ex->ranks[r].y_rows;
