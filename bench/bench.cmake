@@ -6,5 +6,13 @@ add_executable(epd-bench ${CMAKE_CURRENT_LIST_DIR}/epd_bench.c)
 target_include_directories(epd-bench PRIVATE ${JANSSON_INCLUDE} ${CMAKE_CURRENT_LIST_DIR}/../tests)
 target_link_libraries(epd-bench PRIVATE epd_client_static epd_testlib epd_harness ${JANSSON_LIB}
   Threads::Threads m)
+# With CUDA, --backend cuda: workers with device memory, the device-to-device copy ceiling and
+# stream-ordered completion. Static cudart, as in libepd: the binary needs only the driver on a
+# GPU host and starts (and fails cleanly in CUDA mode) on a machine without one.
+if(EPD_HAVE_CUDA)
+  target_compile_definitions(epd-bench PRIVATE EPD_BENCH_CUDA=1)
+  target_include_directories(epd-bench PRIVATE ${CUDAToolkit_INCLUDE_DIRS})
+  target_link_libraries(epd-bench PRIVATE CUDA::cudart_static)
+endif()
 # Without --socket the benchmark starts build/bin/epd next to itself.
 add_dependencies(epd-bench epd)

@@ -18,6 +18,20 @@
  *
  * While an op runs every worker is blocked in epd_op_wait (poll on its socket), so the daemon's
  * executor and copy threads have the CPUs to themselves.
+ *
+ * CUDA mode (--backend cuda): the daemon runs the CUDA backend, and by default (--device-memory)
+ * every worker allocates its inputs, y, combine outputs and dispatch outputs (client-registered,
+ * of exactly the rows the reference says the rank receives: the CUDA backend's arena is host
+ * memory) with cudaMalloc on device rank % --devices, registers them with
+ * epd_region_register_device and uploads its inputs once. Iteration 0 is downloaded and checked
+ * bitwise as in host mode. The op time is the reply's kernel_ns (the daemon runs every rank of
+ * the group in one exec, so it is the device figure). The ceiling is the device-to-device copy
+ * (cudaMemcpyAsync of 2 GiB within the GPU, bytes read + written, event-timed), measured in a
+ * forked child before the workers start and in another after they are done: CUDA is never
+ * initialised in the parent, which forks the workers. --flush-l2 (default for decode) writes
+ * 256 MB on the GPU before every op (Fresh mode); --completion stream (--stream-order) orders
+ * each op on the worker's CUDA stream: inputs marked ready on the stream, epd_op_stream_wait,
+ * then an event whose completion ends the client-observed time.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -31,12 +45,20 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
+#ifdef EPD_BENCH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include "epd.h"
 #include "harness.h"
+#include "layout.h"
 #include "reference.h"
 #include "testdata.h"
 
@@ -58,6 +80,23 @@
 
 #define OP_DISPATCH 0
 #define OP_COMBINE 1
+
+/* CUDA mode: the L2 flush of Fresh mode, and the device-to-device copy ceiling (2 GiB copied,
+ * D2D_REPS timed copies per device in each of the two measuring children). */
+#define FLUSH_BYTES (256ull << 20)
+#define D2D_BYTES (2ull << 30)
+#define D2D_REPS 10
+#define D2D_MAX_DEVICES 16
+#define DAEMON_START_MS 60000   /* a CUDA daemon initialises every GPU before it listens */
+#define SPIN_TIMEOUT_NS (180ull * 1000000000ull)
+
+/* How a worker learns that an op completed (BENCHMARKS.md's client-observed time ends there). */
+enum completion {
+        COMPLETION_HOST = 0,    /* epd_op_wait: the reply reached the client */
+        COMPLETION_STREAM = 1,  /* a CUDA event recorded after epd_op_stream_wait completed */
+        COMPLETION_BOTH = 2,    /* a host-wait phase, then a stream-ordered phase */
+};
+#define MAX_PHASES 2
 
 struct workload_spec {
         const char *name;
@@ -83,8 +122,14 @@ struct options {
         uint64_t seed;
         enum epd_layout layout;
         int use_arena;
+        int outputs_given;      /* --outputs was on the command line */
         int json;
         const char *socket;     /* NULL: start our own daemon */
+        int cuda;               /* --backend cuda */
+        int device_memory;      /* -1: default (on with --backend cuda) */
+        uint32_t devices;       /* GPUs the ranks spread over: rank r on device r % devices */
+        int flush_l2;           /* -1: default (on for decode with --backend cuda) */
+        enum completion completion;
 };
 
 /* A MAP_SHARED memfd made before fork, so that every worker sees it at the same address. */
@@ -128,6 +173,13 @@ struct bench {
         /* The op time of BENCHMARKS.md: the GPU kernel time when the backend reports it for
          * every measured op, else (host backend) the backend's execution time. */
         int kernel_time;
+        /* Phases of the run, each warmup + iters iterations: phase_stream[p] says whether its
+         * ops complete through the stream (COMPLETION_STREAM) or the host. Iteration 0 of
+         * phase 0 is the verified one. */
+        uint32_t num_phases, per_phase;
+        int phase_stream[MAX_PHASES];
+        int host_probes;        /* the parent probes the host memcpy ceiling at sync points */
+        int worker_cuda;        /* workers initialise CUDA (device memory, flush or stream) */
         struct sample *samples; /* MAP_SHARED with the workers: [R][total_iters][2] */
         size_t samples_bytes;
         int (*to_parent)[2];    /* [R] pipes: a worker says it reached a sync point */
@@ -139,6 +191,7 @@ static volatile pid_t g_daemon_pid;
 static const struct h_daemon *volatile g_daemon;
 static volatile pid_t *g_worker_pids;
 static volatile uint32_t g_num_workers;
+static volatile pid_t g_probe_pid;      /* the ceiling child (CUDA mode) */
 
 static uint64_t now_ns(void)
 {
@@ -506,7 +559,8 @@ static int enter_group(const struct bench *b, struct epd_client *client, uint32_
         };
         struct epd_group_args ga = {
                 .size = sizeof(ga), .name = b->group_name, .secret = secret,
-                .secret_len = sizeof(secret), .rank = rank, .config = &cfg,
+                .secret_len = sizeof(secret), .rank = rank, .device = rank % b->opt.devices,
+                .config = &cfg,
         };
 
         h_secret(b->group_name, secret);
@@ -536,10 +590,19 @@ static int tensor(struct epd_client *c, const void *ptr, enum epd_dtype dt, uint
  * boundaries where the parent probes the ceiling (*probe). Both sides call it, so they agree. */
 static int sync_after(const struct bench *b, uint32_t it, int *probe)
 {
-        uint32_t done = it + 1, w = b->opt.warmup;
+        uint32_t done = it % b->per_phase + 1, w = b->opt.warmup;
+        int mark = done >= w && ((done - w) % b->probe_every == 0 || done == b->per_phase);
 
-        *probe = done >= w && ((done - w) % b->probe_every == 0 || done == b->total_iters);
-        return it == 0 || *probe;
+        /* Without host probes (CUDA mode) the workers still meet at the start and end of every
+         * phase's measured iterations, so that each phase starts together. */
+        *probe = b->host_probes && mark;
+        return it == 0 || mark;
+}
+
+/* The phase of iteration it (each phase is warmup + iters iterations). */
+static uint32_t phase_of(const struct bench *b, uint32_t it)
+{
+        return it / b->per_phase;
 }
 
 /* Tells the parent this worker is at a sync point and blocks until it says go on. */
@@ -552,10 +615,256 @@ static int worker_sync(const struct bench *b, uint32_t rank)
         return read(b->from_parent[rank][0], &c, 1) == 1 ? 0 : -1;
 }
 
+/* ---- the worker's CUDA side (CUDA mode) ----
+ *
+ * Only workers call these, after fork: the parent never initialises CUDA. Each returns 0, or -1
+ * with the reason in err. */
+
+enum { COPY_H2D, COPY_D2H, COPY_D2D };
+
+struct wcuda {
+        int on;
+        uint32_t device;        /* CUDA ordinal = the daemon's device index (same machine) */
+#ifdef EPD_BENCH_CUDA
+        cudaStream_t stream;
+        cudaEvent_t ev;
+#endif
+        uint8_t *flush;         /* FLUSH_BYTES, Fresh mode only */
+        uint8_t *d_in, *d_y, *d_out, *d_comb; /* --device-memory */
+};
+
+#ifdef EPD_BENCH_CUDA
+static int cu_ok(cudaError_t e, const char *what, char *err, size_t len)
+{
+        if (e == cudaSuccess)
+                return 0;
+        snprintf(err, len, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+        return -1;
+}
+#define CU_TRY(call, what)                                      \
+        do {                                                    \
+                if (cu_ok((call), (what), err, len) < 0)        \
+                        return -1;                              \
+        } while (0)
+#endif
+
+static void *wc_stream(const struct wcuda *wc)
+{
+#ifdef EPD_BENCH_CUDA
+        return (void *)wc->stream;
+#else
+        (void)wc;
+        return NULL;
+#endif
+}
+
+static int wcuda_init(struct wcuda *wc, const struct bench *b, uint32_t rank, char *err,
+                      size_t len)
+{
+#ifdef EPD_BENCH_CUDA
+        wc->device = rank % b->opt.devices;
+        CU_TRY(cudaSetDevice((int)wc->device), "cudaSetDevice");
+        CU_TRY(cudaFree(NULL), "CUDA context creation");
+        CU_TRY(cudaStreamCreateWithFlags(&wc->stream, cudaStreamNonBlocking), "cudaStreamCreate");
+        CU_TRY(cudaEventCreateWithFlags(&wc->ev, cudaEventDisableTiming), "cudaEventCreate");
+        wc->on = 1;
+        if (b->opt.flush_l2) {
+                CU_TRY(cudaMalloc((void **)&wc->flush, FLUSH_BYTES),
+                       "cudaMalloc of the L2 flush buffer");
+                CU_TRY(cudaMemset(wc->flush, 1, FLUSH_BYTES), "cudaMemset");
+                CU_TRY(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+        }
+        return 0;
+#else
+        (void)wc;
+        (void)b;
+        (void)rank;
+        snprintf(err, len, "epd-bench was built without CUDA");
+        return -1;
+#endif
+}
+
+static void wcuda_fini(struct wcuda *wc)
+{
+#ifdef EPD_BENCH_CUDA
+        uint8_t *bufs[5] = { wc->flush, wc->d_in, wc->d_y, wc->d_out, wc->d_comb };
+
+        if (!wc->on)
+                return;
+        for (int i = 0; i < 5; i++)
+                if (bufs[i])
+                        cudaFree(bufs[i]);
+        cudaEventDestroy(wc->ev);
+        cudaStreamDestroy(wc->stream);
+#endif
+        memset(wc, 0, sizeof(*wc));
+}
+
+/* Device memory of `bytes` (at least 4096) on the worker's GPU, registered with the daemon.
+ * *out is set as soon as the memory exists, so that the caller frees it on any failure. */
+static int dev_alloc_register(struct epd_client *c, const struct wcuda *wc, uint64_t bytes,
+                              uint8_t **out, uint64_t *region, char *err, size_t len)
+{
+#ifdef EPD_BENCH_CUDA
+        void *p = NULL;
+        int rc;
+
+        bytes = bytes < 4096 ? 4096 : bytes;
+        CU_TRY(cudaMalloc(&p, bytes), "cudaMalloc");
+        *out = p;
+        rc = epd_region_register_device(c, p, bytes, wc->device, region);
+        if (rc < 0) {
+                snprintf(err, len, "epd_region_register_device(%llu bytes on device %u): %s: %s",
+                         (unsigned long long)bytes, wc->device, epd_status_name(rc),
+                         epd_client_last_error(c));
+                return -1;
+        }
+        return 0;
+#else
+        (void)c;
+        (void)wc;
+        (void)bytes;
+        (void)out;
+        (void)region;
+        snprintf(err, len, "epd-bench was built without CUDA");
+        return -1;
+#endif
+}
+
+/* A synchronous copy: cudaMemcpy may return before a device-side copy lands, and the daemon
+ * reads this memory from another process, so the device is synchronised after it. */
+static int dev_copy(void *dst, const void *src, uint64_t bytes, int kind, char *err, size_t len)
+{
+#ifdef EPD_BENCH_CUDA
+        static const enum cudaMemcpyKind kinds[3] = { cudaMemcpyHostToDevice,
+                                                      cudaMemcpyDeviceToHost,
+                                                      cudaMemcpyDeviceToDevice };
+        if (bytes)
+                CU_TRY(cudaMemcpy(dst, src, bytes, kinds[kind]), "cudaMemcpy");
+        CU_TRY(cudaDeviceSynchronize(), "cudaDeviceSynchronize after a copy");
+        return 0;
+#else
+        (void)dst;
+        (void)src;
+        (void)bytes;
+        (void)kind;
+        snprintf(err, len, "epd-bench was built without CUDA");
+        return -1;
+#endif
+}
+
+static int dev_fill(void *dst, int value, uint64_t bytes, char *err, size_t len)
+{
+#ifdef EPD_BENCH_CUDA
+        CU_TRY(cudaMemset(dst, value, bytes), "cudaMemset");
+        CU_TRY(cudaDeviceSynchronize(), "cudaDeviceSynchronize after a fill");
+        return 0;
+#else
+        (void)dst;
+        (void)value;
+        (void)bytes;
+        snprintf(err, len, "epd-bench was built without CUDA");
+        return -1;
+#endif
+}
+
+/* Fresh mode: 256 MB written on the GPU and finished before the op is submitted, so that the
+ * op's kernels find an L2 holding none of their data (BENCHMARKS.md). The value changes every
+ * time. */
+static int dev_flush(struct wcuda *wc, uint32_t seq, char *err, size_t len)
+{
+#ifdef EPD_BENCH_CUDA
+        CU_TRY(cudaMemsetAsync(wc->flush, (int)(seq % 251) + 1, FLUSH_BYTES, wc->stream),
+               "cudaMemsetAsync (L2 flush)");
+        CU_TRY(cudaStreamSynchronize(wc->stream), "cudaStreamSynchronize (L2 flush)");
+        return 0;
+#else
+        (void)wc;
+        (void)seq;
+        snprintf(err, len, "epd-bench was built without CUDA");
+        return -1;
+#endif
+}
+
+/* Stream-ordered completion: the worker's stream waits for the op's doorbell, an event is
+ * recorded after the wait, and the host spins on the event: the op is complete for the client
+ * when work queued behind it could start. */
+static int stream_complete(struct wcuda *wc, struct epd_op *op, char *err, size_t len)
+{
+#ifdef EPD_BENCH_CUDA
+        uint64_t start = now_ns();
+        unsigned spins = 0;
+        cudaError_t e;
+        int rc = epd_op_stream_wait(op, wc->stream);
+
+        if (rc < 0) {
+                snprintf(err, len, "epd_op_stream_wait: %s", epd_status_name(rc));
+                return -1;
+        }
+        CU_TRY(cudaEventRecord(wc->ev, wc->stream), "cudaEventRecord");
+        while ((e = cudaEventQuery(wc->ev)) == cudaErrorNotReady) {
+                if ((++spins & 1023) == 0 && now_ns() - start > SPIN_TIMEOUT_NS) {
+                        snprintf(err, len, "the stream wait did not complete within %llu s",
+                                 (unsigned long long)(SPIN_TIMEOUT_NS / 1000000000ull));
+                        return -1;
+                }
+        }
+        return cu_ok(e, "cudaEventQuery", err, len);
+#else
+        (void)wc;
+        (void)op;
+        snprintf(err, len, "epd-bench was built without CUDA");
+        return -1;
+#endif
+}
+
+/* Submits one op, dispatch (da) or combine (cb), and waits for it as the phase says. t0 is taken
+ * just before submit (after the L2 flush), t1 when completion is visible to the client. */
+static int run_op(struct epd_group *group, struct wcuda *wc, int strm,
+                  struct epd_dispatch_args *da, struct epd_combine_args *cb, struct epd_op **op,
+                  uint64_t *t0, uint64_t *t1, char *err, size_t len)
+{
+        uint64_t seq = 0;
+        int rc;
+
+        *t0 = now_ns();
+        if (strm) {
+                rc = epd_group_mark_inputs_ready(group, wc_stream(wc), &seq);
+                if (rc < 0) {
+                        snprintf(err, len, "epd_group_mark_inputs_ready: %s", epd_status_name(rc));
+                        return rc;
+                }
+        }
+        if (da) {
+                da->wait_inputs = seq;
+                rc = epd_dispatch_submit(group, da, op);
+        } else {
+                cb->wait_inputs = seq;
+                rc = epd_combine_submit(group, cb, op);
+        }
+        if (rc < 0) {
+                snprintf(err, len, "submit: %s", epd_status_name(rc));
+                return rc;
+        }
+        if (strm) {
+                if (stream_complete(wc, *op, err, len) < 0)
+                        return EPD_INTERNAL;
+                *t1 = now_ns();
+                rc = epd_op_wait(*op, -1);
+        } else {
+                rc = epd_op_wait(*op, -1);
+                *t1 = now_ns();
+        }
+        if (rc < 0)
+                snprintf(err, len, "%s: %s", epd_status_name(rc), epd_op_error(*op));
+        return rc;
+}
+
 static int worker_run(struct bench *b, uint32_t rank)
 {
         struct rank_data *me = &b->ranks[rank];
         const int expand = b->opt.layout == EPD_LAYOUT_EXPAND;
+        const int dev = b->opt.device_memory;
         const enum epd_dtype dt = b->opt.wl->dtype;
         const uint32_t n = me->num_tokens, H = b->H, K = b->K;
         struct epd_connect_args ca = { .size = sizeof(ca), .socket_path = b->socket,
@@ -564,10 +873,16 @@ static int worker_run(struct bench *b, uint32_t rank)
         struct epd_group *group = NULL;
         struct epd_op *op = NULL;
         struct ref_buf *ybufs = calloc(b->R, sizeof(*ybufs));
-        uint64_t region_id;
+        struct wcuda wc;
+        /* Device memory regions (in, y, outputs, combined), released before the memory is
+         * freed; host copies of iteration 0's device outputs. */
+        uint64_t dregion[4] = { 0, 0, 0, 0 };
+        uint8_t *h_out = NULL, *h_comb = NULL;
+        uint64_t region_id, out_total = 0;
         char err[1024];
         int rc, status = 1;
 
+        memset(&wc, 0, sizeof(wc));
         if (!ybufs)
                 WFAIL("out of memory");
         for (uint32_t d = 0; d < b->R; d++)
@@ -575,43 +890,81 @@ static int worker_run(struct bench *b, uint32_t rank)
         rc = epd_client_connect(&ca, &client, err, sizeof(err));
         if (rc < 0)
                 WFAIL("connect to %s: %s: %s", b->socket, epd_status_name(rc), err);
+        /* The group first (rank 0 creates it at once), then CUDA, whose context creation in
+         * several processes at once may take a while. */
         rc = enter_group(b, client, rank, &group);
         if (rc < 0)
                 WFAIL("enter group %s: %s: %s", b->group_name, epd_status_name(rc),
                       epd_client_last_error(client));
-        rc = epd_region_register_fd(client, EPD_REGION_HOST_MEMFD, me->in.fd, me->in.bytes, 0,
-                                    me->in.ptr, &region_id);
-        if (rc >= 0)
-                rc = epd_region_register_fd(client, EPD_REGION_HOST_MEMFD, me->y.fd, me->y.bytes,
-                                            0, me->y.ptr, &region_id);
-        if (rc < 0)
-                WFAIL("register inputs: %s", epd_client_last_error(client));
+        if (b->worker_cuda && wcuda_init(&wc, b, rank, err, sizeof(err)) < 0)
+                WFAIL("CUDA on device %u: %s", rank % b->opt.devices, err);
 
-        /* Combine outputs: combined [N, H] bf16 and combined_topk_weights [N, K] fp32. */
+        /* Inputs and y: the shared memfds themselves, or device copies of them uploaded once.
+         * The device copies keep the memfd's layout, so in_base + (p - me->in.ptr) maps. */
+        uint8_t *in_base = me->in.ptr, *y_base = me->y.ptr;
+        if (dev) {
+                if (dev_alloc_register(client, &wc, me->in.bytes, &wc.d_in, &dregion[0], err,
+                                       sizeof(err)) < 0 ||
+                    dev_alloc_register(client, &wc, me->y.bytes, &wc.d_y, &dregion[1], err,
+                                       sizeof(err)) < 0 ||
+                    dev_copy(wc.d_in, me->in.ptr, me->in.bytes, COPY_H2D, err, sizeof(err)) < 0 ||
+                    dev_copy(wc.d_y, me->y.ptr, me->y.bytes, COPY_H2D, err, sizeof(err)) < 0)
+                        WFAIL("device inputs: %s", err);
+                in_base = wc.d_in;
+                y_base = wc.d_y;
+        } else {
+                rc = epd_region_register_fd(client, EPD_REGION_HOST_MEMFD, me->in.fd, me->in.bytes,
+                                            0, me->in.ptr, &region_id);
+                if (rc >= 0)
+                        rc = epd_region_register_fd(client, EPD_REGION_HOST_MEMFD, me->y.fd,
+                                                    me->y.bytes, 0, me->y.ptr, &region_id);
+                if (rc < 0)
+                        WFAIL("register inputs: %s", epd_client_last_error(client));
+        }
+#define IN_PTR(p) (in_base + ((const uint8_t *)(p) - me->in.ptr))
+
+        /* Combine outputs: combined [N, H] bf16 and combined_topk_weights [N, K] fp32. cbase is
+         * where the daemon writes them, h_cbase where this process reads them. */
         uint64_t comb_x = align64((uint64_t)n * H * 2);
-        void *cbase;
-        rc = epd_region_alloc(client, comb_x + (uint64_t)n * K * 4 + 4096, &cbase, &region_id);
-        if (rc < 0)
-                WFAIL("combined region: %s", epd_client_last_error(client));
-        uint16_t *combined = cbase;
-        float *cw = (float *)((uint8_t *)cbase + comb_x);
+        uint64_t comb_bytes = comb_x + (uint64_t)n * K * 4 + 4096;
+        uint8_t *cbase, *h_cbase;
+        if (dev) {
+                h_comb = malloc(comb_bytes);
+                if (!h_comb)
+                        WFAIL("out of memory");
+                if (dev_alloc_register(client, &wc, comb_bytes, &wc.d_comb, &dregion[3], err,
+                                       sizeof(err)) < 0 ||
+                    dev_fill(wc.d_comb, 0xEE, comb_bytes, err, sizeof(err)) < 0)
+                        WFAIL("combined device region: %s", err);
+                cbase = wc.d_comb;
+                h_cbase = h_comb;
+        } else {
+                void *p;
+                rc = epd_region_alloc(client, comb_bytes, &p, &region_id);
+                if (rc < 0)
+                        WFAIL("combined region: %s", epd_client_last_error(client));
+                cbase = h_cbase = p;
+        }
 
         struct epd_dispatch_args da = {
                 .size = sizeof(da), .num_tokens = n, .num_topk = K, .layout = b->opt.layout,
                 .expert_alignment = 1, .use_arena = b->opt.use_arena,
         };
-        rc = tensor(client, me->x, dt, n, H, &da.x);
+        rc = tensor(client, IN_PTR(me->x), dt, n, H, &da.x);
         if (rc >= 0 && b->scale_cols)
-                rc = tensor(client, me->scales, EPD_DTYPE_FP32, n, b->scale_cols, &da.scales);
+                rc = tensor(client, IN_PTR(me->scales), EPD_DTYPE_FP32, n, b->scale_cols,
+                            &da.scales);
         if (rc >= 0)
-                rc = tensor(client, me->topk, EPD_DTYPE_INT64, n, K, &da.topk_idx);
+                rc = tensor(client, IN_PTR(me->topk), EPD_DTYPE_INT64, n, K, &da.topk_idx);
         if (rc >= 0)
-                rc = tensor(client, me->weights, EPD_DTYPE_FP32, n, K, &da.topk_weights);
+                rc = tensor(client, IN_PTR(me->weights), EPD_DTYPE_FP32, n, K, &da.topk_weights);
         if (rc < 0)
                 WFAIL("input tensors: %s", epd_client_last_error(client));
+#undef IN_PTR
 
         /* Client-registered outputs of exactly the rows this rank receives (the capacity check of
-         * SEMANTICS.md 2.5 is then tight), laid out in one region. */
+         * SEMANTICS.md 2.5 is then tight), laid out in one region: host memory, or device memory
+         * poisoned before the verified iteration and downloaded after it. */
         struct ref_dispatch_actual act;
         memset(&act, 0, sizeof(act));
         if (!b->opt.use_arena) {
@@ -621,42 +974,59 @@ static int worker_run(struct bench *b, uint32_t rank)
                         expand ? 0 : align64(cap * K * 8), align64(cap * (expand ? 1 : K) * 4),
                         align64(cap * 8), expand ? align64(cap * 4) : 0,
                 };
-                uint64_t total = 0;
-                uint8_t *p;
-                void *obase;
+                uint8_t *p, *hp;
 
                 for (int i = 0; i < 6; i++)
-                        total += sz[i];
-                rc = epd_region_alloc(client, total + 4096, &obase, &region_id);
-                if (rc < 0)
-                        WFAIL("output region: %s", epd_client_last_error(client));
-                p = obase;
+                        out_total += sz[i];
+                out_total += 4096;
+                if (dev) {
+                        h_out = malloc(out_total);
+                        if (!h_out)
+                                WFAIL("out of memory");
+                        if (dev_alloc_register(client, &wc, out_total, &wc.d_out, &dregion[2], err,
+                                               sizeof(err)) < 0 ||
+                            dev_fill(wc.d_out, 0xAB, out_total, err, sizeof(err)) < 0)
+                                WFAIL("output device region: %s", err);
+                        p = wc.d_out;
+                        hp = h_out;
+                } else {
+                        void *obase;
+                        rc = epd_region_alloc(client, out_total, &obase, &region_id);
+                        if (rc < 0)
+                                WFAIL("output region: %s", epd_client_last_error(client));
+                        p = hp = obase;
+                }
                 rc = tensor(client, p, dt, cap, H, &da.recv_x);
-                act.recv_x = (struct ref_buf){ p, 0 };
+                act.recv_x = (struct ref_buf){ hp, 0 };
                 p += sz[0];
+                hp += sz[0];
                 if (rc >= 0 && b->scale_cols) {
                         rc = tensor(client, p, EPD_DTYPE_FP32, cap, b->scale_cols, &da.recv_scales);
-                        act.recv_scales = (struct ref_buf){ p, 0 };
+                        act.recv_scales = (struct ref_buf){ hp, 0 };
                 }
                 p += sz[1];
+                hp += sz[1];
                 if (rc >= 0 && !expand) {
                         rc = tensor(client, p, EPD_DTYPE_INT64, cap, K, &da.recv_topk_idx);
-                        act.recv_topk_idx = (struct ref_buf){ p, 0 };
+                        act.recv_topk_idx = (struct ref_buf){ hp, 0 };
                 }
                 p += sz[2];
+                hp += sz[2];
                 if (rc >= 0) {
                         rc = tensor(client, p, EPD_DTYPE_FP32, cap, expand ? 0 : K, &da.recv_weights);
-                        act.recv_weights = (struct ref_buf){ p, 0 };
+                        act.recv_weights = (struct ref_buf){ hp, 0 };
                 }
                 p += sz[3];
+                hp += sz[3];
                 if (rc >= 0) {
                         rc = tensor(client, p, EPD_DTYPE_INT64, cap, 0, &da.recv_src);
-                        act.recv_src = (struct ref_buf){ p, 0 };
+                        act.recv_src = (struct ref_buf){ hp, 0 };
                 }
                 p += sz[4];
+                hp += sz[4];
                 if (rc >= 0 && expand) {
                         rc = tensor(client, p, EPD_DTYPE_INT32, cap, 0, &da.recv_topk_slot);
-                        act.recv_topk_slot = (struct ref_buf){ p, 0 };
+                        act.recv_topk_slot = (struct ref_buf){ hp, 0 };
                 }
                 if (rc < 0)
                         WFAIL("output tensors: %s", epd_client_last_error(client));
@@ -665,28 +1035,27 @@ static int worker_run(struct bench *b, uint32_t rank)
         struct epd_combine_args cb = {
                 .size = sizeof(cb), .apply_weights = expand, .num_bias = 0,
         };
-        rc = tensor(client, me->y.ptr, EPD_DTYPE_BF16, (uint64_t)me->rows, H, &cb.y);
+        rc = tensor(client, y_base, EPD_DTYPE_BF16, (uint64_t)me->rows, H, &cb.y);
         if (rc >= 0)
-                rc = tensor(client, combined, EPD_DTYPE_BF16, n, H, &cb.combined);
+                rc = tensor(client, cbase, EPD_DTYPE_BF16, n, H, &cb.combined);
         if (rc >= 0)
-                rc = tensor(client, cw, EPD_DTYPE_FP32, n, K, &cb.combined_topk_weights);
+                rc = tensor(client, cbase + comb_x, EPD_DTYPE_FP32, n, K, &cb.combined_topk_weights);
         if (rc < 0)
                 WFAIL("combine tensors: %s", epd_client_last_error(client));
 
         for (uint32_t it = 0; it < b->total_iters; it++) {
                 struct sample *smp = &b->samples[((size_t)rank * b->total_iters + it) * 2];
+                int strm = b->phase_stream[phase_of(b, it)];
                 struct epd_dispatch_result dr;
                 struct epd_combine_result cr;
-                uint64_t t0, t1;
+                uint64_t t0 = 0, t1 = 0;
 
-                t0 = now_ns();
-                rc = epd_dispatch_submit(group, &da, &op);
-                if (rc >= 0)
-                        rc = epd_op_wait(op, -1);
-                t1 = now_ns();
+                if (b->opt.flush_l2 && dev_flush(&wc, 2 * it, err, sizeof(err)) < 0)
+                        WFAIL("L2 flush before dispatch %u: %s", it, err);
+                rc = run_op(group, &wc, strm, &da, NULL, &op, &t0, &t1, err, sizeof(err));
                 if (rc < 0)
-                        WFAIL("dispatch %u: %s: %s", it, epd_status_name(rc),
-                              op ? epd_op_error(op) : epd_client_last_error(client));
+                        WFAIL("dispatch %u: %s%s%s", it, err, op ? "" : ": ",
+                              op ? "" : epd_client_last_error(client));
                 rc = epd_op_dispatch_result(op, &dr);
                 if (rc < 0)
                         WFAIL("dispatch %u result: %s", it, epd_status_name(rc));
@@ -708,26 +1077,33 @@ static int worker_run(struct bench *b, uint32_t rank)
                                 if (me->rows > 0 && !dr.recv_x_ptr)
                                         WFAIL("dispatch reply names no arena placement");
                         }
+                        if (dev && dev_copy(h_out, wc.d_out, out_total, COPY_D2H, err,
+                                            sizeof(err)) < 0)
+                                WFAIL("download of the dispatch outputs: %s", err);
                         if (ref_check_counts(b->ref, rank, &counts, err, sizeof(err)) != 0)
                                 WFAIL("VERIFICATION FAILED: dispatch counts: %s", err);
                         if (ref_check_dispatch(b->ref, rank, &act, err, sizeof(err)) != 0)
                                 WFAIL("VERIFICATION FAILED: dispatch outputs: %s", err);
-                        /* The identity expert: y is the received rows, outside the timing. */
-                        if (dt == EPD_DTYPE_BF16 && me->rows > 0)
+                        /* The identity expert: y is the received rows, outside the timing. The
+                         * shared host copy is what the other ranks' combine checks read. */
+                        if (dt == EPD_DTYPE_BF16 && me->rows > 0) {
                                 memcpy(me->y.ptr, act.recv_x.ptr, (size_t)me->rows * b->row_bytes);
+                                if (dev && dev_copy(wc.d_y, wc.d_out,
+                                                    (uint64_t)me->rows * b->row_bytes, COPY_D2D,
+                                                    err, sizeof(err)) < 0)
+                                        WFAIL("y from recv_x: %s", err);
+                        }
                 }
                 cb.handle_id = dr.handle_id;
                 epd_op_free(op);
                 op = NULL;
 
-                t0 = now_ns();
-                rc = epd_combine_submit(group, &cb, &op);
-                if (rc >= 0)
-                        rc = epd_op_wait(op, -1);
-                t1 = now_ns();
+                if (b->opt.flush_l2 && dev_flush(&wc, 2 * it + 1, err, sizeof(err)) < 0)
+                        WFAIL("L2 flush before combine %u: %s", it, err);
+                rc = run_op(group, &wc, strm, NULL, &cb, &op, &t0, &t1, err, sizeof(err));
                 if (rc < 0)
-                        WFAIL("combine %u: %s: %s", it, epd_status_name(rc),
-                              op ? epd_op_error(op) : epd_client_last_error(client));
+                        WFAIL("combine %u: %s%s%s", it, err, op ? "" : ": ",
+                              op ? "" : epd_client_last_error(client));
                 rc = epd_op_combine_result(op, &cr);
                 if (rc < 0)
                         WFAIL("combine %u result: %s", it, epd_status_name(rc));
@@ -740,10 +1116,18 @@ static int worker_run(struct bench *b, uint32_t rank)
                          * completed only after every rank submitted: all y are in place. */
                         struct ref_combine_in cin = { ybufs, cb.apply_weights };
                         struct ref_buf bias[2] = { { NULL, 0 }, { NULL, 0 } };
+                        if (dev && dev_copy(h_comb, wc.d_comb, comb_bytes, COPY_D2H, err,
+                                            sizeof(err)) < 0)
+                                WFAIL("download of the combine outputs: %s", err);
                         if (ref_check_combine(b->ref, &cin, rank, bias,
-                                              (struct ref_buf){ combined, 0 },
-                                              (struct ref_buf){ cw, 0 }, err, sizeof(err)) != 0)
+                                              (struct ref_buf){ h_cbase, 0 },
+                                              (struct ref_buf){ h_cbase + comb_x, 0 }, err,
+                                              sizeof(err)) != 0)
                                 WFAIL("VERIFICATION FAILED: combine outputs: %s", err);
+                        /* The host copies are needed no more. */
+                        free(h_out);
+                        free(h_comb);
+                        h_out = h_comb = NULL;
                 }
                 rc = epd_handle_release(group, cb.handle_id);
                 if (rc < 0)
@@ -756,7 +1140,14 @@ static int worker_run(struct bench *b, uint32_t rank)
 out:
         epd_op_free(op);
         epd_group_leave(group);
+        /* The clean order: the daemon lets go of the device memory before it is freed. */
+        for (int i = 0; i < 4; i++)
+                if (dregion[i])
+                        epd_region_release(client, dregion[i]);
         epd_client_free(client);
+        wcuda_fini(&wc);
+        free(h_out);
+        free(h_comb);
         free(ybufs);
         return status;
 }
@@ -798,9 +1189,9 @@ struct op_stats {
         double exec_spread_max;          /* us: largest difference of op time between ranks */
 };
 
-static void op_stats(const struct bench *b, int kind, struct op_stats *st)
+static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_stats *st)
 {
-        uint32_t R = b->R, iters = b->opt.iters, w = b->opt.warmup;
+        uint32_t R = b->R, iters = b->opt.iters, w = phase * b->per_phase + b->opt.warmup;
         size_t ns = (size_t)R * iters;
         double *exec = calloc(iters, sizeof(double));
         double *e2e = calloc(ns, sizeof(double)), *ovh = calloc(ns, sizeof(double));
@@ -869,10 +1260,14 @@ static void usage(FILE *f)
         fprintf(f,
                 "Usage: epd-bench --workload prefill|prefill-bf16|decode|tiny --ranks N --iters N\n"
                 "                 [--json] [--socket PATH] [--tokens T] [--layout non-expand|expand]\n"
-                "                 [--seed S] [--warmup N] [--threads N] [--outputs arena|regions]\n\n"
+                "                 [--seed S] [--warmup N] [--threads N] [--outputs arena|regions]\n"
+                "                 [--backend host|cuda] [--device-memory|--host-memory]\n"
+                "                 [--devices N] [--flush-l2|--no-flush-l2]\n"
+                "                 [--completion host|stream|both] [--stream-order]\n\n"
                 "Measures dispatch and combine through real client processes, one per rank, as\n"
-                "docs/BENCHMARKS.md defines. Without --socket it starts build/bin/epd (host backend)\n"
-                "on a temporary socket and stops it at the end.\n\n"
+                "docs/BENCHMARKS.md defines. Without --socket it starts build/bin/epd (host backend,\n"
+                "or the CUDA backend with --backend cuda) on a temporary socket and stops it at the\n"
+                "end.\n\n"
                 "  --workload NAME   prefill (fp8, T=4096, rank r sends T-r), prefill-bf16, decode\n"
                 "                    (fp8, T=128), tiny (bf16, T=8; --tokens 1 for the 1-token case)\n"
                 "  --ranks N         world size (1..64)\n"
@@ -884,10 +1279,28 @@ static void usage(FILE *f)
                 "  --seed S          data and routing seed (default 1)\n"
                 "  --threads N       host backend threads (daemon --host-threads) and memcpy-ceiling\n"
                 "                    threads; default: the number of CPUs\n"
-                "  --outputs O       arena (default): outputs in the daemon's output arena;\n"
-                "                    regions: client-registered outputs of exact capacity\n"
+                "  --outputs O       arena (default in host memory): outputs in the daemon's output\n"
+                "                    arena; regions: client-registered outputs of exact capacity\n"
                 "  --socket PATH     use a running daemon instead of starting one\n"
-                "  --json            one JSON object per line per result on stdout (table on stderr)\n");
+                "  --json            one JSON object per line per result on stdout (table on stderr)\n"
+                "\nCUDA mode:\n"
+                "  --backend B       host (default) or cuda: the daemon's backend; with --socket the\n"
+                "                    running daemon must have it\n"
+                "  --device-memory   (default with cuda) inputs and outputs in each worker's GPU\n"
+                "                    memory (cudaMalloc, epd_region_register_device); outputs are\n"
+                "                    client-registered regions (the CUDA backend's arena is host\n"
+                "                    memory); the ceiling is the device-to-device copy\n"
+                "  --host-memory     host memfds on the CUDA backend instead\n"
+                "  --devices N       GPUs to spread the ranks over: rank r on device r %% N (default 1)\n"
+                "  --flush-l2        Fresh mode: write 256 MB on the GPU before every op (in each\n"
+                "                    worker, before submit, synchronised); default for decode\n"
+                "  --no-flush-l2     never flush\n"
+                "  --completion C    host (default): the client waits for the reply (epd_op_wait);\n"
+                "                    stream: inputs marked ready on the worker's stream, then\n"
+                "                    epd_op_stream_wait and an event whose completion ends the\n"
+                "                    client-observed time; both: a host phase, then a stream phase\n"
+                "                    (each with its own warm-up), reported separately\n"
+                "  --stream-order    the same as --completion stream\n");
 }
 
 static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
@@ -917,6 +1330,14 @@ static int parse_args(int argc, char **argv, struct options *o)
                 { "outputs", required_argument, NULL, 'o' },
                 { "socket", required_argument, NULL, 'S' },
                 { "json", no_argument, NULL, 'j' },
+                { "backend", required_argument, NULL, 'B' },
+                { "device-memory", no_argument, NULL, 'D' },
+                { "host-memory", no_argument, NULL, 'M' },
+                { "devices", required_argument, NULL, 'n' },
+                { "flush-l2", no_argument, NULL, 'F' },
+                { "no-flush-l2", no_argument, NULL, 'f' },
+                { "completion", required_argument, NULL, 'C' },
+                { "stream-order", no_argument, NULL, 'O' },
                 { "help", no_argument, NULL, 'h' },
                 { NULL, 0, NULL, 0 },
         };
@@ -928,6 +1349,9 @@ static int parse_args(int argc, char **argv, struct options *o)
         o->seed = 1;
         o->use_arena = 1;
         o->layout = EPD_LAYOUT_NON_EXPAND;
+        o->device_memory = -1;
+        o->flush_l2 = -1;
+        o->devices = 1;
         while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
                 switch (c) {
                 case 'w':
@@ -975,6 +1399,44 @@ static int parse_args(int argc, char **argv, struct options *o)
                                 o->use_arena = 0;
                         else
                                 goto bad;
+                        o->outputs_given = 1;
+                        break;
+                case 'B':
+                        if (strcmp(optarg, "host") == 0)
+                                o->cuda = 0;
+                        else if (strcmp(optarg, "cuda") == 0)
+                                o->cuda = 1;
+                        else
+                                goto bad;
+                        break;
+                case 'D':
+                        o->device_memory = 1;
+                        break;
+                case 'M':
+                        o->device_memory = 0;
+                        break;
+                case 'n':
+                        if (parse_u32(optarg, 1, D2D_MAX_DEVICES, &o->devices) < 0)
+                                goto bad;
+                        break;
+                case 'F':
+                        o->flush_l2 = 1;
+                        break;
+                case 'f':
+                        o->flush_l2 = 0;
+                        break;
+                case 'C':
+                        if (strcmp(optarg, "host") == 0)
+                                o->completion = COMPLETION_HOST;
+                        else if (strcmp(optarg, "stream") == 0)
+                                o->completion = COMPLETION_STREAM;
+                        else if (strcmp(optarg, "both") == 0)
+                                o->completion = COMPLETION_BOTH;
+                        else
+                                goto bad;
+                        break;
+                case 'O':
+                        o->completion = COMPLETION_STREAM;
                         break;
                 case 's': {
                         char *end;
@@ -1007,7 +1469,38 @@ bad:
                 usage(stderr);
                 return -1;
         }
+        if (!o->cuda) {
+                if (o->device_memory == 1 || o->flush_l2 == 1 || o->devices != 1 ||
+                    o->completion != COMPLETION_HOST) {
+                        fprintf(stderr, "epd-bench: --device-memory, --flush-l2, --devices and "
+                                        "stream completion need --backend cuda\n");
+                        return -1;
+                }
+                o->device_memory = 0;
+                o->flush_l2 = 0;
+                return 0;
+        }
+#ifndef EPD_BENCH_CUDA
+        fprintf(stderr, "epd-bench: --backend cuda: this epd-bench was built without CUDA "
+                        "(configure with -DEPD_CUDA=ON on a machine with the CUDA toolkit)\n");
+        return -1;
+#else
+        if (o->device_memory < 0)
+                o->device_memory = 1;
+        if (o->flush_l2 < 0)
+                o->flush_l2 = strcmp(o->wl->name, "decode") == 0;
+        if (o->device_memory) {
+                /* The CUDA backend's output arena is host memory: device outputs are regions. */
+                if (o->outputs_given && o->use_arena) {
+                        fprintf(stderr, "epd-bench: --outputs arena puts outputs in host memory; "
+                                        "--device-memory uses client-registered device outputs "
+                                        "(--outputs regions, implied)\n");
+                        return -1;
+                }
+                o->use_arena = 0;
+        }
         return 0;
+#endif
 }
 
 /* ---- output ---- */
@@ -1019,29 +1512,35 @@ static const char *dtype_name(enum epd_dtype d)
 
 struct run_info {
         char backend[16];
-        uint32_t devices;
+        uint32_t devices;       /* the daemon's */
+        char device_name[128];  /* device 0 as the daemon names it (CUDA mode) */
         int scaled;
-        uint64_t llc;
-        /* GB/s of the 1 GiB memcpy: the median of the probes interleaved with the ops (the
-         * ceiling the fractions use), of the copies before the workers started, and the
-         * extremes of all of them. */
+        uint64_t llc;           /* host last-level cache; in CUDA mode the GPU's L2 */
+        /* Host mode: GB/s of the 1 GiB memcpy: the median of the probes interleaved with the
+         * ops (the ceiling the fractions use), of the copies before the workers started, and
+         * the extremes of all of them. CUDA mode: the device-to-device copy: the median of every
+         * timed copy (before and after the workers; with several devices, the slowest device's
+         * median), the medians before and after, and the extremes. */
         double ceiling, ceiling_initial, ceiling_min, ceiling_best;
+        double d2d_after;
         unsigned num_probes;
+        char mps[16];           /* "on", "off", "unknown"; "n/a" on the host backend */
+        char mps_detail[320];
+        uint64_t ws_bytes;      /* the daemon's workspace of one live dispatch handle */
         struct byte_counts bytes;
-        struct op_stats st[2];
+        struct op_stats st[MAX_PHASES][2];
 };
 
-/* MPS is a CUDA matter: "n/a" on the host backend. The benchmark's clients register host memfds,
- * which only the host backend takes, so another backend cannot get this far today. */
-static const char *mps_state(const struct run_info *ri)
+static const char *phase_name(const struct bench *b, uint32_t p)
 {
-        return strcmp(ri->backend, "host") == 0 ? "n/a" : "unknown";
+        return b->phase_stream[p] ? "stream" : "host";
 }
 
 static void print_table(const struct bench *b, const struct run_info *ri, FILE *f)
 {
         static const char *names[2] = { "dispatch", "combine" };
         const struct byte_counts *bc = &ri->bytes;
+        const int cuda = b->opt.cuda;
 
         fprintf(f, "\nepd-bench %s: %u ranks, T=%u%s, H=%u, top-k %u of %u experts, %s, %s, "
                    "%s outputs, seed %llu\n",
@@ -1053,53 +1552,100 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
         if (ri->scaled)
                 fprintf(f, "  SCALED: %u tokens per rank instead of the workload's %u (--tokens)\n",
                         b->T, b->opt.wl->tokens);
-        fprintf(f, "  backend %s, every rank on device 0 (the daemon has %u), MPS %s, %u host threads, "
-                   "%u CPUs, rev %s\n",
-                ri->backend, ri->devices, mps_state(ri), b->threads, b->cpus, EPD_GIT_REV);
-        fprintf(f, "  %u measured iterations after %u warm-up; iteration 0 verified bitwise\n",
-                b->opt.iters, b->opt.warmup);
-        fprintf(f, "  data per dispatch %.1f MiB (inputs + outputs); last-level cache %.1f MiB%s\n",
-                (double)bc->data / 1048576.0, (double)ri->llc / 1048576.0,
+        if (cuda)
+                fprintf(f, "  backend %s on %s, ranks on %u device(s) (rank r on r %% %u; the "
+                           "daemon has %u), %s memory, MPS %s (%s), rev %s\n",
+                        ri->backend, ri->device_name, b->opt.devices, b->opt.devices,
+                        ri->devices, b->opt.device_memory ? "device" : "host (memfd)", ri->mps,
+                        ri->mps_detail, EPD_GIT_REV);
+        else
+                fprintf(f, "  backend %s, every rank on device 0 (the daemon has %u), MPS %s, %u "
+                           "host threads, %u CPUs, rev %s\n",
+                        ri->backend, ri->devices, ri->mps, b->threads, b->cpus, EPD_GIT_REV);
+        fprintf(f, "  %u measured iterations after %u warm-up per phase (%s); iteration 0 "
+                   "verified bitwise%s\n",
+                b->opt.iters, b->opt.warmup,
+                b->num_phases == 2 ? "host-wait, then stream-ordered"
+                                   : b->phase_stream[0] ? "stream-ordered" : "host-wait",
+                cuda ? (b->opt.flush_l2 ? "; Fresh mode: 256 MB written on the GPU before "
+                                          "every op"
+                                        : "; no L2 flush (warm L2)")
+                     : "");
+        fprintf(f, "  data per dispatch %.1f MiB (inputs + outputs); %s %.1f MiB%s\n",
+                (double)bc->data / 1048576.0, cuda ? "GPU L2" : "last-level cache",
+                (double)ri->llc / 1048576.0,
                 ri->llc == 0 ? " (unknown)" : bc->data > ri->llc ? ": data is larger"
                                                                  : ": DATA FITS IN THE CACHE");
-        fprintf(f, "  host memcpy ceiling (2 x %.0f MiB buffers, %u threads, bytes read + written): "
-                   "%.2f GB/s = median of %u probes between the measured iterations; %.2f before "
-                   "the workers started (median of %d); all copies %.2f .. %.2f\n",
-                (double)CEILING_BYTES / 1048576.0, b->threads, ri->ceiling, ri->num_probes,
-                ri->ceiling_initial, CEILING_REPS, ri->ceiling_min, ri->ceiling_best);
+        if (cuda) {
+                fprintf(f, "  device-to-device copy ceiling (cudaMemcpyAsync of %.0f MiB, bytes "
+                           "read + written, event-timed): %.2f GB/s = median of %u copies; %.2f "
+                           "before the workers, %.2f after; all copies %.2f .. %.2f\n",
+                        (double)D2D_BYTES / 1048576.0, ri->ceiling, ri->num_probes,
+                        ri->ceiling_initial, ri->d2d_after, ri->ceiling_min, ri->ceiling_best);
+                fprintf(f, "  daemon workspace: %.2f MiB per live dispatch handle of the group "
+                           "= %.2f MiB per rank (device memory); output arena %.2f MiB per rank "
+                           "(host memory%s)\n",
+                        (double)ri->ws_bytes / 1048576.0,
+                        (double)ri->ws_bytes / b->R / 1048576.0,
+                        (double)b->arena_bytes / 1048576.0,
+                        b->opt.use_arena ? "" : ", unused: outputs are client regions");
+        } else {
+                fprintf(f, "  host memcpy ceiling (2 x %.0f MiB buffers, %u threads, bytes read + "
+                           "written): %.2f GB/s = median of %u probes between the measured "
+                           "iterations; %.2f before the workers started (median of %d); all "
+                           "copies %.2f .. %.2f\n",
+                        (double)CEILING_BYTES / 1048576.0, b->threads, ri->ceiling,
+                        ri->num_probes, ri->ceiling_initial, CEILING_REPS, ri->ceiling_min,
+                        ri->ceiling_best);
+        }
         if (b->kernel_time)
                 fprintf(f, "  time = the GPU time of the op's kernels as the daemon reports it "
-                           "(kernel_ns); the ceiling above is the HOST memcpy, not the device "
-                           "copy a GPU run is bounded by; GB = 1e9 bytes\n\n");
+                           "(kernel_ns, one exec for every rank: the device figure)%s; GB = 1e9 "
+                           "bytes\n\n",
+                        cuda ? "" : "; the ceiling above is the HOST memcpy, not the device copy "
+                                    "a GPU run is bounded by");
         else
                 fprintf(f, "  time = the backend's exec time of the whole op (the host backend runs "
                            "all ranks in one exec: the device figure); GB = 1e9 bytes\n\n");
-        fprintf(f, "%-9s %9s %11s %11s %10s %9s %9s %8s %10s %10s %10s %9s %9s %9s %9s\n",
-                "op", "rows", "logical MB", "floor MB", "exec p50", "logic", "floor", "floor/",
-                "e2e p50", "e2e p99", "e2e max", "ovh p50", "ovh p99", "last-sub", "last-sub");
-        fprintf(f, "%-9s %9s %11s %11s %10s %9s %9s %8s %10s %10s %10s %9s %9s %9s %9s\n",
+        fprintf(f, "%-16s %9s %11s %11s %10s %9s %9s %8s %10s %10s %10s %9s %9s %9s %9s\n",
+                "op", "rows", "logical MB", "floor MB", cuda ? "kernel p50" : "exec p50",
+                "logic", "floor", "floor/", "e2e p50", "e2e p99", "e2e max", "ovh p50",
+                "ovh p99", "last-sub", "last-sub");
+        fprintf(f, "%-16s %9s %11s %11s %10s %9s %9s %8s %10s %10s %10s %9s %9s %9s %9s\n",
                 "", "", "", "", "us", "GB/s", "GB/s", "ceiling", "us", "us", "us", "us", "us",
                 "ovh p50", "ovh p99");
-        for (int k = 0; k < 2; k++) {
-                const struct op_stats *st = &ri->st[k];
-                double lg = (double)bc->logical[k] / (st->exec_p50 * 1e3);
-                double fl = (double)bc->floor[k] / (st->exec_p50 * 1e3);
-                fprintf(f, "%-9s %9llu %11.1f %11.1f %10.1f %9.2f %9.2f %7.1f%% %10.1f %10.1f "
-                           "%10.1f %9.1f %9.1f %9.1f %9.1f\n",
-                        names[k], (unsigned long long)bc->rows, (double)bc->logical[k] / 1e6,
-                        (double)bc->floor[k] / 1e6, st->exec_p50, lg, fl,
-                        100.0 * fl / ri->ceiling, st->e2e_p50, st->e2e_p99, st->e2e_max,
-                        st->ovh_p50, st->ovh_p99, st->last_ovh_p50, st->last_ovh_p99);
+        for (uint32_t p = 0; p < b->num_phases; p++) {
+                for (int k = 0; k < 2; k++) {
+                        const struct op_stats *st = &ri->st[p][k];
+                        double lg = (double)bc->logical[k] / (st->exec_p50 * 1e3);
+                        double fl = (double)bc->floor[k] / (st->exec_p50 * 1e3);
+                        char label[32];
+
+                        snprintf(label, sizeof(label), "%s%s%s%s", names[k],
+                                 cuda ? " [" : "", cuda ? phase_name(b, p) : "", cuda ? "]" : "");
+                        fprintf(f, "%-16s %9llu %11.1f %11.1f %10.1f %9.2f %9.2f %7.1f%% %10.1f "
+                                   "%10.1f %10.1f %9.1f %9.1f %9.1f %9.1f\n",
+                                label, (unsigned long long)bc->rows,
+                                (double)bc->logical[k] / 1e6, (double)bc->floor[k] / 1e6,
+                                st->exec_p50, lg, fl, 100.0 * fl / ri->ceiling, st->e2e_p50,
+                                st->e2e_p99, st->e2e_max, st->ovh_p50, st->ovh_p99,
+                                st->last_ovh_p50, st->last_ovh_p99);
+                }
         }
         fprintf(f, "\n  logical bytes (DeepEP): received rows x (x + scales + topk_idx as int64 + "
                    "fp32 weights); combine: rows sent x (bf16 row + fp32 weights)\n"
                    "  floor bytes: dispatch 2 x rows x row bytes; combine y rows read once + "
                    "combined rows (and weights) written once\n"
-                   "  ovh = client-observed (submit to completion) minus exec, over every rank's "
-                   "samples; last-sub = the same for the rank that submitted last\n");
+                   "  ovh = daemon overhead: client-observed (just before submit to completion "
+                   "visible: %s) minus %s, over every rank's samples; last-sub = the same for "
+                   "the rank that submitted last\n",
+                cuda ? "[host] the reply in epd_op_wait, [stream] the event after "
+                       "epd_op_stream_wait"
+                     : "the reply in epd_op_wait",
+                b->kernel_time ? "kernel time" : "exec");
         for (int k = 0; k < 2; k++) {
-                double u = (double)bc->unique[k] / (ri->st[k].exec_p50 * 1e3);
-                double fl = (double)bc->floor[k] / (ri->st[k].exec_p50 * 1e3);
+                double u = (double)bc->unique[k] / (ri->st[0][k].exec_p50 * 1e3);
+                double fl = (double)bc->floor[k] / (ri->st[0][k].exec_p50 * 1e3);
                 fprintf(f, "  %s: floor %.1f%% of the best single copy (%.2f GB/s); unique bytes "
                            "(each distinct byte read or written once) %.1f MB = %.2f GB/s, %.1f%% "
                            "of the ceiling\n",
@@ -1108,85 +1654,131 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
         }
 }
 
-static void print_json(const struct bench *b, const struct run_info *ri)
+static json_t *json_real_or_null(double v, int present)
+{
+        return present ? json_real(v) : json_null();
+}
+
+/* One JSON line: op k of phase p. */
+static void print_json_one(const struct bench *b, const struct run_info *ri, uint32_t p, int k)
 {
         static const char *names[2] = { "dispatch", "combine" };
+        const int cuda = b->opt.cuda;
+        const struct op_stats *st = &ri->st[p][k];
+        double lg = (double)ri->bytes.logical[k] / (st->exec_p50 * 1e3);
+        double fl = (double)ri->bytes.floor[k] / (st->exec_p50 * 1e3);
+        double un = (double)ri->bytes.unique[k] / (st->exec_p50 * 1e3);
+        json_t *o = json_object();
+        char *s;
 
-        for (int k = 0; k < 2; k++) {
-                const struct op_stats *st = &ri->st[k];
-                double lg = (double)ri->bytes.logical[k] / (st->exec_p50 * 1e3);
-                double fl = (double)ri->bytes.floor[k] / (st->exec_p50 * 1e3);
-                double un = (double)ri->bytes.unique[k] / (st->exec_p50 * 1e3);
-                json_t *o = json_object();
-                char *s;
+        json_object_set_new(o, "bench", json_string("epd-bench"));
+        json_object_set_new(o, "op", json_string(names[k]));
+        json_object_set_new(o, "workload", json_string(b->opt.wl->name));
+        json_object_set_new(o, "ranks", json_integer(b->R));
+        /* The GPUs the ranks use (host backend: every rank binds device 0); the device
+         * figure is the whole op either way: one exec serves every rank. */
+        json_object_set_new(o, "devices", json_integer(cuda ? b->opt.devices : 1));
+        json_object_set_new(o, "daemon_devices", json_integer(ri->devices));
+        json_object_set_new(o, "backend", json_string(ri->backend));
+        json_object_set_new(o, "mps", json_string(ri->mps));
+        json_object_set_new(o, "mps_detail", json_string(ri->mps_detail));
+        json_object_set_new(o, "device_name", json_string(ri->device_name));
+        json_object_set_new(o, "memory", json_string(b->opt.device_memory ? "device"
+                                                                           : "host"));
+        json_object_set_new(o, "completion", json_string(b->phase_stream[p]
+                                                                ? "stream" : "host"));
+        json_object_set_new(o, "flush_l2", json_boolean(b->opt.flush_l2));
+        json_object_set_new(o, "git_rev", json_string(EPD_GIT_REV));
+        json_object_set_new(o, "tokens", json_integer(b->T));
+        json_object_set_new(o, "nominal_tokens", json_integer(b->opt.wl->tokens));
+        json_object_set_new(o, "scaled", json_boolean(ri->scaled));
+        json_object_set_new(o, "hidden", json_integer(b->H));
+        json_object_set_new(o, "topk", json_integer(b->K));
+        json_object_set_new(o, "experts", json_integer(b->E));
+        json_object_set_new(o, "dtype", json_string(dtype_name(b->opt.wl->dtype)));
+        json_object_set_new(o, "layout", json_string(b->opt.layout == EPD_LAYOUT_EXPAND
+                                                             ? "expand" : "non-expand"));
+        json_object_set_new(o, "outputs", json_string(b->opt.use_arena ? "arena"
+                                                                       : "regions"));
+        json_object_set_new(o, "seed", json_integer((json_int_t)b->opt.seed));
+        json_object_set_new(o, "iters", json_integer(b->opt.iters));
+        json_object_set_new(o, "warmup", json_integer(b->opt.warmup));
+        json_object_set_new(o, "host_threads", json_integer(b->threads));
+        json_object_set_new(o, "cpus", json_integer(b->cpus));
+        json_object_set_new(o, "verified", json_true());
+        json_object_set_new(o, "rows", json_integer((json_int_t)ri->bytes.rows));
+        json_object_set_new(o, "logical_bytes", json_integer((json_int_t)ri->bytes.logical[k]));
+        json_object_set_new(o, "floor_bytes", json_integer((json_int_t)ri->bytes.floor[k]));
+        json_object_set_new(o, "data_bytes", json_integer((json_int_t)ri->bytes.data));
+        json_object_set_new(o, cuda ? "gpu_l2_bytes" : "llc_bytes",
+                            json_integer((json_int_t)ri->llc));
+        json_object_set_new(o, "time_basis", json_string(b->kernel_time ? "kernel_ns"
+                                                                         : "exec_ns"));
+        json_object_set_new(o, "kernel_time_p50_us", json_real(st->exec_p50));
+        json_object_set_new(o, "kernel_time_p99_us", json_real(st->exec_p99));
+        json_object_set_new(o, "e2e_p50_us", json_real(st->e2e_p50));
+        json_object_set_new(o, "e2e_p99_us", json_real(st->e2e_p99));
+        json_object_set_new(o, "e2e_max_us", json_real(st->e2e_max));
+        json_object_set_new(o, "daemon_overhead_p50_us", json_real(st->ovh_p50));
+        json_object_set_new(o, "daemon_overhead_p99_us", json_real(st->ovh_p99));
+        json_object_set_new(o, "daemon_overhead_last_submitter_p50_us",
+                            json_real(st->last_ovh_p50));
+        json_object_set_new(o, "daemon_overhead_last_submitter_p99_us",
+                            json_real(st->last_ovh_p99));
+        json_object_set_new(o, "queue_p50_us", json_real(st->queue_p50));
+        json_object_set_new(o, "logical_gbps", json_real(lg));
+        json_object_set_new(o, "floor_gbps", json_real(fl));
+        json_object_set_new(o, "floor_fraction_of_ceiling", json_real(fl / ri->ceiling));
+        json_object_set_new(o, "ceiling_kind", json_string(cuda ? "d2d_copy"
+                                                                : "host_memcpy"));
+        json_object_set_new(o, "unique_bytes", json_integer((json_int_t)ri->bytes.unique[k]));
+        json_object_set_new(o, "unique_gbps", json_real(un));
+        json_object_set_new(o, "unique_fraction_of_ceiling", json_real(un / ri->ceiling));
+        json_object_set_new(o, "ceiling_memcpy_gbps", json_real_or_null(ri->ceiling, !cuda));
+        json_object_set_new(o, "ceiling_memcpy_probes",
+                            cuda ? json_null() : json_integer(ri->num_probes));
+        json_object_set_new(o, "ceiling_memcpy_initial_gbps",
+                            json_real_or_null(ri->ceiling_initial, !cuda));
+        json_object_set_new(o, "ceiling_memcpy_min_gbps",
+                            json_real_or_null(ri->ceiling_min, !cuda));
+        json_object_set_new(o, "ceiling_memcpy_best_gbps",
+                            json_real_or_null(ri->ceiling_best, !cuda));
+        json_object_set_new(o, "floor_fraction_of_best_ceiling",
+                            json_real(fl / ri->ceiling_best));
+        json_object_set_new(o, "ceiling_buffer_bytes",
+                            json_integer((json_int_t)(cuda ? D2D_BYTES : CEILING_BYTES)));
+        json_object_set_new(o, "ceiling_threads", cuda ? json_null()
+                                                       : json_integer(b->threads));
+        json_object_set_new(o, "ceiling_d2d_gbps", json_real_or_null(ri->ceiling, cuda));
+        json_object_set_new(o, "ceiling_d2d_before_gbps",
+                            json_real_or_null(ri->ceiling_initial, cuda));
+        json_object_set_new(o, "ceiling_d2d_after_gbps",
+                            json_real_or_null(ri->d2d_after, cuda));
+        json_object_set_new(o, "ceiling_d2d_min_gbps",
+                            json_real_or_null(ri->ceiling_min, cuda));
+        json_object_set_new(o, "ceiling_d2d_best_gbps",
+                            json_real_or_null(ri->ceiling_best, cuda));
+        json_object_set_new(o, "ceiling_d2d_copies",
+                            cuda ? json_integer(ri->num_probes) : json_null());
+        json_object_set_new(o, "daemon_workspace_bytes",
+                            cuda ? json_integer((json_int_t)ri->ws_bytes) : json_null());
+        json_object_set_new(o, "daemon_workspace_bytes_per_rank",
+                            cuda ? json_integer((json_int_t)(ri->ws_bytes / b->R))
+                                 : json_null());
+        json_object_set_new(o, "arena_bytes_per_rank",
+                            json_integer((json_int_t)b->arena_bytes));
+        s = json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER);
+        if (s)
+                printf("%s\n", s);
+        free(s);
+        json_decref(o);
+}
 
-                json_object_set_new(o, "bench", json_string("epd-bench"));
-                json_object_set_new(o, "op", json_string(names[k]));
-                json_object_set_new(o, "workload", json_string(b->opt.wl->name));
-                json_object_set_new(o, "ranks", json_integer(b->R));
-                /* Every rank binds device 0: the device figure is the whole op. */
-                json_object_set_new(o, "devices", json_integer(1));
-                json_object_set_new(o, "daemon_devices", json_integer(ri->devices));
-                json_object_set_new(o, "backend", json_string(ri->backend));
-                json_object_set_new(o, "mps", json_string(mps_state(ri)));
-                json_object_set_new(o, "git_rev", json_string(EPD_GIT_REV));
-                json_object_set_new(o, "tokens", json_integer(b->T));
-                json_object_set_new(o, "nominal_tokens", json_integer(b->opt.wl->tokens));
-                json_object_set_new(o, "scaled", json_boolean(ri->scaled));
-                json_object_set_new(o, "hidden", json_integer(b->H));
-                json_object_set_new(o, "topk", json_integer(b->K));
-                json_object_set_new(o, "experts", json_integer(b->E));
-                json_object_set_new(o, "dtype", json_string(dtype_name(b->opt.wl->dtype)));
-                json_object_set_new(o, "layout", json_string(b->opt.layout == EPD_LAYOUT_EXPAND
-                                                                     ? "expand" : "non-expand"));
-                json_object_set_new(o, "outputs", json_string(b->opt.use_arena ? "arena"
-                                                                               : "regions"));
-                json_object_set_new(o, "seed", json_integer((json_int_t)b->opt.seed));
-                json_object_set_new(o, "iters", json_integer(b->opt.iters));
-                json_object_set_new(o, "warmup", json_integer(b->opt.warmup));
-                json_object_set_new(o, "host_threads", json_integer(b->threads));
-                json_object_set_new(o, "cpus", json_integer(b->cpus));
-                json_object_set_new(o, "verified", json_true());
-                json_object_set_new(o, "rows", json_integer((json_int_t)ri->bytes.rows));
-                json_object_set_new(o, "logical_bytes", json_integer((json_int_t)ri->bytes.logical[k]));
-                json_object_set_new(o, "floor_bytes", json_integer((json_int_t)ri->bytes.floor[k]));
-                json_object_set_new(o, "data_bytes", json_integer((json_int_t)ri->bytes.data));
-                json_object_set_new(o, "llc_bytes", json_integer((json_int_t)ri->llc));
-                json_object_set_new(o, "time_basis", json_string(b->kernel_time ? "kernel_ns"
-                                                                                 : "exec_ns"));
-                json_object_set_new(o, "kernel_time_p50_us", json_real(st->exec_p50));
-                json_object_set_new(o, "kernel_time_p99_us", json_real(st->exec_p99));
-                json_object_set_new(o, "e2e_p50_us", json_real(st->e2e_p50));
-                json_object_set_new(o, "e2e_p99_us", json_real(st->e2e_p99));
-                json_object_set_new(o, "e2e_max_us", json_real(st->e2e_max));
-                json_object_set_new(o, "daemon_overhead_p50_us", json_real(st->ovh_p50));
-                json_object_set_new(o, "daemon_overhead_p99_us", json_real(st->ovh_p99));
-                json_object_set_new(o, "daemon_overhead_last_submitter_p50_us",
-                                    json_real(st->last_ovh_p50));
-                json_object_set_new(o, "daemon_overhead_last_submitter_p99_us",
-                                    json_real(st->last_ovh_p99));
-                json_object_set_new(o, "queue_p50_us", json_real(st->queue_p50));
-                json_object_set_new(o, "logical_gbps", json_real(lg));
-                json_object_set_new(o, "floor_gbps", json_real(fl));
-                json_object_set_new(o, "floor_fraction_of_ceiling", json_real(fl / ri->ceiling));
-                json_object_set_new(o, "unique_bytes", json_integer((json_int_t)ri->bytes.unique[k]));
-                json_object_set_new(o, "unique_gbps", json_real(un));
-                json_object_set_new(o, "unique_fraction_of_ceiling", json_real(un / ri->ceiling));
-                json_object_set_new(o, "ceiling_memcpy_gbps", json_real(ri->ceiling));
-                json_object_set_new(o, "ceiling_memcpy_probes", json_integer(ri->num_probes));
-                json_object_set_new(o, "ceiling_memcpy_initial_gbps", json_real(ri->ceiling_initial));
-                json_object_set_new(o, "ceiling_memcpy_min_gbps", json_real(ri->ceiling_min));
-                json_object_set_new(o, "ceiling_memcpy_best_gbps", json_real(ri->ceiling_best));
-                json_object_set_new(o, "floor_fraction_of_best_ceiling",
-                                    json_real(fl / ri->ceiling_best));
-                json_object_set_new(o, "ceiling_buffer_bytes", json_integer((json_int_t)CEILING_BYTES));
-                json_object_set_new(o, "ceiling_threads", json_integer(b->threads));
-                s = json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER);
-                if (s)
-                        printf("%s\n", s);
-                free(s);
-                json_decref(o);
-        }
+static void print_json(const struct bench *b, const struct run_info *ri)
+{
+        for (uint32_t p = 0; p < b->num_phases; p++)
+                for (int k = 0; k < 2; k++)
+                        print_json_one(b, ri, p, k);
         fflush(stdout);
 }
 
@@ -1211,9 +1803,327 @@ static int daemon_info(const char *socket, struct run_info *ri)
         if (rc == 0) {
                 snprintf(ri->backend, sizeof(ri->backend), "%s", info.backend);
                 ri->devices = info.num_devices;
+                if (info.num_devices > 0)
+                        snprintf(ri->device_name, sizeof(ri->device_name), "%s",
+                                 info.devices[0].name);
         }
         epd_client_free(c);
         return rc < 0 ? -1 : 0;
+}
+
+/* Starts build/bin/epd as tests/harness.c does, but waits up to timeout_ms for its socket: the
+ * CUDA backend creates a context on every GPU and loads the kernels before it listens. The
+ * struct is h_daemon_stop's. */
+static int daemon_start(struct h_daemon *d, const char *const *extra, int timeout_ms)
+{
+        char epd[PATH_MAX];
+        const char *argv[32];
+        int argc = 0;
+        uint64_t deadline;
+
+        memset(d, 0, sizeof(*d));
+        snprintf(d->dir, sizeof(d->dir), "/tmp/epd-bench-XXXXXX");
+        if (!mkdtemp(d->dir)) {
+                fprintf(stderr, "epd-bench: mkdtemp: %s\n", strerror(errno));
+                return -1;
+        }
+        snprintf(d->socket, sizeof(d->socket), "%s/epd.sock", d->dir);
+        snprintf(d->log, sizeof(d->log), "%s/epd.log", d->dir);
+        snprintf(epd, sizeof(epd), "%s/epd", h_bin_dir());
+        argv[argc++] = epd;
+        argv[argc++] = "--socket";
+        argv[argc++] = d->socket;
+        argv[argc++] = "--config";
+        argv[argc++] = "/dev/null";
+        for (int i = 0; extra[i] && argc < 31; i++)
+                argv[argc++] = extra[i];
+        argv[argc] = NULL;
+        d->pid = fork();
+        if (d->pid < 0) {
+                fprintf(stderr, "epd-bench: fork: %s\n", strerror(errno));
+                rmdir(d->dir);
+                return -1;
+        }
+        if (d->pid == 0) {
+                int fd = open(d->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+                if (fd >= 0) {
+                        dup2(fd, STDERR_FILENO);
+                        dup2(fd, STDOUT_FILENO);
+                }
+                unsetenv("JOURNAL_STREAM");
+                unsetenv("NOTIFY_SOCKET");
+                unsetenv("LISTEN_FDS");
+                execv(epd, (char *const *)argv);
+                _exit(127);
+        }
+        deadline = now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        while (now_ns() < deadline) {
+                struct sockaddr_un sa;
+                int status, fd;
+
+                if (waitpid(d->pid, &status, WNOHANG) == d->pid) {
+                        fprintf(stderr, "epd-bench: %s exited during start-up (%s %d)\n", epd,
+                                WIFEXITED(status) ? "exit status" : "signal",
+                                WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+                        h_daemon_dump_log(d);
+                        d->pid = 0;
+                        unlink(d->log);
+                        unlink(d->socket);
+                        rmdir(d->dir);
+                        return -1;
+                }
+                memset(&sa, 0, sizeof(sa));
+                sa.sun_family = AF_UNIX;
+                snprintf(sa.sun_path, sizeof(sa.sun_path), "%.107s", d->socket);
+                fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0); /* as epd listens */
+                if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
+                        close(fd);
+                        return 0;
+                }
+                if (fd >= 0)
+                        close(fd);
+                usleep(10000);
+        }
+        fprintf(stderr, "epd-bench: %s did not accept connections within %d ms\n", epd,
+                timeout_ms);
+        h_daemon_dump_log(d);
+        kill(d->pid, SIGKILL);
+        waitpid(d->pid, NULL, 0);
+        d->pid = 0;
+        unlink(d->log);
+        unlink(d->socket);
+        rmdir(d->dir);
+        return -1;
+}
+
+/* ---- CUDA mode: the device-to-device copy ceiling and the GPU probe, in a forked child ---- */
+
+/* What the child reports, through a shared anonymous mapping. */
+struct d2d_report {
+        int status;             /* 0: every measurement made; else err says why */
+        char err[512];
+        int device_count;
+        char name[128];         /* device 0 */
+        uint64_t l2_bytes;      /* device 0 */
+        uint32_t num_devices;   /* measured */
+        double rates[D2D_MAX_DEVICES][D2D_REPS]; /* GB/s, bytes read + written */
+};
+
+#ifdef EPD_BENCH_CUDA
+/* In the child: on each of the first num_devices GPUs, two D2D_BYTES buffers, one untimed copy,
+ * then D2D_REPS copies timed with events on a stream of their own. */
+static int d2d_measure(struct d2d_report *rep, uint32_t num_devices)
+{
+        char *err = rep->err;
+        size_t len = sizeof(rep->err);
+        struct cudaDeviceProp prop;
+        int n = 0;
+        cudaError_t e = cudaGetDeviceCount(&n);
+
+        if (e != cudaSuccess || n == 0) {
+                snprintf(err, len, "no usable GPU (cudaGetDeviceCount: %s)",
+                         e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+                return -1;
+        }
+        rep->device_count = n;
+        CU_TRY(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+        snprintf(rep->name, sizeof(rep->name), "%.127s", prop.name);
+        rep->l2_bytes = (uint64_t)prop.l2CacheSize;
+        if ((int)num_devices > n) {
+                snprintf(err, len, "--devices %u, but only %d GPU(s) are visible", num_devices, n);
+                return -1;
+        }
+        for (uint32_t d = 0; d < num_devices; d++) {
+                void *src = NULL, *dst = NULL;
+                cudaStream_t st;
+                cudaEvent_t e0, e1;
+
+                CU_TRY(cudaSetDevice((int)d), "cudaSetDevice");
+                CU_TRY(cudaMalloc(&src, D2D_BYTES), "cudaMalloc of the copy ceiling's source");
+                CU_TRY(cudaMalloc(&dst, D2D_BYTES), "cudaMalloc of the copy ceiling's target");
+                CU_TRY(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+                CU_TRY(cudaEventCreate(&e0), "cudaEventCreate");
+                CU_TRY(cudaEventCreate(&e1), "cudaEventCreate");
+                /* Real pages, not zeros, on both sides. */
+                CU_TRY(cudaMemsetAsync(src, 0x5A, D2D_BYTES, st), "cudaMemset");
+                CU_TRY(cudaMemsetAsync(dst, 0xA5, D2D_BYTES, st), "cudaMemset");
+                CU_TRY(cudaMemcpyAsync(dst, src, D2D_BYTES, cudaMemcpyDeviceToDevice, st),
+                       "cudaMemcpyAsync");
+                CU_TRY(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+                for (int i = 0; i < D2D_REPS; i++) {
+                        float ms = 0;
+                        CU_TRY(cudaEventRecord(e0, st), "cudaEventRecord");
+                        CU_TRY(cudaMemcpyAsync(dst, src, D2D_BYTES, cudaMemcpyDeviceToDevice, st),
+                               "cudaMemcpyAsync");
+                        CU_TRY(cudaEventRecord(e1, st), "cudaEventRecord");
+                        CU_TRY(cudaEventSynchronize(e1), "cudaEventSynchronize");
+                        CU_TRY(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+                        rep->rates[d][i] = ms > 0 ? 2.0 * (double)D2D_BYTES / (ms * 1e6) : 0;
+                }
+                cudaEventDestroy(e0);
+                cudaEventDestroy(e1);
+                cudaStreamDestroy(st);
+                cudaFree(src);
+                cudaFree(dst);
+                rep->num_devices = d + 1;
+        }
+        return 0;
+}
+#endif
+
+/* Runs d2d_measure in a forked child (CUDA stays out of this process, which forks the
+ * workers). Returns 0, or -1 with the reason in rep->err. */
+static int d2d_run(uint32_t num_devices, struct d2d_report *out)
+{
+        memset(out, 0, sizeof(*out));
+#ifndef EPD_BENCH_CUDA
+        (void)num_devices;
+        snprintf(out->err, sizeof(out->err), "epd-bench was built without CUDA");
+        return -1;
+#else
+        struct d2d_report *rep;
+        pid_t pid;
+        int ws;
+
+        rep = mmap(NULL, sizeof(*rep), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        if (rep == MAP_FAILED) {
+                snprintf(out->err, sizeof(out->err), "mmap: %s", strerror(errno));
+                return -1;
+        }
+        memset(rep, 0, sizeof(*rep));
+        rep->status = -1;
+        snprintf(rep->err, sizeof(rep->err), "the measuring process exited early");
+        fflush(stdout);
+        fflush(stderr);
+        pid = fork();
+        if (pid == 0) {
+                signal(SIGINT, SIG_DFL);
+                signal(SIGTERM, SIG_DFL);
+                rep->status = d2d_measure(rep, num_devices);
+                _exit(rep->status == 0 ? 0 : 1);
+        }
+        if (pid < 0) {
+                snprintf(out->err, sizeof(out->err), "fork: %s", strerror(errno));
+                munmap(rep, sizeof(*rep));
+                return -1;
+        }
+        g_worker_pids = &g_probe_pid;
+        g_probe_pid = pid;
+        g_num_workers = 1;
+        if (waitpid(pid, &ws, 0) != pid)
+                ws = -1;
+        g_num_workers = 0;
+        g_worker_pids = NULL;
+        g_probe_pid = 0;
+        *out = *rep;
+        munmap(rep, sizeof(*rep));
+        if (out->status == 0 && !(WIFEXITED(ws) && WEXITSTATUS(ws) == 0)) {
+                out->status = -1;
+                snprintf(out->err, sizeof(out->err), "the measuring process failed (status %d)",
+                         ws);
+        }
+        return out->status == 0 ? 0 : -1;
+#endif
+}
+
+static double median_of(const double *v, unsigned n);
+
+/* The ceiling from the copies before and after the workers: per device the median of all its
+ * copies, the slowest device's median the ceiling (ranks on one GPU are bounded by it). */
+static void d2d_summary(const struct d2d_report *before, const struct d2d_report *after,
+                        uint32_t num_devices, struct run_info *ri)
+{
+        double all[2 * D2D_REPS], lo = 0, hi = 0;
+        double ceil_all = 0, ceil_before = 0, ceil_after = 0;
+        int first = 1;
+
+        ri->num_probes = 0;
+        for (uint32_t d = 0; d < num_devices; d++) {
+                unsigned na = 0;
+                double m_all, m_before, m_after;
+
+                for (int i = 0; i < D2D_REPS; i++) {
+                        all[na++] = before->rates[d][i];
+                        all[na++] = after->rates[d][i];
+                }
+                m_all = median_of(all, na);
+                m_before = median_of(before->rates[d], D2D_REPS);
+                m_after = median_of(after->rates[d], D2D_REPS);
+                for (unsigned i = 0; i < na; i++) {
+                        if (first || all[i] < lo)
+                                lo = all[i];
+                        if (first || all[i] > hi)
+                                hi = all[i];
+                        first = 0;
+                }
+                if (d == 0 || m_all < ceil_all)
+                        ceil_all = m_all;
+                if (d == 0 || m_before < ceil_before)
+                        ceil_before = m_before;
+                if (d == 0 || m_after < ceil_after)
+                        ceil_after = m_after;
+                ri->num_probes += na;
+        }
+        ri->ceiling = ceil_all;
+        ri->ceiling_initial = ceil_before;
+        ri->d2d_after = ceil_after;
+        ri->ceiling_min = lo;
+        ri->ceiling_best = hi;
+}
+
+/* MPS: a CUDA client runs under MPS when the control daemon answers on the pipe directory
+ * ($CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps) of its environment; the workers and the daemon
+ * inherit this process's environment. Asking the control daemon for its server list is the
+ * test (the named pipe `control` alone may be stale). */
+static void detect_mps(struct run_info *ri)
+{
+        const char *dir = getenv("CUDA_MPS_PIPE_DIRECTORY");
+        char path[PATH_MAX], out[128] = "";
+        struct stat st;
+        int fifo, rc;
+        FILE *p;
+
+        if (!dir || !*dir)
+                dir = "/tmp/nvidia-mps";
+        if (stat(dir, &st) != 0) {
+                snprintf(ri->mps, sizeof(ri->mps), "off");
+                snprintf(ri->mps_detail, sizeof(ri->mps_detail), "no MPS pipe directory %.200s",
+                         dir);
+                return;
+        }
+        snprintf(path, sizeof(path), "%s/control", dir);
+        fifo = stat(path, &st) == 0 && S_ISFIFO(st.st_mode);
+        fflush(stdout);
+        fflush(stderr);
+        p = popen("echo get_server_list | PATH=\"$PATH:/usr/local/nvidia/bin\" timeout 10 "
+                  "nvidia-cuda-mps-control 2>&1", "r");
+        if (!p) {
+                snprintf(ri->mps, sizeof(ri->mps), "unknown");
+                snprintf(ri->mps_detail, sizeof(ri->mps_detail),
+                         "pipe directory %.200s, but popen failed", dir);
+                return;
+        }
+        if (!fgets(out, sizeof(out), p))
+                out[0] = 0;
+        while (fgetc(p) != EOF)
+                ;
+        out[strcspn(out, "\n")] = 0;
+        rc = pclose(p);
+        if (rc == 0) {
+                snprintf(ri->mps, sizeof(ri->mps), "on");
+                snprintf(ri->mps_detail, sizeof(ri->mps_detail),
+                         "control daemon answers at %.200s; servers: %.60s", dir,
+                         out[0] ? out : "none yet");
+        } else if (WIFEXITED(rc) && WEXITSTATUS(rc) == 127) {
+                snprintf(ri->mps, sizeof(ri->mps), "%s", fifo ? "unknown" : "off");
+                snprintf(ri->mps_detail, sizeof(ri->mps_detail),
+                         "nvidia-cuda-mps-control not found; %s control pipe in %.200s",
+                         fifo ? "a" : "no", dir);
+        } else {
+                snprintf(ri->mps, sizeof(ri->mps), "off");
+                snprintf(ri->mps_detail, sizeof(ri->mps_detail),
+                         "no control daemon answers at %.200s (%.60s)", dir, out);
+        }
 }
 
 static double median_of(const double *v, unsigned n)
@@ -1309,6 +2219,7 @@ int main(int argc, char **argv)
         struct run_info ri;
         struct h_daemon daemon;
         struct ceiling ceil;
+        struct d2d_report d2d_before, d2d_after;
         pid_t *pids = NULL;
         int own_daemon = 0, failures = 0, status = 1;
         long cpus = sysconf(_SC_NPROCESSORS_ONLN);
@@ -1318,6 +2229,8 @@ int main(int argc, char **argv)
         memset(&ri, 0, sizeof(ri));
         memset(&daemon, 0, sizeof(daemon));
         memset(&ceil, 0, sizeof(ceil));
+        memset(&d2d_before, 0, sizeof(d2d_before));
+        memset(&d2d_after, 0, sizeof(d2d_after));
         if (parse_args(argc, argv, &b.opt) < 0)
                 return 2;
         tf = b.opt.json ? stderr : stdout;
@@ -1330,12 +2243,21 @@ int main(int argc, char **argv)
         b.threads = b.opt.threads ? b.opt.threads : b.cpus;
         b.scale_cols = b.opt.wl->dtype == EPD_DTYPE_FP8_E4M3 ? b.H / BENCH_SCALE_BLOCK : 0;
         b.row_bytes = (uint64_t)b.H * epd_dtype_size(b.opt.wl->dtype);
-        b.total_iters = b.opt.warmup + b.opt.iters;
+        b.num_phases = b.opt.completion == COMPLETION_BOTH ? 2 : 1;
+        b.phase_stream[0] = b.opt.completion == COMPLETION_STREAM;
+        b.phase_stream[1] = 1;
+        b.per_phase = b.opt.warmup + b.opt.iters;
+        b.total_iters = b.num_phases * b.per_phase;
         b.probe_every = (b.opt.iters + CEILING_PROBES - 1) / CEILING_PROBES;
+        b.host_probes = !b.opt.cuda;
+        b.worker_cuda = b.opt.cuda && (b.opt.device_memory || b.opt.flush_l2 ||
+                                       b.opt.completion != COMPLETION_HOST);
         /* tiny is defined for 1 and 8 tokens; everything else below the nominal T is scaled. */
         ri.scaled = strcmp(b.opt.wl->name, "tiny") == 0 ? (b.T != 1 && b.T != 8)
                                                         : b.T != b.opt.wl->tokens;
         ri.llc = llc_bytes();
+        snprintf(ri.mps, sizeof(ri.mps), "n/a");
+        snprintf(ri.mps_detail, sizeof(ri.mps_detail), "host backend");
         if (BENCH_EXPERTS % b.R) {
                 fprintf(stderr, "epd-bench: %u experts do not divide over %u ranks\n",
                         BENCH_EXPERTS, b.R);
@@ -1346,6 +2268,24 @@ int main(int argc, char **argv)
         signal(SIGINT, on_signal);
         signal(SIGTERM, on_signal);
         signal(SIGPIPE, SIG_IGN);
+
+        if (b.opt.cuda) {
+                /* The GPU first: no inputs are generated for a machine without one. */
+                fprintf(stderr, "epd-bench: probing the GPU and measuring the device-to-device "
+                                "copy ceiling (2 x %.0f MiB, %d copies per device)\n",
+                        (double)D2D_BYTES / 1048576.0, D2D_REPS);
+                if (d2d_run(b.opt.devices, &d2d_before) < 0) {
+                        fprintf(stderr, "epd-bench: --backend cuda: %s\n", d2d_before.err);
+                        return 1;
+                }
+                ri.llc = d2d_before.l2_bytes;
+                snprintf(ri.device_name, sizeof(ri.device_name), "%s", d2d_before.name);
+                fprintf(stderr, "epd-bench: %d GPU(s), device 0 %s, L2 %.0f MiB; copy ceiling "
+                                "%.1f GB/s (median, device 0)\n",
+                        d2d_before.device_count, d2d_before.name,
+                        (double)d2d_before.l2_bytes / 1048576.0,
+                        median_of(d2d_before.rates[0], D2D_REPS));
+        }
 
         b.ranks = calloc(b.R, sizeof(*b.ranks));
         b.to_parent = calloc(b.R, sizeof(*b.to_parent));
@@ -1360,21 +2300,24 @@ int main(int argc, char **argv)
                 goto out;
         count_bytes(&b, &ri.bytes);
         if (ri.scaled && ri.llc && ri.bytes.data <= ri.llc) {
-                fprintf(stderr, "epd-bench: a scaled workload must be larger than the last-level "
-                                "cache (%llu bytes), this one moves %llu: raise --tokens\n",
-                        (unsigned long long)ri.llc, (unsigned long long)ri.bytes.data);
+                fprintf(stderr, "epd-bench: a scaled workload must be larger than the %s "
+                                "(%llu bytes), this one moves %llu: raise --tokens\n",
+                        b.opt.cuda ? "GPU's L2" : "last-level cache", (unsigned long long)ri.llc,
+                        (unsigned long long)ri.bytes.data);
                 status = 2;
                 goto out;
         }
-        /* The first ceiling copies, before the daemon and the workers exist. */
-        fprintf(stderr, "epd-bench: measuring the host memcpy ceiling (%u threads, 2 x 1 GiB)\n",
-                b.threads);
-        if (ceiling_init(&ceil, b.threads, CEILING_BYTES,
-                         CEILING_REPS + CEILING_PROBES + 4) < 0)
-                goto out;
-        ceiling_copy(&ceil, 0); /* untimed: the first pass warms up */
-        for (int i = 0; i < CEILING_REPS; i++)
-                ceiling_copy(&ceil, 1);
+        if (!b.opt.cuda) {
+                /* The first ceiling copies, before the daemon and the workers exist. */
+                fprintf(stderr, "epd-bench: measuring the host memcpy ceiling (%u threads, "
+                                "2 x 1 GiB)\n", b.threads);
+                if (ceiling_init(&ceil, b.threads, CEILING_BYTES,
+                                 CEILING_REPS + CEILING_PROBES + 4) < 0)
+                        goto out;
+                ceiling_copy(&ceil, 0); /* untimed: the first pass warms up */
+                for (int i = 0; i < CEILING_REPS; i++)
+                        ceiling_copy(&ceil, 1);
+        }
 
         if (b.opt.use_arena) {
                 for (uint32_t r = 0; r < b.R; r++) {
@@ -1383,6 +2326,13 @@ int main(int argc, char **argv)
                 }
         } else {
                 b.arena_bytes = 1u << 20; /* the group insists on some arena; unused */
+        }
+        {
+                /* The CUDA backend's workspace of one dispatch handle (common/layout.h), in the
+                 * memory of the group's first device; the benchmark keeps one handle alive. */
+                struct epd_ws_layout wl;
+                epd_ws_layout_init(&wl, b.R, b.E, b.T, b.K);
+                ri.ws_bytes = wl.total_bytes;
         }
         b.samples_bytes = (size_t)b.R * b.total_iters * 2 * sizeof(struct sample);
         b.samples = mmap(NULL, b.samples_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
@@ -1396,11 +2346,17 @@ int main(int argc, char **argv)
                 snprintf(b.socket, sizeof(b.socket), "%s", b.opt.socket);
         } else {
                 char threads[16];
-                const char *extra[] = { "--host-threads", threads, "--log-level", "warning", NULL };
+                const char *host_args[] = { "--backend", "host", "--host-threads", threads,
+                                            "--log-level", "warning", NULL };
+                const char *cuda_args[] = { "--backend", "cuda", "--log-level", "warning", NULL };
                 snprintf(threads, sizeof(threads), "%u", b.threads);
-                fprintf(stderr, "epd-bench: starting %s/epd --backend host --host-threads %u\n",
-                        h_bin_dir(), b.threads);
-                if (h_daemon_start(&daemon, extra) < 0)
+                if (b.opt.cuda)
+                        fprintf(stderr, "epd-bench: starting %s/epd --backend cuda\n", h_bin_dir());
+                else
+                        fprintf(stderr, "epd-bench: starting %s/epd --backend host "
+                                        "--host-threads %u\n", h_bin_dir(), b.threads);
+                if (daemon_start(&daemon, b.opt.cuda ? cuda_args : host_args,
+                                 DAEMON_START_MS) < 0)
                         goto out;
                 own_daemon = 1;
                 g_daemon = &daemon;
@@ -1409,6 +2365,21 @@ int main(int argc, char **argv)
         }
         if (daemon_info(b.socket, &ri) < 0)
                 goto out;
+        if (b.opt.cuda) {
+                if (strcmp(ri.backend, "cuda") != 0) {
+                        fprintf(stderr, "epd-bench: --backend cuda, but the daemon at %s runs the "
+                                        "'%s' backend\n", b.socket, ri.backend);
+                        goto out;
+                }
+                if (ri.devices < b.opt.devices) {
+                        fprintf(stderr, "epd-bench: --devices %u, but the daemon has %u\n",
+                                b.opt.devices, ri.devices);
+                        goto out;
+                }
+                /* After the daemon made its context: an MPS server runs by now if MPS is on. */
+                detect_mps(&ri);
+                fprintf(stderr, "epd-bench: MPS %s (%s)\n", ri.mps, ri.mps_detail);
+        }
 
         /* Pipes after the daemon started, so that it holds none of them. */
         for (uint32_t r = 0; r < b.R; r++) {
@@ -1417,8 +2388,15 @@ int main(int argc, char **argv)
                         goto out;
                 }
         }
-        fprintf(stderr, "epd-bench: %u workers, %u + %u iterations, a ceiling probe every %u\n",
-                b.R, b.opt.warmup, b.opt.iters, b.probe_every);
+        if (b.opt.cuda)
+                fprintf(stderr, "epd-bench: %u workers, %u phase(s) of %u + %u iterations, %s "
+                                "memory, %s\n",
+                        b.R, b.num_phases, b.opt.warmup, b.opt.iters,
+                        b.opt.device_memory ? "device" : "host",
+                        b.opt.flush_l2 ? "L2 flushed before every op" : "no L2 flush");
+        else
+                fprintf(stderr, "epd-bench: %u workers, %u + %u iterations, a ceiling probe every "
+                                "%u\n", b.R, b.opt.warmup, b.opt.iters, b.probe_every);
         fflush(stdout);
         fflush(stderr);
         g_worker_pids = pids;
@@ -1460,6 +2438,7 @@ int main(int argc, char **argv)
                 failures++;
         }
         g_num_workers = 0;
+        g_worker_pids = NULL;
         for (uint32_t r = 0; r < b.R; r++) {
                 close(b.to_parent[r][0]);
                 close(b.from_parent[r][1]);
@@ -1470,13 +2449,30 @@ int main(int argc, char **argv)
                         h_daemon_dump_log(&daemon);
                 goto out;
         }
+        if (b.opt.cuda) {
+                /* The workers are gone: the second set of copies, on the same idle GPUs. */
+                fprintf(stderr, "epd-bench: measuring the device-to-device copy ceiling again\n");
+                if (d2d_run(b.opt.devices, &d2d_after) < 0) {
+                        fprintf(stderr, "epd-bench: the copy ceiling after the run: %s\n",
+                                d2d_after.err);
+                        goto out;
+                }
+                d2d_summary(&d2d_before, &d2d_after, b.opt.devices, &ri);
+        } else {
+                ceiling_summary(&ceil, &ri);
+        }
         b.kernel_time = 1;
         for (size_t i = 0; i < (size_t)b.R * b.total_iters * 2; i++)
-                if (i / 2 % b.total_iters >= b.opt.warmup && b.samples[i].kernel_ns == 0)
+                if (i / 2 % b.total_iters % b.per_phase >= b.opt.warmup &&
+                    b.samples[i].kernel_ns == 0)
                         b.kernel_time = 0;
-        ceiling_summary(&ceil, &ri);
-        op_stats(&b, OP_DISPATCH, &ri.st[OP_DISPATCH]);
-        op_stats(&b, OP_COMBINE, &ri.st[OP_COMBINE]);
+        if (b.opt.cuda && !b.kernel_time)
+                fprintf(stderr, "epd-bench: WARNING: the CUDA backend reported no kernel time for "
+                                "some op; every op time falls back to exec_ns\n");
+        for (uint32_t p = 0; p < b.num_phases; p++) {
+                op_stats(&b, p, OP_DISPATCH, &ri.st[p][OP_DISPATCH]);
+                op_stats(&b, p, OP_COMBINE, &ri.st[p][OP_COMBINE]);
+        }
         print_table(&b, &ri, tf);
         if (b.opt.json)
                 print_json(&b, &ri);
