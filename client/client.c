@@ -97,6 +97,7 @@ int epd__client_wait_locked(struct epd_client *c, uint64_t id, int timeout_ms,
                             Epd__V1__Response **resp, int *fds_out)
 {
         int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+        int reset_seen = 0;
 
         fds_out[0] = fds_out[1] = -1;
         for (;;) {
@@ -111,6 +112,14 @@ int epd__client_wait_locked(struct epd_client *c, uint64_t id, int timeout_ms,
                                                 "connection to the daemon is lost");
                 rc = epd_frame_recv(c->fd, c->rbuf, c->rbuf_len, c->max_frame, EPD_FRAME_MAX_FDS,
                                     &frame, &why);
+                if (rc == -ECONNRESET && !reset_seen) {
+                        /* A daemon that closes the connection with a request of ours unread
+                         * (a refusal at accept, or a connection-level error) leaves
+                         * ECONNRESET pending ahead of the frames it sent before closing:
+                         * reading again returns them, or the end of the stream. */
+                        reset_seen = 1;
+                        continue;
+                }
                 if (rc == -EAGAIN) {
                         int wait = -1;
                         if (deadline >= 0) {
@@ -224,6 +233,36 @@ static void client_destroy(struct epd_client *c)
         free(c);
 }
 
+/* After Hello could not be sent: the daemon may have refused the connection (allow list,
+ * max_clients, shutdown) and closed it before the Hello arrived. Its refusal, a frame with
+ * request id 0, then waits in the socket: returns that status with its message, or `status`
+ * when there is none. */
+static int take_refusal(struct epd_client *c, int status)
+{
+        for (int attempt = 0; attempt < 2; attempt++) {
+                struct epd_frame frame;
+                const char *why = NULL;
+                int rc = epd_frame_recv(c->fd, c->rbuf, c->rbuf_len, c->max_frame,
+                                        EPD_FRAME_MAX_FDS, &frame, &why);
+                if (rc == -ECONNRESET)
+                        continue; /* the pending error goes first (see epd__client_wait_locked) */
+                if (rc < 0)
+                        break;
+                epd_frame_close_fds(&frame);
+                Epd__V1__Response *r = epd__v1__response__unpack(NULL, frame.body_len, frame.body);
+                if (r && r->id == 0 && r->status != EPD__V1__STATUS_CODE__OK) {
+                        int st = epd__status_from_wire(r->status);
+                        epd__client_fail(c, st, "%s", r->message ? r->message : "");
+                        epd__v1__response__free_unpacked(r, NULL);
+                        return st;
+                }
+                if (r)
+                        epd__v1__response__free_unpacked(r, NULL);
+                break;
+        }
+        return status;
+}
+
 int epd_client_connect(const struct epd_connect_args *args, struct epd_client **out, char *err,
                        size_t err_len)
 {
@@ -281,6 +320,8 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
         req.body_case = EPD__V1__REQUEST__BODY_HELLO;
         req.hello = &hello;
         rc = epd__client_call(c, &req, NULL, 0, &resp, NULL);
+        if (rc == EPD_UNAVAILABLE && c->broken)
+                rc = take_refusal(c, rc);
         if (rc == 0 && resp->body_case != EPD__V1__RESPONSE__BODY_WELCOME)
                 rc = epd__client_fail(c, EPD_INTERNAL, "daemon answered Hello without Welcome");
         if (rc < 0) {
@@ -322,6 +363,11 @@ void epd_client_free(struct epd_client *client)
 {
         if (client)
                 client_destroy(client);
+}
+
+uint64_t epd_client_capabilities(const struct epd_client *client)
+{
+        return client ? client->daemon_caps : 0;
 }
 
 int epd_client_daemon_info(const struct epd_client *client, struct epd_daemon_info *out)
@@ -552,6 +598,228 @@ static void config_to_wire(const struct epd_group_config *cfg, Epd__V1__GroupCon
         w->arena_bytes = cfg->arena_bytes;
 }
 
+/* ---- output arenas ---- */
+
+static uint64_t page_up(uint64_t bytes)
+{
+        uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+
+        return (bytes + page - 1) / page * page;
+}
+
+/* Turns [off, end) of the arena back into reserved address space. */
+static void arena_unmap_range(struct epd_group *g, uint64_t off, uint64_t end)
+{
+        if (end > off)
+                (void)mmap(g->arena + off, end - off, PROT_NONE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+}
+
+/* Maps segment s from fd at its offset, replacing what was there (reservation, or a segment
+ * the daemon has replaced). Lock held. */
+static int arena_map_segment(struct epd_group *g, const Epd__V1__ArenaSegment *s, int fd)
+{
+        struct epd_client *c = g->client;
+
+        if (s->offset % (uint64_t)sysconf(_SC_PAGESIZE) || s->bytes == 0 ||
+            s->offset > g->arena_reserved || s->bytes > g->arena_reserved - s->offset)
+                return epd__client_fail(c, EPD_INTERNAL,
+                                        "arena segment at %llu with %llu bytes is outside the %llu reserved",
+                                        (unsigned long long)s->offset,
+                                        (unsigned long long)s->bytes,
+                                        (unsigned long long)g->arena_reserved);
+        if (mmap(g->arena + s->offset, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                 fd, 0) == MAP_FAILED)
+                return epd__client_fail(c, EPD_UNAVAILABLE, "cannot map an arena segment: %s",
+                                        strerror(errno));
+        if (s->offset + s->bytes > g->arena_mapped_end)
+                g->arena_mapped_end = s->offset + s->bytes;
+        return 0;
+}
+
+static int same_segment(const struct epd__arena_segment *a, const Epd__V1__ArenaSegment *b)
+{
+        return a->serial == b->serial && a->off == b->offset && a->bytes == b->bytes;
+}
+
+/* Installs the daemon's segment list segs[0, n): the fds for segs[first, first + num_fds) are
+ * given (taken: closed here); segments before `first` must already be mapped. Afterwards the
+ * client knows segments [0, min(n, first + num_fds)). Lock held. */
+static int arena_install(struct epd_group *g, Epd__V1__ArenaSegment *const *segs, size_t n,
+                         unsigned first, int *fds, unsigned num_fds)
+{
+        unsigned known = first + num_fds < n ? first + num_fds : (unsigned)n;
+        int rc = 0;
+
+        if (known > g->num_arena_segs) {
+                struct epd__arena_segment *ns =
+                        realloc(g->arena_segs, known * sizeof(*ns));
+                if (!ns)
+                        rc = epd__client_fail(g->client, EPD_INTERNAL, "out of memory");
+                else
+                        g->arena_segs = ns;
+        }
+        for (unsigned k = 0; k < num_fds; k++) {
+                unsigned i = first + k;
+                if (rc == 0 && i < n) {
+                        if (i < g->num_arena_segs && same_segment(&g->arena_segs[i], segs[i]))
+                                ; /* already mapped */
+                        else
+                                rc = arena_map_segment(g, segs[i], fds[k]);
+                        if (rc == 0)
+                                g->arena_segs[i] = (struct epd__arena_segment){
+                                        segs[i]->offset, segs[i]->bytes, segs[i]->serial
+                                };
+                }
+                close(fds[k]);
+                fds[k] = -1;
+        }
+        if (rc == 0)
+                g->num_arena_segs = known;
+        return rc;
+}
+
+/* Sets the arena's size in the region table, so that pointers into it resolve. Lock held. */
+static void arena_set_bytes(struct epd_group *g, uint64_t bytes)
+{
+        struct epd_client *c = g->client;
+
+        g->arena_bytes = bytes;
+        for (unsigned i = 0; i < c->num_regions; i++)
+                if (c->regions[i].id == g->arena_region_id)
+                        c->regions[i].bytes = bytes;
+}
+
+int epd__group_arena_sync_locked(struct epd_group *g)
+{
+        struct epd_client *c = g->client;
+        unsigned first = g->num_arena_segs; /* the usual case: the old segments stay */
+        Epd__V1__ArenaSegmentsReply *done = NULL;
+        Epd__V1__Response *resp = NULL;
+        int rc = 0;
+
+        if (!g->arena)
+                return 0;
+        /* Every reply carries a few fds; another resize may come between two replies, so each
+         * one is compared with what is mapped. Bounded: every round maps at least one segment
+         * or moves `first` down. */
+        for (int round = 0; round < 8192; round++) {
+                Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+                Epd__V1__ArenaSegments m = EPD__V1__ARENA_SEGMENTS__INIT;
+                int fds[2];
+                unsigned p = 0;
+
+                m.group_id = g->id;
+                m.rank = g->rank;
+                m.first = first;
+                req.body_case = EPD__V1__REQUEST__BODY_ARENA_SEGMENTS;
+                req.arena_segments = &m;
+                rc = epd__client_send_locked(c, &req, NULL, 0);
+                if (rc == 0)
+                        rc = epd__client_wait_locked(c, req.id, c->timeout_ms, &resp, fds);
+                if (rc < 0)
+                        return rc;
+                const Epd__V1__ArenaSegmentsReply *r =
+                        resp->body_case == EPD__V1__RESPONSE__BODY_ARENA_SEGMENTS
+                                ? resp->arena_segments
+                                : NULL;
+                unsigned nf = fds[1] >= 0 ? 2 : fds[0] >= 0 ? 1 : 0;
+                if (resp->status != EPD__V1__STATUS_CODE__OK || !r || r->n_segments == 0 ||
+                    r->first != first || r->num_fds != nf) {
+                        rc = resp->status != EPD__V1__STATUS_CODE__OK
+                                     ? epd__client_fail(c, epd__status_from_wire(resp->status),
+                                                        "arena segments: %s",
+                                                        resp->message ? resp->message : "")
+                                     : epd__client_fail(c, EPD_INTERNAL,
+                                                        "bad ArenaSegments reply");
+                        for (int i = 0; i < 2; i++)
+                                if (fds[i] >= 0)
+                                        close(fds[i]);
+                        break;
+                }
+                while (p < g->num_arena_segs && p < r->n_segments &&
+                       same_segment(&g->arena_segs[p], r->segments[p]))
+                        p++;
+                if (first > p) {
+                        /* A segment before `first` changed: ask again from there. */
+                        for (int i = 0; i < 2; i++)
+                                if (fds[i] >= 0)
+                                        close(fds[i]);
+                        first = p;
+                        epd__v1__response__free_unpacked(resp, NULL);
+                        resp = NULL;
+                        continue;
+                }
+                if (first < r->n_segments && nf == 0) {
+                        rc = epd__client_fail(c, EPD_INTERNAL, "ArenaSegments reply without fds");
+                        break;
+                }
+                rc = arena_install(g, r->segments, r->n_segments, first, fds, nf);
+                if (rc < 0)
+                        break;
+                if (first + nf >= r->n_segments) {
+                        done = resp->arena_segments;
+                        break;
+                }
+                first += nf;
+                epd__v1__response__free_unpacked(resp, NULL);
+                resp = NULL;
+        }
+        if (rc == 0 && !done)
+                rc = epd__client_fail(c, EPD_INTERNAL, "the arena's segments kept changing");
+        if (rc == 0) {
+                const Epd__V1__ArenaSegment *last = done->segments[done->n_segments - 1];
+                uint64_t end = last->offset + last->bytes;
+                /* Segments the daemon dropped: their memory goes once they are unmapped. */
+                arena_unmap_range(g, end, g->arena_mapped_end);
+                g->arena_mapped_end = end;
+                g->num_arena_segs = (unsigned)done->n_segments;
+                g->arena_generation = done->generation;
+                arena_set_bytes(g, done->arena_bytes <= end ? done->arena_bytes : end);
+        }
+        if (resp)
+                epd__v1__response__free_unpacked(resp, NULL);
+        return rc;
+}
+
+/* Sets up the arena from GroupJoined: reserves its range, maps the first segment (fd, taken)
+ * and fetches the others. Lock held. */
+static int arena_enter_locked(struct epd_group *g, const Epd__V1__GroupJoined *j, int fd)
+{
+        struct epd_client *c = g->client;
+        uint64_t reserve = page_up(j->arena_reserved_bytes > j->arena_bytes
+                                           ? j->arena_reserved_bytes
+                                           : j->arena_bytes);
+        void *p;
+        int rc;
+
+        if (j->n_arena_segments == 0) {
+                close(fd);
+                return epd__client_fail(c, EPD_INTERNAL, "GroupJoined lists no arena segment");
+        }
+        p = mmap(NULL, reserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED) {
+                close(fd);
+                return epd__client_fail(c, EPD_UNAVAILABLE,
+                                        "cannot reserve %llu bytes of address space for the output arena: %s",
+                                        (unsigned long long)reserve, strerror(errno));
+        }
+        g->arena = p;
+        g->arena_reserved = reserve;
+        g->arena_region_id = j->arena_region_id;
+        rc = arena_install(g, j->arena_segments, j->n_arena_segments, 0, &fd, 1);
+        if (rc == 0 && j->n_arena_segments > 1)
+                rc = epd__group_arena_sync_locked(g);
+        else if (rc == 0) {
+                g->arena_mapped_end = j->arena_segments[0]->offset + j->arena_segments[0]->bytes;
+                g->arena_generation = j->arena_generation;
+                g->arena_bytes = j->arena_bytes;
+        }
+        if (rc == 0)
+                rc = epd__client_region_add(c, g->arena_region_id, g->arena, g->arena_bytes, 0);
+        return rc;
+}
+
 static int group_enter(struct epd_client *c, const struct epd_group_args *args, int create,
                        struct epd_group **out)
 {
@@ -621,21 +889,15 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
                         g->doorbell = p;
         }
         if (j->arena_bytes && fds[1] >= 0 && j->arena_kind == EPD__V1__REGION_KIND__HOST_MEMFD) {
-                void *p = mmap(NULL, j->arena_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
-                if (p == MAP_FAILED) {
-                        if (g->doorbell)
-                                munmap(g->doorbell, EPD_DOORBELL_BYTES);
-                        free(g);
-                        rc = epd__client_fail(c, EPD_UNAVAILABLE, "cannot map the output arena: %s",
-                                              strerror(errno));
+                pthread_mutex_lock(&c->lock);
+                rc = arena_enter_locked(g, j, fds[1]);
+                pthread_mutex_unlock(&c->lock);
+                fds[1] = -1; /* taken */
+                if (rc < 0) {
+                        /* The daemon keeps the binding; leaving releases it. */
+                        (void)epd_group_leave(g);
                         goto out;
                 }
-                g->arena = p;
-                g->arena_bytes = j->arena_bytes;
-                g->arena_region_id = j->arena_region_id;
-                pthread_mutex_lock(&c->lock);
-                epd__client_region_add(c, g->arena_region_id, p, g->arena_bytes, 0);
-                pthread_mutex_unlock(&c->lock);
         }
         *out = g;
 out:
@@ -685,7 +947,8 @@ int epd_group_leave(struct epd_group *group)
         }
         pthread_mutex_unlock(&c->lock);
         if (group->arena)
-                munmap(group->arena, group->arena_bytes);
+                munmap(group->arena, group->arena_reserved);
+        free(group->arena_segs);
         epd__group_stream_fini(group);
         if (group->doorbell)
                 munmap(group->doorbell, EPD_DOORBELL_BYTES);

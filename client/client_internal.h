@@ -47,14 +47,27 @@ struct epd_client {
         unsigned num_regions, cap_regions;
 };
 
+/* A segment of a rank's output arena as libepd mapped it (proto/epd.proto, ArenaSegment). */
+struct epd__arena_segment {
+        uint64_t off, bytes, serial;
+};
+
 struct epd_group {
         struct epd_client *client;
         uint64_t id;
         uint32_t rank;
         uint32_t device;
         struct epd_group_config config;
+        /* The output arena: address space reserved once at join (arena_reserved bytes at
+         * arena), with the daemon's segments mapped at their offsets, so that a resize never
+         * moves it. Changed under the client's lock. */
         uint8_t *arena;
-        uint64_t arena_bytes;
+        uint64_t arena_bytes;         /* usable bytes as of arena_generation */
+        uint64_t arena_reserved;
+        uint64_t arena_generation;
+        uint64_t arena_mapped_end;    /* end of the segments mapped */
+        struct epd__arena_segment *arena_segs;
+        unsigned num_arena_segs;
         uint64_t arena_region_id;
         struct epd_doorbell *doorbell; /* mapped doorbell page (common/doorbell.h) */
         void *doorbell_dev;           /* its device address once registered with CUDA */
@@ -88,6 +101,11 @@ int epd__client_region_register(struct epd_client *c, enum epd_region_kind kind,
                                 uint64_t *region_id);
 /* Local address of region `id` + offset, or NULL. */
 void *epd__client_region_ptr(struct epd_client *c, uint64_t id, uint64_t offset);
+
+/* Brings the group's arena mapping up to the daemon's (ArenaSegments): maps new segments,
+ * replaces changed ones, drops those the daemon dropped, and updates the size in the region
+ * table. Lock held. 0, or a negative status with the client's error set. */
+int epd__group_arena_sync_locked(struct epd_group *group);
 
 /* Releases what the stream-ordering functions set up for a group (CUDA registration of its
  * doorbell page); a no-op without CUDA. */

@@ -1,5 +1,6 @@
 /* epctl - the control CLI of epd: status, groups, clients, stats (human tables or --json), top
- * (a live view), and the admin verbs drain, undrain and evict. */
+ * (a live view), and the admin verbs drain, undrain, evict and resize. */
+#include <errno.h>
 #include <getopt.h>
 #include <poll.h>
 #include <signal.h>
@@ -34,12 +35,15 @@ static void usage(FILE *f)
                 "  drain [GROUP]    stop launching ops of GROUP (name or id), or of the daemon\n"
                 "  undrain [GROUP]  resume GROUP, or the daemon and every drained group\n"
                 "  evict CLIENT_ID  disconnect a client as if it had crashed\n"
-                "  (drain, undrain and evict need root or the daemon's admin_group)\n"
+                "  resize GROUP --bytes N  grow or shrink GROUP's per-rank output arenas to N\n"
+                "                   bytes (K/M/G/T suffixes) with its ops drained meanwhile\n"
+                "  (drain, undrain, evict and resize need root or the daemon's admin_group)\n"
                 "Options:\n"
                 "  -s, --socket PATH   daemon socket (default $EPD_SOCKET or /run/epd/epd.sock)\n"
                 "  -j, --json          print JSON instead of a table\n"
                 "  -n, --iterations N  top: stop after N refreshes\n"
                 "  -d, --delay MS      top: refresh interval (default 1000)\n"
+                "  -b, --bytes N       resize: the new arena size per rank\n"
                 "  -h, --help          this text\n");
 }
 
@@ -526,6 +530,113 @@ static int cmd_evict(struct epd_client *c, const char *client_id, int json)
         return 0;
 }
 
+/* N with an optional binary suffix K, M, G, T (and an optional "B" or "iB"). */
+static int parse_bytes(const char *s, uint64_t *out)
+{
+        char *end;
+        unsigned long long v;
+        uint64_t mult = 1;
+
+        if (s[0] < '0' || s[0] > '9')
+                return -1;
+        errno = 0;
+        v = strtoull(s, &end, 10);
+        if (errno || end == s)
+                return -1;
+        switch (*end) {
+        case '\0': break;
+        case 'K': case 'k': mult = 1ull << 10; end++; break;
+        case 'M': case 'm': mult = 1ull << 20; end++; break;
+        case 'G': case 'g': mult = 1ull << 30; end++; break;
+        case 'T': case 't': mult = 1ull << 40; end++; break;
+        default: return -1;
+        }
+        if (*end && strcmp(end, "B") && strcmp(end, "iB") && strcmp(end, "b"))
+                return -1;
+        if (v > UINT64_MAX / mult)
+                return -1;
+        *out = v * mult;
+        return 0;
+}
+
+static const char *mib(uint64_t bytes, char *buf, size_t len)
+{
+        snprintf(buf, len, "%.1f MiB", bytes / 1048576.0);
+        return buf;
+}
+
+/* resize GROUP --bytes N: GROUP is a name, or an id when no group has that name. */
+static int cmd_resize(struct epd_client *c, const char *group, const char *bytes_arg, int json)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__Resize rm = EPD__V1__RESIZE__INIT;
+        Epd__V1__Response *resp;
+        char *end, a[32], b[32];
+        uint64_t bytes;
+
+        if (parse_bytes(bytes_arg, &bytes) < 0 || bytes == 0) {
+                fprintf(stderr, "epctl: resize: '%s' is not a size (N with K, M, G or T)\n",
+                        bytes_arg);
+                return 2;
+        }
+        unsigned long long id = strtoull(group, &end, 10);
+        if (group[0] >= '0' && group[0] <= '9' && !*end)
+                rm.group_id = id;
+        rm.group_name = (char *)group;
+        rm.bytes = bytes;
+        req.body_case = EPD__V1__REQUEST__BODY_RESIZE;
+        req.resize = &rm;
+        if (request(c, &req, &resp) < 0)
+                return 1;
+        const Epd__V1__ResizeReply *r =
+                resp->body_case == EPD__V1__RESPONSE__BODY_RESIZE ? resp->resize : NULL;
+        if (!r) {
+                fprintf(stderr, "epctl: the daemon sent no resize reply\n");
+                epd__v1__response__free_unpacked(resp, NULL);
+                return 1;
+        }
+        if (json) {
+                json_t *ranks = json_array();
+                for (size_t i = 0; i < r->n_ranks; i++) {
+                        const Epd__V1__RankArenaSize *k = r->ranks[i];
+                        json_array_append_new(
+                                ranks, json_pack("{s:I, s:I, s:I, s:I, s:I, s:I}", "rank",
+                                                 (json_int_t)k->rank, "old_bytes",
+                                                 (json_int_t)k->old_bytes, "new_bytes",
+                                                 (json_int_t)k->new_bytes, "segments",
+                                                 (json_int_t)k->segments, "used_bytes",
+                                                 (json_int_t)k->used_bytes, "reserved_bytes",
+                                                 (json_int_t)k->reserved_bytes));
+                }
+                json_t *o = json_pack("{s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:o}", "action",
+                                      "resize", "group", group, "group_id",
+                                      (json_int_t)r->group_id, "requested_bytes",
+                                      (json_int_t)r->requested_bytes, "old_bytes",
+                                      (json_int_t)r->old_bytes, "new_bytes",
+                                      (json_int_t)r->new_bytes, "wait_ns",
+                                      (json_int_t)r->wait_ns, "ranks", ranks);
+                json_dumpf(o, stdout, JSON_INDENT(2));
+                putchar('\n');
+                json_decref(o);
+        } else {
+                printf("group %s resized: %s -> %s per rank (ops drained for %.1f ms)\n", group,
+                       mib(r->old_bytes, a, sizeof(a)), mib(r->new_bytes, b, sizeof(b)),
+                       r->wait_ns / 1e6);
+                for (size_t i = 0; i < r->n_ranks; i++) {
+                        const Epd__V1__RankArenaSize *k = r->ranks[i];
+                        printf("  rank %u: %s -> %s, %u segment%s, %llu bytes in use%s\n",
+                               k->rank, mib(k->old_bytes, a, sizeof(a)),
+                               mib(k->new_bytes, b, sizeof(b)), k->segments,
+                               k->segments == 1 ? "" : "s", (unsigned long long)k->used_bytes,
+                               k->new_bytes > r->requested_bytes
+                                       ? " (live outputs end above the requested size)"
+                                       : "");
+                }
+        }
+        epd__v1__response__free_unpacked(resp, NULL);
+        return 0;
+}
+
 int main(int argc, char **argv)
 {
         static const struct option options[] = {
@@ -533,6 +644,7 @@ int main(int argc, char **argv)
                 { "json", no_argument, NULL, 'j' },
                 { "iterations", required_argument, NULL, 'n' },
                 { "delay", required_argument, NULL, 'd' },
+                { "bytes", required_argument, NULL, 'b' },
                 { "help", no_argument, NULL, 'h' },
                 { NULL, 0, NULL, 0 },
         };
@@ -541,14 +653,15 @@ int main(int argc, char **argv)
         char err[512];
         int json = 0, opt, rc;
         long iterations = 0, delay_ms = 1000;
-        const char *cmd, *arg = NULL;
+        const char *cmd, *arg = NULL, *bytes_arg = NULL;
 
-        while ((opt = getopt_long(argc, argv, "+s:jn:d:h", options, NULL)) != -1) {
+        while ((opt = getopt_long(argc, argv, "+s:jn:d:b:h", options, NULL)) != -1) {
                 switch (opt) {
                 case 's': args.socket_path = optarg; break;
                 case 'j': json = 1; break;
                 case 'n': iterations = strtol(optarg, NULL, 10); break;
                 case 'd': delay_ms = strtol(optarg, NULL, 10); break;
+                case 'b': bytes_arg = optarg; break;
                 case 'h': usage(stdout); return 0;
                 default: usage(stderr); return 2;
                 }
@@ -568,9 +681,14 @@ int main(int argc, char **argv)
                 } else if ((strcmp(argv[optind], "-d") == 0 ||
                             strcmp(argv[optind], "--delay") == 0) && optind + 1 < argc) {
                         delay_ms = strtol(argv[++optind], NULL, 10);
+                } else if ((strcmp(argv[optind], "-b") == 0 ||
+                            strcmp(argv[optind], "--bytes") == 0) && optind + 1 < argc) {
+                        bytes_arg = argv[++optind];
+                } else if (strncmp(argv[optind], "--bytes=", 8) == 0) {
+                        bytes_arg = argv[optind] + 8;
                 } else if (!arg && argv[optind][0] != '-' &&
                            (strcmp(cmd, "drain") == 0 || strcmp(cmd, "undrain") == 0 ||
-                            strcmp(cmd, "evict") == 0)) {
+                            strcmp(cmd, "evict") == 0 || strcmp(cmd, "resize") == 0)) {
                         arg = argv[optind];
                 } else {
                         fprintf(stderr, "epctl: unexpected argument '%s'\n", argv[optind]);
@@ -579,13 +697,17 @@ int main(int argc, char **argv)
         }
         if (strcmp(cmd, "status") && strcmp(cmd, "groups") && strcmp(cmd, "clients") &&
             strcmp(cmd, "stats") && strcmp(cmd, "top") && strcmp(cmd, "drain") &&
-            strcmp(cmd, "undrain") && strcmp(cmd, "evict")) {
+            strcmp(cmd, "undrain") && strcmp(cmd, "evict") && strcmp(cmd, "resize")) {
                 fprintf(stderr, "epctl: unknown command '%s'\n", cmd);
                 usage(stderr);
                 return 2;
         }
         if (strcmp(cmd, "evict") == 0 && !arg) {
                 fprintf(stderr, "epctl: evict needs a CLIENT_ID (see epctl clients)\n");
+                return 2;
+        }
+        if (strcmp(cmd, "resize") == 0 && (!arg || !bytes_arg)) {
+                fprintf(stderr, "epctl: usage: epctl resize GROUP --bytes N\n");
                 return 2;
         }
         rc = epd_client_connect(&args, &c, err, sizeof(err));
@@ -605,6 +727,8 @@ int main(int argc, char **argv)
                 rc = cmd_drain(c, strcmp(cmd, "drain") == 0, arg, json);
         else if (strcmp(cmd, "evict") == 0)
                 rc = cmd_evict(c, arg, json);
+        else if (strcmp(cmd, "resize") == 0)
+                rc = cmd_resize(c, arg, bytes_arg, json);
         else
                 rc = cmd_clients(c, json);
         epd_client_free(c);

@@ -128,6 +128,14 @@ struct epd_daemon_info {
 /* Copies what the daemon said in Welcome. */
 int epd_client_daemon_info(const struct epd_client *client, struct epd_daemon_info *out);
 
+/* Capability bits of Welcome (proto/epd.proto, enum Capability). */
+#define EPD_CAP_HOST_REGIONS 1u   /* memfd regions */
+#define EPD_CAP_CUDA_REGIONS 2u   /* GPU memory regions (cuda backend) */
+#define EPD_CAP_OUTPUT_ARENA 4u   /* outputs placed in a daemon-exported arena */
+#define EPD_CAP_ADMIN 8u          /* this connection may use admin verbs (root or admin_group) */
+/* The EPD_CAP_* bits the daemon granted this connection in Welcome; 0 for NULL. Any thread. */
+uint64_t epd_client_capabilities(const struct epd_client *client);
+
 /* ---- memory ---- */
 
 /* Creates an anonymous shared-memory file (memfd, MFD_CLOEXEC) of `bytes`, maps it read/write.
@@ -220,7 +228,9 @@ uint64_t epd_group_id(const struct epd_group *group);
 uint32_t epd_group_rank(const struct epd_group *group);
 /* The group config as the daemon holds it (defaults filled in). */
 const struct epd_group_config *epd_group_config(const struct epd_group *group);
-/* The rank's output arena, mapped into this process, or NULL when the group has none. */
+/* The rank's output arena, mapped into this process, or NULL when the group has none. *bytes is
+ * its usable size as of the last dispatch reply: `epctl resize` may change it (libepd maps the
+ * new memory before it returns the next dispatch with use_arena), but never the address. */
 void *epd_group_arena(const struct epd_group *group, uint64_t *bytes);
 
 /* ---- sizing ---- */

@@ -142,7 +142,7 @@ int epd_op_wait(struct epd_op *op, int timeout_ms)
 {
         struct epd_client *c;
         Epd__V1__Response *resp = NULL;
-        int fds[2], rc;
+        int fds[2], rc, arena_rc = 0;
 
         if (!op)
                 return EPD_INVALID_ARGUMENT;
@@ -151,6 +151,12 @@ int epd_op_wait(struct epd_op *op, int timeout_ms)
         c = op->client;
         pthread_mutex_lock(&c->lock);
         rc = epd__client_wait_locked(c, op->request_id, timeout_ms, &resp, fds);
+        /* Outputs in an arena that a resize changed since this client mapped it: map its new
+         * segments before anyone reads them (client_internal.h). */
+        if (rc == 0 && resp->status == EPD__V1__STATUS_CODE__OK &&
+            resp->body_case == EPD__V1__RESPONSE__BODY_DISPATCH && resp->dispatch &&
+            resp->dispatch->arena_generation > op->group->arena_generation)
+                arena_rc = epd__group_arena_sync_locked(op->group);
         pthread_mutex_unlock(&c->lock);
         if (rc == EPD_TIMEOUT && !c->broken)
                 return rc; /* the op is still pending */
@@ -166,6 +172,12 @@ int epd_op_wait(struct epd_op *op, int timeout_ms)
         op->resp = resp;
         op->status = epd__status_from_wire(resp->status);
         snprintf(op->message, sizeof(op->message), "%s", resp->message ? resp->message : "");
+        if (arena_rc < 0) {
+                /* The daemon placed the outputs where this process cannot reach them. */
+                op->status = arena_rc;
+                snprintf(op->message, sizeof(op->message), "dispatch outputs unreachable: %.400s",
+                         c->last_error);
+        }
         if (op->status < 0)
                 epd__client_fail(c, op->status, "%s", op->message);
         return op->status;

@@ -1,18 +1,19 @@
 /* admin.c - the admin verbs (DESIGN.md section 7): Drain and Undrain stop and resume the
  * launching of ops, of one group or of the whole daemon; Evict closes a client's connection as
- * if it had crashed. Only root and members of admin_group may use them (conn->admin, decided at
- * accept). Loop thread only.
+ * if it had crashed; Resize (resize.c) grows or shrinks a group's arenas. Only root and members
+ * of admin_group may use them (conn->admin, decided at accept). Loop thread only.
  *
  * Draining never fails an op: ops already collected wait in their group (op.c's epd_op_kick
- * launches nothing while the daemon is draining or the group is DRAINING), the op executing
- * finishes, and new submissions are still collected. A drained group whose rank is lost breaks
- * as any other and comes back READY when it re-forms.
+ * launches nothing while the daemon is draining, the group is DRAINING or a resize of it
+ * waits), the op executing finishes, and new submissions are still collected. A drained group
+ * whose rank is lost breaks as any other and comes back READY when it re-forms.
  */
 #include <stdio.h>
 #include <string.h>
 
 #include "admin.h"
 #include "log.h"
+#include "resize.h"
 
 /* The group a Drain/Undrain names: by name, else by id. */
 static struct epd_group *named_group(struct epd_daemon *d, uint64_t id, const char *name)
@@ -158,6 +159,7 @@ static const char *verb_name(const Epd__V1__Request *req)
         switch (req->body_case) {
         case EPD__V1__REQUEST__BODY_DRAIN: return "drain";
         case EPD__V1__REQUEST__BODY_UNDRAIN: return "undrain";
+        case EPD__V1__REQUEST__BODY_RESIZE: return "resize";
         default: return "evict";
         }
 }
@@ -183,6 +185,9 @@ void epd_handle_admin(struct epd_conn *c, const Epd__V1__Request *req)
                 break;
         case EPD__V1__REQUEST__BODY_EVICT:
                 handle_evict(c, req->id, req->evict->client_id);
+                break;
+        case EPD__V1__REQUEST__BODY_RESIZE:
+                epd_resize_request(c, req); /* resize.c */
                 break;
         default:
                 epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT, "not an admin request");

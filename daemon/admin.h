@@ -1,11 +1,11 @@
-/* admin.h - the admin verbs Drain, Undrain and Evict (admin.c). Loop thread. */
+/* admin.h - the admin verbs Drain, Undrain, Evict and Resize (admin.c). Loop thread. */
 #ifndef EPD_DAEMON_ADMIN_H
 #define EPD_DAEMON_ADMIN_H
 
 #include "daemon.h"
 
-/* Answers a Drain, Undrain or Evict request; non-admin clients get PERMISSION_DENIED. req stays
- * owned by the caller. */
+/* Answers a Drain, Undrain, Evict or Resize request; non-admin clients get PERMISSION_DENIED.
+ * req stays owned by the caller. */
 void epd_handle_admin(struct epd_conn *c, const Epd__V1__Request *req);
 
 #endif

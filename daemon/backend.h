@@ -98,14 +98,17 @@ struct epd_backend_ops {
                              const void *ipc_handle, size_t ipc_len, uint64_t offset,
                              char *err, size_t err_len);
         void (*region_release)(struct epd_backend *b, struct epd_region *r);
-        /* Creates the memory of an output arena for a rank on a device: a daemon address and an
-         * fd the client can map (kind says how). host_memory: the client cannot map device
-         * memory (it announced no CUDA capability), so the arena must be host memory that the
-         * backend's devices can reach. */
-        int (*arena_alloc)(struct epd_backend *b, uint32_t device, int host_memory,
-                           uint64_t bytes, uint8_t **base, int *fd, enum epd_region_kind *kind,
-                           char *err, size_t err_len);
-        void (*arena_free)(struct epd_backend *b, uint8_t *base, uint64_t bytes);
+        /* Maps one segment of an output arena (arena.h) for a rank on a device: new memory of
+         * `bytes` at `addr` (page aligned, inside the arena's reserved range, which it
+         * replaces) that the backend's devices can reach, and an fd the client can map (kind
+         * says how). host_memory: the client cannot map device memory (it announced no CUDA
+         * capability), so the segment must be host memory. Loop thread. */
+        int (*arena_map)(struct epd_backend *b, uint32_t device, int host_memory, uint8_t *addr,
+                         uint64_t bytes, int *fd, enum epd_region_kind *kind, char *err,
+                         size_t err_len);
+        /* Undoes arena_map: the range becomes reserved address space again. The caller closes
+         * the fd. No op may use the range. Loop thread. */
+        void (*arena_unmap)(struct epd_backend *b, uint8_t *addr, uint64_t bytes);
         /* Makes daemon host memory (a doorbell page) reachable by the backend's devices; *dev
          * is its device address, or NULL when the backend has no devices. */
         int (*host_register)(struct epd_backend *b, void *ptr, uint64_t bytes, void **dev);
@@ -117,6 +120,9 @@ struct epd_backend_ops {
         /* Liveness of the backend's threads for the watchdog: 0 when every thread made progress
          * or is idle. */
         int (*check_alive)(struct epd_backend *b);
+        /* Whether ranks on devices a and b can be in one group (direct access between them).
+         * NULL: always. */
+        int (*devices_connected)(struct epd_backend *b, uint32_t a, uint32_t b_dev);
 };
 
 struct epd_backend {

@@ -741,7 +741,7 @@ static void cuda_fini(struct epd_backend *b)
         b->priv = NULL;
 }
 
-int epd_cuda_peer_ok(struct epd_backend *b, uint32_t a, uint32_t d)
+static int epd_cuda_peer_ok(struct epd_backend *b, uint32_t a, uint32_t d)
 {
         int can = 0;
 
@@ -896,9 +896,9 @@ static void cuda_region_release(struct epd_backend *b, struct epd_region *r)
         r->base = NULL;
 }
 
-static int cuda_arena_alloc(struct epd_backend *b, uint32_t device, int host_memory,
-                            uint64_t bytes, uint8_t **base, int *fd, enum epd_region_kind *kind,
-                            char *err, size_t err_len)
+static int cuda_arena_map(struct epd_backend *b, uint32_t device, int host_memory, uint8_t *addr,
+                          uint64_t bytes, int *fd, enum epd_region_kind *kind, char *err,
+                          size_t err_len)
 {
         cudaError_t ce;
         int rc;
@@ -909,25 +909,28 @@ static int cuda_arena_alloc(struct epd_backend *b, uint32_t device, int host_mem
                  * then a CUDA-capable client also gets a host arena the GPUs can reach. */
                 log_debug("device arena requested; using a host arena");
         }
-        rc = epd__memfd_arena(bytes, base, fd, err, err_len);
+        rc = epd__memfd_segment(addr, bytes, fd, err, err_len);
         if (rc < 0)
                 return rc;
+        /* Each segment is registered on its own; the kernels address the arena through its
+         * host addresses (unified addressing), so placements may straddle segments. */
         cudaSetDevice((int)device);
-        ce = cudaHostRegister(*base, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+        ce = cudaHostRegister(addr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
         if (ce != cudaSuccess) {
-                munmap(*base, bytes);
+                epd__memfd_segment_drop(addr, bytes);
                 close(*fd);
-                return cuda_fail(err, err_len, "cudaHostRegister of the arena", ce);
+                *fd = -1;
+                return cuda_fail(err, err_len, "cudaHostRegister of an arena segment", ce);
         }
         *kind = EPD_REGION_HOST_MEMFD;
         return 0;
 }
 
-static void cuda_arena_free(struct epd_backend *b, uint8_t *base, uint64_t bytes)
+static void cuda_arena_unmap(struct epd_backend *b, uint8_t *addr, uint64_t bytes)
 {
         (void)b;
-        cudaHostUnregister(base);
-        munmap(base, bytes);
+        cudaHostUnregister(addr);
+        epd__memfd_segment_drop(addr, bytes);
 }
 
 static int cuda_host_register(struct epd_backend *b, void *ptr, uint64_t bytes, void **dev)
@@ -995,11 +998,12 @@ const struct epd_backend_ops epd_backend_cuda_ops = {
         .fini = cuda_fini,
         .region_import = cuda_region_import,
         .region_release = cuda_region_release,
-        .arena_alloc = cuda_arena_alloc,
-        .arena_free = cuda_arena_free,
+        .arena_map = cuda_arena_map,
+        .arena_unmap = cuda_arena_unmap,
         .host_register = cuda_host_register,
         .host_unregister = cuda_host_unregister,
         .submit = cuda_submit,
         .handle_free = cuda_handle_free,
         .check_alive = cuda_check_alive,
+        .devices_connected = epd_cuda_peer_ok,
 };

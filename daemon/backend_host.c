@@ -467,21 +467,21 @@ static void host_region_release(struct epd_backend *b, struct epd_region *r)
         r->base = NULL;
 }
 
-static int host_arena_alloc(struct epd_backend *b, uint32_t device, int host_memory,
-                            uint64_t bytes, uint8_t **base, int *fd_out,
-                            enum epd_region_kind *kind, char *err, size_t err_len)
+static int host_arena_map(struct epd_backend *b, uint32_t device, int host_memory, uint8_t *addr,
+                          uint64_t bytes, int *fd, enum epd_region_kind *kind, char *err,
+                          size_t err_len)
 {
         (void)b;
         (void)device;
         (void)host_memory;
         *kind = EPD_REGION_HOST_MEMFD;
-        return epd__memfd_arena(bytes, base, fd_out, err, err_len);
+        return epd__memfd_segment(addr, bytes, fd, err, err_len);
 }
 
-static void host_arena_free(struct epd_backend *b, uint8_t *base, uint64_t bytes)
+static void host_arena_unmap(struct epd_backend *b, uint8_t *addr, uint64_t bytes)
 {
         (void)b;
-        munmap(base, bytes);
+        epd__memfd_segment_drop(addr, bytes);
 }
 
 static int host_host_register(struct epd_backend *b, void *ptr, uint64_t bytes, void **dev)
@@ -528,8 +528,8 @@ const struct epd_backend_ops epd_backend_host_ops = {
         .fini = host_fini,
         .region_import = host_region_import,
         .region_release = host_region_release,
-        .arena_alloc = host_arena_alloc,
-        .arena_free = host_arena_free,
+        .arena_map = host_arena_map,
+        .arena_unmap = host_arena_unmap,
         .host_register = host_host_register,
         .host_unregister = host_host_unregister,
         .submit = host_submit,

@@ -22,6 +22,8 @@ void epd_config_defaults(struct epd_config *cfg)
         cfg->op_timeout_ms = 10000;
         cfg->peer_lost_ms = 100;
         cfg->arena_bytes = 64ull << 20;
+        cfg->max_arena_bytes = 64ull << 30;
+        cfg->max_arena_segments = 64;
         cfg->max_clients = 256;
         cfg->max_groups = 64;
         cfg->max_regions_per_client = 1024;
@@ -116,6 +118,8 @@ int epd_config_set(struct epd_config *cfg, const char *section, const char *name
         NUM_KEY("daemon", "op_timeout_ms", op_timeout_ms, 3600000)
         NUM_KEY("daemon", "peer_lost_ms", peer_lost_ms, 60000)
         NUM_KEY("daemon", "arena_bytes", arena_bytes, 1ull << 40)
+        NUM_KEY("daemon", "max_arena_bytes", max_arena_bytes, 1ull << 44)
+        NUM_KEY("daemon", "max_arena_segments", max_arena_segments, 1024)
         NUM_KEY("limits", "max_clients", max_clients, 65536)
         NUM_KEY("limits", "max_groups", max_groups, 65536)
         NUM_KEY("limits", "max_regions_per_client", max_regions_per_client, 1u << 20)

@@ -27,6 +27,8 @@ struct epd_config {
         uint32_t op_timeout_ms;       /* hot; default group op timeout */
         uint32_t peer_lost_ms;        /* hot; bound on reporting PEER_LOST after a disconnect */
         uint64_t arena_bytes;         /* default per-rank output arena */
+        uint64_t max_arena_bytes;     /* address space reserved per arena: `epctl resize` limit */
+        uint32_t max_arena_segments;  /* segments per arena: a grow adds one */
         /* [limits], hot (apply to new requests) except max_frame_bytes and max_fds_per_frame:
          * those size the receive buffer at start and are announced to clients at hello. */
         uint32_t max_clients;

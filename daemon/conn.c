@@ -1,5 +1,12 @@
 /* conn.c - one client connection: frame reception, protocol checks, replies with an output
- * queue, and the release of everything the client held when it goes away. Loop thread only. */
+ * queue, and the release of everything the client held when it goes away. Loop thread only.
+ *
+ * Closing a connection unbinds its ranks, which fails pending ops and replies to the other
+ * ranks' clients. So a reply that fails (the peer is gone, or its output queue overflowed) never
+ * closes its connection on the spot: it may be deep inside a group or op of another connection
+ * (failing that connection's ops, completing an op) that must not change under its caller. It
+ * records the reason and the close runs from the connection's idle handle on the loop's next
+ * turn. */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
@@ -16,6 +23,7 @@
 #include "util.h"
 
 static void on_conn_event(uv_poll_t *handle, int status, int events);
+static void on_close_idle(uv_idle_t *idle);
 
 static void conn_update_poll(struct epd_conn *c)
 {
@@ -93,6 +101,9 @@ int epd_conn_accept(struct epd_daemon *d, int fd)
         uv_poll_init(d->loop, &c->poll, fd);
         c->poll.data = c;
         c->poll_events = 0;
+        uv_idle_init(d->loop, &c->close_idle);
+        c->close_idle.data = c;
+        c->open_handles = 2;
         conn_update_poll(c);
         log_debug("client connected client=%llu pid=%d uid=%u", (unsigned long long)c->id,
                   (int)c->pid, c->uid);
@@ -110,7 +121,25 @@ static void on_conn_closed(uv_handle_t *handle)
 {
         struct epd_conn *c = handle->data;
 
-        free(c);
+        if (--c->open_handles == 0)
+                free(c);
+}
+
+/* Schedules the close for the loop's next turn (see the top of this file). */
+static void conn_close_later(struct epd_conn *c, const char *why)
+{
+        if (c->closing || c->close_reason)
+                return;
+        c->close_reason = why;
+        uv_idle_start(&c->close_idle, on_close_idle);
+}
+
+static void on_close_idle(uv_idle_t *idle)
+{
+        struct epd_conn *c = idle->data;
+
+        uv_idle_stop(idle);
+        epd_conn_close(c, c->close_reason);
 }
 
 void epd_conn_close(struct epd_conn *c, const char *why)
@@ -126,6 +155,7 @@ void epd_conn_close(struct epd_conn *c, const char *why)
                 "client disconnected client=%llu pid=%d reason=\"%s\"",
                 (unsigned long long)c->id, (int)c->pid, why);
         uv_poll_stop(&c->poll);
+        uv_idle_stop(&c->close_idle);
         /* Unbind every rank first: the groups fail or finish the ops of this client, and no
          * reply is sent to it any more. */
         epd_list_for_each_safe(pos, tmp, &c->bindings)
@@ -147,6 +177,7 @@ void epd_conn_close(struct epd_conn *c, const char *why)
         epd_list_del(&c->link);
         d->num_conns--;
         uv_close((uv_handle_t *)&c->poll, on_conn_closed);
+        uv_close((uv_handle_t *)&c->close_idle, on_conn_closed);
 }
 
 /* Sends queued frames until the socket is full. Returns 0 or -errno (connection broken). */
@@ -180,7 +211,7 @@ int epd_conn_send(struct epd_conn *c, const Epd__V1__Response *resp, const int *
         struct epd_out_msg *m;
         int rc;
 
-        if (c->closing)
+        if (c->closing || c->close_reason)
                 return -ECONNRESET;
         len = epd__v1__response__get_packed_size(resp);
         if (len > d->cfg.max_frame_bytes) {
@@ -209,12 +240,12 @@ int epd_conn_send(struct epd_conn *c, const Epd__V1__Response *resp, const int *
         epd_list_add_tail(&c->out_queue, &m->link);
         c->out_bytes += len;
         if (c->out_bytes > d->cfg.max_output_queue_bytes) {
-                epd_conn_close(c, "output queue limit exceeded: the client does not read its replies");
+                conn_close_later(c, "output queue limit exceeded: the client does not read its replies");
                 return -ENOBUFS;
         }
         rc = conn_flush(c);
         if (rc < 0) {
-                epd_conn_close(c, "send failed");
+                conn_close_later(c, "send failed");
                 return rc;
         }
         return 0;
@@ -244,7 +275,7 @@ static int conn_read(struct epd_conn *c)
 {
         struct epd_daemon *d = c->daemon;
 
-        for (int budget = 0; budget < 64 && !c->closing; budget++) {
+        for (int budget = 0; budget < 64 && !c->closing && !c->close_reason; budget++) {
                 struct epd_frame frame;
                 const char *why = NULL;
                 int rc = epd_frame_recv(c->fd, d->rbuf, d->rbuf_len, d->cfg.max_frame_bytes,
@@ -304,6 +335,10 @@ static void on_conn_event(uv_poll_t *handle, int status, int events)
 
         if (c->closing)
                 return;
+        if (c->close_reason) {
+                epd_conn_close(c, c->close_reason);
+                return;
+        }
         if (status < 0) {
                 epd_conn_close(c, uv_strerror(status));
                 return;

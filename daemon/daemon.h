@@ -20,6 +20,7 @@
 struct epd_backend;
 struct epd_exec;
 struct epd_arena;
+struct epd_resize;
 
 struct epd_daemon {
         uv_loop_t *loop;
@@ -87,6 +88,11 @@ struct epd_conn {
         char name[64];
         int hello_done;
         int closing;
+        /* A send failed (or the output queue overflowed) somewhere inside another object's
+         * code: the close runs from close_idle on the loop's next turn (conn.c). */
+        const char *close_reason;
+        uv_idle_t close_idle;
+        unsigned open_handles;        /* poll and close_idle; freed when both are closed */
         struct epd_list regions;
         unsigned num_regions;
         uint64_t region_bytes;
@@ -240,6 +246,7 @@ struct epd_group {
         uint64_t epoch;               /* bumped when the group breaks: old handles die */
         int free_pending;             /* destroy once the executing op completes */
         struct epd_list retired_doorbells; /* pages of past bindings an executing op may use */
+        struct epd_resize *resize;    /* pending `epctl resize` (resize.c): no op is launched */
         struct epd_group_stats stats;
 };
 

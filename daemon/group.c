@@ -12,6 +12,7 @@
 #include "backend.h"
 #include "daemon.h"
 #include "log.h"
+#include "resize.h"
 #include "routing.h"
 
 const char *epd_group_state_name(enum epd_group_state s)
@@ -195,34 +196,18 @@ int epd_group_new(struct epd_daemon *d, const char *name, const void *secret, si
 static int rank_arena_create(struct epd_group *g, struct epd_rank *r, int host_memory, char *err,
                              size_t err_len)
 {
-        struct epd_backend *b = g->daemon->backend;
-        uint8_t *base = NULL;
-        int fd = -1;
-        enum epd_region_kind kind;
-        int rc;
+        const struct epd_config *cfg = &g->daemon->cfg;
 
         if (r->arena || g->cfg.arena_bytes == 0)
                 return 0;
-        rc = b->ops->arena_alloc(b, r->device, host_memory, g->cfg.arena_bytes, &base, &fd, &kind,
-                                 err, err_len);
-        if (rc < 0)
-                return rc;
-        r->arena = epd_arena_new(base, g->cfg.arena_bytes, fd, kind);
-        if (!r->arena) {
-                b->ops->arena_free(b, base, g->cfg.arena_bytes);
-                snprintf(err, err_len, "out of memory");
-                return EPD_INTERNAL;
-        }
-        return 0;
+        return epd_arena_create(g->daemon->backend, r->device, host_memory, g->cfg.arena_bytes,
+                                cfg->max_arena_bytes, cfg->max_arena_segments, &r->arena, err,
+                                err_len);
 }
 
 static void rank_arena_destroy(struct epd_group *g, struct epd_rank *r)
 {
-        struct epd_backend *b = g->daemon->backend;
-
-        if (!r->arena)
-                return;
-        b->ops->arena_free(b, r->arena->base, r->arena->bytes);
+        (void)g;
         epd_arena_free(r->arena);
         r->arena = NULL;
 }
@@ -335,6 +320,19 @@ int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint3
                 return EPD_INVALID_ARGUMENT;
         }
         r = &g->ranks[rank];
+        /* DESIGN.md 5: ranks of a group reach each other's buffers directly; a group spanning
+         * devices without peer access would need the NCCL fallback, which does not exist yet. */
+        for (uint32_t o = 0; d->backend->ops->devices_connected && o < g->cfg.world_size; o++) {
+                const struct epd_rank *other = &g->ranks[o];
+                if (o == rank || !other->conn)
+                        continue;
+                if (!d->backend->ops->devices_connected(d->backend, device, other->device)) {
+                        snprintf(err, err_len,
+                                 "rank %u on device %u cannot join group '%s': device %u (rank %u) has no peer access to it, and the NCCL fallback for such groups does not exist yet",
+                                 rank, device, g->name, other->device, o);
+                        return EPD_UNAVAILABLE;
+                }
+        }
         if (r->conn) {
                 snprintf(err, err_len, "rank %u of group '%s' is already bound to client %llu",
                          rank, g->name, (unsigned long long)r->conn->id);
@@ -514,6 +512,7 @@ void epd_group_maybe_free(struct epd_group *g)
                 g->free_pending = 1;
                 return;
         }
+        epd_resize_abort(g);
         epd_list_for_each_safe(pos, tmp, &g->handles)
                 epd_group_handle_free(g, epd_list_entry(pos, struct epd_handle, link));
         epd_op_destroy_all(g);

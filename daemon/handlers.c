@@ -17,6 +17,7 @@
 #include "daemon.h"
 #include "log.h"
 #include "report.h"
+#include "resize.h"
 #include "routing.h"
 #include "util.h"
 
@@ -126,27 +127,34 @@ static void reply_joined(struct epd_conn *c, uint64_t request_id, struct epd_gro
         Epd__V1__GroupJoined j = EPD__V1__GROUP_JOINED__INIT;
         Epd__V1__GroupConfig cfg;
         struct epd_rank *r = &g->ranks[rank];
+        unsigned num_segs = r->arena ? r->arena->num_segs : 0;
+        Epd__V1__ArenaSegment *segs = calloc(num_segs + 1, sizeof(*segs));
+        Epd__V1__ArenaSegment **seg_ptrs = calloc(num_segs + 1, sizeof(*seg_ptrs));
         int fds[2];
         unsigned num_fds = 0;
 
+        if (!segs || !seg_ptrs) {
+                epd_conn_reply_status(c, request_id, EPD_INTERNAL, "out of memory");
+                goto out;
+        }
         epd_group_cfg_to_wire(&g->cfg, &cfg);
         j.group_id = g->id;
         j.config = &cfg;
         j.rank = rank;
         j.device = r->device;
-        /* The doorbell page first, then the arena (proto/epd.proto, GroupJoined). */
+        /* The doorbell page first, then the arena's first segment (proto/epd.proto,
+         * GroupJoined); the client fetches further segments with ArenaSegments. */
         j.doorbell_bytes = EPD_DOORBELL_BYTES;
         fds[num_fds++] = r->doorbell_fd;
-        if (r->arena) {
-                j.arena_bytes = r->arena->bytes;
-                j.arena_kind = (Epd__V1__RegionKind)r->arena->kind;
-                j.arena_region_id = r->arena_region_id;
-                fds[num_fds++] = r->arena->fd;
-        }
+        if (r->arena)
+                fds[num_fds++] = epd_resize_fill_joined(r, &j, segs, seg_ptrs);
         resp.id = request_id;
         resp.body_case = EPD__V1__RESPONSE__BODY_GROUP_JOINED;
         resp.group_joined = &j;
         reply(c, &resp, fds, num_fds);
+out:
+        free(seg_ptrs);
+        free(segs);
 }
 
 static void handle_group_create(struct epd_conn *c, const Epd__V1__Request *req)
@@ -609,7 +617,11 @@ int epd_handle_request(struct epd_conn *c, Epd__V1__Request *req, int *fds, unsi
         case EPD__V1__REQUEST__BODY_DRAIN:
         case EPD__V1__REQUEST__BODY_UNDRAIN:
         case EPD__V1__REQUEST__BODY_EVICT:
+        case EPD__V1__REQUEST__BODY_RESIZE:
                 epd_handle_admin(c, req); /* admin.c */
+                break;
+        case EPD__V1__REQUEST__BODY_ARENA_SEGMENTS:
+                epd_handle_arena_segments(c, req); /* resize.c */
                 break;
         case EPD__V1__REQUEST__BODY_DISPATCH:
         case EPD__V1__REQUEST__BODY_COMBINE: {

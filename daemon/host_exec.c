@@ -3,7 +3,9 @@
  * Dispatch is a push: each item takes a chunk of one source's tokens and copies every token to the
  * rows the plan assigned it, writing the metadata beside it. Rows of different items never
  * overlap, because the plan gives every (token, destination) or selection its own row; padding
- * rows of EXPAND belong to separate items, one per (destination, local expert).
+ * rows of EXPAND belong to separate items, one per (destination, local expert). A client may
+ * still point an output at its own inputs (or register one memfd twice); its results are then
+ * unspecified, so client-to-client copies use memmove, which stays defined when they overlap.
  *
  * Combine is a pull: each item takes a chunk of one source's tokens and, per token, sums the
  * contributing rows in top-k order into an fp32 accumulator on the stack, then rounds once to
@@ -86,8 +88,8 @@ static int use_streaming(uint64_t bytes)
         return bytes >= min;
 }
 
-/* memcpy whose 16-byte-aligned body goes out with non-temporal stores (x86-64; elsewhere plain
- * memcpy). The caller issues stream_fence() before its writes may be read by another thread. */
+/* memmove whose 16-byte-aligned body goes out with non-temporal stores (x86-64; elsewhere plain
+ * memmove). The caller issues stream_fence() before its writes may be read by another thread. */
 static void copy_streaming(uint8_t *dst, const uint8_t *src, size_t n)
 {
 #if defined(__x86_64__)
@@ -95,7 +97,7 @@ static void copy_streaming(uint8_t *dst, const uint8_t *src, size_t n)
 
         if (head > n)
                 head = n;
-        memcpy(dst, src, head);
+        memmove(dst, src, head);
         dst += head;
         src += head;
         n -= head;
@@ -112,7 +114,7 @@ static void copy_streaming(uint8_t *dst, const uint8_t *src, size_t n)
         for (; n >= 16; n -= 16, dst += 16, src += 16)
                 _mm_stream_si128((__m128i *)dst, _mm_loadu_si128((const __m128i *)src));
 #endif
-        memcpy(dst, src, n);
+        memmove(dst, src, n);
 }
 
 /* Non-temporal stores are weakly ordered: make them visible before the item ends, so the pool's
@@ -179,8 +181,8 @@ static void put_non_expand_meta(const struct epd_dispatch_exec *op,
                 /* Weights move as bits, so a NaN payload survives exactly as in the input. */
                 for (uint32_t k = 0; k < K; k++) {
                         int on_d = sel[k] >= first && sel[k] < last;
-                        memcpy(out + (size_t)k * 4,
-                               on_d ? w + (size_t)k * 4 : (const uint8_t *)&zero, 4);
+                        memmove(out + (size_t)k * 4,
+                                on_d ? w + (size_t)k * 4 : (const uint8_t *)&zero, 4);
                 }
         }
         if (dst->recv_src.ptr) {
@@ -195,8 +197,8 @@ static void put_expand_meta(const struct epd_dispatch_exec *op,
                             uint32_t k, int32_t r)
 {
         if (op->has_weights && dst->recv_weights.ptr)
-                memcpy(mat_row(&dst->recv_weights, r),
-                       mat_row(&op->src[s].weights, t) + (size_t)k * 4, 4);
+                memmove(mat_row(&dst->recv_weights, r),
+                        mat_row(&op->src[s].weights, t) + (size_t)k * 4, 4);
         if (dst->recv_src.ptr) {
                 int64_t g = epd_route_global_src(s, op->plan->max_tokens, t);
                 memcpy(mat_row(&dst->recv_src, r), &g, sizeof(g));
@@ -244,9 +246,9 @@ static void dispatch_tokens(const struct epd_dispatch_exec *op, uint32_t s, uint
                         if (stream)
                                 copy_streaming(mat_row(&dst->recv_x, r), x, op->row_bytes);
                         else
-                                memcpy(mat_row(&dst->recv_x, r), x, op->row_bytes);
+                                memmove(mat_row(&dst->recv_x, r), x, op->row_bytes);
                         if (scales)
-                                memcpy(mat_row(&dst->recv_scales, r), scales, op->scale_bytes);
+                                memmove(mat_row(&dst->recv_scales, r), scales, op->scale_bytes);
                         if (expand)
                                 put_expand_meta(op, dst, s, t, k, r);
                         else

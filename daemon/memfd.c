@@ -77,3 +77,56 @@ int epd__memfd_arena(uint64_t bytes, uint8_t **base, int *fd_out, char *err, siz
         *fd_out = fd;
         return 0;
 }
+
+#define RESERVE_FLAGS (MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+
+int epd__va_reserve(uint64_t bytes, uint8_t **base, char *err, size_t err_len)
+{
+        void *p = mmap(NULL, bytes, PROT_NONE, RESERVE_FLAGS, -1, 0);
+
+        if (p == MAP_FAILED) {
+                snprintf(err, err_len, "cannot reserve %llu bytes of address space: %s",
+                         (unsigned long long)bytes, strerror(errno));
+                return EPD_UNAVAILABLE;
+        }
+        *base = p;
+        return 0;
+}
+
+void epd__va_unreserve(uint8_t *base, uint64_t bytes)
+{
+        if (base)
+                munmap(base, bytes);
+}
+
+int epd__memfd_segment(uint8_t *addr, uint64_t bytes, int *fd_out, char *err, size_t err_len)
+{
+        int fd = memfd_create("epd-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        void *p;
+
+        /* Sealed against growing and shrinking: the client maps exactly this size, and a
+         * client that could shrink it would make the daemon fault. */
+        if (fd < 0 || ftruncate(fd, (off_t)bytes) < 0 ||
+            fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) < 0) {
+                snprintf(err, err_len, "cannot create a %llu-byte arena segment: %s",
+                         (unsigned long long)bytes, strerror(errno));
+                if (fd >= 0)
+                        close(fd);
+                return EPD_UNAVAILABLE;
+        }
+        p = mmap(addr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+        if (p == MAP_FAILED) {
+                snprintf(err, err_len, "cannot map an arena segment: %s", strerror(errno));
+                close(fd);
+                return EPD_UNAVAILABLE;
+        }
+        *fd_out = fd;
+        return 0;
+}
+
+void epd__memfd_segment_drop(uint8_t *addr, uint64_t bytes)
+{
+        /* MAP_FIXED replaces the segment's mapping in one step: the range never becomes free
+         * address space that another mapping of this process could take. */
+        (void)mmap(addr, bytes, PROT_NONE, RESERVE_FLAGS | MAP_FIXED, -1, 0);
+}

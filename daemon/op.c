@@ -13,6 +13,7 @@
 #include "backend.h"
 #include "daemon.h"
 #include "log.h"
+#include "resize.h"
 #include "tensor.h"
 #include "util.h"
 
@@ -746,7 +747,7 @@ void epd_op_kick(struct epd_group *g)
 
         struct epd_list *pos, *tmp;
 
-        if (g->executing || d->draining || g->state == EPD_GROUP_DRAINING)
+        if (g->executing || d->draining || g->state == EPD_GROUP_DRAINING || g->resize)
                 return;
         epd_list_for_each_safe(pos, tmp, &g->ops)
         {
@@ -800,6 +801,12 @@ static void reply_dispatch(struct epd_op *op, uint32_t r, struct epd_handle *h)
         dr.exec_ns = ex->exec_ns;
         dr.kernel_ns = ex->kernel_ns;
         dr.queue_ns = op->launch_ns - sub->submitted_ns;
+        if (er->use_arena && g->ranks[r].arena) {
+                /* A generation newer than the client's: a resize changed the arena's segments
+                 * (resize.c); the client maps them before it reads the outputs. */
+                dr.arena_generation = g->ranks[r].arena->generation;
+                dr.arena_bytes = g->ranks[r].arena->bytes;
+        }
         if (er->use_arena) {
                 const struct epd_arena_place *pl = &h->ranks[r].arena;
                 uint64_t id = g->ranks[r].arena_region_id;
@@ -991,8 +998,10 @@ void epd_op_complete(struct epd_exec *ex)
         epd_group_free_retired(g);
         op->state = EPD_OP_FINISHED;
         op_destroy(op);
-        if (g->state == EPD_GROUP_CLOSED || g->free_pending)
+        if (g->state == EPD_GROUP_CLOSED || g->free_pending) {
                 epd_group_maybe_free(g);
-        else
+        } else {
+                epd_resize_continue(g); /* a resize waited for this op */
                 epd_op_kick(g);
+        }
 }

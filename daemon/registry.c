@@ -204,6 +204,15 @@ int epd_region_resolve(struct epd_conn *c, const struct epd_tensor *t, uint64_t 
                          (unsigned long long)r->id, (unsigned long long)r->size);
                 return EPD_INVALID_ARGUMENT;
         }
+        /* Backends access elements through typed (and vectorised) pointers: an element that
+         * straddles its natural alignment is undefined behaviour on the host and a fault on a
+         * GPU. Strides are whole elements, so the first element decides. */
+        if ((uintptr_t)(r->base + t->offset) % esize != 0) {
+                snprintf(err, err_len,
+                         "tensor at offset %llu of region %llu is not aligned to its %zu-byte elements",
+                         (unsigned long long)t->offset, (unsigned long long)r->id, esize);
+                return EPD_INVALID_ARGUMENT;
+        }
         *region = r;
         *ptr = r->base + t->offset;
         *row_stride = stride_bytes;

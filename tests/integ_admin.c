@@ -5,7 +5,7 @@
  * - draining the whole daemon does the same for every group, and `epctl status` says so;
  * - evicting a client closes it as if it had crashed: its peer's pending op gets PEER_LOST;
  * - a client that is neither root nor in admin_group gets PERMISSION_DENIED for every admin
- *   verb and changes nothing (run as a child that setuid()s to nobody, socket mode 0666), while
+ *   verb (resize too) and changes nothing (run as a child that setuid()s to nobody, socket mode 0666), while
  *   a member of admin_group may drain.
  *
  * Every admin command goes through the real epctl. Run as root, the test process is an admin
@@ -478,8 +478,9 @@ START_TEST(test_non_admin_denied)
         const char *drain_all[] = { "--socket", d.socket, "drain", NULL };
         const char *undrain_all[] = { "--socket", d.socket, "undrain", NULL };
         const char *evict[] = { "--socket", d.socket, "evict", id, NULL };
+        const char *resize[] = { "--socket", d.socket, "resize", "guarded", "--bytes", "2M", NULL };
         const char *status[] = { "--socket", d.socket, "status", NULL };
-        const char *const *denied[] = { drain_one, drain_all, undrain_all, evict };
+        const char *const *denied[] = { drain_one, drain_all, undrain_all, evict, resize };
         for (size_t i = 0; i < sizeof(denied) / sizeof(denied[0]); i++) {
                 int rc = epctl_as(uid, gid, root ? copy : NULL, denied[i], out, sizeof(out));
                 ck_assert_msg(rc == 1 && strstr(out, "PERMISSION_DENIED"),

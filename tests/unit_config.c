@@ -73,6 +73,8 @@ static const struct num_key {
         { "daemon", "op_timeout_ms", FIELD(op_timeout_ms), 3600000 },
         { "daemon", "peer_lost_ms", FIELD(peer_lost_ms), 60000 },
         { "daemon", "arena_bytes", FIELD(arena_bytes), 1ull << 40 },
+        { "daemon", "max_arena_bytes", FIELD(max_arena_bytes), 1ull << 44 },
+        { "daemon", "max_arena_segments", FIELD(max_arena_segments), 1024 },
         { "limits", "max_clients", FIELD(max_clients), 65536 },
         { "limits", "max_groups", FIELD(max_groups), 65536 },
         { "limits", "max_regions_per_client", FIELD(max_regions_per_client), 1u << 20 },
@@ -108,6 +110,8 @@ static void assert_cfg_eq(const struct epd_config *a, const struct epd_config *b
         ck_assert_uint_eq(a->op_timeout_ms, b->op_timeout_ms);
         ck_assert_uint_eq(a->peer_lost_ms, b->peer_lost_ms);
         ck_assert_uint_eq(a->arena_bytes, b->arena_bytes);
+        ck_assert_uint_eq(a->max_arena_bytes, b->max_arena_bytes);
+        ck_assert_uint_eq(a->max_arena_segments, b->max_arena_segments);
         ck_assert_uint_eq(a->max_clients, b->max_clients);
         ck_assert_uint_eq(a->max_groups, b->max_groups);
         ck_assert_uint_eq(a->max_regions_per_client, b->max_regions_per_client);

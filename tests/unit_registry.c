@@ -1,5 +1,5 @@
 /* unit_registry.c - the region registry and its bounds check (daemon/registry.c), the output
- * arena allocator (daemon/arena.c) and the latency histograms (daemon/stats.c).
+ * arena allocator and its resizing (daemon/arena.c) and the latency histograms (daemon/stats.c).
  *
  * The registry runs against a hand-built daemon and connections whose regions point at malloc'd
  * buffers; registration goes through a fake backend that counts imports and releases, so no
@@ -804,12 +804,118 @@ START_TEST(test_arena_free_closes_fd)
         ck_assert_int_eq(pipe2(p, O_CLOEXEC), 0);
         a = epd_arena_new(NULL, 4096, p[1], EPD_REGION_HOST_MEMFD);
         ck_assert_ptr_nonnull(a);
-        ck_assert_int_eq(a->fd, p[1]);
+        ck_assert_int_eq(a->segs[0].fd, p[1]);
         epd_arena_free(a);
         ck_assert_int_eq(fd_is_open(p[1]), 0);
         ck_assert_int_eq(fd_is_open(p[0]), 1);
         epd_arena_free(NULL);
         close(p[0]);
+}
+END_TEST
+
+/* ---- arena resizing (real memory through the host backend's segment mapping) ---- */
+
+static struct epd_arena *arena_created(struct epd_backend *b, uint64_t bytes, uint64_t reserve,
+                                       unsigned max_segments)
+{
+        struct epd_arena *a = NULL;
+        char err[256];
+
+        b->ops = &epd_backend_host_ops; /* arena_map/arena_unmap need no initialised backend */
+        ck_assert_msg(epd_arena_create(b, 0, 1, bytes, reserve, max_segments, &a, err,
+                                       sizeof(err)) == 0,
+                      "%s", err);
+        return a;
+}
+
+static uint64_t resized(struct epd_arena *a, uint64_t bytes)
+{
+        uint64_t now = 0;
+        char err[256];
+
+        ck_assert_msg(epd_arena_resize(a, bytes, &now, err, sizeof(err)) == 0, "%s", err);
+        return now;
+}
+
+START_TEST(test_arena_resize_grow_shrink)
+{
+        struct epd_backend b;
+        struct epd_arena *a = arena_created(&b, 64 << 10, 1 << 20, 4);
+        uint8_t *base = a->base;
+        uint64_t off[3], big, gen = a->generation, now;
+        char err[256];
+
+        ck_assert_uint_eq(a->bytes, 64 << 10);
+        ck_assert_uint_eq(a->reserved, 1 << 20);
+        ck_assert_uint_eq(a->num_segs, 1);
+        for (int i = 0; i < 3; i++) {
+                ck_assert_int_eq(epd_arena_alloc(a, 16 << 10, &off[i]), 0);
+                ck_assert_uint_eq(off[i], (uint64_t)i * (16 << 10));
+        }
+        ck_assert_uint_eq(epd_arena_floor(a), 48 << 10);
+        /* A shrink stops at the end of the highest placement. */
+        ck_assert_uint_eq(resized(a, 4096), 48 << 10);
+        ck_assert_uint_eq(a->num_segs, 1);
+        ck_assert_uint_gt(a->generation, gen);
+        /* A grow maps a second segment after the first; placements may straddle them. */
+        ck_assert_uint_eq(resized(a, 256 << 10), 256 << 10);
+        ck_assert_uint_eq(a->num_segs, 2);
+        ck_assert_uint_eq(a->segs[1].off, 64 << 10);
+        ck_assert_ptr_eq(a->base, base);
+        ck_assert_int_eq(epd_arena_alloc(a, 200 << 10, &big), 0);
+        ck_assert_uint_eq(big, 48 << 10);
+        memset(a->base + big, 0x5A, 200 << 10);
+        ck_assert_int_eq(a->base[big + (200 << 10) - 1], 0x5A);
+        ck_assert_uint_eq(epd_arena_floor(a), 248 << 10);
+        epd_arena_release(a, big, 200 << 10);
+        ck_assert_uint_eq(epd_arena_floor(a), 48 << 10);
+        /* Back down: the second segment lies wholly above the new end and goes. */
+        ck_assert_uint_eq(resized(a, 4096), 48 << 10);
+        ck_assert_uint_eq(a->num_segs, 1);
+        ck_assert_uint_eq(a->mapped, 64 << 10);
+        for (int i = 0; i < 3; i++)
+                epd_arena_release(a, off[i], 16 << 10);
+        ck_assert_uint_eq(resized(a, 4096), 4096);
+        ck_assert_uint_eq(epd_arena_largest_free(a), 4096);
+        ck_assert_int_eq(epd_arena_alloc(a, 4096, &off[0]), 0);
+        ck_assert_int_eq(epd_arena_alloc(a, 1, &off[1]), -ENOMEM);
+        epd_arena_release(a, off[0], 4096);
+        /* Growing within the mapped first segment needs no new one. */
+        ck_assert_uint_eq(resized(a, 60 << 10), 60 << 10);
+        ck_assert_uint_eq(a->num_segs, 1);
+        ck_assert_uint_eq(epd_arena_largest_free(a), 60 << 10);
+        /* Outside 1..reserved. */
+        ck_assert_int_eq(epd_arena_resize(a, 0, &now, err, sizeof(err)), EPD_INVALID_ARGUMENT);
+        ck_assert_int_eq(epd_arena_resize(a, (1 << 20) + 1, &now, err, sizeof(err)),
+                         EPD_INVALID_ARGUMENT);
+        ck_assert_uint_eq(resized(a, 1 << 20), 1 << 20);
+        ck_assert_uint_eq(epd_arena_largest_free(a), 1 << 20);
+        epd_arena_free(a);
+}
+END_TEST
+
+START_TEST(test_arena_resize_segment_limit)
+{
+        struct epd_backend b;
+        struct epd_arena *a = arena_created(&b, 64 << 10, 1 << 20, 2);
+        uint64_t now = 0, gen;
+        char err[256];
+
+        ck_assert_uint_eq(resized(a, 128 << 10), 128 << 10);
+        gen = a->generation;
+        ck_assert_int_eq(epd_arena_resize(a, 256 << 10, &now, err, sizeof(err)), EPD_UNAVAILABLE);
+        ck_assert_msg(strstr(err, "max_arena_segments") != NULL, "%s", err);
+        /* Nothing changed. */
+        ck_assert_uint_eq(a->bytes, 128 << 10);
+        ck_assert_uint_eq(a->num_segs, 2);
+        ck_assert_uint_eq(a->generation, gen);
+        ck_assert_uint_eq(epd_arena_largest_free(a), 128 << 10);
+        /* An arena over the caller's memory cannot be resized. */
+        struct epd_arena *fixed = epd_arena_new(fake_memory, 4096, -1, EPD_REGION_HOST_MEMFD);
+        ck_assert_int_eq(epd_arena_resize(fixed, 2048, &now, err, sizeof(err)),
+                         EPD_INVALID_ARGUMENT);
+        epd_arena_free(fixed);
+        epd_arena_free(a);
 }
 END_TEST
 
@@ -955,6 +1061,8 @@ static Suite *registry_suite(void)
         tcase_add_test(tc, test_arena_coalescing);
         tcase_add_test(tc, test_arena_many_holes);
         tcase_add_test(tc, test_arena_free_closes_fd);
+        tcase_add_test(tc, test_arena_resize_grow_shrink);
+        tcase_add_test(tc, test_arena_resize_segment_limit);
         suite_add_tcase(s, tc);
 
         tc = tcase_create("stats");
