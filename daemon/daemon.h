@@ -144,6 +144,9 @@ struct epd_rank {
         int doorbell_fd;
         void *doorbell_dev;           /* its device address (cuda backend), else NULL */
         uint64_t completed;           /* ops of this binding finished, as in the doorbell */
+        uint64_t submitted;           /* submissions of this binding, accepted or refused */
+        uint64_t *refused;            /* sequence numbers of refused submissions not yet counted */
+        unsigned num_refused, cap_refused;
         int arena_host;               /* the arena is host memory */
         struct epd_rank_stats stats;
 };
@@ -197,6 +200,7 @@ struct epd_submission {
         uint64_t request_id;
         struct epd_conn *conn;
         uint64_t submitted_ns;
+        uint64_t seq;                 /* the rank's submission number (doorbell) */
         Epd__V1__Request *req;        /* owned; decoded request */
 };
 
@@ -282,8 +286,11 @@ int epd_region_resolve(struct epd_conn *c, const struct epd_tensor *tensor, uint
                        uint64_t *row_stride, char *err, size_t err_len);
 
 /* group.c */
-/* Counts one finished op of `rank` (any status) and publishes it in the rank's doorbell. */
-void epd_group_rank_op_finished(struct epd_group *g, uint32_t rank);
+/* Doorbell bookkeeping (common/doorbell.h): every submission of a rank gets a sequence number;
+ * `completed` counts the first n that have finished, whatever their status. */
+uint64_t epd_group_rank_submitted(struct epd_group *g, uint32_t rank);
+void epd_group_rank_op_finished(struct epd_group *g, uint32_t rank, uint64_t seq);
+void epd_group_rank_refused(struct epd_group *g, uint32_t rank);
 /* Frees doorbell pages of past bindings (no op executing). */
 void epd_group_free_retired(struct epd_group *g);
 struct epd_group *epd_group_find(struct epd_daemon *d, uint64_t id);

@@ -287,18 +287,67 @@ static int rank_doorbell_create(struct epd_group *g, struct epd_rank *r, char *e
         r->doorbell = (struct epd_doorbell *)page;
         r->doorbell_fd = fd;
         r->completed = 0;
+        r->submitted = 0;
+        r->num_refused = 0;
         return 0;
 }
 
-void epd_group_rank_op_finished(struct epd_group *g, uint32_t rank)
+/* Advances `completed` over refused submissions that are next in line, then publishes it.
+ * Release: a client that sees the count also sees the op's outputs (the backend's work is
+ * complete before the loop thread learns of it). */
+static void rank_publish(struct epd_rank *r)
+{
+        unsigned i = 0;
+
+        while (i < r->num_refused && r->refused[i] == r->completed + 1) {
+                r->completed++;
+                i++;
+        }
+        if (i) {
+                memmove(r->refused, r->refused + i, (r->num_refused - i) * sizeof(*r->refused));
+                r->num_refused -= i;
+        }
+        if (r->doorbell)
+                __atomic_store_n(&r->doorbell->completed, r->completed, __ATOMIC_RELEASE);
+}
+
+uint64_t epd_group_rank_submitted(struct epd_group *g, uint32_t rank)
+{
+        return ++g->ranks[rank].submitted;
+}
+
+void epd_group_rank_op_finished(struct epd_group *g, uint32_t rank, uint64_t seq)
 {
         struct epd_rank *r = &g->ranks[rank];
 
-        r->completed++;
-        /* Release: a client that sees the count also sees the op's outputs (the backend's
-         * work is complete before the loop thread learns of it). */
-        if (r->doorbell)
-                __atomic_store_n(&r->doorbell->completed, r->completed, __ATOMIC_RELEASE);
+        /* A rank's accepted ops finish in submission order (ops of a group finish in order). */
+        if (seq > r->completed)
+                r->completed = seq;
+        rank_publish(r);
+}
+
+void epd_group_rank_refused(struct epd_group *g, uint32_t rank)
+{
+        struct epd_rank *r = &g->ranks[rank];
+        uint64_t seq = ++r->submitted;
+
+        /* A submission refused at once still counts in the doorbell, but only after every
+         * earlier submission of the rank has finished, so that the count keeps meaning "the
+         * first n submissions are done". */
+        if (seq == r->completed + 1) {
+                r->completed = seq;
+        } else {
+                if (r->num_refused == r->cap_refused) {
+                        unsigned cap = r->cap_refused ? r->cap_refused * 2 : 8;
+                        uint64_t *n = realloc(r->refused, cap * sizeof(*n));
+                        if (!n)
+                                return; /* the doorbell then stops short; the host status is exact */
+                        r->refused = n;
+                        r->cap_refused = cap;
+                }
+                r->refused[r->num_refused++] = seq;
+        }
+        rank_publish(r);
 }
 
 int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint32_t device,
@@ -524,6 +573,8 @@ void epd_group_maybe_free(struct epd_group *g)
         log_info("group destroyed group=%s id=%llu", g->name, (unsigned long long)g->id);
         epd_list_del(&g->link);
         d->num_groups--;
+        for (uint32_t r = 0; r < g->cfg.world_size; r++)
+                free(g->ranks[r].refused);
         free(g->ranks);
         free(g);
 }

@@ -81,7 +81,7 @@ static int op_finish(struct epd_op *op, int status, const char *message)
         for (uint32_t r = 0; r < R; r++) {
                 if (op->subs[r].arrived && op->subs[r].conn) {
                         epd_op_stats_record(&g->ranks[r].stats.kind[op->kind - 1], status, 0, 0);
-                        epd_group_rank_op_finished(g, r);
+                        epd_group_rank_op_finished(g, r, op->subs[r].seq);
                         reply_error(op, r);
                 }
         }
@@ -189,7 +189,7 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
         struct epd_submission *sub;
 
         if (g->state == EPD_GROUP_BROKEN) {
-                epd_group_rank_op_finished(g, rank);
+                epd_group_rank_refused(g, rank);
                 epd_conn_reply_status(c, req->id, EPD_PEER_LOST,
                                       "group '%s' is broken: a rank was lost; it is usable again once every rank is bound",
                                       g->name);
@@ -197,7 +197,7 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
                 return;
         }
         if (c->outstanding_ops >= d->cfg.max_outstanding_ops_per_client) {
-                epd_group_rank_op_finished(g, rank);
+                epd_group_rank_refused(g, rank);
                 epd_conn_reply_status(c, req->id, EPD_UNAVAILABLE,
                                       "client has %u outstanding ops, the limit max_outstanding_ops_per_client",
                                       c->outstanding_ops);
@@ -206,7 +206,7 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
         }
         op = op_get(g, g->ranks[rank].next_op, kind);
         if (!op) {
-                epd_group_rank_op_finished(g, rank);
+                epd_group_rank_refused(g, rank);
                 epd_conn_reply_status(c, req->id, EPD_INTERNAL, "out of memory");
                 epd__v1__request__free_unpacked(req, NULL);
                 return;
@@ -219,11 +219,12 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
         sub->request_id = req->id;
         sub->conn = c;
         sub->submitted_ns = epd__now_ns();
+        sub->seq = epd_group_rank_submitted(g, rank);
         sub->req = req;
         op->arrived++;
         if (op->state == EPD_OP_FINISHED) {
                 epd_op_stats_record(&g->ranks[rank].stats.kind[kind - 1], op->status, 0, 0);
-                epd_group_rank_op_finished(g, rank);
+                epd_group_rank_op_finished(g, rank, sub->seq);
                 reply_error(op, rank);
                 if (op->arrived == g->cfg.world_size)
                         op_destroy(op);
@@ -353,8 +354,14 @@ static int prep_dispatch(struct prep *p)
         ex->zero_padding = m0->zero_padding;
         ex->has_weights = present(m0->topk_weights);
         ex->num_topk = dispatch_topk(m0);
-        ex->topk_dtype = present(m0->topk_idx) ? (enum epd_dtype)m0->topk_idx->dtype
-                                               : EPD_DTYPE_INVALID;
+        /* The top-k dtype comes from the first rank that gives topk_idx: a rank without tokens
+         * may leave it out. */
+        ex->topk_dtype = EPD_DTYPE_INVALID;
+        for (uint32_t r = 0; r < R && ex->topk_dtype == EPD_DTYPE_INVALID; r++) {
+                const Epd__V1__Dispatch *m = op->subs[r].req->dispatch;
+                if (present(m->topk_idx))
+                        ex->topk_dtype = (enum epd_dtype)m->topk_idx->dtype;
+        }
         if (m0->handle_id) {
                 h = epd_group_handle_find(g, m0->handle_id);
                 if (!h)
@@ -960,7 +967,7 @@ void epd_op_complete(struct epd_exec *ex)
                 }
                 if (!sub->conn)
                         continue;
-                epd_group_rank_op_finished(g, r);
+                epd_group_rank_op_finished(g, r, sub->seq);
                 if (status != EPD_OK && named) {
                         sub->conn->outstanding_ops--;
                         epd_conn_reply_status(sub->conn, sub->request_id, status, "%s",

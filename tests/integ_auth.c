@@ -1,0 +1,485 @@
+/* integ_auth.c - who may talk to the daemon, against the real epd binary (DESIGN.md sections 3
+ * and 6, README "Running the daemon").
+ *
+ * The tests run as root and check what another user sees by forking a child that drops to
+ * `nobody` (setgroups, setgid, setuid) before it connects; the child reports back through a pipe.
+ * Covered:
+ * - the socket file gets --socket-mode, and a user the mode excludes cannot connect (EACCES);
+ * - allow_uids / allow_gids: a peer outside both lists is refused with PERMISSION_DENIED and a
+ *   message; a uid or a primary gid on a list is accepted; root always is; refusals are
+ *   counted; the lists are hot (SIGHUP);
+ * - admin rights: Welcome grants CAP_ADMIN to root and to members of admin_group, not to
+ *   anyone else (epd_client_capabilities); that the admin verbs themselves refuse everyone
+ *   else is integ_admin's;
+ * - group secrets across users: another user who knows the secret may join a root's group,
+ *   with a wrong secret it gets PERMISSION_DENIED. (Short secrets, wrong secrets of the same
+ *   user and regions of other clients are integ_proto's.)
+ * Without root the tests say so and pass: dropping privileges needs it.
+ */
+#include <check.h>
+#include <errno.h>
+#include <grp.h>
+#include <jansson.h>
+#include <pwd.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "epd.h"
+#include "harness.h"
+
+static long long now_ms(void)
+{
+        struct timespec ts;
+
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+/* ---- the other user ---- */
+
+static uid_t nobody_uid = 65534;
+static gid_t nobody_gid = 65534;
+static char nobody_group[64] = "nogroup";
+
+static int have_root(void)
+{
+        struct passwd *pw = getpwnam("nobody");
+        struct group *gr;
+
+        if (pw) {
+                nobody_uid = pw->pw_uid;
+                nobody_gid = pw->pw_gid;
+        }
+        gr = getgrgid(nobody_gid);
+        if (gr)
+                snprintf(nobody_group, sizeof(nobody_group), "%s", gr->gr_name);
+        if (geteuid() != 0) {
+                printf("not root: cannot run a client as another user; test skipped\n");
+                return 0;
+        }
+        return 1;
+}
+
+enum child_action {
+        ACT_RAW_CONNECT,   /* connect(2) only: errno */
+        ACT_CONNECT,       /* epd_client_connect: status, message, capabilities */
+        ACT_JOIN,          /* connect, join group "shared" as rank 1 with the right secret */
+        ACT_JOIN_WRONG,    /* ... with a wrong secret */
+};
+
+struct child_result {
+        int done;
+        int rc;              /* connect(2): 0 or errno; libepd: the status */
+        uint64_t caps;
+        uid_t uid;
+        char message[400];
+};
+
+static int child_body(const struct h_daemon *d, enum child_action act, struct child_result *r)
+{
+        struct epd_connect_args args = { .size = sizeof(args), .socket_path = d->socket,
+                                         .client_name = "nobody", .timeout_ms = 5000 };
+        struct epd_client *c = NULL;
+        unsigned char secret[16];
+        struct epd_group_args ga = { .size = sizeof(ga), .name = "shared", .secret = secret,
+                                     .secret_len = sizeof(secret), .rank = 1 };
+        struct epd_group *g = NULL;
+
+        if (setgroups(0, NULL) < 0 || setgid(nobody_gid) < 0 || setuid(nobody_uid) < 0) {
+                snprintf(r->message, sizeof(r->message), "cannot become nobody: %s",
+                         strerror(errno));
+                return -1;
+        }
+        r->uid = getuid();
+        if (act == ACT_RAW_CONNECT) {
+                struct sockaddr_un sa = { .sun_family = AF_UNIX };
+                int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+                memcpy(sa.sun_path, d->socket, strlen(d->socket) + 1);
+                r->rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 ? errno : 0;
+                close(fd);
+                return 0;
+        }
+        r->rc = epd_client_connect(&args, &c, r->message, sizeof(r->message));
+        if (r->rc < 0)
+                return 0;
+        r->caps = epd_client_capabilities(c);
+        if (act == ACT_JOIN || act == ACT_JOIN_WRONG) {
+                h_secret(act == ACT_JOIN ? "shared" : "not shared", secret);
+                r->rc = epd_group_join(c, &ga, &g);
+                snprintf(r->message, sizeof(r->message), "%s", epd_client_last_error(c));
+                if (r->rc == 0)
+                        r->rc = epd_group_leave(g);
+        }
+        epd_client_free(c);
+        return 0;
+}
+
+/* Runs act in a child that is `nobody`; returns what it saw. */
+static struct child_result as_nobody(const struct h_daemon *d, enum child_action act)
+{
+        struct child_result r;
+        int pipefd[2], status;
+        pid_t pid;
+
+        memset(&r, 0, sizeof(r));
+        ck_assert_int_eq(pipe(pipefd), 0);
+        fflush(stdout);
+        fflush(stderr);
+        pid = fork();
+        ck_assert_int_ge(pid, 0);
+        if (pid == 0) {
+                close(pipefd[0]);
+                r.done = child_body(d, act, &r) == 0;
+                if (write(pipefd[1], &r, sizeof(r)) != (ssize_t)sizeof(r))
+                        _exit(2);
+                _exit(0);
+        }
+        close(pipefd[1]);
+        ck_assert_int_eq(read(pipefd[0], &r, sizeof(r)), (ssize_t)sizeof(r));
+        close(pipefd[0]);
+        ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+        ck_assert_msg(r.done, "the child failed: %s", r.message);
+        ck_assert_uint_eq(r.uid, nobody_uid);
+        return r;
+}
+
+/* ---- daemon ---- */
+
+struct auth_daemon {
+        struct h_daemon d;
+        char config[64];
+};
+
+static void config_write(struct auth_daemon *ad, const char *text)
+{
+        char tmp[80];
+        FILE *f;
+
+        snprintf(tmp, sizeof(tmp), "%s.new", ad->config);
+        f = fopen(tmp, "w");
+        ck_assert_ptr_nonnull(f);
+        fputs(text, f);
+        fclose(f);
+        ck_assert_int_eq(rename(tmp, ad->config), 0);
+}
+
+/* Starts epd with config_text and extra flags (NULL-terminated, may be NULL); the temporary
+ * directory becomes searchable by everyone so the socket's own mode decides who connects. */
+static void daemon_start(struct auth_daemon *ad, const char *config_text,
+                         const char *const *flags)
+{
+        const char *extra[16];
+        int n = 0, fd;
+
+        snprintf(ad->config, sizeof(ad->config), "/tmp/epd-auth-XXXXXX");
+        fd = mkstemp(ad->config);
+        ck_assert_int_ge(fd, 0);
+        close(fd);
+        config_write(ad, config_text);
+        extra[n++] = "--config";
+        extra[n++] = ad->config;
+        for (int i = 0; flags && flags[i] && n < 15; i++)
+                extra[n++] = flags[i];
+        extra[n] = NULL;
+        printf("config:\n%s", config_text);
+        fflush(stdout);
+        ck_assert_int_eq(h_daemon_start(&ad->d, extra), 0);
+        ck_assert_int_eq(chmod(ad->d.dir, 0755), 0);
+}
+
+static void daemon_stop_clean(struct auth_daemon *ad)
+{
+        int rc = h_daemon_stop(&ad->d, 5000);
+
+        unlink(ad->config);
+        ck_assert_int_eq(rc, 0);
+}
+
+static long long stats_field(const struct h_daemon *d, const char *field)
+{
+        static char out[256 * 1024];
+        const char *args[] = { "--socket", d->socket, "stats", "--json", NULL };
+        json_error_t jerr;
+        json_t *j;
+        long long v;
+
+        ck_assert_int_eq(h_run_tool("epctl", args, out, sizeof(out)), 0);
+        j = json_loads(out, 0, &jerr);
+        ck_assert_msg(j != NULL, "epctl stats --json: %s", jerr.text);
+        ck_assert_msg(json_is_integer(json_object_get(j, field)), "no '%s'", field);
+        v = json_integer_value(json_object_get(j, field));
+        json_decref(j);
+        return v;
+}
+
+static struct epd_client *connect_root(const struct h_daemon *d)
+{
+        struct epd_client *c = h_connect(d, "root");
+
+        ck_assert_ptr_nonnull(c);
+        return c;
+}
+
+/* ---- socket mode ---- */
+
+START_TEST(test_socket_mode)
+{
+        const char *mode_0600[] = { "--socket-mode", "0600", NULL };
+        const char *mode_0666[] = { "--socket-mode", "0666", NULL };
+        struct auth_daemon ad;
+        struct child_result r;
+        struct epd_client *c;
+        struct stat st;
+
+        if (!have_root())
+                return;
+        daemon_start(&ad, "", mode_0600);
+        ck_assert_int_eq(stat(ad.d.socket, &st), 0);
+        ck_assert_msg(S_ISSOCK(st.st_mode), "%s is not a socket", ad.d.socket);
+        ck_assert_msg((st.st_mode & 07777) == 0600, "socket mode %04o, expected 0600",
+                      (unsigned)(st.st_mode & 07777));
+        ck_assert_uint_eq(st.st_uid, 0);
+        r = as_nobody(&ad.d, ACT_RAW_CONNECT);
+        ck_assert_msg(r.rc == EACCES, "nobody's connect(2) to a 0600 socket: %s",
+                      r.rc ? strerror(r.rc) : "succeeded");
+        r = as_nobody(&ad.d, ACT_CONNECT);
+        ck_assert_msg(r.rc == EPD_UNAVAILABLE && strstr(r.message, "Permission denied"),
+                      "nobody's epd_client_connect to a 0600 socket: %s: %s",
+                      epd_status_name(r.rc), r.message);
+        /* Root is not affected. */
+        c = connect_root(&ad.d);
+        epd_client_free(c);
+        daemon_stop_clean(&ad);
+
+        /* The mode is what lets the other user in (no allow list configured). */
+        daemon_start(&ad, "[daemon]\nsocket_mode = 0600\n", mode_0666); /* the flag wins */
+        ck_assert_int_eq(stat(ad.d.socket, &st), 0);
+        ck_assert_msg((st.st_mode & 07777) == 0666, "socket mode %04o, expected 0666",
+                      (unsigned)(st.st_mode & 07777));
+        r = as_nobody(&ad.d, ACT_CONNECT);
+        ck_assert_msg(r.rc == EPD_OK, "nobody's connect to a 0666 socket: %s: %s",
+                      epd_status_name(r.rc), r.message);
+        daemon_stop_clean(&ad);
+}
+END_TEST
+
+/* ---- allow lists ---- */
+
+START_TEST(test_allow_uids)
+{
+        const char *mode_0666[] = { "--socket-mode", "0666", NULL };
+        struct auth_daemon ad;
+        struct child_result r;
+        struct epd_client *c;
+        char text[256];
+
+        if (!have_root())
+                return;
+        daemon_start(&ad, "[daemon]\nallow_uids = 0\n", mode_0666);
+        for (int i = 0; i < 5; i++) {
+                r = as_nobody(&ad.d, ACT_CONNECT);
+                ck_assert_msg(r.rc == EPD_PERMISSION_DENIED,
+                              "nobody with allow_uids = 0 (attempt %d): %s: %s", i,
+                              epd_status_name(r.rc), r.message);
+                ck_assert_msg(strstr(r.message, "allow list"),
+                              "the refusal does not mention the allow list: '%s'", r.message);
+        }
+        ck_assert_int_ge(stats_field(&ad.d, "clients_refused"), 5);
+        c = connect_root(&ad.d);
+        epd_client_free(c);
+        daemon_stop_clean(&ad);
+
+        /* nobody's uid on the list. */
+        snprintf(text, sizeof(text), "[daemon]\nallow_uids = 0, %u\n", (unsigned)nobody_uid);
+        daemon_start(&ad, text, mode_0666);
+        r = as_nobody(&ad.d, ACT_CONNECT);
+        ck_assert_msg(r.rc == EPD_OK, "nobody with its uid allowed: %s: %s",
+                      epd_status_name(r.rc), r.message);
+        daemon_stop_clean(&ad);
+
+        /* Root is always allowed, even by a list that does not name it. */
+        snprintf(text, sizeof(text), "[daemon]\nallow_uids = %u\n", (unsigned)nobody_uid + 1);
+        daemon_start(&ad, text, mode_0666);
+        c = connect_root(&ad.d);
+        epd_client_free(c);
+        r = as_nobody(&ad.d, ACT_CONNECT);
+        ck_assert_int_eq(r.rc, EPD_PERMISSION_DENIED);
+        daemon_stop_clean(&ad);
+}
+END_TEST
+
+START_TEST(test_allow_gids)
+{
+        const char *mode_0666[] = { "--socket-mode", "0666", NULL };
+        struct auth_daemon ad;
+        struct child_result r;
+        char text[256];
+
+        if (!have_root())
+                return;
+        /* A uid list that excludes nobody, and a gid list that names its primary group. */
+        snprintf(text, sizeof(text), "[daemon]\nallow_uids = 0\nallow_gids = %u\n",
+                 (unsigned)nobody_gid);
+        daemon_start(&ad, text, mode_0666);
+        r = as_nobody(&ad.d, ACT_CONNECT);
+        ck_assert_msg(r.rc == EPD_OK, "nobody with its gid %u allowed: %s: %s",
+                      (unsigned)nobody_gid, epd_status_name(r.rc), r.message);
+        daemon_stop_clean(&ad);
+
+        /* A gid list alone that does not name it. */
+        snprintf(text, sizeof(text), "[daemon]\nallow_gids = %u\n", (unsigned)nobody_gid + 1);
+        daemon_start(&ad, text, mode_0666);
+        r = as_nobody(&ad.d, ACT_CONNECT);
+        ck_assert_msg(r.rc == EPD_PERMISSION_DENIED, "nobody with another gid allowed: %s: %s",
+                      epd_status_name(r.rc), r.message);
+        daemon_stop_clean(&ad);
+}
+END_TEST
+
+/* The allow lists are hot keys: SIGHUP applies them to new connections. */
+START_TEST(test_allow_reload)
+{
+        const char *mode_0666[] = { "--socket-mode", "0666", NULL };
+        struct auth_daemon ad;
+        struct child_result r;
+        char text[256];
+        long long deadline;
+
+        if (!have_root())
+                return;
+        daemon_start(&ad, "[daemon]\nallow_uids = 0\n", mode_0666);
+        r = as_nobody(&ad.d, ACT_CONNECT);
+        ck_assert_int_eq(r.rc, EPD_PERMISSION_DENIED);
+        snprintf(text, sizeof(text), "[daemon]\nallow_uids = 0\nallow_gids = %u\n",
+                 (unsigned)nobody_gid);
+        config_write(&ad, text);
+        ck_assert_int_eq(kill(ad.d.pid, SIGHUP), 0);
+        deadline = now_ms() + 3000;
+        do {
+                usleep(20000);
+                r = as_nobody(&ad.d, ACT_CONNECT);
+        } while (r.rc != EPD_OK && now_ms() < deadline);
+        ck_assert_msg(r.rc == EPD_OK, "nobody still refused after the reload: %s: %s",
+                      epd_status_name(r.rc), r.message);
+        config_write(&ad, "[daemon]\nallow_uids = 0\n");
+        ck_assert_int_eq(kill(ad.d.pid, SIGHUP), 0);
+        deadline = now_ms() + 3000;
+        do {
+                usleep(20000);
+                r = as_nobody(&ad.d, ACT_CONNECT);
+        } while (r.rc == EPD_OK && now_ms() < deadline);
+        ck_assert_msg(r.rc == EPD_PERMISSION_DENIED, "nobody still admitted after the reload: %s",
+                      epd_status_name(r.rc));
+        daemon_stop_clean(&ad);
+}
+END_TEST
+
+/* ---- admin rights ---- */
+
+START_TEST(test_admin_capability)
+{
+        const char *mode_0666[] = { "--socket-mode", "0666", NULL };
+        struct auth_daemon ad;
+        struct child_result r;
+        struct epd_client *c;
+        char text[256];
+
+        if (!have_root())
+                return;
+        daemon_start(&ad, "", mode_0666);
+        c = connect_root(&ad.d);
+        ck_assert_msg(epd_client_capabilities(c) & EPD_CAP_ADMIN, "root lacks CAP_ADMIN (0x%llx)",
+                      (unsigned long long)epd_client_capabilities(c));
+        ck_assert(epd_client_capabilities(c) & EPD_CAP_HOST_REGIONS);
+        epd_client_free(c);
+        r = as_nobody(&ad.d, ACT_CONNECT);
+        ck_assert_int_eq(r.rc, EPD_OK);
+        ck_assert_msg(!(r.caps & EPD_CAP_ADMIN), "nobody got CAP_ADMIN (0x%llx)",
+                      (unsigned long long)r.caps);
+        ck_assert(r.caps & EPD_CAP_HOST_REGIONS);
+        daemon_stop_clean(&ad);
+
+        /* admin_group grants it to the group's members. */
+        snprintf(text, sizeof(text), "[daemon]\nadmin_group = %s\n", nobody_group);
+        daemon_start(&ad, text, mode_0666);
+        r = as_nobody(&ad.d, ACT_CONNECT);
+        ck_assert_int_eq(r.rc, EPD_OK);
+        ck_assert_msg(r.caps & EPD_CAP_ADMIN, "nobody in admin_group %s lacks CAP_ADMIN (0x%llx)",
+                      nobody_group, (unsigned long long)r.caps);
+        daemon_stop_clean(&ad);
+
+        /* An admin_group that names another group does not. */
+        daemon_start(&ad, "[daemon]\nadmin_group = root\n", mode_0666);
+        r = as_nobody(&ad.d, ACT_CONNECT);
+        ck_assert_int_eq(r.rc, EPD_OK);
+        ck_assert(!(r.caps & EPD_CAP_ADMIN));
+        daemon_stop_clean(&ad);
+}
+END_TEST
+
+/* ---- group secrets across users ---- */
+
+START_TEST(test_secret_across_users)
+{
+        const char *mode_0666[] = { "--socket-mode", "0666", NULL };
+        struct epd_group_config cfg = {
+                .size = sizeof(cfg), .world_size = 2, .num_experts = 8, .hidden = 64,
+                .max_tokens_per_rank = 16, .max_topk = 2, .dispatch_dtype = EPD_DTYPE_BF16,
+                .arena_bytes = 1u << 20,
+        };
+        unsigned char secret[16];
+        struct epd_group_args ga = { .size = sizeof(ga), .name = "shared", .secret = secret,
+                                     .secret_len = sizeof(secret), .rank = 0, .config = &cfg };
+        struct auth_daemon ad;
+        struct child_result r;
+        struct epd_client *c;
+        struct epd_group *g;
+
+        if (!have_root())
+                return;
+        daemon_start(&ad, "", mode_0666);
+        c = connect_root(&ad.d);
+        h_secret("shared", secret);
+        ck_assert_int_eq(epd_group_create(c, &ga, &g), EPD_OK);
+        r = as_nobody(&ad.d, ACT_JOIN_WRONG);
+        ck_assert_msg(r.rc == EPD_PERMISSION_DENIED, "nobody with a wrong secret: %s: %s",
+                      epd_status_name(r.rc), r.message);
+        r = as_nobody(&ad.d, ACT_JOIN);
+        ck_assert_msg(r.rc == EPD_OK, "nobody with the secret: %s: %s", epd_status_name(r.rc),
+                      r.message);
+        ck_assert_int_eq(epd_group_leave(g), EPD_OK);
+        epd_client_free(c);
+        daemon_stop_clean(&ad);
+}
+END_TEST
+
+int main(void)
+{
+        Suite *s = suite_create("auth");
+        TCase *tc = tcase_create("auth");
+        SRunner *sr;
+        int failed;
+
+        tcase_set_timeout(tc, 30);
+        tcase_add_test(tc, test_socket_mode);
+        tcase_add_test(tc, test_allow_uids);
+        tcase_add_test(tc, test_allow_gids);
+        tcase_add_test(tc, test_allow_reload);
+        tcase_add_test(tc, test_admin_capability);
+        tcase_add_test(tc, test_secret_across_users);
+        suite_add_tcase(s, tc);
+        sr = srunner_create(s);
+        srunner_set_fork_status(sr, CK_FORK);
+        srunner_run_all(sr, CK_ENV);
+        failed = srunner_ntests_failed(sr);
+        srunner_free(sr);
+        return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}

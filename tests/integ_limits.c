@@ -1,0 +1,901 @@
+/* integ_limits.c - every configured limit of the daemon (README "Limits"), against the real epd
+ * binary: exceeding one gives a clear status (or closes the offending connection), and the daemon
+ * keeps serving its other clients.
+ *
+ * Each test writes a small configuration file, starts its own daemon with `--config FILE` (the
+ * harness passes `--config /dev/null` first; the last --config wins) and stops it again, expecting
+ * a clean exit. Covered:
+ * - max_clients: the connection over the limit is refused with UNAVAILABLE and a message naming
+ *   the limit; a slot that frees up is usable again; refusals are counted;
+ * - max_groups, max_regions_per_client, max_region_bytes_per_client: the request over the limit
+ *   fails with UNAVAILABLE naming the limit, nothing is left behind (a refused region's fd is
+ *   closed), the limit is per client where it should be, and freeing makes room again;
+ * - max_outstanding_ops_per_client: the async op over the limit fails at once with UNAVAILABLE
+ *   without using up an op number; the ops in flight complete normally;
+ * - max_frame_bytes: announced in Welcome; a frame of exactly the limit is served, one byte more
+ *   closes that connection; libepd refuses to send a request over the limit;
+ * - max_fds_per_frame: announced in Welcome; a frame with more fds closes that connection and
+ *   every fd is closed;
+ * - max_output_queue_bytes: a client that floods requests and never reads its replies is
+ *   disconnected once its queued replies exceed the limit.
+ *
+ * Raw frames are built with common/frame.h and the generated protobuf-c code.
+ */
+#include <check.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "epd.h"
+#include "epd.pb-c.h"
+#include "frame.h"
+#include "harness.h"
+#include "util.h"
+
+#define NUM_EXPERTS 8
+#define HIDDEN 64
+#define MAX_TOKENS 16
+#define MAX_TOPK 2
+#define NUM_TOKENS 4u
+#define REGION_BYTES 4096u
+#define TOPK_OFFSET 2048u
+#define RAW_MAX_BODY (256u * 1024u)
+
+static long long now_ms(void)
+{
+        struct timespec ts;
+
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+/* ---- daemon with a configuration file ---- */
+
+struct limits_daemon {
+        struct h_daemon d;
+        char config[64];
+};
+
+static void daemon_start_with(struct limits_daemon *ld, const char *config_text)
+{
+        const char *extra[] = { "--config", ld->config, NULL };
+        int fd;
+
+        snprintf(ld->config, sizeof(ld->config), "/tmp/epd-limits-XXXXXX");
+        fd = mkstemp(ld->config);
+        ck_assert_int_ge(fd, 0);
+        ck_assert_int_eq(write(fd, config_text, strlen(config_text)), (ssize_t)strlen(config_text));
+        close(fd);
+        printf("config:\n%s", config_text);
+        fflush(stdout);
+        ck_assert_msg(h_daemon_start(&ld->d, extra) == 0, "epd did not start with:\n%s",
+                      config_text);
+}
+
+static void daemon_stop_clean(struct limits_daemon *ld)
+{
+        int rc = h_daemon_stop(&ld->d, 5000);
+
+        unlink(ld->config);
+        ck_assert_int_eq(rc, 0);
+}
+
+static void assert_daemon_alive(const struct h_daemon *d)
+{
+        int status;
+
+        ck_assert_msg(waitpid(d->pid, &status, WNOHANG) == 0, "the daemon exited (status %d)",
+                      status);
+}
+
+/* Whether the daemon's log contains text. */
+static int log_contains(const struct h_daemon *d, const char *text)
+{
+        static char buf[1 << 20];
+        FILE *f = fopen(d->log, "r");
+        size_t n;
+
+        if (!f)
+                return 0;
+        n = fread(buf, 1, sizeof(buf) - 1, f);
+        fclose(f);
+        buf[n] = '\0';
+        return strstr(buf, text) != NULL;
+}
+
+static struct epd_client *connect_ok(const struct h_daemon *d, const char *name)
+{
+        struct epd_client *c = h_connect(d, name);
+
+        ck_assert_msg(c != NULL, "cannot connect %s", name);
+        return c;
+}
+
+static struct epd_group_config group_config(uint32_t world_size)
+{
+        struct epd_group_config cfg = {
+                .size = sizeof(cfg), .world_size = world_size, .num_experts = NUM_EXPERTS,
+                .hidden = HIDDEN, .max_tokens_per_rank = MAX_TOKENS, .max_topk = MAX_TOPK,
+                .dispatch_dtype = EPD_DTYPE_BF16, .op_timeout_ms = 10000,
+                .arena_bytes = 1u << 20,
+        };
+        return cfg;
+}
+
+static int group_enter(struct epd_client *c, int create, const char *name, uint32_t rank,
+                       const struct epd_group_config *cfg, struct epd_group **out)
+{
+        unsigned char secret[16];
+        struct epd_group_args args = {
+                .size = sizeof(args), .name = name, .secret = secret,
+                .secret_len = sizeof(secret), .rank = rank, .config = cfg,
+        };
+
+        h_secret(name, secret);
+        return create ? epd_group_create(c, &args, out) : epd_group_join(c, &args, out);
+}
+
+/* A request that needs nothing: proof that a connection is served. */
+static int size_hint(struct epd_client *c)
+{
+        struct epd_group_config cfg = group_config(1);
+        struct epd_size_hint hint;
+
+        return epd_size_hint(c, &cfg, 1, &hint);
+}
+
+static json_t *epctl_json(const struct h_daemon *d, const char *command)
+{
+        static char out[256 * 1024];
+        const char *args[] = { "--socket", d->socket, command, "--json", NULL };
+        json_error_t jerr;
+        json_t *j;
+        int rc = h_run_tool("epctl", args, out, sizeof(out));
+
+        ck_assert_msg(rc == 0, "epctl %s exited with %d", command, rc);
+        j = json_loads(out, 0, &jerr);
+        ck_assert_msg(j != NULL, "epctl %s --json printed invalid JSON: %s", command, jerr.text);
+        return j;
+}
+
+static long long json_field(const struct h_daemon *d, const char *command, const char *field)
+{
+        json_t *j = epctl_json(d, command);
+        json_t *v = json_object_get(j, field);
+        long long n;
+
+        ck_assert_msg(json_is_integer(v), "epctl %s --json has no integer '%s'", command, field);
+        n = json_integer_value(v);
+        json_decref(j);
+        return n;
+}
+
+/* Client memfd mappings the daemon holds ("epd-region" is libepd's memfd name). */
+static int daemon_region_mappings(const struct h_daemon *d)
+{
+        char path[64], line[512];
+        FILE *f;
+        int n = 0;
+
+        snprintf(path, sizeof(path), "/proc/%d/maps", (int)d->pid);
+        f = fopen(path, "re");
+        ck_assert_msg(f != NULL, "cannot read %s", path);
+        while (fgets(line, sizeof(line), f))
+                n += strstr(line, "/memfd:epd-region") != NULL;
+        fclose(f);
+        return n;
+}
+
+/* ---- raw frames ---- */
+
+static int raw_connect(const struct h_daemon *d)
+{
+        struct sockaddr_un sa = { .sun_family = AF_UNIX };
+        int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+
+        ck_assert_int_ge(fd, 0);
+        memcpy(sa.sun_path, d->socket, strlen(d->socket) + 1);
+        ck_assert_msg(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0, "connect: %s",
+                      strerror(errno));
+        return fd;
+}
+
+/* Sends one record: the header says body_len bytes and num_fds fds. Returns 0 or -errno. */
+static int raw_send(int sock, const void *body, size_t body_len, const int *fds,
+                    unsigned num_fds, int flags)
+{
+        uint8_t header[EPD_FRAME_HEADER_BYTES];
+        union {
+                struct cmsghdr align;
+                char buf[CMSG_SPACE(sizeof(int) * 16)];
+        } control;
+        struct iovec iov[2] = {
+                { .iov_base = header, .iov_len = sizeof(header) },
+                { .iov_base = (void *)body, .iov_len = body_len },
+        };
+        struct msghdr msg = { .msg_iov = iov, .msg_iovlen = body_len ? 2 : 1 };
+        struct epd_frame_header h = {
+                .magic = EPD_FRAME_MAGIC, .version = EPD_PROTOCOL_VERSION,
+                .num_fds = (uint16_t)num_fds, .length = (uint32_t)body_len,
+        };
+
+        ck_assert_uint_le(num_fds, 16);
+        epd_frame_header_encode(&h, header);
+        if (num_fds) {
+                struct cmsghdr *cmsg;
+
+                memset(&control, 0, sizeof(control));
+                msg.msg_control = control.buf;
+                msg.msg_controllen = CMSG_SPACE(sizeof(int) * num_fds);
+                cmsg = CMSG_FIRSTHDR(&msg);
+                cmsg->cmsg_level = SOL_SOCKET;
+                cmsg->cmsg_type = SCM_RIGHTS;
+                cmsg->cmsg_len = CMSG_LEN(sizeof(int) * num_fds);
+                memcpy(CMSG_DATA(cmsg), fds, sizeof(int) * num_fds);
+        }
+        if (sendmsg(sock, &msg, MSG_NOSIGNAL | flags) < 0)
+                return -errno;
+        return 0;
+}
+
+/* Receives one frame within timeout_ms: 1 with *out set (caller frees), 0 at end of stream, -1
+ * on timeout. fds that came with it are closed. */
+static int raw_recv(int sock, int timeout_ms, Epd__V1__Response **out)
+{
+        static uint8_t buf[EPD_FRAME_HEADER_BYTES + RAW_MAX_BODY + 1];
+        union {
+                struct cmsghdr align;
+                char buf[CMSG_SPACE(sizeof(int) * EPD_FRAME_MAX_FDS)];
+        } control;
+        struct iovec iov = { .iov_base = buf, .iov_len = sizeof(buf) };
+        struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                              .msg_controllen = sizeof(control.buf) };
+        struct pollfd pfd = { .fd = sock, .events = POLLIN };
+        struct epd_frame_header h;
+        struct cmsghdr *cmsg;
+        const char *why = NULL;
+        unsigned num_fds = 0;
+        ssize_t n;
+        int rc;
+
+        rc = poll(&pfd, 1, timeout_ms);
+        ck_assert_int_ge(rc, 0);
+        if (rc == 0)
+                return -1;
+        n = recvmsg(sock, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (n < 0 && errno == ECONNRESET)
+                n = recvmsg(sock, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC); /* sk_err is cleared */
+        if (n < 0 && (errno == ECONNRESET || errno == EAGAIN))
+                return 0;
+        ck_assert_msg(n >= 0, "recvmsg: %s", strerror(errno));
+        for (cmsg = CMSG_FIRSTHDR(&msg); cmsg; cmsg = CMSG_NXTHDR(&msg, cmsg)) {
+                for (size_t i = 0; i < (cmsg->cmsg_len - CMSG_LEN(0)) / sizeof(int); i++) {
+                        int fd;
+                        memcpy(&fd, CMSG_DATA(cmsg) + i * sizeof(int), sizeof(fd));
+                        close(fd);
+                        num_fds++;
+                }
+        }
+        if (n == 0 && num_fds == 0)
+                return 0;
+        rc = epd_frame_header_check(buf, (size_t)n, RAW_MAX_BODY, num_fds, &h, &why);
+        ck_assert_msg(rc == 0, "the daemon sent a malformed frame: %s", why);
+        *out = epd__v1__response__unpack(NULL, h.length, buf + EPD_FRAME_HEADER_BYTES);
+        ck_assert_msg(*out != NULL, "the daemon sent an undecodable Response");
+        return 1;
+}
+
+static size_t pack_status_request(uint8_t *buf, uint64_t id)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__StatusRequest sr = EPD__V1__STATUS_REQUEST__INIT;
+
+        req.id = id;
+        req.body_case = EPD__V1__REQUEST__BODY_STATUS;
+        req.status = &sr;
+        return epd__v1__request__pack(&req, buf);
+}
+
+/* Hello/Welcome on a raw connection; returns the announced limits through the pointers. */
+static void raw_hello(int sock, uint32_t *max_frame, uint32_t *max_fds)
+{
+        static uint8_t body[4096];
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__Hello hello = EPD__V1__HELLO__INIT;
+        Epd__V1__Response *resp = NULL;
+        size_t len;
+
+        hello.protocol_version = EPD_PROTOCOL_VERSION;
+        hello.client_name = "integ_limits raw";
+        req.id = 1;
+        req.body_case = EPD__V1__REQUEST__BODY_HELLO;
+        req.hello = &hello;
+        len = epd__v1__request__pack(&req, body);
+        ck_assert_int_eq(raw_send(sock, body, len, NULL, 0, 0), 0);
+        ck_assert_int_eq(raw_recv(sock, 2000, &resp), 1);
+        ck_assert_int_eq(resp->status, EPD__V1__STATUS_CODE__OK);
+        ck_assert_int_eq(resp->body_case, EPD__V1__RESPONSE__BODY_WELCOME);
+        if (max_frame)
+                *max_frame = resp->welcome->limits->max_frame_bytes;
+        if (max_fds)
+                *max_fds = resp->welcome->limits->max_fds_per_frame;
+        epd__v1__response__free_unpacked(resp, NULL);
+}
+
+/* Asserts that the daemon closes sock within 2 s; returns the status of an error reply sent
+ * before the close (EPD_OK when none). */
+static int expect_closed(int sock, char *message, size_t message_len)
+{
+        long long deadline = now_ms() + 2000;
+        int status = EPD_OK;
+
+        if (message_len)
+                message[0] = '\0';
+        for (;;) {
+                Epd__V1__Response *resp = NULL;
+                long long left = deadline - now_ms();
+                int rc = raw_recv(sock, left > 0 ? (int)left : 0, &resp);
+
+                ck_assert_msg(rc >= 0, "the daemon did not close the connection within 2 s");
+                if (rc == 0)
+                        return status;
+                if (resp->status != EPD__V1__STATUS_CODE__OK) {
+                        status = epd__status_from_wire(resp->status);
+                        snprintf(message, message_len, "%s", resp->message ? resp->message : "");
+                }
+                epd__v1__response__free_unpacked(resp, NULL);
+        }
+}
+
+/* Every copy of a pipe's write end is closed (the daemon kept none) once read_end sees EOF. */
+static void expect_pipe_eof(int read_end)
+{
+        struct pollfd pfd = { .fd = read_end, .events = POLLIN };
+        char c;
+
+        ck_assert_msg(poll(&pfd, 1, 2000) == 1,
+                      "the daemon still holds an fd it received on a refused frame");
+        ck_assert_int_eq(read(read_end, &c, 1), 0);
+}
+
+/* ---- max_clients ---- */
+
+START_TEST(test_max_clients)
+{
+        struct limits_daemon ld;
+        struct epd_connect_args args = { .size = sizeof(args), .client_name = "over",
+                                         .timeout_ms = 5000 };
+        struct epd_client *c[3], *late = NULL;
+        char err[512];
+        int rc;
+
+        daemon_start_with(&ld, "[limits]\nmax_clients = 3\n");
+        args.socket_path = ld.d.socket;
+        for (int i = 0; i < 3; i++)
+                c[i] = connect_ok(&ld.d, "slot");
+        /* Refused every time, with the same clear status; repeated to catch a refusal that the
+         * client reads as a plain lost connection. */
+        for (int i = 0; i < 50; i++) {
+                late = NULL;
+                err[0] = '\0';
+                rc = epd_client_connect(&args, &late, err, sizeof(err));
+                ck_assert_msg(rc == EPD_UNAVAILABLE, "connect over max_clients (attempt %d) gave %s: %s",
+                              i, epd_status_name(rc), err);
+                ck_assert_ptr_null(late);
+                ck_assert_msg(strstr(err, "max_clients"),
+                              "attempt %d: the refusal does not name max_clients: '%s'", i, err);
+        }
+        /* The clients holding the slots are unaffected. */
+        for (int i = 0; i < 3; i++)
+                ck_assert_int_eq(size_hint(c[i]), EPD_OK);
+        /* A freed slot is usable again; epctl needs one too. */
+        epd_client_free(c[2]);
+        c[2] = NULL;
+        for (int attempt = 0; attempt < 100 && !c[2]; attempt++) {
+                rc = epd_client_connect(&args, &c[2], err, sizeof(err));
+                if (rc < 0)
+                        usleep(10000); /* the daemon has not yet seen the close */
+        }
+        ck_assert_msg(c[2] != NULL, "the freed slot was not reused: %s", err);
+        ck_assert_int_eq(size_hint(c[2]), EPD_OK);
+        epd_client_free(c[2]);
+        usleep(50000);
+        ck_assert_int_ge(json_field(&ld.d, "stats", "clients_refused"), 50);
+        assert_daemon_alive(&ld.d);
+        epd_client_free(c[1]);
+        epd_client_free(c[0]);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+/* ---- max_groups ---- */
+
+START_TEST(test_max_groups)
+{
+        struct limits_daemon ld;
+        struct epd_group_config cfg = group_config(1);
+        struct epd_group *g[3] = { NULL, NULL, NULL }, *extra = NULL;
+        struct epd_client *a, *b;
+        const char *msg;
+        int rc;
+
+        daemon_start_with(&ld, "[limits]\nmax_groups = 2\n");
+        a = connect_ok(&ld.d, "a");
+        b = connect_ok(&ld.d, "b");
+        ck_assert_int_eq(group_enter(a, 1, "g0", 0, &cfg, &g[0]), EPD_OK);
+        ck_assert_int_eq(group_enter(b, 1, "g1", 0, &cfg, &g[1]), EPD_OK);
+        /* The limit is the daemon's, not a client's: a third group fails for either client. */
+        rc = group_enter(a, 1, "g2", 0, &cfg, &g[2]);
+        msg = epd_client_last_error(a);
+        ck_assert_msg(rc == EPD_UNAVAILABLE, "a third group gave %s: %s", epd_status_name(rc), msg);
+        ck_assert_msg(strstr(msg, "max_groups"), "the message does not name max_groups: '%s'", msg);
+        ck_assert_ptr_null(g[2]);
+        rc = group_enter(b, 1, "g3", 0, &cfg, &extra);
+        ck_assert_int_eq(rc, EPD_UNAVAILABLE);
+        /* Joining an existing group is not creating one. */
+        ck_assert_int_eq(json_field(&ld.d, "status", "groups"), 2);
+        ck_assert_int_eq(size_hint(a), EPD_OK);
+        /* A group that goes away makes room. */
+        ck_assert_int_eq(epd_group_leave(g[0]), EPD_OK);
+        ck_assert_int_eq(group_enter(b, 1, "g2", 0, &cfg, &g[2]), EPD_OK);
+        ck_assert_int_eq(json_field(&ld.d, "status", "groups"), 2);
+        ck_assert_int_eq(epd_group_leave(g[2]), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g[1]), EPD_OK);
+        epd_client_free(b);
+        epd_client_free(a);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+/* ---- max_regions_per_client ---- */
+
+START_TEST(test_max_regions)
+{
+        struct limits_daemon ld;
+        struct epd_group_config cfg = group_config(1);
+        struct epd_client *a, *b;
+        struct epd_group *g;
+        uint64_t ids[5], bid;
+        void *p;
+        const char *msg;
+        int rc;
+
+        daemon_start_with(&ld, "[limits]\nmax_regions_per_client = 4\n");
+        a = connect_ok(&ld.d, "a");
+        b = connect_ok(&ld.d, "b");
+        /* The group's output arena counts against no client limit. */
+        ck_assert_int_eq(group_enter(a, 1, "g", 0, &cfg, &g), EPD_OK);
+        for (int i = 0; i < 4; i++) {
+                rc = epd_region_alloc(a, REGION_BYTES, &p, &ids[i]);
+                ck_assert_msg(rc == EPD_OK, "region %d: %s", i, epd_client_last_error(a));
+        }
+        rc = epd_region_alloc(a, REGION_BYTES, &p, &ids[4]);
+        msg = epd_client_last_error(a);
+        ck_assert_msg(rc == EPD_UNAVAILABLE, "a fifth region gave %s: %s", epd_status_name(rc),
+                      msg);
+        ck_assert_msg(strstr(msg, "max_regions_per_client"),
+                      "the message does not name max_regions_per_client: '%s'", msg);
+        /* The refused region is not held: its fd was closed and not mapped. */
+        ck_assert_int_eq(json_field(&ld.d, "status", "regions"), 4);
+        ck_assert_int_eq(daemon_region_mappings(&ld.d), 4);
+        /* The limit is per client. */
+        for (int i = 0; i < 4; i++)
+                ck_assert_int_eq(epd_region_alloc(b, REGION_BYTES, &p, &bid), EPD_OK);
+        ck_assert_int_eq(epd_region_alloc(b, REGION_BYTES, &p, &bid), EPD_UNAVAILABLE);
+        /* Releasing makes room; the connection was never hurt. */
+        ck_assert_int_eq(epd_region_release(a, ids[0]), EPD_OK);
+        ck_assert_int_eq(epd_region_alloc(a, REGION_BYTES, &p, &ids[0]), EPD_OK);
+        ck_assert_int_eq(size_hint(a), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g), EPD_OK);
+        epd_client_free(b);
+        epd_client_free(a);
+        usleep(50000);
+        ck_assert_int_eq(daemon_region_mappings(&ld.d), 0);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+/* ---- max_region_bytes_per_client ---- */
+
+START_TEST(test_max_region_bytes)
+{
+        struct limits_daemon ld;
+        struct epd_client *a, *b;
+        uint64_t id0, id1, id2;
+        void *p;
+        const char *msg;
+        int rc;
+
+        daemon_start_with(&ld, "[limits]\nmax_region_bytes_per_client = 1M\n");
+        a = connect_ok(&ld.d, "a");
+        b = connect_ok(&ld.d, "b");
+        ck_assert_int_eq(epd_region_alloc(a, 512u << 10, &p, &id0), EPD_OK);
+        ck_assert_int_eq(epd_region_alloc(a, 512u << 10, &p, &id1), EPD_OK); /* exactly 1 MiB */
+        rc = epd_region_alloc(a, 4096, &p, &id2);
+        msg = epd_client_last_error(a);
+        ck_assert_msg(rc == EPD_UNAVAILABLE, "4 KiB over 1 MiB gave %s: %s", epd_status_name(rc),
+                      msg);
+        ck_assert_msg(strstr(msg, "max_region_bytes_per_client") && strstr(msg, "1048576"),
+                      "the message does not name the limit and its value: '%s'", msg);
+        /* One region larger than the whole limit. */
+        ck_assert_int_eq(epd_region_alloc(b, 2u << 20, &p, &id2), EPD_UNAVAILABLE);
+        /* Per client: b still has its whole megabyte. */
+        ck_assert_int_eq(epd_region_alloc(b, 1u << 20, &p, &id2), EPD_OK);
+        ck_assert_int_eq(json_field(&ld.d, "status", "region_bytes"), 2 << 20);
+        ck_assert_int_eq(epd_region_release(a, id1), EPD_OK);
+        ck_assert_int_eq(epd_region_alloc(a, 4096, &p, &id2), EPD_OK);
+        ck_assert_int_eq(size_hint(a), EPD_OK);
+        epd_client_free(b);
+        epd_client_free(a);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+/* ---- max_outstanding_ops_per_client ---- */
+
+struct inputs {
+        uint8_t *base;
+        uint64_t region_id;
+        struct epd_tensor x, topk_idx;
+};
+
+static void inputs_make(struct epd_client *c, struct inputs *in)
+{
+        uint64_t x_sizes[2] = { NUM_TOKENS, HIDDEN }, k_sizes[2] = { NUM_TOKENS, MAX_TOPK };
+        void *base;
+        int64_t *topk;
+
+        ck_assert_int_eq(epd_region_alloc(c, REGION_BYTES, &base, &in->region_id), EPD_OK);
+        in->base = base;
+        topk = (int64_t *)(in->base + TOPK_OFFSET);
+        memset(base, 0x11, NUM_TOKENS * HIDDEN * 2);
+        for (uint32_t t = 0; t < NUM_TOKENS; t++)
+                for (uint32_t k = 0; k < MAX_TOPK; k++)
+                        topk[t * MAX_TOPK + k] = (t + k) % NUM_EXPERTS;
+        ck_assert_int_eq(epd_tensor_at(c, base, EPD_DTYPE_BF16, 2, x_sizes, &in->x), EPD_OK);
+        ck_assert_int_eq(epd_tensor_at(c, topk, EPD_DTYPE_INT64, 2, k_sizes, &in->topk_idx),
+                         EPD_OK);
+}
+
+static struct epd_dispatch_args dispatch_args(const struct inputs *in)
+{
+        struct epd_dispatch_args a = {
+                .size = sizeof(a), .num_tokens = NUM_TOKENS, .x = in->x,
+                .topk_idx = in->topk_idx, .use_arena = 1,
+        };
+        return a;
+}
+
+#define OPS_LIMIT 4
+
+START_TEST(test_max_outstanding_ops)
+{
+        struct limits_daemon ld;
+        struct epd_group_config cfg = group_config(2);
+        struct epd_client *a, *b, *bystander;
+        struct epd_group *ga, *gb, *gs;
+        struct epd_op *opa[OPS_LIMIT + 1], *opb[OPS_LIMIT], *op;
+        struct epd_dispatch_result res;
+        struct epd_dispatch_args da, db, ds;
+        struct inputs ina, inb, ins;
+        struct epd_group_config one = group_config(1);
+        int rc;
+
+        daemon_start_with(&ld, "[limits]\nmax_outstanding_ops_per_client = 4\n");
+        a = connect_ok(&ld.d, "a");
+        b = connect_ok(&ld.d, "b");
+        bystander = connect_ok(&ld.d, "bystander");
+        ck_assert_int_eq(group_enter(a, 1, "g", 0, &cfg, &ga), EPD_OK);
+        ck_assert_int_eq(group_enter(b, 0, "g", 1, NULL, &gb), EPD_OK);
+        ck_assert_int_eq(group_enter(bystander, 1, "solo", 0, &one, &gs), EPD_OK);
+        inputs_make(a, &ina);
+        inputs_make(b, &inb);
+        inputs_make(bystander, &ins);
+        da = dispatch_args(&ina);
+        db = dispatch_args(&inb);
+
+        /* Rank 0 submits one op more than allowed while rank 1 submits nothing: the first
+         * four wait for rank 1, the fifth fails at once. */
+        for (int i = 0; i <= OPS_LIMIT; i++)
+                ck_assert_int_eq(epd_dispatch_submit(ga, &da, &opa[i]), EPD_OK);
+        rc = epd_op_wait(opa[OPS_LIMIT], 2000);
+        ck_assert_msg(rc == EPD_UNAVAILABLE, "op %d over the limit gave %s: %s", OPS_LIMIT,
+                      epd_status_name(rc), epd_op_error(opa[OPS_LIMIT]));
+        ck_assert_msg(strstr(epd_op_error(opa[OPS_LIMIT]), "max_outstanding_ops_per_client"),
+                      "the message does not name the limit: '%s'", epd_op_error(opa[OPS_LIMIT]));
+        epd_op_free(opa[OPS_LIMIT]);
+        for (int i = 0; i < OPS_LIMIT; i++)
+                ck_assert_int_eq(epd_op_wait(opa[i], 0), EPD_TIMEOUT); /* still pending */
+        ck_assert_int_eq(json_field(&ld.d, "status", "clients"), 4);
+        /* Other clients are served meanwhile, ops included. */
+        ck_assert_int_eq(size_hint(b), EPD_OK);
+        ds = dispatch_args(&ins);
+        op = NULL;
+        rc = epd_dispatch(gs, &ds, &op);
+        ck_assert_msg(rc == EPD_OK, "bystander dispatch: %s", epd_client_last_error(bystander));
+        ck_assert_int_eq(epd_op_dispatch_result(op, &res), EPD_OK);
+        ck_assert_int_eq(epd_handle_release(gs, res.handle_id), EPD_OK);
+        epd_op_free(op);
+        /* Rank 1 catches up: ops 0..3 complete on both ranks; the refused op used no number. */
+        for (int i = 0; i < OPS_LIMIT; i++)
+                ck_assert_int_eq(epd_dispatch_submit(gb, &db, &opb[i]), EPD_OK);
+        for (int i = 0; i < OPS_LIMIT; i++) {
+                rc = epd_op_wait(opa[i], 5000);
+                ck_assert_msg(rc == EPD_OK, "rank 0 op %d: %s", i, epd_op_error(opa[i]));
+                ck_assert_int_eq(epd_op_wait(opb[i], 5000), EPD_OK);
+                ck_assert_int_eq(epd_op_dispatch_result(opa[i], &res), EPD_OK);
+                ck_assert_uint_eq(res.op_number, (uint64_t)i);
+                ck_assert_int_eq(epd_handle_release(ga, res.handle_id), EPD_OK);
+                ck_assert_int_eq(epd_handle_release(gb, res.handle_id), EPD_OK);
+                epd_op_free(opa[i]);
+                epd_op_free(opb[i]);
+        }
+        /* The next op pairs up as op 4 on both ranks. */
+        ck_assert_int_eq(epd_dispatch_submit(ga, &da, &opa[0]), EPD_OK);
+        ck_assert_int_eq(epd_dispatch_submit(gb, &db, &opb[0]), EPD_OK);
+        ck_assert_int_eq(epd_op_wait(opa[0], 5000), EPD_OK);
+        ck_assert_int_eq(epd_op_wait(opb[0], 5000), EPD_OK);
+        ck_assert_int_eq(epd_op_dispatch_result(opb[0], &res), EPD_OK);
+        ck_assert_uint_eq(res.op_number, OPS_LIMIT);
+        epd_op_free(opa[0]);
+        epd_op_free(opb[0]);
+        ck_assert_int_eq(epd_group_leave(gs), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(gb), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(ga), EPD_OK);
+        epd_client_free(bystander);
+        epd_client_free(b);
+        epd_client_free(a);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+/* ---- max_frame_bytes ---- */
+
+#define FRAME_LIMIT 8192u
+
+/* A StatusRequest padded with an unknown length-delimited field (number 1000, which protobuf-c
+ * skips) to exactly `total` body bytes. */
+static size_t padded_status_request(uint8_t *buf, uint64_t id, size_t total)
+{
+        size_t len = pack_status_request(buf, id);
+        size_t payload = total - len - 4; /* 2-byte tag, 2-byte length */
+
+        ck_assert_uint_ge(payload, 128);
+        ck_assert_uint_lt(payload, 16384);
+        buf[len++] = (uint8_t)(((1000u << 3) | 2u) & 0x7f) | 0x80;
+        buf[len++] = (uint8_t)(((1000u << 3) | 2u) >> 7);
+        buf[len++] = (uint8_t)(payload & 0x7f) | 0x80;
+        buf[len++] = (uint8_t)(payload >> 7);
+        memset(buf + len, 'p', payload);
+        return len + payload;
+}
+
+START_TEST(test_max_frame_bytes)
+{
+        static uint8_t body[2 * FRAME_LIMIT];
+        struct limits_daemon ld;
+        struct epd_client *other, *c;
+        struct epd_daemon_info info;
+        struct epd_group_config cfg = group_config(1);
+        struct epd_group *g = NULL;
+        Epd__V1__Response *resp = NULL;
+        char name[FRAME_LIMIT + 16], msg[512];
+        uint32_t max_frame = 0;
+        size_t len;
+        int sock, st;
+
+        daemon_start_with(&ld, "[limits]\nmax_frame_bytes = 8K\n");
+        other = connect_ok(&ld.d, "bystander");
+        ck_assert_int_eq(epd_client_daemon_info(other, &info), EPD_OK);
+        ck_assert_uint_eq(info.max_frame_bytes, FRAME_LIMIT);
+
+        /* Exactly the limit: served. */
+        sock = raw_connect(&ld.d);
+        raw_hello(sock, &max_frame, NULL);
+        ck_assert_uint_eq(max_frame, FRAME_LIMIT);
+        len = padded_status_request(body, 2, FRAME_LIMIT);
+        ck_assert_uint_eq(len, FRAME_LIMIT);
+        ck_assert_int_eq(raw_send(sock, body, len, NULL, 0, 0), 0);
+        ck_assert_int_eq(raw_recv(sock, 2000, &resp), 1);
+        ck_assert_msg(resp->status == EPD__V1__STATUS_CODE__OK && resp->id == 2,
+                      "a frame of exactly max_frame_bytes was refused: %s", resp->message);
+        epd__v1__response__free_unpacked(resp, NULL);
+        /* One byte more: the connection is closed. */
+        len = padded_status_request(body, 3, FRAME_LIMIT + 1);
+        ck_assert_int_eq(raw_send(sock, body, len, NULL, 0, 0), 0);
+        st = expect_closed(sock, msg, sizeof(msg));
+        ck_assert_msg(st == EPD_OK || st == EPD_INVALID_ARGUMENT,
+                      "the reply before the close is %s", epd_status_name(st));
+        close(sock);
+
+        /* libepd knows the limit from Welcome and does not send an oversized request; the
+         * connection stays usable. */
+        c = connect_ok(&ld.d, "libepd");
+        memset(name, 'n', sizeof(name) - 1);
+        name[sizeof(name) - 1] = '\0';
+        ck_assert_int_eq(epd_group_create(c, &(struct epd_group_args){
+                                                  .size = sizeof(struct epd_group_args),
+                                                  .name = name, .secret = "0123456789abcdef",
+                                                  .secret_len = 16, .config = &cfg },
+                                          &g),
+                         EPD_INVALID_ARGUMENT);
+        ck_assert_msg(strstr(epd_client_last_error(c), "frame limit"),
+                      "libepd's message: '%s'", epd_client_last_error(c));
+        ck_assert_int_eq(size_hint(c), EPD_OK);
+
+        assert_daemon_alive(&ld.d);
+        ck_assert_int_eq(size_hint(other), EPD_OK);
+        ck_assert_int_eq(json_field(&ld.d, "status", "clients"), 3);
+        epd_client_free(c);
+        epd_client_free(other);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+/* ---- max_fds_per_frame ---- */
+
+START_TEST(test_max_fds_per_frame)
+{
+        static uint8_t body[4096];
+        struct limits_daemon ld;
+        struct epd_client *other;
+        struct epd_daemon_info info;
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__RegionRegister rr = EPD__V1__REGION_REGISTER__INIT;
+        Epd__V1__Response *resp = NULL;
+        uint32_t max_fds = 0;
+        int pipefd[2], fds[3], memfd, sock, st;
+        char msg[512];
+        size_t len;
+        void *p;
+
+        daemon_start_with(&ld, "[limits]\nmax_fds_per_frame = 2\n");
+        other = connect_ok(&ld.d, "bystander");
+        ck_assert_int_eq(epd_client_daemon_info(other, &info), EPD_OK);
+        ck_assert_uint_eq(info.max_fds_per_frame, 2);
+
+        sock = raw_connect(&ld.d);
+        raw_hello(sock, NULL, &max_fds);
+        ck_assert_uint_eq(max_fds, 2);
+        /* A registration with its one fd is within the limit. */
+        ck_assert_int_eq(epd_memfd_alloc(REGION_BYTES, &memfd, &p), EPD_OK);
+        munmap(p, REGION_BYTES);
+        rr.kind = EPD__V1__REGION_KIND__HOST_MEMFD;
+        rr.size = REGION_BYTES;
+        req.id = 2;
+        req.body_case = EPD__V1__REQUEST__BODY_REGION_REGISTER;
+        req.region_register = &rr;
+        len = epd__v1__request__pack(&req, body);
+        ck_assert_int_eq(raw_send(sock, body, len, &memfd, 1, 0), 0);
+        ck_assert_int_eq(raw_recv(sock, 2000, &resp), 1);
+        ck_assert_msg(resp->status == EPD__V1__STATUS_CODE__OK, "registration: %s",
+                      resp->message);
+        epd__v1__response__free_unpacked(resp, NULL);
+        close(memfd);
+        /* Three fds: the frame is refused and the connection closed, every fd closed. */
+        ck_assert_int_eq(pipe2(pipefd, O_CLOEXEC), 0);
+        fds[0] = fds[1] = fds[2] = pipefd[1];
+        req.id = 3;
+        len = epd__v1__request__pack(&req, body);
+        ck_assert_int_eq(raw_send(sock, body, len, fds, 3, 0), 0);
+        st = expect_closed(sock, msg, sizeof(msg));
+        ck_assert_msg(st == EPD_OK || st == EPD_INVALID_ARGUMENT,
+                      "the reply before the close is %s", epd_status_name(st));
+        close(sock);
+        close(pipefd[1]);
+        expect_pipe_eof(pipefd[0]);
+        close(pipefd[0]);
+
+        assert_daemon_alive(&ld.d);
+        ck_assert_int_eq(size_hint(other), EPD_OK);
+        /* The closed connection's region went with it. */
+        ck_assert_int_eq(json_field(&ld.d, "status", "regions"), 0);
+        ck_assert_int_eq(json_field(&ld.d, "status", "clients"), 2);
+        epd_client_free(other);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+/* ---- max_output_queue_bytes ---- */
+
+START_TEST(test_output_queue_limit)
+{
+        static uint8_t body[256];
+        struct limits_daemon ld;
+        struct epd_client *other;
+        long long deadline;
+        int sock, sent = 0, replies = 0, closed = 0;
+        size_t len;
+
+        daemon_start_with(&ld, "[limits]\nmax_output_queue_bytes = 4K\n");
+        other = connect_ok(&ld.d, "bystander");
+        sock = raw_connect(&ld.d);
+        raw_hello(sock, NULL, NULL);
+        /* Flood StatusRequests and read nothing. The socket's buffer takes the first few
+         * hundred replies; after that the daemon queues them, and 4 KiB of queued replies are
+         * its limit. */
+        deadline = now_ms() + 10000;
+        while (!closed && now_ms() < deadline) {
+                len = pack_status_request(body, (uint64_t)sent + 2);
+                int rc = raw_send(sock, body, len, NULL, 0, MSG_DONTWAIT);
+                if (rc == 0) {
+                        sent++;
+                        continue;
+                }
+                if (rc == -EAGAIN) {
+                        struct pollfd pfd = { .fd = sock, .events = POLLOUT };
+                        poll(&pfd, 1, 100);
+                        /* POLLHUP: the daemon closed it. */
+                        if (pfd.revents & (POLLHUP | POLLERR))
+                                closed = 1;
+                        continue;
+                }
+                ck_assert_msg(rc == -EPIPE || rc == -ECONNRESET, "send: %s", strerror(-rc));
+                closed = 1;
+        }
+        ck_assert_msg(closed, "the daemon did not close a client that read nothing after %d requests",
+                      sent);
+        /* What the socket buffer held can still be read, then the end of the stream. */
+        for (;;) {
+                Epd__V1__Response *resp = NULL;
+                int rc = raw_recv(sock, 2000, &resp);
+                ck_assert_msg(rc >= 0, "no end of stream after the close");
+                if (rc == 0)
+                        break;
+                replies++;
+                epd__v1__response__free_unpacked(resp, NULL);
+        }
+        close(sock);
+        printf("flood: %d requests sent, %d replies read back, then the daemon closed it\n", sent,
+               replies);
+        ck_assert_int_lt(replies, sent);
+        ck_assert_msg(log_contains(&ld.d, "output queue limit exceeded"),
+                      "the daemon's log does not say why it closed the connection");
+        assert_daemon_alive(&ld.d);
+        ck_assert_int_eq(size_hint(other), EPD_OK);
+        ck_assert_int_eq(json_field(&ld.d, "status", "clients"), 2);
+        epd_client_free(other);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+static Suite *limits_suite(void)
+{
+        Suite *s = suite_create("limits");
+        TCase *tc = tcase_create("limits");
+
+        tcase_set_timeout(tc, 30);
+        tcase_add_test(tc, test_max_clients);
+        tcase_add_test(tc, test_max_groups);
+        tcase_add_test(tc, test_max_regions);
+        tcase_add_test(tc, test_max_region_bytes);
+        tcase_add_test(tc, test_max_outstanding_ops);
+        tcase_add_test(tc, test_max_frame_bytes);
+        tcase_add_test(tc, test_max_fds_per_frame);
+        tcase_add_test(tc, test_output_queue_limit);
+        suite_add_tcase(s, tc);
+        return s;
+}
+
+int main(void)
+{
+        SRunner *sr = srunner_create(limits_suite());
+        int failed;
+
+        srunner_set_fork_status(sr, CK_FORK);
+        srunner_run_all(sr, CK_ENV);
+        failed = srunner_ntests_failed(sr);
+        srunner_free(sr);
+        return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
