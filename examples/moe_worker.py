@@ -5,18 +5,27 @@ Each worker owns ``experts / ranks`` experts and its own tokens. One step of the
 
 1. router: ``softmax(x @ W_router)``, top-k experts per token, weights renormalised over the k;
 2. dispatch the tokens to the ranks of their experts (EXPAND or NON_EXPAND layout);
-3. one GEMM per local expert on the received rows (NumPy float32 on bf16-rounded inputs and
-   weights, output rounded to bf16), written in place into the dispatch's output arena;
+3. one GEMM per local expert on the received rows (float32 on bf16-rounded inputs and
+   weights, output rounded to bf16), written in place into the dispatch's outputs;
 4. combine: EXPAND applies the routing weights in combine (``apply_weights``); NON_EXPAND
    weights each rank's experts before sending and combine sums the ranks.
 
-The parent starts a host-backend ``epd`` on a temporary socket (or uses ``--socket``), forks the
-workers, and checks their outputs against a single-process dense float32 computation of the
-same layer with the same bf16 rounding of the inputs and weights. It prints PASS and exits 0
-when the relative error of the whole layer is at most ``--tol`` (1e-2).
+``--device cpu`` (the default): NumPy arrays, a host-backend ``epd``, outputs in the output
+arena, workers forked. ``--device cuda``: torch CUDA tensors (one GPU per rank, round robin
+over the visible GPUs), a cuda-backend ``epd``, dispatch outputs in device memory, expert GEMMs
+on the GPU (TF32 off), workers started with multiprocessing's 'spawn'. The router runs in
+NumPy on both, so that each token picks the same experts as the reference does. ``--device
+auto`` picks cuda when torch sees a GPU.
+
+The parent starts ``epd`` on a temporary socket (or uses ``--socket``), starts the workers, and
+checks their outputs against a single-process dense float32 computation of the same layer with
+the same bf16 rounding of the inputs and weights. It prints PASS and exits 0 when the relative
+error of the whole layer is at most ``--tol`` (1e-2).
 
     python3 examples/moe_worker.py --ranks 4
     python3 examples/moe_worker.py --ranks 2 --layout non_expand --tokens 32
+    EPD_LIBRARY=/path/libepd.so EPD_BIN_DIR=/path/bin \
+        python3 examples/moe_worker.py --device cuda --ranks 4
 """
 
 import os
@@ -126,6 +135,90 @@ def run_experts_non_expand(res, local_w):
     res.recv_x[...] = epd.float_to_bf16(acc)
 
 
+def run_experts_expand_torch(res, local_w):
+    """EXPAND on the GPU: one GEMM per local expert's rows, in place in the device outputs."""
+    import torch
+    base = 0
+    for w, count, aligned in zip(local_w, res.num_recv_tokens_per_expert,
+                                 res.num_recv_tokens_per_expert_aligned):
+        count, aligned = int(count), int(aligned)
+        if count:
+            rows = res.recv_x[base:base + count]
+            rows.copy_((rows.float() @ w).to(torch.bfloat16))
+        base += aligned
+
+
+def run_experts_non_expand_torch(res, local_w):
+    """NON_EXPAND on the GPU: sum this rank's experts per token, each weighted, round once."""
+    import torch
+    x = res.recv_x.float()
+    acc = torch.zeros_like(x)
+    for local_id, weight in enumerate(local_w):
+        hit = res.recv_topk_idx == local_id
+        rows = hit.any(dim=1).nonzero().squeeze(1)
+        if rows.numel():
+            w = torch.where(hit[rows], res.recv_topk_weights[rows],
+                            torch.zeros((), device=x.device)).sum(dim=1)
+            acc[rows] += w.unsqueeze(1) * (x[rows] @ weight)
+    res.recv_x.copy_(acc.to(torch.bfloat16))
+
+
+def worker_cuda(args, rank, sock, group_name, secret, conn):
+    """One rank on the GPU: torch CUDA tensors in and out of epd."""
+    try:
+        import torch
+        torch.backends.cuda.matmul.allow_tf32 = False
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        L = args.experts // args.ranks
+        w_router = router_weights(args)
+        local_w = [torch.from_numpy(expert_weights(args, rank * L + i)).to(dev)
+                   for i in range(L)]
+        outputs, timings = [], []
+        with epd.connect(socket=sock, name="moe_worker") as client:
+            if rank == 0:
+                group = epd.Group.create(
+                    client, group_name, secret, rank, world_size=args.ranks,
+                    num_experts=args.experts, hidden=args.hidden,
+                    max_tokens_per_rank=args.tokens, max_topk=args.topk, op_timeout_ms=60000,
+                    device=dev)
+            else:
+                group = epd.Group.join(client, group_name, secret, rank, device=dev,
+                                       retry_timeout=30.0)
+            for step in range(args.steps):
+                x = layer_input(args, rank, step)
+                topk, w = route(x, w_router, args.topk)
+                xt = torch.from_numpy(x).to(dev).to(torch.bfloat16)  # exact: bf16 values
+                tk = torch.from_numpy(topk).to(dev)
+                tw = torch.from_numpy(w).to(dev)
+                torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                # No host synchronisation needed: the daemon waits for this stream's uploads.
+                res = group.dispatch(xt, topk_idx=tk, topk_weights=tw, layout=args.layout,
+                                     expert_alignment=args.alignment)
+                t1 = time.perf_counter()
+                with res.handle:
+                    if args.layout == epd.EXPAND:
+                        run_experts_expand_torch(res, local_w)
+                    else:
+                        run_experts_non_expand_torch(res, local_w)
+                    torch.cuda.synchronize(dev)
+                    t2 = time.perf_counter()
+                    comb = group.combine(res.recv_x, res.handle,
+                                         apply_weights=args.layout == epd.EXPAND)
+                    t3 = time.perf_counter()
+                outputs.append(comb[0].float().cpu().numpy())
+                timings.append((t1 - t0, t2 - t1, t3 - t2, res.num_rows, res.kernel_ns,
+                                comb.kernel_ns))
+            group.leave()
+            client.release_device_memory()
+        conn.send(("ok", rank, outputs, timings))
+    except BaseException:
+        conn.send(("error", rank, traceback.format_exc(), None))
+    finally:
+        conn.close()
+
+
 def worker(args, rank, sock, group_name, secret, conn):
     try:
         L = args.experts // args.ranks
@@ -161,7 +254,7 @@ def worker(args, rank, sock, group_name, secret, conn):
                                                 apply_weights=args.layout == epd.EXPAND)
                     t3 = time.perf_counter()
                 outputs.append(epd.bf16_to_float(combined))
-                timings.append((t1 - t0, t2 - t1, t3 - t2, res.num_rows))
+                timings.append((t1 - t0, t2 - t1, t3 - t2, res.num_rows, res.kernel_ns, 0))
             group.leave()
         conn.send(("ok", rank, outputs, timings))
     except BaseException:
@@ -173,7 +266,9 @@ def worker(args, rank, sock, group_name, secret, conn):
 # ---- the parent: daemon, workers, check ----
 
 def find_epd(explicit):
-    for path in (explicit, os.path.join(REPO, "build", "bin", "epd"), shutil.which("epd")):
+    bin_dir = os.environ.get("EPD_BIN_DIR")
+    for path in (explicit, bin_dir and os.path.join(bin_dir, "epd"),
+                 os.path.join(REPO, "build", "bin", "epd"), shutil.which("epd")):
         if path and os.access(path, os.X_OK):
             return path
     sys.exit("cannot find the epd binary: build it (make) or pass --epd PATH")
@@ -184,7 +279,7 @@ def start_daemon(epd_bin, backend, workdir):
     log = open(os.path.join(workdir, "epd.log"), "wb")
     proc = subprocess.Popen([epd_bin, "--backend", backend, "--socket", sock,
                              "--config", "/dev/null"], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # the cuda backend initialises its GPUs first
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             break
@@ -213,13 +308,16 @@ def stop_daemon(proc):
 def run(args, sock):
     import multiprocessing
 
-    ctx = multiprocessing.get_context("fork")
+    # CUDA cannot be used in a forked child of a process that initialised it: spawn for GPUs.
+    cuda = args.device == "cuda"
+    ctx = multiprocessing.get_context("spawn" if cuda else "fork")
+    target = worker_cuda if cuda else worker
     group_name = "moe-%d-%s" % (os.getpid(), os.urandom(4).hex())
     secret = os.urandom(16)
     pipes, procs = [], []
     for rank in range(args.ranks):
         parent_end, child_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=worker, args=(args, rank, sock, group_name, secret, child_end))
+        p = ctx.Process(target=target, args=(args, rank, sock, group_name, secret, child_end))
         p.start()
         child_end.close()
         pipes.append(parent_end)
@@ -268,11 +366,16 @@ def run(args, sock):
     d = sorted(t[0] for t in timings)
     c = sorted(t[2] for t in timings)
     rows = sum(t[3] for t in timings)
-    print("moe_worker: %d ranks, %d experts, hidden %d, <=%d tokens/rank, top-%d, %s, %d steps"
-          % (args.ranks, args.experts, args.hidden, args.tokens, args.topk, args.layout,
-             args.steps))
+    print("moe_worker: %d ranks, %d experts, hidden %d, <=%d tokens/rank, top-%d, %s, %d steps, "
+          "%s" % (args.ranks, args.experts, args.hidden, args.tokens, args.topk, args.layout,
+                  args.steps, "torch CUDA tensors" if args.device == "cuda" else "NumPy"))
     print("  dispatch p50 %.2f ms, combine p50 %.2f ms, %d rows received in all"
           % (1e3 * d[len(d) // 2], 1e3 * c[len(c) // 2], rows))
+    kd = sorted(t[4] for t in timings)
+    kc = sorted(t[5] for t in timings)
+    if kd[-1] or kc[-1]:
+        print("  GPU kernel time p50: dispatch %.1f us, combine %.1f us"
+              % (kd[len(kd) // 2] / 1e3, kc[len(kc) // 2] / 1e3))
     print("  relative error of the layer vs dense float32: %.3e (max abs %.3e), tolerance %.0e"
           % (rel, max_abs, args.tol))
     return rel <= args.tol
@@ -293,13 +396,29 @@ def parse_args(argv=None):
     p.add_argument("--tol", type=float, default=1e-2, help="relative error bound (1e-2)")
     p.add_argument("--socket", help="use this running epd instead of starting one")
     p.add_argument("--epd", help="the epd binary (default: build/bin/epd, then PATH)")
-    p.add_argument("--backend", default="host", help="backend of the started epd (host)")
+    p.add_argument("--backend", default=None,
+                   help="backend of the started epd (default: cuda with --device cuda, else host)")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                   help="cpu: NumPy arrays (default); cuda: torch CUDA tensors; auto: cuda when "
+                        "torch sees a GPU")
     p.add_argument("--timeout", type=int, default=300, help="seconds to wait for workers")
     args = p.parse_args(argv)
     if args.ranks < 1 or args.experts % args.ranks:
         p.error("--experts must be a multiple of --ranks")
     if not 1 <= args.topk <= args.experts:
         p.error("--topk must be in 1..experts")
+    if args.device != "cpu":
+        try:
+            import torch
+            have_gpu = torch.cuda.is_available()
+        except ImportError:
+            have_gpu = False
+        if args.device == "auto":
+            args.device = "cuda" if have_gpu else "cpu"
+        elif not have_gpu:
+            p.error("--device cuda needs torch with a CUDA GPU")
+    if args.backend is None:
+        args.backend = "cuda" if args.device == "cuda" else "host"
     return args
 
 

@@ -13,6 +13,7 @@ DeepEP front and the MoE example run at small size.
 
 import concurrent.futures
 import ctypes
+import importlib.util
 import os
 import pickle
 import shutil
@@ -908,7 +909,7 @@ class TestDeepEPCompat(unittest.TestCase):
         with self.assertRaises(epd.InvalidArgument):
             Buffer(unique("nosecret"), socket=DAEMON["socket"])
 
-    @unittest.skipUnless(__import__("importlib").util.find_spec("torch"), "torch not installed")
+    @unittest.skipUnless(importlib.util.find_spec("torch"), "torch not installed")
     def test_torch_tensors(self):
         import torch
         R, E, H, T, K = 2, 8, 64, 16, 2

@@ -1,7 +1,8 @@
 """epd: Python binding of libepd, the client library of the epd expert-parallel daemon.
 
-Pure Python over ctypes; needs NumPy and libepd.so (found through ``$EPD_LIBRARY``, else the
-source tree's ``build/lib/libepd.so``, else the system loader). A worker's MoE step::
+Pure Python over ctypes; needs NumPy and libepd.so (found through ``$EPD_LIBRARY``, else
+``LD_LIBRARY_PATH``, else the source tree's ``build/lib/libepd.so``, else the system loader). A
+worker's MoE step::
 
     import epd
 
@@ -18,11 +19,12 @@ bf16 tensors are NumPy ``uint16`` arrays of bf16 bits (:func:`float_to_bf16`,
 :func:`bf16_to_float`); fp8 tensors are ``uint8`` e4m3 bytes. Inputs in shared memory from
 :func:`empty` travel without a copy; other arrays are copied into a cached staging region.
 
-Not supported yet: CUDA tensors (GPU memory regions) and stream ordering from Python
-(``Future.stream_wait`` raises :class:`StreamWaitUnavailable`, a NotImplementedError, where
-libepd or the daemon has no CUDA); caller-supplied dispatch output tensors (outputs go to the
-arena or to a region the binding allocates per dispatch); torch tensors outside
-:mod:`epd.compat.deep_ep`.
+torch tensors are accepted wherever arrays are (:mod:`epd.tensors`): CUDA tensors are
+registered with the daemon in place (cuda backend, libepd built with CUDA), dispatch outputs
+are device tensors, and ops are ordered after the current CUDA stream without a host
+synchronisation (``async_op=True`` plus :meth:`Future.stream_wait` leaves the host out
+entirely). ``Future.stream_wait`` raises :class:`StreamWaitUnavailable`, a
+NotImplementedError, where libepd or the daemon has no CUDA.
 """
 
 from ._lib import EXPECTED_SIZES as _EXPECTED_SIZES  # noqa: F401  (tests)
@@ -31,13 +33,14 @@ from .client import Client, Region, connect, empty
 from .errors import (Aborted, AlreadyExists, CapacityExceeded, Error, Internal,
                      InvalidArgument, NotFound, PeerLost, PermissionDenied, Timeout,
                      Unavailable, VersionMismatch, error_class)
-from .group import (EXPAND, NON_EXPAND, DispatchResult, Future, Group, Handle,
+from .group import (EXPAND, NON_EXPAND, CombineResult, DispatchResult, Future, Group, Handle,
                     StreamWaitUnavailable)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Aborted", "AlreadyExists", "CapacityExceeded", "Client", "DispatchResult", "EXPAND",
+    "Aborted", "AlreadyExists", "CapacityExceeded", "Client", "CombineResult",
+    "DispatchResult", "EXPAND",
     "Error", "Future", "Group", "Handle", "Internal", "InvalidArgument", "NON_EXPAND",
     "NotFound", "PeerLost", "PermissionDenied", "Region", "StreamWaitUnavailable", "Timeout",
     "Unavailable",

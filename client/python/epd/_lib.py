@@ -6,10 +6,20 @@ so the pure-NumPy helpers (bf16 conversion) work without it.
 
 Where the library is looked for, in order:
 
-1. the path in the environment variable ``EPD_LIBRARY``;
-2. ``build/lib/libepd.so`` of the source tree this package sits in
+1. the path in the environment variable ``EPD_LIBRARY`` (a file, or a directory holding
+   ``libepd.so``); when it is set, nothing else is tried;
+2. ``libepd.so`` (then ``libepd.so.0``) in each directory of ``LD_LIBRARY_PATH``;
+3. ``build/lib/libepd.so`` of the source tree this package sits in
    (``client/python/epd/../../../build/lib/libepd.so``);
-3. the system loader (``libepd.so.0``, then ``libepd.so``).
+4. the system loader (``libepd.so.0``, then ``libepd.so``).
+
+A libepd.so built against shared libraries (libuv, protobuf-c, ...) finds them through its
+RUNPATH or ``LD_LIBRARY_PATH``, which the dynamic loader reads when the process starts: set it
+before starting Python, not from Python.
+
+GPU tensors need a libepd built with CUDA (``cmake -DEPD_CUDA=ON``): it exports
+``epd_region_register_device`` and the stream-ordering calls, which the binding declares as
+optional, so a host-only libepd still loads.
 """
 
 import ctypes
@@ -44,6 +54,17 @@ LAYOUT_EXPAND = 1
 
 # enum epd_region_kind
 REGION_HOST_MEMFD = 1
+REGION_CUDA_IPC = 2
+REGION_CUMEM_FD = 3
+
+# epd_region_register_device's device: pick the daemon device by the GPU's UUID.
+DEVICE_AUTO = 0xFFFFFFFF
+
+# Capability bits of Welcome (epd_client_capabilities).
+CAP_HOST_REGIONS = 1
+CAP_CUDA_REGIONS = 2
+CAP_OUTPUT_ARENA = 4
+CAP_ADMIN = 8
 
 TENSOR_MAX_DIMS = 4
 
@@ -276,24 +297,53 @@ _PROTOTYPES = {
     "epd_handle_release": (_int, [ctypes.c_void_p, _u64]),
     "epd_op_sequence": (_u64, [ctypes.c_void_p]),
     "epd_op_stream_wait": (_int, [ctypes.c_void_p, ctypes.c_void_p]),
+    "epd_region_register_device": (_int, [ctypes.c_void_p, ctypes.c_void_p, _size, _u32,
+                                          ctypes.POINTER(_u64)]),
+    "epd_group_mark_inputs_ready": (_int, [ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.POINTER(_u64)]),
+    "epd_group_mark_inputs_ready_host": (_int, [ctypes.c_void_p, ctypes.POINTER(_u64)]),
+    "epd_client_capabilities": (_u64, [ctypes.c_void_p]),
     "epd_bf16_to_float": (ctypes.c_float, [ctypes.c_uint16]),
     "epd_float_to_bf16": (ctypes.c_uint16, [ctypes.c_float]),
 }
 
-# Declared in epd.h but not needed by the binding: a library without them still loads (the
-# attribute is then None). libepd.so of some builds does not export the bf16 helpers.
-_OPTIONAL = {"epd_op_sequence", "epd_op_stream_wait", "epd_bf16_to_float", "epd_float_to_bf16"}
+# Declared in epd.h but not needed by the binding's host path: a library without them still
+# loads (lib.optional[name] is then None). libepd.so of some builds does not export the bf16
+# helpers; older ones lack the GPU calls.
+_OPTIONAL = {"epd_op_sequence", "epd_op_stream_wait", "epd_bf16_to_float", "epd_float_to_bf16",
+             "epd_region_register_device", "epd_group_mark_inputs_ready",
+             "epd_group_mark_inputs_ready_host", "epd_client_capabilities"}
+_NAMES = ("libepd.so", "libepd.so.0")
 
 _lib = None
 _lib_lock = threading.Lock()
 
 
-def candidate_paths():
-    """The places, in order, where :func:`load` looks for libepd."""
-    paths = []
+def _env_library():
+    """``$EPD_LIBRARY`` as a file path (a directory means its libepd.so), or None."""
     env = os.environ.get("EPD_LIBRARY")
+    if not env:
+        return None
+    if os.path.isdir(env):
+        for name in _NAMES:
+            if os.path.exists(os.path.join(env, name)):
+                return os.path.join(env, name)
+        return os.path.join(env, _NAMES[0])
+    return env
+
+
+def candidate_paths():
+    """The places, in order, where :func:`load` looks for libepd (see the module docstring)."""
+    env = _env_library()
     if env:
-        paths.append(env)
+        return [env]
+    paths = []
+    for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
+        if d:
+            for name in _NAMES:
+                p = os.path.join(d, name)
+                if os.path.exists(p) and p not in paths:
+                    paths.append(p)
     here = os.path.dirname(os.path.abspath(__file__))
     paths.append(os.path.normpath(os.path.join(here, "..", "..", "..", "build", "lib",
                                                "libepd.so")))
@@ -314,8 +364,6 @@ def load():
         if _lib is not None:
             return _lib
         paths = candidate_paths()
-        if os.environ.get("EPD_LIBRARY"):
-            paths = paths[:1]
         errors = []
         for path in paths:
             if os.sep in path and not os.path.exists(path):
@@ -324,7 +372,11 @@ def load():
             try:
                 lib = ctypes.CDLL(path)
             except OSError as e:
-                errors.append("%s: %s" % (path, e))
+                hint = ""
+                if "cannot open shared object file" in str(e) and os.sep in path:
+                    hint = (" (a library it needs is missing: put the directory holding it in "
+                            "LD_LIBRARY_PATH before starting python)")
+                errors.append("%s: %s%s" % (path, e, hint))
                 continue
             missing = [name for name in _PROTOTYPES
                        if name not in _OPTIONAL and not hasattr(lib, name)]
@@ -345,7 +397,7 @@ def load():
             lib.path = path
             _lib = lib
             return lib
-        raise OSError("cannot load libepd (set EPD_LIBRARY to build/lib/libepd.so): " +
+        raise OSError("cannot load libepd (set EPD_LIBRARY to the path of libepd.so): " +
                       "; ".join(errors))
 
 

@@ -16,6 +16,10 @@ explicitly (:meth:`Region.release`, ``with``), when the last array over it is ga
 or when the client closes. After that the array is an ordinary array: passing it to an op copies
 it through staging.
 
+torch tensors (CPU and CUDA) are described by :mod:`epd.tensors`; CUDA memory is registered with
+the daemon per allocation (:meth:`Client.register_device`) and stays registered until
+:meth:`Client.release_device_memory` or the client's close.
+
 Thread safety: a client may be used from several threads (libepd serialises calls on one client;
 the binding's own tables have a lock). ctypes releases the GIL during every libepd call.
 """
@@ -236,10 +240,14 @@ class Client:
     def __init__(self, socket=None, name=None, timeout_ms=0, protocol_version=0):
         lib = _lib.load()
         self._ptr = None
-        self._lock = threading.Lock()
+        # Reentrant: a region's finalizer (which takes it) may run from garbage collection
+        # while this thread holds it.
+        self._lock = threading.RLock()
         self._ranges = {}
         self._groups = weakref.WeakSet()
         self._pending = set()
+        self._tensor_memory = {}     # torch device -> epd.tensors memory strategy
+        self._device_regions = set()  # regions from epd_region_register_device
         args = _lib.ConnectArgs(
             size=ctypes.sizeof(_lib.ConnectArgs),
             socket_path=os.fsencode(socket) if socket is not None else None,
@@ -287,6 +295,9 @@ class Client:
         ptr, self._ptr = self._ptr, None
         with self._lock:
             self._ranges.clear()
+            self._device_regions.clear()
+            mems, self._tensor_memory = self._tensor_memory, {}
+        mems.clear()  # outside the lock: their scratch regions' finalizers take it
         _lib.load().epd_client_free(ptr)
 
     def __enter__(self):
@@ -340,7 +351,68 @@ class Client:
                                               ctypes.byref(hint)))
         return {name: getattr(hint, name) for name, _ in _lib.SizeHint._fields_}
 
+    def capabilities(self):
+        """The ``EPD_CAP_*`` bits the daemon granted this connection (``epd_client_capabilities``):
+        1 host regions, 2 GPU memory regions (cuda backend and a libepd with CUDA), 4 output
+        arena, 8 admin. 0 with a libepd that predates the call."""
+        self._check_open()
+        fn = _lib.load().optional.get("epd_client_capabilities")
+        return int(fn(self._ptr)) if fn is not None else 0
+
+    @property
+    def gpu_memory(self):
+        """True when tensors in GPU memory can be passed: the daemon imports GPU memory and this
+        libepd can register it. (A libepd without ``epd_client_capabilities`` cannot say
+        whether it was built with CUDA: then a cuda-backend daemon is taken as enough.)"""
+        lib = _lib.load()
+        if lib.optional.get("epd_region_register_device") is None:
+            return False
+        if lib.optional.get("epd_client_capabilities") is None:
+            return self.info()["backend"] == "cuda"
+        return bool(self.capabilities() & _lib.CAP_CUDA_REGIONS)
+
     # ---- memory ----
+
+    def register_device(self, tensor_or_ptr, nbytes=None, device=None):
+        """Registers GPU memory with the daemon (``epd_region_register_device``); returns the
+        region id.
+
+        ``tensor_or_ptr`` is a CUDA torch tensor (its bytes are registered) or a device pointer
+        as an int with ``nbytes``. The whole CUDA allocation holding it is registered once;
+        later calls inside it are answered from libepd's cache. ``device`` is the daemon's
+        device index (None: found by the GPU's UUID). Ops register their tensors themselves;
+        this is for registering ahead of time. The memory must stay allocated until
+        :meth:`release_device_memory` or :meth:`close`.
+        """
+        from . import tensors
+        if tensors.is_tensor(tensor_or_ptr):
+            t = tensor_or_ptr
+            ptr = t.data_ptr()
+            nbytes = max(1, tensors._extent(t)[0]) if nbytes is None else nbytes
+        else:
+            ptr = int(tensor_or_ptr)
+            if nbytes is None:
+                raise InvalidArgument("register_device(pointer) needs nbytes")
+        return tensors.register_device(self, ptr, nbytes, device)
+
+    def release_device_memory(self):
+        """Releases every GPU memory region the binding registered for this client.
+
+        Call it before memory those regions cover goes back to CUDA (for PyTorch:
+        ``torch.cuda.empty_cache()``), and only while no op uses them. Later ops register
+        again. Returns the number of regions released.
+        """
+        with self._lock:
+            ids, self._device_regions = sorted(self._device_regions), set()
+            # Their scratch tensors may lie in released regions; dropped outside the lock.
+            mems, self._tensor_memory = self._tensor_memory, {}
+        mems.clear()
+        if not self._ptr:
+            return 0
+        lib = _lib.load()
+        for region_id in ids:
+            lib.epd_region_release(self._ptr, region_id)
+        return len(ids)
 
     def empty(self, shape, dtype):
         """A new array of ``shape`` and ``dtype`` in its own shared region (zero-filled).

@@ -9,16 +9,20 @@ Errors found by the daemon fail the op on every rank alike. The few argument err
 finds itself (an array of a dtype that cannot be carried, a missing ``topk_idx``) raise
 :class:`~epd.InvalidArgument` before anything is submitted, so the other ranks' op then ends in
 ``Timeout`` after the group's op timeout.
+
+torch tensors (CPU or CUDA) are handled by :mod:`epd.tensors`: CUDA tensors are registered in
+place, outputs are tensors, and the op is ordered after the current CUDA stream.
 """
 
 import ctypes
+import numbers
 import threading
 import time
 import weakref
 
 import numpy as np
 
-from . import _lib
+from . import _lib, tensors
 from .bf16 import float_to_bf16
 from .client import NUMPY_DTYPE, Staging, check, describe, epd_dtype
 from .errors import InvalidArgument, NotFound, Timeout, Unavailable, make_error
@@ -124,6 +128,7 @@ class Handle:
         self.num_rows = num_rows
         self.expert_alignment = expert_alignment
         self.zero_padding = zero_padding
+        self.rank_prefix = None  # int32 [world_size + 1] of the dispatch that made it
         self._state = [False]  # released; shared with the auto-release finalizer
 
     @property
@@ -181,12 +186,16 @@ class DispatchResult:
     Counts: ``num_recv_tokens``, ``num_expanded_rows`` (ints); ``num_recv_tokens_per_expert``
     and ``num_recv_tokens_per_expert_aligned`` (int32 arrays ``[num_local_experts]``),
     ``num_recv_tokens_per_expert_list`` (the aligned counts as a list, DeepEP's name),
-    ``rank_prefix`` (int32 ``[world_size + 1]``). Also ``handle``, ``op_number``, ``exec_ns``,
-    ``queue_ns`` and ``layout``.
+    ``rank_prefix`` (int32 ``[world_size + 1]``: rows ``rank_prefix[s]:rank_prefix[s + 1]``
+    of a NON_EXPAND dispatch came from rank s). Also ``handle``, ``op_number``, ``layout`` and
+    the op's timing: ``exec_ns`` (backend execution), ``queue_ns`` (submission to launch) and
+    ``kernel_ns`` (GPU time of its kernels on the cuda backend, else 0).
 
-    Lifetime: with the output arena (the default) the arrays are views of the arena, valid until
-    ``handle`` is released and never after the group is left; with ``copy_outputs=True`` or
-    ``use_arena=False`` they are ordinary arrays that live as long as they are referenced.
+    Lifetime: with the output arena (the default for NumPy arrays) the arrays are views of the
+    arena, valid until ``handle`` is released and never after the group is left; with
+    ``copy_outputs=True`` or ``use_arena=False`` they are ordinary arrays that live as long as
+    they are referenced. For torch inputs the arrays are tensors (:mod:`epd.tensors`); the
+    counts stay NumPy arrays.
     """
 
     def __init__(self, **fields):
@@ -209,16 +218,56 @@ class DispatchResult:
             self.layout, self.num_rows, self.num_recv_tokens, self.handle.id)
 
 
+class CombineResult(tuple):
+    """What a combine returns: the pair ``(combined_x, combined_topk_weights)``, unpacked like
+    a tuple, with the op's ``op_number``, ``num_tokens``, ``exec_ns``, ``queue_ns`` and
+    ``kernel_ns`` (GPU time of its kernels on the cuda backend, else 0) as attributes."""
+
+    def __new__(cls, combined_x, combined_topk_weights, **stats):
+        self = tuple.__new__(cls, (combined_x, combined_topk_weights))
+        self.__dict__.update(stats)
+        return self
+
+    @property
+    def combined_x(self):
+        return self[0]
+
+    @property
+    def combined_topk_weights(self):
+        return self[1]
+
+    def __reduce__(self):
+        return (_combine_result, (self[0], self[1], dict(self.__dict__)))
+
+    def __repr__(self):
+        return "<epd.CombineResult tokens=%s exec_ns=%s kernel_ns=%s>" % (
+            getattr(self, "num_tokens", "?"), getattr(self, "exec_ns", "?"),
+            getattr(self, "kernel_ns", "?"))
+
+
+def _combine_result(x, w, stats):
+    return CombineResult(x, w, **stats)
+
+
 class Future:
     """An op in flight (``async_op=True``). :meth:`wait` returns what the blocking call returns.
 
     The op's inputs are kept alive by the future until it completes. A future dropped without
-    being waited on stays tracked by its client until the client closes.
+    being waited on stays tracked by its client until the client closes: wait on it (or poll
+    :meth:`done`) even when a stream waited for it, so that the op is freed.
+
+    ``outputs`` (torch path only, else None): the op's output tensors, available at once —
+    for a dispatch ``recv_x``, ``recv_x_scales``, ``recv_topk_idx``, ``recv_topk_weights``,
+    ``recv_src``, ``recv_topk_slot`` at full capacity (the rows received are known after
+    :meth:`wait`), for a combine ``combined_x`` and ``combined_topk_weights``. After
+    :meth:`stream_wait` on a stream, work queued there may read them without a host wait.
     """
 
-    def __init__(self, group, op_ptr, kind, staging, finish):
+    def __init__(self, group, op_ptr, kind, staging, finish, outputs=None, device=None):
         self.group = group
         self.kind = kind
+        self.outputs = outputs
+        self.device = device
         self._op = op_ptr
         self._staging = staging
         self._finish = finish
@@ -298,13 +347,14 @@ class Future:
             pass
         return True
 
-    def stream_wait(self, stream):
+    def stream_wait(self, stream=None):
         """Makes a CUDA stream wait for the op on the GPU, without blocking the host.
 
         ``stream`` is a ``cudaStream_t`` as an int, or an object with ``cuda_stream`` (torch)
-        or ``ptr`` (CuPy). Uses ``epd_op_stream_wait``; the host still has to :meth:`wait` (or
-        drop) the future to read the result and free the op. An op that already completed
-        needs no wait and returns at once.
+        or ``ptr`` (CuPy); None means the current torch stream of the op's device (torch CUDA
+        tensors only). Uses ``epd_op_stream_wait``; the host still has to :meth:`wait` the
+        future to read the result and free the op. An op that already completed needs no
+        wait and returns at once.
 
         Raises :class:`StreamWaitUnavailable` (both :class:`~epd.Unavailable` and
         NotImplementedError) where stream ordering is not available: on the host backend,
@@ -313,16 +363,26 @@ class Future:
         fn = _lib.load().optional.get("epd_op_stream_wait")
         if fn is None:
             raise StreamWaitUnavailable("this libepd has no epd_op_stream_wait; use wait()")
-        handle = getattr(stream, "cuda_stream", getattr(stream, "ptr", stream))
+        if stream is None:
+            if self.device is None:
+                raise InvalidArgument("stream_wait() without a stream needs an op on torch "
+                                      "CUDA tensors")
+            stream = tensors.current_stream(self.device)
+        handle = tensors.stream_handle(stream)
         with self._lock:
             if self._done:
                 return
-            rc = fn(self._op, ctypes.c_void_p(int(handle)))
+            with tensors.on_device(self.device):
+                rc = fn(self._op, ctypes.c_void_p(handle))
         if rc == _lib.UNAVAILABLE:
             raise StreamWaitUnavailable(
                 "stream_wait needs CUDA (host backend or libepd without CUDA): %s; use wait()"
                 % self.group.client.last_error)
         check(self.group.client, rc)
+
+    def current_stream_wait(self):
+        """:meth:`stream_wait` on torch's current stream of the op's device (DeepEP's name)."""
+        self.stream_wait(None)
 
     def __repr__(self):
         return "<epd.Future %s %s>" % (self.kind, "done" if self._done else "pending")
@@ -335,9 +395,10 @@ class Group:
     others). :meth:`leave` (or ``with``, or closing the client) unbinds the rank.
     """
 
-    def __init__(self, client, ptr):
+    def __init__(self, client, ptr, device=0):
         self.client = client
         self._ptr = ptr
+        self.device = int(device)  # the daemon device index this rank was bound with
         lib = _lib.load()
         cfg = lib.epd_group_config(ptr).contents
         self.id = lib.epd_group_id(ptr)
@@ -369,6 +430,12 @@ class Group:
     def _enter(cls, client, name, secret, rank, device, device_uuid, config):
         client._check_open()
         lib = _lib.load()
+        if not isinstance(device, numbers.Integral) or isinstance(device, bool):
+            # A torch device ("cuda:1"): the daemon device holding that GPU, by UUID.
+            if tensors.torch_module() is None:
+                raise InvalidArgument("device must be the daemon's device index, not %r" %
+                                      (device,))
+            device = tensors.daemon_device(client, device)
         sec = _secret_bytes(secret)
         sec_buf = ctypes.create_string_buffer(sec, len(sec)) if sec else None
         args = _lib.GroupArgs(
@@ -380,7 +447,7 @@ class Group:
         ptr = ctypes.c_void_p()
         fn = lib.epd_group_create if config is not None else lib.epd_group_join
         check(client, fn(client._ptr, ctypes.byref(args), ctypes.byref(ptr)))
-        return cls(client, ptr.value)
+        return cls(client, ptr.value, device)
 
     @classmethod
     def create(cls, client, name, secret, rank, *, world_size, num_experts, hidden,
@@ -392,7 +459,8 @@ class Group:
         'bf16' or 'fp8' (e4m3 with one fp32 scale per ``scale_block`` channels, default 128).
         ``arena_bytes`` is each rank's output arena (None: the daemon's default);
         ``op_timeout_ms`` how long an op waits for late ranks (0: the daemon's default).
-        ``device`` / ``device_uuid`` name the rank's device.
+        ``device`` / ``device_uuid`` name the rank's device: the daemon's device index, or a
+        torch device (``"cuda:1"``), which names the daemon device holding that GPU.
         """
         cfg = _lib.GroupConfig(
             size=ctypes.sizeof(_lib.GroupConfig), world_size=world_size,
@@ -468,7 +536,7 @@ class Group:
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, x_scales=None, handle=None,
                  expert_alignment=None, layout=None, zero_padding=None, async_op=False,
-                 use_arena=True, copy_outputs=False, recv_capacity=None):
+                 use_arena=None, copy_outputs=False, recv_capacity=None, out=None, stream=None):
         """Sends each token to the ranks of its selected experts (SEMANTICS.md section 2).
 
         ``x`` ``[N, hidden]``: bf16 bits as uint16 (floats are rounded to bf16), or for an fp8
@@ -479,29 +547,36 @@ class Group:
         ('non_expand' default, or 'expand') and ``zero_padding`` (EXPAND only) default to the
         handle's for a cached dispatch.
 
-        Outputs go to the rank's output arena (``use_arena=True``) and come back as views of it
-        (``copy_outputs=True`` copies them). ``use_arena=False`` places them in a region the
-        binding allocates for this dispatch, ``recv_capacity`` rows (default: the worst case,
-        SEMANTICS.md section 5). Returns a :class:`DispatchResult`, or with ``async_op=True`` a
-        :class:`Future` of one.
+        NumPy outputs go to the rank's output arena (``use_arena`` None or True) and come back as
+        views of it (``copy_outputs=True`` copies them). ``use_arena=False`` places them in a
+        region the binding allocates for this dispatch, ``recv_capacity`` rows (default: the
+        worst case, SEMANTICS.md section 5).
+
+        torch tensors (:mod:`epd.tensors`): with a CUDA ``x`` the outputs are device tensors of
+        ``recv_capacity`` rows (default the worst case), or the caller's tensors given in
+        ``out`` (a dict keyed ``recv_x``, ``recv_x_scales``, ``recv_topk_idx``,
+        ``recv_topk_weights``, ``recv_src``, ``recv_topk_slot``; its ``recv_x`` rows set the
+        capacity), and the results are views sliced to the rows received; ``use_arena=True``
+        uses the arena and copies to the device. The op waits for the work queued on ``stream``
+        (default: the current stream of ``x``'s device) without a host synchronisation. CPU
+        tensors use the arena by default, as NumPy arrays do.
+
+        Returns a :class:`DispatchResult`, or with ``async_op=True`` a :class:`Future` of one.
         """
         self._check()
+        if tensors.is_tensor(x):
+            return tensors.dispatch(self, x, topk_idx, topk_weights, x_scales, handle,
+                                    expert_alignment, layout, zero_padding, async_op, use_arena,
+                                    copy_outputs, recv_capacity, out, stream)
+        if out is not None:
+            raise InvalidArgument("out= is for torch tensors; NumPy outputs use the arena or "
+                                  "use_arena=False")
+        use_arena = True if use_arena is None else use_arena
         edt = self.dtype_code
         x = _dims(_payload(x, edt, "x"), "x")
         num_tokens = x.shape[0]
-        if handle is not None:
-            if topk_idx is not None:
-                raise InvalidArgument("a cached dispatch (handle given) takes no topk_idx")
-            layout = handle.layout if layout is None else layout
-            expert_alignment = (handle.expert_alignment if expert_alignment is None
-                                else expert_alignment)
-            zero_padding = handle.zero_padding if zero_padding is None else zero_padding
-        elif topk_idx is None:
-            raise InvalidArgument("topk_idx is required unless a handle is given")
-        layout_code = _layout_code(NON_EXPAND if layout is None else layout)
-        layout = NON_EXPAND if layout_code == _lib.LAYOUT_NON_EXPAND else EXPAND
-        expert_alignment = 1 if expert_alignment is None else int(expert_alignment)
-        zero_padding = bool(zero_padding)
+        layout, layout_code, expert_alignment, zero_padding = self._routing_options(
+            handle, topk_idx, layout, expert_alignment, zero_padding)
 
         st = Staging(self.client)
         sx = st.input(x, edt)
@@ -550,16 +625,44 @@ class Group:
         return self._submit("dispatch", _lib.load().epd_dispatch_submit, args, st, finish,
                             async_op)
 
-    def _client_outputs(self, args, layout, num_topk, topk_code, has_weights, alignment,
-                        capacity):
-        """Allocates a region for one dispatch's outputs and points ``args`` at it."""
-        R, T, L, H = (self.world_size, self.max_tokens_per_rank, self.num_local_experts,
-                      self.hidden)
+    def _routing_options(self, handle, topk_idx, layout, expert_alignment, zero_padding):
+        """(layout name, layout code, alignment, zero_padding) of a dispatch; a cached dispatch
+        defaults them to its handle's."""
+        if handle is not None:
+            if not isinstance(handle, Handle):
+                raise InvalidArgument("handle must be the Handle of a dispatch")
+            if topk_idx is not None:
+                raise InvalidArgument("a cached dispatch (handle given) takes no topk_idx")
+            layout = handle.layout if layout is None else layout
+            expert_alignment = (handle.expert_alignment if expert_alignment is None
+                                else expert_alignment)
+            zero_padding = handle.zero_padding if zero_padding is None else zero_padding
+        elif topk_idx is None:
+            raise InvalidArgument("topk_idx is required unless a handle is given")
+        layout_code = _layout_code(NON_EXPAND if layout is None else layout)
+        layout = NON_EXPAND if layout_code == _lib.LAYOUT_NON_EXPAND else EXPAND
+        expert_alignment = 1 if expert_alignment is None else int(expert_alignment)
+        return layout, layout_code, expert_alignment, bool(zero_padding)
+
+    def worst_case_rows(self, layout=NON_EXPAND, num_topk=None, expert_alignment=1):
+        """The most rows a dispatch of this group can deliver to one rank (SEMANTICS.md 5):
+        ``world_size * max_tokens_per_rank`` for NON_EXPAND; for EXPAND that times
+        ``min(num_topk, num_local_experts)`` plus the alignment padding of every local expert."""
+        R, T, L = self.world_size, self.max_tokens_per_rank, self.num_local_experts
+        if _layout_code(layout) == _lib.LAYOUT_EXPAND:
+            k = self.max_topk if num_topk is None else num_topk
+            return R * T * min(max(k, 1), L) + L * (max(int(expert_alignment), 1) - 1)
+        return R * T
+
+    def _output_specs(self, layout, num_topk, topk_code, has_weights, alignment, capacity):
+        """[(C field name, shape, epd dtype)] of one dispatch's client-registered outputs."""
+        H = self.hidden
         expand = layout == EXPAND
         if capacity is None:
-            capacity = (R * T * min(max(num_topk, 1), L) + L * (max(alignment, 1) - 1)
-                        if expand else R * T)
+            capacity = self.worst_case_rows(layout, num_topk, alignment)
         capacity = int(capacity)
+        if capacity < 0:
+            raise InvalidArgument("recv_capacity %d < 0" % capacity)
         fp8 = self.dtype_code == _lib.DTYPE_FP8_E4M3
         specs = [("recv_x", (capacity, H), self.dtype_code)]
         if fp8:
@@ -572,6 +675,13 @@ class Group:
         specs.append(("recv_src", (capacity,), _lib.DTYPE_INT64))
         if expand:
             specs.append(("recv_topk_slot", (capacity,), _lib.DTYPE_INT32))
+        return specs
+
+    def _client_outputs(self, args, layout, num_topk, topk_code, has_weights, alignment,
+                        capacity):
+        """Allocates a region for one dispatch's outputs and points ``args`` at it."""
+        specs = self._output_specs(layout, num_topk, topk_code, has_weights, alignment,
+                                   capacity)
         total = sum((int(np.prod(s)) * NUMPY_DTYPE[d].itemsize + 127) // 64 * 64
                     for _, s, d in specs)
         region = self.client.region(max(total, 1))
@@ -598,7 +708,7 @@ class Group:
         return np.frombuffer(buf, dtype=dt).reshape(shape)
 
     def _dispatch_result(self, op, layout, handle, num_tokens, num_topk, topk_code, has_weights,
-                         alignment, zero_padding, outs, copy_outputs):
+                         alignment, zero_padding, outs, copy_outputs, convert=None):
         lib = _lib.load()
         dr = _lib.DispatchResult()
         check(self.client, lib.epd_op_dispatch_result(op, ctypes.byref(dr)))
@@ -613,6 +723,7 @@ class Group:
         if handle is None:
             handle = Handle(self, dr.handle_id, layout, num_tokens, num_topk, topk_code,
                             has_weights, rows, alignment, zero_padding)
+            handle.rank_prefix = prefix
         else:
             handle.has_weights = has_weights  # a cached dispatch replaces the weights
         names = {"recv_x": ("recv_x", self.dtype_code),
@@ -628,12 +739,14 @@ class Group:
                 arr = arr[:rows] if arr is not None else None
             else:
                 arr = self._arena_view(getattr(dr, cname + "_ptr"), getattr(dr, cname), code)
-            if arr is not None and copy_outputs:
+            if arr is not None and convert is not None:
+                arr = convert(cname, arr)
+            elif arr is not None and copy_outputs:
                 arr = arr.copy()
             arrays[field] = arr
         return DispatchResult(
             layout=layout, handle=handle, op_number=dr.op_number, exec_ns=dr.exec_ns,
-            queue_ns=dr.queue_ns, num_recv_tokens=dr.num_recv_tokens,
+            queue_ns=dr.queue_ns, kernel_ns=dr.kernel_ns, num_recv_tokens=dr.num_recv_tokens,
             num_expanded_rows=dr.num_expanded_rows, num_recv_tokens_per_expert=per_expert,
             num_recv_tokens_per_expert_aligned=aligned,
             num_recv_tokens_per_expert_list=[int(v) for v in aligned], rank_prefix=prefix,
@@ -641,7 +754,8 @@ class Group:
 
     # ---- combine ----
 
-    def combine(self, x, handle, bias=None, apply_weights=False, async_op=False, out=None):
+    def combine(self, x, handle, bias=None, apply_weights=False, async_op=False, out=None,
+                stream=None):
         """Sends rows back to their sources and reduces them (SEMANTICS.md section 3).
 
         ``x`` is the experts' output in the dispatch layout of ``handle``: ``[rows, hidden]``
@@ -652,14 +766,21 @@ class Group:
         ``out`` optionally receives ``combined_x`` (an array from :func:`epd.empty` avoids a
         copy).
 
-        Returns ``(combined_x, combined_topk_weights)``: uint16 ``[N, hidden]`` and float32
-        ``[N, K]``, the weights the dispatch carried with 0 where ``topk_idx`` was -1 (None
-        when the dispatch carried none). epd routes the dispatch's weights back itself, so
-        combine takes no ``topk_weights``. With ``async_op=True``, a :class:`Future` of that.
+        Returns a :class:`CombineResult`, the pair ``(combined_x, combined_topk_weights)``:
+        uint16 ``[N, hidden]`` and float32 ``[N, K]``, the weights the dispatch carried with 0
+        where ``topk_idx`` was -1 (None when the dispatch carried none), with the op's timing
+        as attributes. epd routes the dispatch's weights back itself, so combine takes no
+        ``topk_weights``. With ``async_op=True``, a :class:`Future` of that.
+
+        torch tensors (:mod:`epd.tensors`): ``combined_x`` is a bf16 tensor on ``x``'s device
+        (``out`` if given), ``combined_topk_weights`` a float32 one; a CUDA combine waits for
+        the work queued on ``stream`` (default: the current stream) before reading ``x``.
         """
         self._check()
         if not isinstance(handle, Handle):
             raise InvalidArgument("combine needs the Handle of a dispatch")
+        if tensors.is_tensor(x):
+            return tensors.combine(self, x, handle, bias, apply_weights, async_op, out, stream)
         y = _dims(_payload(x, _lib.DTYPE_BF16, "x"), "x")
         if bias is None:
             biases = []
@@ -711,21 +832,23 @@ class Group:
             else:
                 combined = combined.copy()
             weights = sw["array"].copy() if sw else None
-            return combined, weights
+            return CombineResult(combined, weights, op_number=res.op_number,
+                                 num_tokens=res.num_tokens, exec_ns=res.exec_ns,
+                                 queue_ns=res.queue_ns, kernel_ns=res.kernel_ns)
 
         return self._submit("combine", _lib.load().epd_combine_submit, args, st, finish,
                             async_op)
 
     # ---- common ----
 
-    def _submit(self, kind, fn, args, staging, finish, async_op):
+    def _submit(self, kind, fn, args, staging, finish, async_op, outputs=None, device=None):
         op = ctypes.c_void_p()
         try:
             check(self.client, fn(self._ptr, ctypes.byref(args), ctypes.byref(op)))
         except BaseException:
             staging.done()
             raise
-        fut = Future(self, op.value, kind, staging, finish)
+        fut = Future(self, op.value, kind, staging, finish, outputs=outputs, device=device)
         self.client._track(fut)
         if async_op:
             return fut

@@ -25,24 +25,35 @@ What differs from DeepEP:
   daemon's socket (or an existing :class:`epd.Group`) instead of a torch process group and
   buffer sizes; the group's shape (world size, experts, hidden, token and top-k bounds, dtype)
   is given to the rank that creates it (rank 0 unless ``create`` says otherwise).
-* Events are ``None``: the host backend completes every op before returning, so
-  ``previous_event``, ``async_finish`` and ``allocate_on_comm_stream`` are accepted and
-  ignored. ``config`` is ignored (epd sizes its own buffers).
+* Events: ``previous_event`` (a DeepEP-style :class:`EventOverlap` or a ``torch.cuda.Event``)
+  is waited for on the GPU before the op reads its inputs; with CUDA tensors every op also
+  waits for the work queued on the current stream, without a host synchronisation. The
+  returned event is None unless ``async_finish=True``; then it is an :class:`EventOverlap`
+  whose ``current_stream_wait()`` makes the current stream wait for the op. dispatch always
+  waits for its op on the host (its output sizes come from the counts, as in DeepEP's
+  CPU-synchronised normal mode), so its event has nothing left to wait for; combine with
+  ``async_finish=True`` returns at once with its output tensors, which the current stream may
+  use after ``event.current_stream_wait()``. Its errors are raised by the buffer's next call
+  (or :meth:`Buffer.synchronize`). ``allocate_on_comm_stream`` and ``config`` are ignored
+  (epd sizes its own buffers).
 * ``num_tokens_per_rank``, ``num_tokens_per_rdma_rank``, ``is_token_in_rank`` and
   ``num_tokens_per_expert`` are accepted and ignored by ``dispatch``: epd derives the routing
   from ``topk_idx`` itself.
 * The handle is an :class:`epd.Handle`, released when it is garbage collected (as DeepEP's
-  tensors are freed). A cached dispatch returns the same handle (DeepEP returns None), and the
-  received weights when new ``topk_weights`` are given.
+  tensors are freed); ``handle.rank_prefix`` holds the rows per source rank (DeepEP's
+  ``rank_prefix_matrix`` column of this rank, as a prefix sum). A cached dispatch returns the
+  same handle (DeepEP returns None), and the received weights when new ``topk_weights`` are
+  given.
 * ``combine`` takes ``topk_weights`` only to decide whether to return
   ``combined_topk_weights``: epd sends back the weights the dispatch carried (masked to 0 where
   ``topk_idx`` is -1), which is what DeepEP's sum of the received weights gives.
-* Arrays are NumPy: bf16 as uint16 bits (floats are rounded to bf16 on the way in), fp8 as
-  uint8 e4m3 bytes with float32 scales, passed as ``(x, x_scales)`` as in DeepEP. When torch is
-  importable, CPU torch tensors are accepted too and the results come back as torch tensors
-  (bf16 as ``torch.bfloat16``); CUDA tensors are not supported on this path yet.
-* Outputs are copies by default (``copy_outputs=True``); ``copy_outputs=False`` returns views
-  of the output arena, valid until the handle is released.
+* Tensors: torch CUDA tensors (the cuda backend; see :mod:`epd.tensors`) stay on the GPU:
+  outputs are device tensors, allocated per dispatch with room for the group's worst case
+  unless the buffer's ``recv_capacity`` bounds the rows. CPU torch tensors and NumPy arrays
+  (bf16 as uint16 bits, floats rounded to bf16 on the way in; fp8 as uint8 e4m3 bytes with
+  float32 scales, passed as ``(x, x_scales)`` as in DeepEP) go through host shared memory;
+  their outputs are copies by default (``copy_outputs=True``); ``copy_outputs=False``
+  returns views of the output arena, valid until the handle is released.
 * Not supported: low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``),
   internode (RDMA) buffers, ``num_worst_tokens`` > 0, and the EXPAND layout (use
   :meth:`epd.Group.dispatch` with ``layout='expand'``).
@@ -50,47 +61,48 @@ What differs from DeepEP:
 
 import numpy as np
 
+from .. import tensors
 from ..client import Client
 from ..errors import InvalidArgument
 from ..group import NON_EXPAND, Group
 
-try:  # torch is optional: only used when the caller passes torch tensors
-    import torch as _torch
-except Exception:  # pragma: no cover - depends on the machine
-    _torch = None
-
 
 def _is_torch(value):
-    return _torch is not None and isinstance(value, _torch.Tensor)
+    return tensors.is_tensor(value)
 
 
-def _to_numpy(value):
-    """A NumPy array for a torch tensor (bf16 as uint16 bits), or ``value`` unchanged."""
-    if not _is_torch(value):
-        return value
-    if value.device.type != "cpu":
-        raise NotImplementedError("epd.compat.deep_ep takes CPU tensors on the host backend, "
-                                  "not %s tensors" % value.device.type)
-    t = value.detach().contiguous()
-    if t.dtype == _torch.bfloat16:
-        return t.view(_torch.int16).numpy().view(np.uint16)
-    fp8 = getattr(_torch, "float8_e4m3fn", None)
-    if fp8 is not None and t.dtype == fp8:
-        return t.view(_torch.uint8).numpy()
-    return t.numpy()
+class EventOverlap:
+    """DeepEP's ``EventOverlap``: what an ``async_finish`` op returns.
 
+    :meth:`current_stream_wait` makes torch's current stream wait for the op (or the CUDA
+    event) on the GPU; for an op that already completed on the host it does nothing. As a
+    context manager it waits on exit, like DeepEP's.
+    """
 
-def _to_torch(value, bf16=False):
-    """A torch tensor for a NumPy result (uint16 bits as bfloat16 when ``bf16``)."""
-    if value is None:
-        return None
-    if isinstance(value, tuple):
-        return tuple(_to_torch(v) for v in value)
-    value = np.ascontiguousarray(value)
-    if value.dtype == np.uint16:  # torch has no uint16: carry the bits as int16
-        t = _torch.from_numpy(value.view(np.int16))
-        return t.view(_torch.bfloat16) if bf16 else t
-    return _torch.from_numpy(value)
+    def __init__(self, future=None, event=None, extra_tensors=None):
+        self.future = future
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self):
+        if self.future is not None:
+            if self.future.device is not None:
+                self.future.current_stream_wait()
+        elif self.event is not None:
+            tensors.torch_module().cuda.current_stream().wait_event(self.event)
+
+    def _wait_on(self, stream):
+        if self.future is not None:
+            if self.future.device is not None:
+                self.future.stream_wait(stream)
+        elif self.event is not None:
+            stream.wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.current_stream_wait()
 
 
 class Buffer:
@@ -99,20 +111,28 @@ class Buffer:
     ``group`` is the epd group's name, or an :class:`epd.Group` to wrap (then the other
     arguments are unused). With a name: ``rank`` is this process's rank, ``secret`` the
     group's secret (bytes or str, at least 16 bytes), ``socket`` the daemon's socket (None:
-    ``$EPD_SOCKET`` or ``/run/epd/epd.sock``) or ``client`` an open :class:`epd.Client`. The
-    creating rank (``create``; default: rank 0) also gives the group's shape: ``world_size``,
-    ``num_experts``, ``hidden``, ``max_tokens_per_rank``, ``max_topk``, ``dtype`` ('bf16' or
-    'fp8'), ``arena_bytes``, ``op_timeout_ms``. The others join, retrying for ``join_timeout``
-    seconds while the group does not exist yet.
+    ``$EPD_SOCKET`` or ``/run/epd/epd.sock``) or ``client`` an open :class:`epd.Client`,
+    ``device`` this rank's daemon device index or a torch device (``"cuda:0"``, matched to the
+    daemon's GPU by UUID). The creating rank (``create``; default: rank 0) also gives the
+    group's shape: ``world_size``, ``num_experts``, ``hidden``, ``max_tokens_per_rank``,
+    ``max_topk``, ``dtype`` ('bf16' or 'fp8'), ``arena_bytes``, ``op_timeout_ms``. The others
+    join, retrying for ``join_timeout`` seconds while the group does not exist yet.
+
+    ``copy_outputs`` (default True) makes host-memory outputs copies instead of arena views;
+    ``recv_capacity`` bounds the rows of the device tensors a CUDA dispatch allocates for its
+    outputs (None: the group's worst case).
     """
 
     def __init__(self, group, rank=None, secret=None, socket=None, *, client=None,
                  world_size=None, num_experts=None, hidden=None, max_tokens_per_rank=None,
                  max_topk=None, dtype="bf16", arena_bytes=None, op_timeout_ms=0, create=None,
-                 join_timeout=30.0, copy_outputs=True):
+                 join_timeout=30.0, copy_outputs=True, recv_capacity=None, device=0):
         self._owns_client = False
         self._owns_group = False
         self.copy_outputs = copy_outputs
+        self.recv_capacity = recv_capacity
+        self._inflight = []  # futures of async_finish combines not yet waited on the host
+        self._side = {}      # device -> stream for ops after a previous_event
         if isinstance(group, Group):
             self.group = group
         else:
@@ -134,9 +154,10 @@ class Buffer:
                         client, group, secret, rank, world_size=world_size,
                         num_experts=num_experts, hidden=hidden,
                         max_tokens_per_rank=max_tokens_per_rank, max_topk=max_topk,
-                        dtype=dtype, arena_bytes=arena_bytes, op_timeout_ms=op_timeout_ms)
+                        dtype=dtype, arena_bytes=arena_bytes, op_timeout_ms=op_timeout_ms,
+                        device=device)
                 else:
-                    self.group = Group.join(client, group, secret, rank,
+                    self.group = Group.join(client, group, secret, rank, device=device,
                                             retry_timeout=join_timeout)
             except BaseException:
                 if self._owns_client:
@@ -150,8 +171,49 @@ class Buffer:
 
     # ---- lifetime ----
 
+    def synchronize(self):
+        """Waits on the host for the buffer's ``async_finish`` combines; raises their errors."""
+        self._reap(block=True)
+
+    def _reap(self, block):
+        """Waits for async combines that completed (all of them with ``block``); raises the
+        first error after letting go of every finished one."""
+        keep, error = [], None
+        for fut in self._inflight:
+            if block or fut.done():
+                try:
+                    fut.wait()
+                except Exception as e:  # noqa: PERF203
+                    error = error or e
+            else:
+                keep.append(fut)
+        self._inflight = keep
+        if error is not None:
+            raise error
+
+    def _stream_after(self, previous_event, x):
+        """The stream an op waits on: None (the current stream), or with a previous_event, a
+        side stream that waits for both the current stream and the event."""
+        if previous_event is None or not tensors.is_cuda(x):
+            return None
+        torch = tensors.torch_module()
+        device = x.device
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        if isinstance(previous_event, EventOverlap):
+            previous_event._wait_on(side)
+        else:
+            side.wait_event(previous_event)
+        return side
+
     def destroy(self):
         """Leaves the group (and closes the connection the buffer opened)."""
+        try:
+            self._reap(block=True)
+        except Exception:
+            pass
         if self._owns_group:
             self.group.leave()
         if self._owns_client:
@@ -180,19 +242,36 @@ class Buffer:
         """Counts where tokens go, computed locally from ``topk_idx`` ``[N, K]`` (-1: none).
 
         Returns ``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
-        is_token_in_rank [N, R] bool, None)``, as DeepEP (no RDMA ranks, no event).
+        is_token_in_rank [N, R] bool, event)``, as DeepEP (no RDMA ranks). For a torch
+        ``topk_idx`` they are tensors on its device, computed there.
         """
-        was_torch = _is_torch(topk_idx)
-        tk = np.asarray(_to_numpy(topk_idx))
-        if tk.ndim != 2 or tk.dtype.kind not in "iu":
-            raise InvalidArgument("topk_idx must be an integer [num_tokens, num_topk] array")
         R, E = self.group_size, int(num_experts)
         if E != self.num_experts:
             raise InvalidArgument("num_experts %d differs from the group's %d" %
                                   (E, self.num_experts))
+        L = E // R
+        event = EventOverlap() if async_finish else None
+        if _is_torch(topk_idx):
+            torch = tensors.torch_module()
+            tk = topk_idx
+            if tk.dim() != 2 or tk.is_floating_point() or tk.dtype == torch.bool:
+                raise InvalidArgument("topk_idx must be an integer [num_tokens, num_topk] tensor")
+            if tk.numel() and bool(((tk < -1) | (tk >= E)).any()):
+                raise InvalidArgument("topk_idx holds expert ids outside [-1, %d)" % E)
+            tk = tk.long()
+            valid = tk >= 0
+            num_tokens_per_expert = torch.bincount(tk[valid], minlength=E).int()
+            dest = torch.where(valid, torch.div(tk, L, rounding_mode="floor"),
+                               torch.full_like(tk, -1))
+            ranks = torch.arange(R, device=tk.device)
+            is_token_in_rank = (dest.unsqueeze(-1) == ranks).any(dim=1)
+            num_tokens_per_rank = is_token_in_rank.sum(dim=0).int()
+            return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
+        tk = np.asarray(topk_idx)
+        if tk.ndim != 2 or tk.dtype.kind not in "iu":
+            raise InvalidArgument("topk_idx must be an integer [num_tokens, num_topk] array")
         if np.any((tk < -1) | (tk >= E)):
             raise InvalidArgument("topk_idx holds expert ids outside [-1, %d)" % E)
-        L = E // R
         valid = tk >= 0
         num_tokens_per_expert = np.bincount(tk[valid].astype(np.int64),
                                             minlength=E).astype(np.int32)
@@ -201,10 +280,7 @@ class Buffer:
         for r in range(R):
             is_token_in_rank[:, r] = np.any(dest == r, axis=1)
         num_tokens_per_rank = is_token_in_rank.sum(axis=0).astype(np.int32)
-        if was_torch:
-            return (_to_torch(num_tokens_per_rank), None, _to_torch(num_tokens_per_expert),
-                    _to_torch(is_token_in_rank), None)
-        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, None
+        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
@@ -213,52 +289,54 @@ class Buffer:
         """DeepEP's normal dispatch. ``x`` is an array, or ``(x, x_scales)`` for fp8.
 
         Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
-        handle, None)``; ``recv_x`` is ``(recv_x, recv_x_scales)`` for fp8. A cached dispatch
+        handle, event)``; ``recv_x`` is ``(recv_x, recv_x_scales)`` for fp8. A cached dispatch
         (``handle`` given) returns ``(recv_x, None, recv_topk_weights or None, None, handle,
-        None)``.
+        event)``. ``event`` is None unless ``async_finish``.
         """
         if num_worst_tokens:
             raise NotImplementedError("num_worst_tokens is not supported by epd's DeepEP front")
-        was_torch = _is_torch(x[0] if isinstance(x, tuple) else x)
         x_scales = None
         if isinstance(x, tuple):
             x, x_scales = x
+        cuda = tensors.is_cuda(x)
         res = self.group.dispatch(
-            _to_numpy(x), topk_idx=_to_numpy(topk_idx), topk_weights=_to_numpy(topk_weights),
-            x_scales=_to_numpy(x_scales), handle=handle,
-            expert_alignment=expert_alignment if handle is None else None,
-            layout=NON_EXPAND, copy_outputs=self.copy_outputs)
+            x, topk_idx=topk_idx, topk_weights=topk_weights, x_scales=x_scales, handle=handle,
+            expert_alignment=expert_alignment if handle is None else None, layout=NON_EXPAND,
+            copy_outputs=self.copy_outputs,
+            recv_capacity=self.recv_capacity if cuda else None,
+            stream=self._stream_after(previous_event, x))
+        self._reap(block=True)  # ops run in order: older async combines are complete
         if handle is None:
             res.handle.auto_release()
         recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
-        bf16 = self.group.dtype == "bf16"
-        if was_torch:
-            recv_x = _to_torch(recv_x, bf16=bf16)
-        conv = _to_torch if was_torch else (lambda v: v)
+        event = EventOverlap() if async_finish else None
         if handle is not None:
-            return recv_x, None, conv(res.recv_topk_weights), None, res.handle, None
-        return (recv_x, conv(res.recv_topk_idx), conv(res.recv_topk_weights),
-                res.num_recv_tokens_per_expert_list, res.handle, None)
+            return recv_x, None, res.recv_topk_weights, None, res.handle, event
+        return (recv_x, res.recv_topk_idx, res.recv_topk_weights,
+                res.num_recv_tokens_per_expert_list, res.handle, event)
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None,
                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):
         """DeepEP's normal combine: ``x`` ``[num_recv_tokens, hidden]`` in dispatch order.
 
         ``bias`` is None, one array or a tuple of two ``[N, hidden]``. Returns
-        ``(combined_x, combined_topk_weights, None)``; ``combined_topk_weights`` is None unless
+        ``(combined_x, combined_topk_weights, event)``; ``combined_topk_weights`` is None unless
         ``topk_weights`` is given (its values are not used: see the module docstring).
         """
-        was_torch = _is_torch(x)
-        if isinstance(bias, tuple):
-            bias = tuple(_to_numpy(b) for b in bias)
-        else:
-            bias = _to_numpy(bias)
-        combined, weights = self.group.combine(_to_numpy(x), handle, bias=bias)
+        if isinstance(bias, list):
+            bias = tuple(bias)
+        stream = self._stream_after(previous_event, x)
+        if async_finish and tensors.is_cuda(x):
+            fut = self.group.combine(x, handle, bias=bias, async_op=True, stream=stream)
+            self._inflight.append(fut)
+            self._reap(block=False)
+            weights = fut.outputs["combined_topk_weights"] if topk_weights is not None else None
+            return fut.outputs["combined_x"], weights, EventOverlap(fut)
+        combined, weights = self.group.combine(x, handle, bias=bias, stream=stream)
+        self._reap(block=True)
         if topk_weights is None:
             weights = None
-        if was_torch:
-            return _to_torch(combined, bf16=True), _to_torch(weights), None
-        return combined, weights, None
+        return combined, weights, EventOverlap() if async_finish else None
 
 
-__all__ = ["Buffer"]
+__all__ = ["Buffer", "EventOverlap"]

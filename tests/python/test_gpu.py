@@ -1,0 +1,697 @@
+"""GPU tests of the Python binding: torch CUDA tensors against a cuda-backend epd.
+
+* TestTorchMatchesHost: the same dispatch / combine / cached dispatch cases run twice, with
+  NumPy arrays against a host-backend daemon and with torch CUDA tensors against a cuda-backend
+  daemon, one process per rank (multiprocessing 'spawn'); every output must be bit-identical
+  (EXPAND padding rows that are not zero-padded are left out: nobody writes them). Ranks 2 and 4.
+* TestDeepEPIntranode: DeepEP's intranode test through epd.compat.deep_ep with CUDA tensors:
+  x holds its source rank's number, so every received row must equal its source rank (rows are
+  ordered by source rank); combining the untouched received rows and dividing by the number of
+  ranks each token reached gives x back, exactly in bf16. combine uses async_finish, so its
+  output is read after event.current_stream_wait() without a host wait. Ranks 2 and 4.
+* TestInProcess: the registration cache (one region per CUDA allocation), stream ordering (the
+  daemon waits for the stream's earlier work; Future.stream_wait orders the stream after the
+  op), caller outputs, recv_capacity and CAPACITY_EXCEEDED, arena outputs copied to the device,
+  kernel_ns.
+
+Needs torch with CUDA, a GPU, a libepd built with CUDA (EPD_LIBRARY) and the epd binary
+(EPD_BIN_DIR, else PATH, else build/bin). Without them every test skips, unless
+EPD_GPU_REQUIRED=1 (set by run_gpu.py) makes that a failure.
+
+    EPD_LIBRARY=/path/libepd.so EPD_BIN_DIR=/path/bin python3 -m unittest -v test_gpu
+"""
+
+import multiprocessing
+import os
+import shutil
+import signal
+import socket as socketlib
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "client", "python"))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+
+import epd  # noqa: E402
+from epd import tensors  # noqa: E402
+
+SECRET = b"0123456789abcdef-python-gpu-tests"
+REQUIRED = os.environ.get("EPD_GPU_REQUIRED") == "1"
+DAEMONS = {}
+WORKER_TIMEOUT = 240
+
+
+# ---- environment ----
+
+def find_epd():
+    d = os.environ.get("EPD_BIN_DIR")
+    if d:
+        return os.path.join(d, "epd")
+    return shutil.which("epd") or os.path.join(REPO, "build", "bin", "epd")
+
+
+def no_gpu_reason():
+    """Why the GPU tests cannot run here, or None."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed for %s" % sys.executable
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    try:
+        lib = epd._lib.load()
+    except OSError as e:
+        return str(e)
+    if lib.optional.get("epd_region_register_device") is None:
+        return "libepd (%s) has no epd_region_register_device" % lib.path
+    if not os.access(find_epd(), os.X_OK):
+        return "no epd binary at %s (set EPD_BIN_DIR)" % find_epd()
+    return None
+
+
+def start_daemon(backend):
+    workdir = tempfile.mkdtemp(prefix="epd-gputest-%s-" % backend)
+    sock = os.path.join(workdir, "epd.sock")
+    logpath = os.path.join(workdir, "epd.log")
+    log = open(logpath, "wb")
+    proc = subprocess.Popen([find_epd(), "--backend", backend, "--socket", sock, "--config",
+                             "/dev/null"], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60  # the cuda backend initialises every GPU first
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_SEQPACKET) as s:
+                s.connect(sock)
+            return {"proc": proc, "socket": sock, "dir": workdir, "log": log, "logpath": logpath}
+        except OSError:
+            time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    with open(logpath, errors="replace") as f:
+        raise RuntimeError("epd --backend %s did not start: %s" % (backend, f.read()[-3000:]))
+
+
+def stop_daemon(d):
+    proc = d["proc"]
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    d["log"].close()
+    shutil.rmtree(d["dir"], ignore_errors=True)
+
+
+def daemon_log(backend):
+    d = DAEMONS.get(backend)
+    if not d:
+        return ""
+    with open(d["logpath"], errors="replace") as f:
+        return f.read()[-4000:]
+
+
+def setUpModule():
+    reason = no_gpu_reason()
+    if reason:
+        if REQUIRED:
+            raise RuntimeError("GPU tests required (EPD_GPU_REQUIRED=1) but: " + reason)
+        raise unittest.SkipTest(reason)
+    DAEMONS["host"] = start_daemon("host")
+    DAEMONS["cuda"] = start_daemon("cuda")
+    with epd.connect(DAEMONS["cuda"]["socket"]) as c:
+        backend = c.info()["backend"]
+        gpu = c.gpu_memory
+    if backend != "cuda" or not gpu:
+        why = ("the daemon runs the '%s' backend" % backend if backend != "cuda" else
+               "the connection has no CAP_CUDA_REGIONS (libepd built without CUDA?)")
+        tearDownModule()
+        if REQUIRED:
+            raise RuntimeError("GPU tests required but " + why)
+        raise unittest.SkipTest(why)
+
+
+def tearDownModule():
+    for d in DAEMONS.values():
+        stop_daemon(d)
+    DAEMONS.clear()
+
+
+# ---- processes, one per rank ----
+
+def run_ranks(target, R, args, timeout=WORKER_TIMEOUT):
+    """Runs target(rank, *args, queue) in R 'spawn' processes; returns their results by rank.
+    Raises AssertionError with every failing rank's traceback."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(target, r, args, queue)) for r in range(R)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < R:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            errors.append("timed out after %d s waiting for %d rank(s)" %
+                          (timeout, R - len(results) - len(errors)))
+            break
+        try:
+            rank, status, payload = queue.get(timeout=min(left, 1.0))
+        except Exception:
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                errors.append("every rank exited; results from %s only" % sorted(results))
+                break
+            continue
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append("rank %d:\n%s" % (rank, payload))
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return results
+
+
+def _rank_main(target, rank, args, queue):
+    try:
+        queue.put((rank, "ok", target(rank, *args)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def _enter(client, name, rank, R, **shape):
+    if rank == 0:
+        return epd.Group.create(client, name, SECRET, 0, world_size=R, op_timeout_ms=60000,
+                                **shape)
+    device = shape.get("device", 0)
+    return epd.Group.join(client, name, SECRET, rank, device=device, retry_timeout=60)
+
+
+def _cuda_device(rank):
+    import torch
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+# ---- (a) torch on the cuda backend vs NumPy on the host backend ----
+
+CASES = {
+    2: [dict(name="r2_ne_bf16_w_bias2_cached", E=8, H=256, T=48, K=4, dtype="bf16",
+             layout="non_expand", align=1, zp=False, weights=True, topk=np.int64, nbias=2,
+             apply=False, cached=True, async_=False, seed=801),
+        dict(name="r2_ex_bf16_a4_zp_apply_i32_async", E=8, H=128, T=32, K=3, dtype="bf16",
+             layout="expand", align=4, zp=True, weights=True, topk=np.int32, nbias=1,
+             apply=True, cached=True, async_=True, seed=802)],
+    4: [dict(name="r4_ne_fp8_w_cached_async", E=16, H=256, T=40, K=4, dtype="fp8",
+             layout="non_expand", align=1, zp=False, weights=True, topk=np.int64, nbias=0,
+             apply=False, cached=True, async_=True, seed=803),
+        dict(name="r4_ex_bf16_a2_noweights", E=16, H=512, T=64, K=6, dtype="bf16",
+             layout="expand", align=2, zp=False, weights=False, topk=np.int64, nbias=1,
+             apply=False, cached=False, async_=False, seed=804),
+        dict(name="r4_ne_bf16_i32_bias1", E=8, H=1024, T=128, K=2, dtype="bf16",
+             layout="non_expand", align=1, zp=False, weights=True, topk=np.int32, nbias=1,
+             apply=False, cached=False, async_=False, seed=805)],
+}
+
+FIELDS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src",
+          "recv_topk_slot")
+
+
+def case_inputs(case, R):
+    import test_binding as tb
+    return tb.make_inputs(R, case["E"], case["H"], case["T"], case["K"], case["seed"],
+                          dtype=case["dtype"], topk_dtype=case["topk"])
+
+
+def case_y(case, rank, rows, tag=0):
+    rng = np.random.default_rng([case["seed"], 77, rank, tag])
+    return epd.float_to_bf16(rng.standard_normal((rows, case["H"]), dtype=np.float32))
+
+
+def _np(value):
+    if value is None:
+        return None
+    if tensors.is_tensor(value):
+        return np.ascontiguousarray(tensors.to_numpy(value.detach().cpu()))
+    return np.ascontiguousarray(value)
+
+
+def _dispatch_record(res):
+    rec = {f: _np(getattr(res, f)) for f in FIELDS}
+    rec.update(num_recv_tokens=res.num_recv_tokens, num_expanded_rows=res.num_expanded_rows,
+               per_expert=np.asarray(res.num_recv_tokens_per_expert).tolist(),
+               aligned=np.asarray(res.num_recv_tokens_per_expert_aligned).tolist(),
+               rank_prefix=np.asarray(res.rank_prefix).tolist(), kernel_ns=res.kernel_ns)
+    return rec
+
+
+def case_worker(rank, kind, R, sock, prefix, cases):
+    """One rank: every case of ``cases`` on the daemon at ``sock``; NumPy arrays for the host
+    backend, torch CUDA tensors for the cuda one. Returns {case name: record}."""
+    torch = None
+    dev = None
+    if kind == "cuda":
+        import torch
+        dev = _cuda_device(rank)
+    out = {}
+    with epd.connect(sock, name="gpu-test-%s-%d" % (kind, rank)) as client:
+        for case in cases:
+            shape = dict(num_experts=case["E"], hidden=case["H"],
+                         max_tokens_per_rank=case["T"], max_topk=case["K"], dtype=case["dtype"])
+            if dev is not None:
+                shape["device"] = dev
+            group = _enter(client, prefix + case["name"], rank, R, **shape)
+            xs, scales, topks, ws = case_inputs(case, R)
+            x, sc, tk = xs[rank], scales[rank], topks[rank]
+            w = ws[rank] if case["weights"] else None
+            n = len(x)
+            if kind == "cuda":
+                def put(a, dt=None):
+                    return None if a is None else tensors.from_numpy(
+                        np.ascontiguousarray(a), dt).to(dev)
+                xdt = torch.bfloat16 if case["dtype"] == "bf16" else \
+                    getattr(torch, "float8_e4m3fn", torch.uint8)
+                xin, scin, tkin, win = put(x, xdt), put(sc), put(tk), put(w)
+                extra = {}
+            else:
+                def put(a, dt=None):
+                    return a
+                xin, scin, tkin, win = x, sc, tk, w
+                extra = {"copy_outputs": True}
+            routing = dict(layout=case["layout"], expert_alignment=case["align"],
+                           zero_padding=case["zp"])
+            res = group.dispatch(xin, topk_idx=tkin, topk_weights=win, x_scales=scin,
+                                 async_op=case["async_"], **routing, **extra)
+            if case["async_"]:
+                if kind == "cuda":
+                    res.current_stream_wait()
+                res = res.wait(timeout=120)
+            rec = {"dispatch": _dispatch_record(res)}
+            rows = res.num_rows
+            y = case_y(case, rank, rows)
+            biases = [case_y(case, rank, n, tag=1 + i) for i in range(case["nbias"])]
+            yin = put(y, torch.bfloat16 if torch else None)
+            bin_ = tuple(put(b, torch.bfloat16 if torch else None) for b in biases) or None
+            comb = group.combine(yin, res.handle, bias=bin_, apply_weights=case["apply"],
+                                 async_op=case["async_"])
+            if case["async_"]:
+                if kind == "cuda":
+                    comb.current_stream_wait()
+                comb = comb.wait(timeout=120)
+            rec["combined_x"] = _np(comb[0])
+            rec["combined_topk_weights"] = _np(comb[1])
+            rec["combine_kernel_ns"] = comb.kernel_ns
+            if case["cached"]:
+                w2 = None if w is None else w * np.float32(2)
+                again = group.dispatch(xin, handle=res.handle, topk_weights=put(w2),
+                                       x_scales=scin, **extra)
+                rec["cached"] = _dispatch_record(again)
+            res.handle.release()
+            group.leave()
+            out[case["name"]] = rec
+    return out
+
+
+def _compare(tc, name, rank, host, dev, zero_padding):
+    """Bitwise comparison of one dispatch record."""
+    for key in ("num_recv_tokens", "num_expanded_rows", "per_expert", "aligned", "rank_prefix"):
+        tc.assertEqual(host[key], dev[key], "%s rank %d: %s" % (name, rank, key))
+    src = host["recv_src"]
+    for f in FIELDS:
+        a, b = host[f], dev[f]
+        tc.assertEqual(a is None, b is None, "%s rank %d: %s present on one side only" %
+                       (name, rank, f))
+        if a is None:
+            continue
+        tc.assertEqual(a.shape, b.shape, "%s rank %d: %s shape" % (name, rank, f))
+        if not zero_padding and f in ("recv_x", "recv_x_scales", "recv_topk_weights") and \
+                src is not None and len(src) == len(a):
+            keep = src >= 0
+            a, b = a[keep], b[keep]
+        if a.tobytes() != b.tobytes():
+            bad = np.nonzero((a.view(np.uint8).reshape(len(a), -1) !=
+                              b.view(np.uint8).reshape(len(b), -1)).any(axis=1))[0] \
+                if a.ndim and len(a) else []
+            tc.fail("%s rank %d: %s differs between host and cuda backends in rows %s" %
+                    (name, rank, f, list(bad[:10])))
+
+
+class TestTorchMatchesHost(unittest.TestCase):
+    def run_r(self, R):
+        cases = CASES[R]
+        prefix = "gpu-%d-%d-" % (os.getpid(), R)
+        host = run_ranks(case_worker, R, ("host", R, DAEMONS["host"]["socket"], prefix + "h-",
+                                          cases))
+        try:
+            cuda = run_ranks(case_worker, R, ("cuda", R, DAEMONS["cuda"]["socket"],
+                                              prefix + "c-", cases))
+        except AssertionError as e:
+            raise AssertionError("%s\n--- cuda daemon log ---\n%s" % (e, daemon_log("cuda")))
+        from reference import Routing
+        for case in cases:
+            name = case["name"]
+            xs, scales, topks, ws = case_inputs(case, R)
+            ref = Routing(R, case["E"], case["T"], xs, topks, ws if case["weights"] else None,
+                          layout=case["layout"], alignment=case["align"])
+            for r in range(R):
+                h, c = host[r][name], cuda[r][name]
+                want = ref.dest(r)
+                self.assertEqual(h["dispatch"]["per_expert"], want["per_expert"], name)
+                np.testing.assert_array_equal(h["dispatch"]["recv_src"], want["recv_src"])
+                _compare(self, name, r, h["dispatch"], c["dispatch"], case["zp"])
+                for key in ("combined_x", "combined_topk_weights"):
+                    a, b = h[key], c[key]
+                    self.assertEqual(a is None, b is None, "%s rank %d %s" % (name, r, key))
+                    if a is not None:
+                        self.assertEqual(a.shape, b.shape)
+                        self.assertTrue(a.tobytes() == b.tobytes(),
+                                        "%s rank %d: %s differs between host and cuda" %
+                                        (name, r, key))
+                if case["cached"]:
+                    _compare(self, name + "/cached", r, h["cached"], c["cached"], case["zp"])
+                self.assertEqual(h["dispatch"]["kernel_ns"], 0)
+                self.assertGreater(c["dispatch"]["kernel_ns"], 0, name)
+                self.assertGreater(c["combine_kernel_ns"], 0, name)
+
+    def test_r2(self):
+        self.run_r(2)
+
+    def test_r4(self):
+        self.run_r(4)
+
+
+# ---- (b) DeepEP's intranode test through the DeepEP front ----
+
+def deepep_intranode(buf, rank, R, device, seed, steps=2):
+    """DeepEP's intranode check on ``buf`` (an epd.compat.deep_ep.Buffer) for this rank.
+
+    Every rank derives every rank's routing from ``seed``, so it knows which source each
+    received row must come from. Works on CPU and CUDA tensors.
+    """
+    import torch
+    g = buf.group
+    T, H, E, K = g.max_tokens_per_rank, buf.hidden, buf.num_experts, min(g.max_topk, 4)
+    L = E // R
+    for step in range(steps):
+        topks, weights = [], []
+        for s in range(R):
+            rng = np.random.default_rng([seed, step, s])
+            n = T - (s * 3) % max(1, T // 2)
+            tk = np.stack([rng.permutation(E)[:K] for _ in range(n)]).astype(np.int64) \
+                if n else np.zeros((0, K), np.int64)
+            tk[rng.random((n, K)) < 0.25] = -1
+            if n > 2:
+                tk[2] = -1  # a token that reaches no rank
+            topks.append(tk)
+            weights.append(rng.random((n, K), dtype=np.float32))
+        n = len(topks[rank])
+        x = torch.ones((n, H), dtype=torch.bfloat16, device=device) * rank
+        topk_idx = torch.from_numpy(topks[rank]).to(device)
+        topk_weights = torch.from_numpy(weights[rank]).to(device)
+
+        ntr, _, nte, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
+        dest = [np.where(t >= 0, t // L, -1) for t in topks]
+        in_rank_np = [np.stack([(d == r).any(1) for r in range(R)], 1) if len(d)
+                      else np.zeros((0, R), bool) for d in dest]
+        assert np.array_equal(in_rank.cpu().numpy(), in_rank_np[rank])
+        assert np.array_equal(ntr.cpu().numpy(), in_rank_np[rank].sum(0))
+        assert np.array_equal(nte.cpu().numpy(),
+                              np.bincount(topks[rank][topks[rank] >= 0], minlength=E))
+
+        recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
+            x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=ntr,
+            is_token_in_rank=in_rank, num_tokens_per_expert=nte, async_finish=True)
+        event.current_stream_wait()
+        per_source = [int(in_rank_np[s][:, rank].sum()) for s in range(R)]
+        sources = np.repeat(np.arange(R), per_source)
+        assert recv_x.shape == (len(sources), H), (recv_x.shape, len(sources))
+        assert recv_x.device == x.device and recv_x.dtype == torch.bfloat16
+        rx = recv_x.float()
+        assert bool((rx.amax(dim=1) == rx.amin(dim=1)).all()) if len(sources) else True
+        got = rx[:, 0].cpu().numpy() if len(sources) else np.zeros(0)
+        assert np.array_equal(got, sources.astype(np.float32)), (got, sources)
+        assert list(handle.rank_prefix) == list(np.concatenate([[0], np.cumsum(per_source)]))
+        # Received top-k: local ids of this rank's experts, -1 elsewhere; counts per expert.
+        ridx = recv_idx.cpu().numpy()
+        want_idx = np.concatenate([np.where(dest[s][in_rank_np[s][:, rank]] == rank,
+                                            topks[s][in_rank_np[s][:, rank]] % L, -1)
+                                   for s in range(R)]) if len(sources) else ridx
+        assert np.array_equal(ridx, want_idx)
+        assert counts == [int((ridx == i).sum()) for i in range(L)], counts
+        want_w = np.concatenate([np.where(dest[s][in_rank_np[s][:, rank]] == rank,
+                                          weights[s][in_rank_np[s][:, rank]], 0)
+                                 for s in range(R)]) if len(sources) else None
+        if want_w is not None:
+            assert np.array_equal(recv_w.cpu().numpy(), want_w.astype(np.float32))
+
+        # Combine the untouched rows: each token comes back once per rank it reached.
+        combined, combined_w, event = buf.combine(recv_x, handle, topk_weights=recv_w,
+                                                  async_finish=True)
+        event.current_stream_wait()  # the current stream reads `combined` after the op
+        reached = in_rank.sum(dim=1).to(torch.float32)
+        cf = combined.float()
+        hit = reached > 0
+        back = cf[hit] / reached[hit].unsqueeze(1)
+        assert bool((back == x.float()[hit]).all()), "combined / reached != x"
+        assert bool((cf[~hit] == 0).all()), "tokens that reached no rank did not combine to 0"
+        assert np.array_equal(combined_w.cpu().numpy(),
+                              np.where(topks[rank] >= 0, weights[rank], 0).astype(np.float32))
+        # A cached dispatch of 2x: same rows, values doubled.
+        recv2, idx2, _, counts2, handle2, _ = buf.dispatch(x * 2, handle=handle)
+        assert idx2 is None and counts2 is None and handle2 is handle
+        if len(sources):
+            assert np.array_equal(recv2.float()[:, -1].cpu().numpy(), 2 * sources)
+        buf.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return True
+
+
+def deepep_worker(rank, R, sock, name, seed):
+    from epd.compat.deep_ep import Buffer
+    dev = _cuda_device(rank)
+    buf = Buffer(name, rank=rank, secret=SECRET, socket=sock, world_size=R,
+                 num_experts=8 * R, hidden=7168 if R == 2 else 2048, max_tokens_per_rank=128,
+                 max_topk=8, op_timeout_ms=60000, device=dev)
+    try:
+        return deepep_intranode(buf, rank, R, dev, seed)
+    finally:
+        buf.destroy()
+
+
+class TestDeepEPIntranode(unittest.TestCase):
+    def run_r(self, R):
+        name = "deepep-gpu-%d-%d" % (os.getpid(), R)
+        try:
+            run_ranks(deepep_worker, R, (R, DAEMONS["cuda"]["socket"], name, 900 + R))
+        except AssertionError as e:
+            raise AssertionError("%s\n--- cuda daemon log ---\n%s" % (e, daemon_log("cuda")))
+
+    def test_r2(self):
+        self.run_r(2)
+
+    def test_r4(self):
+        self.run_r(4)
+
+
+# ---- (c) in this process ----
+
+def _sleep(torch, ms):
+    """Keeps the current stream busy for about ``ms`` milliseconds."""
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(int(ms * 2e6))  # cycles; ~2 GHz
+        return
+    a = torch.randn(2048, 2048, device="cuda")
+    for _ in range(max(1, int(ms / 2))):
+        a = a @ a
+        a = a / a.norm()
+
+
+class TestInProcess(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        import torch
+        cls.torch = torch
+        cls.dev = torch.device("cuda", 0)
+        torch.cuda.set_device(cls.dev)
+        cls.client = epd.connect(DAEMONS["cuda"]["socket"], name="gpu-inprocess")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+
+    def group(self, H=256, T=64, K=2, E=4, dtype="bf16"):
+        name = "inproc-%d-%d" % (os.getpid(), time.monotonic_ns())
+        g = epd.Group.create(self.client, name, SECRET, 0, world_size=1, num_experts=E,
+                             hidden=H, max_tokens_per_rank=T, max_topk=K, dtype=dtype,
+                             op_timeout_ms=60000, device=self.dev)
+        self.addCleanup(g.leave)
+        return g
+
+    def routing(self, T, K, E, seed=1):
+        rng = np.random.default_rng(seed)
+        tk = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int64)
+        tk[rng.random((T, K)) < 0.3] = -1
+        tk[3] = -1
+        return tk
+
+    def test_registration_cache(self):
+        torch, c = self.torch, self.client
+        big = torch.empty(48 << 20, dtype=torch.uint8, device=self.dev)
+        other = torch.empty(48 << 20, dtype=torch.uint8, device=self.dev)
+        segs = [(s["address"], s["address"] + s["total_size"])
+                for s in torch.cuda.memory_snapshot()]
+
+        def seg(t):
+            p = t.data_ptr()
+            return next(i for i, (lo, hi) in enumerate(segs) if lo <= p < hi)
+
+        a = c.register_device(big[:4096])
+        b = c.register_device(big[1 << 20:(1 << 20) + 100])
+        self.assertEqual(a, b)  # one allocation, one region
+        o = c.register_device(other)
+        self.assertEqual(o == a, seg(big) == seg(other))
+        self.assertGreaterEqual(c.release_device_memory(), 1)
+        again = c.register_device(big[:16])
+        self.assertNotEqual(again, a)  # released, registered anew
+        with self.assertRaises(epd.InvalidArgument):
+            c.register_device(torch.zeros(16).pin_memory())  # host memory
+        c.release_device_memory()
+        del big, other
+
+    def test_stream_order_dispatch_and_combine(self):
+        torch = self.torch
+        T, H, K, E = 64, 256, 2, 4
+        g = self.group(H=H, T=T, K=K, E=E)
+        tk = torch.from_numpy(self.routing(T, K, E)).to(self.dev)
+        went = (tk >= 0).any(dim=1)
+        n_recv = int(went.sum())
+        x = torch.zeros(T, H, dtype=torch.bfloat16, device=self.dev)
+        out = {"recv_x": torch.full((T, H), -5.0, dtype=torch.bfloat16, device=self.dev)}
+        torch.cuda.synchronize()
+        # x gets its value only after a long kernel; no host synchronisation before submit.
+        _sleep(torch, 150)
+        x.fill_(3.0)
+        fut = g.dispatch(x, topk_idx=tk, async_op=True, use_arena=False, out=out)
+        fut.current_stream_wait()
+        snap = fut.outputs["recv_x"].clone()  # queued after the op's completion doorbell
+        res = fut.wait(timeout=60)
+        torch.cuda.synchronize()
+        self.assertEqual(res.num_recv_tokens, n_recv)
+        self.assertTrue(bool((snap[:n_recv].float() == 3.0).all()),
+                        "the stream read recv_x before the op, or the op read x early")
+        self.assertGreater(res.kernel_ns, 0)
+        # The blocking form: ordered after the stream too.
+        _sleep(torch, 100)
+        x.fill_(4.0)
+        res = g.dispatch(x, topk_idx=tk, use_arena=False, out=out)
+        self.assertTrue(bool((res.recv_x.float() == 4.0).all()))
+        # combine: y written after a long kernel, output read on the stream after stream_wait.
+        y = torch.zeros(n_recv, H, dtype=torch.bfloat16, device=self.dev)
+        combined = torch.full((T, H), -5.0, dtype=torch.bfloat16, device=self.dev)
+        torch.cuda.synchronize()
+        _sleep(torch, 150)
+        y.fill_(2.0)
+        fut = g.combine(y, res.handle, out=combined, async_op=True)
+        self.assertIs(fut.outputs["combined_x"], combined)
+        fut.stream_wait(torch.cuda.current_stream())
+        snap = combined.clone()
+        comb = fut.wait(timeout=60)
+        torch.cuda.synchronize()
+        want = (went.float() * 2.0).unsqueeze(1).expand(T, H)
+        self.assertTrue(bool((snap.float() == want).all()))
+        self.assertGreater(comb.kernel_ns, 0)
+        res.handle.release()
+
+    def test_side_stream(self):
+        torch = self.torch
+        T, H, K, E = 32, 128, 2, 4
+        g = self.group(H=H, T=T, K=K, E=E)
+        tk = self.routing(T, K, E, seed=2)
+        s = torch.cuda.Stream(self.dev)
+        x = torch.zeros(T, H, dtype=torch.bfloat16, device=self.dev)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(s):
+            _sleep(torch, 100)
+            x.fill_(5.0)
+        fut = g.dispatch(x, topk_idx=tk, async_op=True, stream=s)  # numpy topk: uploaded
+        fut.stream_wait(s)
+        with torch.cuda.stream(s):
+            snap = fut.outputs["recv_x"].clone()
+        res = fut.wait(timeout=60)
+        torch.cuda.synchronize()
+        n = res.num_recv_tokens
+        self.assertTrue(bool((snap[:n].float() == 5.0).all()))
+        # A raw cudaStream_t works too.
+        res2 = g.dispatch(x, topk_idx=tk, stream=s.cuda_stream)
+        self.assertTrue(bool((res2.recv_x.float() == 5.0).all()))
+
+    def test_capacity_out_and_arena(self):
+        torch = self.torch
+        T, H, K, E = 48, 256, 3, 8
+        g = self.group(H=H, T=T, K=K, E=E)
+        tk = torch.from_numpy(self.routing(T, K, E, seed=3)).to(self.dev)
+        x = torch.randn(T, H, device=self.dev).to(torch.bfloat16)
+        w = torch.rand(T, K, device=self.dev)
+        dev_res = g.dispatch(x, topk_idx=tk, topk_weights=w, layout="expand",
+                             expert_alignment=4)
+        self.assertEqual(dev_res.recv_x.device, x.device)
+        rows = dev_res.num_expanded_rows
+        exact = g.dispatch(x, topk_idx=tk, topk_weights=w, layout="expand",
+                           expert_alignment=4, recv_capacity=rows)
+        self.assertEqual(exact.recv_x.shape[0], rows)
+        with self.assertRaises(epd.CapacityExceeded):
+            g.dispatch(x, topk_idx=tk, topk_weights=w, layout="expand", expert_alignment=4,
+                       recv_capacity=rows - 1)
+        arena = g.dispatch(x, topk_idx=tk, topk_weights=w, layout="expand", expert_alignment=4,
+                           use_arena=True)
+        self.assertEqual(arena.recv_x.device, x.device)
+        keep = dev_res.recv_src >= 0
+        for f in ("recv_src", "recv_topk_slot"):
+            self.assertTrue(torch.equal(getattr(arena, f), getattr(dev_res, f)), f)
+        self.assertTrue(torch.equal(arena.recv_x[keep], dev_res.recv_x[keep]))
+        self.assertTrue(torch.equal(arena.recv_topk_weights[keep],
+                                    dev_res.recv_topk_weights[keep]))
+        # Caller outputs reused across steps.
+        cap = g.worst_case_rows("expand", K, 4)
+        out = {"recv_x": torch.empty(cap, H, dtype=torch.bfloat16, device=self.dev),
+               "recv_src": torch.empty(cap, dtype=torch.int64, device=self.dev)}
+        for _ in range(2):
+            r = g.dispatch(x, topk_idx=tk, topk_weights=w, layout="expand",
+                           expert_alignment=4, out=out)
+            self.assertEqual(r.recv_x.data_ptr(), out["recv_x"].data_ptr())
+            self.assertTrue(torch.equal(r.recv_x[keep], dev_res.recv_x[keep]))
+            r.handle.release()
+        for res in (dev_res, exact, arena):
+            res.handle.release()
+
+    def test_float_input_and_zero_tokens(self):
+        torch = self.torch
+        g = self.group(H=128, T=16, K=2, E=4)
+        x = torch.randn(16, 128, device=self.dev)  # float32: rounded to bf16 on the device
+        tk = torch.from_numpy(self.routing(16, 2, 4, seed=4)).to(self.dev)
+        res = g.dispatch(x, topk_idx=tk)
+        went = (tk >= 0).any(dim=1)
+        self.assertTrue(torch.equal(res.recv_x, x[went].to(torch.bfloat16)))
+        empty = g.dispatch(x[:0], topk_idx=tk[:0])
+        self.assertEqual(tuple(empty.recv_x.shape), (0, 128))
+        cx, cw = g.combine(empty.recv_x, empty.handle)
+        self.assertEqual(tuple(cx.shape), (0, 128))
+        self.assertEqual(cx.device, x.device)
+
+
+if __name__ == "__main__":
+    unittest.main()
