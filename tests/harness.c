@@ -288,3 +288,23 @@ void h_secret(const char *label, unsigned char secret[16])
                 secret[i] = (unsigned char)(h >> 56);
         }
 }
+
+long long h_now_ms(void)
+{
+        struct timespec ts;
+
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+int h_flag_wait(atomic_int *flag, int value, int timeout_ms)
+{
+        long long deadline = h_now_ms() + timeout_ms;
+
+        while (atomic_load(flag) < value) {
+                if (h_now_ms() > deadline)
+                        return -1;
+                usleep(1000);
+        }
+        return 0;
+}

@@ -4,7 +4,9 @@
 #ifndef EPD_TESTS_HARNESS_H
 #define EPD_TESTS_HARNESS_H
 
+#include <stdatomic.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 #include "epd.h"
@@ -41,5 +43,57 @@ int h_run_tool(const char *tool, const char *const *args, char *out, size_t out_
 
 /* A 16-byte secret derived from a label, for groups in tests. */
 void h_secret(const char *label, unsigned char secret[16]);
+
+/* CLOCK_MONOTONIC in milliseconds (system-wide: comparable across processes). */
+long long h_now_ms(void);
+/* Waits until *flag >= value (polling every millisecond): 0, or -1 after timeout_ms. */
+int h_flag_wait(atomic_int *flag, int value, int timeout_ms);
+
+/* ---- harness_check.c: helpers that assert with Check (a failure fails the calling test) ---- */
+
+struct epd_frame_header;
+struct Epd__V1__Response;
+struct json_t;
+
+/* Largest body h_raw_recv accepts, and most fds h_raw_send can attach. */
+#define H_RAW_MAX_BODY (256u * 1024u)
+#define H_RAW_MAX_FDS 32u
+
+/* h_connect, asserting that it succeeded. */
+struct epd_client *h_connect_ok(const struct h_daemon *d, const char *name);
+/* Asserts the daemon has not exited; context (may be NULL) is appended to the failure message. */
+void h_assert_daemon_alive(const struct h_daemon *d, const char *context);
+/* Number of region memfd mappings (/memfd:epd-region) in the daemon's /proc/PID/maps. */
+int h_daemon_region_mappings(const struct h_daemon *d);
+/* Runs epctl --socket SOCKET COMMAND --json, asserts exit 0 and valid JSON; the caller
+ * json_decref()s the result. */
+struct json_t *h_epctl_json(const struct h_daemon *d, const char *command);
+
+/* A raw SOCK_SEQPACKET connection to the daemon (no Hello sent). */
+int h_raw_connect(const struct h_daemon *d);
+/* A well-formed frame header for body_len bytes and num_fds fds. */
+struct epd_frame_header h_good_header(size_t body_len, unsigned num_fds);
+/* Sends header h + body with num_fds fds (SCM_RIGHTS); flags are OR'ed with MSG_NOSIGNAL.
+ * Returns 0 or -errno. */
+int h_raw_send(int sock, const struct epd_frame_header *h, const void *body, size_t body_len,
+               const int *fds, unsigned num_fds, int flags);
+/* Receives one frame within timeout_ms (fds that came with it are closed): 1 with *out set (the
+ * caller frees it), 0 when the daemon closed the connection, -1 on timeout. A malformed or
+ * undecodable frame fails the test. */
+int h_raw_recv(int sock, int timeout_ms, struct Epd__V1__Response **out);
+
+struct h_close_result {
+        int replies;          /* frames received before the end of stream */
+        int errors;           /* of which had a status other than OK */
+        int status;           /* the last error reply's status as enum epd_status; EPD_OK if none */
+        uint64_t id;          /* the last error reply's request id */
+        char message[512];    /* the last error reply's message */
+};
+/* Reads until the daemon closes sock, asserting that it does so within 2 s; summarizes the
+ * replies received before the close in *out. */
+void h_expect_closed(int sock, struct h_close_result *out);
+/* Asserts the read end of a pipe reaches EOF within 2 s, i.e. the daemon closed the write end it
+ * received. */
+void h_expect_pipe_eof(int read_end);
 
 #endif

@@ -208,14 +208,6 @@ static int log_contains(const struct h_daemon *d, const char *needle)
 
 /* ---- groups and ops ---- */
 
-static struct epd_client *connect_ok(const struct h_daemon *d, const char *name)
-{
-        struct epd_client *c = h_connect(d, name);
-
-        ck_assert_msg(c != NULL, "cannot connect %s", name);
-        return c;
-}
-
 static struct epd_group *enter_ok(struct epd_client *c, int create, const char *name,
                                   uint32_t world_size, uint32_t rank)
 {
@@ -309,7 +301,7 @@ START_TEST(test_drain_group_holds_ops)
         char out[4096];
 
         daemon_start_admin(&d, NULL, NULL);
-        struct epd_client *a = connect_ok(&d, "a");
+        struct epd_client *a = h_connect_ok(&d, "a");
         struct epd_group *g = enter_ok(a, 1, "drained", 1, 0);
         inputs_make(a, &in);
 
@@ -361,7 +353,7 @@ START_TEST(test_drain_daemon_holds_ops)
         char out[4096];
 
         daemon_start_admin(&d, NULL, NULL);
-        struct epd_client *a = connect_ok(&d, "a");
+        struct epd_client *a = h_connect_ok(&d, "a");
         struct epd_group *g = enter_ok(a, 1, "whole", 1, 0);
         inputs_make(a, &in);
 
@@ -394,8 +386,8 @@ START_TEST(test_evict_peer_lost)
         char out[4096], id[32];
 
         daemon_start_admin(&d, NULL, NULL);
-        struct epd_client *a = connect_ok(&d, "survivor");
-        struct epd_client *b = connect_ok(&d, "victim");
+        struct epd_client *a = h_connect_ok(&d, "survivor");
+        struct epd_client *b = h_connect_ok(&d, "victim");
         struct epd_group *ga = enter_ok(a, 1, "pair", 2, 0);
         struct epd_group *gb = enter_ok(b, 0, "pair", 2, 1);
         inputs_make(a, &in);
@@ -469,7 +461,7 @@ START_TEST(test_non_admin_denied)
         ck_assert_int_eq(h_daemon_start(&d, start_args), 0);
         if (root)
                 make_reachable(&d, copy, sizeof(copy));
-        struct epd_client *a = connect_ok(&d, "owner");
+        struct epd_client *a = h_connect_ok(&d, "owner");
         struct epd_group *g = enter_ok(a, 1, "guarded", 1, 0);
         ck_assert_int_eq(epd_client_daemon_info(a, &info), EPD_OK);
         snprintf(id, sizeof(id), "%llu", (unsigned long long)info.client_id);

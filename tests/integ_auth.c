@@ -35,14 +35,6 @@
 #include "epd.h"
 #include "harness.h"
 
-static long long now_ms(void)
-{
-        struct timespec ts;
-
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
-}
-
 /* ---- the other user ---- */
 
 static uid_t nobody_uid = 65534;
@@ -362,20 +354,20 @@ START_TEST(test_allow_reload)
                  (unsigned)nobody_gid);
         config_write(&ad, text);
         ck_assert_int_eq(kill(ad.d.pid, SIGHUP), 0);
-        deadline = now_ms() + 3000;
+        deadline = h_now_ms() + 3000;
         do {
                 usleep(20000);
                 r = as_nobody(&ad.d, ACT_CONNECT);
-        } while (r.rc != EPD_OK && now_ms() < deadline);
+        } while (r.rc != EPD_OK && h_now_ms() < deadline);
         ck_assert_msg(r.rc == EPD_OK, "nobody still refused after the reload: %s: %s",
                       epd_status_name(r.rc), r.message);
         config_write(&ad, "[daemon]\nallow_uids = 0\n");
         ck_assert_int_eq(kill(ad.d.pid, SIGHUP), 0);
-        deadline = now_ms() + 3000;
+        deadline = h_now_ms() + 3000;
         do {
                 usleep(20000);
                 r = as_nobody(&ad.d, ACT_CONNECT);
-        } while (r.rc == EPD_OK && now_ms() < deadline);
+        } while (r.rc == EPD_OK && h_now_ms() < deadline);
         ck_assert_msg(r.rc == EPD_PERMISSION_DENIED, "nobody still admitted after the reload: %s",
                       epd_status_name(r.rc));
         daemon_stop_clean(&ad);

@@ -69,32 +69,11 @@ struct shared {
 /* Flags of the PEER_LOST and op-kind scenarios. */
 enum { FLAG_VICTIM_READY, FLAG_SUBMITTED, FLAG_REJOINED, FLAG_COMBINE_SUBMITTED };
 
-static long long now_ms(void)
-{
-        struct timespec ts;
-
-        clock_gettime(CLOCK_MONOTONIC, &ts); /* system-wide: comparable across processes */
-        return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
-}
-
-/* Waits until flag reaches value; 0, or -1 after timeout_ms. */
-static int flag_wait(atomic_int *flag, int value, int timeout_ms)
-{
-        long long deadline = now_ms() + timeout_ms;
-
-        while (atomic_load(flag) < value) {
-                if (now_ms() > deadline)
-                        return -1;
-                usleep(1000);
-        }
-        return 0;
-}
-
 /* Every one of n processes calls it once per barrier index. */
 static int barrier(struct shared *sh, int index, int n)
 {
         atomic_fetch_add(&sh->barrier[index], 1);
-        return flag_wait(&sh->barrier[index], n, WAIT_MS);
+        return h_flag_wait(&sh->barrier[index], n, WAIT_MS);
 }
 
 /* ---- one rank's worker state ---- */
@@ -973,7 +952,7 @@ static int mismatch_kind(struct rank *rk)
                 struct epd_dispatch_args da;
                 struct outputs o;
 
-                CHECK(flag_wait(&rk->sh->flag[FLAG_COMBINE_SUBMITTED], 1, WAIT_MS) == 0,
+                CHECK(h_flag_wait(&rk->sh->flag[FLAG_COMBINE_SUBMITTED], 1, WAIT_MS) == 0,
                       "rank 1 did not submit its combine");
                 usleep(50000);
                 TRY(step_make(rk, &st2, &rk->sh->c, 1, 0, 0, 0));
@@ -1213,9 +1192,9 @@ static int timeout_worker(void *arg, int index)
         CHECK(barrier(sh, 0, 3) == 0, "not every rank joined");
         if (rk->idx < 2) {
                 build_dispatch(rk, &st, cap, &da, &o);
-                t0 = now_ms();
+                t0 = h_now_ms();
                 status = dispatch_run(rk, &da, NULL);
-                elapsed = now_ms() - t0;
+                elapsed = h_now_ms() - t0;
                 TRY(expect_fail(rk, "dispatch without rank 2", status, EPD_TIMEOUT, 0, detail,
                                 NULL));
                 CHECK(elapsed >= (long long)timeout_ms - 50 && elapsed <= 2000,
@@ -1226,9 +1205,9 @@ static int timeout_worker(void *arg, int index)
         if (rk->idx == 2) {
                 /* The late rank's op 0 ends the same way (SEMANTICS.md 4), at once. */
                 build_dispatch(rk, &st, cap, &da, &o);
-                t0 = now_ms();
+                t0 = h_now_ms();
                 status = dispatch_run(rk, &da, NULL);
-                elapsed = now_ms() - t0;
+                elapsed = h_now_ms() - t0;
                 TRY(expect_fail(rk, "late dispatch", status, EPD_TIMEOUT, 0, detail, NULL));
                 CHECK(elapsed < 1000, "the late op 0 took %lld ms to fail", elapsed);
                 TRY(outputs_untouched(rk, &o));
@@ -1319,7 +1298,7 @@ static int peer_first_worker(void *arg, int index)
               epd_client_last_error(rk->client));
         atomic_fetch_add(&sh->flag[FLAG_SUBMITTED], 1);
         status = op_finish(rk, op, NULL);
-        done = now_ms();
+        done = h_now_ms();
         killed = atomic_load(&sh->kill_ms);
         TRY(expect_fail(rk, "dispatch while rank 2 dies", status, EPD_PEER_LOST, 1, "rank 2",
                         NULL));
@@ -1327,7 +1306,7 @@ static int peer_first_worker(void *arg, int index)
         CHECK(done - killed <= 1000, "PEER_LOST came %lld ms after the kill", done - killed);
         TRY(outputs_untouched(rk, &o));
         step_free(&st);
-        CHECK(flag_wait(&sh->flag[FLAG_REJOINED], 1, WAIT_MS) == 0, "rank 2 did not re-join");
+        CHECK(h_flag_wait(&sh->flag[FLAG_REJOINED], 1, WAIT_MS) == 0, "rank 2 did not re-join");
         return peer_after_rejoin(rk, old_handle);
 }
 
@@ -1353,8 +1332,8 @@ START_TEST(test_peer_lost)
         sh = shared_new(&d, &peer_case, 0);
         for (int r = 0; r < 3; r++)
                 pids[r] = h_spawn(peer_first_worker, sh, r);
-        if (flag_wait(&sh->flag[FLAG_VICTIM_READY], 1, WAIT_MS) < 0 ||
-            flag_wait(&sh->flag[FLAG_SUBMITTED], 2, WAIT_MS) < 0) {
+        if (h_flag_wait(&sh->flag[FLAG_VICTIM_READY], 1, WAIT_MS) < 0 ||
+            h_flag_wait(&sh->flag[FLAG_SUBMITTED], 2, WAIT_MS) < 0) {
                 for (int r = 0; r < 3; r++)
                         kill(pids[r], SIGKILL);
                 h_wait_all(pids, 3, 1000);
@@ -1363,7 +1342,7 @@ START_TEST(test_peer_lost)
                              (unsigned long long)peer_case.seed);
         }
         usleep(100000); /* the daemon holds both submissions of op 1 */
-        atomic_store(&sh->kill_ms, now_ms());
+        atomic_store(&sh->kill_ms, h_now_ms());
         ck_assert_int_eq(kill(pids[2], SIGKILL), 0);
         ck_assert_int_eq(waitpid(pids[2], &status, 0), pids[2]);
         pids[2] = h_spawn(peer_rejoin_worker, sh, 2);

@@ -50,15 +50,6 @@
 #define NUM_TOKENS 4u
 #define REGION_BYTES 4096u
 #define TOPK_OFFSET 2048u
-#define RAW_MAX_BODY (256u * 1024u)
-
-static long long now_ms(void)
-{
-        struct timespec ts;
-
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
-}
 
 /* ---- daemon with a configuration file ---- */
 
@@ -91,14 +82,6 @@ static void daemon_stop_clean(struct limits_daemon *ld)
         ck_assert_int_eq(rc, 0);
 }
 
-static void assert_daemon_alive(const struct h_daemon *d)
-{
-        int status;
-
-        ck_assert_msg(waitpid(d->pid, &status, WNOHANG) == 0, "the daemon exited (status %d)",
-                      status);
-}
-
 /* Whether the daemon's log contains text. */
 static int log_contains(const struct h_daemon *d, const char *text)
 {
@@ -112,14 +95,6 @@ static int log_contains(const struct h_daemon *d, const char *text)
         fclose(f);
         buf[n] = '\0';
         return strstr(buf, text) != NULL;
-}
-
-static struct epd_client *connect_ok(const struct h_daemon *d, const char *name)
-{
-        struct epd_client *c = h_connect(d, name);
-
-        ck_assert_msg(c != NULL, "cannot connect %s", name);
-        return c;
 }
 
 static struct epd_group_config group_config(uint32_t world_size)
@@ -155,23 +130,9 @@ static int size_hint(struct epd_client *c)
         return epd_size_hint(c, &cfg, 1, &hint);
 }
 
-static json_t *epctl_json(const struct h_daemon *d, const char *command)
-{
-        static char out[256 * 1024];
-        const char *args[] = { "--socket", d->socket, command, "--json", NULL };
-        json_error_t jerr;
-        json_t *j;
-        int rc = h_run_tool("epctl", args, out, sizeof(out));
-
-        ck_assert_msg(rc == 0, "epctl %s exited with %d", command, rc);
-        j = json_loads(out, 0, &jerr);
-        ck_assert_msg(j != NULL, "epctl %s --json printed invalid JSON: %s", command, jerr.text);
-        return j;
-}
-
 static long long json_field(const struct h_daemon *d, const char *command, const char *field)
 {
-        json_t *j = epctl_json(d, command);
+        json_t *j = h_epctl_json(d, command);
         json_t *v = json_object_get(j, field);
         long long n;
 
@@ -181,119 +142,15 @@ static long long json_field(const struct h_daemon *d, const char *command, const
         return n;
 }
 
-/* Client memfd mappings the daemon holds ("epd-region" is libepd's memfd name). */
-static int daemon_region_mappings(const struct h_daemon *d)
-{
-        char path[64], line[512];
-        FILE *f;
-        int n = 0;
-
-        snprintf(path, sizeof(path), "/proc/%d/maps", (int)d->pid);
-        f = fopen(path, "re");
-        ck_assert_msg(f != NULL, "cannot read %s", path);
-        while (fgets(line, sizeof(line), f))
-                n += strstr(line, "/memfd:epd-region") != NULL;
-        fclose(f);
-        return n;
-}
-
 /* ---- raw frames ---- */
-
-static int raw_connect(const struct h_daemon *d)
-{
-        struct sockaddr_un sa = { .sun_family = AF_UNIX };
-        int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-
-        ck_assert_int_ge(fd, 0);
-        memcpy(sa.sun_path, d->socket, strlen(d->socket) + 1);
-        ck_assert_msg(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0, "connect: %s",
-                      strerror(errno));
-        return fd;
-}
 
 /* Sends one record: the header says body_len bytes and num_fds fds. Returns 0 or -errno. */
 static int raw_send(int sock, const void *body, size_t body_len, const int *fds,
                     unsigned num_fds, int flags)
 {
-        uint8_t header[EPD_FRAME_HEADER_BYTES];
-        union {
-                struct cmsghdr align;
-                char buf[CMSG_SPACE(sizeof(int) * 16)];
-        } control;
-        struct iovec iov[2] = {
-                { .iov_base = header, .iov_len = sizeof(header) },
-                { .iov_base = (void *)body, .iov_len = body_len },
-        };
-        struct msghdr msg = { .msg_iov = iov, .msg_iovlen = body_len ? 2 : 1 };
-        struct epd_frame_header h = {
-                .magic = EPD_FRAME_MAGIC, .version = EPD_PROTOCOL_VERSION,
-                .num_fds = (uint16_t)num_fds, .length = (uint32_t)body_len,
-        };
+        struct epd_frame_header h = h_good_header(body_len, num_fds);
 
-        ck_assert_uint_le(num_fds, 16);
-        epd_frame_header_encode(&h, header);
-        if (num_fds) {
-                struct cmsghdr *cmsg;
-
-                memset(&control, 0, sizeof(control));
-                msg.msg_control = control.buf;
-                msg.msg_controllen = CMSG_SPACE(sizeof(int) * num_fds);
-                cmsg = CMSG_FIRSTHDR(&msg);
-                cmsg->cmsg_level = SOL_SOCKET;
-                cmsg->cmsg_type = SCM_RIGHTS;
-                cmsg->cmsg_len = CMSG_LEN(sizeof(int) * num_fds);
-                memcpy(CMSG_DATA(cmsg), fds, sizeof(int) * num_fds);
-        }
-        if (sendmsg(sock, &msg, MSG_NOSIGNAL | flags) < 0)
-                return -errno;
-        return 0;
-}
-
-/* Receives one frame within timeout_ms: 1 with *out set (caller frees), 0 at end of stream, -1
- * on timeout. fds that came with it are closed. */
-static int raw_recv(int sock, int timeout_ms, Epd__V1__Response **out)
-{
-        static uint8_t buf[EPD_FRAME_HEADER_BYTES + RAW_MAX_BODY + 1];
-        union {
-                struct cmsghdr align;
-                char buf[CMSG_SPACE(sizeof(int) * EPD_FRAME_MAX_FDS)];
-        } control;
-        struct iovec iov = { .iov_base = buf, .iov_len = sizeof(buf) };
-        struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
-                              .msg_controllen = sizeof(control.buf) };
-        struct pollfd pfd = { .fd = sock, .events = POLLIN };
-        struct epd_frame_header h;
-        struct cmsghdr *cmsg;
-        const char *why = NULL;
-        unsigned num_fds = 0;
-        ssize_t n;
-        int rc;
-
-        rc = poll(&pfd, 1, timeout_ms);
-        ck_assert_int_ge(rc, 0);
-        if (rc == 0)
-                return -1;
-        n = recvmsg(sock, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-        if (n < 0 && errno == ECONNRESET)
-                n = recvmsg(sock, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC); /* sk_err is cleared */
-        if (n < 0 && (errno == ECONNRESET || errno == EAGAIN))
-                return 0;
-        ck_assert_msg(n >= 0, "recvmsg: %s", strerror(errno));
-        for (cmsg = CMSG_FIRSTHDR(&msg); cmsg; cmsg = CMSG_NXTHDR(&msg, cmsg)) {
-                for (size_t i = 0; i < (cmsg->cmsg_len - CMSG_LEN(0)) / sizeof(int); i++) {
-                        int fd;
-                        memcpy(&fd, CMSG_DATA(cmsg) + i * sizeof(int), sizeof(fd));
-                        close(fd);
-                        num_fds++;
-                }
-        }
-        if (n == 0 && num_fds == 0)
-                return 0;
-        rc = epd_frame_header_check(buf, (size_t)n, RAW_MAX_BODY, num_fds, &h, &why);
-        ck_assert_msg(rc == 0, "the daemon sent a malformed frame: %s", why);
-        *out = epd__v1__response__unpack(NULL, h.length, buf + EPD_FRAME_HEADER_BYTES);
-        ck_assert_msg(*out != NULL, "the daemon sent an undecodable Response");
-        return 1;
+        return h_raw_send(sock, &h, body, body_len, fds, num_fds, flags);
 }
 
 static size_t pack_status_request(uint8_t *buf, uint64_t id)
@@ -323,7 +180,7 @@ static void raw_hello(int sock, uint32_t *max_frame, uint32_t *max_fds)
         req.hello = &hello;
         len = epd__v1__request__pack(&req, body);
         ck_assert_int_eq(raw_send(sock, body, len, NULL, 0, 0), 0);
-        ck_assert_int_eq(raw_recv(sock, 2000, &resp), 1);
+        ck_assert_int_eq(h_raw_recv(sock, 2000, &resp), 1);
         ck_assert_int_eq(resp->status, EPD__V1__STATUS_CODE__OK);
         ck_assert_int_eq(resp->body_case, EPD__V1__RESPONSE__BODY_WELCOME);
         if (max_frame)
@@ -331,42 +188,6 @@ static void raw_hello(int sock, uint32_t *max_frame, uint32_t *max_fds)
         if (max_fds)
                 *max_fds = resp->welcome->limits->max_fds_per_frame;
         epd__v1__response__free_unpacked(resp, NULL);
-}
-
-/* Asserts that the daemon closes sock within 2 s; returns the status of an error reply sent
- * before the close (EPD_OK when none). */
-static int expect_closed(int sock, char *message, size_t message_len)
-{
-        long long deadline = now_ms() + 2000;
-        int status = EPD_OK;
-
-        if (message_len)
-                message[0] = '\0';
-        for (;;) {
-                Epd__V1__Response *resp = NULL;
-                long long left = deadline - now_ms();
-                int rc = raw_recv(sock, left > 0 ? (int)left : 0, &resp);
-
-                ck_assert_msg(rc >= 0, "the daemon did not close the connection within 2 s");
-                if (rc == 0)
-                        return status;
-                if (resp->status != EPD__V1__STATUS_CODE__OK) {
-                        status = epd__status_from_wire(resp->status);
-                        snprintf(message, message_len, "%s", resp->message ? resp->message : "");
-                }
-                epd__v1__response__free_unpacked(resp, NULL);
-        }
-}
-
-/* Every copy of a pipe's write end is closed (the daemon kept none) once read_end sees EOF. */
-static void expect_pipe_eof(int read_end)
-{
-        struct pollfd pfd = { .fd = read_end, .events = POLLIN };
-        char c;
-
-        ck_assert_msg(poll(&pfd, 1, 2000) == 1,
-                      "the daemon still holds an fd it received on a refused frame");
-        ck_assert_int_eq(read(read_end, &c, 1), 0);
 }
 
 /* ---- max_clients ---- */
@@ -383,7 +204,7 @@ START_TEST(test_max_clients)
         daemon_start_with(&ld, "[limits]\nmax_clients = 3\n");
         args.socket_path = ld.d.socket;
         for (int i = 0; i < 3; i++)
-                c[i] = connect_ok(&ld.d, "slot");
+                c[i] = h_connect_ok(&ld.d, "slot");
         /* Refused every time, with the same clear status; repeated to catch a refusal that the
          * client reads as a plain lost connection. */
         for (int i = 0; i < 50; i++) {
@@ -412,7 +233,7 @@ START_TEST(test_max_clients)
         epd_client_free(c[2]);
         usleep(50000);
         ck_assert_int_ge(json_field(&ld.d, "stats", "clients_refused"), 50);
-        assert_daemon_alive(&ld.d);
+        h_assert_daemon_alive(&ld.d, NULL);
         epd_client_free(c[1]);
         epd_client_free(c[0]);
         daemon_stop_clean(&ld);
@@ -431,8 +252,8 @@ START_TEST(test_max_groups)
         int rc;
 
         daemon_start_with(&ld, "[limits]\nmax_groups = 2\n");
-        a = connect_ok(&ld.d, "a");
-        b = connect_ok(&ld.d, "b");
+        a = h_connect_ok(&ld.d, "a");
+        b = h_connect_ok(&ld.d, "b");
         ck_assert_int_eq(group_enter(a, 1, "g0", 0, &cfg, &g[0]), EPD_OK);
         ck_assert_int_eq(group_enter(b, 1, "g1", 0, &cfg, &g[1]), EPD_OK);
         /* The limit is the daemon's, not a client's: a third group fails for either client. */
@@ -472,8 +293,8 @@ START_TEST(test_max_regions)
         int rc;
 
         daemon_start_with(&ld, "[limits]\nmax_regions_per_client = 4\n");
-        a = connect_ok(&ld.d, "a");
-        b = connect_ok(&ld.d, "b");
+        a = h_connect_ok(&ld.d, "a");
+        b = h_connect_ok(&ld.d, "b");
         /* The group's output arena counts against no client limit. */
         ck_assert_int_eq(group_enter(a, 1, "g", 0, &cfg, &g), EPD_OK);
         for (int i = 0; i < 4; i++) {
@@ -488,7 +309,7 @@ START_TEST(test_max_regions)
                       "the message does not name max_regions_per_client: '%s'", msg);
         /* The refused region is not held: its fd was closed and not mapped. */
         ck_assert_int_eq(json_field(&ld.d, "status", "regions"), 4);
-        ck_assert_int_eq(daemon_region_mappings(&ld.d), 4);
+        ck_assert_int_eq(h_daemon_region_mappings(&ld.d), 4);
         /* The limit is per client. */
         for (int i = 0; i < 4; i++)
                 ck_assert_int_eq(epd_region_alloc(b, REGION_BYTES, &p, &bid), EPD_OK);
@@ -501,7 +322,7 @@ START_TEST(test_max_regions)
         epd_client_free(b);
         epd_client_free(a);
         usleep(50000);
-        ck_assert_int_eq(daemon_region_mappings(&ld.d), 0);
+        ck_assert_int_eq(h_daemon_region_mappings(&ld.d), 0);
         daemon_stop_clean(&ld);
 }
 END_TEST
@@ -518,8 +339,8 @@ START_TEST(test_max_region_bytes)
         int rc;
 
         daemon_start_with(&ld, "[limits]\nmax_region_bytes_per_client = 1M\n");
-        a = connect_ok(&ld.d, "a");
-        b = connect_ok(&ld.d, "b");
+        a = h_connect_ok(&ld.d, "a");
+        b = h_connect_ok(&ld.d, "b");
         ck_assert_int_eq(epd_region_alloc(a, 512u << 10, &p, &id0), EPD_OK);
         ck_assert_int_eq(epd_region_alloc(a, 512u << 10, &p, &id1), EPD_OK); /* exactly 1 MiB */
         rc = epd_region_alloc(a, 4096, &p, &id2);
@@ -593,9 +414,9 @@ START_TEST(test_max_outstanding_ops)
         int rc;
 
         daemon_start_with(&ld, "[limits]\nmax_outstanding_ops_per_client = 4\n");
-        a = connect_ok(&ld.d, "a");
-        b = connect_ok(&ld.d, "b");
-        bystander = connect_ok(&ld.d, "bystander");
+        a = h_connect_ok(&ld.d, "a");
+        b = h_connect_ok(&ld.d, "b");
+        bystander = h_connect_ok(&ld.d, "bystander");
         ck_assert_int_eq(group_enter(a, 1, "g", 0, &cfg, &ga), EPD_OK);
         ck_assert_int_eq(group_enter(b, 0, "g", 1, NULL, &gb), EPD_OK);
         ck_assert_int_eq(group_enter(bystander, 1, "solo", 0, &one, &gs), EPD_OK);
@@ -690,38 +511,40 @@ START_TEST(test_max_frame_bytes)
         struct epd_group_config cfg = group_config(1);
         struct epd_group *g = NULL;
         Epd__V1__Response *resp = NULL;
-        char name[FRAME_LIMIT + 16], msg[512];
+        char name[FRAME_LIMIT + 16];
+        struct h_close_result cr;
         uint32_t max_frame = 0;
         size_t len;
         int sock, st;
 
         daemon_start_with(&ld, "[limits]\nmax_frame_bytes = 8K\n");
-        other = connect_ok(&ld.d, "bystander");
+        other = h_connect_ok(&ld.d, "bystander");
         ck_assert_int_eq(epd_client_daemon_info(other, &info), EPD_OK);
         ck_assert_uint_eq(info.max_frame_bytes, FRAME_LIMIT);
 
         /* Exactly the limit: served. */
-        sock = raw_connect(&ld.d);
+        sock = h_raw_connect(&ld.d);
         raw_hello(sock, &max_frame, NULL);
         ck_assert_uint_eq(max_frame, FRAME_LIMIT);
         len = padded_status_request(body, 2, FRAME_LIMIT);
         ck_assert_uint_eq(len, FRAME_LIMIT);
         ck_assert_int_eq(raw_send(sock, body, len, NULL, 0, 0), 0);
-        ck_assert_int_eq(raw_recv(sock, 2000, &resp), 1);
+        ck_assert_int_eq(h_raw_recv(sock, 2000, &resp), 1);
         ck_assert_msg(resp->status == EPD__V1__STATUS_CODE__OK && resp->id == 2,
                       "a frame of exactly max_frame_bytes was refused: %s", resp->message);
         epd__v1__response__free_unpacked(resp, NULL);
         /* One byte more: the connection is closed. */
         len = padded_status_request(body, 3, FRAME_LIMIT + 1);
         ck_assert_int_eq(raw_send(sock, body, len, NULL, 0, 0), 0);
-        st = expect_closed(sock, msg, sizeof(msg));
+        h_expect_closed(sock, &cr);
+        st = cr.status;
         ck_assert_msg(st == EPD_OK || st == EPD_INVALID_ARGUMENT,
                       "the reply before the close is %s", epd_status_name(st));
         close(sock);
 
         /* libepd knows the limit from Welcome and does not send an oversized request; the
          * connection stays usable. */
-        c = connect_ok(&ld.d, "libepd");
+        c = h_connect_ok(&ld.d, "libepd");
         memset(name, 'n', sizeof(name) - 1);
         name[sizeof(name) - 1] = '\0';
         ck_assert_int_eq(epd_group_create(c, &(struct epd_group_args){
@@ -734,7 +557,7 @@ START_TEST(test_max_frame_bytes)
                       "libepd's message: '%s'", epd_client_last_error(c));
         ck_assert_int_eq(size_hint(c), EPD_OK);
 
-        assert_daemon_alive(&ld.d);
+        h_assert_daemon_alive(&ld.d, NULL);
         ck_assert_int_eq(size_hint(other), EPD_OK);
         ck_assert_int_eq(json_field(&ld.d, "status", "clients"), 3);
         epd_client_free(c);
@@ -756,16 +579,16 @@ START_TEST(test_max_fds_per_frame)
         Epd__V1__Response *resp = NULL;
         uint32_t max_fds = 0;
         int pipefd[2], fds[3], memfd, sock, st;
-        char msg[512];
+        struct h_close_result cr;
         size_t len;
         void *p;
 
         daemon_start_with(&ld, "[limits]\nmax_fds_per_frame = 2\n");
-        other = connect_ok(&ld.d, "bystander");
+        other = h_connect_ok(&ld.d, "bystander");
         ck_assert_int_eq(epd_client_daemon_info(other, &info), EPD_OK);
         ck_assert_uint_eq(info.max_fds_per_frame, 2);
 
-        sock = raw_connect(&ld.d);
+        sock = h_raw_connect(&ld.d);
         raw_hello(sock, NULL, &max_fds);
         ck_assert_uint_eq(max_fds, 2);
         /* A registration with its one fd is within the limit. */
@@ -778,7 +601,7 @@ START_TEST(test_max_fds_per_frame)
         req.region_register = &rr;
         len = epd__v1__request__pack(&req, body);
         ck_assert_int_eq(raw_send(sock, body, len, &memfd, 1, 0), 0);
-        ck_assert_int_eq(raw_recv(sock, 2000, &resp), 1);
+        ck_assert_int_eq(h_raw_recv(sock, 2000, &resp), 1);
         ck_assert_msg(resp->status == EPD__V1__STATUS_CODE__OK, "registration: %s",
                       resp->message);
         epd__v1__response__free_unpacked(resp, NULL);
@@ -789,15 +612,16 @@ START_TEST(test_max_fds_per_frame)
         req.id = 3;
         len = epd__v1__request__pack(&req, body);
         ck_assert_int_eq(raw_send(sock, body, len, fds, 3, 0), 0);
-        st = expect_closed(sock, msg, sizeof(msg));
+        h_expect_closed(sock, &cr);
+        st = cr.status;
         ck_assert_msg(st == EPD_OK || st == EPD_INVALID_ARGUMENT,
                       "the reply before the close is %s", epd_status_name(st));
         close(sock);
         close(pipefd[1]);
-        expect_pipe_eof(pipefd[0]);
+        h_expect_pipe_eof(pipefd[0]);
         close(pipefd[0]);
 
-        assert_daemon_alive(&ld.d);
+        h_assert_daemon_alive(&ld.d, NULL);
         ck_assert_int_eq(size_hint(other), EPD_OK);
         /* The closed connection's region went with it. */
         ck_assert_int_eq(json_field(&ld.d, "status", "regions"), 0);
@@ -819,14 +643,14 @@ START_TEST(test_output_queue_limit)
         size_t len;
 
         daemon_start_with(&ld, "[limits]\nmax_output_queue_bytes = 4K\n");
-        other = connect_ok(&ld.d, "bystander");
-        sock = raw_connect(&ld.d);
+        other = h_connect_ok(&ld.d, "bystander");
+        sock = h_raw_connect(&ld.d);
         raw_hello(sock, NULL, NULL);
         /* Flood StatusRequests and read nothing. The socket's buffer takes the first few
          * hundred replies; after that the daemon queues them, and 4 KiB of queued replies are
          * its limit. */
-        deadline = now_ms() + 10000;
-        while (!closed && now_ms() < deadline) {
+        deadline = h_now_ms() + 10000;
+        while (!closed && h_now_ms() < deadline) {
                 len = pack_status_request(body, (uint64_t)sent + 2);
                 int rc = raw_send(sock, body, len, NULL, 0, MSG_DONTWAIT);
                 if (rc == 0) {
@@ -849,7 +673,7 @@ START_TEST(test_output_queue_limit)
         /* What the socket buffer held can still be read, then the end of the stream. */
         for (;;) {
                 Epd__V1__Response *resp = NULL;
-                int rc = raw_recv(sock, 2000, &resp);
+                int rc = h_raw_recv(sock, 2000, &resp);
                 ck_assert_msg(rc >= 0, "no end of stream after the close");
                 if (rc == 0)
                         break;
@@ -862,7 +686,7 @@ START_TEST(test_output_queue_limit)
         ck_assert_int_lt(replies, sent);
         ck_assert_msg(log_contains(&ld.d, "output queue limit exceeded"),
                       "the daemon's log does not say why it closed the connection");
-        assert_daemon_alive(&ld.d);
+        h_assert_daemon_alive(&ld.d, NULL);
         ck_assert_int_eq(size_hint(other), EPD_OK);
         ck_assert_int_eq(json_field(&ld.d, "status", "clients"), 2);
         epd_client_free(other);

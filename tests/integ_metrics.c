@@ -43,14 +43,6 @@ static struct h_daemon daemon_proc;
 static pid_t loader_pid;
 static char tmux_server[64];
 
-static long long now_ms(void)
-{
-        struct timespec ts;
-
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
-}
-
 static void cleanup(void)
 {
         if (tmux_server[0]) {
@@ -192,9 +184,9 @@ static int http_get(unsigned port, const char *path, struct http_reply *r)
 /* The metrics port the daemon logged ("metrics listening address=127.0.0.1:PORT"). */
 static unsigned metrics_port(void)
 {
-        long long deadline = now_ms() + 5000;
+        long long deadline = h_now_ms() + 5000;
 
-        while (now_ms() < deadline) {
+        while (h_now_ms() < deadline) {
                 char line[1024];
                 FILE *f = fopen(daemon_proc.log, "re");
                 unsigned port = 0;
@@ -400,9 +392,9 @@ static int start_daemon_with_metrics(unsigned *port)
 static int wait_for_load(unsigned port, char **page)
 {
         const char *ok[] = { LOAD_GROUP_LABEL, "kind=\"combine\"", "status=\"OK\"", NULL };
-        long long deadline = now_ms() + 20000;
+        long long deadline = h_now_ms() + 20000;
 
-        while (now_ms() < deadline) {
+        while (h_now_ms() < deadline) {
                 if (scrape(port, page))
                         return 1;
                 if (metric_sum(*page, "epd_ops_total", ok) > 0)
@@ -666,8 +658,8 @@ static int mode_top(void)
         if (tmux(new_session, pane, sizeof(pane)) != 0)
                 return fail("tmux new-session failed: %s", pane);
         char *capture[] = { "capture-pane", "-p", "-t", "top", NULL };
-        long long deadline = now_ms() + 20000;
-        while (now_ms() < deadline) {
+        long long deadline = h_now_ms() + 20000;
+        while (h_now_ms() < deadline) {
                 if (tmux(capture, pane, sizeof(pane)) != 0)
                         return fail("tmux capture-pane failed: %s", pane);
                 d1 = top_dispatch(pane, TOP_GROUP, &rate1);

@@ -50,15 +50,9 @@
 #define NUM_TOKENS 4u
 
 /* Large enough for every reply the daemon sends in these tests. */
-#define RAW_MAX_BODY (256u * 1024u)
-
-static long long now_ms(void)
-{
-        struct timespec ts;
-
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
-}
+#define RAW_MAX_BODY H_RAW_MAX_BODY
+/* Appended to the failure message when the daemon died. */
+#define BAD_FRAME " after a client's bad frame"
 
 /* ---- daemon and client helpers ---- */
 
@@ -71,23 +65,6 @@ static void daemon_start(struct h_daemon *d)
 static void daemon_stop_clean(struct h_daemon *d)
 {
         ck_assert_int_eq(h_daemon_stop(d, 5000), 0);
-}
-
-/* The daemon is our child: it is alive as long as waitpid finds nothing to reap. */
-static void assert_daemon_alive(const struct h_daemon *d)
-{
-        int status;
-
-        ck_assert_msg(waitpid(d->pid, &status, WNOHANG) == 0,
-                      "the daemon exited (status %d) after a client's bad frame", status);
-}
-
-static struct epd_client *connect_ok(const struct h_daemon *d, const char *name)
-{
-        struct epd_client *c = h_connect(d, name);
-
-        ck_assert_msg(c != NULL, "cannot connect %s", name);
-        return c;
 }
 
 static struct epd_group_config group_config(uint32_t world_size, uint32_t op_timeout_ms)
@@ -216,38 +193,7 @@ static int mentions_number(const char *msg, unsigned number)
         return 0;
 }
 
-/* Mappings in the daemon of memfds that libepd named "epd-region": the client regions the
- * daemon still holds, whether or not any client table still lists them. */
-static int daemon_region_mappings(const struct h_daemon *d)
-{
-        char path[64], line[512];
-        FILE *f;
-        int n = 0;
-
-        snprintf(path, sizeof(path), "/proc/%d/maps", (int)d->pid);
-        f = fopen(path, "re");
-        ck_assert_msg(f != NULL, "cannot read %s", path);
-        while (fgets(line, sizeof(line), f))
-                n += strstr(line, "/memfd:epd-region") != NULL;
-        fclose(f);
-        return n;
-}
-
 /* ---- epctl ---- */
-
-static json_t *epctl_json(const struct h_daemon *d, const char *command)
-{
-        static char out[256 * 1024];
-        const char *args[] = { "--socket", d->socket, command, "--json", NULL };
-        json_error_t jerr;
-        json_t *j;
-        int rc = h_run_tool("epctl", args, out, sizeof(out));
-
-        ck_assert_msg(rc == 0, "epctl %s exited with %d", command, rc);
-        j = json_loads(out, 0, &jerr);
-        ck_assert_msg(j != NULL, "epctl %s --json printed invalid JSON: %s", command, jerr.text);
-        return j;
-}
 
 static json_t *find_client(json_t *clients, pid_t pid)
 {
@@ -286,7 +232,7 @@ static int has_binding(json_t *client, const char *binding)
 
 static long long status_field(const struct h_daemon *d, const char *field)
 {
-        json_t *st = epctl_json(d, "status");
+        json_t *st = h_epctl_json(d, "status");
         json_t *v = json_object_get(st, field);
         long long n;
 
@@ -297,65 +243,6 @@ static long long status_field(const struct h_daemon *d, const char *field)
 }
 
 /* ---- raw frames ---- */
-
-static int raw_connect(const struct h_daemon *d)
-{
-        struct sockaddr_un sa = { .sun_family = AF_UNIX };
-        int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-
-        ck_assert_int_ge(fd, 0);
-        ck_assert_uint_lt(strlen(d->socket), sizeof(sa.sun_path));
-        memcpy(sa.sun_path, d->socket, strlen(d->socket) + 1);
-        ck_assert_msg(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0, "connect: %s",
-                      strerror(errno));
-        return fd;
-}
-
-/* Sends one record whose header says exactly what the caller wants, whatever the body and fds
- * really are. Returns 0 or -errno. */
-static int raw_send(int sock, const struct epd_frame_header *h, const void *body, size_t body_len,
-                    const int *fds, unsigned num_fds)
-{
-        uint8_t header[EPD_FRAME_HEADER_BYTES];
-        union {
-                struct cmsghdr align;
-                char buf[CMSG_SPACE(sizeof(int) * 32)];
-        } control;
-        struct iovec iov[2] = {
-                { .iov_base = header, .iov_len = sizeof(header) },
-                { .iov_base = (void *)body, .iov_len = body_len },
-        };
-        struct msghdr msg = { .msg_iov = iov, .msg_iovlen = body_len ? 2 : 1 };
-
-        ck_assert_uint_le(num_fds, 32);
-        epd_frame_header_encode(h, header);
-        if (num_fds) {
-                struct cmsghdr *cmsg;
-
-                memset(&control, 0, sizeof(control));
-                msg.msg_control = control.buf;
-                msg.msg_controllen = CMSG_SPACE(sizeof(int) * num_fds);
-                cmsg = CMSG_FIRSTHDR(&msg);
-                cmsg->cmsg_level = SOL_SOCKET;
-                cmsg->cmsg_type = SCM_RIGHTS;
-                cmsg->cmsg_len = CMSG_LEN(sizeof(int) * num_fds);
-                memcpy(CMSG_DATA(cmsg), fds, sizeof(int) * num_fds);
-        }
-        if (sendmsg(sock, &msg, MSG_NOSIGNAL) < 0)
-                return -errno;
-        return 0;
-}
-
-static struct epd_frame_header good_header(size_t body_len, unsigned num_fds)
-{
-        struct epd_frame_header h = {
-                .magic = EPD_FRAME_MAGIC,
-                .version = EPD_PROTOCOL_VERSION,
-                .num_fds = (uint16_t)num_fds,
-                .length = (uint32_t)body_len,
-        };
-        return h;
-}
 
 /* Packs req into buf (RAW_MAX_BODY bytes) and returns its length. */
 static size_t pack_request(const Epd__V1__Request *req, uint8_t *buf)
@@ -398,57 +285,6 @@ static void init_region_register(Epd__V1__Request *req, Epd__V1__RegionRegister 
         req->region_register = rr;
 }
 
-/* Receives one frame within timeout_ms. Returns 1 with *out set (the caller frees it), 0 at
- * end of stream, -1 on timeout. fds that came with the frame are closed: no test expects any. */
-static int raw_recv(int sock, int timeout_ms, Epd__V1__Response **out)
-{
-        static uint8_t buf[EPD_FRAME_HEADER_BYTES + RAW_MAX_BODY + 1];
-        union {
-                struct cmsghdr align;
-                char buf[CMSG_SPACE(sizeof(int) * EPD_FRAME_MAX_FDS)];
-        } control;
-        struct iovec iov = { .iov_base = buf, .iov_len = sizeof(buf) };
-        struct msghdr msg = {
-                .msg_iov = &iov,
-                .msg_iovlen = 1,
-                .msg_control = control.buf,
-                .msg_controllen = sizeof(control.buf),
-        };
-        struct pollfd pfd = { .fd = sock, .events = POLLIN };
-        struct epd_frame_header h;
-        struct cmsghdr *cmsg;
-        const char *why = NULL;
-        unsigned num_fds = 0;
-        ssize_t n;
-        int rc;
-
-        rc = poll(&pfd, 1, timeout_ms);
-        ck_assert_int_ge(rc, 0);
-        if (rc == 0)
-                return -1;
-        n = recvmsg(sock, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-        if (n < 0 && errno == ECONNRESET)
-                return 0;
-        ck_assert_msg(n >= 0, "recvmsg: %s", strerror(errno));
-        for (cmsg = CMSG_FIRSTHDR(&msg); cmsg; cmsg = CMSG_NXTHDR(&msg, cmsg)) {
-                if (cmsg->cmsg_level != SOL_SOCKET || cmsg->cmsg_type != SCM_RIGHTS)
-                        continue;
-                for (size_t i = 0; i < (cmsg->cmsg_len - CMSG_LEN(0)) / sizeof(int); i++) {
-                        int fd;
-                        memcpy(&fd, CMSG_DATA(cmsg) + i * sizeof(int), sizeof(fd));
-                        close(fd);
-                        num_fds++;
-                }
-        }
-        if (n == 0 && num_fds == 0)
-                return 0;
-        rc = epd_frame_header_check(buf, (size_t)n, RAW_MAX_BODY, num_fds, &h, &why);
-        ck_assert_msg(rc == 0, "the daemon sent a malformed frame: %s", why);
-        *out = epd__v1__response__unpack(NULL, h.length, buf + EPD_FRAME_HEADER_BYTES);
-        ck_assert_msg(*out != NULL, "the daemon sent an undecodable Response");
-        return 1;
-}
-
 /* Hello/Welcome on a raw connection, so that the next frame is judged on its own. */
 static void raw_hello(int sock)
 {
@@ -460,59 +296,22 @@ static void raw_hello(int sock)
 
         init_hello(&req, &hello, 1);
         len = pack_request(&req, body);
-        struct epd_frame_header h = good_header(len, 0);
-        ck_assert_int_eq(raw_send(sock, &h, body, len, NULL, 0), 0);
-        ck_assert_int_eq(raw_recv(sock, 2000, &resp), 1);
+        struct epd_frame_header h = h_good_header(len, 0);
+        ck_assert_int_eq(h_raw_send(sock, &h, body, len, NULL, 0, 0), 0);
+        ck_assert_int_eq(h_raw_recv(sock, 2000, &resp), 1);
         ck_assert_int_eq(resp->id, 1);
         ck_assert_int_eq(resp->status, EPD__V1__STATUS_CODE__OK);
         ck_assert_int_eq(resp->body_case, EPD__V1__RESPONSE__BODY_WELCOME);
         epd__v1__response__free_unpacked(resp, NULL);
 }
 
-struct close_result {
-        int replies;          /* frames received before the end of stream */
-        int status;           /* the reply's status as enum epd_status; EPD_OK when none */
-        uint64_t id;          /* the reply's request id */
-        char message[512];
-};
-
 /* Asserts that the daemon closes sock within 2 s, after at most one reply, and that such a
  * reply is an error. */
-static void expect_closed(int sock, struct close_result *out)
+static void expect_closed(int sock, struct h_close_result *out)
 {
-        long long deadline = now_ms() + 2000;
-
-        memset(out, 0, sizeof(*out));
-        for (;;) {
-                Epd__V1__Response *resp = NULL;
-                long long left = deadline - now_ms();
-                int rc = raw_recv(sock, left > 0 ? (int)left : 0, &resp);
-
-                ck_assert_msg(rc >= 0, "the daemon did not close the connection within 2 s");
-                if (rc == 0)
-                        return;
-                out->replies++;
-                ck_assert_msg(out->replies == 1, "more than one reply before the close");
-                ck_assert_msg(resp->status != EPD__V1__STATUS_CODE__OK,
-                              "the reply before the close is not an error");
-                out->status = epd__status_from_wire(resp->status);
-                out->id = resp->id;
-                snprintf(out->message, sizeof(out->message), "%s",
-                         resp->message ? resp->message : "");
-                epd__v1__response__free_unpacked(resp, NULL);
-        }
-}
-
-/* Asserts that every copy of a pipe's write end is closed, ours included, by reading EOF from
- * the read end within 2 s. A copy the daemon leaked would keep the read end waiting. */
-static void expect_pipe_eof(int read_end)
-{
-        struct pollfd pfd = { .fd = read_end, .events = POLLIN };
-        char c;
-
-        ck_assert_msg(poll(&pfd, 1, 2000) == 1,
-                      "the daemon still holds the fd it received on a rejected frame");
-        ck_assert_int_eq(read(read_end, &c, 1), 0);
+        h_expect_closed(sock, out);
+        ck_assert_msg(out->replies <= 1, "more than one reply before the close");
+        ck_assert_msg(out->errors == out->replies, "the reply before the close is not an error");
 }
 
 /* ---- 1. protocol version ---- */
@@ -535,7 +334,7 @@ START_TEST(test_version_mismatch_hello)
         /* SEMANTICS.md 4: the message names the numbers involved. */
         ck_assert_msg(mentions_number(err, 99), "message does not name version 99: '%s'", err);
         /* The daemon is unaffected: a client speaking its version still connects. */
-        c = connect_ok(&d, "v1");
+        c = h_connect_ok(&d, "v1");
         ck_assert_int_eq(size_hint(c), EPD_OK);
         epd_client_free(c);
         daemon_stop_clean(&d);
@@ -553,22 +352,22 @@ START_TEST(test_version_mismatch_frame)
         int sock;
 
         daemon_start(&d);
-        sock = raw_connect(&d);
+        sock = h_raw_connect(&d);
         /* The body is a valid version-1 Hello; only the frame header claims version 2. */
         init_hello(&req, &hello, 1);
         len = pack_request(&req, body);
-        struct epd_frame_header h = good_header(len, 0);
+        struct epd_frame_header h = h_good_header(len, 0);
         h.version = 2;
-        ck_assert_int_eq(raw_send(sock, &h, body, len, NULL, 0), 0);
-        ck_assert_msg(raw_recv(sock, 2000, &resp) == 1, "no reply to a version-2 frame");
+        ck_assert_int_eq(h_raw_send(sock, &h, body, len, NULL, 0, 0), 0);
+        ck_assert_msg(h_raw_recv(sock, 2000, &resp) == 1, "no reply to a version-2 frame");
         ck_assert_int_eq(resp->status, EPD__V1__STATUS_CODE__VERSION_MISMATCH);
         ck_assert_msg(resp->message && resp->message[0], "VERSION_MISMATCH without a message");
         epd__v1__response__free_unpacked(resp, NULL);
         resp = NULL;
-        ck_assert_msg(raw_recv(sock, 2000, &resp) == 0,
+        ck_assert_msg(h_raw_recv(sock, 2000, &resp) == 0,
                       "the connection stays open after VERSION_MISMATCH");
         close(sock);
-        assert_daemon_alive(&d);
+        h_assert_daemon_alive(&d, BAD_FRAME);
         daemon_stop_clean(&d);
 }
 END_TEST
@@ -585,8 +384,8 @@ START_TEST(test_group_secret)
         int rc;
 
         daemon_start(&d);
-        a = connect_ok(&d, "a");
-        b = connect_ok(&d, "b");
+        a = h_connect_ok(&d, "a");
+        b = h_connect_ok(&d, "b");
         h_secret("g", secret);
         h_secret("not g", wrong);
         ga = create_ok(a, "g", 0, &cfg);
@@ -619,7 +418,7 @@ START_TEST(test_group_secret)
                       epd_status_name(rc));
 
         /* No group was left behind by the refused creates. */
-        json_t *groups = epctl_json(&d, "groups");
+        json_t *groups = h_epctl_json(&d, "groups");
         ck_assert_int_eq(json_array_size(groups), 1);
         ck_assert_ptr_nonnull(find_group(groups, "g"));
         json_decref(groups);
@@ -659,7 +458,7 @@ START_TEST(test_region_out_of_bounds)
         int rc;
 
         daemon_start(&d);
-        c = connect_ok(&d, "oob");
+        c = h_connect_ok(&d, "oob");
         g = create_ok(c, "g", 0, &cfg);
         inputs_make(c, &in);
 
@@ -743,8 +542,8 @@ START_TEST(test_region_of_other_client)
         const char *msg;
 
         daemon_start(&d);
-        a = connect_ok(&d, "a");
-        b = connect_ok(&d, "b");
+        a = h_connect_ok(&d, "a");
+        b = h_connect_ok(&d, "b");
         g = create_ok(a, "g", 0, &cfg);
         inputs_make(a, &in);
         ck_assert_int_eq(epd_region_alloc(b, REGION_BYTES, &b_ptr, &b_region), EPD_OK);
@@ -794,7 +593,7 @@ START_TEST(test_region_register_checks)
         void *p;
 
         daemon_start(&d);
-        c = connect_ok(&d, "registrar");
+        c = h_connect_ok(&d, "registrar");
 
         /* A size larger than the memfd. */
         ck_assert_int_eq(epd_memfd_alloc(REGION_BYTES, &fd, &p), EPD_OK);
@@ -829,13 +628,13 @@ START_TEST(test_region_register_checks)
                                     &id);
         ck_assert_msg(rc == EPD_INVALID_ARGUMENT, "a pipe as a region: %s", epd_status_name(rc));
         close(pipefd[1]);
-        expect_pipe_eof(pipefd[0]);
+        h_expect_pipe_eof(pipefd[0]);
         close(pipefd[0]);
 
         /* None of that cost the connection, and nothing was left registered. */
         ck_assert_int_eq(size_hint(c), EPD_OK);
         ck_assert_int_eq(status_field(&d, "regions"), 0);
-        ck_assert_int_eq(daemon_region_mappings(&d), 0);
+        ck_assert_int_eq(h_daemon_region_mappings(&d), 0);
         epd_client_free(c);
         daemon_stop_clean(&d);
 }
@@ -921,7 +720,7 @@ static void send_bad_frame(int sock, const struct bad_case *k, const int *fds)
 
         init_status_request(&req, &sr, 2);
         len = pack_request(&req, body);
-        h = good_header(len, nfds);
+        h = h_good_header(len, nfds);
         switch (k->kind) {
         case BAD_OVERSIZED:
         case BAD_OVERSIZED_WITH_FD:
@@ -965,12 +764,12 @@ static void send_bad_frame(int sock, const struct bad_case *k, const int *fds)
         case BAD_REGION_NO_FD:
                 init_region_register(&req, &rr, 2, EPD__V1__REGION_KIND__HOST_MEMFD);
                 len = pack_request(&req, body);
-                h = good_header(len, 0);
+                h = h_good_header(len, 0);
                 break;
         case BAD_REGION_EXTRA_FD:
                 init_region_register(&req, &rr, 2, EPD__V1__REGION_KIND__CUDA_IPC);
                 len = pack_request(&req, body);
-                h = good_header(len, nfds);
+                h = h_good_header(len, nfds);
                 break;
         case BAD_FD_ON_STATUS:
         case BAD_TOO_MANY_FDS:
@@ -979,7 +778,7 @@ static void send_bad_frame(int sock, const struct bad_case *k, const int *fds)
                 h.version = 2;
                 break;
         }
-        rc = raw_send(sock, &h, body, len, fds, nfds);
+        rc = h_raw_send(sock, &h, body, len, fds, nfds, 0);
         ck_assert_msg(rc == 0, "sending the '%s' frame: %s", k->name, strerror(-rc));
 }
 
@@ -988,14 +787,14 @@ START_TEST(test_bad_frame)
         const struct bad_case *k = &bad_cases[_i];
         struct h_daemon d;
         struct epd_client *other;
-        struct close_result cr;
+        struct h_close_result cr;
         int pipefd[2] = { -1, -1 }, fds[16];
         int sock;
 
         daemon_start(&d);
-        other = connect_ok(&d, "bystander");
+        other = h_connect_ok(&d, "bystander");
         ck_assert_int_eq(size_hint(other), EPD_OK);
-        sock = raw_connect(&d);
+        sock = h_raw_connect(&d);
         raw_hello(sock);
         if (k->fd_copies) {
                 ck_assert_int_eq(pipe2(pipefd, O_CLOEXEC), 0);
@@ -1014,12 +813,12 @@ START_TEST(test_bad_frame)
         if (k->fd_copies) {
                 /* Every copy the daemon received must be closed with the rejected frame. */
                 close(pipefd[1]);
-                expect_pipe_eof(pipefd[0]);
+                h_expect_pipe_eof(pipefd[0]);
                 close(pipefd[0]);
         }
 
         /* The daemon and its other clients are unaffected. */
-        assert_daemon_alive(&d);
+        h_assert_daemon_alive(&d, BAD_FRAME);
         ck_assert_msg(size_hint(other) == EPD_OK, "'%s': the bystander failed afterwards: %s",
                       k->name, epd_client_last_error(other));
         /* The bad connection is gone from the daemon's tables: the bystander and epctl remain. */
@@ -1097,11 +896,11 @@ START_TEST(test_sigkill_releases_client)
                       "the victim did not get ready");
         close(ready[0]);
 
-        c = connect_ok(&d, "survivor");
+        c = h_connect_ok(&d, "survivor");
         g = join_ok(c, "g", 1);
         inputs_make(c, &in);
 
-        clients = epctl_json(&d, "clients");
+        clients = h_epctl_json(&d, "clients");
         entry = find_client(clients, pid);
         ck_assert_msg(entry != NULL, "epctl clients does not list the victim pid %d", (int)pid);
         ck_assert_int_eq(json_integer_value(json_object_get(entry, "regions")), 2);
@@ -1110,12 +909,12 @@ START_TEST(test_sigkill_releases_client)
                       "the survivor's binding g/1 is not listed");
         json_decref(clients);
         ck_assert_int_eq(status_field(&d, "regions"), 3);
-        ck_assert_int_eq(daemon_region_mappings(&d), 3);
+        ck_assert_int_eq(h_daemon_region_mappings(&d), 3);
 
         /* An op waits for the victim when it dies: it must end with PEER_LOST, not hang. */
         args = dispatch_args(&in);
         ck_assert_int_eq(epd_dispatch_submit(g, &args, &op), EPD_OK);
-        t0 = now_ms();
+        t0 = h_now_ms();
         ck_assert_int_eq(kill(pid, SIGKILL), 0);
         ck_assert_int_eq(waitpid(pid, &status, 0), pid);
         rc = epd_op_wait(op, 2000);
@@ -1129,15 +928,15 @@ START_TEST(test_sigkill_releases_client)
         /* The daemon forgets the victim within 2 s. */
         deadline = t0 + 2000;
         for (;;) {
-                clients = epctl_json(&d, "clients");
+                clients = h_epctl_json(&d, "clients");
                 entry = find_client(clients, pid);
                 json_decref(clients);
                 if (!entry)
                         break;
-                ck_assert_msg(now_ms() < deadline, "the killed client is still listed after 2 s");
+                ck_assert_msg(h_now_ms() < deadline, "the killed client is still listed after 2 s");
                 usleep(20000);
         }
-        groups = epctl_json(&d, "groups");
+        groups = h_epctl_json(&d, "groups");
         grp = find_group(groups, "g");
         ck_assert_msg(grp != NULL, "group g vanished although rank 1 is still bound");
         ranks = json_object_get(grp, "ranks");
@@ -1150,9 +949,9 @@ START_TEST(test_sigkill_releases_client)
         json_decref(groups);
         /* The victim's two regions are released; only the survivor's input region is left. */
         ck_assert_int_eq(status_field(&d, "regions"), 1);
-        ck_assert_msg(daemon_region_mappings(&d) == 1,
+        ck_assert_msg(h_daemon_region_mappings(&d) == 1,
                       "the daemon still maps %d client regions; only the survivor's one is live",
-                      daemon_region_mappings(&d));
+                      h_daemon_region_mappings(&d));
 
         /* A broken group answers at once rather than waiting for the dead rank. */
         op = NULL;
@@ -1186,8 +985,8 @@ START_TEST(test_sigterm_with_clients)
 
         daemon_start(&d);
         snprintf(socket_path, sizeof(socket_path), "%s", d.socket);
-        a = connect_ok(&d, "bound");
-        b = connect_ok(&d, "idle");
+        a = h_connect_ok(&d, "bound");
+        b = h_connect_ok(&d, "idle");
         g = create_ok(a, "g", 0, &cfg);
         inputs_make(a, &in);
         /* An op that waits for rank 1, which nobody holds. */
@@ -1195,9 +994,9 @@ START_TEST(test_sigterm_with_clients)
         ck_assert_int_eq(epd_dispatch_submit(g, &args, &op), EPD_OK);
         ck_assert_int_eq(size_hint(b), EPD_OK);
 
-        t0 = now_ms();
+        t0 = h_now_ms();
         daemon_stop_clean(&d);
-        ck_assert_int_lt(now_ms() - t0, 5000);
+        ck_assert_int_lt(h_now_ms() - t0, 5000);
 
         /* The pending op was answered before the connection closed. */
         rc = epd_op_wait(op, 2000);
@@ -1207,7 +1006,7 @@ START_TEST(test_sigterm_with_clients)
         epd_op_free(op);
 
         /* Every later call fails at once with UNAVAILABLE. */
-        t0 = now_ms();
+        t0 = h_now_ms();
         ck_assert_int_eq(size_hint(a), EPD_UNAVAILABLE);
         ck_assert_int_eq(size_hint(b), EPD_UNAVAILABLE);
         op = NULL;
@@ -1218,7 +1017,7 @@ START_TEST(test_sigterm_with_clients)
         }
         ck_assert_int_eq(rc, EPD_UNAVAILABLE);
         ck_assert_int_eq(epd_group_leave(g), EPD_UNAVAILABLE);
-        ck_assert_int_lt(now_ms() - t0, 1000);
+        ck_assert_int_lt(h_now_ms() - t0, 1000);
         cargs.socket_path = socket_path;
         ck_assert_int_eq(epd_client_connect(&cargs, &late, err, sizeof(err)), EPD_UNAVAILABLE);
         epd_client_free(b);
@@ -1235,7 +1034,7 @@ START_TEST(test_request_before_hello)
         Epd__V1__Request req;
         Epd__V1__StatusRequest sr;
         Epd__V1__RegionRegister rr;
-        struct close_result cr;
+        struct h_close_result cr;
         struct epd_client *other;
         struct epd_frame_header h;
         size_t len;
@@ -1243,13 +1042,13 @@ START_TEST(test_request_before_hello)
         void *p;
 
         daemon_start(&d);
-        other = connect_ok(&d, "bystander");
+        other = h_connect_ok(&d, "bystander");
 
-        sock = raw_connect(&d);
+        sock = h_raw_connect(&d);
         init_status_request(&req, &sr, 7);
         len = pack_request(&req, body);
-        h = good_header(len, 0);
-        ck_assert_int_eq(raw_send(sock, &h, body, len, NULL, 0), 0);
+        h = h_good_header(len, 0);
+        ck_assert_int_eq(h_raw_send(sock, &h, body, len, NULL, 0, 0), 0);
         expect_closed(sock, &cr);
         ck_assert_msg(cr.replies == 1, "no error reply to a StatusRequest before Hello");
         ck_assert_int_eq(cr.status, EPD_INVALID_ARGUMENT);
@@ -1262,21 +1061,21 @@ START_TEST(test_request_before_hello)
         ck_assert_int_eq(epd_memfd_alloc(REGION_BYTES, &memfd, &p), EPD_OK);
         munmap(p, REGION_BYTES);
         ck_assert_int_eq(pipe2(pipefd, O_CLOEXEC), 0);
-        sock = raw_connect(&d);
+        sock = h_raw_connect(&d);
         init_region_register(&req, &rr, 8, EPD__V1__REGION_KIND__HOST_MEMFD);
         len = pack_request(&req, body);
-        h = good_header(len, 1);
-        ck_assert_int_eq(raw_send(sock, &h, body, len, &pipefd[1], 1), 0);
+        h = h_good_header(len, 1);
+        ck_assert_int_eq(h_raw_send(sock, &h, body, len, &pipefd[1], 1, 0), 0);
         expect_closed(sock, &cr);
         ck_assert_int_eq(cr.replies, 1);
         ck_assert_int_eq(cr.status, EPD_INVALID_ARGUMENT);
         close(sock);
         close(memfd);
         close(pipefd[1]);
-        expect_pipe_eof(pipefd[0]);
+        h_expect_pipe_eof(pipefd[0]);
         close(pipefd[0]);
 
-        assert_daemon_alive(&d);
+        h_assert_daemon_alive(&d, BAD_FRAME);
         ck_assert_int_eq(size_hint(other), EPD_OK);
         ck_assert_int_eq(status_field(&d, "regions"), 0);
         epd_client_free(other);
@@ -1300,8 +1099,8 @@ START_TEST(test_op_timeout)
         const char *msg;
 
         daemon_start(&d);
-        c0 = connect_ok(&d, "rank0");
-        c1 = connect_ok(&d, "rank1");
+        c0 = h_connect_ok(&d, "rank0");
+        c1 = h_connect_ok(&d, "rank1");
         g0 = create_ok(c0, "g", 0, &cfg);
         g1 = join_ok(c1, "g", 1);
         ck_assert_uint_eq(epd_group_config(g0)->op_timeout_ms, 300);
@@ -1311,10 +1110,10 @@ START_TEST(test_op_timeout)
         args1 = dispatch_args(&in1);
 
         /* Only rank 0 submits op 0. */
-        t0 = now_ms();
+        t0 = h_now_ms();
         ck_assert_int_eq(epd_dispatch_submit(g0, &args0, &op0), EPD_OK);
         epd_op_wait(op0, 3000);
-        elapsed = now_ms() - t0;
+        elapsed = h_now_ms() - t0;
         /* epd_op_status tells a completed op from a wait that itself ran out. */
         ck_assert_msg(epd_op_status(op0) == EPD_TIMEOUT, "op 0 on rank 0 gave %s: %s",
                       epd_status_name(epd_op_status(op0)), epd_op_error(op0));

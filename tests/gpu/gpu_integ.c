@@ -121,26 +121,6 @@ struct shared {
         atomic_llong kill_ms;
 };
 
-static long long now_ms(void)
-{
-        struct timespec ts;
-
-        clock_gettime(CLOCK_MONOTONIC, &ts); /* system-wide: comparable across processes */
-        return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
-}
-
-static int flag_wait(atomic_int *flag, int value, int timeout_ms)
-{
-        long long deadline = now_ms() + timeout_ms;
-
-        while (atomic_load(flag) < value) {
-                if (now_ms() > deadline)
-                        return -1;
-                usleep(1000);
-        }
-        return 0;
-}
-
 static struct shared *shared_new(const struct h_daemon *d, const struct gcase *gc)
 {
         struct shared *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE,
@@ -370,7 +350,7 @@ static int worker_open(struct worker *w, struct shared *sh, uint32_t rank)
                 .arena_bytes = 1u << 20,
         };
         struct epd_daemon_info info;
-        long long deadline = now_ms() + WAIT_MS;
+        long long deadline = h_now_ms() + WAIT_MS;
         char err[512];
         int rc;
 
@@ -391,7 +371,7 @@ static int worker_open(struct worker *w, struct shared *sh, uint32_t rank)
                 if (rank == 0 || (rc != EPD_ALREADY_EXISTS && rc != EPD_NOT_FOUND))
                         break;
                 usleep(10000);
-        } while (now_ms() < deadline);
+        } while (h_now_ms() < deadline);
         CHECK(rc == 0, "enter group '%s' as rank %u: %s: %s", sh->group, rank,
               epd_status_name(rc), epd_client_last_error(w->client));
         /* This process's own CUDA context on GPU 0. */
@@ -934,7 +914,7 @@ static int peer_first_worker(void *arg, int index)
         status = epd_op_status(op);
         snprintf(w->msg, sizeof(w->msg), "%s", epd_op_error(op));
         epd_op_free(op);
-        done = now_ms();
+        done = h_now_ms();
         killed = atomic_load(&sh->kill_ms);
         CHECK(status == EPD_PEER_LOST, "op 2 while rank 2 dies gave %s, expected PEER_LOST: '%s'",
               epd_status_name(status), w->msg);
@@ -959,7 +939,7 @@ static int peer_first_worker(void *arg, int index)
                 free(h);
         }
         step_free(&st);
-        CHECK(flag_wait(&sh->flag[FLAG_REJOINED], 1, WAIT_MS) == 0, "rank 2 did not re-join");
+        CHECK(h_flag_wait(&sh->flag[FLAG_REJOINED], 1, WAIT_MS) == 0, "rank 2 did not re-join");
         return peer_after_rejoin(w);
 }
 
@@ -1235,8 +1215,8 @@ START_TEST(test_peer_lost)
         sh = shared_new(&d, &peer_case);
         for (int r = 0; r < 3; r++)
                 pids[r] = h_spawn(peer_first_worker, sh, r);
-        if (flag_wait(&sh->flag[FLAG_VICTIM_READY], 1, WAIT_MS) < 0 ||
-            flag_wait(&sh->flag[FLAG_SUBMITTED], 2, WAIT_MS) < 0) {
+        if (h_flag_wait(&sh->flag[FLAG_VICTIM_READY], 1, WAIT_MS) < 0 ||
+            h_flag_wait(&sh->flag[FLAG_SUBMITTED], 2, WAIT_MS) < 0) {
                 for (int r = 0; r < 3; r++)
                         kill(pids[r], SIGKILL);
                 h_wait_all(pids, 3, 1000);
@@ -1244,7 +1224,7 @@ START_TEST(test_peer_lost)
                 expect_ok(&d, 3, "peer lost", peer_case.c.seed);
         }
         usleep(200000); /* the daemon holds both submissions of op 2 */
-        atomic_store(&sh->kill_ms, now_ms());
+        atomic_store(&sh->kill_ms, h_now_ms());
         if (kill(pids[2], SIGKILL) != 0 || waitpid(pids[2], &status, 0) != pids[2]) {
                 fprintf(stderr, "cannot kill rank 2 (pid %d)\n", (int)pids[2]);
                 kill(pids[0], SIGKILL);
