@@ -195,7 +195,9 @@ int epd_frame_recv(int sock, uint8_t *buf, size_t buf_len, uint32_t max_body,
                         }
                 }
         }
-        if (n == 0 && frame->num_fds == 0 && !(msg.msg_flags & MSG_CTRUNC))
+        /* An empty record is end of stream only when nothing came with it: fds over the
+         * limit (closed above) make it a bad frame, not a hang-up. */
+        if (n == 0 && frame->num_fds == 0 && !excess && !(msg.msg_flags & MSG_CTRUNC))
                 return -ECONNRESET;
         if (msg.msg_flags & MSG_CTRUNC) {
                 *why = "file descriptors were truncated (MSG_CTRUNC)";
