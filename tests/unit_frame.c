@@ -4,8 +4,9 @@
  * length mismatch both ways, oversized body, fd count mismatch both ways); send/receive over a
  * real SOCK_SEQPACKET socketpair: bodies, 0..16 fds that arrive valid and close-on-exec, more fds
  * than allowed, a control buffer the kernel has to truncate (MSG_CTRUNC), records larger than
- * the buffer, end of stream, an empty non-blocking socket and a full one. Every failure path is
- * checked for fd leaks by counting /proc/self/fd. Each test runs in its own process (fork mode).
+ * the buffer, end of stream (and an empty record with fds, which is not), an empty non-blocking
+ * socket and a full one. Every failure path is checked for fd leaks by counting /proc/self/fd.
+ * Each test runs in its own process (fork mode).
  */
 #include <check.h>
 #include <dirent.h>
@@ -617,6 +618,36 @@ START_TEST(test_recv_eof)
 }
 END_TEST
 
+/* An empty record that brings fds is not end of stream, even when every fd is over the limit
+ * (found by fuzz_frame: it read as a hang-up once the excess fds were closed). */
+START_TEST(test_recv_empty_record_with_fds)
+{
+        static const unsigned max_fds[] = { 0, 1, 8 };
+
+        for (unsigned k = 0; k < sizeof(max_fds) / sizeof(max_fds[0]); k++) {
+                int sv[2], rd[2], wr[2];
+                uint8_t buf[BUF_LEN];
+                struct epd_frame f;
+                const char *why = NULL;
+                unsigned before;
+
+                make_pair(sv, 0);
+                make_pipes(rd, wr, 2);
+                send_raw(sv[0], NULL, 0, wr, 2);
+                close_all(wr, 2);
+                before = count_open_fds();
+                ck_assert_int_eq(epd_frame_recv(sv[1], buf, sizeof(buf), MAX_BODY, max_fds[k],
+                                                &f, &why), -EPROTO);
+                ck_assert_ptr_nonnull(why);
+                ck_assert_uint_eq(count_open_fds(), before);
+                assert_frame_empty(&f);
+                close_all(rd, 2);
+                close(sv[0]);
+                close(sv[1]);
+        }
+}
+END_TEST
+
 START_TEST(test_recv_eagain)
 {
         int sv[2];
@@ -713,6 +744,7 @@ static Suite *frame_suite(void)
         tcase_add_test(tc, test_recv_record_too_big);
         tcase_add_test(tc, test_recv_bad_header_closes_fds);
         tcase_add_test(tc, test_recv_eof);
+        tcase_add_test(tc, test_recv_empty_record_with_fds);
         tcase_add_test(tc, test_recv_eagain);
         tcase_add_test(tc, test_send_full_and_closed);
         tcase_add_test(tc, test_close_fds_idempotent);

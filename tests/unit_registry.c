@@ -287,6 +287,31 @@ START_TEST(test_resolve_offset_past_end)
 }
 END_TEST
 
+/* Elements must sit at their natural alignment: backends use typed and vectorised access
+ * (found by fuzz_request: an odd bf16 offset reached the host backend's stores). */
+START_TEST(test_resolve_alignment)
+{
+        struct fake *f = fake_new();
+        struct epd_region *r = add_region(&f->a, 512);
+        struct epd_tensor t;
+
+        t = tensor2(EPD_DTYPE_BF16, r->id, 3, 4, 8, 0, 0);
+        expect_refused(&f->a, &t, 4, 8, "not aligned");
+        t.offset = 4;
+        expect_ok(&f->a, &t, 4, 8, r, 16);
+        t = tensor2(EPD_DTYPE_INT64, r->id, 4, 2, 1, 0, 0);
+        expect_refused(&f->a, &t, 2, 1, "not aligned");
+        t.offset = 8;
+        expect_ok(&f->a, &t, 2, 1, r, 8);
+        t = tensor2(EPD_DTYPE_FP32, r->id, 2, 2, 2, 0, 0);
+        expect_refused(&f->a, &t, 2, 2, "not aligned");
+        /* fp8 elements are bytes: any offset. */
+        t = tensor2(EPD_DTYPE_FP8_E4M3, r->id, 3, 4, 16, 0, 0);
+        expect_ok(&f->a, &t, 4, 16, r, 16);
+        fake_free(f);
+}
+END_TEST
+
 START_TEST(test_resolve_strides)
 {
         struct fake *f = fake_new();
@@ -1040,6 +1065,7 @@ static Suite *registry_suite(void)
         tcase_add_test(tc, test_resolve_unknown_and_foreign_region);
         tcase_add_test(tc, test_resolve_exact_fit_and_one_byte_over);
         tcase_add_test(tc, test_resolve_offset_past_end);
+        tcase_add_test(tc, test_resolve_alignment);
         tcase_add_test(tc, test_resolve_strides);
         tcase_add_test(tc, test_resolve_innermost_stride);
         tcase_add_test(tc, test_resolve_one_dimensional);
