@@ -454,7 +454,12 @@ class TestLoader(unittest.TestCase):
 
     def test_directory_in_epd_library(self):
         d = os.path.dirname(self.lib())
-        out = self.probe({"EPD_LIBRARY": d})
+        env = {"EPD_LIBRARY": d}
+        # libepd's own dependencies may live on LD_LIBRARY_PATH (a GPU host without them
+        # installed); EPD_LIBRARY still decides which libepd is loaded.
+        if "LD_LIBRARY_PATH" in os.environ:
+            env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+        out = self.probe(env)
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertEqual(os.path.dirname(out.stdout.strip()), d)
 
