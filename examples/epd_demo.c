@@ -269,8 +269,9 @@ int main(void)
 
         setvbuf(stdout, NULL, _IOLBF, 0);
         printf("epd demo: %d worker processes, %d experts, hidden %d, %d tokens per rank, top-%d, "
-               "%d MoE steps (EXPAND, bf16, output arena, host backend)\n",
-               RANKS, EXPERTS, HIDDEN, TOKENS, TOPK, STEPS);
+               "%d MoE steps (EXPAND, bf16, output arena, %s backend)\n",
+               RANKS, EXPERTS, HIDDEN, TOKENS, TOPK, STEPS,
+               getenv("EPD_TEST_BACKEND") ? getenv("EPD_TEST_BACKEND") : "host");
         if (h_daemon_start(&d, NULL) < 0)
                 return 1;
         printf("daemon: pid %d, socket %s\n", (int)d.pid, d.socket);

@@ -1,4 +1,5 @@
 /* harness.c - see harness.h. */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -307,4 +308,37 @@ int h_flag_wait(atomic_int *flag, int value, int timeout_ms)
                 usleep(1000);
         }
         return 0;
+}
+
+int h_proc_fd_count(pid_t pid)
+{
+        char path[64];
+        DIR *dir;
+        struct dirent *e;
+        int n = 0;
+
+        snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+        dir = opendir(path);
+        if (!dir)
+                return -1;
+        while ((e = readdir(dir)))
+                n += e->d_name[0] != '.';
+        closedir(dir);
+        return n;
+}
+
+int h_proc_region_mappings(pid_t pid)
+{
+        char path[64], line[512];
+        FILE *f;
+        int n = 0;
+
+        snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
+        f = fopen(path, "re");
+        if (!f)
+                return -1;
+        while (fgets(line, sizeof(line), f))
+                n += strstr(line, "/memfd:epd-region") != NULL;
+        fclose(f);
+        return n;
 }

@@ -65,6 +65,10 @@ struct epd_client *h_connect_ok(const struct h_daemon *d, const char *name);
 void h_assert_daemon_alive(const struct h_daemon *d, const char *context);
 /* Number of region memfd mappings (/memfd:epd-region) in the daemon's /proc/PID/maps. */
 int h_daemon_region_mappings(const struct h_daemon *d);
+/* Open fds of a process, and its mappings of client memfd regions ("memfd:epd-region"), read
+ * from /proc; -1 when /proc cannot be read. */
+int h_proc_fd_count(pid_t pid);
+int h_proc_region_mappings(pid_t pid);
 /* Runs epctl --socket SOCKET COMMAND --json, asserts exit 0 and valid JSON; the caller
  * json_decref()s the result. */
 struct json_t *h_epctl_json(const struct h_daemon *d, const char *command);

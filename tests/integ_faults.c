@@ -487,39 +487,6 @@ static unsigned plan_run(struct shared *sh)
 
 /* ---- daemon state ---- */
 
-static int fd_count(pid_t pid)
-{
-        char path[64];
-        DIR *dir;
-        struct dirent *e;
-        int n = 0;
-
-        snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
-        dir = opendir(path);
-        if (!dir)
-                return -1;
-        while ((e = readdir(dir)))
-                n += e->d_name[0] != '.';
-        closedir(dir);
-        return n;
-}
-
-static int region_mappings(pid_t pid)
-{
-        char path[64], line[512];
-        FILE *f;
-        int n = 0;
-
-        snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
-        f = fopen(path, "re");
-        if (!f)
-                return -1;
-        while (fgets(line, sizeof(line), f))
-                n += strstr(line, "/memfd:epd-region") != NULL;
-        fclose(f);
-        return n;
-}
-
 static json_t *epctl_json(const struct h_daemon *d, const char *command)
 {
         static char out[1 << 20];
@@ -543,8 +510,8 @@ static void tables_read(const struct h_daemon *d, struct tables *t)
         json_t *v;
 
         memset(t, 0, sizeof(*t));
-        t->fds = fd_count(d->pid);
-        t->mappings = region_mappings(d->pid);
+        t->fds = h_proc_fd_count(d->pid);
+        t->mappings = h_proc_region_mappings(d->pid);
         t->clients = t->regions = t->groups = -1;
         if (st) {
                 t->clients = (int)json_integer_value(json_object_get(st, "clients"));

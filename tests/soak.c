@@ -145,39 +145,6 @@ static struct rss rss_read(pid_t pid)
         return r;
 }
 
-static int fd_count(pid_t pid)
-{
-        char path[64];
-        DIR *dir;
-        struct dirent *e;
-        int n = 0;
-
-        snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
-        dir = opendir(path);
-        if (!dir)
-                return -1;
-        while ((e = readdir(dir)))
-                n += e->d_name[0] != '.';
-        closedir(dir);
-        return n;
-}
-
-static int region_mappings(pid_t pid)
-{
-        char path[64], line[512];
-        FILE *f;
-        int n = 0;
-
-        snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
-        f = fopen(path, "re");
-        if (!f)
-                return -1;
-        while (fgets(line, sizeof(line), f))
-                n += strstr(line, "/memfd:epd-region") != NULL;
-        fclose(f);
-        return n;
-}
-
 /* pid of the daemon behind a socket, from `epctl status --json` ("pid": N). */
 static pid_t daemon_pid(const char *socket)
 {
@@ -295,7 +262,7 @@ int main(int argc, char **argv)
                 return 1;
         }
         struct rss rss0 = rss_read(dpid), rss_peak = rss0, rss_warm = { -1, -1 }, rss_last = rss0;
-        int fd0 = fd_count(dpid), fd_peak = fd0, fd_min = fd0, maps0 = region_mappings(dpid);
+        int fd0 = h_proc_fd_count(dpid), fd_peak = fd0, fd_min = fd0, maps0 = h_proc_region_mappings(dpid);
         printf("daemon pid %d: RSS %ld KiB (anon %ld KiB), %d fds at the start\n", (int)dpid,
                rss0.total, rss0.anon, fd0);
         fflush(stdout);
@@ -316,7 +283,7 @@ int main(int argc, char **argv)
                                 failures++;
                 }
                 struct rss rss = rss_read(dpid);
-                int fds = fd_count(dpid);
+                int fds = h_proc_fd_count(dpid);
                 rss_peak.total = rss.total > rss_peak.total ? rss.total : rss_peak.total;
                 rss_peak.anon = rss.anon > rss_peak.anon ? rss.anon : rss_peak.anon;
                 if (left > 0)
@@ -343,8 +310,8 @@ int main(int argc, char **argv)
         /* After everyone left: the fds and regions are back where they started. */
         int fd_end = -1, maps_end = -1;
         for (int i = 0; i < 100; i++) {
-                fd_end = fd_count(dpid);
-                maps_end = region_mappings(dpid);
+                fd_end = h_proc_fd_count(dpid);
+                maps_end = h_proc_region_mappings(dpid);
                 if (fd_end == fd0 && maps_end == maps0)
                         break;
                 usleep(20000);
