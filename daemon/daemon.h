@@ -324,6 +324,10 @@ void epd_op_kick(struct epd_group *g);       /* launch queued ops if possible */
 /* Removes every op that is not executing (the group is going away); no replies. */
 void epd_op_destroy_all(struct epd_group *g);
 
+/* lifecycle.c: lists, receive buffer, epoch and backend of a daemon whose cfg is set.
+ * 0 or a negative status with err set. */
+int epd_daemon_init(struct epd_daemon *d, uv_loop_t *loop, char *err, size_t err_len);
+
 /* server.c */
 int epd_server_listen(struct epd_daemon *d, char *err, size_t err_len);
 void epd_server_close(struct epd_daemon *d);

@@ -202,22 +202,9 @@ int main(int argc, char **argv)
         epd_log_set_level(d->cfg.log_level);
         signal(SIGPIPE, SIG_IGN);
 
-        d->loop = uv_default_loop();
-        d->listen_fd = -1;
-        d->start_ns = epd__now_ns();
-        epd_list_init(&d->conns);
-        epd_list_init(&d->groups);
-        if (epd__random_bytes(&d->epoch, sizeof(d->epoch)) < 0) {
-                fprintf(stderr, "epd: no randomness for the daemon epoch\n");
-                return 1;
-        }
-        d->rbuf_len = EPD_FRAME_HEADER_BYTES + d->cfg.max_frame_bytes + 1;
-        d->rbuf = malloc(d->rbuf_len);
-        if (!d->rbuf)
-                return 1;
-        rc = epd_backend_open(d, &d->backend, err, sizeof(err));
+        rc = epd_daemon_init(d, uv_default_loop(), err, sizeof(err));
         if (rc < 0) {
-                log_error("no usable backend: %s", err);
+                log_error("cannot start: %s", err);
                 return 1;
         }
         rc = epd_server_listen(d, err, sizeof(err));

@@ -1207,22 +1207,16 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
         epd_log_set_level(d->cfg.log_level);
         if (uv_loop_init(&loop) != 0)
                 fail("uv_loop_init failed");
-        d->loop = &loop;
-        d->listen_fd = -1;
-        d->start_ns = epd__now_ns();
-        epd_list_init(&d->conns);
-        epd_list_init(&d->groups);
-        d->epoch = 0x66757a7a; /* "fuzz" */
-        d->rbuf_len = EPD_FRAME_HEADER_BYTES + d->cfg.max_frame_bytes + 1;
-        d->rbuf = malloc(d->rbuf_len);
-        reply_buf_len = d->rbuf_len;
+        reply_buf_len = EPD_FRAME_HEADER_BYTES + d->cfg.max_frame_bytes + 1;
         reply_buf = malloc(reply_buf_len);
-        if (!d->rbuf || !reply_buf)
+        if (!reply_buf)
                 fail("out of memory");
-        if (epd_backend_open(d, &d->backend, err, sizeof(err)) < 0) {
+        /* The daemon's own set-up, as main() runs it. */
+        if (epd_daemon_init(d, &loop, err, sizeof(err)) < 0) {
                 fprintf(stderr, "fuzz_request: no host backend: %s\n", err);
                 abort();
         }
+        d->epoch = 0x66757a7a; /* "fuzz": replies are reproducible */
         return 0;
 }
 
