@@ -127,6 +127,8 @@ struct options {
         const char *socket;     /* NULL: start our own daemon */
         int cuda;               /* --backend cuda */
         int device_memory;      /* -1: default (on with --backend cuda) */
+        int cumem;              /* --alloc cumem (default with device memory, -1 until then):
+                                 * worker memory from epd_device_alloc; 0: cudaMalloc */
         uint32_t devices;       /* GPUs the ranks spread over: rank r on device r % devices */
         int flush_l2;           /* -1: default (on for decode with --backend cuda) */
         enum completion completion;
@@ -631,6 +633,7 @@ struct wcuda {
 #endif
         uint8_t *flush;         /* FLUSH_BYTES, Fresh mode only */
         uint8_t *d_in, *d_y, *d_out, *d_comb; /* --device-memory */
+        int cumem;              /* --alloc cumem: the four above come from epd_device_alloc */
 };
 
 #ifdef EPD_BENCH_CUDA
@@ -663,6 +666,7 @@ static int wcuda_init(struct wcuda *wc, const struct bench *b, uint32_t rank, ch
 {
 #ifdef EPD_BENCH_CUDA
         wc->device = rank % b->opt.devices;
+        wc->cumem = b->opt.cumem;
         CU_TRY(cudaSetDevice((int)wc->device), "cudaSetDevice");
         CU_TRY(cudaFree(NULL), "CUDA context creation");
         CU_TRY(cudaStreamCreateWithFlags(&wc->stream, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -687,7 +691,8 @@ static int wcuda_init(struct wcuda *wc, const struct bench *b, uint32_t rank, ch
 static void wcuda_fini(struct wcuda *wc)
 {
 #ifdef EPD_BENCH_CUDA
-        uint8_t *bufs[5] = { wc->flush, wc->d_in, wc->d_y, wc->d_out, wc->d_comb };
+        /* --alloc cumem memory was given back with epd_device_free already (NULL here). */
+        uint8_t *bufs[5] = { wc->d_in, wc->d_y, wc->d_out, wc->d_comb, wc->flush };
 
         if (!wc->on)
                 return;
@@ -702,7 +707,7 @@ static void wcuda_fini(struct wcuda *wc)
 
 /* Device memory of `bytes` (at least 4096) on the worker's GPU, registered with the daemon.
  * *out is set as soon as the memory exists, so that the caller frees it on any failure. */
-static int dev_alloc_register(struct epd_client *c, const struct wcuda *wc, uint64_t bytes,
+static int dev_alloc_register(struct epd_client *c, struct wcuda *wc, uint64_t bytes,
                               uint8_t **out, uint64_t *region, char *err, size_t len)
 {
 #ifdef EPD_BENCH_CUDA
@@ -710,6 +715,18 @@ static int dev_alloc_register(struct epd_client *c, const struct wcuda *wc, uint
         int rc;
 
         bytes = bytes < 4096 ? 4096 : bytes;
+        if (wc->cumem) {
+                /* cuMem through libepd: the daemon maps the allocation itself. */
+                rc = epd_device_alloc(c, wc->device, bytes, &p, region);
+                if (rc < 0) {
+                        snprintf(err, len, "epd_device_alloc(%llu bytes on device %u): %s: %s",
+                                 (unsigned long long)bytes, wc->device, epd_status_name(rc),
+                                 epd_client_last_error(c));
+                        return -1;
+                }
+                *out = p;
+                return 0;
+        }
         CU_TRY(cudaMalloc(&p, bytes), "cudaMalloc");
         *out = p;
         rc = epd_region_register_device(c, p, bytes, wc->device, region);
@@ -1140,7 +1157,18 @@ static int worker_run(struct bench *b, uint32_t rank)
 out:
         epd_op_free(op);
         epd_group_leave(group);
-        /* The clean order: the daemon lets go of the device memory before it is freed. */
+        /* The clean order: the daemon lets go of the device memory before it is freed.
+         * epd_device_free does both for --alloc cumem (dregion[] follows d_in, d_y, d_out,
+         * d_comb). */
+        if (wc.cumem) {
+                uint8_t **bufs[4] = { &wc.d_in, &wc.d_y, &wc.d_out, &wc.d_comb };
+                for (int i = 0; i < 4; i++) {
+                        if (*bufs[i])
+                                epd_device_free(client, *bufs[i]);
+                        *bufs[i] = NULL;
+                        dregion[i] = 0;
+                }
+        }
         for (int i = 0; i < 4; i++)
                 if (dregion[i])
                         epd_region_release(client, dregion[i]);
@@ -1186,6 +1214,11 @@ struct op_stats {
         double ovh_p50, ovh_p99;         /* us: e2e minus op time of the same op, every rank */
         double last_ovh_p50, last_ovh_p99; /* us: the same for the rank that submitted last */
         double queue_p50;                /* us: submission to launch, every rank */
+        /* The last submitter's overhead, split (us, p50 of each part): arrival at the daemon to
+         * the executor starting the op (queue_ns), executor time beyond the GPU time (launch
+         * calls, waiting for completion: exec_ns - kernel_ns), and the rest (the request and
+         * reply through the socket and the loop thread: e2e - queue_ns - exec_ns). */
+        double last_queue_p50, last_host_exec_p50, last_rest_p50;
         double exec_spread_max;          /* us: largest difference of op time between ranks */
 };
 
@@ -1196,10 +1229,12 @@ static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_
         double *exec = calloc(iters, sizeof(double));
         double *e2e = calloc(ns, sizeof(double)), *ovh = calloc(ns, sizeof(double));
         double *last = calloc(iters, sizeof(double)), *queue = calloc(ns, sizeof(double));
+        double *lq = calloc(iters, sizeof(double)), *lx = calloc(iters, sizeof(double));
+        double *lr = calloc(iters, sizeof(double));
         size_t k = 0;
 
         memset(st, 0, sizeof(*st));
-        if (!exec || !e2e || !ovh || !last || !queue)
+        if (!exec || !e2e || !ovh || !last || !queue || !lq || !lx || !lr)
                 goto out;
         for (uint32_t i = 0; i < iters; i++) {
                 uint64_t emax = 0, emin = UINT64_MAX, last_submit = 0;
@@ -1222,6 +1257,11 @@ static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_
                         if (s->submit_ns >= last_submit) {
                                 last_submit = s->submit_ns;
                                 last_ovh = t - (double)op_ns(b, s) / 1e3;
+                                lq[i] = (double)s->queue_ns / 1e3;
+                                lx[i] = s->kernel_ns && s->exec_ns > s->kernel_ns
+                                                ? (double)(s->exec_ns - s->kernel_ns) / 1e3
+                                                : 0;
+                                lr[i] = t - (double)(s->queue_ns + s->exec_ns) / 1e3;
                         }
                 }
                 /* One exec serves every rank: its time is the device figure. */
@@ -1245,7 +1285,16 @@ static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_
         st->last_ovh_p50 = pct(last, iters, 50);
         st->last_ovh_p99 = pct(last, iters, 99);
         st->queue_p50 = pct(queue, ns, 50);
+        qsort(lq, iters, sizeof(double), cmp_double);
+        qsort(lx, iters, sizeof(double), cmp_double);
+        qsort(lr, iters, sizeof(double), cmp_double);
+        st->last_queue_p50 = pct(lq, iters, 50);
+        st->last_host_exec_p50 = pct(lx, iters, 50);
+        st->last_rest_p50 = pct(lr, iters, 50);
 out:
+        free(lq);
+        free(lx);
+        free(lr);
         free(exec);
         free(e2e);
         free(ovh);
@@ -1262,7 +1311,7 @@ static void usage(FILE *f)
                 "                 [--json] [--socket PATH] [--tokens T] [--layout non-expand|expand]\n"
                 "                 [--seed S] [--warmup N] [--threads N] [--outputs arena|regions]\n"
                 "                 [--backend host|cuda] [--device-memory|--host-memory]\n"
-                "                 [--devices N] [--flush-l2|--no-flush-l2]\n"
+                "                 [--alloc cudamalloc|cumem] [--devices N] [--flush-l2|--no-flush-l2]\n"
                 "                 [--completion host|stream|both] [--stream-order]\n\n"
                 "Measures dispatch and combine through real client processes, one per rank, as\n"
                 "docs/BENCHMARKS.md defines. Without --socket it starts build/bin/epd (host backend,\n"
@@ -1287,10 +1336,14 @@ static void usage(FILE *f)
                 "  --backend B       host (default) or cuda: the daemon's backend; with --socket the\n"
                 "                    running daemon must have it\n"
                 "  --device-memory   (default with cuda) inputs and outputs in each worker's GPU\n"
-                "                    memory (cudaMalloc, epd_region_register_device); outputs are\n"
+                "                    memory (see --alloc); outputs are\n"
                 "                    client-registered regions (the CUDA backend's arena is host\n"
                 "                    memory); the ceiling is the device-to-device copy\n"
                 "  --host-memory     host memfds on the CUDA backend instead\n"
+                "  --alloc A         device memory from cumem (default: epd_device_alloc, cuMem\n"
+                "                    shared as POSIX fds, which the daemon maps itself) or\n"
+                "                    cudamalloc (shared as CUDA IPC handles; the daemon's kernels\n"
+                "                    reach it at about half speed, docs/performance.md)\n"
                 "  --devices N       GPUs to spread the ranks over: rank r on device r %% N (default 1)\n"
                 "  --flush-l2        Fresh mode: write 256 MB on the GPU before every op (in each\n"
                 "                    worker, before submit, synchronised); default for decode\n"
@@ -1334,6 +1387,7 @@ static int parse_args(int argc, char **argv, struct options *o)
                 { "device-memory", no_argument, NULL, 'D' },
                 { "host-memory", no_argument, NULL, 'M' },
                 { "devices", required_argument, NULL, 'n' },
+                { "alloc", required_argument, NULL, 'A' },
                 { "flush-l2", no_argument, NULL, 'F' },
                 { "no-flush-l2", no_argument, NULL, 'f' },
                 { "completion", required_argument, NULL, 'C' },
@@ -1350,6 +1404,7 @@ static int parse_args(int argc, char **argv, struct options *o)
         o->use_arena = 1;
         o->layout = EPD_LAYOUT_NON_EXPAND;
         o->device_memory = -1;
+        o->cumem = -1;
         o->flush_l2 = -1;
         o->devices = 1;
         while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
@@ -1415,6 +1470,14 @@ static int parse_args(int argc, char **argv, struct options *o)
                 case 'M':
                         o->device_memory = 0;
                         break;
+                case 'A':
+                        if (strcmp(optarg, "cudamalloc") == 0)
+                                o->cumem = 0;
+                        else if (strcmp(optarg, "cumem") == 0)
+                                o->cumem = 1;
+                        else
+                                goto bad;
+                        break;
                 case 'n':
                         if (parse_u32(optarg, 1, D2D_MAX_DEVICES, &o->devices) < 0)
                                 goto bad;
@@ -1471,12 +1534,13 @@ bad:
         }
         if (!o->cuda) {
                 if (o->device_memory == 1 || o->flush_l2 == 1 || o->devices != 1 ||
-                    o->completion != COMPLETION_HOST) {
-                        fprintf(stderr, "epd-bench: --device-memory, --flush-l2, --devices and "
+                    o->cumem >= 0 || o->completion != COMPLETION_HOST) {
+                        fprintf(stderr, "epd-bench: --device-memory, --alloc, --flush-l2, --devices and "
                                         "stream completion need --backend cuda\n");
                         return -1;
                 }
                 o->device_memory = 0;
+                o->cumem = 0;
                 o->flush_l2 = 0;
                 return 0;
         }
@@ -1489,6 +1553,13 @@ bad:
                 o->device_memory = 1;
         if (o->flush_l2 < 0)
                 o->flush_l2 = strcmp(o->wl->name, "decode") == 0;
+        if (o->cumem < 0)
+                o->cumem = o->device_memory;
+        if (o->cumem && !o->device_memory) {
+                fprintf(stderr, "epd-bench: --alloc cumem allocates device memory; it does not "
+                                "go with --host-memory\n");
+                return -1;
+        }
         if (o->device_memory) {
                 /* The CUDA backend's output arena is host memory: device outputs are regions. */
                 if (o->outputs_given && o->use_arena) {
@@ -1556,7 +1627,11 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
                 fprintf(f, "  backend %s on %s, ranks on %u device(s) (rank r on r %% %u; the "
                            "daemon has %u), %s memory, MPS %s (%s), rev %s\n",
                         ri->backend, ri->device_name, b->opt.devices, b->opt.devices,
-                        ri->devices, b->opt.device_memory ? "device" : "host (memfd)", ri->mps,
+                        ri->devices,
+                        !b->opt.device_memory ? "host (memfd)"
+                        : b->opt.cumem        ? "device (cuMem, epd_device_alloc)"
+                                              : "device (cudaMalloc, CUDA IPC)",
+                        ri->mps,
                         ri->mps_detail, EPD_GIT_REV);
         else
                 fprintf(f, "  backend %s, every rank on device 0 (the daemon has %u), MPS %s, %u "
@@ -1685,6 +1760,8 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
         json_object_set_new(o, "device_name", json_string(ri->device_name));
         json_object_set_new(o, "memory", json_string(b->opt.device_memory ? "device"
                                                                            : "host"));
+        json_object_set_new(o, "alloc", json_string(!b->opt.device_memory ? "memfd"
+                                                    : b->opt.cumem ? "cumem" : "cudamalloc"));
         json_object_set_new(o, "completion", json_string(b->phase_stream[p]
                                                                 ? "stream" : "host"));
         json_object_set_new(o, "flush_l2", json_boolean(b->opt.flush_l2));
@@ -1726,6 +1803,10 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
         json_object_set_new(o, "daemon_overhead_last_submitter_p99_us",
                             json_real(st->last_ovh_p99));
         json_object_set_new(o, "queue_p50_us", json_real(st->queue_p50));
+        json_object_set_new(o, "last_submitter_queue_p50_us", json_real(st->last_queue_p50));
+        json_object_set_new(o, "last_submitter_host_exec_p50_us",
+                            json_real(st->last_host_exec_p50));
+        json_object_set_new(o, "last_submitter_socket_loop_p50_us", json_real(st->last_rest_p50));
         json_object_set_new(o, "logical_gbps", json_real(lg));
         json_object_set_new(o, "floor_gbps", json_real(fl));
         json_object_set_new(o, "floor_fraction_of_ceiling", json_real(fl / ri->ceiling));

@@ -11,7 +11,10 @@
 #              repository's build-h13.
 #
 # Runs, each with --backend cuda (device memory, client-registered device outputs), 8 ranks on
-# GPU 0, --json, first with MPS off, then with MPS on (a private control daemon, quit at the end):
+# GPU 0, --json, first with MPS off, then with MPS on (a private control daemon, quit at the end).
+# Worker memory comes from cuMem (--alloc cumem, what epd_device_alloc and PyTorch's expandable
+# segments give); with MPS off the two prefill workloads run once more on cudaMalloc memory
+# (--alloc cudamalloc, shared through CUDA IPC), for the comparison in docs/performance.md:
 #   prefill       fp8, T=4096 (rank r sends T-r), warm L2
 #   prefill-bf16  bf16, T=4096, warm L2
 #   decode        fp8, T=128, Fresh mode (L2 flushed before every op), host-wait and
@@ -65,7 +68,8 @@ run() {
                 return
         fi
         echo "run-h200: $name: epd-bench $*" >&2
-        timeout -s TERM -k 10 "$limit" "$bench" --backend cuda --json --iters "$iters" "$@" \
+        timeout -s TERM -k 10 "$limit" "$bench" --backend cuda --json --iters "$iters" \
+                --alloc "${alloc:-cumem}" "$@" \
                 > "$out/$name.jsonl" 2> "$out/$name.log"
         rc=$?
         echo "run-h200: $name: exit $rc after $(( $(date +%s) - now )) s" >&2
@@ -88,6 +92,8 @@ workloads() {
 # ---- MPS off: make sure no control daemon of ours is in the environment ----
 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 workloads mps-off
+alloc=cudamalloc run prefill-ipc-mps-off --workload prefill --ranks 8
+alloc=cudamalloc run prefill-bf16-ipc-mps-off --workload prefill-bf16 --ranks 8
 
 # ---- MPS on: a private control daemon; the benchmark, its daemon and workers inherit the
 # pipe directory and so become MPS clients ----
@@ -116,10 +122,10 @@ cat "$out"/*-mps-*.jsonl > "$out/all.jsonl" 2>/dev/null || true
 # One line per result; python3 is on the H200 image (it holds PyTorch).
 python3 - "$out/all.jsonl" >> "$out/summary.txt" <<'EOF' || true
 import json, sys
-hdr = ("workload", "tok", "op", "compl", "mps", "flush", "kern p50", "kern p99", "e2e p50",
+hdr = ("workload", "tok", "op", "compl", "mps", "alloc", "kern p50", "kern p99", "e2e p50",
        "e2e p99", "e2e max", "ovh p50", "ovh p99", "log GB/s", "floor GB/s", "floor/d2d",
        "d2d GB/s", "ws/rank MiB")
-print("%-13s %4s %-8s %-6s %-3s %-5s" % hdr[:6] + "".join(" %10s" % h for h in hdr[6:]))
+print("%-13s %4s %-8s %-6s %-3s %-10s" % hdr[:6] + "".join(" %10s" % h for h in hdr[6:]))
 def num(v):
     return float("nan") if v is None else float(v)
 for line in open(sys.argv[1]):
@@ -129,8 +135,8 @@ for line in open(sys.argv[1]):
     o = json.loads(line)
     o = {k: (num(v) if k.endswith(("_us", "_gbps", "_ceiling", "_per_rank")) else v)
          for k, v in o.items()}
-    print("%-13s %4d %-8s %-6s %-3s %-5s" % (o["workload"], o["tokens"], o["op"], o["completion"],
-                                           o["mps"], o["flush_l2"])
+    print("%-13s %4d %-8s %-6s %-3s %-10s" % (o["workload"], o["tokens"], o["op"], o["completion"],
+                                           o["mps"], o.get("alloc", "?"))
           + " %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %9.1f%% %10.0f %10.2f" % (
               o["kernel_time_p50_us"], o["kernel_time_p99_us"], o["e2e_p50_us"], o["e2e_p99_us"],
               o["e2e_max_us"], o["daemon_overhead_p50_us"], o["daemon_overhead_p99_us"],

@@ -228,6 +228,9 @@ static void client_destroy(struct epd_client *c)
         free(c->regions);
         if (c->fd >= 0)
                 close(c->fd);
+        /* After the close: the daemon's imports keep the memory of ops in flight alive. */
+        epd__device_alloc_free_all(c);
+        free(c->device_allocs);
         pthread_mutex_destroy(&c->lock);
         free(c->rbuf);
         free(c);
@@ -491,6 +494,35 @@ int epd_region_register_device(struct epd_client *client, const void *dev_ptr, s
                 return EPD_UNAVAILABLE;
         return epd__client_fail(client, EPD_UNAVAILABLE,
                                 "libepd was built without CUDA support: device memory cannot be registered");
+}
+
+int epd_device_alloc(struct epd_client *client, uint32_t cuda_device, uint64_t bytes,
+                     void **dev_ptr, uint64_t *region_id)
+{
+        (void)cuda_device;
+        if (!client)
+                return EPD_INVALID_ARGUMENT;
+        if (!dev_ptr || !region_id || !bytes)
+                return epd__client_fail(client, EPD_INVALID_ARGUMENT,
+                                        "epd_device_alloc needs a size above 0, dev_ptr and region_id");
+        return epd__client_fail(client, EPD_UNAVAILABLE,
+                                "libepd was built without CUDA support: device memory cannot be allocated");
+}
+
+int epd_device_free(struct epd_client *client, void *dev_ptr)
+{
+        if (!client)
+                return EPD_INVALID_ARGUMENT;
+        if (!dev_ptr)
+                return 0;
+        return epd__client_fail(client, EPD_INVALID_ARGUMENT,
+                                "%p did not come from epd_device_alloc of this client (libepd was built without CUDA support)",
+                                dev_ptr);
+}
+
+void epd__device_alloc_free_all(struct epd_client *c)
+{
+        (void)c;
 }
 #endif
 

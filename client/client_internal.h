@@ -30,6 +30,15 @@ struct epd__local_region {
         uint64_t buffer_id;           /* CUDA's process-unique allocation id; 0 unknown */
 };
 
+/* GPU memory made by epd_device_alloc (client/cuda.c): a cuMem allocation mapped at its own
+ * reserved address range, which the client owns until epd_device_free or epd_client_free. */
+struct epd__device_alloc {
+        uint64_t base;                /* device address (CUdeviceptr) */
+        uint64_t bytes;               /* reserved and mapped: the request rounded up */
+        int ordinal;                  /* CUDA device ordinal in this process */
+        void *ctx;                    /* the device's primary context, retained meanwhile */
+};
+
 struct epd_client {
         int fd;
         pthread_mutex_t lock;
@@ -45,6 +54,8 @@ struct epd_client {
         struct epd__stashed *stash;
         struct epd__local_region *regions;
         unsigned num_regions, cap_regions;
+        struct epd__device_alloc *device_allocs; /* under lock */
+        unsigned num_device_allocs, cap_device_allocs;
 };
 
 /* A segment of a rank's output arena as libepd mapped it (proto/epd.proto, ArenaSegment). */
@@ -110,6 +121,10 @@ int epd__group_arena_sync_locked(struct epd_group *group);
 /* Releases what the stream-ordering functions set up for a group (CUDA registration of its
  * doorbell page); a no-op without CUDA. */
 void epd__group_stream_fini(struct epd_group *group);
+/* Unmaps and frees every allocation of epd_device_alloc still held by the client, without
+ * telling the daemon (epd_client_free: the connection's close releases the regions); a no-op
+ * without CUDA. */
+void epd__device_alloc_free_all(struct epd_client *c);
 struct epd_group *epd__op_group(const struct epd_op *op);
 
 #endif

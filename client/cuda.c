@@ -14,7 +14,12 @@
  * and the process-unique buffer id): memory that was freed and reallocated at the same address
  * gets a fresh registration instead of the daemon's mapping of the old allocation.
  *
- * CUDA is touched only here and only when the function is called: connecting never initialises
+ * epd_device_alloc makes memory of the first kind on purpose, because the daemon's kernels reach
+ * it at full speed (epd.h): cuMemCreate with the POSIX-fd handle type, mapped at an address range
+ * of its own and registered through epd_region_register_device. The client keeps a record of
+ * each allocation (client_internal.h) until epd_device_free or epd_client_free.
+ *
+ * CUDA is touched only here and only when a function is called: connecting never initialises
  * it. Compiled only with EPD_HAVE_CUDA (client/client_cuda.cmake); client.c has the stub that
  * answers EPD_UNAVAILABLE otherwise. Any thread: the context the work needs is pushed and popped
  * again, so the calling thread's current device is left as it was.
@@ -22,7 +27,9 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -347,4 +354,281 @@ int epd_region_register_device(struct epd_client *client, const void *dev_ptr, s
                 return rc;
         *region_id = id;
         return 0;
+}
+
+/* ---- epd_device_alloc ---- */
+
+/* Collects (up to max) the ids of device-memory entries of the local region table that overlap
+ * [base, base + bytes), and with forget drops them from the table. */
+static unsigned overlapping_regions(struct epd_client *c, uint64_t base, uint64_t bytes,
+                                    int forget, uint64_t *ids, unsigned max)
+{
+        const uint8_t *lo = (const uint8_t *)(uintptr_t)base;
+        unsigned n = 0;
+
+        pthread_mutex_lock(&c->lock);
+        for (unsigned i = 0; i < c->num_regions;) {
+                const struct epd__local_region *r = &c->regions[i];
+                if (!r->device_mem || r->ptr >= lo + bytes || lo >= r->ptr + r->bytes) {
+                        i++;
+                        continue;
+                }
+                if (n < max)
+                        ids[n++] = r->id;
+                if (forget)
+                        c->regions[i] = c->regions[--c->num_regions];
+                else
+                        i++;
+        }
+        pthread_mutex_unlock(&c->lock);
+        return n;
+}
+
+/* Unmaps and frees the address range of an allocation and lets go of its primary context. The
+ * mapping held the last local reference to the physical memory; the daemon's import, if any,
+ * holds its own. */
+static void unmap_alloc(const struct epd__device_alloc *a)
+{
+        CUcontext popped;
+        CUdevice dev;
+        int pushed;
+
+        pushed = epd_cudrv()->CtxPushCurrent((CUcontext)a->ctx) == CUDA_SUCCESS;
+        (void)epd_cudrv()->MemUnmap((CUdeviceptr)a->base, (size_t)a->bytes);
+        (void)epd_cudrv()->MemAddressFree((CUdeviceptr)a->base, (size_t)a->bytes);
+        if (pushed)
+                epd_cudrv()->CtxPopCurrent(&popped);
+        if (epd_cudrv()->DeviceGet(&dev, a->ordinal) == CUDA_SUCCESS)
+                epd_cudrv()->DevicePrimaryCtxRelease(dev);
+}
+
+/* CUDA's verdict on a cuMem call as a status: the device or the driver refused. */
+static int cumem_fail(struct epd_client *c, const char *what, CUresult r, int ordinal,
+                      uint64_t bytes)
+{
+        const char *hint = "";
+
+        if (r == CUDA_ERROR_OUT_OF_MEMORY)
+                hint = " (out of device memory)";
+        else if (r == CUDA_ERROR_NOT_SUPPORTED || r == CUDA_ERROR_INVALID_DEVICE)
+                hint = " (the device or driver has no cuMem allocations with POSIX fds)";
+        return epd__client_fail(c, EPD_UNAVAILABLE, "%s for %llu bytes on CUDA device %d: %s%s",
+                                what, (unsigned long long)bytes, ordinal, cu_name(r), hint);
+}
+
+/* cuMemCreate + cuMemAddressReserve + cuMemMap + cuMemSetAccess on device `ordinal`, the
+ * size rounded up to the recommended granularity. Fills a->base and a->bytes; on failure
+ * nothing is left. The device's primary context is current. */
+static int map_alloc(struct epd_client *c, int ordinal, uint64_t bytes,
+                     struct epd__device_alloc *a)
+{
+        CUmemGenericAllocationHandle h;
+        CUmemAllocationProp prop;
+        CUmemAccessDesc acc;
+        CUdeviceptr va = 0;
+        size_t gran = 0, size;
+        CUresult r;
+
+        memset(&prop, 0, sizeof(prop));
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = ordinal;
+        prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        r = epd_cudrv()->MemGetAllocationGranularity(&gran, &prop,
+                                                     CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+        if (r != CUDA_SUCCESS || gran == 0)
+                return cumem_fail(c, "cuMemGetAllocationGranularity", r, ordinal, bytes);
+        if (bytes > SIZE_MAX - gran)
+                return epd__client_fail(c, EPD_INVALID_ARGUMENT,
+                                        "%llu bytes cannot be allocated in this process",
+                                        (unsigned long long)bytes);
+        size = ((size_t)bytes + gran - 1) / gran * gran;
+        r = epd_cudrv()->MemCreate(&h, size, &prop, 0);
+        if (r != CUDA_SUCCESS)
+                return cumem_fail(c, "cuMemCreate", r, ordinal, size);
+        r = epd_cudrv()->MemAddressReserve(&va, size, gran, 0, 0);
+        if (r != CUDA_SUCCESS) {
+                epd_cudrv()->MemRelease(h);
+                return cumem_fail(c, "cuMemAddressReserve", r, ordinal, size);
+        }
+        r = epd_cudrv()->MemMap(va, size, 0, h, 0);
+        /* The mapping holds the allocation from here on: unmapping frees it. */
+        epd_cudrv()->MemRelease(h);
+        if (r != CUDA_SUCCESS) {
+                epd_cudrv()->MemAddressFree(va, size);
+                return cumem_fail(c, "cuMemMap", r, ordinal, size);
+        }
+        memset(&acc, 0, sizeof(acc));
+        acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        acc.location.id = ordinal;
+        acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        r = epd_cudrv()->MemSetAccess(va, size, &acc, 1);
+        if (r != CUDA_SUCCESS) {
+                epd_cudrv()->MemUnmap(va, size);
+                epd_cudrv()->MemAddressFree(va, size);
+                return cumem_fail(c, "cuMemSetAccess", r, ordinal, size);
+        }
+        a->base = (uint64_t)va;
+        a->bytes = size;
+        return 0;
+}
+
+static int record_add(struct epd_client *c, const struct epd__device_alloc *a)
+{
+        int rc = 0;
+
+        pthread_mutex_lock(&c->lock);
+        if (c->num_device_allocs == c->cap_device_allocs) {
+                unsigned cap = c->cap_device_allocs ? c->cap_device_allocs * 2 : 8;
+                struct epd__device_alloc *n = realloc(c->device_allocs, cap * sizeof(*n));
+                if (n) {
+                        c->device_allocs = n;
+                        c->cap_device_allocs = cap;
+                } else {
+                        rc = EPD_INTERNAL;
+                }
+        }
+        if (rc == 0)
+                c->device_allocs[c->num_device_allocs++] = *a;
+        pthread_mutex_unlock(&c->lock);
+        return rc;
+}
+
+int epd_device_alloc(struct epd_client *client, uint32_t cuda_device, uint64_t bytes,
+                     void **dev_ptr, uint64_t *region_id)
+{
+        struct epd__device_alloc a;
+        uint64_t stale[MAX_STALE], id = 0;
+        unsigned num_stale;
+        CUcontext ctx = NULL, popped;
+        CUdevice dev;
+        cudaError_t ce;
+        CUresult r;
+        int count = 0, rc;
+
+        if (!client)
+                return EPD_INVALID_ARGUMENT;
+        if (!dev_ptr || !region_id || !bytes)
+                return epd__client_fail(client, EPD_INVALID_ARGUMENT,
+                                        "epd_device_alloc needs a size above 0, dev_ptr and region_id");
+        /* Checked before CUDA is touched, as in epd_region_register_device. */
+        if (!(client->daemon_caps & EPD__V1__CAPABILITY__CAP_CUDA_REGIONS))
+                return epd__client_fail(client, EPD_UNAVAILABLE,
+                                        "the daemon's '%s' backend cannot import GPU memory",
+                                        client->info.backend);
+        if (!epd_cudrv())
+                return epd__client_fail(client, EPD_UNAVAILABLE,
+                                        "no usable CUDA driver in this process");
+        /* The runtime initialises the driver, which cuDeviceGet needs, and knows the count. */
+        ce = cudaGetDeviceCount(&count);
+        if (ce != cudaSuccess) {
+                (void)cudaGetLastError();
+                return epd__client_fail(client, EPD_UNAVAILABLE, "no usable CUDA device: %s",
+                                        cudaGetErrorString(ce));
+        }
+        if (cuda_device >= (uint32_t)count)
+                return epd__client_fail(client, EPD_INVALID_ARGUMENT,
+                                        "CUDA device %u does not exist (this process sees %d)",
+                                        cuda_device, count);
+        memset(&a, 0, sizeof(a));
+        a.ordinal = (int)cuda_device;
+        r = epd_cudrv()->DeviceGet(&dev, a.ordinal);
+        if (r != CUDA_SUCCESS)
+                return epd__client_fail(client, EPD_UNAVAILABLE, "cuDeviceGet(%d): %s",
+                                        a.ordinal, cu_name(r));
+        /* Retained until the memory is freed: cuMem allocations belong to no context, but the
+         * device must stay initialised under them. */
+        r = epd_cudrv()->DevicePrimaryCtxRetain(&ctx, dev);
+        if (r != CUDA_SUCCESS)
+                return epd__client_fail(client, EPD_UNAVAILABLE,
+                                        "cuDevicePrimaryCtxRetain(%d): %s", a.ordinal,
+                                        cu_name(r));
+        a.ctx = ctx;
+        r = epd_cudrv()->CtxPushCurrent(ctx);
+        if (r != CUDA_SUCCESS) {
+                epd_cudrv()->DevicePrimaryCtxRelease(dev);
+                return epd__client_fail(client, EPD_UNAVAILABLE, "cuCtxPushCurrent: %s",
+                                        cu_name(r));
+        }
+        rc = map_alloc(client, a.ordinal, bytes, &a);
+        epd_cudrv()->CtxPopCurrent(&popped);
+        if (rc < 0) {
+                epd_cudrv()->DevicePrimaryCtxRelease(dev);
+                return rc;
+        }
+        /* The range is new, so table entries overlapping it describe memory freed without a
+         * release: they must not answer for it, and the daemon's mappings of it must go. */
+        num_stale = overlapping_regions(client, a.base, a.bytes, 0, stale, MAX_STALE);
+        for (unsigned i = 0; i < num_stale; i++)
+                (void)epd_region_release(client, stale[i]);
+        (void)overlapping_regions(client, a.base, a.bytes, 1, stale, 0);
+        rc = epd_region_register_device(client, (void *)(uintptr_t)a.base, (size_t)a.bytes,
+                                        EPD_DEVICE_AUTO, &id);
+        if (rc == 0) {
+                rc = record_add(client, &a);
+                if (rc < 0) {
+                        (void)epd_region_release(client, id);
+                        rc = epd__client_fail(client, rc, "out of memory");
+                }
+        }
+        if (rc < 0) {
+                unmap_alloc(&a);
+                return rc;
+        }
+        *dev_ptr = (void *)(uintptr_t)a.base;
+        *region_id = id;
+        return 0;
+}
+
+int epd_device_free(struct epd_client *client, void *dev_ptr)
+{
+        const uint64_t p = (uint64_t)(uintptr_t)dev_ptr;
+        struct epd__device_alloc a;
+        uint64_t ids[MAX_STALE];
+        unsigned num_ids;
+        int found = 0, inside = 0, rc = 0;
+
+        if (!client)
+                return EPD_INVALID_ARGUMENT;
+        if (!dev_ptr)
+                return 0;
+        memset(&a, 0, sizeof(a));
+        pthread_mutex_lock(&client->lock);
+        for (unsigned i = 0; i < client->num_device_allocs; i++) {
+                const struct epd__device_alloc *d = &client->device_allocs[i];
+                if (d->base == p) {
+                        a = *d;
+                        client->device_allocs[i] =
+                                client->device_allocs[--client->num_device_allocs];
+                        found = 1;
+                        break;
+                }
+                if (p > d->base && p - d->base < d->bytes)
+                        inside = 1;
+        }
+        pthread_mutex_unlock(&client->lock);
+        if (!found)
+                return epd__client_fail(client, EPD_INVALID_ARGUMENT,
+                                        inside ? "%p lies inside memory from epd_device_alloc; free it with the pointer epd_device_alloc returned"
+                                               : "%p did not come from epd_device_alloc of this client, or was freed already",
+                                        dev_ptr);
+        /* Every region over the memory: the one epd_device_alloc made, or the one a later
+         * registration made after the caller released that. */
+        num_ids = overlapping_regions(client, a.base, a.bytes, 0, ids, MAX_STALE);
+        for (unsigned i = 0; i < num_ids; i++) {
+                int st = epd_region_release(client, ids[i]);
+                if (st < 0 && st != EPD_NOT_FOUND && rc == 0)
+                        rc = st;
+        }
+        /* Entries a failed release left must not outlive the mapping. */
+        (void)overlapping_regions(client, a.base, a.bytes, 1, ids, 0);
+        unmap_alloc(&a);
+        return rc;
+}
+
+void epd__device_alloc_free_all(struct epd_client *c)
+{
+        for (unsigned i = 0; i < c->num_device_allocs; i++)
+                unmap_alloc(&c->device_allocs[i]);
+        c->num_device_allocs = 0;
 }

@@ -7,7 +7,13 @@
  * accessible to every device. Every op runs on the executor thread as the launch sequence of
  * kernels/epd_kernels.h: count on each device, prefix on the first rank's device, place and copy
  * on each device, with events between streams and no host round trip, except when outputs go to
- * the output arena, whose exact placement needs the counts first.
+ * the output arena, whose exact placement needs the counts first. A small NON_EXPAND op of a
+ * group on one GPU is routed by one block instead (route_small, then copy: two launches).
+ *
+ * Client memory from cuMem allocations (epd_device_alloc, PyTorch's expandable segments) is
+ * mapped here by the daemon itself; cudaMalloc memory arrives as a CUDA IPC handle, and the
+ * kernels were measured to reach such imports at about half the bandwidth on an H200
+ * (docs/performance.md), so clients should prefer cuMem for large tensors.
  *
  * Each dispatch handle owns a workspace (routing state for combine and cached dispatch) in the
  * memory of its group's first device, reachable from the group's other devices through peer
@@ -397,10 +403,10 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         struct cuda_handle *ch = ex->handle_state, *fresh = NULL;
         struct epd_k_dispatch_args args[MAX_DEVICES];
         int used[MAX_DEVICES];
-        int W = (int)ex->ranks[0].device, arena = 0;
+        int W = (int)ex->ranks[0].device, arena = 0, ndev;
         cudaError_t ce;
 
-        devices_of(ex, used);
+        ndev = devices_of(ex, used);
         for (uint32_t r = 0; r < R; r++)
                 arena |= ex->ranks[r].use_arena && !ex->ranks[r].place.used;
         if (!ch) {
@@ -437,11 +443,17 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
 
         uint64_t deadline = epd__now_ns() + ex->timeout_ns;
         op_begin(cb, ex, used, W);
-        /* count on every device, prefix on W (or recheck for a cached dispatch) */
         int rc = 0;
+        /* A small NON_EXPAND op of a one-GPU group is routed by one block (count, prefix and
+         * place in one launch, kernels/route_small.cu); otherwise count on every device, prefix
+         * on W (or recheck for a cached dispatch), place on every device. */
+        const int small = fresh && ndev == 1 && epd_k_dispatch_route_small_ok(&args[W]);
         if (!fresh) {
                 cudaSetDevice(W);
                 rc = epd_k_dispatch_recheck(&args[W], cb->dev[W].stream);
+        } else if (small) {
+                cudaSetDevice(W);
+                rc = epd_k_dispatch_route_small(&args[W], cb->dev[W].stream);
         } else {
                 for (int d = 0; d < cb->num_devices && rc == 0; d++) {
                         if (!used[d])
@@ -488,7 +500,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                 cudaSetDevice(d);
                 if (d != W)
                         cudaStreamWaitEvent(cb->dev[d].stream, cb->prefixed, 0);
-                if (fresh)
+                if (fresh && !small)
                         rc = epd_k_dispatch_place(&args[d], cb->dev[d].stream);
                 if (rc == 0)
                         rc = epd_k_dispatch_copy(&args[d], cb->dev[d].stream);
@@ -543,6 +555,7 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
         struct cuda_handle *ch = ex->handle_state;
         size_t ranks_bytes = sizeof(struct epd_k_combine_rank) * R;
         size_t bytes = ranks_bytes + sizeof(struct epd_k_local) * (R + 1);
+        struct epd_k_combine_args args[MAX_DEVICES];
         int used[MAX_DEVICES];
         int rc = 0;
 
@@ -550,10 +563,10 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
         int W = (int)ex->ranks[0].device;
 
         devices_of(ex, used);
-        op_begin(cb, ex, used, W);
+        /* Descriptors first, so that the op's GPU time starts with its kernel. */
         for (int d = 0; d < cb->num_devices && rc == 0; d++) {
                 struct cuda_dev *dv = &cb->dev[d];
-                struct epd_k_combine_args a;
+                struct epd_k_combine_args *a = &args[d];
                 uint8_t *h;
 
                 if (!used[d])
@@ -574,25 +587,37 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                         kr[r].combined = kmat(er->comb.combined);
                         kr[r].combined_topk_weights = kmat(er->comb.combined_topk_weights);
                 }
-                memset(&a, 0, sizeof(a));
-                build_local(ex, d, (struct epd_k_local *)(h + ranks_bytes), &a.num_local,
-                            &a.local_tokens, 1);
-                cudaMemcpyAsync(dv->d_desc, h, bytes, cudaMemcpyHostToDevice, dv->stream);
-                a.world_size = R;
-                a.num_experts = ex->cfg.num_experts;
-                a.max_tokens = ex->cfg.max_tokens;
-                a.max_topk = ex->cfg.max_topk;
-                a.num_topk = ex->num_topk;
-                a.layout = ex->layout;
-                a.hidden = ex->cfg.hidden;
-                a.apply_weights = ex->apply_weights;
-                a.has_weights = ex->has_weights;
-                a.workspace = ch->ws;
-                a.ranks = dv->d_desc;
-                a.local = (const struct epd_k_local *)((uint8_t *)dv->d_desc + ranks_bytes);
-                rc = epd_k_combine(&a, dv->stream);
+                memset(a, 0, sizeof(*a));
+                build_local(ex, d, (struct epd_k_local *)(h + ranks_bytes), &a->num_local,
+                            &a->local_tokens, 1);
+                if (cudaMemcpyAsync(dv->d_desc, h, bytes, cudaMemcpyHostToDevice, dv->stream) !=
+                    cudaSuccess) {
+                        rc = EPD_INTERNAL;
+                        break;
+                }
+                a->world_size = R;
+                a->num_experts = ex->cfg.num_experts;
+                a->max_tokens = ex->cfg.max_tokens;
+                a->max_topk = ex->cfg.max_topk;
+                a->num_topk = ex->num_topk;
+                a->layout = ex->layout;
+                a->hidden = ex->cfg.hidden;
+                a->apply_weights = ex->apply_weights;
+                a->has_weights = ex->has_weights;
+                a->workspace = ch->ws;
+                a->ranks = dv->d_desc;
+                a->local = (const struct epd_k_local *)((uint8_t *)dv->d_desc + ranks_bytes);
         }
-        op_end(cb, ex, used, W, rc == 0);
+        if (rc == 0) {
+                op_begin(cb, ex, used, W);
+                for (int d = 0; d < cb->num_devices && rc == 0; d++) {
+                        if (!used[d])
+                                continue;
+                        cudaSetDevice(d);
+                        rc = epd_k_combine(&args[d], cb->dev[d].stream);
+                }
+                op_end(cb, ex, used, W, rc == 0);
+        }
         for (int d = 0; d < cb->num_devices; d++) {
                 if (!used[d])
                         continue;
@@ -720,6 +745,7 @@ static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *
         cb->executor.run = cuda_run;
         cb->executor.idle = cuda_idle;
         cb->executor.ctx = cb;
+        cb->executor.spin_ns = epd_executor_spin_ns(cfg->executor_spin_us);
         if (epd_executor_start(&cb->executor) < 0) {
                 snprintf(err, err_len, "cannot start the executor thread");
                 return EPD_INTERNAL;

@@ -19,6 +19,7 @@ void epd_config_defaults(struct epd_config *cfg)
         snprintf(cfg->backend, sizeof(cfg->backend), "auto");
         cfg->socket_mode = 0660;
         cfg->log_level = LOG_INFO;
+        cfg->executor_spin_us = EPD_EXECUTOR_SPIN_AUTO;
         cfg->op_timeout_ms = 10000;
         cfg->peer_lost_ms = 100;
         cfg->arena_bytes = 64ull << 20;
@@ -120,6 +121,7 @@ int epd_config_set(struct epd_config *cfg, const char *section, const char *name
         NUM_KEY("daemon", "arena_bytes", arena_bytes, 1ull << 40)
         NUM_KEY("daemon", "max_arena_bytes", max_arena_bytes, 1ull << 44)
         NUM_KEY("daemon", "max_arena_segments", max_arena_segments, 1024)
+        NUM_KEY("daemon", "executor_spin_us", executor_spin_us, 100000)
         NUM_KEY("limits", "max_clients", max_clients, 65536)
         NUM_KEY("limits", "max_groups", max_groups, 65536)
         NUM_KEY("limits", "max_regions_per_client", max_regions_per_client, 1u << 20)

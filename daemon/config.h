@@ -9,6 +9,10 @@
 #define EPD_SOCKET_PATH_DEFAULT "/run/epd/epd.sock"
 #define EPD_MAX_ALLOW 32
 
+/* executor_spin_us when the config does not set it: 100 us on machines with at least 8 CPUs,
+ * else 0 (a polling thread would take a core from the clients of a small machine). */
+#define EPD_EXECUTOR_SPIN_AUTO UINT32_MAX
+
 struct epd_config {
         char config_path[256];
         int config_path_set;          /* given with --config: a missing file is an error */
@@ -29,6 +33,8 @@ struct epd_config {
         uint64_t arena_bytes;         /* default per-rank output arena */
         uint64_t max_arena_bytes;     /* address space reserved per arena: `epctl resize` limit */
         uint32_t max_arena_segments;  /* segments per arena: a grow adds one */
+        uint32_t executor_spin_us;    /* the executor polls for the next op this long before
+                                       * sleeping (0: sleep at once; AUTO: executor.c picks) */
         /* [limits], hot (apply to new requests) except max_frame_bytes and max_fds_per_frame:
          * those size the receive buffer at start and are announced to clients at hello. */
         uint32_t max_clients;

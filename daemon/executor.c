@@ -1,13 +1,42 @@
 /* executor.c - see executor.h. */
+#include <sys/prctl.h>
 #include <time.h>
+#include <unistd.h>
 
+#include "config.h"
 #include "executor.h"
 #include "util.h"
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#elif defined(__aarch64__)
+        __asm__ __volatile__("yield");
+#endif
+}
+
+/* Polls for a queued exec for up to spin_ns, without the lock; 1 when one is there. */
+static int spin_for_work(struct epd_executor *e)
+{
+        uint64_t end = epd__now_ns() + e->spin_ns;
+
+        for (unsigned i = 0;; i++) {
+                if (atomic_load_explicit(&e->queued, memory_order_acquire) != 0)
+                        return 1;
+                cpu_relax();
+                if ((i & 63) == 63 && epd__now_ns() > end)
+                        return 0;
+        }
+}
 
 static void *executor_main(void *arg)
 {
         struct epd_executor *e = arg;
 
+        /* The bounded waits of the backends sleep in small steps (nanosleep); the default 50 us
+         * timer slack would stretch each one to tens of microseconds of op latency. */
+        prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
         pthread_mutex_lock(&e->lock);
         for (;;) {
                 while (!e->stop && !e->kicked && epd_list_empty(&e->queue)) {
@@ -29,6 +58,7 @@ static void *executor_main(void *arg)
                 }
                 struct epd_exec *ex = epd_list_entry(e->queue.next, struct epd_exec, link);
                 epd_list_del(&ex->link);
+                atomic_fetch_sub_explicit(&e->queued, 1, memory_order_relaxed);
                 pthread_mutex_unlock(&e->lock);
 
                 uint64_t t0 = epd__now_ns();
@@ -41,15 +71,27 @@ static void *executor_main(void *arg)
                 atomic_store(&e->heartbeat_ns, epd__now_ns());
                 epd_exec_done(e->b, ex);
 
+                /* Ops of a running model come back to back: catch the next one without a
+                 * thread wake-up. */
+                if (e->spin_ns)
+                        spin_for_work(e);
                 pthread_mutex_lock(&e->lock);
         }
         pthread_mutex_unlock(&e->lock);
         return NULL;
 }
 
+uint64_t epd_executor_spin_ns(uint32_t executor_spin_us)
+{
+        if (executor_spin_us == EPD_EXECUTOR_SPIN_AUTO)
+                return sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 100000 : 0;
+        return (uint64_t)executor_spin_us * 1000;
+}
+
 int epd_executor_start(struct epd_executor *e)
 {
         epd_list_init(&e->queue);
+        atomic_store(&e->queued, 0);
         pthread_mutex_init(&e->lock, NULL);
         pthread_cond_init(&e->cond, NULL);
         atomic_store(&e->heartbeat_ns, epd__now_ns());
@@ -63,6 +105,7 @@ void epd_executor_submit(struct epd_executor *e, struct epd_exec *ex)
 {
         pthread_mutex_lock(&e->lock);
         epd_list_add_tail(&e->queue, &ex->link);
+        atomic_fetch_add_explicit(&e->queued, 1, memory_order_release);
         pthread_cond_signal(&e->cond);
         pthread_mutex_unlock(&e->lock);
 }

@@ -26,6 +26,9 @@
 #ifndef COMBINE_VEC
 #define COMBINE_VEC 2 /* 16-byte vectors per lane per step: 16 bf16 values */
 #endif
+/* Slices of hidden values (small ops) are multiples of one step of a warp on the 16-byte path,
+ * so every slice starts on a step boundary. */
+#define COMBINE_SLICE_UNIT (8 * 32 * COMBINE_VEC)
 
 static __device__ __forceinline__ float bf16_lo(uint32_t word)
 {
@@ -68,11 +71,9 @@ static __device__ __forceinline__ void add_vec(float *acc, int4 v, int weighted,
  * positions; my_weight the weight of position `lane`. */
 static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float my_weight,
                                    int weighted, const uint8_t *bias0, const uint8_t *bias1,
-                                   uint8_t *out, uint32_t hidden, uint32_t lane)
+                                   uint8_t *out, uint32_t v0, uint32_t nvec, uint32_t lane)
 {
-        const uint32_t nvec = hidden / 8;
-
-        for (uint32_t base = 0; base < nvec; base += 32 * COMBINE_VEC) {
+        for (uint32_t base = v0; base < nvec; base += 32 * COMBINE_VEC) {
                 float acc[8 * COMBINE_VEC];
                 int4 cur[COMBINE_VEC], nxt[COMBINE_VEC];
 #pragma unroll
@@ -137,9 +138,9 @@ static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float m
 /* Any alignment: one bf16 value per lane per step, same order of operations. */
 static __device__ void combine_scalar(const uint8_t *my_row, uint32_t mask, float my_weight,
                                       int weighted, const uint8_t *bias0, const uint8_t *bias1,
-                                      uint8_t *out, uint32_t hidden, uint32_t lane)
+                                      uint8_t *out, uint32_t h0, uint32_t hidden, uint32_t lane)
 {
-        for (uint32_t base = 0; base < hidden; base += 32) {
+        for (uint32_t base = h0; base < hidden; base += 32) {
                 uint32_t h = base + lane;
                 float acc = 0.0f;
                 for (uint32_t m = mask; m != 0; m &= m - 1) {
@@ -171,7 +172,11 @@ static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_k_mat 
         return m->ptr == NULL ? NULL : m->ptr + row * m->stride;
 }
 
-/* Grid-stride over the device's tokens, a warp per token.
+/* Grid-stride over work items, a warp per item: item = (token, slice), where a slice is
+ * slice_values consecutive hidden values (the last one shorter) and a token has `slices` of
+ * them (1 for large ops; more when the op has too few tokens to fill the GPU, so that small ops
+ * keep enough loads in flight). Each output value is still computed by one lane
+ * with the same operations in the same order, so the bits do not depend on the slicing.
  *
  * Memory ordering: everything it reads (the handle's rows, topk and weights; every rank's y;
  * the biases) was written before the launch by kernels or copies that the host orders before it
@@ -179,15 +184,21 @@ static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_k_mat 
  * kernel is read by it. Each output element has one writer. */
 static __global__ void __launch_bounds__(COMBINE_THREADS)
         combine_kernel(const __grid_constant__ struct epd_k_combine_args a,
-                       const __grid_constant__ struct epd_ws_layout l)
+                       const __grid_constant__ struct epd_ws_layout l, uint32_t slices,
+                       uint32_t slice_values)
 {
         const uint32_t L = l.num_local_experts, K = a.num_topk;
         const uint32_t lane = threadIdx.x % 32;
         const uint64_t warp = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
         const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
+        const uint64_t items = (uint64_t)a.local_tokens * slices;
         void *ws = (void *)a.workspace;
 
-        for (uint64_t g = warp; g < a.local_tokens; g += warps) {
+        for (uint64_t item = warp; item < items; item += warps) {
+                const uint64_t g = item / slices;
+                const uint32_t slice = (uint32_t)(item % slices);
+                const uint32_t h0 = slice * slice_values;
+                const uint32_t h1 = min(a.hidden, h0 + slice_values);
                 const uint32_t i = epd__k_find_local(a.local, a.num_local, (uint32_t)g);
                 const uint32_t s = a.local[i].rank, t = (uint32_t)g - a.local[i].token_offset;
                 const struct epd_k_combine_rank *me = &a.ranks[s];
@@ -202,7 +213,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS)
                                 weight = epd_ws_f32(ws, l.weights)[ent + lane];
                         /* The dispatch's weights, masked to 0.0f where topk_idx held -1;
                          * nothing to route back when the dispatch carried none. */
-                        if (a.has_weights && me->combined_topk_weights.ptr != NULL)
+                        if (slice == 0 && a.has_weights && me->combined_topk_weights.ptr != NULL)
                                 ((float *)mat_row(&me->combined_topk_weights, t))[lane] =
                                         expert >= 0 ? weight : 0.0f;
                 }
@@ -225,10 +236,10 @@ static __global__ void __launch_bounds__(COMBINE_THREADS)
                                 (uint32_t)(uintptr_t)out | (a.hidden * 2u);
                 if ((bits & 15) == 0)
                         combine_vec(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
-                                    a.hidden, lane);
+                                    h0 / 8, h1 / 8, lane);
                 else
                         combine_scalar(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
-                                       a.hidden, lane);
+                                       h0, h1, lane);
         }
 }
 
@@ -242,12 +253,19 @@ extern "C" int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t
         if (args->num_local == 0 || args->local_tokens == 0)
                 return 0;
         const uint64_t warps_per_block = COMBINE_THREADS / 32;
-        ret = epd__k_grid_blocks((const void *)combine_kernel, COMBINE_THREADS, 0,
-                                 (args->local_tokens + warps_per_block - 1) / warps_per_block,
-                                 &blocks);
+        uint64_t slice_values;
+        uint32_t slices;
+        ret = epd__k_slicing(args->local_tokens, args->hidden, COMBINE_SLICE_UNIT, &slice_values,
+                             &slices);
         if (ret < 0)
                 return ret;
-        combine_kernel<<<blocks, COMBINE_THREADS, 0, stream>>>(*args, l);
+        const uint64_t items = (uint64_t)args->local_tokens * slices;
+        ret = epd__k_grid_blocks((const void *)combine_kernel, COMBINE_THREADS, 0,
+                                 (items + warps_per_block - 1) / warps_per_block, &blocks);
+        if (ret < 0)
+                return ret;
+        combine_kernel<<<blocks, COMBINE_THREADS, 0, stream>>>(*args, l, slices,
+                                                               (uint32_t)slice_values);
         return epd__k_launch_status();
 }
 

@@ -1,7 +1,8 @@
 /* dispatch.cu - the copy step of a dispatch: every row straight into its final place.
  *
  * One kernel per device covers every source on that device. A warp owns one source token at a
- * time: it reads the token's x row once, 4 accesses of 16 bytes in flight per lane, and stores
+ * time (or, when the op has too few tokens to fill the GPU, one slice of a token's row:
+ * epd__k_slicing): it reads the row once, 4 accesses of 16 bytes in flight per lane, and stores
  * it to each destination that receives the token (one row per destination for NON_EXPAND, one
  * per selection for EXPAND), then writes the rows' metadata. Destinations may be on this GPU or
  * on peers; the stores are the same. After the tokens, the same warps write the EXPAND padding
@@ -20,6 +21,9 @@
 #define COPY_UNROLL 4 /* 16-byte loads in flight per lane before the stores */
 #endif
 #define PAD_ROWS_PER_ITEM 8
+/* Slices of x rows (small ops) are multiples of one step of a warp on the 16-byte path (32
+ * lanes x COPY_UNROLL vectors), so every slice starts on a step boundary. */
+#define COPY_SLICE_UNIT (32 * 16 * COPY_UNROLL)
 
 /* Copies nbytes from src to the row address each lane of dst_mask holds in my_dst, with
  * accesses of sizeof(V) bytes; every lane of the warp calls it with the same src, mask and size.
@@ -111,9 +115,12 @@ static __device__ __forceinline__ uint8_t *mat_row(const struct epd_k_mat *m, in
         return m->ptr + (uint64_t)row * m->stride;
 }
 
-/* One source token: flat token g of this device. */
+/* One slice of one source token: flat token g of this device, bytes [slice * slice_bytes,
+ * + slice_bytes) of its x row (the whole row when there is one slice). Slice 0 also moves the scales and writes
+ * the rows' metadata and the weights kept for combine. */
 static __device__ void copy_token(const struct epd_k_dispatch_args *a,
-                                  const struct epd_ws_layout *l, uint32_t g, uint32_t lane)
+                                  const struct epd_ws_layout *l, uint32_t g, uint32_t slice,
+                                  uint64_t slice_bytes, uint32_t lane)
 {
         const uint32_t L = l->num_local_experts, K = a->num_topk;
         const uint32_t i = epd__k_find_local(a->local, a->num_local, g);
@@ -129,7 +136,8 @@ static __device__ void copy_token(const struct epd_k_dispatch_args *a,
                 if (a->has_weights) {
                         weight = ((const float *)mat_row(&src->weights, t))[lane];
                         /* Kept for combine (apply_weights, combined_topk_weights). */
-                        epd_ws_f32(a->workspace, l->weights)[ent + lane] = weight;
+                        if (slice == 0)
+                                epd_ws_f32(a->workspace, l->weights)[ent + lane] = weight;
                 }
         }
         const uint32_t dst_mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
@@ -139,12 +147,19 @@ static __device__ void copy_token(const struct epd_k_dispatch_args *a,
         const uint32_t d = row >= 0 ? epd_route_expert_rank(expert, L) : 0;
         const struct epd_k_dispatch_rank *dst = &a->ranks[d];
 
-        /* x. */
+        /* x: this item's slice. The access width depends on the whole row (addresses and
+         * row_bytes), and slices start at multiples of every width, so the accesses are the
+         * same with or without slicing. */
+        const uint64_t off = (uint64_t)slice * slice_bytes;
         const uint8_t *sx = mat_row(&src->x, t);
         uint8_t *dx = row >= 0 ? mat_row(&dst->recv_x, row) : NULL;
         uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)dx) |
                         (uint32_t)(uintptr_t)sx | (uint32_t)a->row_bytes;
-        copy_row_any(sx, dx, dst_mask, a->row_bytes, lane, bits);
+        if (off < a->row_bytes)
+                copy_row_any(sx + off, dx + (dx != NULL ? off : 0), dst_mask,
+                             min(slice_bytes, a->row_bytes - off), lane, bits);
+        if (slice != 0)
+                return;
 
         /* scales (fp8). A destination without a recv_scales tensor is skipped, not faulted. */
         if (a->scale_bytes != 0 && src->scales.ptr != NULL) {
@@ -234,8 +249,9 @@ static __device__ void pad_item(const struct epd_k_dispatch_args *a, const struc
         }
 }
 
-/* Grid-stride over work items, a warp per item: first the device's source tokens, then (EXPAND)
- * the padding chunks of its destinations.
+/* Grid-stride over work items, a warp per item: first the device's source tokens (each cut into
+ * `slices` items when the op is too small to fill the GPU with whole rows), then (EXPAND) the
+ * padding chunks of its destinations.
  *
  * Memory ordering: each block acquires the verdict at .sys (it may come from a prefix kernel on
  * another GPU, and the workspace may live on a peer) and exits without writing anything when it
@@ -245,7 +261,8 @@ static __device__ void pad_item(const struct epd_k_dispatch_args *a, const struc
  * boundary and the event the host records after it; nothing inside this kernel reads them. */
 static __global__ void __launch_bounds__(COPY_THREADS)
         copy_kernel(const __grid_constant__ struct epd_k_dispatch_args a,
-                     const __grid_constant__ struct epd_ws_layout l, uint32_t pad_chunks)
+                     const __grid_constant__ struct epd_ws_layout l, uint32_t pad_chunks,
+                     uint32_t slices, uint64_t slice_bytes)
 {
         const struct epd_ws_error *rec = epd_ws_error_rec(a.workspace, &l);
         if (epd_block_read_verdict(&rec->status) != 0)
@@ -254,7 +271,7 @@ static __global__ void __launch_bounds__(COPY_THREADS)
         const uint32_t lane = threadIdx.x % 32;
         const uint64_t warp = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
         const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
-        const uint64_t token_items = a.local_tokens;
+        const uint64_t token_items = (uint64_t)a.local_tokens * slices;
         const uint64_t pad_items = a.layout == EPD_LAYOUT_EXPAND
                                            ? (uint64_t)a.num_local * l.num_local_experts *
                                                      pad_chunks
@@ -262,7 +279,8 @@ static __global__ void __launch_bounds__(COPY_THREADS)
 
         for (uint64_t item = warp; item < token_items + pad_items; item += warps) {
                 if (item < token_items)
-                        copy_token(&a, &l, (uint32_t)item, lane);
+                        copy_token(&a, &l, (uint32_t)(item / slices),
+                                          (uint32_t)(item % slices), slice_bytes, lane);
                 else
                         pad_item(&a, &l, item - token_items, pad_chunks, lane);
         }
@@ -281,7 +299,13 @@ extern "C" int epd_k_dispatch_copy(const struct epd_k_dispatch_args *args, cudaS
          * a large alignment spreads over many warps instead of one. */
         uint32_t pad_chunks = (args->expert_alignment - 1 + PAD_ROWS_PER_ITEM - 1) /
                               PAD_ROWS_PER_ITEM;
-        uint64_t items = args->local_tokens;
+        uint64_t slice_bytes;
+        uint32_t slices;
+        ret = epd__k_slicing(args->local_tokens, args->row_bytes, COPY_SLICE_UNIT, &slice_bytes,
+                             &slices);
+        if (ret < 0)
+                return ret;
+        uint64_t items = (uint64_t)args->local_tokens * slices;
         if (args->layout == EPD_LAYOUT_EXPAND)
                 items += (uint64_t)args->num_local * l.num_local_experts * pad_chunks;
         if (items == 0)
@@ -291,7 +315,8 @@ extern "C" int epd_k_dispatch_copy(const struct epd_k_dispatch_args *args, cudaS
                                  (items + warps_per_block - 1) / warps_per_block, &blocks);
         if (ret < 0)
                 return ret;
-        copy_kernel<<<blocks, COPY_THREADS, 0, stream>>>(*args, l, pad_chunks);
+        copy_kernel<<<blocks, COPY_THREADS, 0, stream>>>(*args, l, pad_chunks, slices,
+                                                         slice_bytes);
         return epd__k_launch_status();
 }
 

@@ -150,6 +150,19 @@ int epd_k_dispatch_recheck(const struct epd_k_dispatch_args *args, cudaStream_t 
 
 int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t stream);
 
+/* One-block routing for small ops (route_small.cu): count, prefix and place in one launch, for a
+ * NON_EXPAND op whose ranks all live on the launching device (num_local == world_size <= 64)
+ * with at most EPD_K_SMALL_MAX_TOKENS local tokens. It leaves the verdict, the reply block,
+ * the counts and every entry's row exactly as the three steps do, so copy, combine and cached
+ * dispatch follow it unchanged:  route_small -> [reply copy] -> copy. It also asks L2 for the
+ * source rows when they fit, so the copy after it reads them from there.
+ * epd_k_dispatch_route_small_ok says whether an op qualifies (1) or not (0);
+ * epd_k_dispatch_route_small returns EPD_INVALID_ARGUMENT, before queueing anything, for one
+ * that does not. */
+#define EPD_K_SMALL_MAX_TOKENS 4096u
+int epd_k_dispatch_route_small_ok(const struct epd_k_dispatch_args *args);
+int epd_k_dispatch_route_small(const struct epd_k_dispatch_args *args, cudaStream_t stream);
+
 /* Loads every kernel of this library into the current device's context. Call it once per
  * device before the first op (the daemon at device start; libepd at attach): CUDA loads modules
  * lazily by default (CUDA_MODULE_LOADING=LAZY), and a load can have to wait for kernels that are
@@ -168,6 +181,9 @@ cudaError_t epd_k_last_cuda_error(void);
  *   on S_W:       wait every C_D                  prefix                 record P
  *                 cudaMemcpyAsync(reply block -> pinned host)             (the op's verdict)
  *   on each S_D:  wait P                          place(D)  copy(D)      record done_D
+ *
+ * A small NON_EXPAND op with every rank on one device replaces count, prefix and place with
+ * route_small on that device's stream.
  *
  * The host completes the op when every done_D and the reply copy have completed, then reads
  * struct epd_ws_error: status != 0 means the op failed and no output byte was written. Kernels

@@ -28,10 +28,19 @@ int epd__k_check_combine(const struct epd_k_combine_args *a, struct epd_ws_layou
 int epd__k_grid_blocks(const void *kernel, int threads, size_t smem, uint64_t work_blocks,
                        int *blocks);
 
+/* How to cut each of `rows` work rows of `total` units (bytes or values) into slices for a
+ * grid-stride kernel with a warp per (row, slice): enough slices that every resident warp of the
+ * current device gets about one item, so that a small op keeps as many loads in flight as a
+ * large one; large ops get one slice (whole rows per warp). *len is a multiple of `unit` (and
+ * covers the row when *slices is 1); *slices = ceil(total / *len) >= 1. */
+int epd__k_slicing(uint64_t rows, uint64_t total, uint64_t unit, uint64_t *len,
+                   uint32_t *slices);
+
 /* Loads each file's kernels into the current device's context (epd_k_preload). */
 int epd__k_preload_route(void);
 int epd__k_preload_dispatch(void);
 int epd__k_preload_combine(void);
+int epd__k_preload_route_small(void);
 
 /* ---- device side ---- */
 

@@ -20,6 +20,9 @@ extern "C" int epd_k_preload(void)
                 ret = epd__k_preload_dispatch();
         if (ret == 0)
                 ret = epd__k_preload_combine();
+        if (ret == 0)
+                ret = epd__k_preload_route_small();
+
         return ret;
 }
 
@@ -154,5 +157,31 @@ int epd__k_grid_blocks(const void *kernel, int threads, size_t smem, uint64_t wo
         if (work_blocks < n)
                 n = work_blocks;
         *blocks = n < 1 ? 1 : (int)n;
+        return 0;
+}
+
+int epd__k_slicing(uint64_t rows, uint64_t total, uint64_t unit, uint64_t *len,
+                   uint32_t *slices)
+{
+        /* Items wanted: 48 warps on each multiprocessor, 3/4 of Hopper's 64. */
+        const uint64_t warps_per_sm = 48;
+        int device, sms;
+        cudaError_t err;
+
+        *len = total < 1 ? 1 : total;
+        *slices = 1;
+        if (rows == 0 || total <= unit)
+                return 0;
+        err = cudaGetDevice(&device);
+        if (err == cudaSuccess)
+                err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        if (err != cudaSuccess)
+                return epd__k_cuda_status(err);
+        uint64_t want = ((uint64_t)sms * warps_per_sm + rows - 1) / rows;
+        if (want <= 1)
+                return 0;
+        uint64_t len_units = ((total + want - 1) / want + unit - 1) / unit;
+        *len = len_units * unit;
+        *slices = (uint32_t)((total + *len - 1) / *len);
         return 0;
 }

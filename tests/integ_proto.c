@@ -6,6 +6,8 @@
  * - group secrets: a wrong or short secret is refused, the right one admitted;
  * - region references past a region's end, or into another client's region, fail the request
  *   without hurting the connection; registration checks the fd against the claimed size;
+ * - GPU memory calls (epd_device_alloc/free, epd_region_register_device) with a daemon that
+ *   cannot import GPU memory, or a libepd without CUDA: argument checks, then UNAVAILABLE;
  * - malformed frames (oversized, truncated, garbled, bad magic, fd accounting) close that one
  *   connection, close every fd that came with them, and leave other clients working;
  * - a client killed with SIGKILL loses its regions and bindings, and its peers see PEER_LOST;
@@ -640,6 +642,57 @@ START_TEST(test_region_register_checks)
 }
 END_TEST
 
+/* GPU memory calls where the daemon cannot import GPU memory (a host daemon), and in a libepd
+ * built without CUDA (the stubs in client/client.c): argument checks first, then
+ * EPD_UNAVAILABLE with a message, before CUDA is touched; outputs untouched; the connection
+ * unharmed. The same answers come from both builds. */
+START_TEST(test_device_memory_unavailable)
+{
+        static const char *const host_args[] = { "--backend", "host", NULL };
+        struct h_daemon d;
+        struct epd_client *c;
+        void *p = &d;
+        uint64_t id = 77;
+        int local = 0, rc;
+
+        ck_assert_int_eq(h_daemon_start(&d, host_args), 0);
+        c = h_connect_ok(&d, "device-memory");
+
+        ck_assert_int_eq(epd_device_alloc(NULL, 0, 4096, &p, &id), EPD_INVALID_ARGUMENT);
+        rc = epd_device_alloc(c, 0, 0, &p, &id);
+        ck_assert_msg(rc == EPD_INVALID_ARGUMENT, "0 bytes: %s", epd_status_name(rc));
+        ck_assert_msg(strstr(epd_client_last_error(c), "epd_device_alloc"),
+                      "0 bytes: the message is '%s'", epd_client_last_error(c));
+        ck_assert_int_eq(epd_device_alloc(c, 0, 4096, NULL, &id), EPD_INVALID_ARGUMENT);
+        ck_assert_int_eq(epd_device_alloc(c, 0, 4096, &p, NULL), EPD_INVALID_ARGUMENT);
+        rc = epd_device_alloc(c, 0, 4096, &p, &id);
+        ck_assert_msg(rc == EPD_UNAVAILABLE, "epd_device_alloc with a host daemon: %s",
+                      epd_status_name(rc));
+        ck_assert_msg(epd_client_last_error(c)[0], "EPD_UNAVAILABLE without a message");
+        printf("epd_device_alloc: %s\n", epd_client_last_error(c));
+        ck_assert_msg(p == (void *)&d && id == 77, "a failed epd_device_alloc wrote its outputs");
+
+        ck_assert_int_eq(epd_device_free(c, NULL), EPD_OK);
+        ck_assert_int_eq(epd_device_free(NULL, &local), EPD_INVALID_ARGUMENT);
+        rc = epd_device_free(c, &local);
+        ck_assert_msg(rc == EPD_INVALID_ARGUMENT, "freeing a foreign pointer: %s",
+                      epd_status_name(rc));
+        ck_assert_msg(strstr(epd_client_last_error(c), "epd_device_alloc"),
+                      "freeing a foreign pointer: the message is '%s'", epd_client_last_error(c));
+
+        rc = epd_region_register_device(c, &local, sizeof(local), 0, &id);
+        ck_assert_msg(rc == EPD_UNAVAILABLE, "epd_region_register_device with a host daemon: %s",
+                      epd_status_name(rc));
+        ck_assert_msg(epd_client_last_error(c)[0], "EPD_UNAVAILABLE without a message");
+        ck_assert_int_eq(id, 77);
+
+        ck_assert_int_eq(size_hint(c), EPD_OK);
+        ck_assert_int_eq(status_field(&d, "regions"), 0);
+        epd_client_free(c);
+        daemon_stop_clean(&d);
+}
+END_TEST
+
 /* ---- 4. malformed frames ---- */
 
 enum bad_kind {
@@ -1177,6 +1230,7 @@ static Suite *proto_suite(void)
         tcase_add_test(tc, test_region_out_of_bounds);
         tcase_add_test(tc, test_region_of_other_client);
         tcase_add_test(tc, test_region_register_checks);
+        tcase_add_test(tc, test_device_memory_unavailable);
         suite_add_tcase(s, tc);
 
         tc = tcase_create("frames");

@@ -2,19 +2,22 @@
  * epd binary with the CUDA backend (daemon-executed mode, DESIGN.md section 5a).
  *
  * Each worker is a separate process with its own CUDA context on GPU 0, where every rank of the
- * group lives. It allocates its inputs and outputs in device memory (cudaMalloc, or cuMemCreate
- * with the POSIX-fd handle type), uploads the seeded inputs of tests/workload.c, registers the
- * memory with epd_region_register_device, dispatches and combines through the daemon with every
- * output in its device memory (client-registered capacity = the exact rows the reference
- * expects), copies the outputs back and compares them bitwise with tests/reference.h.
+ * group lives. It allocates its inputs and outputs in device memory (cudaMalloc, cuMemCreate
+ * with the POSIX-fd handle type, or libepd's epd_device_alloc), uploads the seeded inputs of
+ * tests/workload.c, registers the memory with epd_region_register_device (epd_device_alloc
+ * registers its own), dispatches and combines through the daemon with every output in its
+ * device memory (client-registered capacity = the exact rows the reference expects), copies the
+ * outputs back and compares them bitwise with tests/reference.h.
  *
- * Cases: ranks 1, 2, 4 and 8 on GPU 0; both layouts; bf16 and fp8; cudaMalloc, cuMem and both
- * in one worker; cached dispatch; a second identical run that must give identical bits (every
- * output byte, unwritten padding included, since both runs poison alike); CAPACITY_EXCEEDED on
- * every rank with the device outputs untouched; a client SIGKILLed while its peers wait in an op
- * (PEER_LOST, then a re-joined rank and a successful op); and the registration API itself
- * (cache, stale entries, refusals). After every test a fresh client runs a small op on the same
- * daemon, which shows that the daemon's GPU context survived.
+ * Cases: ranks 1, 2, 4 and 8 on GPU 0; both layouts; bf16 and fp8; cudaMalloc, cuMem, both in
+ * one worker, and epd_device_alloc; cached dispatch; a second identical run that must give
+ * identical bits (every output byte, unwritten padding included, since both runs poison alike);
+ * CAPACITY_EXCEEDED on every rank with the device outputs untouched; a client SIGKILLed while
+ * its peers wait in an op (PEER_LOST, then a re-joined rank and a successful op); the
+ * registration API itself (cache, stale entries, refusals); and epd_device_alloc /
+ * epd_device_free on their own (0 bytes, a missing device, foreign pointers, a released and
+ * re-registered region, freeing at epd_client_free). After every test a fresh client runs a
+ * small op on the same daemon, which shows that the daemon's GPU context survived.
  *
  * CUDA is never initialised in this process (STYLE.md): main probes the GPU in a forked child,
  * and CUDA calls happen only in the spawned workers. Exit 77 when no GPU is usable. Every case
@@ -57,9 +60,11 @@ enum mem_kind {
         MEM_MALLOC, /* both cudaMalloc: CUDA IPC regions */
         MEM_CUMEM,  /* both cuMemCreate with a POSIX fd: CUMEM_FD regions */
         MEM_MIXED,  /* inputs cudaMalloc, outputs cuMem */
+        MEM_EPD,    /* both from epd_device_alloc: CUMEM_FD regions that libepd owns */
 };
 
-static const char *const mem_names[] = { "cudaMalloc", "cuMem", "cudaMalloc+cuMem" };
+static const char *const mem_names[] = { "cudaMalloc", "cuMem", "cudaMalloc+cuMem",
+                                         "epd_device_alloc" };
 
 struct gcase {
         struct wl_case c;
@@ -89,6 +94,10 @@ static const struct gcase matrix[] = {
                TD_ROUTING_UNIFORM, 0.05, WL_TOKENS_DESCENDING, 1, 0, 0), MEM_MALLOC, 0 },
         { CASE("gpu_r2_ne_bf16_i32_mixed", 706, 2, 8, 128, 16, 2, BF, I32, NE, 1, 0, 0,
                TD_ROUTING_UNIFORM, 0.2, WL_TOKENS_FULL, 2, 0, 1), MEM_MIXED, 0 },
+        { CASE("gpu_r4_ex_bf16_a8_epd_alloc", 707, 4, 32, 1024, 64, 8, BF, I64, EX, 8, 1, 1,
+               TD_ROUTING_SKEWED, 0.1, WL_TOKENS_DESCENDING, 1, 1, 1), MEM_EPD, 1 },
+        { CASE("gpu_r2_ne_fp8_epd_alloc", 708, 2, 16, 512, 32, 4, F8, I32, NE, 1, 0, 1,
+               TD_ROUTING_UNIFORM, 0.1, WL_TOKENS_SOME_ZERO, 2, 0, 0), MEM_EPD, 0 },
 };
 
 /* CAPACITY_EXCEEDED: rank 1's outputs hold one row fewer than it receives. */
@@ -136,10 +145,12 @@ static struct shared *shared_new(const struct h_daemon *d, const struct gcase *g
 
 /* ---- one worker: its client, group and device memory ---- */
 
+enum slab_kind { SLAB_MALLOC, SLAB_CUMEM, SLAB_EPD };
+
 struct dslab {
         uint8_t *base;     /* device address */
         uint64_t bytes, used;
-        int cumem;
+        enum slab_kind kind;
         uint64_t region_id;
 };
 
@@ -243,8 +254,9 @@ static int cumem_free(struct worker *w, uint8_t *p, uint64_t bytes)
 
 /* Allocates and registers a slab; checks that the registration cache answers for a pointer
  * inside it and that epd_tensor_at resolves device pointers. */
-static int slab_open(struct worker *w, struct dslab *s, int cumem)
+static int slab_open(struct worker *w, struct dslab *s, enum slab_kind kind)
 {
+        static const char *const kind_names[] = { "cudaMalloc", "cuMem", "epd_device_alloc" };
         uint64_t id2 = 0;
         struct epd_tensor t;
         uint64_t sizes[1] = { 1024 };
@@ -252,13 +264,19 @@ static int slab_open(struct worker *w, struct dslab *s, int cumem)
 
         memset(s, 0, sizeof(*s));
         s->bytes = SLAB_BYTES;
-        s->cumem = cumem;
-        if (cumem)
-                TRY(cumem_alloc(w, &s->bytes, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, &s->base));
-        else
-                CU(cudaMalloc((void **)&s->base, s->bytes));
-        rc = epd_region_register_device(w->client, s->base, s->bytes, 0, &s->region_id);
-        CHECK(rc == 0, "register %s slab %p (%llu bytes): %s: %s", cumem ? "cuMem" : "cudaMalloc",
+        s->kind = kind;
+        if (kind == SLAB_EPD) {
+                /* Allocated and registered in one call; the slab uses the bytes it asked for. */
+                rc = epd_device_alloc(w->client, 0, s->bytes, (void **)&s->base, &s->region_id);
+        } else {
+                if (kind == SLAB_CUMEM)
+                        TRY(cumem_alloc(w, &s->bytes, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                                        &s->base));
+                else
+                        CU(cudaMalloc((void **)&s->base, s->bytes));
+                rc = epd_region_register_device(w->client, s->base, s->bytes, 0, &s->region_id);
+        }
+        CHECK(rc == 0, "register %s slab %p (%llu bytes): %s: %s", kind_names[kind],
               (void *)s->base, (unsigned long long)s->bytes, epd_status_name(rc),
               epd_client_last_error(w->client));
         rc = epd_region_register_device(w->client, s->base + s->bytes / 2, 4096, 0, &id2);
@@ -377,12 +395,17 @@ static int worker_open(struct worker *w, struct shared *sh, uint32_t rank)
         /* This process's own CUDA context on GPU 0. */
         CU(cudaSetDevice(0));
         CU(cudaFree(NULL));
-        TRY(slab_open(w, &w->in, sh->gc.mem == MEM_CUMEM));
-        TRY(slab_open(w, &w->out, sh->gc.mem != MEM_MALLOC));
+        TRY(slab_open(w, &w->in, sh->gc.mem == MEM_EPD     ? SLAB_EPD
+                                 : sh->gc.mem == MEM_CUMEM ? SLAB_CUMEM
+                                                           : SLAB_MALLOC));
+        TRY(slab_open(w, &w->out, sh->gc.mem == MEM_EPD      ? SLAB_EPD
+                                  : sh->gc.mem == MEM_MALLOC ? SLAB_MALLOC
+                                                             : SLAB_CUMEM));
         return 0;
 }
 
-/* The clean order: the daemon closes its mappings before this process frees the memory. */
+/* The clean order: the daemon closes its mappings before this process frees the memory
+ * (epd_device_free keeps that order itself). */
 static int worker_close(struct worker *w)
 {
         int rc = epd_group_leave(w->group);
@@ -391,6 +414,16 @@ static int worker_close(struct worker *w)
         CHECK(rc == 0, "leave: %s", epd_client_last_error(w->client));
         for (int i = 0; i < 2; i++) {
                 struct dslab *s = i ? &w->out : &w->in;
+                if (s->kind == SLAB_EPD) {
+                        rc = epd_device_free(w->client, s->base);
+                        CHECK(rc == 0, "epd_device_free(%p): %s", (void *)s->base,
+                              epd_client_last_error(w->client));
+                        rc = epd_region_release(w->client, s->region_id);
+                        CHECK(rc == EPD_NOT_FOUND,
+                              "region %llu outlived epd_device_free (release gave %s)",
+                              (unsigned long long)s->region_id, epd_status_name(rc));
+                        continue;
+                }
                 rc = epd_region_release(w->client, s->region_id);
                 CHECK(rc == 0, "release region %llu: %s", (unsigned long long)s->region_id,
                       epd_client_last_error(w->client));
@@ -399,9 +432,9 @@ static int worker_close(struct worker *w)
         w->client = NULL;
         for (int i = 0; i < 2; i++) {
                 struct dslab *s = i ? &w->out : &w->in;
-                if (s->cumem)
+                if (s->kind == SLAB_CUMEM)
                         TRY(cumem_free(w, s->base, s->bytes));
-                else
+                else if (s->kind == SLAB_MALLOC)
                         CU(cudaFree(s->base));
         }
         for (unsigned i = 0; i < w->num_bits; i++)
@@ -953,6 +986,128 @@ static int peer_rejoin_worker(void *arg, int index)
         return peer_after_rejoin(w);
 }
 
+/* True when [p, p+1) is no longer mapped in this process. */
+static int unmapped(const void *p)
+{
+        CUdeviceptr base = 0;
+        size_t size = 0;
+
+        return cuMemGetAddressRange(&base, &size, (CUdeviceptr)(uintptr_t)p) != CUDA_SUCCESS;
+}
+
+/* epd_device_alloc / epd_device_free on their own: refusals, what the memory is, foreign
+ * pointers, a released and re-registered region, and epd_client_free freeing the rest. */
+static int alloc_api(struct worker *w)
+{
+        struct epd_connect_args ca = { .size = sizeof(ca), .socket_path = w->sh->socket,
+                                       .client_name = "gpu_alloc_api", .timeout_ms = WAIT_MS };
+        struct epd_client *other = NULL;
+        CUmemGenericAllocationHandle h;
+        CUmemAllocationProp prop;
+        CUdeviceptr base = 0;
+        size_t size = 0;
+        uint64_t id = 0, id2 = 0;
+        uint8_t *p = NULL, *q = NULL;
+        char err[512];
+        int count = 0, rc;
+
+        /* Refusals, with the outputs untouched. */
+        rc = epd_device_alloc(w->client, 0, 0, (void **)&p, &id);
+        CHECK(rc == EPD_INVALID_ARGUMENT && !p, "epd_device_alloc of 0 bytes gave %s",
+              epd_status_name(rc));
+        printf("0 bytes refused: %s\n", epd_client_last_error(w->client));
+        rc = epd_device_alloc(w->client, 0, 4096, NULL, &id);
+        CHECK(rc == EPD_INVALID_ARGUMENT, "epd_device_alloc without dev_ptr gave %s",
+              epd_status_name(rc));
+        CU(cudaGetDeviceCount(&count));
+        rc = epd_device_alloc(w->client, (uint32_t)count, 4096, (void **)&p, &id);
+        CHECK(rc == EPD_INVALID_ARGUMENT && !p, "epd_device_alloc on CUDA device %d gave %s",
+              count, epd_status_name(rc));
+        printf("missing device refused: %s\n", epd_client_last_error(w->client));
+
+        /* One byte: a whole granule of cuMem memory with the POSIX-fd handle type, one region
+         * that the cache and epd_tensor_at know, writable by CUDA. */
+        rc = epd_device_alloc(w->client, 0, 1, (void **)&p, &id);
+        CHECK(rc == 0 && p && id, "epd_device_alloc of 1 byte gave %s: %s", epd_status_name(rc),
+              epd_client_last_error(w->client));
+        DRV(cuMemGetAddressRange(&base, &size, (CUdeviceptr)(uintptr_t)p));
+        CHECK(base == (CUdeviceptr)(uintptr_t)p && size >= 4096,
+              "epd_device_alloc gave %p, inside the mapping 0x%llx of %zu bytes", (void *)p,
+              (unsigned long long)base, size);
+        DRV(cuMemRetainAllocationHandle(&h, p));
+        memset(&prop, 0, sizeof(prop));
+        DRV(cuMemGetAllocationPropertiesFromHandle(&prop, h));
+        DRV(cuMemRelease(h));
+        CHECK(prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+              "epd_device_alloc memory lacks the POSIX-fd handle type (types 0x%x)",
+              (unsigned)prop.requestedHandleTypes);
+        rc = epd_region_register_device(w->client, p + size - 1, 1, EPD_DEVICE_AUTO, &id2);
+        CHECK(rc == 0 && id2 == id, "registering inside it gave %s, region %llu, not %llu: %s",
+              epd_status_name(rc), (unsigned long long)id2, (unsigned long long)id,
+              epd_client_last_error(w->client));
+        CU(cudaMemset(p, 0x3C, size));
+        CU(cudaDeviceSynchronize());
+        printf("epd_device_alloc(1 byte): %zu bytes at %p, region %llu\n", size, (void *)p,
+               (unsigned long long)id);
+
+        /* Pointers that are not epd_device_alloc's: cudaMalloc memory, a registered slab, a
+         * pointer inside the allocation. */
+        CU(cudaMalloc((void **)&q, 4096));
+        rc = epd_device_free(w->client, q);
+        CHECK(rc == EPD_INVALID_ARGUMENT, "epd_device_free(cudaMalloc memory) gave %s",
+              epd_status_name(rc));
+        printf("foreign pointer refused: %s\n", epd_client_last_error(w->client));
+        CU(cudaFree(q));
+        rc = epd_device_free(w->client, w->in.base);
+        CHECK(rc == EPD_INVALID_ARGUMENT, "epd_device_free(a registered slab) gave %s",
+              epd_status_name(rc));
+        rc = epd_device_free(w->client, p + 64);
+        CHECK(rc == EPD_INVALID_ARGUMENT, "epd_device_free(inside) gave %s", epd_status_name(rc));
+        printf("pointer inside refused: %s\n", epd_client_last_error(w->client));
+        CHECK(epd_device_free(w->client, NULL) == 0, "epd_device_free(NULL) failed");
+
+        /* Freed: the region went with it, the range is unmapped, a second free is refused. */
+        rc = epd_device_free(w->client, p);
+        CHECK(rc == 0, "epd_device_free: %s: %s", epd_status_name(rc),
+              epd_client_last_error(w->client));
+        rc = epd_region_release(w->client, id);
+        CHECK(rc == EPD_NOT_FOUND, "region %llu outlived epd_device_free (release gave %s)",
+              (unsigned long long)id, epd_status_name(rc));
+        CHECK(unmapped(p), "%p is still mapped after epd_device_free", (void *)p);
+        rc = epd_device_free(w->client, p);
+        CHECK(rc == EPD_INVALID_ARGUMENT, "a second epd_device_free gave %s",
+              epd_status_name(rc));
+
+        /* The caller releases the region and an op registers the memory again: the free
+         * releases that new region too. */
+        rc = epd_device_alloc(w->client, 0, 3u << 20, (void **)&p, &id);
+        CHECK(rc == 0, "epd_device_alloc: %s: %s", epd_status_name(rc),
+              epd_client_last_error(w->client));
+        CHECK(epd_region_release(w->client, id) == 0, "release: %s",
+              epd_client_last_error(w->client));
+        rc = epd_region_register_device(w->client, p + 4096, 64, 0, &id2);
+        CHECK(rc == 0 && id2 != id, "re-registering gave %s, region %llu (old %llu): %s",
+              epd_status_name(rc), (unsigned long long)id2, (unsigned long long)id,
+              epd_client_last_error(w->client));
+        rc = epd_device_free(w->client, p);
+        CHECK(rc == 0, "epd_device_free: %s: %s", epd_status_name(rc),
+              epd_client_last_error(w->client));
+        rc = epd_region_release(w->client, id2);
+        CHECK(rc == EPD_NOT_FOUND, "re-registered region %llu outlived epd_device_free (%s)",
+              (unsigned long long)id2, epd_status_name(rc));
+
+        /* epd_client_free frees what its client still holds. */
+        rc = epd_client_connect(&ca, &other, err, sizeof(err));
+        CHECK(rc == 0, "connect: %s: %s", epd_status_name(rc), err);
+        rc = epd_device_alloc(other, 0, 1u << 20, (void **)&p, &id);
+        CHECK(rc == 0, "epd_device_alloc: %s: %s", epd_status_name(rc),
+              epd_client_last_error(other));
+        epd_client_free(other);
+        CHECK(unmapped(p), "%p is still mapped after epd_client_free", (void *)p);
+        fflush(stdout);
+        return 0;
+}
+
 /* The registration API on its own: cache hits, refusals, stale entries. */
 static int api_worker(void *arg, int index)
 {
@@ -1071,6 +1226,7 @@ static int api_worker(void *arg, int index)
                 DRV(cuMemUnmap(va, sz));
                 DRV(cuMemAddressFree(va, sz));
         }
+        TRY(alloc_api(w));
         fflush(stdout);
         /* The slabs still work for an op after all that. */
         TRY(run_step(w, 0));

@@ -322,6 +322,32 @@ class TestClient(unittest.TestCase):
         b[:] = 7  # and the connection
         self.assertEqual(b.tolist(), [7] * 4)
 
+    def test_device_alloc_unavailable(self):
+        # A host daemon cannot import GPU memory, and a libepd without CUDA cannot allocate
+        # it: epd_device_alloc says so (after its argument checks) without touching CUDA.
+        lib = _lib.load()
+        self.assertIn("epd_device_alloc", lib.optional)
+        self.assertIn("epd_device_free", lib.optional)
+        with epd.connect(DAEMON["socket"]) as c:
+            with self.assertRaises(epd.InvalidArgument):
+                c.device_alloc(0)
+            with self.assertRaises(epd.Unavailable) as cm:
+                c.device_alloc(4096)
+            self.assertTrue(cm.exception.message)
+            self.assertEqual(c._device_allocs, {})
+            if lib.optional["epd_device_alloc"] is not None:
+                ptr, rid = ctypes.c_void_p(), ctypes.c_uint64()
+                self.assertEqual(lib.epd_device_alloc(c._ptr, 0, 0, ctypes.byref(ptr),
+                                                      ctypes.byref(rid)), _lib.INVALID_ARGUMENT)
+                self.assertEqual(lib.epd_device_alloc(c._ptr, 0, 64, None, ctypes.byref(rid)),
+                                 _lib.INVALID_ARGUMENT)
+                self.assertEqual(lib.epd_device_free(c._ptr, None), _lib.OK)
+                word = ctypes.c_int()
+                self.assertEqual(lib.epd_device_free(c._ptr, ctypes.byref(word)),
+                                 _lib.INVALID_ARGUMENT)
+                self.assertIn("epd_device_alloc", c.last_error)
+            self.assertEqual(c.info()["backend"], "host")  # the connection is unharmed
+
     def test_region_released_with_last_array(self):
         c = epd.connect(DAEMON["socket"])
         a = c.empty((16,), np.float32)

@@ -3,7 +3,9 @@
 * TestTorchMatchesHost: the same dispatch / combine / cached dispatch cases run twice, with
   NumPy arrays against a host-backend daemon and with torch CUDA tensors against a cuda-backend
   daemon, one process per rank (multiprocessing 'spawn'); every output must be bit-identical
-  (EXPAND padding rows that are not zero-padded are left out: nobody writes them). Ranks 2 and 4.
+  (EXPAND padding rows that are not zero-padded are left out: nobody writes them). Ranks 2 and 4;
+  the CUDA tensors come from PyTorch's allocator, or (``*_device_alloc``) every input and the
+  caller outputs are views of one ``Client.device_alloc`` allocation per rank.
 * TestDeepEPIntranode: DeepEP's intranode test through epd.compat.deep_ep with CUDA tensors:
   x holds its source rank's number, so every received row must equal its source rank (rows are
   ordered by source rank); combining the untouched received rows and dividing by the number of
@@ -12,7 +14,7 @@
 * TestInProcess: the registration cache (one region per CUDA allocation), stream ordering (the
   daemon waits for the stream's earlier work; Future.stream_wait orders the stream after the
   op), caller outputs, recv_capacity and CAPACITY_EXCEEDED, arena outputs copied to the device,
-  kernel_ns.
+  kernel_ns, and Client.device_alloc's lifetime (tensor views, the cache, free, close).
 
 Needs torch with CUDA, a GPU, a libepd built with CUDA (EPD_LIBRARY) and the epd binary
 (EPD_BIN_DIR, else PATH, else build/bin). Without them every test skips, unless
@@ -47,6 +49,7 @@ SECRET = b"0123456789abcdef-python-gpu-tests"
 REQUIRED = os.environ.get("EPD_GPU_REQUIRED") == "1"
 DAEMONS = {}
 WORKER_TIMEOUT = 240
+ALLOC_BYTES = 64 << 20  # per rank in the device_alloc cases; every case fits in it
 
 
 # ---- environment ----
@@ -258,17 +261,40 @@ def _dispatch_record(res):
     return rec
 
 
+class _Bump:
+    """Tensors carved one after another from a DeviceAllocation (256-byte aligned)."""
+
+    def __init__(self, alloc):
+        self.alloc = alloc
+        self.used = 0
+
+    def take(self, shape, dtype):
+        import torch
+        item = torch.empty(0, dtype=dtype).element_size()
+        n = item
+        for d in shape:
+            n *= int(d)
+        off = (self.used + 255) // 256 * 256
+        if off + n > self.alloc.nbytes:
+            raise AssertionError("ALLOC_BYTES is too small (test bug)")
+        self.used = off + n
+        return self.alloc.tensor(tuple(shape), dtype, offset=off)
+
+
 def case_worker(rank, kind, R, sock, prefix, cases):
     """One rank: every case of ``cases`` on the daemon at ``sock``; NumPy arrays for the host
-    backend, torch CUDA tensors for the cuda one. Returns {case name: record}."""
+    backend, torch CUDA tensors for the cuda one ("cuda": PyTorch's allocator; "cuda_alloc":
+    inputs and outputs in a Client.device_alloc allocation). Returns {case name: record}."""
     torch = None
     dev = None
-    if kind == "cuda":
+    if kind in ("cuda", "cuda_alloc"):
         import torch
         dev = _cuda_device(rank)
     out = {}
     with epd.connect(sock, name="gpu-test-%s-%d" % (kind, rank)) as client:
+        alloc = client.device_alloc(ALLOC_BYTES, dev.index) if kind == "cuda_alloc" else None
         for case in cases:
+            bump = _Bump(alloc) if alloc is not None else None
             shape = dict(num_experts=case["E"], hidden=case["H"],
                          max_tokens_per_rank=case["T"], max_topk=case["K"], dtype=case["dtype"])
             if dev is not None:
@@ -278,14 +304,30 @@ def case_worker(rank, kind, R, sock, prefix, cases):
             x, sc, tk = xs[rank], scales[rank], topks[rank]
             w = ws[rank] if case["weights"] else None
             n = len(x)
-            if kind == "cuda":
+            if kind != "host":
                 def put(a, dt=None):
-                    return None if a is None else tensors.from_numpy(
-                        np.ascontiguousarray(a), dt).to(dev)
+                    if a is None:
+                        return None
+                    src = tensors.from_numpy(np.ascontiguousarray(a), dt)
+                    if bump is None:
+                        return src.to(dev)
+                    t = bump.take(src.shape, src.dtype)
+                    t.copy_(src)
+                    return t
                 xdt = torch.bfloat16 if case["dtype"] == "bf16" else \
                     getattr(torch, "float8_e4m3fn", torch.uint8)
                 xin, scin, tkin, win = put(x, xdt), put(sc), put(tk), put(w)
                 extra = {}
+                if bump is not None:
+                    # Every dispatch output in the allocation too, at the worst case's rows.
+                    cap = group.worst_case_rows(case["layout"], case["K"], case["align"])
+                    topk_code = epd._lib.DTYPE_INT32 if case["topk"] == np.int32 else \
+                        epd._lib.DTYPE_INT64
+                    specs = group._output_specs(case["layout"], case["K"], topk_code,
+                                                case["weights"], case["align"], cap)
+                    extra["out"] = {name: bump.take(dims, xdt if name == "recv_x" else
+                                                    tensors.torch_dtype(code))
+                                    for name, dims, code in specs}
             else:
                 def put(a, dt=None):
                     return a
@@ -296,7 +338,7 @@ def case_worker(rank, kind, R, sock, prefix, cases):
             res = group.dispatch(xin, topk_idx=tkin, topk_weights=win, x_scales=scin,
                                  async_op=case["async_"], **routing, **extra)
             if case["async_"]:
-                if kind == "cuda":
+                if kind != "host":
                     res.current_stream_wait()
                 res = res.wait(timeout=120)
             rec = {"dispatch": _dispatch_record(res)}
@@ -305,10 +347,11 @@ def case_worker(rank, kind, R, sock, prefix, cases):
             biases = [case_y(case, rank, n, tag=1 + i) for i in range(case["nbias"])]
             yin = put(y, torch.bfloat16 if torch else None)
             bin_ = tuple(put(b, torch.bfloat16 if torch else None) for b in biases) or None
+            cout = bump.take((n, case["H"]), torch.bfloat16) if bump is not None else None
             comb = group.combine(yin, res.handle, bias=bin_, apply_weights=case["apply"],
-                                 async_op=case["async_"])
+                                 async_op=case["async_"], out=cout)
             if case["async_"]:
-                if kind == "cuda":
+                if kind != "host":
                     comb.current_stream_wait()
                 comb = comb.wait(timeout=120)
             rec["combined_x"] = _np(comb[0])
@@ -322,6 +365,8 @@ def case_worker(rank, kind, R, sock, prefix, cases):
             res.handle.release()
             group.leave()
             out[case["name"]] = rec
+        if alloc is not None:
+            alloc.free()
     return out
 
 
@@ -350,13 +395,13 @@ def _compare(tc, name, rank, host, dev, zero_padding):
 
 
 class TestTorchMatchesHost(unittest.TestCase):
-    def run_r(self, R):
+    def run_r(self, R, kind="cuda"):
         cases = CASES[R]
-        prefix = "gpu-%d-%d-" % (os.getpid(), R)
+        prefix = "gpu-%d-%d-%s-" % (os.getpid(), R, kind)
         host = run_ranks(case_worker, R, ("host", R, DAEMONS["host"]["socket"], prefix + "h-",
                                           cases))
         try:
-            cuda = run_ranks(case_worker, R, ("cuda", R, DAEMONS["cuda"]["socket"],
+            cuda = run_ranks(case_worker, R, (kind, R, DAEMONS["cuda"]["socket"],
                                               prefix + "c-", cases))
         except AssertionError as e:
             raise AssertionError("%s\n--- cuda daemon log ---\n%s" % (e, daemon_log("cuda")))
@@ -391,6 +436,12 @@ class TestTorchMatchesHost(unittest.TestCase):
 
     def test_r4(self):
         self.run_r(4)
+
+    def test_r2_device_alloc(self):
+        self.run_r(2, "cuda_alloc")
+
+    def test_r4_device_alloc(self):
+        self.run_r(4, "cuda_alloc")
 
 
 # ---- (b) DeepEP's intranode test through the DeepEP front ----
@@ -677,6 +728,42 @@ class TestInProcess(unittest.TestCase):
             r.handle.release()
         for res in (dev_res, exact, arena):
             res.handle.release()
+
+    def test_device_alloc(self):
+        torch, c = self.torch, self.client
+        with c.device_alloc(3 << 20, device=self.dev) as a:
+            self.assertEqual((a.nbytes, a.device), (3 << 20, 0))
+            self.assertGreater(a.region_id, 0)
+            t = a.tensor((4, 256), torch.bfloat16, offset=4096)
+            self.assertEqual((t.device, t.dtype, tuple(t.shape)),
+                             (self.dev, torch.bfloat16, (4, 256)))
+            self.assertEqual(t.data_ptr(), a.ptr + 4096)
+            t.fill_(1.5)
+            raw = a.tensor(4 * 256 * 2, offset=4096)  # uint8 bytes over the same memory
+            self.assertTrue(torch.equal(raw.view(torch.bfloat16).view(4, 256).float(),
+                                        torch.full((4, 256), 1.5, device=self.dev)))
+            # The registration cache answers for tensors over it; release_device_memory
+            # leaves its region alone.
+            self.assertEqual(c.register_device(t), a.region_id)
+            c.release_device_memory()
+            self.assertEqual(c.register_device(t[1:]), a.region_id)
+            with self.assertRaises(epd.InvalidArgument):
+                a.tensor((2, 2), torch.float32, offset=2)  # misaligned
+            with self.assertRaises(epd.InvalidArgument):
+                a.tensor((3 << 20) + 1)  # too big
+        self.assertTrue(a.freed)
+        a.free()  # idempotent
+        with self.assertRaises(epd.InvalidArgument):
+            a.tensor(16)
+        with self.assertRaises(epd.InvalidArgument):
+            c.device_alloc(0)
+        with self.assertRaises(epd.InvalidArgument):
+            c.device_alloc(4096, device=torch.cuda.device_count())  # no such device
+        # An allocation still held at close is freed with the client.
+        with epd.connect(DAEMONS["cuda"]["socket"], name="gpu-alloc-close") as other:
+            b = other.device_alloc(1 << 20)
+            self.assertFalse(b.freed)
+        self.assertTrue(b.freed)
 
     def test_float_input_and_zero_tokens(self):
         torch = self.torch

@@ -481,7 +481,8 @@ class TestLoader(unittest.TestCase):
 
     def test_optional_symbols(self):
         lib = _lib.load()
-        for name in ("epd_region_register_device", "epd_group_mark_inputs_ready"):
+        for name in ("epd_region_register_device", "epd_group_mark_inputs_ready",
+                     "epd_device_alloc", "epd_device_free"):
             self.assertIn(name, lib.optional)
         self.assertEqual(ctypes.sizeof(_lib.DispatchArgs), 928)
 

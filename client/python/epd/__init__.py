@@ -29,7 +29,7 @@ NotImplementedError, where libepd or the daemon has no CUDA.
 
 from ._lib import EXPECTED_SIZES as _EXPECTED_SIZES  # noqa: F401  (tests)
 from .bf16 import bf16_to_float, float_to_bf16, round_bf16
-from .client import Client, Region, connect, empty
+from .client import Client, DeviceAllocation, Region, connect, empty
 from .errors import (Aborted, AlreadyExists, CapacityExceeded, Error, Internal,
                      InvalidArgument, NotFound, PeerLost, PermissionDenied, Timeout,
                      Unavailable, VersionMismatch, error_class)
@@ -40,7 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Aborted", "AlreadyExists", "CapacityExceeded", "Client", "CombineResult",
-    "DispatchResult", "EXPAND",
+    "DeviceAllocation", "DispatchResult", "EXPAND",
     "Error", "Future", "Group", "Handle", "Internal", "InvalidArgument", "NON_EXPAND",
     "NotFound", "PeerLost", "PermissionDenied", "Region", "StreamWaitUnavailable", "Timeout",
     "Unavailable",

@@ -17,9 +17,10 @@ A libepd.so built against shared libraries (libuv, protobuf-c, ...) finds them t
 RUNPATH or ``LD_LIBRARY_PATH``, which the dynamic loader reads when the process starts: set it
 before starting Python, not from Python.
 
-GPU tensors need a libepd built with CUDA (``cmake -DEPD_CUDA=ON``): it exports
-``epd_region_register_device`` and the stream-ordering calls, which the binding declares as
-optional, so a host-only libepd still loads.
+GPU tensors need a libepd built with CUDA (``cmake -DEPD_CUDA=ON``) to work:
+``epd_region_register_device``, ``epd_device_alloc`` / ``epd_device_free`` and the
+stream-ordering calls. The binding declares them optional, so a libepd that predates one of
+them still loads (a host-only libepd exports them all, as stubs answering UNAVAILABLE).
 """
 
 import ctypes
@@ -299,6 +300,8 @@ _PROTOTYPES = {
     "epd_op_stream_wait": (_int, [ctypes.c_void_p, ctypes.c_void_p]),
     "epd_region_register_device": (_int, [ctypes.c_void_p, ctypes.c_void_p, _size, _u32,
                                           ctypes.POINTER(_u64)]),
+    "epd_device_alloc": (_int, [ctypes.c_void_p, _u32, _u64, _c_void_pp, ctypes.POINTER(_u64)]),
+    "epd_device_free": (_int, [ctypes.c_void_p, ctypes.c_void_p]),
     "epd_group_mark_inputs_ready": (_int, [ctypes.c_void_p, ctypes.c_void_p,
                                            ctypes.POINTER(_u64)]),
     "epd_group_mark_inputs_ready_host": (_int, [ctypes.c_void_p, ctypes.POINTER(_u64)]),
@@ -311,7 +314,8 @@ _PROTOTYPES = {
 # loads (lib.optional[name] is then None). libepd.so of some builds does not export the bf16
 # helpers; older ones lack the GPU calls.
 _OPTIONAL = {"epd_op_sequence", "epd_op_stream_wait", "epd_bf16_to_float", "epd_float_to_bf16",
-             "epd_region_register_device", "epd_group_mark_inputs_ready",
+             "epd_region_register_device", "epd_device_alloc", "epd_device_free",
+             "epd_group_mark_inputs_ready",
              "epd_group_mark_inputs_ready_host", "epd_client_capabilities"}
 _NAMES = ("libepd.so", "libepd.so.0")
 

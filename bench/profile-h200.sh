@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# profile-h200.sh - the profiles behind docs/performance.md: the kernels in process and through
+# the daemon, with Nsight Compute (ncu --clock-control none: the clocks are left as they are),
+# and the allocation comparison (cudaMalloc shared as CUDA IPC handles against cuMem fds).
+#
+# Usage: bench/profile-h200.sh OUT_DIR [BUILD_DIR] [STEP...]
+#   OUT_DIR    gets one NAME.log per step and summary.txt
+#   BUILD_DIR  a CUDA build (cmake -DEPD_CUDA=ON -DEPD_STATIC_DEPS=ON); default build-gpu
+#   STEP       any of: inproc alloc ncu-inproc ncu-prefill ncu-decode (default: all)
+#
+# Steps:
+#   inproc       gpu_kernels_test's realistic prefill, decode and prefill-bf16 cases: the kernels on the
+#                test's own allocations, with per-kernel times
+#   alloc        epd-bench prefill and prefill-bf16 (8 ranks, MPS off), --alloc cudamalloc
+#                and --alloc cumem, ITERS (default 30) iterations each
+#   ncu-inproc   ncu on every kernel of gpu_kernels_test's realistic prefill and decode cases
+#   ncu-prefill  ncu on the daemon's copy and combine kernels during epd-bench prefill, for
+#                both allocations (--target-processes all: the daemon is a child of the bench)
+#   ncu-decode   ncu on every kernel of two decode ops through the daemon (durations only)
+# Each step is bounded by STEP_TIMEOUT seconds (default 120).
+set -u
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/.." && pwd)
+out=${1:?usage: profile-h200.sh OUT_DIR [BUILD_DIR] [STEP...]}
+build=${2:-$repo/build-gpu}
+shift $(( $# >= 2 ? 2 : $# ))
+steps=${*:-inproc alloc ncu-inproc ncu-prefill ncu-decode}
+iters=${ITERS:-30}
+step_timeout=${STEP_TIMEOUT:-120}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+bin=$build/bin
+
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
+# Per kernel: time, DRAM bytes both ways and throughput, L2 hit rate, occupancy and the main
+# stall reasons; a handful of passes, so kernel replay stays short.
+metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum
+metrics=$metrics,dram__throughput.avg.pct_of_peak_sustained_elapsed
+metrics=$metrics,lts__t_sector_hit_rate.pct,lts__t_sectors_srcunit_tex.sum
+metrics=$metrics,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size
+metrics=$metrics,launch__block_size,launch__registers_per_thread
+metrics=$metrics,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio
+metrics=$metrics,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio
+metrics=$metrics,smsp__average_warps_issue_stalled_drain_per_issue_active.ratio
+metrics=$metrics,smsp__average_warps_issue_stalled_membar_per_issue_active.ratio
+metrics=$metrics,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio
+metrics=$metrics,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio
+
+step() {
+        local name=$1 rc
+        shift
+        echo "== $name: $*" | tee -a "$out/summary.txt"
+        timeout -s TERM -k 10 "$step_timeout" "$@" > "$out/$name.log" 2>&1
+        rc=$?
+        echo "   exit $rc" | tee -a "$out/summary.txt"
+        tail -n 40 "$out/$name.log"
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
+        > "$out/machine.txt" 2>&1
+unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+# The realistic cases of gpu_kernels_test, by name.
+case_no() {
+        "$bin/gpu_kernels_test" --list | awk -v pat="$1" 'index($0, pat) { print $1; exit }'
+}
+prefill=$(case_no "realistic prefill: R 8")
+decode=$(case_no "realistic decode")
+prefill_bf16=$(case_no "realistic prefill bf16")
+
+for s in $steps; do
+        case $s in
+        inproc)
+                for c in $prefill $decode $prefill_bf16; do
+                        step "inproc-$c" "$bin/gpu_kernels_test" --case "$c"
+                done
+                ;;
+        alloc)
+                for w in prefill prefill-bf16; do
+                        for a in cudamalloc cumem; do
+                                step "alloc-$w-$a" "$bin/epd-bench" --backend cuda --ranks 8 \
+                                        --iters "$iters" --json --workload "$w" --alloc "$a"
+                                grep -h '"op"' "$out/alloc-$w-$a.log" | python3 -c '
+import json, sys
+for l in sys.stdin:
+    o = json.loads(l)
+    print("   %-13s %-9s %-10s kernel p50 %8.1f us  floor/d2d %5.1f%%" % (o["workload"], o["op"],
+          o.get("alloc", "?"), o["kernel_time_p50_us"], 100 * o["floor_fraction_of_ceiling"]))
+' | tee -a "$out/summary.txt"
+                        done
+                done
+                ;;
+        ncu-inproc)
+                # Every kernel of the first runs: the step sequence twice, the one-block
+                # routing and its copy (decode only), combine twice.
+                for c in $prefill $decode; do
+                        step "ncu-inproc-$c" "$ncu" --clock-control none --metrics "$metrics" \
+                                -k regex:'_kernel' --launch-count 12 \
+                                "$bin/gpu_kernels_test" --case "$c" --no-timing
+                done
+                ;;
+        ncu-prefill)
+                for a in cudamalloc cumem; do
+                        step "ncu-prefill-$a" "$ncu" --clock-control none --target-processes all \
+                                --metrics "$metrics" -k regex:'copy_kernel|combine_kernel' \
+                                --launch-skip 4 --launch-count 4 \
+                                "$bin/epd-bench" --backend cuda --ranks 8 --iters 3 --warmup 1 \
+                                --workload prefill --alloc "$a"
+                done
+                ;;
+        ncu-decode)
+                step ncu-decode "$ncu" --clock-control none --target-processes all \
+                        --metrics gpu__time_duration.sum,launch__grid_size,dram__bytes_read.sum,dram__bytes_write.sum \
+                        -k regex:'_kernel' --launch-skip 4 --launch-count 6 \
+                        "$bin/epd-bench" --backend cuda --ranks 8 --iters 4 --warmup 1 \
+                        --workload decode --flush-l2
+                ;;
+        *)
+                echo "profile-h200: unknown step $s" >&2
+                ;;
+        esac
+done
+echo "profile-h200: done; logs in $out"
