@@ -6,10 +6,10 @@
 
 #include "backend.h"
 #include "log.h"
+#include "util.h"
 
-static void on_done_async(uv_async_t *handle)
+static void drain_done(struct epd_backend *b)
 {
-        struct epd_backend *b = handle->data;
         struct epd_list batch;
 
         epd_list_init(&batch);
@@ -26,8 +26,35 @@ static void on_done_async(uv_async_t *handle)
         while (!epd_list_empty(&batch)) {
                 struct epd_exec *ex = epd_list_entry(batch.next, struct epd_exec, link);
                 epd_list_del(&ex->link);
+                b->inflight--;
+                b->poll_until_ns = epd__now_ns() + b->poll_ns;
                 epd_op_complete(ex);
         }
+}
+
+static void on_done_async(uv_async_t *handle)
+{
+        drain_done(handle->data);
+}
+
+/* An active idle handle makes every loop turn poll for I/O without blocking; this callback
+ * runs once per turn. A completion is then answered without the eventfd wake-up of the loop
+ * thread, and the next request is read as soon as it arrives. */
+static void on_poll_idle(uv_idle_t *handle)
+{
+        struct epd_backend *b = handle->data;
+
+        drain_done(b);
+        if (b->inflight == 0 && epd__now_ns() > b->poll_until_ns)
+                uv_idle_stop(handle);
+}
+
+void epd_backend_submit(struct epd_backend *b, struct epd_exec *ex)
+{
+        b->inflight++;
+        if (b->poll_ns && !uv_is_active((uv_handle_t *)&b->poll_idle))
+                uv_idle_start(&b->poll_idle, on_poll_idle);
+        b->ops->submit(b, ex);
 }
 
 void epd_exec_done(struct epd_backend *b, struct epd_exec *ex)
@@ -70,6 +97,9 @@ int epd_backend_open(struct epd_daemon *d, struct epd_backend **out, char *err, 
                 epd_list_init(&b->done);
                 uv_async_init(d->loop, &b->done_async, on_done_async);
                 b->done_async.data = b;
+                uv_idle_init(d->loop, &b->poll_idle);
+                b->poll_idle.data = b;
+                b->poll_ns = epd_config_poll_ns(&d->cfg);
                 rc = b->ops->init(b, &d->cfg, err, err_len);
                 if (rc == 0) {
                         *out = b;
@@ -78,6 +108,7 @@ int epd_backend_open(struct epd_daemon *d, struct epd_backend **out, char *err, 
                 if (i + 1 < n)
                         log_info("backend %s unavailable (%s), trying the next", b->ops->name, err);
                 uv_close((uv_handle_t *)&b->done_async, NULL);
+                uv_close((uv_handle_t *)&b->poll_idle, NULL);
                 uv_run(d->loop, UV_RUN_NOWAIT);
                 pthread_mutex_destroy(&b->done_lock);
                 free(b);
@@ -98,6 +129,8 @@ void epd_backend_close(struct epd_backend *b)
         if (!b)
                 return;
         b->ops->fini(b);
-        /* The loop runs once more in main() to finish closing the handle, which frees b. */
+        /* The loop runs once more in main() to finish closing the handles; the last one
+         * closed frees b (handles close in the order they were closed). */
+        uv_close((uv_handle_t *)&b->poll_idle, NULL);
         uv_close((uv_handle_t *)&b->done_async, on_backend_closed);
 }

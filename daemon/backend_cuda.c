@@ -62,14 +62,25 @@ struct cuda_backend {
         struct cuda_dev dev[MAX_DEVICES];
         uint64_t granularity;
         struct epd_executor executor;
-        /* Workspaces to free, queued by the loop thread and freed by the executor; the list has
-         * its own lock. */
+        /* Workspaces of released handles, kept for the next dispatch of the same shape instead
+         * of cudaFree + cudaMalloc per op (tens of microseconds, and cudaFree synchronises the
+         * device). Released handles are added by the loop thread; the executor takes them, and
+         * frees those beyond SPARE_KEEP when it is idle. Own lock. */
         pthread_mutex_t lock;
-        void **dead_ws;
-        unsigned num_dead, cap_dead;
+        struct spare_ws *spare;
+        unsigned num_spare, cap_spare;
         void *h_reply;               /* pinned copy of the reply block */
         size_t reply_cap;
         cudaEvent_t prefixed;
+};
+
+/* How many released workspaces stay allocated for reuse. */
+#define SPARE_KEEP 16
+
+struct spare_ws {
+        void *ws;
+        uint64_t bytes;
+        int device;
 };
 
 struct cuda_handle {
@@ -120,6 +131,39 @@ static void *ensure_desc(struct cuda_dev *dv, size_t bytes)
                 return NULL;
         dv->desc_bytes = bytes;
         return dv->h_desc;
+}
+
+/* A released workspace of exactly `bytes` on `device`, or NULL. Executor thread. */
+static void *take_spare(struct cuda_backend *cb, int device, uint64_t bytes)
+{
+        void *ws = NULL;
+
+        pthread_mutex_lock(&cb->lock);
+        for (unsigned i = cb->num_spare; i-- > 0;) {
+                if (cb->spare[i].device == device && cb->spare[i].bytes == bytes) {
+                        ws = cb->spare[i].ws;
+                        cb->spare[i] = cb->spare[--cb->num_spare];
+                        break;
+                }
+        }
+        pthread_mutex_unlock(&cb->lock);
+        return ws;
+}
+
+/* Frees the oldest spares beyond `keep`. Executor thread (or fini). */
+static void trim_spares(struct cuda_backend *cb, unsigned keep)
+{
+        pthread_mutex_lock(&cb->lock);
+        while (cb->num_spare > keep) {
+                struct spare_ws sp = cb->spare[0];
+                memmove(cb->spare, cb->spare + 1, (cb->num_spare - 1) * sizeof(*cb->spare));
+                cb->num_spare--;
+                pthread_mutex_unlock(&cb->lock);
+                cudaSetDevice(sp.device);
+                cudaFree(sp.ws);
+                pthread_mutex_lock(&cb->lock);
+        }
+        pthread_mutex_unlock(&cb->lock);
 }
 
 static struct epd_k_mat kmat(struct epd_mat m)
@@ -417,7 +461,8 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                                    ex->cfg.max_topk);
                 fresh->device = W;
                 cudaSetDevice(W);
-                if (cudaMalloc(&fresh->ws, fresh->layout.total_bytes) != cudaSuccess)
+                fresh->ws = take_spare(cb, W, fresh->layout.total_bytes);
+                if (!fresh->ws && cudaMalloc(&fresh->ws, fresh->layout.total_bytes) != cudaSuccess)
                         goto oom;
                 ch = fresh;
         } else {
@@ -454,6 +499,17 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         } else if (small) {
                 cudaSetDevice(W);
                 rc = epd_k_dispatch_route_small(&args[W], cb->dev[W].stream);
+                if (rc == 0 && !arena) {
+                        /* The copy overlaps the routing block (programmatic dependent launch:
+                         * nothing may sit between the two); the reply block follows both. */
+                        args[W].flags |= EPD_K_COPY_OVERLAP;
+                        rc = epd_k_dispatch_copy(&args[W], cb->dev[W].stream);
+                        if (rc < 0)
+                                goto cuda_error;
+                        cudaMemcpyAsync(cb->h_reply, ch->ws, ch->layout.reply_bytes,
+                                        cudaMemcpyDeviceToHost, cb->dev[W].stream);
+                        goto launched;
+                }
         } else {
                 for (int d = 0; d < cb->num_devices && rc == 0; d++) {
                         if (!used[d])
@@ -507,6 +563,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         }
         if (rc < 0)
                 goto cuda_error;
+launched:
         /* Every device's copy done, then the completion doorbells on W's stream. */
         op_end(cb, ex, used, W, 1);
         for (int d = 0; d < cb->num_devices; d++) {
@@ -538,7 +595,9 @@ oom:
 cuda_error:
         ex->status = EPD_UNAVAILABLE;
         snprintf(ex->message, sizeof(ex->message), "CUDA error: %s",
-                 cudaGetErrorString(cudaGetLastError()));
+                 cudaGetErrorString(epd_k_last_cuda_error() != cudaSuccess
+                                            ? epd_k_last_cuda_error()
+                                            : cudaGetLastError()));
 fail:
         epd_exec_release_new_arenas(ex);
         if (fresh) {
@@ -640,15 +699,6 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
         return 0;
 }
 
-static void free_dead(struct cuda_backend *cb)
-{
-        pthread_mutex_lock(&cb->lock);
-        for (unsigned i = 0; i < cb->num_dead; i++)
-                cudaFree(cb->dead_ws[i]);
-        cb->num_dead = 0;
-        pthread_mutex_unlock(&cb->lock);
-}
-
 static void cuda_run(void *ctx, struct epd_exec *ex)
 {
         if (ex->kind == EPD_OP_DISPATCH)
@@ -659,7 +709,7 @@ static void cuda_run(void *ctx, struct epd_exec *ex)
 
 static void cuda_idle(void *ctx)
 {
-        free_dead(ctx);
+        trim_spares(ctx, SPARE_KEEP);
 }
 
 /* ---- backend ops ---- */
@@ -745,7 +795,7 @@ static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *
         cb->executor.run = cuda_run;
         cb->executor.idle = cuda_idle;
         cb->executor.ctx = cb;
-        cb->executor.spin_ns = epd_executor_spin_ns(cfg->executor_spin_us);
+        cb->executor.spin_ns = epd_config_poll_ns(cfg);
         if (epd_executor_start(&cb->executor) < 0) {
                 snprintf(err, err_len, "cannot start the executor thread");
                 return EPD_INTERNAL;
@@ -761,8 +811,8 @@ static void cuda_fini(struct epd_backend *b)
         if (!cb)
                 return;
         epd_executor_stop(&cb->executor);
-        free_dead(cb);
-        free(cb->dead_ws);
+        trim_spares(cb, 0);
+        free(cb->spare);
         free(cb);
         b->priv = NULL;
 }
@@ -996,18 +1046,23 @@ static void cuda_handle_free(struct epd_backend *b, void *state)
         if (!ch)
                 return;
         pthread_mutex_lock(&cb->lock);
-        if (cb->num_dead == cb->cap_dead) {
-                unsigned cap = cb->cap_dead ? cb->cap_dead * 2 : 16;
-                void **n = realloc(cb->dead_ws, cap * sizeof(*n));
+        if (cb->num_spare == cb->cap_spare) {
+                unsigned cap = cb->cap_spare ? cb->cap_spare * 2 : 16;
+                struct spare_ws *n = realloc(cb->spare, cap * sizeof(*n));
                 if (n) {
-                        cb->dead_ws = n;
-                        cb->cap_dead = cap;
+                        cb->spare = n;
+                        cb->cap_spare = cap;
                 }
         }
-        if (cb->num_dead < cb->cap_dead)
-                cb->dead_ws[cb->num_dead++] = ch->ws;
+        /* Without room (out of memory) the workspace leaks rather than being freed on the
+         * loop thread, which must not synchronise the device. */
+        if (cb->num_spare < cb->cap_spare)
+                cb->spare[cb->num_spare++] = (struct spare_ws){ ch->ws, ch->layout.total_bytes,
+                                                                ch->device };
+        const int trim = cb->num_spare > SPARE_KEEP;
         pthread_mutex_unlock(&cb->lock);
-        epd_executor_kick(&cb->executor);
+        if (trim)
+                epd_executor_kick(&cb->executor);
         free(ch);
 }
 

@@ -411,7 +411,7 @@ static int host_init(struct epd_backend *b, const struct epd_config *cfg, char *
         hb->executor.b = b;
         hb->executor.run = host_run;
         hb->executor.ctx = hb;
-        hb->executor.spin_ns = epd_executor_spin_ns(cfg->executor_spin_us);
+        hb->executor.spin_ns = epd_config_poll_ns(cfg);
         /* The host backend reads inputs on the CPU: wait for clients' doorbells there. */
         hb->executor.host_input_waits = 1;
         if (epd_executor_start(&hb->executor) < 0) {

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <strings.h>
 #include <syslog.h>
 
@@ -19,7 +20,7 @@ void epd_config_defaults(struct epd_config *cfg)
         snprintf(cfg->backend, sizeof(cfg->backend), "auto");
         cfg->socket_mode = 0660;
         cfg->log_level = LOG_INFO;
-        cfg->executor_spin_us = EPD_EXECUTOR_SPIN_AUTO;
+        cfg->poll_us = EPD_POLL_AUTO;
         cfg->op_timeout_ms = 10000;
         cfg->peer_lost_ms = 100;
         cfg->arena_bytes = 64ull << 20;
@@ -121,7 +122,7 @@ int epd_config_set(struct epd_config *cfg, const char *section, const char *name
         NUM_KEY("daemon", "arena_bytes", arena_bytes, 1ull << 40)
         NUM_KEY("daemon", "max_arena_bytes", max_arena_bytes, 1ull << 44)
         NUM_KEY("daemon", "max_arena_segments", max_arena_segments, 1024)
-        NUM_KEY("daemon", "executor_spin_us", executor_spin_us, 100000)
+        NUM_KEY("daemon", "poll_us", poll_us, 100000)
         NUM_KEY("limits", "max_clients", max_clients, 65536)
         NUM_KEY("limits", "max_groups", max_groups, 65536)
         NUM_KEY("limits", "max_regions_per_client", max_regions_per_client, 1u << 20)
@@ -252,6 +253,13 @@ int epd_config_load(struct epd_config *cfg, const char *path, char *err, size_t 
                 return 0;
         snprintf(err, err_len, "%s", msg);
         return -EINVAL;
+}
+
+uint64_t epd_config_poll_ns(const struct epd_config *cfg)
+{
+        if (cfg->poll_us == EPD_POLL_AUTO)
+                return sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 100000 : 0;
+        return (uint64_t)cfg->poll_us * 1000;
 }
 
 void epd_config_apply_hot(struct epd_config *dst, const struct epd_config *src)

@@ -9,9 +9,9 @@
 #define EPD_SOCKET_PATH_DEFAULT "/run/epd/epd.sock"
 #define EPD_MAX_ALLOW 32
 
-/* executor_spin_us when the config does not set it: 100 us on machines with at least 8 CPUs,
- * else 0 (a polling thread would take a core from the clients of a small machine). */
-#define EPD_EXECUTOR_SPIN_AUTO UINT32_MAX
+/* poll_us when the config does not set it: 100 us on machines with at least 8 CPUs, else 0
+ * (polling threads would take the cores of a small machine's clients). */
+#define EPD_POLL_AUTO UINT32_MAX
 
 struct epd_config {
         char config_path[256];
@@ -33,8 +33,8 @@ struct epd_config {
         uint64_t arena_bytes;         /* default per-rank output arena */
         uint64_t max_arena_bytes;     /* address space reserved per arena: `epctl resize` limit */
         uint32_t max_arena_segments;  /* segments per arena: a grow adds one */
-        uint32_t executor_spin_us;    /* the executor polls for the next op this long before
-                                       * sleeping (0: sleep at once; AUTO: executor.c picks) */
+        uint32_t poll_us;             /* the executor and the loop thread poll this long after
+                                       * an op before sleeping (0: never; AUTO: see above) */
         /* [limits], hot (apply to new requests) except max_frame_bytes and max_fds_per_frame:
          * those size the receive buffer at start and are announced to clients at hello. */
         uint32_t max_clients;
@@ -58,6 +58,8 @@ int epd_config_load(struct epd_config *cfg, const char *path, char *err, size_t 
 int epd_config_set(struct epd_config *cfg, const char *section, const char *name,
                    const char *value, char *err, size_t err_len);
 /* Copies the keys that may change at run time from src into dst (SIGHUP). */
+/* poll_us in nanoseconds, with EPD_POLL_AUTO resolved for this machine. */
+uint64_t epd_config_poll_ns(const struct epd_config *cfg);
 void epd_config_apply_hot(struct epd_config *dst, const struct epd_config *src);
 
 #endif

@@ -1,9 +1,7 @@
 /* executor.c - see executor.h. */
 #include <sys/prctl.h>
 #include <time.h>
-#include <unistd.h>
 
-#include "config.h"
 #include "executor.h"
 #include "util.h"
 
@@ -79,13 +77,6 @@ static void *executor_main(void *arg)
         }
         pthread_mutex_unlock(&e->lock);
         return NULL;
-}
-
-uint64_t epd_executor_spin_ns(uint32_t executor_spin_us)
-{
-        if (executor_spin_us == EPD_EXECUTOR_SPIN_AUTO)
-                return sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 100000 : 0;
-        return (uint64_t)executor_spin_us * 1000;
 }
 
 int epd_executor_start(struct epd_executor *e)

@@ -27,8 +27,6 @@ struct epd_executor {
         atomic_uint queued;           /* execs in the queue, read without the lock while polling */
 };
 
-/* spin_ns for a configured executor_spin_us (EPD_EXECUTOR_SPIN_AUTO resolved here). */
-uint64_t epd_executor_spin_ns(uint32_t executor_spin_us);
 int epd_executor_start(struct epd_executor *e);
 void epd_executor_submit(struct epd_executor *e, struct epd_exec *ex);
 /* Wakes the thread to run `idle` soon. */

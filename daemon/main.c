@@ -33,6 +33,7 @@ static void usage(FILE *f)
                 "      --host-threads N     copy threads of the host backend (0: CPUs)\n"
                 "      --metrics-listen A:P serve Prometheus metrics on this address\n"
                 "      --log-level LEVEL    error, warning, notice, info or debug\n"
+                "      --poll-us US         poll this long after an op before sleeping\n"
                 "  -h, --help               this text\n"
                 "  -V, --version            print the version\n",
                 EPD_CONFIG_PATH_DEFAULT, EPD_SOCKET_PATH_DEFAULT);
@@ -135,6 +136,7 @@ int main(int argc, char **argv)
                 { "host-threads", required_argument, NULL, 5 },
                 { "metrics-listen", required_argument, NULL, 6 },
                 { "log-level", required_argument, NULL, 7 },
+                { "poll-us", required_argument, NULL, 8 },
                 { "help", no_argument, NULL, 'h' },
                 { "version", no_argument, NULL, 'V' },
                 { NULL, 0, NULL, 0 },
@@ -171,6 +173,7 @@ int main(int argc, char **argv)
                 case 5: *o = (struct flag_override){ "host", "threads", optarg }; break;
                 case 6: *o = (struct flag_override){ "daemon", "metrics_listen", optarg }; break;
                 case 7: *o = (struct flag_override){ "daemon", "log_level", optarg }; break;
+                case 8: *o = (struct flag_override){ "daemon", "poll_us", optarg }; break;
                 case 'h':
                         usage(stdout);
                         return 0;

@@ -744,7 +744,7 @@ static int op_launch(struct epd_op *op)
         op->state = EPD_OP_EXECUTING;
         op->launch_ns = epd__now_ns();
         g->executing = op;
-        d->backend->ops->submit(d->backend, p.ex);
+        epd_backend_submit(d->backend, p.ex);
         return 0;
 }
 

@@ -249,12 +249,42 @@ static __device__ void pad_item(const struct epd_k_dispatch_args *a, const struc
         }
 }
 
+/* Asks L2 for the source bytes of this warp's first item (its slice of x, and the scales for
+ * slice 0), a 128-byte line per lane per step: what the warp reads first once the routing it
+ * overlaps has finished. Addresses only (prefetch.global.L2 has no effect on results); the
+ * descriptors and local list it reads were uploaded before the op. */
+static __device__ void prefetch_first_item(const struct epd_k_dispatch_args &a, uint64_t item,
+                                           uint32_t slices, uint64_t slice_bytes, uint32_t lane)
+{
+        if (item >= (uint64_t)a.local_tokens * slices)
+                return;
+        const uint32_t g = (uint32_t)(item / slices), slice = (uint32_t)(item % slices);
+        const uint32_t i = epd__k_find_local(a.local, a.num_local, g);
+        const struct epd_k_dispatch_rank *src = &a.ranks[a.local[i].rank];
+        const uint32_t t = g - a.local[i].token_offset;
+        if (src->num_tokens > a.max_tokens)
+                return;
+        const uint64_t off = (uint64_t)slice * slice_bytes;
+        const uint8_t *x = src->x.ptr + (uint64_t)t * src->x.stride;
+        const uint64_t end = min(off + slice_bytes, a.row_bytes);
+        for (uint64_t o = off + 128ull * lane; o < end; o += 32 * 128)
+                asm volatile("prefetch.global.L2 [%0];" : : "l"(x + o));
+        if (slice == 0 && a.scale_bytes != 0 && src->scales.ptr != NULL) {
+                const uint8_t *sc = src->scales.ptr + (uint64_t)t * src->scales.stride;
+                for (uint64_t o = 128ull * lane; o < a.scale_bytes; o += 32 * 128)
+                        asm volatile("prefetch.global.L2 [%0];" : : "l"(sc + o));
+        }
+}
+
 /* Grid-stride over work items, a warp per item: first the device's source tokens (each cut into
  * `slices` items when the op is too small to fill the GPU with whole rows), then (EXPAND) the
  * padding chunks of its destinations.
  *
- * Memory ordering: each block acquires the verdict at .sys (it may come from a prefix kernel on
- * another GPU, and the workspace may live on a peer) and exits without writing anything when it
+ * Memory ordering: with EPD_K_COPY_OVERLAP the kernel runs alongside the routing kernel before
+ * it; griddepcontrol.wait returns once that grid has completed and its stores are visible, and
+ * nothing but the source rows' addresses (for the L2 prefetch) is read before it. Without the
+ * flag the wait returns at once. Each block acquires the verdict at .sys (it may come from a
+ * prefix kernel on another GPU, and the workspace may live on a peer) and exits without writing anything when it
  * is an error, which is how a capacity or validation failure leaves every output byte untouched.
  * The rows, topk and counts it reads were written by earlier kernels ordered by events. Its
  * stores to peer outputs are made visible to the destination's later work by the kernel
@@ -264,13 +294,18 @@ static __global__ void __launch_bounds__(COPY_THREADS)
                      const __grid_constant__ struct epd_ws_layout l, uint32_t pad_chunks,
                      uint32_t slices, uint64_t slice_bytes)
 {
+        const uint32_t lane = threadIdx.x % 32;
+        const uint64_t warp = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+        const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
+
+        if (a.flags & EPD_K_COPY_OVERLAP) {
+                prefetch_first_item(a, warp, slices, slice_bytes, lane);
+                asm volatile("griddepcontrol.wait;" : : : "memory");
+        }
         const struct epd_ws_error *rec = epd_ws_error_rec(a.workspace, &l);
         if (epd_block_read_verdict(&rec->status) != 0)
                 return;
 
-        const uint32_t lane = threadIdx.x % 32;
-        const uint64_t warp = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-        const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
         const uint64_t token_items = (uint64_t)a.local_tokens * slices;
         const uint64_t pad_items = a.layout == EPD_LAYOUT_EXPAND
                                            ? (uint64_t)a.num_local * l.num_local_experts *
@@ -315,9 +350,23 @@ extern "C" int epd_k_dispatch_copy(const struct epd_k_dispatch_args *args, cudaS
                                  (items + warps_per_block - 1) / warps_per_block, &blocks);
         if (ret < 0)
                 return ret;
-        copy_kernel<<<blocks, COPY_THREADS, 0, stream>>>(*args, l, pad_chunks, slices,
-                                                         slice_bytes);
-        return epd__k_launch_status();
+        if (!(args->flags & EPD_K_COPY_OVERLAP)) {
+                copy_kernel<<<blocks, COPY_THREADS, 0, stream>>>(*args, l, pad_chunks, slices,
+                                                                 slice_bytes);
+                return epd__k_launch_status();
+        }
+        /* Programmatic dependent launch: may start before the kernel ahead of it ends. */
+        cudaLaunchAttribute attr = {};
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3((unsigned)blocks);
+        cfg.blockDim = dim3(COPY_THREADS);
+        cfg.stream = stream;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        return epd__k_cuda_status(cudaLaunchKernelEx(&cfg, copy_kernel, *args, l, pad_chunks,
+                                                     slices, slice_bytes));
 }
 
 int epd__k_preload_dispatch(void)

@@ -79,6 +79,13 @@ struct epd_k_dispatch_rank {
         uint64_t capacity_rows;        /* smallest capacity among this rank's outputs */
 };
 
+/* epd_k_dispatch_args.flags of the copy step. OVERLAP: launch it as the programmatic dependent
+ * of the kernel just before it on the stream (route_small): it starts while that kernel runs,
+ * pulls its first source rows into L2, and waits for that kernel's completion before reading
+ * anything the routing wrote. Only right after epd_k_dispatch_route_small on the same stream,
+ * with nothing queued between them. */
+#define EPD_K_COPY_OVERLAP 1u
+
 struct epd_k_dispatch_args {
         /* Group dims, fixed at creation: they address the workspace. */
         uint32_t world_size;           /* R */
@@ -92,6 +99,7 @@ struct epd_k_dispatch_args {
         enum epd_dtype topk_dtype;     /* INT32 or INT64: topk_idx and recv_topk_idx */
         int has_weights;
         int zero_padding;              /* EXPAND only */
+        uint32_t flags;                /* EPD_K_COPY_*; 0 for every step but copy */
         uint64_t row_bytes;            /* bytes of an x row (SEMANTICS.md 1 wants % 16 == 0;
                                         * other sizes work, with narrower accesses) */
         uint64_t scale_bytes;          /* bytes of a scales row; 0 for bf16 */

@@ -28,6 +28,15 @@ int epd__k_check_combine(const struct epd_k_combine_args *a, struct epd_ws_layou
 int epd__k_grid_blocks(const void *kernel, int threads, size_t smem, uint64_t work_blocks,
                        int *blocks);
 
+/* The shared memory a block of the current device may opt in to. */
+int epd__k_smem_optin(int *optin);
+
+/* Makes `kernel` launchable with `smem` bytes of dynamic shared memory on the current device:
+ * raises its limit when its static shared memory plus smem passes the 48 KB default (a launch
+ * over the limit fails with cudaErrorInvalidValue). EPD_INVALID_ARGUMENT when static + dynamic
+ * exceed what a block may opt in to. */
+int epd__k_dynamic_smem(const void *kernel, size_t smem);
+
 /* How to cut each of `rows` work rows of `total` units (bytes or values) into slices for a
  * grid-stride kernel with a warp per (row, slice): enough slices that every resident warp of the
  * current device gets about one item, so that a small op keeps as many loads in flight as a

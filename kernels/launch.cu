@@ -185,3 +185,32 @@ int epd__k_slicing(uint64_t rows, uint64_t total, uint64_t unit, uint64_t *len,
         *slices = (uint32_t)((total + *len - 1) / *len);
         return 0;
 }
+
+int epd__k_smem_optin(int *optin)
+{
+        int device;
+        cudaError_t err = cudaGetDevice(&device);
+
+        if (err == cudaSuccess)
+                err = cudaDeviceGetAttribute(optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                             device);
+        return epd__k_cuda_status(err);
+}
+
+int epd__k_dynamic_smem(const void *kernel, size_t smem)
+{
+        struct cudaFuncAttributes attr;
+        int optin, ret;
+
+        ret = epd__k_cuda_status(cudaFuncGetAttributes(&attr, kernel));
+        if (ret == 0)
+                ret = epd__k_smem_optin(&optin);
+        if (ret < 0)
+                return ret;
+        if (attr.sharedSizeBytes + smem > (size_t)optin)
+                return EPD_INVALID_ARGUMENT;
+        if (smem <= (size_t)attr.maxDynamicSharedSizeBytes)
+                return 0;
+        return epd__k_cuda_status(cudaFuncSetAttribute(
+                kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+}

@@ -26,8 +26,7 @@ static __global__ void __launch_bounds__(EPD_WS_CHUNK_TOKENS)
 extern "C" int epd_k_dispatch_count(const struct epd_k_dispatch_args *args, cudaStream_t stream)
 {
         struct epd_ws_layout l;
-        int device, optin, ret;
-        cudaError_t err;
+        int optin, ret;
 
         ret = epd__k_check_dispatch(args, &l);
         if (ret < 0)
@@ -36,12 +35,9 @@ extern "C" int epd_k_dispatch_count(const struct epd_k_dispatch_args *args, cuda
                 return 0;
 
         uint32_t keys = args->layout == EPD_LAYOUT_EXPAND ? args->num_experts : args->world_size;
-        err = cudaGetDevice(&device);
-        if (err == cudaSuccess)
-                err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                             device);
-        if (err != cudaSuccess)
-                return epd__k_cuda_status(err);
+        ret = epd__k_smem_optin(&optin);
+        if (ret < 0)
+                return ret;
 
         /* One warp per 32 tokens of a chunk (8), fewer if shared memory is short: the per-warp
          * counters and masks cost 8 bytes per key. A kilobyte stays free for the static shared
@@ -54,13 +50,9 @@ extern "C" int epd_k_dispatch_count(const struct epd_k_dispatch_args *args, cuda
                 return EPD_INVALID_ARGUMENT; /* cannot happen inside SEMANTICS.md's limits */
         size_t smem = count_smem_bytes(args->world_size, args->num_experts, keys,
                                        (uint32_t)warps);
-        if (smem > 48 * 1024) {
-                err = cudaFuncSetAttribute(count_kernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)smem);
-                if (err != cudaSuccess)
-                        return epd__k_cuda_status(err);
-        }
+        ret = epd__k_dynamic_smem((const void *)count_kernel, smem);
+        if (ret < 0)
+                return ret;
         uint64_t blocks = (uint64_t)args->num_local * l.num_chunks;
         if (blocks > INT32_MAX)
                 return EPD_INVALID_ARGUMENT;

@@ -25,7 +25,14 @@ if(EPD_HAVE_CUDA)
   add_test(NAME gpu_kernels COMMAND gpu_kernels_test)
   set_tests_properties(gpu_kernels PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 1200)
 
-  set(EPD_GPU_TESTS "bin/gpu_kernels_test\n")
+  # The realistic decode case alone, in a fresh process: a launch limit (dynamic shared memory)
+  # that an earlier case raised must not hide a launch that fails on its own, as the daemon
+  # runs it.
+  add_test(NAME gpu_kernels_decode_alone COMMAND gpu_kernels_test)
+  set_tests_properties(gpu_kernels_decode_alone PROPERTIES LABELS gpu SKIP_RETURN_CODE 77
+    TIMEOUT 300 ENVIRONMENT EPD_KTEST_MATCH=decode)
+
+  set(EPD_GPU_TESTS "bin/gpu_kernels_test\nEPD_KTEST_MATCH=decode bin/gpu_kernels_test\n")
 
   # Client processes whose tensors live in their own GPU memory (epd_region_register_device)
   # against the real daemon with the CUDA backend, checked bitwise against the reference.

@@ -75,7 +75,7 @@ static const struct num_key {
         { "daemon", "arena_bytes", FIELD(arena_bytes), 1ull << 40 },
         { "daemon", "max_arena_bytes", FIELD(max_arena_bytes), 1ull << 44 },
         { "daemon", "max_arena_segments", FIELD(max_arena_segments), 1024 },
-        { "daemon", "executor_spin_us", FIELD(executor_spin_us), 100000 },
+        { "daemon", "poll_us", FIELD(poll_us), 100000 },
         { "limits", "max_clients", FIELD(max_clients), 65536 },
         { "limits", "max_groups", FIELD(max_groups), 65536 },
         { "limits", "max_regions_per_client", FIELD(max_regions_per_client), 1u << 20 },
@@ -159,10 +159,10 @@ START_TEST(test_defaults)
         ck_assert_uint_eq(cfg.host_devices, 1);
         ck_assert_uint_eq(cfg.host_threads, 0);
         /* Unset, the executor's polling is chosen from the machine's CPUs. */
-        ck_assert_uint_eq(cfg.executor_spin_us, EPD_EXECUTOR_SPIN_AUTO);
+        ck_assert_uint_eq(cfg.poll_us, EPD_POLL_AUTO);
         /* Every other default lies within the range the key accepts. */
         for (unsigned i = 0; i < NUM_KEYS; i++)
-                if (num_keys[i].off != offsetof(struct epd_config, executor_spin_us))
+                if (num_keys[i].off != offsetof(struct epd_config, poll_us))
                         ck_assert_uint_le(field_u(&cfg, num_keys[i].off, num_keys[i].size),
                                           num_keys[i].max);
 }

@@ -12,7 +12,8 @@
  *
  * Exit: 0 when every case passes, 1 on any failure, 77 when no GPU is present (CTest skip).
  * Options: --quick (skip the realistic case), --case N (only case N), --seed S (base seed),
- *          --no-timing, --list.
+ *          --no-timing, --list. Environment EPD_KTEST_MATCH=S: only the cases whose name
+ *          contains S (and not the ordering checks).
  */
 #include <pthread.h>
 #include <stdarg.h>
@@ -827,7 +828,8 @@ static int route_small_ok(const struct ctx *x)
         return epd_k_dispatch_route_small_ok(&a);
 }
 
-/* The same dispatch with the one-block routing step instead of count, prefix and place. */
+/* The same dispatch with the one-block routing step instead of count, prefix and place, and the
+ * copy overlapping it (programmatic dependent launch). */
 static int gpu_dispatch_small(struct ctx *x)
 {
         struct epd_k_dispatch_args a;
@@ -835,9 +837,10 @@ static int gpu_dispatch_small(struct ctx *x)
         CK(cudaSetDevice(0));
         dev_dispatch_args(x, 0, &a);
         CKS(epd_k_dispatch_route_small(&a, x->stream[0]));
+        a.flags = EPD_K_COPY_OVERLAP; /* the copy overlaps the routing, as in the daemon */
+        CKS(epd_k_dispatch_copy(&a, x->stream[0]));
         CK(cudaMemcpyAsync(x->reply, x->ws, x->lay.reply_bytes, cudaMemcpyDeviceToHost,
                            x->stream[0]));
-        CKS(epd_k_dispatch_copy(&a, x->stream[0]));
         CK(cudaStreamSynchronize(x->stream[0]));
         return 0;
 }
@@ -1274,19 +1277,25 @@ static int time_chain(struct ctx *x, int iters, double *steps)
         return 0;
 }
 
-/* One device: the mean GPU time of the one-block routing step over `iters` back-to-back
- * launches (after one warm-up). */
-static int time_route_small(struct ctx *x, int iters, double *ms_out)
+/* One device: the mean GPU time of the one-block routing step alone (with_copy 0), or of the
+ * routing followed by the overlapped copy (with_copy 1), over `iters` back-to-back launches
+ * after one warm-up. */
+static int time_route_small(struct ctx *x, int with_copy, int iters, double *ms_out)
 {
         struct epd_k_dispatch_args a;
         float ms;
 
         CK(cudaSetDevice(0));
         dev_dispatch_args(x, 0, &a);
-        CKS(epd_k_dispatch_route_small(&a, x->stream[0]));
-        CK(cudaEventRecord(x->ev_t0[0], x->stream[0]));
-        for (int i = 0; i < iters; i++)
+        for (int i = 0; i <= iters; i++) {
+                if (i == 1)
+                        CK(cudaEventRecord(x->ev_t0[0], x->stream[0]));
+                a.flags = 0;
                 CKS(epd_k_dispatch_route_small(&a, x->stream[0]));
+                a.flags = EPD_K_COPY_OVERLAP;
+                if (with_copy)
+                        CKS(epd_k_dispatch_copy(&a, x->stream[0]));
+        }
         CK(cudaEventRecord(x->ev_t1[0], x->stream[0]));
         CK(cudaEventSynchronize(x->ev_t1[0]));
         CK(cudaEventElapsedTime(&ms, x->ev_t0[0], x->ev_t1[0]));
@@ -1324,10 +1333,11 @@ static int report_timing(struct ctx *x, double ceiling)
                                 }
         if (time_step(x, 0, 10, &ms_copy) < 0 || time_step(x, 1, 10, &ms_comb) < 0)
                 return -1;
-        double steps[4], ms_small = 0;
+        double steps[4], ms_small = 0, ms_small_copy = 0;
         if (x->ndev == 1 && time_chain(x, 10, steps) < 0)
                 return -1;
-        if (route_small_ok(x) && time_route_small(x, 20, &ms_small) < 0)
+        if (route_small_ok(x) && (time_route_small(x, 0, 20, &ms_small) < 0 ||
+                                  time_route_small(x, 1, 20, &ms_small_copy) < 0))
                 return -1;
         double disp_floor = 2.0 * rows * (x->row_bytes + x->scale_bytes);
         double disp_meta = 2.0 * rows * (x->row_bytes + x->scale_bytes + meta);
@@ -1351,8 +1361,10 @@ static int report_timing(struct ctx *x, double ceiling)
                        steps[0] + steps[1] + steps[2] + steps[3], steps[0], steps[1], steps[2],
                        steps[3]);
         if (ms_small > 0)
-                printf("    one-block routing %.3f ms (replaces count + prefix + place)\n",
-                       ms_small);
+                printf("    one-block routing %.3f ms (replaces count + prefix + place); with the "
+                       "overlapped copy %.3f ms: floor bytes %.0f GB/s = %.1f%% of ceiling\n",
+                       ms_small, ms_small_copy, disp_floor / (ms_small_copy * 1e-3) / 1e9,
+                       100.0 * disp_floor / (ms_small_copy * 1e-3) / 1e9 / ceiling);
         printf("    combine kernel: %.3f ms, %llu rows read, %llu rows written; floor %.0f GB/s "
                "= %.1f%% of ceiling\n",
                ms_comb, (unsigned long long)contrib, (unsigned long long)tokens,
@@ -1886,7 +1898,8 @@ int main(int argc, char **argv)
                 }
                 cudaSetDevice(0);
         }
-        if (!list && only < 0) {
+        const char *match = getenv("EPD_KTEST_MATCH");
+        if (!list && only < 0 && !match) {
                 int fails = 0;
                 printf("ordering primitives:\n");
                 int ret = test_ordering(&fails);
@@ -1903,7 +1916,8 @@ int main(int argc, char **argv)
                                c->E, c->T, c->KO, c->H);
                         continue;
                 }
-                if ((only >= 0 && i != only) || (quick && c->big))
+                if ((only >= 0 && i != only) || (quick && c->big) ||
+                    (match && !strstr(c->name, match)))
                         continue;
                 if (c->spread && !have_spread) {
                         printf("case %2d seed 0x%llx: %s: SKIP (needs 2+ GPUs with peer "
