@@ -594,10 +594,11 @@ oom:
         goto fail;
 cuda_error:
         ex->status = EPD_UNAVAILABLE;
+        /* A runtime call's error is still pending; a launcher's was taken by the launcher,
+         * which keeps it (epd_k_last_cuda_error). */
+        ce = cudaGetLastError();
         snprintf(ex->message, sizeof(ex->message), "CUDA error: %s",
-                 cudaGetErrorString(epd_k_last_cuda_error() != cudaSuccess
-                                            ? epd_k_last_cuda_error()
-                                            : cudaGetLastError()));
+                 cudaGetErrorString(ce != cudaSuccess ? ce : epd_k_last_cuda_error()));
 fail:
         epd_exec_release_new_arenas(ex);
         if (fresh) {
@@ -687,8 +688,9 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                 return -1;
         if (rc < 0) {
                 ex->status = rc;
+                cudaError_t ce = cudaGetLastError();
                 snprintf(ex->message, sizeof(ex->message), "CUDA error in combine: %s",
-                         cudaGetErrorString(cudaGetLastError()));
+                         cudaGetErrorString(ce != cudaSuccess ? ce : epd_k_last_cuda_error()));
                 return -1;
         }
         ex->kernel_ns = op_kernel_ns(cb, W);
