@@ -492,14 +492,20 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         /* A small NON_EXPAND op of a one-GPU group is routed by one block (count, prefix and
          * place in one launch, kernels/route_small.cu); otherwise count on every device, prefix
          * on W (or recheck for a cached dispatch), place on every device. */
-        const int small = fresh && ndev == 1 && epd_k_dispatch_route_small_ok(&args[W]);
+        int small = 0;
+        if (fresh && ndev == 1) {
+                /* EPD_INVALID_ARGUMENT, before anything is queued: not a small op. */
+                cudaSetDevice(W);
+                rc = epd_k_dispatch_route_small(&args[W], cb->dev[W].stream);
+                small = rc == 0;
+                if (rc == EPD_INVALID_ARGUMENT)
+                        rc = 0;
+        }
         if (!fresh) {
                 cudaSetDevice(W);
                 rc = epd_k_dispatch_recheck(&args[W], cb->dev[W].stream);
         } else if (small) {
-                cudaSetDevice(W);
-                rc = epd_k_dispatch_route_small(&args[W], cb->dev[W].stream);
-                if (rc == 0 && !arena) {
+                if (!arena) {
                         /* The copy overlaps the routing block (programmatic dependent launch:
                          * nothing may sit between the two); the reply block follows both. */
                         args[W].flags |= EPD_K_COPY_OVERLAP;
