@@ -14,17 +14,15 @@ static inline void cpu_relax(void)
 #endif
 }
 
-/* Polls for a queued exec for up to spin_ns, without the lock; 1 when one is there. */
-static int spin_for_work(struct epd_executor *e)
+/* Polls, without the lock, until an exec is queued or spin_ns has passed. */
+static void spin_for_work(struct epd_executor *e)
 {
         uint64_t end = epd__now_ns() + e->spin_ns;
 
-        for (unsigned i = 0;; i++) {
-                if (atomic_load_explicit(&e->queued, memory_order_acquire) != 0)
-                        return 1;
+        for (unsigned i = 0; atomic_load_explicit(&e->queued, memory_order_acquire) == 0; i++) {
                 cpu_relax();
                 if ((i & 63) == 63 && epd__now_ns() > end)
-                        return 0;
+                        return;
         }
 }
 

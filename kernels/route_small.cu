@@ -33,7 +33,8 @@
  */
 #include <stdint.h>
 
-#include "route_steps.cuh"
+#include "internal.cuh"
+#include "verdict.cuh"
 
 #define SMALL_THREADS 1024
 #define SMALL_WARPS (SMALL_THREADS / 32)

@@ -678,6 +678,25 @@ static void workers_run(struct h_daemon *d, struct shared *sh, int (*worker)(voi
                       sh->c.name, sh->variant, (unsigned long long)sh->c.seed, failures);
 }
 
+/* One case from start to clean stop: a daemon (with extra_args), the shared state (adjusted by
+ * `setup` when not NULL), one `worker` per rank. */
+static void run_case(const struct wl_case *c, int variant, const char *what,
+                     const char *const *extra_args, void (*setup)(struct shared *),
+                     int (*worker)(void *, int))
+{
+        struct h_daemon d;
+        struct shared *sh;
+
+        announce(c, variant, what);
+        daemon_start(&d, extra_args);
+        sh = shared_new(&d, c, variant);
+        if (setup)
+                setup(sh);
+        workers_run(&d, sh, worker);
+        munmap(sh, sizeof(*sh));
+        daemon_stop_clean(&d);
+}
+
 /* name, seed, R, E, H, T, K, dtype, topk dtype, layout, align, zero_pad, weights, routing,
  * -1 probability, tokens, biases, apply_weights, arena, cached, steps, row padding, arena bytes
  * (only the group shape, the inputs' options and the seed matter here) */
@@ -748,16 +767,8 @@ static int capacity_worker(void *arg, int index)
 
 START_TEST(test_capacity_client_outputs)
 {
-        const struct wl_case *c = &capacity_cases[_i];
-        struct h_daemon d;
-        struct shared *sh;
-
-        announce(c, _i, "capacity, client outputs");
-        daemon_start(&d, NULL);
-        sh = shared_new(&d, c, _i);
-        workers_run(&d, sh, capacity_worker);
-        munmap(sh, sizeof(*sh));
-        daemon_stop_clean(&d);
+        run_case(&capacity_cases[_i], _i, "capacity, client outputs", NULL, NULL,
+                 capacity_worker);
 }
 END_TEST
 
@@ -818,18 +829,14 @@ static int arena_worker(void *arg, int index)
         return rank_close(rk);
 }
 
+static void small_arena(struct shared *sh)
+{
+        sh->arena_bytes = SMALL_ARENA;
+}
+
 START_TEST(test_capacity_arena)
 {
-        struct h_daemon d;
-        struct shared *sh;
-
-        announce(&arena_case, 0, "capacity, output arena");
-        daemon_start(&d, NULL);
-        sh = shared_new(&d, &arena_case, 0);
-        sh->arena_bytes = SMALL_ARENA;
-        workers_run(&d, sh, arena_worker);
-        munmap(sh, sizeof(*sh));
-        daemon_stop_clean(&d);
+        run_case(&arena_case, 0, "capacity, output arena", NULL, small_arena, arena_worker);
 }
 END_TEST
 
@@ -1045,20 +1052,13 @@ static int mismatch_worker(void *arg, int index)
 START_TEST(test_mismatch)
 {
         struct wl_case c = mismatch_case;
-        struct h_daemon d;
-        struct shared *sh;
 
         c.name = mismatch_names[_i];
         if (_i == MM_APPLY_WEIGHTS_NON_EXPAND)
                 c.layout = NE;
         if (_i == MM_APPLY_WEIGHTS_NO_WEIGHTS)
                 c.has_weights = 0;
-        announce(&c, _i, "mismatch across ranks");
-        daemon_start(&d, NULL);
-        sh = shared_new(&d, &c, _i);
-        workers_run(&d, sh, mismatch_worker);
-        munmap(sh, sizeof(*sh));
-        daemon_stop_clean(&d);
+        run_case(&c, _i, "mismatch across ranks", NULL, NULL, mismatch_worker);
 }
 END_TEST
 
@@ -1147,16 +1147,7 @@ static int route_worker(void *arg, int index)
 
 START_TEST(test_invalid_routing)
 {
-        const struct wl_case *c = &route_cases[_i];
-        struct h_daemon d;
-        struct shared *sh;
-
-        announce(c, _i, "invalid routing");
-        daemon_start(&d, NULL);
-        sh = shared_new(&d, c, _i);
-        workers_run(&d, sh, route_worker);
-        munmap(sh, sizeof(*sh));
-        daemon_stop_clean(&d);
+        run_case(&route_cases[_i], _i, "invalid routing", NULL, NULL, route_worker);
 }
 END_TEST
 
@@ -1220,19 +1211,18 @@ static int timeout_worker(void *arg, int index)
         return rank_close(rk);
 }
 
+/* Variant 0: the group sets its own timeout; variant 1: the daemon's default applies. */
+static void group_timeout(struct shared *sh)
+{
+        sh->op_timeout_ms = sh->variant ? 0 : 300;
+}
+
 START_TEST(test_timeout)
 {
         static const char *const daemon_args[] = { "--op-timeout-ms", "200", NULL };
-        struct h_daemon d;
-        struct shared *sh;
 
-        announce(&timeout_case, _i, _i ? "timeout, daemon default" : "timeout, group config");
-        daemon_start(&d, _i ? daemon_args : NULL);
-        sh = shared_new(&d, &timeout_case, _i);
-        sh->op_timeout_ms = _i ? 0 : 300;
-        workers_run(&d, sh, timeout_worker);
-        munmap(sh, sizeof(*sh));
-        daemon_stop_clean(&d);
+        run_case(&timeout_case, _i, _i ? "timeout, daemon default" : "timeout, group config",
+                 _i ? daemon_args : NULL, group_timeout, timeout_worker);
 }
 END_TEST
 
@@ -1440,15 +1430,7 @@ static int cached_worker(void *arg, int index)
 
 START_TEST(test_cached_dispatch_errors)
 {
-        struct h_daemon d;
-        struct shared *sh;
-
-        announce(&cached_case, 0, "cached dispatch errors");
-        daemon_start(&d, NULL);
-        sh = shared_new(&d, &cached_case, 0);
-        workers_run(&d, sh, cached_worker);
-        munmap(sh, sizeof(*sh));
-        daemon_stop_clean(&d);
+        run_case(&cached_case, 0, "cached dispatch errors", NULL, NULL, cached_worker);
 }
 END_TEST
 
@@ -1500,15 +1482,7 @@ static int release_worker(void *arg, int index)
 
 START_TEST(test_released_handle)
 {
-        struct h_daemon d;
-        struct shared *sh;
-
-        announce(&release_case, 0, "released handle");
-        daemon_start(&d, NULL);
-        sh = shared_new(&d, &release_case, 0);
-        workers_run(&d, sh, release_worker);
-        munmap(sh, sizeof(*sh));
-        daemon_stop_clean(&d);
+        run_case(&release_case, 0, "released handle", NULL, NULL, release_worker);
 }
 END_TEST
 

@@ -1324,38 +1324,36 @@ static void daemon_stop_clean(struct h_daemon *d)
         ck_assert_msg(rc == 0, "epd exited with %d", rc);
 }
 
-START_TEST(test_matrix)
+/* One case from start to clean stop: a daemon, `workers` processes running `worker`, every
+ * worker passing, and a small op that proves the daemon's context still works. */
+static void run_case(const struct gcase *gc, const char *what, const char *label,
+                     int (*worker)(void *, int), int workers)
 {
-        const struct gcase *gc = &matrix[_i];
         struct h_daemon d;
         struct shared *sh;
         int failures;
 
-        announce(gc, "matrix");
+        announce(gc, what);
         daemon_start(&d);
         sh = shared_new(&d, gc);
-        failures = spawn_and_wait(sh, matrix_worker, (int)gc->c.world_size);
+        failures = spawn_and_wait(sh, worker, workers);
         munmap(sh, sizeof(*sh));
-        expect_ok(&d, failures, gc->c.name, gc->c.seed);
-        probe_daemon(&d, gc->c.name);
+        expect_ok(&d, failures, label, gc->c.seed);
+        probe_daemon(&d, label);
         daemon_stop_clean(&d);
+}
+
+START_TEST(test_matrix)
+{
+        const struct gcase *gc = &matrix[_i];
+
+        run_case(gc, "matrix", gc->c.name, matrix_worker, (int)gc->c.world_size);
 }
 END_TEST
 
 START_TEST(test_capacity)
 {
-        struct h_daemon d;
-        struct shared *sh;
-        int failures;
-
-        announce(&capacity_case, "CAPACITY_EXCEEDED");
-        daemon_start(&d);
-        sh = shared_new(&d, &capacity_case);
-        failures = spawn_and_wait(sh, capacity_worker, 2);
-        munmap(sh, sizeof(*sh));
-        expect_ok(&d, failures, "capacity", capacity_case.c.seed);
-        probe_daemon(&d, "capacity");
-        daemon_stop_clean(&d);
+        run_case(&capacity_case, "CAPACITY_EXCEEDED", "capacity", capacity_worker, 2);
 }
 END_TEST
 
@@ -1470,18 +1468,7 @@ static int stream_worker(void *arg, int index)
 
 START_TEST(test_stream_order)
 {
-        struct h_daemon d;
-        struct shared *sh;
-        int failures;
-
-        announce(&stream_case, "stream ordering");
-        daemon_start(&d);
-        sh = shared_new(&d, &stream_case);
-        failures = spawn_and_wait(sh, stream_worker, 2);
-        munmap(sh, sizeof(*sh));
-        expect_ok(&d, failures, "stream ordering", stream_case.c.seed);
-        probe_daemon(&d, "stream_order");
-        daemon_stop_clean(&d);
+        run_case(&stream_case, "stream ordering", "stream ordering", stream_worker, 2);
 }
 END_TEST
 

@@ -1,0 +1,66 @@
+/* verdict.cuh - the capacity check and the verdict of a dispatch, shared by the prefix and
+ * recheck steps (route.cu) and the one-block routing (route_small.cu).
+ */
+#ifndef EPD_KERNELS_VERDICT_CUH
+#define EPD_KERNELS_VERDICT_CUH
+
+#include <stdint.h>
+
+#include "internal.cuh"
+
+/* Capacity of every destination against its rows; returns through shared counters. */
+static __device__ void check_capacity(const struct epd_k_dispatch_args *a,
+                                      const struct epd_ws_layout *l, uint32_t d,
+                                      uint32_t *num_short, uint32_t *first_short)
+{
+        int64_t rows = a->layout == EPD_LAYOUT_EXPAND
+                               ? epd_ws_num_expanded_rows(a->workspace, l, d)
+                               : epd_ws_num_recv_tokens(a->workspace, l, d);
+
+        if ((uint64_t)rows > a->ranks[d].capacity_rows) {
+                atomicAdd(num_short, 1u);
+                atomicMin(first_short, d);
+        }
+}
+
+/* Writes the verdict: details first, status last with a .sys release, so that whoever acquires
+ * a non-zero status (the data kernels of every device, the host through its copy of the reply
+ * block after the stream completes) also sees the details. */
+static __device__ void write_verdict(const struct epd_k_dispatch_args *a,
+                                     const struct epd_ws_layout *l, uint32_t first_bad_src,
+                                     uint32_t first_bad_chunk, uint32_t num_short,
+                                     uint32_t first_short)
+{
+        struct epd_ws_error *rec = epd_ws_error_rec(a->workspace, l);
+        int32_t status = 0;
+
+        rec->reason = EPD_WS_REASON_NONE;
+        rec->rank = 0;
+        rec->num_short = 0;
+        rec->token = 0;
+        rec->pos = 0;
+        rec->value = 0;
+        rec->capacity = 0;
+        if (first_bad_src != UINT32_MAX) {
+                const struct epd_ws_src_error *se =
+                        epd_ws_chunk_errors(a->workspace, l) + first_bad_chunk;
+                status = EPD_INVALID_ARGUMENT;
+                rec->reason = se->reason;
+                rec->rank = (int32_t)first_bad_src;
+                rec->token = se->token;
+                rec->pos = se->pos;
+                rec->value = se->value;
+        } else if (num_short != 0) {
+                status = EPD_CAPACITY_EXCEEDED;
+                rec->reason = EPD_WS_REASON_CAPACITY;
+                rec->rank = (int32_t)first_short;
+                rec->num_short = (int32_t)num_short;
+                rec->value = a->layout == EPD_LAYOUT_EXPAND
+                                     ? epd_ws_num_expanded_rows(a->workspace, l, first_short)
+                                     : epd_ws_num_recv_tokens(a->workspace, l, first_short);
+                rec->capacity = (int64_t)a->ranks[first_short].capacity_rows;
+        }
+        epd_st_release_sys_s32(&rec->status, status);
+}
+
+#endif
