@@ -57,8 +57,13 @@ cat "$out/machine.txt"
 
 # One benchmark run: NAME, then epd-bench's arguments.
 run() {
-        local name=$1 now rc limit
+        local name=$1 now rc limit pat match=${ONLY:+0}
         shift
+        for pat in ${ONLY:-}; do
+                # shellcheck disable=SC2254
+                case "$name" in $pat) match=1 ;; esac
+        done
+        [ "${match:-1}" = 1 ] || return 0
         now=$(date +%s)
         limit=$((start + budget - now))
         [ "$limit" -le "$run_timeout" ] || limit=$run_timeout
@@ -91,16 +96,20 @@ workloads() {
 
 # ---- MPS off: make sure no control daemon of ours is in the environment ----
 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-workloads mps-off
-alloc=cudamalloc run prefill-ipc-mps-off --workload prefill --ranks 8
-alloc=cudamalloc run prefill-bf16-ipc-mps-off --workload prefill-bf16 --ranks 8
+if [ "${MPS:-both}" != on ]; then
+        workloads mps-off
+        alloc=cudamalloc run prefill-ipc-mps-off --workload prefill --ranks 8
+        alloc=cudamalloc run prefill-bf16-ipc-mps-off --workload prefill-bf16 --ranks 8
+fi
 
 # ---- MPS on: a private control daemon; the benchmark, its daemon and workers inherit the
 # pipe directory and so become MPS clients ----
 mps_ctl=$(command -v nvidia-cuda-mps-control || true)
 [ -n "$mps_ctl" ] || [ ! -x /usr/local/nvidia/bin/nvidia-cuda-mps-control ] ||
         mps_ctl=/usr/local/nvidia/bin/nvidia-cuda-mps-control
-if [ -z "$mps_ctl" ]; then
+if [ "${MPS:-both}" = off ]; then
+        :
+elif [ -z "$mps_ctl" ]; then
         echo "run-h200: nvidia-cuda-mps-control not found: no MPS runs" | tee -a "$out/summary.txt"
         failed=1
 else
@@ -119,6 +128,7 @@ else
 fi
 
 cat "$out"/*-mps-*.jsonl > "$out/all.jsonl" 2>/dev/null || true
+[ -s "$out/all.jsonl" ] || { echo "run-h200: no results" >&2; exit 1; }
 # One line per result; python3 is on the H200 image (it holds PyTorch).
 python3 - "$out/all.jsonl" >> "$out/summary.txt" <<'EOF' || true
 import json, sys

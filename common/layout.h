@@ -26,6 +26,10 @@
  *                               the source's entries with that key in earlier chunks
  *     chunk_error       struct epd_ws_src_error [R src][C]   written by count: the chunk's first
  *                               bad entry
+ *   small_sync          struct epd_ws_small_sync, then uint32 flag[R * C]: the small routing's
+ *                               block tickets and chunk flags (kernels/route_small.cu). Zero when
+ *                               the workspace is allocated (epd_k_workspace_init); the kernel
+ *                               leaves it zero again.
  *   per (source, token, top-k position); source s owns entries [s*T*K, (s+1)*T*K) and entry
  *   (t, k) of it sits at t*K_op + k, packed by the op's K_op like struct epd_plan's rows
  *     topk              int32    normalised expert ids (-1 for none)
@@ -81,6 +85,14 @@ struct epd_ws_src_error {
         int64_t value;
 };
 
+/* The small routing's grid-wide counters (kernels/route_small.cu), followed by one flag per
+ * chunk in the op's flat chunk order. */
+struct epd_ws_small_sync {
+        uint32_t ticket; /* blocks that have started: a block's ticket is its chunk */
+        uint32_t done;   /* blocks that have finished their chunk */
+        uint32_t reserved[2];
+};
+
 struct epd_ws_layout {
         uint32_t world_size;        /* R */
         uint32_t num_experts;       /* E */
@@ -100,6 +112,7 @@ struct epd_ws_layout {
         uint64_t chunk_count;
         uint64_t chunk_base;
         uint64_t chunk_error;
+        uint64_t small_sync;
         uint64_t topk;
         uint64_t local;
         uint64_t row;
@@ -156,6 +169,8 @@ EPD_HD void epd_ws_layout_init(struct epd_ws_layout *l, uint32_t world_size,
         off = epd_ws_align(off + 4 * r * l->num_chunks * e);
         l->chunk_error = off;
         off = epd_ws_align(off + sizeof(struct epd_ws_src_error) * r * l->num_chunks);
+        l->small_sync = off;
+        off = epd_ws_align(off + sizeof(struct epd_ws_small_sync) + 4 * r * l->num_chunks);
 
         l->topk = off;
         off = epd_ws_align(off + 4 * entries);
@@ -195,6 +210,17 @@ EPD_HD struct epd_ws_error *epd_ws_error_rec(void *base, const struct epd_ws_lay
 EPD_HD struct epd_ws_src_error *epd_ws_chunk_errors(void *base, const struct epd_ws_layout *l)
 {
         return (struct epd_ws_src_error *)((uint8_t *)base + l->chunk_error);
+}
+
+EPD_HD struct epd_ws_small_sync *epd_ws_small_sync(void *base, const struct epd_ws_layout *l)
+{
+        return (struct epd_ws_small_sync *)((uint8_t *)base + l->small_sync);
+}
+
+/* Flag of flat chunk j, after the counters. */
+EPD_HD uint32_t *epd_ws_small_flags(void *base, const struct epd_ws_layout *l)
+{
+        return (uint32_t *)(epd_ws_small_sync(base, l) + 1);
 }
 
 /* Rows destination d receives in the layout, read from the reply block (host copy or device). */

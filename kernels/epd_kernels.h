@@ -158,18 +158,23 @@ int epd_k_dispatch_recheck(const struct epd_k_dispatch_args *args, cudaStream_t 
 
 int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t stream);
 
-/* One-block routing for small ops (route_small.cu): count, prefix and place in one launch, for a
- * NON_EXPAND op whose ranks all live on the launching device (num_local == world_size <= 64)
- * with at most EPD_K_SMALL_MAX_TOKENS local tokens. It leaves the verdict, the reply block,
- * the counts and every entry's row exactly as the three steps do, so copy, combine and cached
- * dispatch follow it unchanged:  route_small -> [reply copy] -> copy. It also asks L2 for the
- * source rows when they fit, so the copy after it reads them from there.
+/* Routing for small ops in one launch (route_small.cu): count, prefix and place for a
+ * NON_EXPAND op whose ranks all live on the launching device (num_local == world_size <= 64,
+ * local[] in ascending rank order) with at most EPD_K_SMALL_MAX_TOKENS local tokens, one block
+ * per chunk of a source, meeting through flags in the workspace. It leaves the verdict, the reply
+ * block, the counts and every entry's row exactly as the three steps do, so copy, combine and
+ * cached dispatch follow it unchanged:  route_small -> copy (overlapped) -> [reply copy].
+ * The workspace's small-routing counters must be zero before its first use: call
+ * epd_k_workspace_init once after allocating it (the kernel leaves them zero again).
  * epd_k_dispatch_route_small_ok says whether an op qualifies (1) or not (0);
  * epd_k_dispatch_route_small returns EPD_INVALID_ARGUMENT, before queueing anything, for one
  * that does not. */
 #define EPD_K_SMALL_MAX_TOKENS 4096u
 int epd_k_dispatch_route_small_ok(const struct epd_k_dispatch_args *args);
 int epd_k_dispatch_route_small(const struct epd_k_dispatch_args *args, cudaStream_t stream);
+/* Zeroes the small routing's counters of a freshly allocated workspace, on `stream`. */
+int epd_k_workspace_init(void *workspace, uint32_t world_size, uint32_t num_experts,
+                         uint32_t max_tokens, uint32_t max_topk, cudaStream_t stream);
 
 /* Loads every kernel of this library into the current device's context. Call it once per
  * device before the first op (the daemon at device start; libepd at attach): CUDA loads modules

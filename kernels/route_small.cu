@@ -1,106 +1,162 @@
-/* route_small.cu - the routing of a small NON_EXPAND op in one block: count, prefix and place in
- * one launch, for a group whose ranks all live on the launching GPU.
+/* route_small.cu - the routing of a small NON_EXPAND op in one launch: count, prefix and place,
+ * for a group whose ranks all live on the launching GPU.
  *
- * The step sequence (route.cu) spreads a large op over many blocks and pays for it with three
- * dependent launches and, inside each step, phases that wait on global memory: about 40 us for a
- * decode-sized op (8 ranks x 128 tokens), twice the copy that follows. A small op fits one
- * block: its tokens are taken 1024 at a time in the local flat order (source-major, then
- * token), one thread per token. The token's top-k row is validated and normalised in one pass;
- * its destinations (first position per rank, SEMANTICS.md 2) are a bit mask. Because the flat
- * order is source-major, the row of (s, t) at destination d is the number of earlier tokens of
- * the flat order going to d:
+ * The step sequence (route.cu) pays three dependent launches and, inside each step, phases that
+ * wait on global memory: about 40 us for a decode-sized op (8 ranks x 128 tokens), twice the
+ * copy that follows. Here one block takes one chunk of EPD_WS_CHUNK_TOKENS tokens of one
+ * source, one thread per token, and the blocks meet through flags in the workspace instead of
+ * kernel boundaries. (The version before this one routed the whole op in a single block of 1024
+ * threads: ncu measured 28.7 us for decode, most of it one SM issuing every token's work and
+ * serial loops over the totals; see docs/performance.md.)
+ *
+ * The chunks are numbered in the local flat order (source-major, then token; sources ascending
+ * by rank, as the daemon builds `local`), and the row of token (s, t) at destination d is the
+ * number of tokens before it in that order that go to d:
  *     rank_prefix[d][s] + #{t' < t of s going to d}  =  #{(s', t') before (s, t) going to d}
- * which a warp ballot per destination and a scan of the 32 warp totals give directly. The counts
- * (tok_count, sel_count) are shared-memory integer additions, the prefixes and expert bases
- * small loops over them, and the verdict the same write_verdict as the prefix step, so the
- * workspace ends up exactly as after count + prefix + place (tests/gpu compares every array):
- * combine, cached dispatch and the copy step read it the same way. Only the chunk arrays and
- * `local`, which nothing after place reads, are left unwritten.
+ *   = (tokens of earlier chunks going to d) + (earlier warps of the chunk) + (earlier lanes).
  *
- * The copy step can overlap it: launched as this kernel's programmatic dependent (args.flags
- * EPD_K_COPY_OVERLAP), its blocks start on the other multiprocessors at once and pull their
- * first source rows into L2 while this one block routes (an earlier version prefetched from
- * this block with cp.async.bulk.prefetch.L2 and took 74-78 us instead of 44: one SM's
- * bulk-copy unit cannot fetch a whole op's rows quickly).
+ *   1. A block takes a ticket (an atomic counter): ticket j is flat chunk j. Tickets rather than
+ *      blockIdx make the waits below safe: a block waits only on chunks with lower tickets,
+ *      whose blocks have started and never wait on it, so they finish whatever the scheduler
+ *      does with blocks that have not started.
+ *   2. Each thread validates and normalises its token's top-k row (the count step's pass A),
+ *      writes topk and row = -1 for its entries, and forms its destination mask (the first
+ *      position per rank, SEMANTICS.md 2). A ballot per destination gives each warp's count;
+ *      the chunk's counts (tokens per destination, selections per expert) and first bad entry go
+ *      to chunk_count / chunk_error exactly as the count step writes them, and the chunk's flag
+ *      is raised.
+ *   3. The block adds up the destination counts of all earlier chunks (waiting for each one's
+ *      flag) and writes the row of each first position.
+ *   4. The last block to finish (a second counter) turns the chunk counts into the prefix step's
+ *      results: tok_count, sel_count, rank_prefix, expert_src_prefix, expert_count,
+ *      expert_aligned, expert_base, the capacity check and the verdict (write_verdict, shared
+ *      with route.cu), so the workspace ends up as after count + prefix + place (tests/gpu
+ *      compares every array the copy, combine and cached dispatch read). It then puts the
+ *      counters and flags back to zero for the next op on this workspace. chunk_base and `local`,
+ *      which nothing after place reads, are left unwritten.
  *
- * Memory ordering: one block does everything; each phase that reads what other threads wrote
- * (shared counters, the rank_prefix the capacity check reads back) follows a __syncthreads(),
- * which orders shared and global memory among the block's threads. The verdict is published
- * last with a .sys release (write_verdict). The copy kernel after it on the same stream reads
- * nothing written here before this grid has completed: a kernel boundary, or, when it overlaps
- * this kernel, its griddepcontrol.wait, which returns only once this grid has completed and
- * its stores are visible.
+ * The copy step overlaps it: launched as this kernel's programmatic dependent (args.flags
+ * EPD_K_COPY_OVERLAP), its blocks start on the free multiprocessors as soon as every block here
+ * has started, and pull their first source rows into L2 while the routing runs.
+ *
+ * Memory ordering (all words live in the launching GPU's workspace and every reader is a block
+ * of this grid or a later kernel on this GPU, hence .gpu scope):
+ *   - chunk counts and error: written by the chunk's threads; __syncthreads(), then thread 0's
+ *     fence.acq_rel.gpu and st.release.gpu of the chunk flag publish them (the fence is
+ *     cumulative over what bar.sync ordered before it). A reader thread acquires the flag with
+ *     ld.acquire.gpu before it loads that chunk's counts.
+ *   - rows, topk and chunk data for the last block: each block's threads write them, then
+ *     __syncthreads(), then thread 0 fences (acq_rel, gpu) and increments `done`. The block that
+ *     draws done = gridDim - 1 fences again after its increment, so its reads after the
+ *     following __syncthreads() see every block's writes (the increments form one modification
+ *     order, each block's fence orders its writes before its increment).
+ *   - the counters and flags are reset by the last block, after every block has counted itself
+ *     done, i.e. after their last read of them; the next kernel on this workspace runs after
+ *     this grid has completed (stream or event order), a kernel boundary that makes the resets
+ *     visible.
+ *   - the verdict is published last with a .sys release (write_verdict). The copy kernel reads
+ *     nothing written here before this grid has completed: a kernel boundary, or, when it
+ *     overlaps this kernel, its griddepcontrol.wait, which returns only once this grid has
+ *     completed and its stores are visible.
  */
 #include <stdint.h>
 
 #include "internal.cuh"
 #include "verdict.cuh"
 
-#define SMALL_THREADS 1024
+#define SMALL_THREADS EPD_WS_CHUNK_TOKENS /* one thread per token of a chunk */
 #define SMALL_WARPS (SMALL_THREADS / 32)
 #define SMALL_MAX_RANKS 64 /* destinations are bits of a 64-bit mask */
 
 /* Each thread's normalised top-k row lives in shared memory at a stride of num_topk rounded up
- * to odd, so that a warp's threads reading the same position hit 32 different banks (an
- * earlier version kept it in local memory: 44 us against 42 us with shared memory; the one-pass
- * token loop below then took it to 29 us). */
+ * to odd, so that a warp's threads reading the same position hit 32 different banks. */
 static __host__ __device__ uint32_t small_row_stride(uint32_t num_topk)
 {
         return num_topk | 1u;
 }
 
-/* Dynamic shared memory, int32: sel[R][E], tok[R][R], ecount[E], wtot[SMALL_WARPS][R],
- * carry[R], rows[SMALL_THREADS][stride]. */
+/* Dynamic shared memory, int32: bsel[E], wtot[SMALL_WARPS][R], base[R], then one region used
+ * first for the token rows (rows[SMALL_THREADS][stride]) and, in the last block, for the op's
+ * totals (tok[R][R], sel[R][E], ecount[E]). */
+static __host__ __device__ uint64_t small_region_words(uint32_t world_size, uint32_t num_experts,
+                                                       uint32_t num_topk)
+{
+        const uint64_t rows = (uint64_t)SMALL_THREADS * small_row_stride(num_topk);
+        const uint64_t totals = (uint64_t)world_size * world_size +
+                                (uint64_t)world_size * num_experts + num_experts;
+        return rows > totals ? rows : totals;
+}
+
 static __host__ __device__ uint64_t small_smem_bytes(uint32_t world_size, uint32_t num_experts,
                                                     uint32_t num_topk)
 {
-        return 4ull * ((uint64_t)world_size * num_experts + (uint64_t)world_size * world_size +
-                       num_experts + (uint64_t)(SMALL_WARPS + 1) * world_size +
-                       (uint64_t)SMALL_THREADS * small_row_stride(num_topk));
+        return 4ull * (num_experts + (uint64_t)(SMALL_WARPS + 1) * world_size +
+                       small_region_words(world_size, num_experts, num_topk));
 }
 
-/* One token (flat index g, when g < local_tokens): validates and normalises its top-k row into
- * the workspace and into nrow (this thread's shared row, each valid entry packed as
- * expert | destination << 16, -1 otherwise), adds its selections and destinations to the shared
- * counts, and returns its destination mask; *first gets the first-position bits and *ent its
- * first entry.
- *
- * One pass does what the count step does in three, because a lone block is limited by the
- * instructions it issues and their latency (ncu: an earlier version that divided by L in nested
- * loops executed 153k warp instructions in 42 us; this one 81k in 29 us): an id repeats an earlier raw id exactly when it equals an
- * earlier normalised one (the first occurrence of an in-range id is never normalised away), so
- * the raw row need not be kept; and a valid position is the first for its destination exactly
- * when no earlier valid position has that destination (epd_route_is_first_for_rank), which a
- * running mask of the destinations seen answers with one division per entry. */
-/* What the tokens of one local source need, copied to shared memory once per op, so that a
- * token's only global load on the way to its rows is its top-k row. */
+/* What the tokens of one local source need, copied to shared memory once per block. */
 struct small_src {
         const void *topk_idx;
         uint64_t topk_stride;        /* elements; 0 replaced by K_op */
-        uint32_t num_tokens;
+        uint32_t num_tokens;         /* 0 chunks when above T (BAD_TOKENS) */
         uint32_t rank;
 };
 
+static __device__ __forceinline__ int32_t warp_inclusive_scan(int32_t v)
+{
+        const uint32_t lane = threadIdx.x % 32;
+
+        for (uint32_t o = 1; o < 32; o <<= 1) {
+                const int32_t n = __shfl_up_sync(EPD_K_FULL_MASK, v, o);
+                if (lane >= o)
+                        v += n;
+        }
+        return v;
+}
+
+/* One warp: out[i * out_stride] = sum of in[j * in_stride] for j < i, for i < n, and
+ * out[n * out_stride] = the total when with_total. */
+static __device__ void warp_exclusive_scan(const int32_t *in, uint64_t in_stride, int32_t *out,
+                                           uint64_t out_stride, uint32_t n, int with_total)
+{
+        const uint32_t lane = threadIdx.x % 32;
+        int32_t carry = 0;
+
+        for (uint32_t i0 = 0; i0 < n; i0 += 32) {
+                const uint32_t i = i0 + lane;
+                const int32_t v = i < n ? in[(uint64_t)i * in_stride] : 0;
+                const int32_t incl = warp_inclusive_scan(v);
+                if (i < n)
+                        out[(uint64_t)i * out_stride] = carry + incl - v;
+                carry += __shfl_sync(EPD_K_FULL_MASK, incl, 31);
+        }
+        if (with_total && lane == 0)
+                out[(uint64_t)n * out_stride] = carry;
+}
+
+/* One token t of source src (rank s): validates and normalises its top-k row into the workspace
+ * and into nrow (this thread's shared row, each valid entry packed as expert | destination << 16,
+ * -1 otherwise), adds its selections to bsel, and returns its destination mask; *first gets the
+ * first-position bits and *ent its first entry. The chunk's first bad entry (lowest t*K_op + k)
+ * goes to *first_bad.
+ *
+ * One pass does what the count step does in three, because a block is limited by the
+ * instructions it issues and their latency (ncu: an earlier version that divided by L in nested
+ * loops executed twice the instructions): an id repeats an earlier raw id exactly when it equals
+ * an earlier normalised one (the first occurrence of an in-range id is never normalised away),
+ * so the raw row need not be kept; and a valid position is the first for its destination exactly
+ * when no earlier valid position has that destination (epd_route_is_first_for_rank), which a
+ * running mask of the destinations seen answers with one division per entry. */
 static __device__ uint64_t small_token(const struct epd_k_dispatch_args &a,
-                                       const struct epd_ws_layout &l, uint32_t g,
-                                       const struct epd_k_local *loc,
-                                       const struct small_src *srcs, int32_t *sel,
-                                       int32_t *tok, unsigned long long *first_bad,
+                                       const struct epd_ws_layout &l, const struct small_src *src,
+                                       uint32_t t, int32_t *bsel, uint32_t *first_bad,
                                        int32_t *nrow, uint32_t *first, uint64_t *ent)
 {
-        const uint32_t R = a.world_size, E = a.num_experts, L = l.num_local_experts;
-        const uint32_t K = a.num_topk;
+        const uint32_t E = a.num_experts, L = l.num_local_experts, K = a.num_topk;
+        const uint32_t s = src->rank;
         uint64_t dmask = 0;
 
         *first = 0;
-        if (g >= a.local_tokens)
-                return 0;
-        const uint32_t i = epd__k_find_local(loc, a.num_local, g);
-        const struct small_src *src = &srcs[i];
-        const uint32_t s = src->rank, t = g - loc[i].token_offset;
-        if (src->num_tokens > a.max_tokens)
-                return 0;
-
         const uint64_t row0 = (uint64_t)t * src->topk_stride;
         int32_t *topk = epd_ws_i32(a.workspace, l.topk), *row = epd_ws_i32(a.workspace, l.row);
         uint32_t bad = UINT32_MAX;
@@ -129,129 +185,98 @@ static __device__ uint64_t small_token(const struct epd_k_dispatch_args &a,
                         bad = min(bad, k);
                 }
                 topk[*ent + k] = norm;
-                row[*ent + k] = -1; /* first positions get theirs in the caller */
+                row[*ent + k] = -1; /* first positions get theirs in phase 3 */
                 nrow[k] = -1;
                 if (norm < 0)
                         continue;
                 const uint32_t d = epd_route_expert_rank(norm, L);
                 nrow[k] = norm | (int32_t)(d << 16);
-                atomicAdd(&sel[(uint64_t)s * E + norm], 1);
+                atomicAdd(&bsel[norm], 1);
                 if (!((dmask >> d) & 1)) {
                         dmask |= 1ull << d;
                         *first |= 1u << k;
-                        atomicAdd(&tok[(uint64_t)s * R + d], 1);
                 }
         }
         if (bad != UINT32_MAX)
-                atomicMin(first_bad, (unsigned long long)s << 32 | (t * K + bad));
+                atomicMin(first_bad, t * K + bad);
         return dmask;
 }
 
-static __global__ void __launch_bounds__(SMALL_THREADS, 1)
-        route_small_kernel(const __grid_constant__ struct epd_k_dispatch_args a,
-                           const __grid_constant__ struct epd_ws_layout l)
+/* The local source holding flat chunk j: the last i with chunk_off[i] <= j (sources without
+ * chunks have chunk_off[i] == chunk_off[i + 1] and are skipped). */
+static __device__ __forceinline__ uint32_t small_source_of(const uint32_t *chunk_off,
+                                                          uint32_t num_local, uint32_t j)
 {
-        extern __shared__ int32_t smem[];
-        __shared__ unsigned long long first_bad; /* (source << 32) | t * K_op + k; lowest wins */
-        __shared__ uint32_t num_short, first_short;
-        __shared__ struct epd_k_local loc[SMALL_MAX_RANKS + 1];
-        __shared__ struct small_src srcs[SMALL_MAX_RANKS];
+        uint32_t lo = 0, hi = num_local;
+
+        while (hi - lo > 1) {
+                const uint32_t mid = (lo + hi) / 2;
+                if (chunk_off[mid] <= j)
+                        lo = mid;
+                else
+                        hi = mid;
+        }
+        return lo;
+}
+
+/* Phase 4, in the last block: the prefix step's results from every chunk's counts, the capacity
+ * check, the verdict, and the reset of the counters and flags. */
+static __device__ void small_totals(const struct epd_k_dispatch_args &a,
+                                    const struct epd_ws_layout &l, const struct small_src *srcs,
+                                    const uint32_t *chunk_off, int32_t *region)
+{
+        __shared__ uint32_t bad_key, num_short, first_short;
         const uint32_t R = a.world_size, E = a.num_experts, L = l.num_local_experts;
-        const uint32_t K = a.num_topk, C = l.num_chunks;
-        const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-        int32_t *sel = smem;                          /* [R][E] */
-        int32_t *tok = sel + (uint64_t)R * E;         /* [R][R] */
-        int32_t *ecount = tok + (uint64_t)R * R;      /* [E] */
-        int32_t *wtot = ecount + E;                   /* [SMALL_WARPS][R] */
-        int32_t *carry = wtot + (uint64_t)SMALL_WARPS * R; /* [R] */
-        int32_t *rows = carry + R;                    /* [SMALL_THREADS][stride] */
-        int32_t *nrow = rows + (uint64_t)threadIdx.x * small_row_stride(K); /* this thread's */
+        const uint32_t C = l.num_chunks, nl = a.num_local, W = R + E;
+        const uint32_t warp = threadIdx.x / 32;
+        int32_t *tok = region;                  /* [R][R] */
+        int32_t *sel = tok + (uint64_t)R * R;   /* [R][E] */
+        int32_t *ecount = sel + (uint64_t)R * E; /* [E] */
         void *ws = a.workspace;
+        const int32_t *cc = epd_ws_i32(ws, l.chunk_count);
 
-        /* The copy kernel may start now (when launched as this kernel's programmatic dependent):
-         * its blocks take the other multiprocessors and pull their source rows into L2 while
-         * this block routes; they wait for this grid's completion (griddepcontrol.wait) before
-         * they read anything written here. */
-        asm volatile("griddepcontrol.launch_dependents;" : : : "memory");
-
-        /* The counters; each row is written before it is read. */
-        for (uint64_t i = threadIdx.x; i < (uint64_t)(rows - smem); i += blockDim.x)
-                smem[i] = 0;
         if (threadIdx.x == 0) {
-                first_bad = ~0ull;
+                bad_key = UINT32_MAX;
                 num_short = 0;
                 first_short = UINT32_MAX;
         }
-        if (threadIdx.x <= a.num_local)
-                loc[threadIdx.x] = a.local[threadIdx.x];
-        if (threadIdx.x < a.num_local) {
-                const uint32_t s = a.local[threadIdx.x].rank;
-                const struct epd_k_dispatch_rank *r = &a.ranks[s];
-                srcs[threadIdx.x] = (struct small_src){
-                        r->topk_idx, r->topk_stride != 0 ? r->topk_stride : K, r->num_tokens, s };
+        /* tok_count and sel_count: each source's chunk counts added up (num_local == R, so every
+         * source row is written; a source without chunks has zeros). */
+        for (uint64_t idx = threadIdx.x; idx < (uint64_t)nl * W; idx += blockDim.x) {
+                const uint32_t i = (uint32_t)(idx / W), x = (uint32_t)(idx % W);
+                const uint32_t s = srcs[i].rank, n = chunk_off[i + 1] - chunk_off[i];
+                int32_t sum = 0;
+                for (uint32_t c = 0; c < n; c++)
+                        sum += cc[((uint64_t)s * C + c) * W + x];
+                if (x < R) {
+                        tok[(uint64_t)s * R + x] = sum;
+                        epd_ws_i32(ws, l.tok_count)[(uint64_t)s * R + x] = sum;
+                } else {
+                        sel[(uint64_t)s * E + x - R] = sum;
+                        epd_ws_i32(ws, l.sel_count)[(uint64_t)s * E + x - R] = sum;
+                }
+        }
+        /* The first bad entry: lowest source, then lowest chunk (chunks hold ascending t). */
+        for (uint32_t i = threadIdx.x; i < nl; i += blockDim.x) {
+                const uint32_t s = srcs[i].rank, n = chunk_off[i + 1] - chunk_off[i];
+                if (srcs[i].num_tokens > a.max_tokens) {
+                        atomicMin(&bad_key, i << 16);
+                        continue;
+                }
+                for (uint32_t c = 0; c < n; c++) {
+                        if (epd_ws_chunk_errors(ws, &l)[(uint64_t)s * C + c].reason !=
+                            EPD_WS_REASON_NONE) {
+                                atomicMin(&bad_key, i << 16 | c);
+                                break;
+                        }
+                }
         }
         __syncthreads();
-        /* A source claiming more than T tokens is rejected (BAD_TOKENS, as the count step
-         * does) and contributes nothing; having no entries, its key (s, 0) is its own. */
-        if (threadIdx.x < a.num_local && srcs[threadIdx.x].num_tokens > a.max_tokens)
-                atomicMin(&first_bad, (unsigned long long)srcs[threadIdx.x].rank << 32);
-
-        /* Rounds of SMALL_THREADS tokens in flat order; carry[d] holds the tokens of earlier
-         * rounds going to d. */
-        for (uint32_t base = 0; base < a.local_tokens; base += SMALL_THREADS) {
-                uint32_t first;
-                uint64_t ent = 0;
-                const uint64_t dmask = small_token(a, l, base + threadIdx.x, loc, srcs, sel,
-                                                   tok, &first_bad, nrow, &first, &ent);
-
-                for (uint32_t d = 0; d < R; d++) {
-                        const uint32_t b = __ballot_sync(EPD_K_FULL_MASK, (dmask >> d) & 1);
-                        if (lane == 0)
-                                wtot[(uint64_t)warp * R + d] = __popc(b);
-                }
-                __syncthreads();
-                for (uint32_t d = threadIdx.x; d < R; d += blockDim.x) {
-                        int32_t run = carry[d];
-                        for (uint32_t w = 0; w < SMALL_WARPS; w++) {
-                                const int32_t c = wtot[(uint64_t)w * R + d];
-                                wtot[(uint64_t)w * R + d] = run;
-                                run += c;
-                        }
-                        carry[d] = run;
-                }
-                __syncthreads();
-                /* row = earlier warps and rounds + earlier lanes of this warp. */
-                const uint32_t below = (1u << lane) - 1;
-                for (uint32_t d = 0; d < R; d++) {
-                        const uint32_t b = __ballot_sync(EPD_K_FULL_MASK, (dmask >> d) & 1);
-                        if (!((dmask >> d) & 1))
-                                continue;
-                        const int32_t row = wtot[(uint64_t)warp * R + d] + __popc(b & below);
-                        for (uint32_t m = first; m != 0; m &= m - 1) {
-                                const uint32_t k = __ffs(m) - 1;
-                                if ((uint32_t)nrow[k] >> 16 == d) {
-                                        epd_ws_i32(ws, l.row)[ent + k] = row;
-                                        break;
-                                }
-                        }
-                }
-                __syncthreads(); /* wtot is rewritten by the next round */
-        }
-
-        /* The counts and prefixes of the prefix step, from the shared counts. */
-        for (uint32_t i = threadIdx.x; i < R * R; i += blockDim.x)
-                epd_ws_i32(ws, l.tok_count)[i] = tok[i];
-        for (uint64_t i = threadIdx.x; i < (uint64_t)R * E; i += blockDim.x)
-                epd_ws_i32(ws, l.sel_count)[i] = sel[i];
-        for (uint32_t d = threadIdx.x; d < R; d += blockDim.x) {
-                int32_t *rp = epd_ws_i32(ws, l.rank_prefix) + (uint64_t)d * (R + 1);
-                int32_t run = 0;
-                for (uint32_t s = 0; s < R; s++) {
-                        rp[s] = run;
-                        run += tok[(uint64_t)s * R + d];
-                }
-                rp[R] = run;
-        }
+        /* rank_prefix[d][s] and expert_src_prefix[e][s]: scans over sources, one warp per row. */
+        for (uint32_t d = warp; d < R; d += SMALL_WARPS)
+                warp_exclusive_scan(tok + d, R,
+                                    epd_ws_i32(ws, l.rank_prefix) + (uint64_t)d * (R + 1), 1, R,
+                                    1);
         for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
                 int32_t *sp = epd_ws_i32(ws, l.expert_src_prefix) + (uint64_t)e * R;
                 int32_t run = 0;
@@ -261,58 +286,200 @@ static __global__ void __launch_bounds__(SMALL_THREADS, 1)
                 }
                 ecount[e] = run;
                 epd_ws_i32(ws, l.expert_count)[e] = run;
+                epd_ws_i32(ws, l.expert_aligned)[e] =
+                        (int32_t)epd_route_align_up(run, a.expert_alignment);
         }
         __syncthreads();
-        for (uint32_t d = threadIdx.x; d < R; d += blockDim.x) {
-                int32_t *eb = epd_ws_i32(ws, l.expert_base) + (uint64_t)d * (L + 1);
-                int32_t run = 0;
-                for (uint32_t le = 0; le < L; le++) {
-                        const int32_t aligned = (int32_t)epd_route_align_up(
-                                ecount[(uint64_t)d * L + le], a.expert_alignment);
-                        epd_ws_i32(ws, l.expert_aligned)[(uint64_t)d * L + le] = aligned;
-                        eb[le] = run;
-                        run += aligned;
-                }
-                eb[L] = run;
-        }
+        /* expert_base[d][le]: a scan over the aligned counts of d's experts, one warp per d. */
+        for (uint32_t d = warp; d < R; d += SMALL_WARPS)
+                warp_exclusive_scan(epd_ws_i32(ws, l.expert_aligned) + (uint64_t)d * L, 1,
+                                    epd_ws_i32(ws, l.expert_base) + (uint64_t)d * (L + 1), 1, L,
+                                    1);
         __syncthreads(); /* check_capacity reads rank_prefix and expert_base back */
         for (uint32_t d = threadIdx.x; d < R; d += blockDim.x)
                 check_capacity(&a, &l, d, &num_short, &first_short);
+        /* Every block has counted itself done, so none reads the counters or flags any more. */
+        for (uint32_t j = threadIdx.x; j < chunk_off[nl]; j += blockDim.x)
+                epd_ws_small_flags(ws, &l)[j] = 0;
         __syncthreads();
         if (threadIdx.x != 0)
                 return;
-        if (first_bad == ~0ull) {
+        struct epd_ws_small_sync *sync = epd_ws_small_sync(ws, &l);
+        sync->ticket = 0;
+        sync->done = 0;
+        if (bad_key == UINT32_MAX) {
                 write_verdict(&a, &l, UINT32_MAX, UINT32_MAX, num_short, first_short);
                 return;
         }
-        /* The details of the first bad entry, in chunk 0's error slot of its source, where
-         * write_verdict reads them. */
-        const uint32_t s = (uint32_t)(first_bad >> 32), idx = (uint32_t)first_bad;
-        const struct epd_k_dispatch_rank *src = &a.ranks[s];
-        struct epd_ws_src_error *rec = epd_ws_chunk_errors(ws, &l) + (uint64_t)s * C;
-        rec->reserved = 0;
-        if (src->num_tokens > a.max_tokens) {
+        const uint32_t i = bad_key >> 16, s = srcs[i].rank, c = bad_key & 0xffff;
+        if (srcs[i].num_tokens > a.max_tokens) {
+                /* Recorded in chunk 0's slot, which a source without chunks leaves free. */
+                struct epd_ws_src_error *rec = epd_ws_chunk_errors(ws, &l) + (uint64_t)s * C;
                 rec->reason = EPD_WS_REASON_BAD_TOKENS;
                 rec->token = 0;
                 rec->pos = 0;
-                rec->value = src->num_tokens;
-        } else {
-                const uint32_t t = idx / K, k = idx % K;
-                const uint64_t stride = src->topk_stride != 0 ? src->topk_stride : K;
-                const int64_t v = epd__k_load_topk(src->topk_idx, a.topk_dtype,
-                                                   (uint64_t)t * stride + k);
-                rec->reason = (v >= 0 && v < (int64_t)E) ? EPD_WS_REASON_DUP_EXPERT
-                                                         : EPD_WS_REASON_BAD_EXPERT;
-                rec->token = (int32_t)t;
-                rec->pos = (int32_t)k;
-                rec->value = v;
+                rec->reserved = 0;
+                rec->value = srcs[i].num_tokens;
         }
-        write_verdict(&a, &l, s, s * C, num_short, first_short);
+        write_verdict(&a, &l, s, s * C + c, num_short, first_short);
 }
 
-/* Whether an op qualifies, and its shared memory. */
+static __global__ void __launch_bounds__(SMALL_THREADS)
+        route_small_kernel(const __grid_constant__ struct epd_k_dispatch_args a,
+                           const __grid_constant__ struct epd_ws_layout l)
+{
+        extern __shared__ int32_t smem[];
+        __shared__ struct small_src srcs[SMALL_MAX_RANKS];
+        __shared__ uint32_t chunk_off[SMALL_MAX_RANKS + 1];
+        __shared__ uint32_t ticket, first_bad, last;
+        const uint32_t R = a.world_size, E = a.num_experts, K = a.num_topk, C = l.num_chunks;
+        const uint32_t W = R + E, nl = a.num_local;
+        const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        int32_t *bsel = smem;                                 /* [E] */
+        int32_t *wtot = bsel + E;                             /* [SMALL_WARPS][R] */
+        int32_t *base = wtot + (uint64_t)SMALL_WARPS * R;     /* [R] */
+        int32_t *region = base + R;
+        int32_t *nrow = region + (uint64_t)threadIdx.x * small_row_stride(K); /* this thread's */
+        void *ws = a.workspace;
+        struct epd_ws_small_sync *sync = epd_ws_small_sync(ws, &l);
+        uint32_t *flags = epd_ws_small_flags(ws, &l);
+
+        /* The copy kernel may start once every block has passed this point (programmatic
+         * dependent launch); it reads nothing written here before this grid completes. */
+        asm volatile("griddepcontrol.launch_dependents;" : : : "memory");
+
+        if (threadIdx.x == 0) {
+                ticket = atomicAdd(&sync->ticket, 1u);
+                first_bad = UINT32_MAX;
+        }
+        for (uint32_t i = threadIdx.x; i < E + (SMALL_WARPS + 1) * R; i += blockDim.x)
+                smem[i] = 0;
+        if (threadIdx.x < nl) {
+                const uint32_t s = a.local[threadIdx.x].rank;
+                const struct epd_k_dispatch_rank *r = &a.ranks[s];
+                srcs[threadIdx.x] = (struct small_src){
+                        r->topk_idx, r->topk_stride != 0 ? r->topk_stride : K, r->num_tokens, s };
+        }
+        __syncthreads();
+        /* Chunk offsets of the local sources, in flat order. */
+        if (warp == 0) {
+                uint32_t carry = 0;
+                for (uint32_t i0 = 0; i0 < nl; i0 += 32) {
+                        const uint32_t i = i0 + lane;
+                        const uint32_t n = i < nl ? srcs[i].num_tokens : 0;
+                        const int32_t c = n <= a.max_tokens
+                                                  ? (int32_t)((n + SMALL_THREADS - 1) /
+                                                              SMALL_THREADS)
+                                                  : 0;
+                        const int32_t incl = warp_inclusive_scan(c);
+                        if (i < nl)
+                                chunk_off[i] = carry + (uint32_t)(incl - c);
+                        carry += (uint32_t)__shfl_sync(EPD_K_FULL_MASK, incl, 31);
+                }
+                if (lane == 0)
+                        chunk_off[nl] = carry;
+        }
+        __syncthreads();
+
+        const uint32_t j = ticket; /* the same in every thread: the condition is block-uniform */
+        if (j < chunk_off[nl]) {
+                const uint32_t i = small_source_of(chunk_off, nl, j), c = j - chunk_off[i];
+                const struct small_src *src = &srcs[i];
+                const uint32_t s = src->rank, t = c * SMALL_THREADS + threadIdx.x;
+                int32_t *my_cc = epd_ws_i32(ws, l.chunk_count) + ((uint64_t)s * C + c) * W;
+                uint32_t first = 0;
+                uint64_t ent = 0, dmask = 0;
+
+                /* Phase 2: the token, and the chunk's counts. */
+                if (t < src->num_tokens)
+                        dmask = small_token(a, l, src, t, bsel, &first_bad, nrow, &first, &ent);
+                for (uint32_t d = 0; d < R; d++) {
+                        const uint32_t b = __ballot_sync(EPD_K_FULL_MASK, (dmask >> d) & 1);
+                        if (lane == 0)
+                                wtot[(uint64_t)warp * R + d] = __popc(b);
+                }
+                __syncthreads();
+                for (uint32_t d = threadIdx.x; d < R; d += blockDim.x) {
+                        int32_t run = 0;
+                        for (uint32_t w = 0; w < SMALL_WARPS; w++) {
+                                const int32_t n = wtot[(uint64_t)w * R + d];
+                                wtot[(uint64_t)w * R + d] = run;
+                                run += n;
+                        }
+                        my_cc[d] = run;
+                }
+                for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
+                        my_cc[R + e] = bsel[e];
+                if (threadIdx.x == 0) {
+                        struct epd_ws_src_error *rec =
+                                epd_ws_chunk_errors(ws, &l) + (uint64_t)s * C + c;
+                        rec->reason = EPD_WS_REASON_NONE;
+                        rec->token = 0;
+                        rec->pos = 0;
+                        rec->reserved = 0;
+                        rec->value = 0;
+                        if (first_bad != UINT32_MAX) {
+                                const uint32_t bt = first_bad / K, bk = first_bad % K;
+                                const int64_t v = epd__k_load_topk(
+                                        src->topk_idx, a.topk_dtype,
+                                        (uint64_t)bt * src->topk_stride + bk);
+                                rec->reason = v >= 0 && v < (int64_t)E ? EPD_WS_REASON_DUP_EXPERT
+                                                                       : EPD_WS_REASON_BAD_EXPERT;
+                                rec->token = (int32_t)bt;
+                                rec->pos = (int32_t)bk;
+                                rec->value = v;
+                        }
+                }
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                        epd_fence_acq_rel_gpu();
+                        epd_st_release_gpu_u32(&flags[j], 1);
+                }
+
+                /* Phase 3: the destination counts of every earlier chunk, then the rows. */
+                for (uint32_t p = threadIdx.x; p < j; p += blockDim.x) {
+                        while (epd_ld_acquire_gpu_u32(&flags[p]) == 0)
+                                ;
+                        const uint32_t pi = small_source_of(chunk_off, nl, p);
+                        const int32_t *pc = epd_ws_i32(ws, l.chunk_count) +
+                                            ((uint64_t)srcs[pi].rank * C + p - chunk_off[pi]) * W;
+                        for (uint32_t d = 0; d < R; d++)
+                                atomicAdd(&base[d], pc[d]);
+                }
+                __syncthreads();
+                const uint32_t below = (1u << lane) - 1;
+                for (uint32_t d = 0; d < R; d++) {
+                        const uint32_t b = __ballot_sync(EPD_K_FULL_MASK, (dmask >> d) & 1);
+                        if (!((dmask >> d) & 1))
+                                continue;
+                        const int32_t row = base[d] + wtot[(uint64_t)warp * R + d] +
+                                            __popc(b & below);
+                        for (uint32_t m = first; m != 0; m &= m - 1) {
+                                const uint32_t k = __ffs(m) - 1;
+                                if ((uint32_t)nrow[k] >> 16 == d) {
+                                        epd_ws_i32(ws, l.row)[ent + k] = row;
+                                        break;
+                                }
+                        }
+                }
+        }
+
+        /* Phase 4: the last block to finish makes the totals. */
+        __syncthreads();
+        if (threadIdx.x == 0) {
+                epd_fence_acq_rel_gpu();
+                last = atomicAdd(&sync->done, 1u) == gridDim.x - 1;
+                if (last)
+                        epd_fence_acq_rel_gpu();
+        }
+        __syncthreads();
+        if (last)
+                small_totals(a, l, srcs, chunk_off, region);
+}
+
+/* Whether an op qualifies; its shared memory and grid. */
 static int small_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout *l,
-                      size_t *smem)
+                      size_t *smem, uint32_t *blocks)
 {
         int ret = epd__k_check_dispatch(args, l);
 
@@ -322,6 +489,9 @@ static int small_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layo
             args->world_size > SMALL_MAX_RANKS || args->local_tokens > EPD_K_SMALL_MAX_TOKENS)
                 return EPD_INVALID_ARGUMENT;
         *smem = small_smem_bytes(args->world_size, args->num_experts, args->num_topk);
+        /* At least sum over sources of ceil(N_s / chunk): the blocks beyond the op's chunks
+         * only count themselves done. */
+        *blocks = args->local_tokens / SMALL_THREADS + args->num_local;
         /* Also raises the kernel's limit when needed: this is the launch's plan. */
         return epd__k_dynamic_smem((const void *)route_small_kernel, *smem);
 }
@@ -330,8 +500,9 @@ extern "C" int epd_k_dispatch_route_small_ok(const struct epd_k_dispatch_args *a
 {
         struct epd_ws_layout l;
         size_t smem = 0;
+        uint32_t blocks = 0;
 
-        return small_plan(args, &l, &smem) == 0;
+        return small_plan(args, &l, &smem, &blocks) == 0;
 }
 
 extern "C" int epd_k_dispatch_route_small(const struct epd_k_dispatch_args *args,
@@ -339,12 +510,28 @@ extern "C" int epd_k_dispatch_route_small(const struct epd_k_dispatch_args *args
 {
         struct epd_ws_layout l;
         size_t smem = 0;
-        int ret = small_plan(args, &l, &smem);
+        uint32_t blocks = 0;
+        int ret = small_plan(args, &l, &smem, &blocks);
 
         if (ret < 0)
                 return ret;
-        route_small_kernel<<<1, SMALL_THREADS, smem, stream>>>(*args, l);
+        route_small_kernel<<<blocks, SMALL_THREADS, smem, stream>>>(*args, l);
         return epd__k_launch_status();
+}
+
+extern "C" int epd_k_workspace_init(void *workspace, uint32_t world_size, uint32_t num_experts,
+                                    uint32_t max_tokens, uint32_t max_topk, cudaStream_t stream)
+{
+        struct epd_ws_layout l;
+        const uint64_t bytes = epd_k_workspace_bytes(world_size, num_experts, max_tokens,
+                                                     max_topk);
+
+        if (workspace == NULL || bytes == 0)
+                return EPD_INVALID_ARGUMENT;
+        epd_ws_layout_init(&l, world_size, num_experts, max_tokens, max_topk);
+        return epd__k_cuda_status(cudaMemsetAsync(
+                (uint8_t *)workspace + l.small_sync, 0,
+                sizeof(struct epd_ws_small_sync) + 4ull * world_size * l.num_chunks, stream));
 }
 
 int epd__k_preload_route_small(void)
