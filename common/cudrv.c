@@ -49,7 +49,6 @@ static void load(void)
                 { "cuCtxPopCurrent", (void **)&table.CtxPopCurrent },
                 { "cuDeviceGet", (void **)&table.DeviceGet },
                 { "cuDeviceGetUuid", (void **)&table.DeviceGetUuid },
-                { "cuDeviceGetAttribute", (void **)&table.DeviceGetAttribute },
                 { "cuDevicePrimaryCtxRetain", (void **)&table.DevicePrimaryCtxRetain },
                 { "cuDevicePrimaryCtxRelease", (void **)&table.DevicePrimaryCtxRelease },
                 { "cuPointerGetAttribute", (void **)&table.PointerGetAttribute },

@@ -37,7 +37,6 @@ struct epd_cudrv {
         CUresult (*CtxPopCurrent)(CUcontext *);
         CUresult (*DeviceGet)(CUdevice *, int);
         CUresult (*DeviceGetUuid)(CUuuid *, CUdevice);
-        CUresult (*DeviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
         CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
         CUresult (*DevicePrimaryCtxRelease)(CUdevice);
         CUresult (*PointerGetAttribute)(void *, CUpointer_attribute, CUdeviceptr);

@@ -50,13 +50,6 @@ struct cuda_dev {
         cudaStream_t stream;
         cudaEvent_t counted, done;
         cudaEvent_t t0, t1;           /* timing: around the op's kernels */
-        /* The launch gate: the stream waits (cuStreamWaitValue64) for this pinned word to reach
-         * gate_seq before an op's first kernel; the executor writes it once every launch of the
-         * op is queued, so the GPU runs the op's kernels back to back instead of behind the
-         * host's launch calls. NULL when stream memory operations are unavailable. */
-        uint64_t *gate;
-        CUdeviceptr gate_dev;
-        uint64_t gate_seq;
         /* Descriptor staging: pinned host buffers and their device copies, reused by every op
          * (the executor runs one op at a time and waits for it). */
         void *h_desc, *d_desc;
@@ -366,26 +359,13 @@ static void queue_completions(const struct epd_exec *ex, cudaStream_t stream)
         }
 }
 
-/* Opens every device's launch gate (idempotent): called once an op's launches are queued, and
- * before anything waits for a stream. */
-static void gates_open(struct cuda_backend *cb)
-{
-        for (int d = 0; d < cb->num_devices; d++) {
-                struct cuda_dev *dv = &cb->dev[d];
-                if (dv->gate && __atomic_load_n(dv->gate, __ATOMIC_RELAXED) != dv->gate_seq)
-                        __atomic_store_n(dv->gate, dv->gate_seq, __ATOMIC_RELEASE);
-        }
-}
-
 /* Waits for a stream with a bound: past the op timeout, the input doorbells the op waits on are
  * released from the host (their clients did not mark their inputs ready), the stream drains,
  * and the op fails with TIMEOUT. */
-static cudaError_t sync_stream(struct cuda_backend *cb, struct epd_exec *ex, int dev,
-                               cudaStream_t stream, uint64_t deadline_ns)
+static cudaError_t sync_stream(struct epd_exec *ex, int dev, cudaStream_t stream,
+                               uint64_t deadline_ns)
 {
         int released = 0;
-
-        gates_open(cb);
 
         cudaSetDevice(dev);
         for (unsigned spin = 0;; spin++) {
@@ -417,21 +397,15 @@ static cudaError_t sync_stream(struct cuda_backend *cb, struct epd_exec *ex, int
         }
 }
 
-/* The start of an op on its devices: every used stream waits for the clients' inputs and for
- * its launch gate, then t0 on W marks the start of the kernel time. */
+/* The start of an op on its devices: every used stream waits for the clients' inputs, then
+ * t0 on W marks the start of the kernel time. */
 static void op_begin(struct cuda_backend *cb, const struct epd_exec *ex, const int *used, int W)
 {
         for (int d = 0; d < cb->num_devices; d++) {
-                struct cuda_dev *dv = &cb->dev[d];
                 if (!used[d])
                         continue;
                 cudaSetDevice(d);
-                queue_input_waits(ex, dv->stream);
-                if (dv->gate &&
-                    epd_cudrv()->StreamWaitValue64((CUstream)dv->stream, dv->gate_dev,
-                                                   dv->gate_seq + 1,
-                                                   CU_STREAM_WAIT_VALUE_GEQ) == CUDA_SUCCESS)
-                        dv->gate_seq++;
+                queue_input_waits(ex, cb->dev[d].stream);
         }
         cudaSetDevice(W);
         cudaEventRecord(cb->dev[W].t0, cb->dev[W].stream);
@@ -454,7 +428,6 @@ static void op_end(struct cuda_backend *cb, const struct epd_exec *ex, const int
         cudaEventRecord(cb->dev[W].t1, cb->dev[W].stream);
         if (ring_doorbells)
                 queue_completions(ex, cb->dev[W].stream);
-        gates_open(cb);
 }
 
 /* GPU time between op_begin and op_end, once both have completed. */
@@ -574,7 +547,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                         cb->dev[W].stream);
         if (arena) {
                 /* The arena needs exact sizes: wait for the counts, place, re-upload. */
-                if (sync_stream(cb, ex, W, cb->dev[W].stream, deadline) != cudaSuccess)
+                if (sync_stream(ex, W, cb->dev[W].stream, deadline) != cudaSuccess)
                         goto cuda_error;
                 if (ex->status < 0)
                         goto fail;
@@ -609,7 +582,7 @@ launched:
         for (int d = 0; d < cb->num_devices; d++) {
                 if (!used[d])
                         continue;
-                ce = sync_stream(cb, ex, d, cb->dev[d].stream, deadline);
+                ce = sync_stream(ex, d, cb->dev[d].stream, deadline);
                 if (ce != cudaSuccess)
                         goto cuda_error;
         }
@@ -633,7 +606,6 @@ oom:
         snprintf(ex->message, sizeof(ex->message), "out of GPU or pinned memory");
         goto fail;
 cuda_error:
-        gates_open(cb);
         ex->status = EPD_UNAVAILABLE;
         /* A runtime call's error is still pending; a launcher's was taken by the launcher,
          * which keeps it (epd_k_last_cuda_error). */
@@ -641,7 +613,6 @@ cuda_error:
         snprintf(ex->message, sizeof(ex->message), "CUDA error: %s",
                  cudaGetErrorString(ce != cudaSuccess ? ce : epd_k_last_cuda_error()));
 fail:
-        gates_open(cb);
         epd_exec_release_new_arenas(ex);
         if (fresh) {
                 if (fresh->ws)
@@ -723,7 +694,7 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
         for (int d = 0; d < cb->num_devices; d++) {
                 if (!used[d])
                         continue;
-                if (sync_stream(cb, ex, d, cb->dev[d].stream, deadline) != cudaSuccess)
+                if (sync_stream(ex, d, cb->dev[d].stream, deadline) != cudaSuccess)
                         rc = EPD_UNAVAILABLE;
         }
         if (ex->status < 0)
@@ -757,36 +728,6 @@ static void cuda_idle(void *ctx)
 }
 
 /* ---- backend ops ---- */
-
-/* The launch gate of device d, when it supports 64-bit stream memory operations; without it
- * ops start as their kernels are launched. */
-static void gate_init(struct cuda_dev *dv, int d)
-{
-        CUdevice cu;
-        int ok = 0;
-        void *p = NULL;
-
-        if (epd_cudrv()->DeviceGet(&cu, d) != CUDA_SUCCESS ||
-            epd_cudrv()->DeviceGetAttribute(&ok, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
-                                            cu) != CUDA_SUCCESS ||
-            !ok) {
-                log_info("device %d: no 64-bit stream memory operations, no launch gate", d);
-                return;
-        }
-        if (cudaHostAlloc((void **)&dv->gate, sizeof(*dv->gate),
-                          cudaHostAllocPortable | cudaHostAllocMapped) != cudaSuccess ||
-            cudaHostGetDevicePointer(&p, dv->gate, 0) != cudaSuccess) {
-                cudaGetLastError();
-                if (dv->gate)
-                        cudaFreeHost(dv->gate);
-                dv->gate = NULL;
-                log_warning("device %d: cannot allocate the launch gate, running without", d);
-                return;
-        }
-        *dv->gate = 0;
-        dv->gate_seq = 0;
-        dv->gate_dev = (CUdeviceptr)(uintptr_t)p;
-}
 
 static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *err,
                      size_t err_len)
@@ -837,7 +778,6 @@ static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *
                         return cuda_fail(err, err_len, "stream/event creation", ce);
                 if (epd_k_preload() < 0)
                         return cuda_fail(err, err_len, "kernel preload", epd_k_last_cuda_error());
-                gate_init(&cb->dev[d], d);
                 /* Peer access to every device that allows it; a group spanning devices without
                  * it is refused at bind time. */
                 for (int p = 0; p < cb->num_devices; p++) {
@@ -887,9 +827,6 @@ static void cuda_fini(struct epd_backend *b)
                 return;
         epd_executor_stop(&cb->executor);
         trim_spares(cb, 0);
-        for (int d = 0; d < cb->num_devices; d++)
-                if (cb->dev[d].gate)
-                        cudaFreeHost(cb->dev[d].gate);
         free(cb->spare);
         free(cb);
         b->priv = NULL;

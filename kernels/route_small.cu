@@ -77,7 +77,7 @@ static __host__ __device__ uint32_t small_row_stride(uint32_t num_topk)
 
 /* Dynamic shared memory, int32: bsel[E], wtot[SMALL_WARPS][R], base[R], then one region used
  * first for the token rows (rows[SMALL_THREADS][stride]) and, in the last block, for the op's
- * totals (tok[R][R], sel[R][E], ecount[E]). */
+ * totals (tok[R][R], sel[R][E], the aligned expert counts [E]). */
 static __host__ __device__ uint64_t small_region_words(uint32_t world_size, uint32_t num_experts,
                                                        uint32_t num_topk)
 {
@@ -231,7 +231,7 @@ static __device__ void small_totals(const struct epd_k_dispatch_args &a,
         const uint32_t warp = threadIdx.x / 32;
         int32_t *tok = region;                  /* [R][R] */
         int32_t *sel = tok + (uint64_t)R * R;   /* [R][E] */
-        int32_t *ecount = sel + (uint64_t)R * E; /* [E] */
+        int32_t *ecount = sel + (uint64_t)R * E; /* [E]: aligned counts */
         void *ws = a.workspace;
         const int32_t *cc = epd_ws_i32(ws, l.chunk_count);
 
@@ -240,22 +240,27 @@ static __device__ void small_totals(const struct epd_k_dispatch_args &a,
                 num_short = 0;
                 first_short = UINT32_MAX;
         }
-        /* tok_count and sel_count: each source's chunk counts added up (num_local == R, so every
-         * source row is written; a source without chunks has zeros). */
-        for (uint64_t idx = threadIdx.x; idx < (uint64_t)nl * W; idx += blockDim.x) {
-                const uint32_t i = (uint32_t)(idx / W), x = (uint32_t)(idx % W);
-                const uint32_t s = srcs[i].rank, n = chunk_off[i + 1] - chunk_off[i];
-                int32_t sum = 0;
-                for (uint32_t c = 0; c < n; c++)
-                        sum += cc[((uint64_t)s * C + c) * W + x];
-                if (x < R) {
-                        tok[(uint64_t)s * R + x] = sum;
-                        epd_ws_i32(ws, l.tok_count)[(uint64_t)s * R + x] = sum;
-                } else {
-                        sel[(uint64_t)s * E + x - R] = sum;
-                        epd_ws_i32(ws, l.sel_count)[(uint64_t)s * E + x - R] = sum;
-                }
+        /* tok_count and sel_count: each source's chunk counts added up, in shared memory first
+         * (num_local == R, so every source row gets written; a source without chunks keeps
+         * zeros). A thread per (chunk, counter): the loads are independent of each other and of
+         * the shared additions, so they are all in flight together. */
+        for (uint64_t i = threadIdx.x; i < (uint64_t)R * W; i += blockDim.x)
+                tok[i] = 0; /* tok and sel are contiguous: [R][R] then [R][E] */
+        __syncthreads();
+#pragma unroll 4
+        for (uint64_t idx = threadIdx.x; idx < (uint64_t)chunk_off[nl] * W; idx += blockDim.x) {
+                const uint32_t j = (uint32_t)(idx / W), x = (uint32_t)(idx % W);
+                const uint32_t i = small_source_of(chunk_off, nl, j), s = srcs[i].rank;
+                const int32_t v = cc[((uint64_t)s * C + j - chunk_off[i]) * W + x];
+                if (v != 0)
+                        atomicAdd(x < R ? &tok[(uint64_t)s * R + x] : &sel[(uint64_t)s * E + x - R],
+                                  v);
         }
+        __syncthreads();
+        for (uint64_t i = threadIdx.x; i < (uint64_t)R * R; i += blockDim.x)
+                epd_ws_i32(ws, l.tok_count)[i] = tok[i];
+        for (uint64_t i = threadIdx.x; i < (uint64_t)R * E; i += blockDim.x)
+                epd_ws_i32(ws, l.sel_count)[i] = sel[i];
         /* The first bad entry: lowest source, then lowest chunk (chunks hold ascending t). */
         for (uint32_t i = threadIdx.x; i < nl; i += blockDim.x) {
                 const uint32_t s = srcs[i].rank, n = chunk_off[i + 1] - chunk_off[i];
@@ -284,15 +289,15 @@ static __device__ void small_totals(const struct epd_k_dispatch_args &a,
                         sp[s] = run;
                         run += sel[(uint64_t)s * E + e];
                 }
-                ecount[e] = run;
+                const int32_t aligned = (int32_t)epd_route_align_up(run, a.expert_alignment);
+                ecount[e] = aligned;
                 epd_ws_i32(ws, l.expert_count)[e] = run;
-                epd_ws_i32(ws, l.expert_aligned)[e] =
-                        (int32_t)epd_route_align_up(run, a.expert_alignment);
+                epd_ws_i32(ws, l.expert_aligned)[e] = aligned;
         }
         __syncthreads();
         /* expert_base[d][le]: a scan over the aligned counts of d's experts, one warp per d. */
         for (uint32_t d = warp; d < R; d += SMALL_WARPS)
-                warp_exclusive_scan(epd_ws_i32(ws, l.expert_aligned) + (uint64_t)d * L, 1,
+                warp_exclusive_scan(ecount + (uint64_t)d * L, 1,
                                     epd_ws_i32(ws, l.expert_base) + (uint64_t)d * (L + 1), 1, L,
                                     1);
         __syncthreads(); /* check_capacity reads rank_prefix and expert_base back */
