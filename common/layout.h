@@ -27,7 +27,7 @@
  *     chunk_error       struct epd_ws_src_error [R src][C]   written by count: the chunk's first
  *                               bad entry
  *   small_sync          struct epd_ws_small_sync, then uint32 flag[R * C]: the small routing's
- *                               block tickets and chunk flags (kernels/route_small.cu). Zero when
+ *                               block counter and chunk flags (kernels/route_small.cu). Zero when
  *                               the workspace is allocated (epd_k_workspace_init); the kernel
  *                               leaves it zero again.
  *   per (source, token, top-k position); source s owns entries [s*T*K, (s+1)*T*K) and entry
@@ -88,9 +88,8 @@ struct epd_ws_src_error {
 /* The small routing's grid-wide counters (kernels/route_small.cu), followed by one flag per
  * chunk in the op's flat chunk order. */
 struct epd_ws_small_sync {
-        uint32_t ticket; /* blocks that have started: a block's ticket is its chunk */
-        uint32_t done;   /* blocks that have finished their chunk */
-        uint32_t reserved[2];
+        uint32_t done;   /* blocks that have finished */
+        uint32_t reserved[3];
 };
 
 struct epd_ws_layout {

@@ -5,55 +5,53 @@
  * wait on global memory: about 40 us for a decode-sized op (8 ranks x 128 tokens), twice the
  * copy that follows. Here one block takes one chunk of EPD_WS_CHUNK_TOKENS tokens of one
  * source, one thread per token, and the blocks meet through flags in the workspace instead of
- * kernel boundaries. (The version before this one routed the whole op in a single block of 1024
- * threads: ncu measured 28.7 us for decode, most of it one SM issuing every token's work and
- * serial loops over the totals; see docs/performance.md.)
+ * kernel boundaries (docs/performance.md has the versions before this one and their profiles).
  *
  * The chunks are numbered in the local flat order (source-major, then token; sources ascending
- * by rank, as the daemon builds `local`), and the row of token (s, t) at destination d is the
- * number of tokens before it in that order that go to d:
- *     rank_prefix[d][s] + #{t' < t of s going to d}  =  #{(s', t') before (s, t) going to d}
- *   = (tokens of earlier chunks going to d) + (earlier warps of the chunk) + (earlier lanes).
+ * by rank, as the daemon builds `local`), and block j takes chunk j. For every counter x of a
+ * chunk (tokens going to each destination, then selections of each expert) the prefix over
+ * the chunks before chunk j is what the prefix step computes:
+ *     rows:  row of (s, t) at d = pre_j[d] + (earlier warps of the chunk) + (earlier lanes)
+ *            = #{(s', t') before (s, t) in the flat order going to d}
+ *     the first chunk of source s:  rank_prefix[d][s] = pre[d], expert_src_prefix[e][s] = pre[R+e]
+ *     the last chunk of source s:   tok_count[s][*], sel_count[s][*] = pre + own - pre(first chunk)
+ *     the last chunk of all:        the totals: rank_prefix[d][R], expert_count, expert_aligned,
+ *                                   expert_base, the capacity check and the verdict
  *
- *   1. A block takes a ticket (an atomic counter): ticket j is flat chunk j. Tickets rather than
- *      blockIdx make the waits below safe: a block waits only on chunks with lower tickets,
- *      whose blocks have started and never wait on it, so they finish whatever the scheduler
- *      does with blocks that have not started.
- *   2. Each thread validates and normalises its token's top-k row (the count step's pass A),
+ *   1. Each thread validates and normalises its token's top-k row (the count step's pass A),
  *      writes topk and row = -1 for its entries, and forms its destination mask (the first
  *      position per rank, SEMANTICS.md 2). A ballot per destination gives each warp's count;
- *      the chunk's counts (tokens per destination, selections per expert) and first bad entry go
- *      to chunk_count / chunk_error exactly as the count step writes them, and the chunk's flag
- *      is raised.
- *   3. The block adds up the destination counts of all earlier chunks (waiting for each one's
- *      flag) and writes the row of each first position.
- *   4. The last block to finish (a second counter) turns the chunk counts into the prefix step's
- *      results: tok_count, sel_count, rank_prefix, expert_src_prefix, expert_count,
- *      expert_aligned, expert_base, the capacity check and the verdict (write_verdict, shared
- *      with route.cu), so the workspace ends up as after count + prefix + place (tests/gpu
- *      compares every array the copy, combine and cached dispatch read). It then puts the
- *      counters and flags back to zero for the next op on this workspace. chunk_base and `local`,
- *      which nothing after place reads, are left unwritten.
+ *      the chunk's counters and first bad entry go to chunk_count / chunk_error exactly as the
+ *      count step writes them, and the chunk's flag is raised.
+ *   2. The block waits for the flags of every earlier chunk, adds up their counters (all loads
+ *      independent, so they are in flight together), writes the row of each first position and
+ *      the prefixes and counts its chunk is responsible for (above; a source without chunks
+ *      gets its zero counts and its prefixes from the next source's first chunk, or from the
+ *      last chunk when none follows).
+ *   3. The last block to finish puts the flags and the counter back to zero for the next op on
+ *      this workspace.
+ * So the workspace ends up as after count + prefix + place (tests/gpu compares every array the
+ * copy, combine and cached dispatch read); chunk_base and `local`, which nothing after place
+ * reads, are left unwritten.
  *
- * The copy step overlaps it: launched as this kernel's programmatic dependent (args.flags
- * EPD_K_COPY_OVERLAP), its blocks start on the free multiprocessors as soon as every block here
- * has started, and pull their first source rows into L2 while the routing runs.
+ * Waits go only to lower block indices, as in CUB's single-pass scan: blocks are dispatched in
+ * index order, so a block that waits has every block it waits for resident or next in line, and
+ * those never wait for it. The copy kernel launched after it as its programmatic dependent
+ * (args.flags EPD_K_COPY_OVERLAP) starts only once every block here has started, so it cannot
+ * take the multiprocessors a waited-for block needs; it pulls its first source rows into L2
+ * while the routing runs.
  *
  * Memory ordering (all words live in the launching GPU's workspace and every reader is a block
  * of this grid or a later kernel on this GPU, hence .gpu scope):
- *   - chunk counts and error: written by the chunk's threads; __syncthreads(), then thread 0's
- *     fence.acq_rel.gpu and st.release.gpu of the chunk flag publish them (the fence is
- *     cumulative over what bar.sync ordered before it). A reader thread acquires the flag with
- *     ld.acquire.gpu before it loads that chunk's counts.
- *   - rows, topk and chunk data for the last block: each block's threads write them, then
- *     __syncthreads(), then thread 0 fences (acq_rel, gpu) and increments `done`. The block that
- *     draws done = gridDim - 1 fences again after its increment, so its reads after the
- *     following __syncthreads() see every block's writes (the increments form one modification
- *     order, each block's fence orders its writes before its increment).
- *   - the counters and flags are reset by the last block, after every block has counted itself
- *     done, i.e. after their last read of them; the next kernel on this workspace runs after
- *     this grid has completed (stream or event order), a kernel boundary that makes the resets
- *     visible.
+ *   - chunk counters and error: written by the chunk's threads; __syncthreads(), then thread
+ *     0's fence.acq_rel.gpu and st.release.gpu of the chunk flag publish them (the fence is
+ *     cumulative over what bar.sync ordered before it). Threads of a reader block acquire the
+ *     flags with ld.acquire.gpu, then __syncthreads() extends the acquires to the whole block
+ *     before any thread loads those chunks' counters.
+ *   - the reset: every block counts itself done (__syncthreads(), fence, atomicAdd) after its
+ *     last read of a flag; the block that draws the last count resets them. The next kernel on
+ *     this workspace runs after this grid has completed (stream or event order), a kernel
+ *     boundary that makes the resets visible.
  *   - the verdict is published last with a .sys release (write_verdict). The copy kernel reads
  *     nothing written here before this grid has completed: a kernel boundary, or, when it
  *     overlaps this kernel, its griddepcontrol.wait, which returns only once this grid has
@@ -75,24 +73,17 @@ static __host__ __device__ uint32_t small_row_stride(uint32_t num_topk)
         return num_topk | 1u;
 }
 
-/* Dynamic shared memory, int32: bsel[E], wtot[SMALL_WARPS][R], base[R], then one region used
- * first for the token rows (rows[SMALL_THREADS][stride]) and, in the last block, for the op's
- * totals (tok[R][R], sel[R][E], the aligned expert counts [E]). */
-static __host__ __device__ uint64_t small_region_words(uint32_t world_size, uint32_t num_experts,
-                                                       uint32_t num_topk)
-{
-        const uint64_t rows = (uint64_t)SMALL_THREADS * small_row_stride(num_topk);
-        const uint64_t totals = (uint64_t)world_size * world_size +
-                                (uint64_t)world_size * num_experts + num_experts;
-        return rows > totals ? rows : totals;
-}
-
+/* Dynamic shared memory, int32: bsel[E], wtot[SMALL_WARPS][R], own[R] (the chunk's destination
+ * counts), pre[R + E], spre[R + E], aligned[E], then rows[SMALL_THREADS][stride]. */
 static __host__ __device__ uint64_t small_smem_bytes(uint32_t world_size, uint32_t num_experts,
                                                     uint32_t num_topk)
 {
-        return 4ull * (num_experts + (uint64_t)(SMALL_WARPS + 1) * world_size +
-                       small_region_words(world_size, num_experts, num_topk));
+        return 4ull * (3ull * num_experts + (uint64_t)(SMALL_WARPS + 3) * world_size +
+                       (uint64_t)SMALL_THREADS * small_row_stride(num_topk));
 }
+
+/* Chunks of a small op at most: ceil(N_s / chunk) summed over the sources. */
+#define SMALL_MAX_CHUNKS (EPD_K_SMALL_MAX_TOKENS / SMALL_THREADS + SMALL_MAX_RANKS)
 
 /* What the tokens of one local source need, copied to shared memory once per block. */
 struct small_src {
@@ -219,48 +210,59 @@ static __device__ __forceinline__ uint32_t small_source_of(const uint32_t *chunk
         return lo;
 }
 
-/* Phase 4, in the last block: the prefix step's results from every chunk's counts, the capacity
- * check, the verdict, and the reset of the counters and flags. */
-static __device__ void small_totals(const struct epd_k_dispatch_args &a,
+/* Prefixes and zero counts of local sources [i0, i1), which have no chunks: their rows, had
+ * they any, would start at pre. */
+static __device__ void small_empty_sources(const struct epd_k_dispatch_args &a,
+                                           const struct epd_ws_layout &l,
+                                           const struct small_src *srcs, uint32_t i0,
+                                           uint32_t i1, const int32_t *pre)
+{
+        const uint32_t R = a.world_size, E = a.num_experts, W = R + E;
+        void *ws = a.workspace;
+
+        for (uint32_t i = i0; i < i1; i++) {
+                const uint32_t s = srcs[i].rank;
+                for (uint32_t x = threadIdx.x; x < W; x += blockDim.x) {
+                        if (x < R) {
+                                epd_ws_i32(ws, l.rank_prefix)[(uint64_t)x * (R + 1) + s] = pre[x];
+                                epd_ws_i32(ws, l.tok_count)[(uint64_t)s * R + x] = 0;
+                        } else {
+                                epd_ws_i32(ws, l.expert_src_prefix)[(uint64_t)(x - R) * R + s] =
+                                        pre[x];
+                                epd_ws_i32(ws, l.sel_count)[(uint64_t)s * E + x - R] = 0;
+                        }
+                }
+        }
+}
+
+/* The op's totals (tot[R + E]: every chunk's counters added up), by the block of the last chunk
+ * (or block 0 when the op has no chunk): rank_prefix[d][R], expert_count, expert_aligned,
+ * expert_base, the capacity check and the verdict. Every chunk's error record has been acquired
+ * (the caller waited for every other chunk's flag). Whole block. */
+static __device__ void small_finish(const struct epd_k_dispatch_args &a,
                                     const struct epd_ws_layout &l, const struct small_src *srcs,
-                                    const uint32_t *chunk_off, int32_t *region)
+                                    const uint32_t *chunk_off, const int32_t *tot,
+                                    int32_t *aligned)
 {
         __shared__ uint32_t bad_key, num_short, first_short;
         const uint32_t R = a.world_size, E = a.num_experts, L = l.num_local_experts;
-        const uint32_t C = l.num_chunks, nl = a.num_local, W = R + E;
+        const uint32_t C = l.num_chunks, nl = a.num_local;
         const uint32_t warp = threadIdx.x / 32;
-        int32_t *tok = region;                  /* [R][R] */
-        int32_t *sel = tok + (uint64_t)R * R;   /* [R][E] */
-        int32_t *ecount = sel + (uint64_t)R * E; /* [E]: aligned counts */
         void *ws = a.workspace;
-        const int32_t *cc = epd_ws_i32(ws, l.chunk_count);
 
         if (threadIdx.x == 0) {
                 bad_key = UINT32_MAX;
                 num_short = 0;
                 first_short = UINT32_MAX;
         }
-        /* tok_count and sel_count: each source's chunk counts added up, in shared memory first
-         * (num_local == R, so every source row gets written; a source without chunks keeps
-         * zeros). A thread per (chunk, counter): the loads are independent of each other and of
-         * the shared additions, so they are all in flight together. */
-        for (uint64_t i = threadIdx.x; i < (uint64_t)R * W; i += blockDim.x)
-                tok[i] = 0; /* tok and sel are contiguous: [R][R] then [R][E] */
-        __syncthreads();
-#pragma unroll 4
-        for (uint64_t idx = threadIdx.x; idx < (uint64_t)chunk_off[nl] * W; idx += blockDim.x) {
-                const uint32_t j = (uint32_t)(idx / W), x = (uint32_t)(idx % W);
-                const uint32_t i = small_source_of(chunk_off, nl, j), s = srcs[i].rank;
-                const int32_t v = cc[((uint64_t)s * C + j - chunk_off[i]) * W + x];
-                if (v != 0)
-                        atomicAdd(x < R ? &tok[(uint64_t)s * R + x] : &sel[(uint64_t)s * E + x - R],
-                                  v);
+        for (uint32_t d = threadIdx.x; d < R; d += blockDim.x)
+                epd_ws_i32(ws, l.rank_prefix)[(uint64_t)d * (R + 1) + R] = tot[d];
+        for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
+                aligned[e] = (int32_t)epd_route_align_up(tot[R + e], a.expert_alignment);
+                epd_ws_i32(ws, l.expert_count)[e] = tot[R + e];
+                epd_ws_i32(ws, l.expert_aligned)[e] = aligned[e];
         }
-        __syncthreads();
-        for (uint64_t i = threadIdx.x; i < (uint64_t)R * R; i += blockDim.x)
-                epd_ws_i32(ws, l.tok_count)[i] = tok[i];
-        for (uint64_t i = threadIdx.x; i < (uint64_t)R * E; i += blockDim.x)
-                epd_ws_i32(ws, l.sel_count)[i] = sel[i];
+        __syncthreads(); /* aligned; bad_key and the capacity counters initialised */
         /* The first bad entry: lowest source, then lowest chunk (chunks hold ascending t). */
         for (uint32_t i = threadIdx.x; i < nl; i += blockDim.x) {
                 const uint32_t s = srcs[i].rank, n = chunk_off[i + 1] - chunk_off[i];
@@ -276,42 +278,17 @@ static __device__ void small_totals(const struct epd_k_dispatch_args &a,
                         }
                 }
         }
-        __syncthreads();
-        /* rank_prefix[d][s] and expert_src_prefix[e][s]: scans over sources, one warp per row. */
-        for (uint32_t d = warp; d < R; d += SMALL_WARPS)
-                warp_exclusive_scan(tok + d, R,
-                                    epd_ws_i32(ws, l.rank_prefix) + (uint64_t)d * (R + 1), 1, R,
-                                    1);
-        for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
-                int32_t *sp = epd_ws_i32(ws, l.expert_src_prefix) + (uint64_t)e * R;
-                int32_t run = 0;
-                for (uint32_t s = 0; s < R; s++) {
-                        sp[s] = run;
-                        run += sel[(uint64_t)s * E + e];
-                }
-                const int32_t aligned = (int32_t)epd_route_align_up(run, a.expert_alignment);
-                ecount[e] = aligned;
-                epd_ws_i32(ws, l.expert_count)[e] = run;
-                epd_ws_i32(ws, l.expert_aligned)[e] = aligned;
-        }
-        __syncthreads();
         /* expert_base[d][le]: a scan over the aligned counts of d's experts, one warp per d. */
         for (uint32_t d = warp; d < R; d += SMALL_WARPS)
-                warp_exclusive_scan(ecount + (uint64_t)d * L, 1,
+                warp_exclusive_scan(aligned + (uint64_t)d * L, 1,
                                     epd_ws_i32(ws, l.expert_base) + (uint64_t)d * (L + 1), 1, L,
                                     1);
         __syncthreads(); /* check_capacity reads rank_prefix and expert_base back */
         for (uint32_t d = threadIdx.x; d < R; d += blockDim.x)
                 check_capacity(&a, &l, d, &num_short, &first_short);
-        /* Every block has counted itself done, so none reads the counters or flags any more. */
-        for (uint32_t j = threadIdx.x; j < chunk_off[nl]; j += blockDim.x)
-                epd_ws_small_flags(ws, &l)[j] = 0;
         __syncthreads();
         if (threadIdx.x != 0)
                 return;
-        struct epd_ws_small_sync *sync = epd_ws_small_sync(ws, &l);
-        sync->ticket = 0;
-        sync->done = 0;
         if (bad_key == UINT32_MAX) {
                 write_verdict(&a, &l, UINT32_MAX, UINT32_MAX, num_short, first_short);
                 return;
@@ -336,28 +313,30 @@ static __global__ void __launch_bounds__(SMALL_THREADS)
         extern __shared__ int32_t smem[];
         __shared__ struct small_src srcs[SMALL_MAX_RANKS];
         __shared__ uint32_t chunk_off[SMALL_MAX_RANKS + 1];
-        __shared__ uint32_t ticket, first_bad, last;
+        __shared__ uint32_t chunk_row[SMALL_MAX_CHUNKS]; /* chunk j's counters: row of chunk_count */
+        __shared__ uint32_t first_bad, last;
         const uint32_t R = a.world_size, E = a.num_experts, K = a.num_topk, C = l.num_chunks;
         const uint32_t W = R + E, nl = a.num_local;
         const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         int32_t *bsel = smem;                                 /* [E] */
         int32_t *wtot = bsel + E;                             /* [SMALL_WARPS][R] */
-        int32_t *base = wtot + (uint64_t)SMALL_WARPS * R;     /* [R] */
-        int32_t *region = base + R;
-        int32_t *nrow = region + (uint64_t)threadIdx.x * small_row_stride(K); /* this thread's */
+        int32_t *own = wtot + (uint64_t)SMALL_WARPS * R;      /* [R] */
+        int32_t *pre = own + R;                               /* [R + E] */
+        int32_t *spre = pre + W;                              /* [R + E] */
+        int32_t *aligned = spre + W;                          /* [E] */
+        int32_t *rows = aligned + E;                          /* [SMALL_THREADS][stride] */
+        int32_t *nrow = rows + (uint64_t)threadIdx.x * small_row_stride(K); /* this thread's */
         void *ws = a.workspace;
-        struct epd_ws_small_sync *sync = epd_ws_small_sync(ws, &l);
+        const int32_t *cc = epd_ws_i32(ws, l.chunk_count);
         uint32_t *flags = epd_ws_small_flags(ws, &l);
 
         /* The copy kernel may start once every block has passed this point (programmatic
          * dependent launch); it reads nothing written here before this grid completes. */
         asm volatile("griddepcontrol.launch_dependents;" : : : "memory");
 
-        if (threadIdx.x == 0) {
-                ticket = atomicAdd(&sync->ticket, 1u);
+        if (threadIdx.x == 0)
                 first_bad = UINT32_MAX;
-        }
-        for (uint32_t i = threadIdx.x; i < E + (SMALL_WARPS + 1) * R; i += blockDim.x)
+        for (uint32_t i = threadIdx.x; i < E + SMALL_WARPS * R; i += blockDim.x)
                 smem[i] = 0;
         if (threadIdx.x < nl) {
                 const uint32_t s = a.local[threadIdx.x].rank;
@@ -385,9 +364,13 @@ static __global__ void __launch_bounds__(SMALL_THREADS)
                         chunk_off[nl] = carry;
         }
         __syncthreads();
+        const uint32_t j = blockIdx.x, nch = chunk_off[nl];
+        for (uint32_t p = threadIdx.x; p < nch && p <= j; p += blockDim.x) {
+                const uint32_t pi = small_source_of(chunk_off, nl, p);
+                chunk_row[p] = srcs[pi].rank * C + p - chunk_off[pi];
+        }
 
-        const uint32_t j = ticket; /* the same in every thread: the condition is block-uniform */
-        if (j < chunk_off[nl]) {
+        if (j < nch) { /* block-uniform */
                 const uint32_t i = small_source_of(chunk_off, nl, j), c = j - chunk_off[i];
                 const struct small_src *src = &srcs[i];
                 const uint32_t s = src->rank, t = c * SMALL_THREADS + threadIdx.x;
@@ -395,7 +378,7 @@ static __global__ void __launch_bounds__(SMALL_THREADS)
                 uint32_t first = 0;
                 uint64_t ent = 0, dmask = 0;
 
-                /* Phase 2: the token, and the chunk's counts. */
+                /* 1: the token, and the chunk's counters. */
                 if (t < src->num_tokens)
                         dmask = small_token(a, l, src, t, bsel, &first_bad, nrow, &first, &ent);
                 for (uint32_t d = 0; d < R; d++) {
@@ -411,6 +394,7 @@ static __global__ void __launch_bounds__(SMALL_THREADS)
                                 wtot[(uint64_t)w * R + d] = run;
                                 run += n;
                         }
+                        own[d] = run;
                         my_cc[d] = run;
                 }
                 for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
@@ -441,15 +425,23 @@ static __global__ void __launch_bounds__(SMALL_THREADS)
                         epd_st_release_gpu_u32(&flags[j], 1);
                 }
 
-                /* Phase 3: the destination counts of every earlier chunk, then the rows. */
-                for (uint32_t p = threadIdx.x; p < j; p += blockDim.x) {
+                /* 2: the counters of every earlier chunk: pre over all of them, spre over
+                 * those before this source's first chunk. */
+                for (uint32_t p = threadIdx.x; p < j; p += blockDim.x)
                         while (epd_ld_acquire_gpu_u32(&flags[p]) == 0)
                                 ;
-                        const uint32_t pi = small_source_of(chunk_off, nl, p);
-                        const int32_t *pc = epd_ws_i32(ws, l.chunk_count) +
-                                            ((uint64_t)srcs[pi].rank * C + p - chunk_off[pi]) * W;
-                        for (uint32_t d = 0; d < R; d++)
-                                atomicAdd(&base[d], pc[d]);
+                __syncthreads(); /* every flag acquired, by some thread of the block */
+                const uint32_t j0 = chunk_off[i];
+                for (uint32_t x = threadIdx.x; x < W; x += blockDim.x) {
+                        int32_t sum = 0, ssum = 0;
+#pragma unroll 4
+                        for (uint32_t p = 0; p < j; p++) {
+                                const int32_t v = cc[(uint64_t)chunk_row[p] * W + x];
+                                sum += v;
+                                ssum += p < j0 ? v : 0;
+                        }
+                        pre[x] = sum;
+                        spre[x] = ssum;
                 }
                 __syncthreads();
                 const uint32_t below = (1u << lane) - 1;
@@ -457,7 +449,7 @@ static __global__ void __launch_bounds__(SMALL_THREADS)
                         const uint32_t b = __ballot_sync(EPD_K_FULL_MASK, (dmask >> d) & 1);
                         if (!((dmask >> d) & 1))
                                 continue;
-                        const int32_t row = base[d] + wtot[(uint64_t)warp * R + d] +
+                        const int32_t row = pre[d] + wtot[(uint64_t)warp * R + d] +
                                             __popc(b & below);
                         for (uint32_t m = first; m != 0; m &= m - 1) {
                                 const uint32_t k = __ffs(m) - 1;
@@ -467,19 +459,66 @@ static __global__ void __launch_bounds__(SMALL_THREADS)
                                 }
                         }
                 }
+                if (c == 0) {
+                        /* This source's prefixes, and those of the sources without chunks
+                         * just before it (their rows would start at the same place). */
+                        uint32_t i0 = i;
+                        while (i0 > 0 && chunk_off[i0 - 1] == chunk_off[i])
+                                i0--;
+                        small_empty_sources(a, l, srcs, i0, i, pre);
+                        for (uint32_t x = threadIdx.x; x < W; x += blockDim.x) {
+                                if (x < R)
+                                        epd_ws_i32(ws, l.rank_prefix)[(uint64_t)x * (R + 1) + s] =
+                                                pre[x];
+                                else
+                                        epd_ws_i32(ws, l.expert_src_prefix)[(uint64_t)(x - R) * R +
+                                                                            s] = pre[x];
+                        }
+                }
+                /* From here on pre holds the totals up to and including this chunk. */
+                __syncthreads();
+                for (uint32_t x = threadIdx.x; x < W; x += blockDim.x)
+                        pre[x] += x < R ? own[x] : bsel[x - R];
+                __syncthreads();
+                if (j + 1 == chunk_off[i + 1]) {
+                        /* The last chunk of this source: its counts. */
+                        for (uint32_t x = threadIdx.x; x < W; x += blockDim.x) {
+                                const int32_t n = pre[x] - spre[x];
+                                if (x < R)
+                                        epd_ws_i32(ws, l.tok_count)[(uint64_t)s * R + x] = n;
+                                else
+                                        epd_ws_i32(ws, l.sel_count)[(uint64_t)s * E + x - R] = n;
+                        }
+                }
+                if (j + 1 == nch) {
+                        /* The last chunk: the sources without chunks after this one, and the
+                         * totals. */
+                        small_empty_sources(a, l, srcs, i + 1, nl, pre);
+                        small_finish(a, l, srcs, chunk_off, pre, aligned);
+                }
+        } else if (j == 0 && nch == 0) {
+                /* No chunk at all: every source is empty, every count zero. */
+                for (uint32_t x = threadIdx.x; x < W; x += blockDim.x)
+                        pre[x] = 0;
+                __syncthreads();
+                small_empty_sources(a, l, srcs, 0, nl, pre);
+                small_finish(a, l, srcs, chunk_off, pre, aligned);
         }
 
-        /* Phase 4: the last block to finish makes the totals. */
+        /* 3: the last block to finish resets the flags and the counter. */
         __syncthreads();
+        struct epd_ws_small_sync *sync = epd_ws_small_sync(ws, &l);
         if (threadIdx.x == 0) {
                 epd_fence_acq_rel_gpu();
                 last = atomicAdd(&sync->done, 1u) == gridDim.x - 1;
-                if (last)
-                        epd_fence_acq_rel_gpu();
         }
         __syncthreads();
-        if (last)
-                small_totals(a, l, srcs, chunk_off, region);
+        if (!last)
+                return;
+        for (uint32_t p = threadIdx.x; p < nch; p += blockDim.x)
+                flags[p] = 0;
+        if (threadIdx.x == 0)
+                sync->done = 0;
 }
 
 /* Whether an op qualifies; its shared memory and grid. */
@@ -494,8 +533,8 @@ static int small_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layo
             args->world_size > SMALL_MAX_RANKS || args->local_tokens > EPD_K_SMALL_MAX_TOKENS)
                 return EPD_INVALID_ARGUMENT;
         *smem = small_smem_bytes(args->world_size, args->num_experts, args->num_topk);
-        /* At least sum over sources of ceil(N_s / chunk): the blocks beyond the op's chunks
-         * only count themselves done. */
+        /* At least sum over sources of ceil(N_s / chunk) (at most SMALL_MAX_CHUNKS): the blocks
+         * beyond the op's chunks only count themselves done. */
         *blocks = args->local_tokens / SMALL_THREADS + args->num_local;
         /* Also raises the kernel's limit when needed: this is the launch's plan. */
         return epd__k_dynamic_smem((const void *)route_small_kernel, *smem);
