@@ -10,6 +10,18 @@ target_link_libraries(epd-bench PRIVATE epd_client_static epd_testlib epd_harnes
 # stream-ordered completion. Static cudart, as in libepd: the binary needs only the driver on a
 # GPU host and starts (and fails cleanly in CUDA mode) on a machine without one.
 if(EPD_HAVE_CUDA)
+  # p2p_store.cu: the peer-to-peer store ceiling of --devices N >= 2 (a kernel, so nvcc). The top
+  # level enabled CUDA and set CMAKE_CUDA_ARCHITECTURES (sm_90 code plus PTX) for every target;
+  # its gcc flags stay on epd_bench.c and are hidden from nvcc as in kernels/ (whose
+  # epd_cuda_filter_options is defined before this file is included).
+  target_sources(epd-bench PRIVATE ${CMAKE_CURRENT_LIST_DIR}/p2p_store.cu)
+  epd_cuda_filter_options(epd-bench)
+  target_compile_options(epd-bench PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo -Xcompiler=-Wall,-Wextra>)
+  set_target_properties(epd-bench PROPERTIES
+    CUDA_STANDARD 17
+    CUDA_STANDARD_REQUIRED ON
+    CUDA_RUNTIME_LIBRARY Static)
   target_compile_definitions(epd-bench PRIVATE EPD_BENCH_CUDA=1)
   target_include_directories(epd-bench PRIVATE ${CUDAToolkit_INCLUDE_DIRS})
   target_link_libraries(epd-bench PRIVATE CUDA::cudart_static)

@@ -59,10 +59,12 @@ cat "$out/machine.txt"
 run() {
         local name=$1 now rc limit pat match=${ONLY:+0}
         shift
+        set -f # the patterns are for names, not files
         for pat in ${ONLY:-}; do
                 # shellcheck disable=SC2254
                 case "$name" in $pat) match=1 ;; esac
         done
+        set +f
         [ "${match:-1}" = 1 ] || return 0
         now=$(date +%s)
         limit=$((start + budget - now))

@@ -4,9 +4,8 @@
  * one token: lane k reads top-k position k's expert, row and weight from the handle's workspace,
  * a ballot gives the contributing positions, and the warp walks the hidden dimension, 16 bf16
  * values per lane per step, adding the contributions in ascending k with one fp32 rounding per
- * operation. A large op keeps two rows in flight per lane (the next one's load is issued before
- * the current one is added); a small op, cut into slices, loads up to COMBINE_AHEAD rows before
- * adding the first, at the price of more registers.
+ * operation. The next contribution's load is issued before the current one is added, so two
+ * rows are in flight per lane.
  *
  * Floating point: __fmul_rn and __fadd_rn are never contracted into an FMA, and the library is
  * built with --fmad=false -ftz=false as well; bf16 -> fp32 is a shift; fp32 -> bf16 is
@@ -26,9 +25,6 @@
 #endif
 #ifndef COMBINE_VEC
 #define COMBINE_VEC 2 /* 16-byte vectors per lane per step: 16 bf16 values */
-#endif
-#ifndef COMBINE_AHEAD
-#define COMBINE_AHEAD 4 /* contributions loaded before the first of them is added */
 #endif
 /* Slices of hidden values (small ops) are multiples of one step of a warp on the 16-byte path,
  * so every slice starts on a step boundary. */
@@ -72,10 +68,8 @@ static __device__ __forceinline__ void add_vec(float *acc, int4 v, int weighted,
 
 /* The 16-byte path: every row address and 2H are multiples of 16. my_row is this lane's
  * contribution row (NULL when position `lane` does not contribute); mask the contributing
- * positions; my_weight the weight of position `lane`. Large ops: the next contribution's load
- * is issued before the current one is added, two rows in flight per lane (63 registers, four
- * blocks per multiprocessor). */
-static __device__ void combine_vec_pipe(const uint8_t *my_row, uint32_t mask, float my_weight,
+ * positions; my_weight the weight of position `lane`. */
+static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float my_weight,
                                    int weighted, const uint8_t *bias0, const uint8_t *bias1,
                                    uint8_t *out, uint32_t v0, uint32_t nvec, uint32_t lane)
 {
@@ -119,73 +113,6 @@ static __device__ void combine_vec_pipe(const uint8_t *my_row, uint32_t mask, fl
                         for (int u = 0; u < COMBINE_VEC; u++) {
                                 add_vec(acc + 8 * u, cur[u], weighted, w);
                                 cur[u] = nxt[u];
-                        }
-                }
-#pragma unroll
-                for (int u = 0; u < COMBINE_VEC; u++) {
-                        uint32_t i = base + u * 32 + lane;
-                        if (i >= nvec)
-                                continue;
-                        if (bias0 != NULL)
-                                add_vec(acc + 8 * u, __ldg((const int4 *)bias0 + i), 0, 0.0f);
-                        if (bias1 != NULL)
-                                add_vec(acc + 8 * u, __ldg((const int4 *)bias1 + i), 0, 0.0f);
-                        const float *a = acc + 8 * u;
-                        int4 o;
-                        o.x = (int)(to_bf16(a[0]) | to_bf16(a[1]) << 16);
-                        o.y = (int)(to_bf16(a[2]) | to_bf16(a[3]) << 16);
-                        o.z = (int)(to_bf16(a[4]) | to_bf16(a[5]) << 16);
-                        o.w = (int)(to_bf16(a[6]) | to_bf16(a[7]) << 16);
-                        ((int4 *)out)[i] = o;
-                }
-        }
-}
-
-/* The 16-byte path: every row address and 2H are multiples of 16. my_row is this lane's
- * contribution row (NULL when position `lane` does not contribute); mask the contributing
- * positions; my_weight the weight of position `lane`. Small ops (cut into slices): the
- * contributions are taken COMBINE_AHEAD at a time: their loads are all issued before the first of them is added, so a
- * lane keeps COMBINE_AHEAD * COMBINE_VEC 16-byte loads in flight (a small op has too few warps
- * to cover the memory latency otherwise); the additions still run in ascending k. */
-static __device__ void combine_vec_ahead(const uint8_t *my_row, uint32_t mask, float my_weight,
-                                   int weighted, const uint8_t *bias0, const uint8_t *bias1,
-                                   uint8_t *out, uint32_t v0, uint32_t nvec, uint32_t lane)
-{
-        for (uint32_t base = v0; base < nvec; base += 32 * COMBINE_VEC) {
-                float acc[8 * COMBINE_VEC];
-#pragma unroll
-                for (int i = 0; i < 8 * COMBINE_VEC; i++)
-                        acc[i] = 0.0f;
-
-                /* mask is the same in every lane (a ballot), so are m, n and the branches on
-                 * them. */
-                for (uint32_t m = mask; m != 0;) {
-                        int4 v[COMBINE_AHEAD][COMBINE_VEC];
-                        float w[COMBINE_AHEAD];
-                        int n = 0;
-#pragma unroll
-                        for (int g = 0; g < COMBINE_AHEAD; g++) {
-                                if (m == 0)
-                                        break;
-                                const int j = __ffs(m) - 1;
-                                m &= m - 1;
-                                const int4 *p = (const int4 *)__shfl_sync(
-                                        EPD_K_FULL_MASK, (unsigned long long)my_row, j);
-                                w[g] = __shfl_sync(EPD_K_FULL_MASK, my_weight, j);
-#pragma unroll
-                                for (int u = 0; u < COMBINE_VEC; u++) {
-                                        const uint32_t i = base + u * 32 + lane;
-                                        v[g][u] = i < nvec ? __ldg(p + i) : make_int4(0, 0, 0, 0);
-                                }
-                                n = g + 1;
-                        }
-#pragma unroll
-                        for (int g = 0; g < COMBINE_AHEAD; g++) {
-                                if (g >= n)
-                                        break;
-#pragma unroll
-                                for (int u = 0; u < COMBINE_VEC; u++)
-                                        add_vec(acc + 8 * u, v[g][u], weighted, w[g]);
                         }
                 }
 #pragma unroll
@@ -254,9 +181,7 @@ static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_k_mat 
  * Memory ordering: everything it reads (the handle's rows, topk and weights; every rank's y;
  * the biases) was written before the launch by kernels or copies that the host orders before it
  * with events, so plain and read-only (__ldg) loads are correct: nothing written during this
- * kernel is read by it. Each output element has one writer. AHEAD picks combine_vec_ahead
- * (small ops) over combine_vec_pipe. */
-template <bool AHEAD>
+ * kernel is read by it. Each output element has one writer. */
 static __global__ void __launch_bounds__(COMBINE_THREADS)
         combine_kernel(const __grid_constant__ struct epd_k_combine_args a,
                        const __grid_constant__ struct epd_ws_layout l, uint32_t slices,
@@ -309,12 +234,9 @@ static __global__ void __launch_bounds__(COMBINE_THREADS)
                 uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)my_row) |
                                 (uint32_t)(uintptr_t)bias0 | (uint32_t)(uintptr_t)bias1 |
                                 (uint32_t)(uintptr_t)out | (a.hidden * 2u);
-                if ((bits & 15) == 0 && AHEAD)
-                        combine_vec_ahead(my_row, mask, weight, a.apply_weights, bias0, bias1,
-                                          out, h0 / 8, h1 / 8, lane);
-                else if ((bits & 15) == 0)
-                        combine_vec_pipe(my_row, mask, weight, a.apply_weights, bias0, bias1,
-                                         out, h0 / 8, h1 / 8, lane);
+                if ((bits & 15) == 0)
+                        combine_vec(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
+                                    h0 / 8, h1 / 8, lane);
                 else
                         combine_scalar(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
                                        h0, h1, lane);
@@ -338,25 +260,17 @@ extern "C" int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t
         if (ret < 0)
                 return ret;
         const uint64_t items = (uint64_t)args->local_tokens * slices;
-        const int ahead = slices > 1;
-        const void *kernel = ahead ? (const void *)combine_kernel<true>
-                                   : (const void *)combine_kernel<false>;
-        ret = epd__k_grid_blocks(kernel, COMBINE_THREADS, 0,
+        ret = epd__k_grid_blocks((const void *)combine_kernel, COMBINE_THREADS, 0,
                                  (items + warps_per_block - 1) / warps_per_block, &blocks);
         if (ret < 0)
                 return ret;
-        if (ahead)
-                combine_kernel<true><<<blocks, COMBINE_THREADS, 0, stream>>>(
-                        *args, l, slices, (uint32_t)slice_values);
-        else
-                combine_kernel<false><<<blocks, COMBINE_THREADS, 0, stream>>>(
-                        *args, l, slices, (uint32_t)slice_values);
+        combine_kernel<<<blocks, COMBINE_THREADS, 0, stream>>>(*args, l, slices,
+                                                               (uint32_t)slice_values);
         return epd__k_launch_status();
 }
 
 int epd__k_preload_combine(void)
 {
         struct cudaFuncAttributes attr;
-        int ret = epd__k_cuda_status(cudaFuncGetAttributes(&attr, combine_kernel<true>));
-        return ret < 0 ? ret : epd__k_cuda_status(cudaFuncGetAttributes(&attr, combine_kernel<false>));
+        return epd__k_cuda_status(cudaFuncGetAttributes(&attr, combine_kernel));
 }
