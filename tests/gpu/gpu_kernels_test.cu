@@ -222,6 +222,7 @@ struct tcase {
         int strided;                /* padded row strides for inputs and outputs */
         int skew;                   /* 1: every token prefers rank 0's experts */
         int empty_rank;             /* a rank with no tokens */
+        uint32_t empty_mask;        /* more ranks without tokens: bit s for rank s */
         int cached;                 /* also run a cached dispatch with new weights */
         int big;                    /* the realistic case: timed, skipped by --quick */
         uint64_t seed;
@@ -341,6 +342,9 @@ static void build_cases(void)
         c->R = 4; c->E = 32; c->T = 1000; c->K = 6; c->KO = 5; c->has_weights = 1;
         c->neg_frac = 0.2; c->topk_dtype = EPD_DTYPE_INT32; c->strided = 1; c->cached = 1;
         c->seed = 0x3006;
+        c = add_case("small op, ranks 0, 2, 3 and 7 without tokens (prefixes of empty sources)");
+        c->R = 8; c->E = 64; c->T = 300; c->K = 8; c->KO = 8; c->has_weights = 1;
+        c->empty_mask = 1u << 0 | 1u << 2 | 1u << 3 | 1u << 7; c->seed = 0x3007;
 
         {
                 for (int ri = 1; ri < 4; ri++) {
@@ -563,7 +567,7 @@ static void gen_inputs(struct ctx *x, struct rng *g)
                         n = x->T - s; /* BENCHMARKS.md prefill: rank r sends T - r */
                 else
                         n = x->T - rng_below(g, x->T / 3 + 1);
-                if (c->empty_rank && s == x->R - 1)
+                if ((c->empty_rank && s == x->R - 1) || (c->empty_mask >> s & 1))
                         n = 0;
                 r->n = n;
                 r->x_stride = x->row_bytes + (c->strided ? 48 : 0);
