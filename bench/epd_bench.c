@@ -32,6 +32,32 @@
  * 256 MB on the GPU before every op (Fresh mode); --completion stream (--stream-order) orders
  * each op on the worker's CUDA stream: inputs marked ready on the stream, epd_op_stream_wait,
  * then an event whose completion ends the client-observed time.
+ *
+ * Several GPUs (--backend cuda --devices N, N >= 2): the same two children also measure the
+ * peer-to-peer store ceiling of BENCHMARKS.md (bench/p2p_store.cu), which bounds the bytes an op
+ * moves between GPUs. Every ordered pair: a kernel on the source GPU stores 16-byte vectors
+ * grid-stride into 1 GiB of the target GPU's memory (peer access; a grid of resident blocks per
+ * SM x SMs), one untimed launch, then P2P_REPS launches timed with events on the source. And
+ * every GPU at once, GPU d storing to GPU (d + 1) % N: the aggregate is every GPU's bytes over
+ * the slowest GPU's time. Bytes counted = bytes stored; each figure is the MEDIAN of the timed
+ * launches before and after the workers. The ops' cross-GPU floor bytes are the part of the
+ * floor that must cross a link: dispatch, every received row whose source rank is on another
+ * GPU than its destination rank, at the floor's row bytes (x + scales + metadata); combine, the
+ * bf16 y row (2 x H bytes) of every such row, which goes back from the rank that received it to
+ * the token's source. Issue 5's target "dispatch and combine move their cross-GPU floor bytes at
+ * >= 85% of the measured P2P store bandwidth" reads cross_gpu_fraction_of_p2p >= 0.85. JSON
+ * fields of this part, each null on the host backend and with --devices 1:
+ *   p2p_store_pairs            [{src, dst, gbps, before_gbps, after_gbps, error}] per ordered
+ *                              pair of GPUs: GB/s stored (median of the launches before and
+ *                              after the workers, and of each set); gbps null and error set when
+ *                              the pair could not be measured (no peer access, a CUDA error)
+ *   p2p_store_concurrent_gbps  aggregate GB/s of every GPU storing to the next at once (median)
+ *   p2p_store_concurrent_device_gbps  [N] each GPU's own GB/s in that measurement
+ *   p2p_store_bytes            bytes one launch stores (per GPU)
+ *   cross_gpu_floor_bytes      the op's cross-GPU floor bytes (above)
+ *   cross_gpu_floor_gbps       cross_gpu_floor_bytes / the op's kernel time p50 (the time the
+ *                              other GB/s figures use)
+ *   cross_gpu_fraction_of_p2p  cross_gpu_floor_gbps / p2p_store_concurrent_gbps
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -41,6 +67,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,6 +81,14 @@
 
 #ifdef EPD_BENCH_CUDA
 #include <cuda_runtime_api.h>
+
+/* bench/p2p_store.cu (its comments say what they measure; keep these declarations in step). */
+#define EPD_BENCH_P2P_NO_PEER 1 /* the pair cannot reach each other's memory: skipped */
+int epd_bench_p2p_store(int src_dev, int dst_dev, uint64_t bytes, int reps, double *rates,
+                        double *gbps, char *err, size_t err_len);
+int epd_bench_p2p_store_ring(int num_devices, uint64_t bytes, int reps, double *rates,
+                             double *device_rates, double *gbps, double *device_gbps,
+                             int *serialized, char *err, size_t err_len);
 #endif
 
 #include "epd.h"
@@ -87,6 +122,11 @@
 #define D2D_BYTES (2ull << 30)
 #define D2D_REPS 10
 #define D2D_MAX_DEVICES 16
+/* CUDA mode with --devices >= 2: the peer-to-peer store ceiling (bench/p2p_store.cu), 1 GiB
+ * stored per launch, P2P_REPS timed launches per pair and per all-at-once round, in each of the
+ * two measuring children. */
+#define P2P_BYTES (1ull << 30)
+#define P2P_REPS 10
 #define DAEMON_START_MS 60000   /* a CUDA daemon initialises every GPU before it listens */
 #define SPIN_TIMEOUT_NS (180ull * 1000000000ull)
 
@@ -493,6 +533,14 @@ struct byte_counts {
          * pass 100%). For combine it equals the floor. */
         uint64_t unique[2];
         uint64_t data;          /* = unique[OP_DISPATCH], compared with the LLC */
+        /* CUDA mode with --devices >= 2 (cross_valid): the part of the floor that crosses
+         * between GPUs (rank r on device r % devices). cross_rows: received rows whose source
+         * rank is on another GPU than their destination rank. Dispatch writes each of them over
+         * a link once at the floor's row bytes (x + scales + metadata); combine brings each one's
+         * bf16 y row (2 x H) back from the rank that received it to the token's source rank. */
+        int cross_valid;
+        uint64_t cross_rows;
+        uint64_t cross[2];
 };
 
 static void count_bytes(const struct bench *b, struct byte_counts *c)
@@ -517,6 +565,21 @@ static void count_bytes(const struct bench *b, struct byte_counts *c)
                                  c->rows * row;
         c->unique[OP_COMBINE] = c->floor[OP_COMBINE];
         c->data = c->unique[OP_DISPATCH];
+        if (!b->opt.cuda || b->opt.devices < 2)
+                return;
+        /* The reference's own row lists say where each received row came from: the routing the
+         * first iteration is verified against, so these are the rows the ops move. */
+        c->cross_valid = 1;
+        for (uint32_t d = 0; d < b->R; d++) {
+                const struct ref_dst *rd = &b->ref->dst[d];
+
+                for (int64_t i = 0; i < rd->rows; i++)
+                        if (rd->row_kind[i] == REF_ROW_DATA && rd->row_src[i] >= 0 &&
+                            (uint32_t)rd->row_src[i] % b->opt.devices != d % b->opt.devices)
+                                c->cross_rows++;
+        }
+        c->cross[OP_DISPATCH] = c->cross_rows * row;
+        c->cross[OP_COMBINE] = c->cross_rows * (uint64_t)b->H * 2;
 }
 
 /* The arena a rank needs for its outputs: every field rounded up as the daemon places them. */
@@ -1344,7 +1407,26 @@ static void usage(FILE *f)
                 "                    shared as POSIX fds, which the daemon maps itself) or\n"
                 "                    cudamalloc (shared as CUDA IPC handles; the daemon's kernels\n"
                 "                    reach it at about half speed, docs/performance.md)\n"
-                "  --devices N       GPUs to spread the ranks over: rank r on device r %% N (default 1)\n"
+                "  --devices N       GPUs to spread the ranks over: rank r on device r %% N (default 1).\n"
+                "                    With N >= 2 the run also measures the peer-to-peer store\n"
+                "                    ceiling (a kernel storing 16-byte vectors into 1 GiB of the\n"
+                "                    other GPU, 10 event-timed launches; median of those before and\n"
+                "                    after the workers) for every ordered pair and with every GPU\n"
+                "                    d storing to GPU (d + 1) %% N at once (aggregate: all bytes\n"
+                "                    over the slowest GPU's time), and each op's cross-GPU floor\n"
+                "                    bytes: rows whose source and destination ranks are on\n"
+                "                    different GPUs, at the floor's row bytes (dispatch) or the\n"
+                "                    bf16 y row (combine). JSON fields, null with N = 1 or the host\n"
+                "                    backend:\n"
+                "                      p2p_store_pairs [{src, dst, gbps, before_gbps, after_gbps,\n"
+                "                        error}]: GB/s stored per ordered pair; gbps null and error\n"
+                "                        set when a pair could not be measured\n"
+                "                      p2p_store_concurrent_gbps: the all-at-once aggregate\n"
+                "                      p2p_store_concurrent_device_gbps: [N] each GPU's own rate\n"
+                "                      p2p_store_bytes: bytes stored per launch and GPU\n"
+                "                      cross_gpu_floor_bytes, cross_gpu_floor_gbps (the bytes over\n"
+                "                        the kernel time p50), cross_gpu_fraction_of_p2p (that\n"
+                "                        over p2p_store_concurrent_gbps; issue 5 asks >= 0.85)\n"
                 "  --flush-l2        Fresh mode: write 256 MB on the GPU before every op (in each\n"
                 "                    worker, before submit, synchronised); default for decode\n"
                 "  --no-flush-l2     never flush\n"
@@ -1581,6 +1663,15 @@ static const char *dtype_name(enum epd_dtype d)
         return d == EPD_DTYPE_BF16 ? "bf16" : "fp8_e4m3";
 }
 
+/* One P2P store figure of the run, GB/s of bytes stored (see struct run_info). */
+struct p2p_figure {
+        int ok;                 /* measured before or after the workers, or both */
+        int before_ok, after_ok;
+        double gbps;            /* the median of every timed launch of the sets that succeeded */
+        double before, after;   /* the median of each set */
+        char why[256];          /* what failed: !ok, or one of the two sets */
+};
+
 struct run_info {
         char backend[16];
         uint32_t devices;       /* the daemon's */
@@ -1598,6 +1689,15 @@ struct run_info {
         char mps[16];           /* "on", "off", "unknown"; "n/a" on the host backend */
         char mps_detail[320];
         uint64_t ws_bytes;      /* the daemon's workspace of one live dispatch handle */
+        /* CUDA mode with --devices >= 2 (p2p): the peer-to-peer store ceiling, per ordered pair
+         * [src][dst] and with every GPU storing to the next at once (ring: the aggregate over the
+         * GPUs; ring_dev: each GPU's own median), from the launches before and after the
+         * workers. ring_serialized: timed rounds whose kernels did not overlap. */
+        int p2p;
+        struct p2p_figure pair[D2D_MAX_DEVICES][D2D_MAX_DEVICES];
+        struct p2p_figure ring;
+        double ring_dev[D2D_MAX_DEVICES];
+        int ring_serialized, ring_rounds;
         struct byte_counts bytes;
         struct op_stats st[MAX_PHASES][2];
 };
@@ -1605,6 +1705,85 @@ struct run_info {
 static const char *phase_name(const struct bench *b, uint32_t p)
 {
         return b->phase_stream[p] ? "stream" : "host";
+}
+
+/* One P2P figure for the table: the median of both sets, each set's, or why it is missing. */
+static void print_p2p_figure(const struct p2p_figure *p, FILE *f)
+{
+        if (!p->ok) {
+                fprintf(f, "NOT MEASURED: %s\n", p->why);
+                return;
+        }
+        fprintf(f, "%.2f GB/s (before the workers ", p->gbps);
+        if (p->before_ok)
+                fprintf(f, "%.2f", p->before);
+        else
+                fprintf(f, "FAILED");
+        fprintf(f, ", after ");
+        if (p->after_ok)
+                fprintf(f, "%.2f", p->after);
+        else
+                fprintf(f, "FAILED");
+        fprintf(f, ")%s%s\n", p->why[0] ? ": " : "", p->why);
+}
+
+/* --devices >= 2: the P2P store ceiling, one line per ordered pair and the all-at-once one. */
+static void print_p2p(const struct bench *b, const struct run_info *ri, FILE *f)
+{
+        uint32_t n = b->opt.devices;
+
+        fprintf(f, "  peer-to-peer store ceiling (a kernel on the source GPU storing 16-byte "
+                   "vectors into %.0f MiB on the target, bytes stored, event-timed; median of "
+                   "%d launches before and %d after the workers):\n",
+                (double)P2P_BYTES / 1048576.0, P2P_REPS, P2P_REPS);
+        for (uint32_t s = 0; s < n; s++) {
+                for (uint32_t d = 0; d < n; d++) {
+                        if (s == d)
+                                continue;
+                        fprintf(f, "    GPU %u -> GPU %u: ", s, d);
+                        print_p2p_figure(&ri->pair[s][d], f);
+                }
+        }
+        fprintf(f, "    all at once, GPU d -> GPU (d + 1) %% %u, aggregate (every GPU's bytes over "
+                   "the slowest GPU's time): ", n);
+        print_p2p_figure(&ri->ring, f);
+        if (ri->ring.ok) {
+                fprintf(f, "      per GPU in it:");
+                for (uint32_t d = 0; d < n; d++)
+                        fprintf(f, " GPU %u %.2f GB/s%s", d, ri->ring_dev[d], d + 1 < n ? "," : "");
+                fprintf(f, "\n");
+        }
+        if (ri->ring_serialized)
+                fprintf(f, "      WARNING: in %d of %d timed rounds the GPUs' kernels did not "
+                           "overlap (the round took over 1.25 x the slowest GPU's kernel): the "
+                           "aggregate above is too high\n",
+                        ri->ring_serialized, ri->ring_rounds);
+}
+
+/* --devices >= 2: the ops' cross-GPU floor bytes against the all-at-once P2P store ceiling. */
+static void print_cross(const struct bench *b, const struct run_info *ri, FILE *f)
+{
+        static const char *names[2] = { "dispatch", "combine" };
+        const struct byte_counts *bc = &ri->bytes;
+
+        fprintf(f, "  cross-GPU floor bytes (%llu of %llu received rows have their source and "
+                   "destination ranks on different GPUs; dispatch: the floor's row bytes, "
+                   "combine: the bf16 y row), against the all-at-once P2P store ceiling%s:\n",
+                (unsigned long long)bc->cross_rows, (unsigned long long)bc->rows,
+                ri->ring.ok ? "" : " (NOT MEASURED, so no fraction)");
+        for (uint32_t p = 0; p < b->num_phases; p++) {
+                for (int k = 0; k < 2; k++) {
+                        const struct op_stats *st = &ri->st[p][k];
+                        double g = (double)bc->cross[k] / (st->exec_p50 * 1e3);
+
+                        fprintf(f, "    %s [%s]: %.1f MB = %.2f GB/s at the kernel p50", names[k],
+                                phase_name(b, p), (double)bc->cross[k] / 1e6, g);
+                        if (ri->ring.ok)
+                                fprintf(f, ", %.1f%% of %.2f GB/s", 100.0 * g / ri->ring.gbps,
+                                        ri->ring.gbps);
+                        fprintf(f, "\n");
+                }
+        }
 }
 
 static void print_table(const struct bench *b, const struct run_info *ri, FILE *f)
@@ -1657,6 +1836,8 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
                            "before the workers, %.2f after; all copies %.2f .. %.2f\n",
                         (double)D2D_BYTES / 1048576.0, ri->ceiling, ri->num_probes,
                         ri->ceiling_initial, ri->d2d_after, ri->ceiling_min, ri->ceiling_best);
+                if (ri->p2p)
+                        print_p2p(b, ri, f);
                 fprintf(f, "  daemon workspace: %.2f MiB per live dispatch handle of the group "
                            "= %.2f MiB per rank (device memory); output arena %.2f MiB per rank "
                            "(host memory%s)\n",
@@ -1727,11 +1908,41 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
                         names[k], 100.0 * fl / ri->ceiling_best, ri->ceiling_best,
                         (double)bc->unique[k] / 1e6, u, 100.0 * u / ri->ceiling);
         }
+        if (ri->p2p && bc->cross_valid)
+                print_cross(b, ri, f);
 }
 
 static json_t *json_real_or_null(double v, int present)
 {
         return present ? json_real(v) : json_null();
+}
+
+/* p2p_store_pairs: one object per ordered pair of GPUs (see the file comment). */
+static json_t *p2p_pairs_json(const struct bench *b, const struct run_info *ri)
+{
+        json_t *a = json_array();
+
+        for (uint32_t s = 0; s < b->opt.devices; s++) {
+                for (uint32_t d = 0; d < b->opt.devices; d++) {
+                        const struct p2p_figure *p = &ri->pair[s][d];
+                        json_t *o;
+
+                        if (s == d)
+                                continue;
+                        o = json_object();
+                        json_object_set_new(o, "src", json_integer(s));
+                        json_object_set_new(o, "dst", json_integer(d));
+                        json_object_set_new(o, "gbps", json_real_or_null(p->gbps, p->ok));
+                        json_object_set_new(o, "before_gbps",
+                                            json_real_or_null(p->before, p->before_ok));
+                        json_object_set_new(o, "after_gbps",
+                                            json_real_or_null(p->after, p->after_ok));
+                        json_object_set_new(o, "error", p->why[0] ? json_string(p->why)
+                                                                  : json_null());
+                        json_array_append_new(a, o);
+                }
+        }
+        return a;
 }
 
 /* One JSON line: op k of phase p. */
@@ -1848,6 +2059,36 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
                                  : json_null());
         json_object_set_new(o, "arena_bytes_per_rank",
                             json_integer((json_int_t)b->arena_bytes));
+        /* --devices >= 2 in CUDA mode: the P2P store ceiling and the op's cross-GPU floor bytes
+         * (the file comment); null otherwise, and a fraction only with a concurrent figure. */
+        {
+                const int p2p = ri->p2p && ri->bytes.cross_valid;
+                const int timed = st->exec_p50 > 0;
+                double cg = timed ? (double)ri->bytes.cross[k] / (st->exec_p50 * 1e3) : 0;
+                json_t *dev = NULL;
+
+                if (p2p && ri->ring.ok) {
+                        dev = json_array();
+                        for (uint32_t d = 0; d < b->opt.devices; d++)
+                                json_array_append_new(dev, json_real(ri->ring_dev[d]));
+                }
+                json_object_set_new(o, "p2p_store_pairs", p2p ? p2p_pairs_json(b, ri)
+                                                              : json_null());
+                json_object_set_new(o, "p2p_store_concurrent_gbps",
+                                    json_real_or_null(ri->ring.gbps, p2p && ri->ring.ok));
+                json_object_set_new(o, "p2p_store_concurrent_device_gbps",
+                                    dev ? dev : json_null());
+                json_object_set_new(o, "p2p_store_bytes",
+                                    p2p ? json_integer((json_int_t)P2P_BYTES) : json_null());
+                json_object_set_new(o, "cross_gpu_floor_bytes",
+                                    p2p ? json_integer((json_int_t)ri->bytes.cross[k])
+                                        : json_null());
+                json_object_set_new(o, "cross_gpu_floor_gbps", json_real_or_null(cg, p2p && timed));
+                json_object_set_new(o, "cross_gpu_fraction_of_p2p",
+                                    json_real_or_null(ri->ring.gbps > 0 ? cg / ri->ring.gbps : 0,
+                                                      p2p && timed && ri->ring.ok &&
+                                                              ri->ring.gbps > 0));
+        }
         s = json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER);
         if (s)
                 printf("%s\n", s);
@@ -1988,9 +2229,42 @@ struct d2d_report {
         uint64_t l2_bytes;      /* device 0 */
         uint32_t num_devices;   /* measured */
         double rates[D2D_MAX_DEVICES][D2D_REPS]; /* GB/s, bytes read + written */
+        /* --devices >= 2 (p2p_tried): the peer-to-peer store ceiling, GB/s of bytes stored, every
+         * timed launch. Status per ordered pair [src][dst] and of the all-at-once ring: 0
+         * measured, EPD_BENCH_P2P_NO_PEER (no peer access) or -1 (a CUDA failure), with the
+         * reason in *_err. A failure here is reported, not fatal: the ops do not need it. */
+        int p2p_tried;
+        int p2p_status[D2D_MAX_DEVICES][D2D_MAX_DEVICES];
+        char p2p_err[D2D_MAX_DEVICES][D2D_MAX_DEVICES][160];
+        double p2p_rates[D2D_MAX_DEVICES][D2D_MAX_DEVICES][P2P_REPS];
+        int ring_status;
+        char ring_err[256];
+        int ring_serialized;    /* timed rounds whose kernels did not overlap */
+        double ring_rates[P2P_REPS]; /* the aggregate of each round */
+        double ring_dev_rates[D2D_MAX_DEVICES][P2P_REPS];
 };
 
 #ifdef EPD_BENCH_CUDA
+/* In the child, after the copy ceiling (its buffers are freed): the P2P store ceiling of every
+ * ordered pair, each alone, then every GPU storing to the next at once. */
+static void p2p_measure(struct d2d_report *rep, uint32_t num_devices)
+{
+        double gbps, dev_gbps[D2D_MAX_DEVICES];
+
+        rep->p2p_tried = 1;
+        for (uint32_t s = 0; s < num_devices; s++)
+                for (uint32_t d = 0; d < num_devices; d++)
+                        if (s != d)
+                                rep->p2p_status[s][d] = epd_bench_p2p_store(
+                                        (int)s, (int)d, P2P_BYTES, P2P_REPS, rep->p2p_rates[s][d],
+                                        &gbps, rep->p2p_err[s][d], sizeof(rep->p2p_err[s][d]));
+        /* ring_dev_rates rows are P2P_REPS long: device d's rates at [d * P2P_REPS + i]. */
+        rep->ring_status = epd_bench_p2p_store_ring((int)num_devices, P2P_BYTES, P2P_REPS,
+                                                    rep->ring_rates, &rep->ring_dev_rates[0][0],
+                                                    &gbps, dev_gbps, &rep->ring_serialized,
+                                                    rep->ring_err, sizeof(rep->ring_err));
+}
+
 /* In the child: on each of the first num_devices GPUs, two D2D_BYTES buffers, one untimed copy,
  * then D2D_REPS copies timed with events on a stream of their own. */
 static int d2d_measure(struct d2d_report *rep, uint32_t num_devices)
@@ -2048,6 +2322,8 @@ static int d2d_measure(struct d2d_report *rep, uint32_t num_devices)
                 cudaFree(dst);
                 rep->num_devices = d + 1;
         }
+        if (num_devices >= 2)
+                p2p_measure(rep, num_devices);
         return 0;
 }
 #endif
@@ -2150,6 +2426,113 @@ static void d2d_summary(const struct d2d_report *before, const struct d2d_report
         ri->d2d_after = ceil_after;
         ri->ceiling_min = lo;
         ri->ceiling_best = hi;
+}
+
+/* One P2P figure from the two sets of timed launches; a set that failed (status != 0, or never
+ * tried) contributes nothing and leaves its reason. */
+static void p2p_figure_of(struct p2p_figure *f, int st_before, const double *before,
+                          const char *why_before, int st_after, const double *after,
+                          const char *why_after)
+{
+        double all[2 * P2P_REPS];
+        unsigned n = 0;
+
+        memset(f, 0, sizeof(*f));
+        f->before_ok = st_before == 0;
+        f->after_ok = st_after == 0;
+        if (f->before_ok) {
+                f->before = median_of(before, P2P_REPS);
+                memcpy(all + n, before, P2P_REPS * sizeof(double));
+                n += P2P_REPS;
+        }
+        if (f->after_ok) {
+                f->after = median_of(after, P2P_REPS);
+                memcpy(all + n, after, P2P_REPS * sizeof(double));
+                n += P2P_REPS;
+        }
+        f->ok = n > 0;
+        f->gbps = median_of(all, n);
+        if (!f->before_ok)
+                snprintf(f->why, sizeof(f->why), "%s", why_before);
+        else if (!f->after_ok)
+                snprintf(f->why, sizeof(f->why), "%s", why_after);
+}
+
+/* The P2P store ceiling of the run (--devices >= 2) from the children before and after the
+ * workers. */
+static void p2p_summary(const struct d2d_report *before, const struct d2d_report *after,
+                        uint32_t num_devices, struct run_info *ri)
+{
+        static const char *untried = "not measured (the measuring process stopped before)";
+        int sb, sa;
+
+        ri->p2p = 1;
+        for (uint32_t s = 0; s < num_devices; s++) {
+                for (uint32_t d = 0; d < num_devices; d++) {
+                        if (s == d)
+                                continue;
+                        sb = before->p2p_tried ? before->p2p_status[s][d] : -1;
+                        sa = after->p2p_tried ? after->p2p_status[s][d] : -1;
+                        p2p_figure_of(&ri->pair[s][d], sb, before->p2p_rates[s][d],
+                                      before->p2p_tried ? before->p2p_err[s][d] : untried, sa,
+                                      after->p2p_rates[s][d],
+                                      after->p2p_tried ? after->p2p_err[s][d] : untried);
+                }
+        }
+        sb = before->p2p_tried ? before->ring_status : -1;
+        sa = after->p2p_tried ? after->ring_status : -1;
+        p2p_figure_of(&ri->ring, sb, before->ring_rates,
+                      before->p2p_tried ? before->ring_err : untried, sa, after->ring_rates,
+                      after->p2p_tried ? after->ring_err : untried);
+        ri->ring_serialized = (sb == 0 ? before->ring_serialized : 0) +
+                              (sa == 0 ? after->ring_serialized : 0);
+        ri->ring_rounds = (sb == 0 ? P2P_REPS : 0) + (sa == 0 ? P2P_REPS : 0);
+        for (uint32_t d = 0; d < num_devices; d++) {
+                double all[2 * P2P_REPS];
+                unsigned n = 0;
+
+                if (sb == 0) {
+                        memcpy(all + n, before->ring_dev_rates[d], P2P_REPS * sizeof(double));
+                        n += P2P_REPS;
+                }
+                if (sa == 0) {
+                        memcpy(all + n, after->ring_dev_rates[d], P2P_REPS * sizeof(double));
+                        n += P2P_REPS;
+                }
+                ri->ring_dev[d] = median_of(all, n);
+        }
+}
+
+/* Progress on stderr after the first child: the P2P figures before the workers, and at once
+ * which pairs cannot be measured. */
+static void p2p_log_before(const struct d2d_report *rep, uint32_t num_devices)
+{
+        if (!rep->p2p_tried) {
+                fprintf(stderr, "epd-bench: P2P store ceiling: not measured\n");
+                return;
+        }
+        for (uint32_t s = 0; s < num_devices; s++) {
+                for (uint32_t d = 0; d < num_devices; d++) {
+                        if (s == d)
+                                continue;
+                        if (rep->p2p_status[s][d] == 0)
+                                fprintf(stderr, "epd-bench: P2P store GPU %u -> GPU %u: %.1f GB/s "
+                                                "(median of %d)\n",
+                                        s, d, median_of(rep->p2p_rates[s][d], P2P_REPS),
+                                        P2P_REPS);
+                        else
+                                fprintf(stderr, "epd-bench: P2P store GPU %u -> GPU %u: NOT "
+                                                "MEASURED: %s\n", s, d, rep->p2p_err[s][d]);
+                }
+        }
+        if (rep->ring_status == 0)
+                fprintf(stderr, "epd-bench: P2P store, every GPU to the next at once: %.1f GB/s "
+                                "aggregate (median of %d)%s\n",
+                        median_of(rep->ring_rates, P2P_REPS), P2P_REPS,
+                        rep->ring_serialized ? "; WARNING: some rounds did not overlap" : "");
+        else
+                fprintf(stderr, "epd-bench: P2P store, every GPU to the next at once: NOT "
+                                "MEASURED: %s\n", rep->ring_err);
 }
 
 /* MPS: a CUDA client runs under MPS when the control daemon answers on the pipe directory
@@ -2355,6 +2738,11 @@ int main(int argc, char **argv)
                 fprintf(stderr, "epd-bench: probing the GPU and measuring the device-to-device "
                                 "copy ceiling (2 x %.0f MiB, %d copies per device)\n",
                         (double)D2D_BYTES / 1048576.0, D2D_REPS);
+                if (b.opt.devices >= 2)
+                        fprintf(stderr, "epd-bench: and the P2P store ceiling (%.0f MiB per "
+                                        "launch, %d launches per ordered pair of the %u GPUs and "
+                                        "with all of them at once)\n",
+                                (double)P2P_BYTES / 1048576.0, P2P_REPS, b.opt.devices);
                 if (d2d_run(b.opt.devices, &d2d_before) < 0) {
                         fprintf(stderr, "epd-bench: --backend cuda: %s\n", d2d_before.err);
                         return 1;
@@ -2366,6 +2754,8 @@ int main(int argc, char **argv)
                         d2d_before.device_count, d2d_before.name,
                         (double)d2d_before.l2_bytes / 1048576.0,
                         median_of(d2d_before.rates[0], D2D_REPS));
+                if (b.opt.devices >= 2)
+                        p2p_log_before(&d2d_before, b.opt.devices);
         }
 
         b.ranks = calloc(b.R, sizeof(*b.ranks));
@@ -2532,13 +2922,16 @@ int main(int argc, char **argv)
         }
         if (b.opt.cuda) {
                 /* The workers are gone: the second set of copies, on the same idle GPUs. */
-                fprintf(stderr, "epd-bench: measuring the device-to-device copy ceiling again\n");
+                fprintf(stderr, "epd-bench: measuring the device-to-device copy ceiling%s "
+                                "again\n", b.opt.devices >= 2 ? " and the P2P store ceiling" : "");
                 if (d2d_run(b.opt.devices, &d2d_after) < 0) {
                         fprintf(stderr, "epd-bench: the copy ceiling after the run: %s\n",
                                 d2d_after.err);
                         goto out;
                 }
                 d2d_summary(&d2d_before, &d2d_after, b.opt.devices, &ri);
+                if (b.opt.devices >= 2)
+                        p2p_summary(&d2d_before, &d2d_after, b.opt.devices, &ri);
         } else {
                 ceiling_summary(&ceil, &ri);
         }

@@ -25,6 +25,8 @@
 # seconds (default 420) since the script started; no run starts with less than 20 s left. So the
 # script ends within about 7.5 minutes even when something hangs (a normal pass takes about 2 to 4
 # minutes). ITERS (default 200) sets the measured iterations.
+# Not run here: epd-bench --devices 2 (two GPUs) also reports p2p_store_pairs,
+# p2p_store_concurrent_gbps and cross_gpu_floor_bytes/_gbps/_fraction_of_p2p (issue 5's P2P target).
 #
 # Exit: 0 when every run succeeded, 1 otherwise (the logs say why).
 set -u
