@@ -78,7 +78,7 @@ static __host__ __device__ uint32_t small_row_stride(uint32_t num_topk)
 static __host__ __device__ uint64_t small_smem_bytes(uint32_t world_size, uint32_t num_experts,
                                                     uint32_t num_topk)
 {
-        return 4ull * (3ull * num_experts + (uint64_t)(SMALL_WARPS + 3) * world_size +
+        return 4ull * (4ull * num_experts + (uint64_t)(SMALL_WARPS + 3) * world_size +
                        (uint64_t)SMALL_THREADS * small_row_stride(num_topk));
 }
 
