@@ -448,6 +448,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         struct epd_k_dispatch_args args[MAX_DEVICES];
         int used[MAX_DEVICES];
         int W = (int)ex->ranks[0].device, arena = 0, ndev;
+        const char *step = "setup"; /* named in the op's error when CUDA fails */
         cudaError_t ce;
 
         ndev = devices_of(ex, used);
@@ -503,6 +504,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         if (fresh && ndev == 1) {
                 /* EPD_INVALID_ARGUMENT, before anything is queued: not a small op. */
                 cudaSetDevice(W);
+                step = "route_small";
                 rc = epd_k_dispatch_route_small(&args[W], cb->dev[W].stream);
                 small = rc == 0;
                 if (rc == EPD_INVALID_ARGUMENT)
@@ -510,12 +512,14 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         }
         if (!fresh) {
                 cudaSetDevice(W);
+                step = "recheck";
                 rc = epd_k_dispatch_recheck(&args[W], cb->dev[W].stream);
         } else if (small) {
                 if (!arena) {
                         /* The copy overlaps the routing block (programmatic dependent launch:
                          * nothing may sit between the two); the reply block follows both. */
                         args[W].flags |= EPD_K_COPY_OVERLAP;
+                        step = "copy";
                         rc = epd_k_dispatch_copy(&args[W], cb->dev[W].stream);
                         if (rc < 0)
                                 goto cuda_error;
@@ -528,6 +532,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                         if (!used[d])
                                 continue;
                         cudaSetDevice(d);
+                        step = "count";
                         rc = epd_k_dispatch_count(&args[d], cb->dev[d].stream);
                         if (rc == 0 && d != W)
                                 rc = cudaEventRecord(cb->dev[d].counted, cb->dev[d].stream) ==
@@ -537,6 +542,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                 for (int d = 0; d < cb->num_devices && rc == 0; d++)
                         if (used[d] && d != W)
                                 cudaStreamWaitEvent(cb->dev[W].stream, cb->dev[d].counted, 0);
+                step = "prefix";
                 if (rc == 0)
                         rc = epd_k_dispatch_prefix(&args[W], cb->dev[W].stream);
         }
@@ -547,6 +553,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                         cb->dev[W].stream);
         if (arena) {
                 /* The arena needs exact sizes: wait for the counts, place, re-upload. */
+                step = "routing (arena placement wait)";
                 if (sync_stream(ex, W, cb->dev[W].stream, deadline) != cudaSuccess)
                         goto cuda_error;
                 if (ex->status < 0)
@@ -559,6 +566,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                 if (upload_dispatch(cb, ex, ch->ws, args) < 0)
                         goto cuda_error;
                 cudaSetDevice(W);
+                step = "recheck";
                 if (epd_k_dispatch_recheck(&args[W], cb->dev[W].stream) < 0)
                         goto cuda_error;
         }
@@ -569,16 +577,21 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                 cudaSetDevice(d);
                 if (d != W)
                         cudaStreamWaitEvent(cb->dev[d].stream, cb->prefixed, 0);
-                if (fresh && !small)
+                if (fresh && !small) {
+                        step = "place";
                         rc = epd_k_dispatch_place(&args[d], cb->dev[d].stream);
-                if (rc == 0)
+                }
+                if (rc == 0) {
+                        step = "copy";
                         rc = epd_k_dispatch_copy(&args[d], cb->dev[d].stream);
+                }
         }
         if (rc < 0)
                 goto cuda_error;
 launched:
         /* Every device's copy done, then the completion doorbells on W's stream. */
         op_end(cb, ex, used, W, 1);
+        step = "the op's kernels (found at completion)";
         for (int d = 0; d < cb->num_devices; d++) {
                 if (!used[d])
                         continue;
@@ -610,7 +623,7 @@ cuda_error:
         /* A runtime call's error is still pending; a launcher's was taken by the launcher,
          * which keeps it (epd_k_last_cuda_error). */
         ce = cudaGetLastError();
-        snprintf(ex->message, sizeof(ex->message), "CUDA error: %s",
+        snprintf(ex->message, sizeof(ex->message), "CUDA error in %s: %s", step,
                  cudaGetErrorString(ce != cudaSuccess ? ce : epd_k_last_cuda_error()));
 fail:
         epd_exec_release_new_arenas(ex);
