@@ -287,6 +287,15 @@ static int prep_ref(struct prep *p, struct epd_region *r)
         return 0;
 }
 
+/* Whether the group's ranks live on more than one device. */
+static int group_spans_devices(const struct epd_group *g)
+{
+        for (uint32_t r = 1; r < g->cfg.world_size; r++)
+                if (g->ranks[r].device != g->ranks[0].device)
+                        return 1;
+        return 0;
+}
+
 /* Checks dtype and shape [rows, cols] (cols 0: one-dimensional [rows]) and resolves the tensor.
  * exact_rows: sizes[0] must equal rows; else sizes[0] >= rows and the whole declared extent is
  * resolved (outputs: sizes[0] is the capacity). */
@@ -321,6 +330,16 @@ static int prep_tensor(struct prep *p, uint32_t rank, const char *what,
                                 err, sizeof(err));
         if (rc < 0)
                 return prep_fail(p, rc, rank, "%s: %s", what, err);
+        /* A CUDA IPC import is mapped for its own GPU only (the daemon opens it once, on the
+         * device the memory lives on), so a kernel of another GPU of the group would fault on
+         * it and take the daemon's context down with every group on it (seen on two H200s).
+         * Until imports are opened per device, such a group needs cuMem memory. */
+        if (r->kind == EPD_REGION_CUDA_IPC && group_spans_devices(p->op->group))
+                return prep_fail(p, EPD_INVALID_ARGUMENT, rank,
+                                 "%s: cudaMalloc memory (a CUDA IPC region) cannot be used by a "
+                                 "group spread over several GPUs; allocate it with "
+                                 "epd_device_alloc or another cuMem allocator (PyTorch: "
+                                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)", what);
         if (capacity)
                 *capacity = t.sizes[0];
         return prep_ref(p, r);
