@@ -838,7 +838,10 @@ START_TEST(test_resize_waits_for_executing_op)
                 }
                 _exit(rc);
         }
-        usleep(400 * 1000);
+        /* epctl needs time to start and send the resize (about 0.2 s under the sanitizers on
+         * two busy cores, where a 0.4 s pause left the resize waiting only 0.23 s); 1.5 s leaves
+         * it well over the 0.3 s that the check below asks of the wait. */
+        usleep(1500 * 1000);
         ck_assert_int_eq(waitpid(pid, &status, WNOHANG), 0); /* still waiting for the op */
         ck_assert_int_eq(epd_group_mark_inputs_ready_host(s.g, NULL), EPD_OK);
         ck_assert_int_eq(epd_op_wait(op, 10000), EPD_OK);
