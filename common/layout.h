@@ -19,13 +19,14 @@
  *     sel_count         int32 [R src][E]                    as struct epd_plan
  *     expert_src_prefix int32 [E][R src]                    as struct epd_plan
  *   per chunk of EPD_WS_CHUNK_TOKENS tokens of a source (C = ceil(T / chunk) chunks a source)
- *     chunk_count       int32 [R src][C][R + E]   written by count: tokens of the chunk going to
- *                               each destination, then selections of each expert
+ *     chunk_count       int32 [R src][C][R + E]   written by count (or the small routing):
+ *                               tokens of the chunk going to each destination, then selections
+ *                               of each expert
  *     chunk_base        int32 [R src][C][E]       written by prefix: for the op layout's key
  *                               (NON_EXPAND: destination d at [d]; EXPAND: expert e at [e]),
  *                               the source's entries with that key in earlier chunks
- *     chunk_error       struct epd_ws_src_error [R src][C]   written by count: the chunk's first
- *                               bad entry
+ *     chunk_error       struct epd_ws_src_error [R src][C]   written by count (or the small
+ *                               routing): the chunk's first bad entry
  *   small_sync          struct epd_ws_small_sync, then uint32 flag[R * C]: the small routing's
  *                               block counter and chunk flags (kernels/route_small.cu). Zero when
  *                               the workspace is allocated (epd_k_workspace_init); the kernel

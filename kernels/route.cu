@@ -178,29 +178,8 @@ static __device__ __forceinline__ void epd__k_count_chunk(const struct epd_k_dis
                           ((uint64_t)s * C + chunk) * (R + E);
         for (uint32_t i = threadIdx.x; i < R + E; i += blockDim.x)
                 counts[i] = smem[i]; /* tot_tok then tot_sel, adjacent in smem as in memory */
-        if (threadIdx.x == 0) {
-                struct epd_ws_src_error *rec =
-                        epd_ws_chunk_errors(a.workspace, &l) + (uint64_t)s * C + chunk;
-                rec->reason = EPD_WS_REASON_NONE;
-                rec->token = 0;
-                rec->pos = 0;
-                rec->reserved = 0;
-                rec->value = 0;
-                if (too_many && chunk == 0) {
-                        rec->reason = EPD_WS_REASON_BAD_TOKENS;
-                        rec->value = src->num_tokens;
-                } else if (first_bad != UINT32_MAX) {
-                        /* Re-derive what is wrong with the first bad entry. */
-                        uint32_t t = first_bad / K, k = first_bad % K;
-                        uint64_t row0 = (uint64_t)t * stride;
-                        int64_t v = epd__k_load_topk(src->topk_idx, a.topk_dtype, row0 + k);
-                        rec->reason = (v >= 0 && v < (int64_t)E) ? EPD_WS_REASON_DUP_EXPERT
-                                                                 : EPD_WS_REASON_BAD_EXPERT;
-                        rec->token = (int32_t)t;
-                        rec->pos = (int32_t)k;
-                        rec->value = v;
-                }
-        }
+        if (threadIdx.x == 0)
+                write_chunk_error(&a, &l, s, chunk, too_many && chunk == 0, first_bad);
         __syncthreads();
 
         /* Pass C. The loop bounds are warp-uniform, so every lane reaches every __syncwarp. */

@@ -105,24 +105,22 @@ static __device__ __forceinline__ int32_t warp_inclusive_scan(int32_t v)
         return v;
 }
 
-/* One warp: out[i * out_stride] = sum of in[j * in_stride] for j < i, for i < n, and
- * out[n * out_stride] = the total when with_total. */
-static __device__ void warp_exclusive_scan(const int32_t *in, uint64_t in_stride, int32_t *out,
-                                           uint64_t out_stride, uint32_t n, int with_total)
+/* One warp: out[i] = in[0] + ... + in[i - 1] for i < n, and out[n] = the total. */
+static __device__ void warp_exclusive_scan(const int32_t *in, int32_t *out, uint32_t n)
 {
         const uint32_t lane = threadIdx.x % 32;
         int32_t carry = 0;
 
         for (uint32_t i0 = 0; i0 < n; i0 += 32) {
                 const uint32_t i = i0 + lane;
-                const int32_t v = i < n ? in[(uint64_t)i * in_stride] : 0;
+                const int32_t v = i < n ? in[i] : 0;
                 const int32_t incl = warp_inclusive_scan(v);
                 if (i < n)
-                        out[(uint64_t)i * out_stride] = carry + incl - v;
+                        out[i] = carry + incl - v;
                 carry += __shfl_sync(EPD_K_FULL_MASK, incl, 31);
         }
-        if (with_total && lane == 0)
-                out[(uint64_t)n * out_stride] = carry;
+        if (lane == 0)
+                out[n] = carry;
 }
 
 /* One token t of source src (rank s): validates and normalises its top-k row into the workspace
@@ -280,9 +278,8 @@ static __device__ void small_finish(const struct epd_k_dispatch_args &a,
         }
         /* expert_base[d][le]: a scan over the aligned counts of d's experts, one warp per d. */
         for (uint32_t d = warp; d < R; d += SMALL_WARPS)
-                warp_exclusive_scan(aligned + (uint64_t)d * L, 1,
-                                    epd_ws_i32(ws, l.expert_base) + (uint64_t)d * (L + 1), 1, L,
-                                    1);
+                warp_exclusive_scan(aligned + (uint64_t)d * L,
+                                    epd_ws_i32(ws, l.expert_base) + (uint64_t)d * (L + 1), L);
         __syncthreads(); /* check_capacity reads rank_prefix and expert_base back */
         for (uint32_t d = threadIdx.x; d < R; d += blockDim.x)
                 check_capacity(&a, &l, d, &num_short, &first_short);
@@ -294,15 +291,9 @@ static __device__ void small_finish(const struct epd_k_dispatch_args &a,
                 return;
         }
         const uint32_t i = bad_key >> 16, s = srcs[i].rank, c = bad_key & 0xffff;
-        if (srcs[i].num_tokens > a.max_tokens) {
-                /* Recorded in chunk 0's slot, which a source without chunks leaves free. */
-                struct epd_ws_src_error *rec = epd_ws_chunk_errors(ws, &l) + (uint64_t)s * C;
-                rec->reason = EPD_WS_REASON_BAD_TOKENS;
-                rec->token = 0;
-                rec->pos = 0;
-                rec->reserved = 0;
-                rec->value = srcs[i].num_tokens;
-        }
+        /* A BAD_TOKENS source has no chunks, so chunk 0's slot is free for its record. */
+        if (srcs[i].num_tokens > a.max_tokens)
+                write_chunk_error(&a, &l, s, 0, 1, UINT32_MAX);
         write_verdict(&a, &l, s, s * C + c, num_short, first_short);
 }
 
@@ -399,26 +390,8 @@ static __global__ void __launch_bounds__(SMALL_THREADS)
                 }
                 for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
                         my_cc[R + e] = bsel[e];
-                if (threadIdx.x == 0) {
-                        struct epd_ws_src_error *rec =
-                                epd_ws_chunk_errors(ws, &l) + (uint64_t)s * C + c;
-                        rec->reason = EPD_WS_REASON_NONE;
-                        rec->token = 0;
-                        rec->pos = 0;
-                        rec->reserved = 0;
-                        rec->value = 0;
-                        if (first_bad != UINT32_MAX) {
-                                const uint32_t bt = first_bad / K, bk = first_bad % K;
-                                const int64_t v = epd__k_load_topk(
-                                        src->topk_idx, a.topk_dtype,
-                                        (uint64_t)bt * src->topk_stride + bk);
-                                rec->reason = v >= 0 && v < (int64_t)E ? EPD_WS_REASON_DUP_EXPERT
-                                                                       : EPD_WS_REASON_BAD_EXPERT;
-                                rec->token = (int32_t)bt;
-                                rec->pos = (int32_t)bk;
-                                rec->value = v;
-                        }
-                }
+                if (threadIdx.x == 0)
+                        write_chunk_error(&a, &l, s, c, 0, first_bad);
                 __syncthreads();
                 if (threadIdx.x == 0) {
                         epd_fence_acq_rel_gpu();
