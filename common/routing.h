@@ -29,6 +29,29 @@ EPD_HD uint32_t epd_route_expert_rank(int32_t expert, uint32_t num_local_experts
         return (uint32_t)expert / num_local_experts;
 }
 
+/* Division by a per-op constant without a divide instruction, for kernels that divide many
+ * small numbers by it: with m = epd_udiv_magic(d) = ceil(2^32 / d),
+ * epd_udiv_by_magic(x, m) == x / d for every x with x * d < 2^32.
+ * Why: write m = (2^32 + r) / d with 0 <= r < d, and x = q d + f with 0 <= f < d. Then
+ * x m / 2^32 = q + f / d + x r / (d 2^32), and the last two terms stay below 1 because
+ * f <= d - 1 and x r < x d < 2^32. tests/unit_plan.c checks it for every d <= 256. */
+EPD_HD uint64_t epd_udiv_magic(uint32_t divisor)
+{
+        return ((1ull << 32) + divisor - 1) / divisor;
+}
+
+EPD_HD uint32_t epd_udiv_by_magic(uint32_t x, uint64_t magic)
+{
+        return (uint32_t)(((uint64_t)x * magic) >> 32);
+}
+
+/* epd_route_expert_rank with magic = epd_udiv_magic(L): exact for every expert id, since
+ * E * L <= 2048 * 256 < 2^32. */
+EPD_HD uint32_t epd_route_expert_rank_magic(int32_t expert, uint64_t magic)
+{
+        return epd_udiv_by_magic((uint32_t)expert, magic);
+}
+
 EPD_HD uint32_t epd_route_expert_local(int32_t expert, uint32_t num_local_experts)
 {
         return (uint32_t)expert % num_local_experts;

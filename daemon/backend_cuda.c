@@ -8,7 +8,8 @@
  * kernels/epd_kernels.h: count on each device, prefix on the first rank's device, place and copy
  * on each device, with events between streams and no host round trip, except when outputs go to
  * the output arena, whose exact placement needs the counts first. A small NON_EXPAND op of a
- * group on one GPU is routed in one launch instead (route_small, then copy: two launches).
+ * group on one GPU is one launch instead (dispatch_small: every block routes the whole op and
+ * copies its share), or, with arena outputs, route_small and then copy.
  *
  * Client memory from cuMem allocations (epd_device_alloc, PyTorch's expandable segments) is
  * mapped here by the daemon itself; cudaMalloc memory arrives as a CUDA IPC handle, and the
@@ -497,10 +498,26 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         uint64_t deadline = epd__now_ns() + ex->timeout_ns;
         op_begin(cb, ex, used, W);
         int rc = 0;
-        /* A small NON_EXPAND op of a one-GPU group is routed in one launch (count, prefix and
-         * place, kernels/route_small.cu); otherwise count on every device, prefix
-         * on W (or recheck for a cached dispatch), place on every device. */
+        /* A small NON_EXPAND op of a one-GPU group whose outputs are in client memory is one
+         * launch (routing and copy, kernels/dispatch_small.cu); with arena outputs it is routed
+         * in one launch (count, prefix and place, kernels/route_small.cu) and copied once the
+         * arena is placed; otherwise count on every device, prefix on W (or recheck for a
+         * cached dispatch), place on every device. */
         int small = 0;
+        if (fresh && ndev == 1 && !arena) {
+                /* EPD_INVALID_ARGUMENT, before anything is queued: not a small op. */
+                cudaSetDevice(W);
+                step = "dispatch_small";
+                rc = epd_k_dispatch_small(&args[W], cb->dev[W].stream);
+                if (rc == 0) {
+                        cudaMemcpyAsync(cb->h_reply, ch->ws, ch->layout.reply_bytes,
+                                        cudaMemcpyDeviceToHost, cb->dev[W].stream);
+                        goto launched;
+                }
+                if (rc != EPD_INVALID_ARGUMENT)
+                        goto cuda_error;
+                rc = 0;
+        }
         if (fresh && ndev == 1) {
                 /* EPD_INVALID_ARGUMENT, before anything is queued: not a small op. */
                 cudaSetDevice(W);

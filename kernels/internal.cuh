@@ -50,6 +50,7 @@ int epd__k_preload_route(void);
 int epd__k_preload_dispatch(void);
 int epd__k_preload_combine(void);
 int epd__k_preload_route_small(void);
+int epd__k_preload_dispatch_small(void);
 
 /* ---- device side ---- */
 

@@ -60,18 +60,11 @@
 #include <stdint.h>
 
 #include "internal.cuh"
+#include "route_token.cuh"
 #include "verdict.cuh"
 
 #define SMALL_THREADS EPD_WS_CHUNK_TOKENS /* one thread per token of a chunk */
 #define SMALL_WARPS (SMALL_THREADS / 32)
-#define SMALL_MAX_RANKS 64 /* destinations are bits of a 64-bit mask */
-
-/* Each thread's normalised top-k row lives in shared memory at a stride of num_topk rounded up
- * to odd, so that a warp's threads reading the same position hit 32 different banks. */
-static __host__ __device__ uint32_t small_row_stride(uint32_t num_topk)
-{
-        return num_topk | 1u;
-}
 
 /* Dynamic shared memory, int32: bsel[E], wtot[SMALL_WARPS][R], own[R] (the chunk's destination
  * counts), pre[R + E], spre[R + E], aligned[E], then rows[SMALL_THREADS][stride]. */
@@ -93,98 +86,30 @@ struct small_src {
         uint32_t rank;
 };
 
-static __device__ __forceinline__ int32_t warp_inclusive_scan(int32_t v)
-{
-        const uint32_t lane = threadIdx.x % 32;
-
-        for (uint32_t o = 1; o < 32; o <<= 1) {
-                const int32_t n = __shfl_up_sync(EPD_K_FULL_MASK, v, o);
-                if (lane >= o)
-                        v += n;
-        }
-        return v;
-}
-
-/* One warp: out[i] = in[0] + ... + in[i - 1] for i < n, and out[n] = the total. */
-static __device__ void warp_exclusive_scan(const int32_t *in, int32_t *out, uint32_t n)
-{
-        const uint32_t lane = threadIdx.x % 32;
-        int32_t carry = 0;
-
-        for (uint32_t i0 = 0; i0 < n; i0 += 32) {
-                const uint32_t i = i0 + lane;
-                const int32_t v = i < n ? in[i] : 0;
-                const int32_t incl = warp_inclusive_scan(v);
-                if (i < n)
-                        out[i] = carry + incl - v;
-                carry += __shfl_sync(EPD_K_FULL_MASK, incl, 31);
-        }
-        if (lane == 0)
-                out[n] = carry;
-}
-
-/* One token t of source src (rank s): validates and normalises its top-k row into the workspace
- * and into nrow (this thread's shared row, each valid entry packed as expert | destination << 16,
- * -1 otherwise), adds its selections to bsel, and returns its destination mask; *first gets the
- * first-position bits and *ent its first entry. The chunk's first bad entry (lowest t*K_op + k)
- * goes to *first_bad.
- *
- * One pass does what the count step does in three, because a block is limited by the
- * instructions it issues and their latency (ncu: an earlier version that divided by L in nested
- * loops executed twice the instructions): an id repeats an earlier raw id exactly when it equals
- * an earlier normalised one (the first occurrence of an in-range id is never normalised away),
- * so the raw row need not be kept; and a valid position is the first for its destination exactly
- * when no earlier valid position has that destination (epd_route_is_first_for_rank), which a
- * running mask of the destinations seen answers with one division per entry. */
+/* One token t of source src (rank s): validates and normalises its top-k row (route_token) into
+ * the workspace and into nrow (this thread's shared row), adds its selections to bsel, and
+ * returns its destination mask; *first gets the first-position bits and *ent its first entry.
+ * The chunk's first bad entry (lowest t*K_op + k) goes to *first_bad. */
 static __device__ uint64_t small_token(const struct epd_k_dispatch_args &a,
                                        const struct epd_ws_layout &l, const struct small_src *src,
                                        uint32_t t, int32_t *bsel, uint32_t *first_bad,
                                        int32_t *nrow, uint32_t *first, uint64_t *ent)
 {
-        const uint32_t E = a.num_experts, L = l.num_local_experts, K = a.num_topk;
-        const uint32_t s = src->rank;
-        uint64_t dmask = 0;
-
-        *first = 0;
-        const uint64_t row0 = (uint64_t)t * src->topk_stride;
+        const uint32_t K = a.num_topk;
         int32_t *topk = epd_ws_i32(a.workspace, l.topk), *row = epd_ws_i32(a.workspace, l.row);
-        uint32_t bad = UINT32_MAX;
+        uint32_t bad;
 
-        *ent = epd_ws_entry(&l, s, t, K, 0);
-        /* The loads first, all in flight together: each id as -1, in range, or -2 (bad). */
-        for (uint32_t k = 0; k < K; k++) {
-                const int64_t v = epd__k_load_topk(src->topk_idx, a.topk_dtype, row0 + k);
-                nrow[k] = v >= 0 && v < (int64_t)E ? (int32_t)v : v == -1 ? -1 : -2;
-        }
-        /* The count step's pass A: ids outside [0, E) other than -1, and repeats, are bad and
-         * normalised to -1. */
+        *ent = epd_ws_entry(&l, src->rank, t, K, 0);
+        const uint64_t dmask = route_token(src->topk_idx, a.topk_dtype,
+                                           (uint64_t)t * src->topk_stride, K, a.num_experts,
+                                           epd_udiv_magic(l.num_local_experts), nrow,
+                                           first, &bad);
         for (uint32_t k = 0; k < K; k++) {
                 const int32_t v = nrow[k];
-                int32_t norm = -1;
-                if (v >= 0) {
-                        norm = v;
-                        for (uint32_t j = 0; j < k; j++) {
-                                if (nrow[j] >= 0 && (nrow[j] & 0xffff) == norm) {
-                                        norm = -1;
-                                        bad = min(bad, k);
-                                        break;
-                                }
-                        }
-                } else if (v != -1) {
-                        bad = min(bad, k);
-                }
-                topk[*ent + k] = norm;
-                row[*ent + k] = -1; /* first positions get theirs in phase 3 */
-                nrow[k] = -1;
-                if (norm < 0)
-                        continue;
-                const uint32_t d = epd_route_expert_rank(norm, L);
-                nrow[k] = norm | (int32_t)(d << 16);
-                atomicAdd(&bsel[norm], 1);
-                if (!((dmask >> d) & 1)) {
-                        dmask |= 1ull << d;
-                        *first |= 1u << k;
-                }
+                topk[*ent + k] = v >= 0 ? v & 0xffff : -1;
+                row[*ent + k] = -1; /* first positions get theirs in phase 2 */
+                if (v >= 0)
+                        atomicAdd(&bsel[v & 0xffff], 1);
         }
         if (bad != UINT32_MAX)
                 atomicMin(first_bad, t * K + bad);

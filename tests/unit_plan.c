@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "plan.h"
+#include "routing.h"
 #include "reference.h"
 #include "testdata.h"
 
@@ -335,6 +336,29 @@ static void run_plan_case(const struct plan_case *c, uint64_t seed, enum epd_lay
                 free(topk[s]);
 }
 
+/* routing.h's division-free quotient equals e / L for every divisor up to 256 (local-expert
+ * counts, top-k widths) and every dividend an expert id can be, and at the top of its range
+ * (e * L < 2^32). */
+START_TEST(test_rank_magic)
+{
+        uint64_t checked = 0;
+
+        for (uint32_t L = 1; L <= EPD_MAX_LOCAL_EXPERTS; L++) {
+                const uint64_t m = epd_udiv_magic(L);
+                const uint32_t top = (uint32_t)(0xffffffffull / L);
+                for (uint32_t e = 0; e < EPD_MAX_EXPERTS * 4; e++, checked++)
+                        if (epd_route_expert_rank_magic((int32_t)e, m) != e / L)
+                                ck_abort_msg("L %u e %u: %u, want %u", L, e,
+                                             epd_route_expert_rank_magic((int32_t)e, m), e / L);
+                for (uint32_t e = top > 4096 ? top - 4096 : 0; e < top; e++, checked++)
+                        if (epd_route_expert_rank_magic((int32_t)e, m) != e / L)
+                                ck_abort_msg("L %u e %u: %u, want %u", L, e,
+                                             epd_route_expert_rank_magic((int32_t)e, m), e / L);
+        }
+        ck_assert_uint_gt(checked, 3000000);
+}
+END_TEST
+
 START_TEST(test_fixed_cases)
 {
         const struct plan_case *c = &fixed_cases[_i / 2];
@@ -425,6 +449,7 @@ static Suite *plan_suite(void)
         tcase_add_test(tc, test_validate_int64_wide);
         tcase_add_test(tc, test_validate_duplicates);
         tcase_add_test(tc, test_all_minus_one);
+        tcase_add_test(tc, test_rank_magic);
         suite_add_tcase(s, tc);
 
         tc = tcase_create("place");

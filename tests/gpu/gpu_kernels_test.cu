@@ -345,6 +345,12 @@ static void build_cases(void)
         c = add_case("small op, ranks 0, 2, 3 and 7 without tokens (prefixes of empty sources)");
         c->R = 8; c->E = 64; c->T = 300; c->K = 8; c->KO = 8; c->has_weights = 1;
         c->empty_mask = 1u << 0 | 1u << 2 | 1u << 3 | 1u << 7; c->seed = 0x3007;
+        c = add_case("small op top-1, int32 ids (a lane per token in the one-launch routing)");
+        c->R = 8; c->E = 64; c->T = 200; c->K = 2; c->KO = 1; c->has_weights = 1;
+        c->neg_frac = 0.1; c->topk_dtype = EPD_DTYPE_INT32; c->seed = 0x3008;
+        c = add_case("small op top-2 with -1 entries, duplicate expert (lanes in pairs)");
+        c->R = 4; c->E = 32; c->T = 150; c->K = 2; c->KO = 2; c->invalid = 2; c->neg_frac = 0.25;
+        c->seed = 0x3009;
 
         {
                 for (int ri = 1; ri < 4; ri++) {
@@ -832,6 +838,17 @@ static int route_small_ok(const struct ctx *x)
         return epd_k_dispatch_route_small_ok(&a);
 }
 
+/* Whether the one-launch small dispatch (kernels/dispatch_small.cu) takes this case. */
+static int fused_ok(const struct ctx *x)
+{
+        struct epd_k_dispatch_args a;
+
+        if (x->ndev != 1)
+                return 0;
+        dev_dispatch_args(x, 0, &a);
+        return epd_k_dispatch_small_ok(&a);
+}
+
 /* The same dispatch with the small-op routing step instead of count, prefix and place, and the
  * copy overlapping it (programmatic dependent launch). */
 static int gpu_dispatch_small(struct ctx *x)
@@ -843,6 +860,21 @@ static int gpu_dispatch_small(struct ctx *x)
         CKS(epd_k_dispatch_route_small(&a, x->stream[0]));
         a.flags = EPD_K_COPY_OVERLAP; /* the copy overlaps the routing, as in the daemon */
         CKS(epd_k_dispatch_copy(&a, x->stream[0]));
+        CK(cudaMemcpyAsync(x->reply, x->ws, x->lay.reply_bytes, cudaMemcpyDeviceToHost,
+                           x->stream[0]));
+        CK(cudaStreamSynchronize(x->stream[0]));
+        return 0;
+}
+
+/* The same dispatch in one launch (kernels/dispatch_small.cu), as the daemon runs a small op
+ * whose outputs are in client memory. */
+static int gpu_dispatch_fused(struct ctx *x)
+{
+        struct epd_k_dispatch_args a;
+
+        CK(cudaSetDevice(0));
+        dev_dispatch_args(x, 0, &a);
+        CKS(epd_k_dispatch_small(&a, x->stream[0]));
         CK(cudaMemcpyAsync(x->reply, x->ws, x->lay.reply_bytes, cudaMemcpyDeviceToHost,
                            x->stream[0]));
         CK(cudaStreamSynchronize(x->stream[0]));
@@ -1281,9 +1313,9 @@ static int time_chain(struct ctx *x, int iters, double *steps)
         return 0;
 }
 
-/* One device: the mean GPU time of the small-op routing step alone (with_copy 0), or of the
- * routing followed by the overlapped copy (with_copy 1), over `iters` back-to-back launches
- * after one warm-up. */
+/* One device: the mean GPU time of the small-op routing step alone (with_copy 0), of the
+ * routing followed by the overlapped copy (with_copy 1), or of the one-launch small dispatch
+ * (with_copy 2), over `iters` back-to-back launches after one warm-up. */
 static int time_route_small(struct ctx *x, int with_copy, int iters, double *ms_out)
 {
         struct epd_k_dispatch_args a;
@@ -1295,6 +1327,10 @@ static int time_route_small(struct ctx *x, int with_copy, int iters, double *ms_
                 if (i == 1)
                         CK(cudaEventRecord(x->ev_t0[0], x->stream[0]));
                 a.flags = 0;
+                if (with_copy == 2) {
+                        CKS(epd_k_dispatch_small(&a, x->stream[0]));
+                        continue;
+                }
                 CKS(epd_k_dispatch_route_small(&a, x->stream[0]));
                 a.flags = EPD_K_COPY_OVERLAP;
                 if (with_copy)
@@ -1337,12 +1373,50 @@ static int report_timing(struct ctx *x, double ceiling)
                                 }
         if (time_step(x, 0, 10, &ms_copy) < 0 || time_step(x, 1, 10, &ms_comb) < 0)
                 return -1;
-        double steps[4], ms_small = 0, ms_small_copy = 0;
+        double steps[4], ms_small = 0, ms_small_copy = 0, ms_fused = 0;
         if (x->ndev == 1 && time_chain(x, 10, steps) < 0)
                 return -1;
         if (route_small_ok(x) && (time_route_small(x, 0, 20, &ms_small) < 0 ||
                                   time_route_small(x, 1, 20, &ms_small_copy) < 0))
                 return -1;
+#ifdef DS_TRACE
+        if (getenv("DS_TIME_SKIP_COPY") != NULL)
+                setenv("DS_SKIP_COPY", "1", 1);
+#endif
+        if (fused_ok(x) && time_route_small(x, 2, 20, &ms_fused) < 0)
+                return -1;
+#ifdef DS_TRACE
+        if (ms_fused > 0) {
+                /* Experiments: the phase stamps of the last one-launch small dispatch. */
+                uint64_t st[1024 * 8];
+                int nb = 0;
+                CK(cudaDeviceGetAttribute(&nb, cudaDevAttrMultiProcessorCount, 0));
+                if (nb < (int)x->R)
+                        nb = (int)x->R;
+                CK(cudaMemcpy(st, x->ws + x->lay.local, 64ull * nb, cudaMemcpyDeviceToHost));
+                uint64_t t0 = UINT64_MAX;
+                for (int b = 0; b < nb; b++)
+                        t0 = st[b * 8] < t0 ? st[b * 8] : t0;
+                for (int p = 0; p < 8; p++) {
+                        uint64_t lo = UINT64_MAX, hi = 0;
+                        double sum = 0;
+                        int cnt = 0;
+                        for (int b = 0; b < nb; b++) {
+                                uint64_t v = st[b * 8 + p];
+                                if (v < t0 || v - t0 > 1000000)
+                                        continue;
+                                v -= t0;
+                                lo = v < lo ? v : lo;
+                                hi = v > hi ? v : hi;
+                                sum += (double)v;
+                                cnt++;
+                        }
+                        printf("    trace stamp %d: %d blocks, min %llu mean %.0f max %llu ns\n", p,
+                               cnt, (unsigned long long)lo, cnt ? sum / cnt : 0.0,
+                               (unsigned long long)hi);
+                }
+        }
+#endif
         double disp_floor = 2.0 * rows * (x->row_bytes + x->scale_bytes);
         double disp_meta = 2.0 * rows * (x->row_bytes + x->scale_bytes + meta);
         double comb_floor = (double)(contrib + tokens * (1 + x->c->num_bias)) * 2.0 * x->H;
@@ -1369,6 +1443,11 @@ static int report_timing(struct ctx *x, double ceiling)
                        "overlapped copy %.3f ms: floor bytes %.0f GB/s = %.1f%% of ceiling\n",
                        ms_small, ms_small_copy, disp_floor / (ms_small_copy * 1e-3) / 1e9,
                        100.0 * disp_floor / (ms_small_copy * 1e-3) / 1e9 / ceiling);
+        if (ms_fused > 0)
+                printf("    one-launch small dispatch %.3f ms: floor bytes %.0f GB/s = %.1f%% of "
+                       "ceiling\n",
+                       ms_fused, disp_floor / (ms_fused * 1e-3) / 1e9,
+                       100.0 * disp_floor / (ms_fused * 1e-3) / 1e9 / ceiling);
         printf("    combine kernel: %.3f ms, %llu rows read, %llu rows written; floor %.0f GB/s "
                "= %.1f%% of ceiling\n",
                ms_comb, (unsigned long long)contrib, (unsigned long long)tokens,
@@ -1595,6 +1674,37 @@ static int run_case(struct ctx *x, int ndev_avail, int timing, double *ceiling)
                         return -1;
                 printf("    small-op routing run %d: same verdict, rows and outputs as the step "
                        "sequence\n", run);
+        }
+
+        /* Runs 5 and 6: the one-launch small dispatch, from garbage (it needs no zeroed
+         * counters), then again on what run 5 left; it must give the same verdict, outputs
+         * and workspace. Combine and cached dispatch below run on what run 6 left, so they
+         * check the workspace arrays this kernel writes for them. */
+        const int fused = small && fused_ok(x);
+        for (int run = 5; fused && run <= 6; run++) {
+                char what[64];
+                CK(cudaSetDevice(0));
+                if (run == 5)
+                        CK(cudaMemset(x->ws, WS_GARBAGE_1, ws_bytes));
+                if (reset_outputs(x) < 0)
+                        return -1;
+                CK(cudaDeviceSynchronize());
+                if (gpu_dispatch_fused(x) < 0)
+                        return -1;
+                check_verdict(x, &want);
+                if (readback_outputs(x) < 0)
+                        return -1;
+                snprintf(what, sizeof(what), "one-launch small dispatch run %d vs run 1", run);
+                compare_outputs(x, what, 0, first);
+                if (want.status == 0 && check_routing(x) < 0)
+                        return -1;
+                printf("    one-launch small dispatch run %d: same verdict, rows and outputs as "
+                       "the step sequence\n", run);
+        }
+        if (fused) {
+                /* Leave the small routing's counters zero for any later route_small. */
+                CKS(epd_k_workspace_init(x->ws, x->R, x->E, x->T, x->K, 0));
+                CK(cudaDeviceSynchronize());
         }
 
         if (want.status != 0) {

@@ -1,0 +1,265 @@
+/* copy_token.cuh - how one source token's row reaches its destinations, shared by the copy step
+ * (dispatch.cu, which reads each entry's expert and row from the workspace) and the one-launch
+ * small dispatch (dispatch_small.cu, which computes them itself).
+ *
+ * A warp owns one source token, or one slice of its x row when an op has too few tokens to
+ * fill the GPU (epd__k_slicing): it reads the bytes once, COPY_UNROLL accesses of 16 bytes in
+ * flight per lane, and stores them to each destination that receives the token, then writes the
+ * rows' metadata. Every output byte has exactly one writer: the entry's row names it.
+ */
+#ifndef EPD_KERNELS_COPY_TOKEN_CUH
+#define EPD_KERNELS_COPY_TOKEN_CUH
+
+#include <stdint.h>
+
+#include "internal.cuh"
+
+#ifndef COPY_UNROLL
+#define COPY_UNROLL 4 /* 16-byte loads in flight per lane before the stores */
+#endif
+/* Slices of x rows (small ops) are multiples of one step of a warp on the 16-byte path (32
+ * lanes x COPY_UNROLL vectors), so every slice starts on a step boundary. */
+#define COPY_SLICE_UNIT (32 * 16 * COPY_UNROLL)
+
+/* Copies nbytes from src to the row address each lane of dst_mask holds in my_dst, with
+ * accesses of sizeof(V) bytes; every lane of the warp calls it with the same src, mask and size.
+ * The source chunk is loaded once into registers and stored to every destination. */
+template <typename V>
+static __device__ __forceinline__ void copy_row_multi(const uint8_t *src, uint8_t *my_dst,
+                                                      uint32_t dst_mask, uint64_t nbytes,
+                                                      uint32_t lane)
+{
+        const uint64_t nvec = nbytes / sizeof(V);
+        const V *s = (const V *)src;
+
+        for (uint64_t base = 0; base < nvec; base += 32 * COPY_UNROLL) {
+                V v[COPY_UNROLL];
+#pragma unroll
+                for (int u = 0; u < COPY_UNROLL; u++) {
+                        uint64_t i = base + (uint64_t)u * 32 + lane;
+                        v[u] = i < nvec ? epd__k_ldg(s + i) : epd__k_zero<V>();
+                }
+                for (uint32_t m = dst_mask; m != 0; m &= m - 1) {
+                        int j = __ffs(m) - 1;
+                        V *d = (V *)__shfl_sync(EPD_K_FULL_MASK, (unsigned long long)my_dst, j);
+#pragma unroll
+                        for (int u = 0; u < COPY_UNROLL; u++) {
+                                uint64_t i = base + (uint64_t)u * 32 + lane;
+                                if (i < nvec)
+                                        d[i] = v[u];
+                        }
+                }
+        }
+}
+
+/* align_bits: every address and size involved ORed together (low 32 bits suffice). */
+static __device__ __noinline__ void copy_row_any(const uint8_t *src, uint8_t *my_dst,
+                                                 uint32_t dst_mask, uint64_t nbytes,
+                                                 uint32_t lane, uint32_t align_bits)
+{
+        switch (epd__k_access_width(align_bits)) {
+        case 16:
+                copy_row_multi<int4>(src, my_dst, dst_mask, nbytes, lane);
+                break;
+        case 8:
+                copy_row_multi<uint2>(src, my_dst, dst_mask, nbytes, lane);
+                break;
+        case 4:
+                copy_row_multi<unsigned int>(src, my_dst, dst_mask, nbytes, lane);
+                break;
+        case 2:
+                copy_row_multi<unsigned short>(src, my_dst, dst_mask, nbytes, lane);
+                break;
+        default:
+                copy_row_multi<unsigned char>(src, my_dst, dst_mask, nbytes, lane);
+                break;
+        }
+}
+
+static __device__ __forceinline__ uint8_t *mat_row(const struct epd_k_mat *m, int64_t row)
+{
+        return m->ptr + (uint64_t)row * m->stride;
+}
+
+/* A slice's source bytes and weight, loaded ahead (copy_preload) by a warp that has other work
+ * to do before it knows the destinations: the loads' latency then hides behind that work. The
+ * bytes go to the warp's own shared-memory buffer of COPY_SLICE_UNIT bytes with cp.async, so
+ * they hold no registers while the warp works; each lane later reads back exactly the vectors
+ * it copied (i = u * 32 + lane), so cp.async.wait_all in that lane is the only ordering
+ * needed. */
+struct copy_pre {
+        int4 *buf;                /* the warp's buffer, COPY_SLICE_UNIT bytes, 16-byte aligned */
+        int valid;                /* buf holds the slice: the 16-byte path, <= COPY_SLICE_UNIT */
+        float weight;             /* lane k < K_op: topk_weights[t][k] when has_weights */
+};
+
+/* Starts the loads of slice `slice` of token t (x: the source's rows) into p->buf, and loads
+ * lane k's weight. Every lane calls it; p->valid stays 0 (and only the weight is loaded) when the slice
+ * cannot take the 16-byte path. */
+static __device__ __forceinline__ void copy_preload(const struct epd_k_dispatch_args *a,
+                                                    const struct epd_k_mat *x,
+                                                    const struct epd_k_mat *weights, uint32_t t,
+                                                    uint32_t slice, uint64_t slice_bytes,
+                                                    uint32_t lane, struct copy_pre *p)
+{
+        const uint64_t off = (uint64_t)slice * slice_bytes;
+        const uint8_t *sx = mat_row(x, t);
+
+        p->weight = 0.0f;
+        if (lane < a->num_topk && a->has_weights)
+                p->weight = ((const float *)mat_row(weights, t))[lane];
+        p->valid = slice_bytes <= COPY_SLICE_UNIT && off < a->row_bytes &&
+                   (((uint64_t)(uintptr_t)sx | a->row_bytes) & 15) == 0;
+        if (!p->valid)
+                return;
+        const uint64_t nvec = min(slice_bytes, a->row_bytes - off) / 16;
+        const int4 *v = (const int4 *)(sx + off);
+#pragma unroll
+        for (int u = 0; u < COPY_UNROLL; u++) {
+                const uint64_t i = (uint64_t)u * 32 + lane;
+                if (i < nvec) {
+                        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(p->buf + i);
+                        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                                     :
+                                     : "r"(dst), "l"(v + i)
+                                     : "memory");
+                }
+        }
+        asm volatile("cp.async.commit_group;" : : : "memory");
+}
+
+/* One slice of token t of source s: bytes [slice * slice_bytes, + slice_bytes) of its x row (the
+ * whole row when there is one slice). Lane k < K_op holds the entry's normalised expert and its
+ * row (the destination row of a first position, -1 for every other entry and lane). Slice 0 also
+ * moves the scales and writes the rows' metadata and the weights kept for combine (entry `ent`
+ * onwards in the workspace). pre: the slice loaded ahead by copy_preload, or NULL. Every lane of
+ * the warp calls it. */
+static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispatch_args *a,
+                                                       const struct epd_ws_layout *l, uint32_t s,
+                                                       uint32_t t, uint64_t ent, int32_t expert,
+                                                       int32_t row, uint32_t slice,
+                                                       uint64_t slice_bytes, uint32_t lane,
+                                                       const struct copy_pre *pre)
+{
+        const uint32_t L = l->num_local_experts, K = a->num_topk;
+        const struct epd_k_dispatch_rank *src = &a->ranks[s];
+        float weight = 0.0f;
+
+        if (lane < K && a->has_weights) {
+                weight = pre != NULL ? pre->weight
+                                     : ((const float *)mat_row(&src->weights, t))[lane];
+                /* Kept for combine (apply_weights, combined_topk_weights). */
+                if (slice == 0)
+                        epd_ws_f32(a->workspace, l->weights)[ent + lane] = weight;
+        }
+        const uint32_t dst_mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
+        if (dst_mask == 0)
+                return;
+
+        const uint32_t d = row >= 0 ? epd_route_expert_rank(expert, L) : 0;
+        const struct epd_k_dispatch_rank *dst = &a->ranks[d];
+
+        /* x: this item's slice. The access width depends on the whole row (addresses and
+         * row_bytes), and slices start at multiples of every width, so the accesses are the
+         * same with or without slicing. */
+        const uint64_t off = (uint64_t)slice * slice_bytes;
+        const uint8_t *sx = mat_row(&src->x, t);
+        uint8_t *dx = row >= 0 ? mat_row(&dst->recv_x, row) : NULL;
+        uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)dx) |
+                        (uint32_t)(uintptr_t)sx | (uint32_t)a->row_bytes;
+        if (pre != NULL && pre->valid && (bits & 15) == 0) {
+                /* The slice is in the warp's buffer (copy_preload checked the source). */
+                const uint64_t nvec = min(slice_bytes, a->row_bytes - off) / 16;
+                int4 v[COPY_UNROLL];
+                asm volatile("cp.async.wait_all;" : : : "memory");
+#pragma unroll
+                for (int u = 0; u < COPY_UNROLL; u++) {
+                        const uint64_t i = (uint64_t)u * 32 + lane;
+                        v[u] = i < nvec ? pre->buf[i] : epd__k_zero<int4>();
+                }
+                for (uint32_t m = dst_mask; m != 0; m &= m - 1) {
+                        const int j = __ffs(m) - 1;
+                        int4 *d = (int4 *)(__shfl_sync(EPD_K_FULL_MASK,
+                                                       (unsigned long long)dx, j) + off);
+#pragma unroll
+                        for (int u = 0; u < COPY_UNROLL; u++) {
+                                const uint64_t i = (uint64_t)u * 32 + lane;
+                                if (i < nvec)
+                                        d[i] = v[u];
+                        }
+                }
+        } else if (off < a->row_bytes) {
+                copy_row_any(sx + off, dx + (dx != NULL ? off : 0), dst_mask,
+                             min(slice_bytes, a->row_bytes - off), lane, bits);
+        }
+        if (slice != 0)
+                return;
+
+        /* scales (fp8). A destination without a recv_scales tensor is skipped, not faulted. */
+        if (a->scale_bytes != 0 && src->scales.ptr != NULL) {
+                const uint8_t *ss = mat_row(&src->scales, t);
+                uint8_t *ds = row >= 0 && dst->recv_scales.ptr != NULL
+                                      ? mat_row(&dst->recv_scales, row)
+                                      : NULL;
+                uint32_t smask = __ballot_sync(EPD_K_FULL_MASK, ds != NULL);
+                bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)ds) |
+                       (uint32_t)(uintptr_t)ss | (uint32_t)a->scale_bytes;
+                copy_row_any(ss, ds, smask, a->scale_bytes, lane, bits);
+        }
+
+        /* Metadata. */
+        const int64_t global_src = epd_route_global_src(s, a->max_tokens, t);
+        if (row >= 0 && dst->recv_src.ptr != NULL)
+                *(int64_t *)mat_row(&dst->recv_src, row) = global_src;
+        if (a->layout == EPD_LAYOUT_EXPAND) {
+                if (row >= 0) {
+                        if (dst->recv_topk_slot.ptr != NULL)
+                                *(int32_t *)mat_row(&dst->recv_topk_slot, row) = (int32_t)lane;
+                        if (a->has_weights && dst->recv_weights.ptr != NULL)
+                                *(float *)mat_row(&dst->recv_weights, row) = weight;
+                }
+                return;
+        }
+        /* NON_EXPAND: each receiving destination gets the token's whole top-k row, localised
+         * to it; lane k writes column k of every such row. */
+        for (uint32_t m = dst_mask; m != 0; m &= m - 1) {
+                int j = __ffs(m) - 1;
+                uint32_t dj = __shfl_sync(EPD_K_FULL_MASK, d, j);
+                int32_t rj = __shfl_sync(EPD_K_FULL_MASK, row, j);
+                const struct epd_k_dispatch_rank *dd = &a->ranks[dj];
+                if (lane >= K)
+                        continue;
+                int on = expert >= 0 && epd_route_expert_rank(expert, L) == dj;
+                if (dd->recv_topk_idx.ptr != NULL) {
+                        uint8_t *p = mat_row(&dd->recv_topk_idx, rj);
+                        int64_t v = on ? (int64_t)expert - (int64_t)dj * L : -1;
+                        if (a->topk_dtype == EPD_DTYPE_INT64)
+                                ((int64_t *)p)[lane] = v;
+                        else
+                                ((int32_t *)p)[lane] = (int32_t)v;
+                }
+                if (a->has_weights && dd->recv_weights.ptr != NULL)
+                        ((float *)mat_row(&dd->recv_weights, rj))[lane] = on ? weight : 0.0f;
+        }
+}
+
+/* Asks L2 for the source bytes of one slice of token t of source s (and its scales for slice
+ * 0), a 128-byte line per lane per step. Addresses only: prefetch.global.L2 has no effect on
+ * results. */
+static __device__ void prefetch_token_slice(const struct epd_k_dispatch_args &a,
+                                            const struct epd_k_dispatch_rank *src, uint32_t t,
+                                            uint32_t slice, uint64_t slice_bytes, uint32_t lane)
+{
+        const uint64_t off = (uint64_t)slice * slice_bytes;
+        const uint8_t *x = src->x.ptr + (uint64_t)t * src->x.stride;
+        const uint64_t end = min(off + slice_bytes, a.row_bytes);
+        for (uint64_t o = off + 128ull * lane; o < end; o += 32 * 128)
+                asm volatile("prefetch.global.L2 [%0];" : : "l"(x + o));
+        if (slice == 0 && a.scale_bytes != 0 && src->scales.ptr != NULL) {
+                const uint8_t *sc = src->scales.ptr + (uint64_t)t * src->scales.stride;
+                for (uint64_t o = 128ull * lane; o < a.scale_bytes; o += 32 * 128)
+                        asm volatile("prefetch.global.L2 [%0];" : : "l"(sc + o));
+        }
+}
+
+#endif
