@@ -81,73 +81,23 @@ static __device__ __forceinline__ uint8_t *mat_row(const struct epd_k_mat *m, in
         return m->ptr + (uint64_t)row * m->stride;
 }
 
-/* A slice's source bytes and weight, loaded ahead (copy_preload) by a warp that has other work
- * to do before it knows the destinations: the loads' latency then hides behind that work. The
- * bytes go to the warp's own shared-memory buffer of COPY_SLICE_UNIT bytes with cp.async, so
- * they hold no registers while the warp works; each lane later reads back exactly the vectors
- * it copied (i = u * 32 + lane), so cp.async.wait_all in that lane is the only ordering
- * needed. */
-struct copy_pre {
-        int4 *buf;                /* the warp's buffer, COPY_SLICE_UNIT bytes, 16-byte aligned */
-        int valid;                /* buf holds the slice: the 16-byte path, <= COPY_SLICE_UNIT */
-        float weight;             /* lane k < K_op: topk_weights[t][k] when has_weights */
-};
-
-/* Starts the loads of slice `slice` of token t (x: the source's rows) into p->buf, and loads
- * lane k's weight. Every lane calls it; p->valid stays 0 (and only the weight is loaded) when the slice
- * cannot take the 16-byte path. */
-static __device__ __forceinline__ void copy_preload(const struct epd_k_dispatch_args *a,
-                                                    const struct epd_k_mat *x,
-                                                    const struct epd_k_mat *weights, uint32_t t,
-                                                    uint32_t slice, uint64_t slice_bytes,
-                                                    uint32_t lane, struct copy_pre *p)
-{
-        const uint64_t off = (uint64_t)slice * slice_bytes;
-        const uint8_t *sx = mat_row(x, t);
-
-        p->weight = 0.0f;
-        if (lane < a->num_topk && a->has_weights)
-                p->weight = ((const float *)mat_row(weights, t))[lane];
-        p->valid = slice_bytes <= COPY_SLICE_UNIT && off < a->row_bytes &&
-                   (((uint64_t)(uintptr_t)sx | a->row_bytes) & 15) == 0;
-        if (!p->valid)
-                return;
-        const uint64_t nvec = min(slice_bytes, a->row_bytes - off) / 16;
-        const int4 *v = (const int4 *)(sx + off);
-#pragma unroll
-        for (int u = 0; u < COPY_UNROLL; u++) {
-                const uint64_t i = (uint64_t)u * 32 + lane;
-                if (i < nvec) {
-                        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(p->buf + i);
-                        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                                     :
-                                     : "r"(dst), "l"(v + i)
-                                     : "memory");
-                }
-        }
-        asm volatile("cp.async.commit_group;" : : : "memory");
-}
-
 /* One slice of token t of source s: bytes [slice * slice_bytes, + slice_bytes) of its x row (the
  * whole row when there is one slice). Lane k < K_op holds the entry's normalised expert and its
  * row (the destination row of a first position, -1 for every other entry and lane). Slice 0 also
  * moves the scales and writes the rows' metadata and the weights kept for combine (entry `ent`
- * onwards in the workspace). pre: the slice loaded ahead by copy_preload, or NULL. Every lane of
- * the warp calls it. */
+ * onwards in the workspace). Every lane of the warp calls it. */
 static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispatch_args *a,
                                                        const struct epd_ws_layout *l, uint32_t s,
                                                        uint32_t t, uint64_t ent, int32_t expert,
                                                        int32_t row, uint32_t slice,
-                                                       uint64_t slice_bytes, uint32_t lane,
-                                                       const struct copy_pre *pre)
+                                                       uint64_t slice_bytes, uint32_t lane)
 {
         const uint32_t L = l->num_local_experts, K = a->num_topk;
         const struct epd_k_dispatch_rank *src = &a->ranks[s];
         float weight = 0.0f;
 
         if (lane < K && a->has_weights) {
-                weight = pre != NULL ? pre->weight
-                                     : ((const float *)mat_row(&src->weights, t))[lane];
+                weight = ((const float *)mat_row(&src->weights, t))[lane];
                 /* Kept for combine (apply_weights, combined_topk_weights). */
                 if (slice == 0)
                         epd_ws_f32(a->workspace, l->weights)[ent + lane] = weight;
@@ -167,31 +117,9 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
         uint8_t *dx = row >= 0 ? mat_row(&dst->recv_x, row) : NULL;
         uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)dx) |
                         (uint32_t)(uintptr_t)sx | (uint32_t)a->row_bytes;
-        if (pre != NULL && pre->valid && (bits & 15) == 0) {
-                /* The slice is in the warp's buffer (copy_preload checked the source). */
-                const uint64_t nvec = min(slice_bytes, a->row_bytes - off) / 16;
-                int4 v[COPY_UNROLL];
-                asm volatile("cp.async.wait_all;" : : : "memory");
-#pragma unroll
-                for (int u = 0; u < COPY_UNROLL; u++) {
-                        const uint64_t i = (uint64_t)u * 32 + lane;
-                        v[u] = i < nvec ? pre->buf[i] : epd__k_zero<int4>();
-                }
-                for (uint32_t m = dst_mask; m != 0; m &= m - 1) {
-                        const int j = __ffs(m) - 1;
-                        int4 *d = (int4 *)(__shfl_sync(EPD_K_FULL_MASK,
-                                                       (unsigned long long)dx, j) + off);
-#pragma unroll
-                        for (int u = 0; u < COPY_UNROLL; u++) {
-                                const uint64_t i = (uint64_t)u * 32 + lane;
-                                if (i < nvec)
-                                        d[i] = v[u];
-                        }
-                }
-        } else if (off < a->row_bytes) {
+        if (off < a->row_bytes)
                 copy_row_any(sx + off, dx + (dx != NULL ? off : 0), dst_mask,
                              min(slice_bytes, a->row_bytes - off), lane, bits);
-        }
         if (slice != 0)
                 return;
 
@@ -243,20 +171,21 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
         }
 }
 
-/* Asks L2 for the source bytes of one slice of token t of source s (and its scales for slice
- * 0), a 128-byte line per lane per step. Addresses only: prefetch.global.L2 has no effect on
- * results. */
+/* Asks L2 for the source bytes of one slice of token t (x and scales: its source's rows; the
+ * scales for slice 0), a 128-byte line per lane per step. Addresses only: prefetch.global.L2 has
+ * no effect on results. */
 static __device__ void prefetch_token_slice(const struct epd_k_dispatch_args &a,
-                                            const struct epd_k_dispatch_rank *src, uint32_t t,
+                                            const struct epd_k_mat *x,
+                                            const struct epd_k_mat *scales, uint32_t t,
                                             uint32_t slice, uint64_t slice_bytes, uint32_t lane)
 {
         const uint64_t off = (uint64_t)slice * slice_bytes;
-        const uint8_t *x = src->x.ptr + (uint64_t)t * src->x.stride;
+        const uint8_t *row = mat_row(x, t);
         const uint64_t end = min(off + slice_bytes, a.row_bytes);
         for (uint64_t o = off + 128ull * lane; o < end; o += 32 * 128)
-                asm volatile("prefetch.global.L2 [%0];" : : "l"(x + o));
-        if (slice == 0 && a.scale_bytes != 0 && src->scales.ptr != NULL) {
-                const uint8_t *sc = src->scales.ptr + (uint64_t)t * src->scales.stride;
+                asm volatile("prefetch.global.L2 [%0];" : : "l"(row + o));
+        if (slice == 0 && a.scale_bytes != 0 && scales->ptr != NULL) {
+                const uint8_t *sc = mat_row(scales, t);
                 for (uint64_t o = 128ull * lane; o < a.scale_bytes; o += 32 * 128)
                         asm volatile("prefetch.global.L2 [%0];" : : "l"(sc + o));
         }

@@ -65,7 +65,7 @@ static __device__ void copy_token(const struct epd_k_dispatch_args *a,
                 expert = epd_ws_i32(a->workspace, l->topk)[ent + lane];
                 row = epd_ws_i32(a->workspace, l->row)[ent + lane];
         }
-        copy_token_rows(a, l, s, t, ent, expert, row, slice, slice_bytes, lane, NULL);
+        copy_token_rows(a, l, s, t, ent, expert, row, slice, slice_bytes, lane);
 }
 
 /* Up to PAD_ROWS_PER_ITEM padding rows of one local expert of one local destination
@@ -121,7 +121,8 @@ static __device__ void prefetch_first_item(const struct epd_k_dispatch_args &a, 
         const struct epd_k_dispatch_rank *src = &a.ranks[a.local[i].rank];
         if (src->num_tokens > a.max_tokens)
                 return;
-        prefetch_token_slice(a, src, g - a.local[i].token_offset, slice, slice_bytes, lane);
+        prefetch_token_slice(a, &src->x, &src->scales, g - a.local[i].token_offset, slice,
+                             slice_bytes, lane);
 }
 
 /* Grid-stride over work items, a warp per item: first the device's source tokens (each cut into

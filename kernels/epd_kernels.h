@@ -172,13 +172,14 @@ int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t stream);
 #define EPD_K_SMALL_MAX_TOKENS 4096u
 int epd_k_dispatch_route_small_ok(const struct epd_k_dispatch_args *args);
 int epd_k_dispatch_route_small(const struct epd_k_dispatch_args *args, cudaStream_t stream);
-/* A whole small dispatch in one launch (dispatch_small.cu): the ops route_small takes, with
- * outputs whose addresses are known before the op (client memory, not the daemon's arena, which
- * is placed from the counts). Every block routes the whole op and copies its share; blocks never
- * wait for each other. It leaves the verdict, the reply block, the counts, every entry's row and
- * the weights kept for combine as route_small followed by copy does:  dispatch_small ->
- * [reply copy]. epd_k_dispatch_small_ok and the EPD_INVALID_ARGUMENT return work as for
- * route_small. */
+/* A whole small dispatch in one launch (dispatch_small.cu): the ops route_small takes, with at
+ * most 1024 tokens per block of a thread block cluster (8 blocks where the device fits them: up to
+ * EPD_K_SMALL_MAX_TOKENS), and outputs whose addresses are known before the op (client memory,
+ * not the daemon's arena, which is placed from the counts). Each cluster routes the whole op,
+ * its blocks meeting at cluster barriers, and copies its share; clusters never wait for each
+ * other. It leaves the verdict, the reply block, the counts, every entry's row and the weights
+ * kept for combine as route_small followed by copy does:  dispatch_small -> [reply copy].
+ * epd_k_dispatch_small_ok and the EPD_INVALID_ARGUMENT return work as for route_small. */
 int epd_k_dispatch_small_ok(const struct epd_k_dispatch_args *args);
 int epd_k_dispatch_small(const struct epd_k_dispatch_args *args, cudaStream_t stream);
 /* Zeroes the small routing's counters of a freshly allocated workspace, on `stream`. */

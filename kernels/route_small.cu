@@ -423,13 +423,10 @@ static __global__ void __launch_bounds__(SMALL_THREADS)
 static int small_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout *l,
                       size_t *smem, uint32_t *blocks)
 {
-        int ret = epd__k_check_dispatch(args, l);
+        int ret = small_op_check(args, l);
 
         if (ret < 0)
                 return ret;
-        if (args->layout != EPD_LAYOUT_NON_EXPAND || args->num_local != args->world_size ||
-            args->world_size > SMALL_MAX_RANKS || args->local_tokens > EPD_K_SMALL_MAX_TOKENS)
-                return EPD_INVALID_ARGUMENT;
         *smem = small_smem_bytes(args->world_size, args->num_experts, args->num_topk);
         /* At least sum over sources of ceil(N_s / chunk) (at most SMALL_MAX_CHUNKS): the blocks
          * beyond the op's chunks only count themselves done. */

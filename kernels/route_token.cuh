@@ -1,6 +1,6 @@
-/* route_token.cuh - one token's top-k row as the small-op kernels see it (route_small.cu, which
- * routes through flags between blocks, and dispatch_small.cu, in which every block routes the
- * whole op), and the warp scans they share.
+/* route_token.cuh - what the small-op kernels share (route_small.cu, which routes through flags
+ * between blocks, and dispatch_small.cu, in which each cluster of blocks routes the whole op):
+ * which ops are small, one token's top-k row, and the warp scans.
  */
 #ifndef EPD_KERNELS_ROUTE_TOKEN_CUH
 #define EPD_KERNELS_ROUTE_TOKEN_CUH
@@ -11,6 +11,22 @@
 
 /* Destinations of a small op are bits of a 64-bit mask. */
 #define SMALL_MAX_RANKS 64
+
+/* The arguments of a dispatch checked (epd__k_check_dispatch, which fills the layout), and
+ * whether it is a small op for route_small.cu and dispatch_small.cu: NON_EXPAND, every rank on
+ * the launching device, at most SMALL_MAX_RANKS ranks and EPD_K_SMALL_MAX_TOKENS local tokens.
+ * 0, or EPD_INVALID_ARGUMENT for an op that is not small. */
+static int small_op_check(const struct epd_k_dispatch_args *args, struct epd_ws_layout *l)
+{
+        const int ret = epd__k_check_dispatch(args, l);
+
+        if (ret < 0)
+                return ret;
+        if (args->layout != EPD_LAYOUT_NON_EXPAND || args->num_local != args->world_size ||
+            args->world_size > SMALL_MAX_RANKS || args->local_tokens > EPD_K_SMALL_MAX_TOKENS)
+                return EPD_INVALID_ARGUMENT;
+        return 0;
+}
 
 /* Each thread's normalised top-k row lives in shared memory at a stride of num_topk rounded up
  * to odd, so that a warp's threads reading the same position hit 32 different banks. */
@@ -84,6 +100,26 @@ static __device__ __forceinline__ uint64_t route_normalize(uint32_t K, uint64_t 
                 }
         }
         return dmask;
+}
+
+/* One token's row loaded from element row0 of topk_idx into registers (K_op <= KMAX; the loads
+ * are predicated, not branched around, so they are all in flight together), classified, then
+ * route_normalize in registers: nrow gets the normalised row. */
+template <uint32_t KMAX>
+static __device__ __forceinline__ uint64_t route_token_regs(const void *topk_idx,
+                                                            enum epd_dtype dtype, uint64_t row0,
+                                                            uint32_t K, uint32_t E,
+                                                            uint64_t lmagic,
+                                                            int32_t (&nrow)[KMAX],
+                                                            uint32_t *first, uint32_t *bad)
+{
+#pragma unroll
+        for (uint32_t k = 0; k < KMAX; k++) {
+                nrow[k] = -1;
+                if (k < K)
+                        nrow[k] = route_classify(epd__k_load_topk(topk_idx, dtype, row0 + k), E);
+        }
+        return route_normalize<KMAX>(K, lmagic, nrow, first, bad);
 }
 
 /* One token's row loaded from element row0 of topk_idx into shared memory (the loads first, all

@@ -827,26 +827,16 @@ static int gpu_dispatch(struct ctx *x, int cached)
         return 0;
 }
 
-/* Whether the small-op routing (kernels/route_small.cu) takes this case. */
-static int route_small_ok(const struct ctx *x)
+/* Whether the small-op routing (kernels/route_small.cu; one_launch 0) or the one-launch small
+ * dispatch (kernels/dispatch_small.cu; one_launch 1) takes this case. */
+static int small_ok(const struct ctx *x, int one_launch)
 {
         struct epd_k_dispatch_args a;
 
         if (x->ndev != 1)
                 return 0;
         dev_dispatch_args(x, 0, &a);
-        return epd_k_dispatch_route_small_ok(&a);
-}
-
-/* Whether the one-launch small dispatch (kernels/dispatch_small.cu) takes this case. */
-static int fused_ok(const struct ctx *x)
-{
-        struct epd_k_dispatch_args a;
-
-        if (x->ndev != 1)
-                return 0;
-        dev_dispatch_args(x, 0, &a);
-        return epd_k_dispatch_small_ok(&a);
+        return one_launch ? epd_k_dispatch_small_ok(&a) : epd_k_dispatch_route_small_ok(&a);
 }
 
 /* The same dispatch with the small-op routing step instead of count, prefix and place, and the
@@ -1376,14 +1366,10 @@ static int report_timing(struct ctx *x, double ceiling)
         double steps[4], ms_small = 0, ms_small_copy = 0, ms_fused = 0;
         if (x->ndev == 1 && time_chain(x, 10, steps) < 0)
                 return -1;
-        if (route_small_ok(x) && (time_route_small(x, 0, 20, &ms_small) < 0 ||
+        if (small_ok(x, 0) && (time_route_small(x, 0, 20, &ms_small) < 0 ||
                                   time_route_small(x, 1, 20, &ms_small_copy) < 0))
                 return -1;
-#ifdef DS_TRACE
-        if (getenv("DS_TIME_SKIP_COPY") != NULL)
-                setenv("DS_SKIP_COPY", "1", 1);
-#endif
-        if (fused_ok(x) && time_route_small(x, 2, 20, &ms_fused) < 0)
+        if (small_ok(x, 1) && time_route_small(x, 2, 20, &ms_fused) < 0)
                 return -1;
 #ifdef DS_TRACE
         if (ms_fused > 0) {
@@ -1394,9 +1380,14 @@ static int report_timing(struct ctx *x, double ceiling)
                 if (nb < (int)x->R)
                         nb = (int)x->R;
                 CK(cudaMemcpy(st, x->ws + x->lay.local, 64ull * nb, cudaMemcpyDeviceToHost));
-                uint64_t t0 = UINT64_MAX;
+                /* Blocks beyond the grid hold garbage: keep the stamps within 1 ms of the
+                 * largest first stamp. */
+                uint64_t t0 = UINT64_MAX, top = 0;
                 for (int b = 0; b < nb; b++)
-                        t0 = st[b * 8] < t0 ? st[b * 8] : t0;
+                        top = st[b * 8] > top && st[b * 8] < (1ull << 62) ? st[b * 8] : top;
+                for (int b = 0; b < nb; b++)
+                        if (st[b * 8] + 1000000 > top && st[b * 8] <= top)
+                                t0 = st[b * 8] < t0 ? st[b * 8] : t0;
                 for (int p = 0; p < 8; p++) {
                         uint64_t lo = UINT64_MAX, hi = 0;
                         double sum = 0;
@@ -1652,54 +1643,36 @@ static int run_case(struct ctx *x, int ndev_avail, int timing, double *ceiling)
          * verdict, outputs and workspace (rows, counts) as the step sequence. Run 4 repeats it
          * on what run 3 left (the kernel must put its counters back to zero, whatever the
          * verdict). Combine and cached dispatch below then run on what it left. */
-        const int small = route_small_ok(x);
-        for (int run = 3; small && run <= 4; run++) {
-                char what[64];
-                CK(cudaSetDevice(0));
-                if (run == 3) {
-                        CK(cudaMemset(x->ws, WS_GARBAGE_1, ws_bytes));
-                        CKS(epd_k_workspace_init(x->ws, x->R, x->E, x->T, x->K, 0));
-                }
-                if (reset_outputs(x) < 0)
-                        return -1;
-                CK(cudaDeviceSynchronize());
-                if (gpu_dispatch_small(x) < 0)
-                        return -1;
-                check_verdict(x, &want);
-                if (readback_outputs(x) < 0)
-                        return -1;
-                snprintf(what, sizeof(what), "small-op routing run %d vs run 1", run);
-                compare_outputs(x, what, 0, first);
-                if (want.status == 0 && check_routing(x) < 0)
-                        return -1;
-                printf("    small-op routing run %d: same verdict, rows and outputs as the step "
-                       "sequence\n", run);
-        }
-
         /* Runs 5 and 6: the one-launch small dispatch, from garbage (it needs no zeroed
          * counters), then again on what run 5 left; it must give the same verdict, outputs
          * and workspace. Combine and cached dispatch below run on what run 6 left, so they
          * check the workspace arrays this kernel writes for them. */
-        const int fused = small && fused_ok(x);
-        for (int run = 5; fused && run <= 6; run++) {
+        const int small = small_ok(x, 0), fused = small && small_ok(x, 1);
+        for (int run = 3; run <= 6; run++) {
+                const int one_launch = run >= 5;
+                const char *name = one_launch ? "one-launch small dispatch" : "small-op routing";
                 char what[64];
+                if (!(one_launch ? fused : small))
+                        continue;
                 CK(cudaSetDevice(0));
-                if (run == 5)
+                if (run == 3 || run == 5)
                         CK(cudaMemset(x->ws, WS_GARBAGE_1, ws_bytes));
+                if (run == 3)
+                        CKS(epd_k_workspace_init(x->ws, x->R, x->E, x->T, x->K, 0));
                 if (reset_outputs(x) < 0)
                         return -1;
                 CK(cudaDeviceSynchronize());
-                if (gpu_dispatch_fused(x) < 0)
+                if ((one_launch ? gpu_dispatch_fused(x) : gpu_dispatch_small(x)) < 0)
                         return -1;
                 check_verdict(x, &want);
                 if (readback_outputs(x) < 0)
                         return -1;
-                snprintf(what, sizeof(what), "one-launch small dispatch run %d vs run 1", run);
+                snprintf(what, sizeof(what), "%s run %d vs run 1", name, run);
                 compare_outputs(x, what, 0, first);
                 if (want.status == 0 && check_routing(x) < 0)
                         return -1;
-                printf("    one-launch small dispatch run %d: same verdict, rows and outputs as "
-                       "the step sequence\n", run);
+                printf("    %s run %d: same verdict, rows and outputs as the step sequence\n",
+                       name, run);
         }
         if (fused) {
                 /* Leave the small routing's counters zero for any later route_small. */
