@@ -8,8 +8,9 @@
  * kernels/epd_kernels.h: count on each device, prefix on the first rank's device, place and copy
  * on each device, with events between streams and no host round trip, except when outputs go to
  * the output arena, whose exact placement needs the counts first. A small NON_EXPAND op of a
- * group on one GPU is one launch instead (dispatch_small: every block routes the whole op and
- * copies its share), or, with arena outputs, route_small and then copy.
+ * group on one GPU is one launch instead (dispatch_small: each cluster of blocks routes the whole
+ * op and copies its share, and the kernel writes the reply block into pinned memory itself), or,
+ * with arena outputs, route_small and then copy.
  *
  * Client memory from cuMem allocations (epd_device_alloc, PyTorch's expandable segments) is
  * mapped here by the daemon itself; cudaMalloc memory arrives as a CUDA IPC handle, and the
@@ -508,12 +509,12 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                 /* EPD_INVALID_ARGUMENT, before anything is queued: not a small op. */
                 cudaSetDevice(W);
                 step = "dispatch_small";
+                /* The kernel writes the reply block into h_reply itself: no copy after it. */
+                args[W].reply_copy = cb->h_reply;
                 rc = epd_k_dispatch_small(&args[W], cb->dev[W].stream);
-                if (rc == 0) {
-                        cudaMemcpyAsync(cb->h_reply, ch->ws, ch->layout.reply_bytes,
-                                        cudaMemcpyDeviceToHost, cb->dev[W].stream);
+                args[W].reply_copy = NULL;
+                if (rc == 0)
                         goto launched;
-                }
                 if (rc != EPD_INVALID_ARGUMENT)
                         goto cuda_error;
                 rc = 0;

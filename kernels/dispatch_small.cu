@@ -54,8 +54,11 @@
  * output byte has exactly one writer in the grid. Block 0's rank_prefix stores precede the
  * __syncthreads() before write_verdict, which reads them back (same block). The verdict's status
  * is stored last with a .sys release (write_verdict), for the host, which copies the reply block
- * after the kernel completes on the stream; combine and cached dispatch read the workspace after
- * a kernel boundary, and the stream order (or event) after the kernel publishes the outputs.
+ * after the kernel completes on the stream, or, given reply_copy, reads the copy this kernel
+ * writes into its pinned memory (each value by the thread that writes the workspace's, the status
+ * last with a .sys release; the host reads after the stream completes, which makes every store of
+ * the kernel visible to it); combine and cached dispatch read the workspace after a kernel
+ * boundary, and the stream order (or event) after the kernel publishes the outputs.
  */
 #include <atomic>
 #include <cooperative_groups.h>
@@ -174,6 +177,36 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
 #define DS_STAMP(i) ((void)0)
 #endif
 
+/* An int32 of the reply block at byte offset off + 4 * i: into the workspace, and into the host's
+ * copy when the launcher was given one (epd_k_dispatch_args.reply_copy). */
+static __device__ __forceinline__ void ds_reply_i32(const struct epd_k_dispatch_args &a,
+                                                    uint64_t off, uint64_t i, int32_t v)
+{
+        epd_ws_i32(a.workspace, off)[i] = v;
+        if (a.reply_copy != NULL)
+                epd_ws_i32(a.reply_copy, off)[i] = v;
+}
+
+/* The verdict that write_verdict stored into the workspace (this thread's own stores, read
+ * back), copied into the host's copy of the reply block, the status last with a .sys release
+ * like the original. */
+static __device__ void ds_reply_verdict(const struct epd_k_dispatch_args &a,
+                                        const struct epd_ws_layout &l)
+{
+        if (a.reply_copy == NULL)
+                return;
+        const struct epd_ws_error *src = epd_ws_error_rec(a.workspace, &l);
+        struct epd_ws_error *dst = epd_ws_error_rec(a.reply_copy, &l);
+        dst->reason = src->reason;
+        dst->rank = src->rank;
+        dst->num_short = src->num_short;
+        dst->token = src->token;
+        dst->pos = src->pos;
+        dst->value = src->value;
+        dst->capacity = src->capacity;
+        epd_st_release_sys_s32(&dst->status, src->status);
+}
+
 /* Destination d's expert counts, written by block d % C of cluster 0 from its histogram slot
  * (SEMANTICS.md 2.3; the same numbers as the prefix step's): sel_count[s][e],
  * expert_src_prefix[e][s], expert_count, expert_aligned and expert_base[d]. Whole block. */
@@ -194,13 +227,18 @@ static __device__ void ds_expert_counts(const struct epd_k_dispatch_args &a,
                         run += c;
                 }
                 algn[le] = (int32_t)epd_route_align_up(run, a.expert_alignment);
-                epd_ws_i32(ws, l.expert_count)[e] = run;
-                epd_ws_i32(ws, l.expert_aligned)[e] = algn[le];
+                ds_reply_i32(a, l.expert_count, e, run);
+                ds_reply_i32(a, l.expert_aligned, e, algn[le]);
         }
         __syncthreads();
-        if (threadIdx.x < 32)
-                warp_exclusive_scan(algn, epd_ws_i32(ws, l.expert_base) + (uint64_t)d * (L + 1),
-                                    L);
+        if (threadIdx.x < 32) {
+                int32_t *base = epd_ws_i32(ws, l.expert_base) + (uint64_t)d * (L + 1);
+                warp_exclusive_scan(algn, base, L);
+                __syncwarp(); /* the other lanes' stores, for the host's copy */
+                for (uint32_t x = threadIdx.x; a.reply_copy != NULL && x <= L; x += 32)
+                        epd_ws_i32(a.reply_copy, l.expert_base)[(uint64_t)d * (L + 1) + x] =
+                                base[x];
+        }
         __syncthreads(); /* algn is reused for the next destination */
 }
 
@@ -406,7 +444,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 /* Local index s is rank s (every rank is local, ascending). */
                 for (uint32_t x = threadIdx.x; x < (R + 1) * R; x += blockDim.x) {
                         const uint32_t s = x / R, d = x % R;
-                        epd_ws_i32(ws, l.rank_prefix)[(uint64_t)d * (R + 1) + s] = pfx[x];
+                        ds_reply_i32(a, l.rank_prefix, (uint64_t)d * (R + 1) + s, pfx[x]);
                         if (s < R)
                                 epd_ws_i32(ws, l.tok_count)[(uint64_t)s * R + d] =
                                         pfx[x + R] - pfx[x];
@@ -425,6 +463,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                                 write_chunk_error(&a, &l, s, bc, bad_tokens, bfirst);
                         }
                         write_verdict(&a, &l, s, chunk, num_short, first_short);
+                        ds_reply_verdict(a, l);
                 }
         }
         if (c == 0) {

@@ -112,6 +112,10 @@ struct epd_k_dispatch_args {
         const struct epd_k_local *local;         /* [num_local + 1], device memory */
         uint32_t num_local;            /* ranks on the launching device (0 for prefix/recheck) */
         uint32_t local_tokens;         /* local[num_local].token_offset, known to the host */
+        /* dispatch_small only, optional: pinned host memory of epd_k_reply_bytes, which the
+         * kernel fills with the reply block as well, so that the host reads the verdict and the
+         * counts there once the kernel has completed, without a copy after it. NULL: none. */
+        void *reply_copy;
 };
 
 /* One rank's tensors for a combine. rank d's y is read by every device that hosts a source of a
