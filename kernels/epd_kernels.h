@@ -11,7 +11,7 @@
  * that launches a kernel of the op (UVA peer mappings or cuMem mappings).
  *
  * A dispatch is three launches per device plus one for the group (see the sequencing notes at the
- * end of this header):
+ * end of this header; small ops on one device take one or two launches):
  *   count  (every device)  validates topk_idx, normalises it into the workspace, counts tokens per
  *                          destination and selections per expert for each chunk of 256 tokens,
  *                          and ranks each entry among its chunk's entries with the same key;
@@ -209,8 +209,9 @@ cudaError_t epd_k_last_cuda_error(void);
  *                 cudaMemcpyAsync(reply block -> pinned host)             (the op's verdict)
  *   on each S_D:  wait P                          place(D)  copy(D)      record done_D
  *
- * A small NON_EXPAND op with every rank on one device replaces count, prefix and place with
- * route_small on that device's stream.
+ * A small NON_EXPAND op with every rank on one device is dispatch_small alone on that device's
+ * stream (given reply_copy, no reply copy follows it), or, when its outputs are placed from the
+ * counts (the daemon's arena), route_small in place of count, prefix and place.
  *
  * The host completes the op when every done_D and the reply copy have completed, then reads
  * struct epd_ws_error: status != 0 means the op failed and no output byte was written. Kernels
