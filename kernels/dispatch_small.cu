@@ -536,14 +536,14 @@ static cudaLaunchConfig_t ds_config(const struct ds_launch *p, cudaLaunchAttribu
 #define DS_MAX_DEVICES 64
 static std::atomic<int> ds_clusters[2][DS_MAX_DEVICES][4];
 
-static int ds_resident_clusters(const struct ds_launch *p, int lanes_kernel, const void *kernel)
+static int ds_resident_clusters(const struct ds_launch *p, int regs_kernel, const void *kernel)
 {
         int device = 0, log = 31 - __builtin_clz(p->cluster);
         if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= DS_MAX_DEVICES) {
                 (void)cudaGetLastError();
                 return -1;
         }
-        std::atomic<int> *slot = &ds_clusters[lanes_kernel][device][log];
+        std::atomic<int> *slot = &ds_clusters[regs_kernel][device][log];
         int v = slot->load(std::memory_order_relaxed);
         if (v != 0)
                 return v;
@@ -607,7 +607,7 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
                  * 16 bytes so that every slice starts where the widest access may. */
                 p->slices = 1;
                 p->slice_bytes = args->row_bytes;
-                if (p->slots < DS_WARPS && args->row_bytes > 32 * 16) {
+                if (p->slots != 0 && p->slots < DS_WARPS && args->row_bytes > 32 * 16) {
                         const uint64_t want = DS_WARPS / p->slots;
                         p->slice_bytes = ((args->row_bytes + want - 1) / want + 15) / 16 * 16;
                         p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /

@@ -345,7 +345,10 @@ static void build_cases(void)
         c = add_case("small op, ranks 0, 2, 3 and 7 without tokens (prefixes of empty sources)");
         c->R = 8; c->E = 64; c->T = 300; c->K = 8; c->KO = 8; c->has_weights = 1;
         c->empty_mask = 1u << 0 | 1u << 2 | 1u << 3 | 1u << 7; c->seed = 0x3007;
-        c = add_case("small op top-1, int32 ids (a lane per token in the one-launch routing)");
+        c = add_case("small op, no rank with tokens (an empty op)");
+        c->R = 8; c->E = 64; c->T = 64; c->K = 8; c->KO = 8; c->has_weights = 1;
+        c->empty_mask = 0xff; c->seed = 0x300a;
+        c = add_case("small op top-1, int32 ids");
         c->R = 8; c->E = 64; c->T = 200; c->K = 2; c->KO = 1; c->has_weights = 1;
         c->neg_frac = 0.1; c->topk_dtype = EPD_DTYPE_INT32; c->seed = 0x3008;
         c = add_case("small op top-2 with -1 entries, duplicate expert (lanes in pairs)");
