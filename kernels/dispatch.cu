@@ -108,6 +108,26 @@ static __device__ void pad_item(const struct epd_k_dispatch_args *a, const struc
         }
 }
 
+/* Asks L2 for the source bytes of one slice of token t (x and scales: its source's rows; the
+ * scales for slice 0), a 128-byte line per lane per step. Addresses only: prefetch.global.L2 has
+ * no effect on results. */
+static __device__ void prefetch_token_slice(const struct epd_k_dispatch_args &a,
+                                            const struct epd_k_mat *x,
+                                            const struct epd_k_mat *scales, uint32_t t,
+                                            uint32_t slice, uint64_t slice_bytes, uint32_t lane)
+{
+        const uint64_t off = (uint64_t)slice * slice_bytes;
+        const uint8_t *row = mat_row(x, t);
+        const uint64_t end = min(off + slice_bytes, a.row_bytes);
+        for (uint64_t o = off + 128ull * lane; o < end; o += 32 * 128)
+                asm volatile("prefetch.global.L2 [%0];" : : "l"(row + o));
+        if (slice == 0 && a.scale_bytes != 0 && scales->ptr != NULL) {
+                const uint8_t *sc = mat_row(scales, t);
+                for (uint64_t o = 128ull * lane; o < a.scale_bytes; o += 32 * 128)
+                        asm volatile("prefetch.global.L2 [%0];" : : "l"(sc + o));
+        }
+}
+
 /* Asks L2 for the source bytes of this warp's first item: what the warp reads first once the
  * routing it overlaps has finished. The descriptors and local list it reads were uploaded before
  * the op. */
