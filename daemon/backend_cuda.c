@@ -496,28 +496,36 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         if (upload_dispatch(cb, ex, ch->ws, args) < 0)
                 goto cuda_error;
 
-        uint64_t deadline = epd__now_ns() + ex->timeout_ns;
-        op_begin(cb, ex, used, W);
-        int rc = 0;
         /* A small NON_EXPAND op of a one-GPU group whose outputs are in client memory is one
          * launch (routing and copy, kernels/dispatch_small.cu); with arena outputs it is routed
          * in one launch (count, prefix and place, kernels/route_small.cu) and copied once the
          * arena is placed; otherwise count on every device, prefix on W (or recheck for a
-         * cached dispatch), place on every device. */
-        int small = 0;
+         * cached dispatch), place on every device. The one launch is planned (checks and
+         * occupancy queries on the host) before the GPU time window opens. */
+        struct epd_k_small_plan splan;
+        int one_launch = 0, rc = 0;
         if (fresh && ndev == 1 && !arena) {
                 /* EPD_INVALID_ARGUMENT, before anything is queued: not a small op. */
                 cudaSetDevice(W);
+                step = "dispatch_small (plan)";
+                rc = epd_k_dispatch_small_plan(&args[W], &splan);
+                if (rc < 0 && rc != EPD_INVALID_ARGUMENT)
+                        goto cuda_error;
+                one_launch = rc == 0;
+                rc = 0;
+        }
+        uint64_t deadline = epd__now_ns() + ex->timeout_ns;
+        op_begin(cb, ex, used, W);
+        int small = 0;
+        if (one_launch) {
                 step = "dispatch_small";
                 /* The kernel writes the reply block into h_reply itself: no copy after it. */
                 args[W].reply_copy = cb->h_reply;
-                rc = epd_k_dispatch_small(&args[W], cb->dev[W].stream);
+                rc = epd_k_dispatch_small_launch(&args[W], &splan, cb->dev[W].stream);
                 args[W].reply_copy = NULL;
-                if (rc == 0)
-                        goto launched;
-                if (rc != EPD_INVALID_ARGUMENT)
+                if (rc < 0)
                         goto cuda_error;
-                rc = 0;
+                goto launched;
         }
         if (fresh && ndev == 1) {
                 /* EPD_INVALID_ARGUMENT, before anything is queued: not a small op. */

@@ -65,6 +65,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "copy_token.cuh"
 #include "internal.cuh"
@@ -498,12 +499,9 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         DS_STAMP(5);
 }
 
-/* A launch: cluster size, grid, copied-token slots per block, slicing, shared memory. */
-struct ds_launch {
-        uint32_t cluster, blocks, slots, slices;
-        uint64_t slice_bytes;
-        size_t smem;
-};
+/* A launch (struct epd_k_small_plan, epd_kernels.h): cluster size, grid, copied-token slots per
+ * block, slicing, shared memory. */
+typedef struct epd_k_small_plan ds_launch;
 
 static const void *ds_kernel(uint32_t num_topk)
 {
@@ -511,7 +509,7 @@ static const void *ds_kernel(uint32_t num_topk)
                                        : (const void *)dispatch_small_kernel<0>;
 }
 
-static cudaLaunchConfig_t ds_config(const struct ds_launch *p, cudaLaunchAttribute *attr,
+static cudaLaunchConfig_t ds_config(const ds_launch *p, cudaLaunchAttribute *attr,
                                     cudaStream_t stream)
 {
         cudaLaunchConfig_t cfg = {};
@@ -536,7 +534,7 @@ static cudaLaunchConfig_t ds_config(const struct ds_launch *p, cudaLaunchAttribu
 #define DS_MAX_DEVICES 64
 static std::atomic<int> ds_clusters[2][DS_MAX_DEVICES][4];
 
-static int ds_resident_clusters(const struct ds_launch *p, int regs_kernel, const void *kernel)
+static int ds_resident_clusters(const ds_launch *p, int regs_kernel, const void *kernel)
 {
         int device = 0, log = 31 - __builtin_clz(p->cluster);
         if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= DS_MAX_DEVICES) {
@@ -548,7 +546,7 @@ static int ds_resident_clusters(const struct ds_launch *p, int regs_kernel, cons
         if (v != 0)
                 return v;
         cudaLaunchAttribute attr;
-        struct ds_launch one = *p;
+        ds_launch one = *p;
         one.blocks = p->cluster;
         cudaLaunchConfig_t cfg = ds_config(&one, &attr, 0);
         int clusters = 0;
@@ -564,7 +562,7 @@ static int ds_resident_clusters(const struct ds_launch *p, int regs_kernel, cons
 /* Whether an op qualifies, and its launch: the largest cluster size the device runs with this
  * shared memory, as many clusters as are resident at once. */
 static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout *l,
-                   struct ds_launch *p)
+                   ds_launch *p)
 {
         int ret = small_op_check(args, l);
 
@@ -625,27 +623,46 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
 extern "C" int epd_k_dispatch_small_ok(const struct epd_k_dispatch_args *args)
 {
         struct epd_ws_layout l;
-        struct ds_launch p = {};
+        ds_launch p = {};
 
         return ds_plan(args, &l, &p) == 0;
 }
 
-extern "C" int epd_k_dispatch_small(const struct epd_k_dispatch_args *args, cudaStream_t stream)
+extern "C" int epd_k_dispatch_small_plan(const struct epd_k_dispatch_args *args,
+                                         struct epd_k_small_plan *plan)
 {
         struct epd_ws_layout l;
-        struct ds_launch p = {};
-        int ret = ds_plan(args, &l, &p);
+
+        memset(plan, 0, sizeof(*plan));
+        return ds_plan(args, &l, plan);
+}
+
+extern "C" int epd_k_dispatch_small_launch(const struct epd_k_dispatch_args *args,
+                                           const struct epd_k_small_plan *p, cudaStream_t stream)
+{
+        struct epd_ws_layout l;
+        int ret = small_op_check(args, &l);
 
         if (ret < 0)
                 return ret;
+        if (p->cluster == 0 || p->blocks == 0 || p->blocks % p->cluster != 0)
+                return EPD_INVALID_ARGUMENT; /* not a plan of epd_k_dispatch_small_plan */
         cudaLaunchAttribute attr;
-        cudaLaunchConfig_t cfg = ds_config(&p, &attr, stream);
+        cudaLaunchConfig_t cfg = ds_config(p, &attr, stream);
         if (args->num_topk <= DS_REG_TOPK)
                 return epd__k_cuda_status(cudaLaunchKernelEx(
-                        &cfg, dispatch_small_kernel<DS_REG_TOPK>, *args, l, p.slots, p.slices,
-                        p.slice_bytes));
+                        &cfg, dispatch_small_kernel<DS_REG_TOPK>, *args, l, p->slots, p->slices,
+                        p->slice_bytes));
         return epd__k_cuda_status(cudaLaunchKernelEx(&cfg, dispatch_small_kernel<0>, *args, l,
-                                                     p.slots, p.slices, p.slice_bytes));
+                                                     p->slots, p->slices, p->slice_bytes));
+}
+
+extern "C" int epd_k_dispatch_small(const struct epd_k_dispatch_args *args, cudaStream_t stream)
+{
+        struct epd_k_small_plan p;
+        int ret = epd_k_dispatch_small_plan(args, &p);
+
+        return ret < 0 ? ret : epd_k_dispatch_small_launch(args, &p, stream);
 }
 
 int epd__k_preload_dispatch_small(void)

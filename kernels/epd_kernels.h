@@ -186,6 +186,19 @@ int epd_k_dispatch_route_small(const struct epd_k_dispatch_args *args, cudaStrea
  * epd_k_dispatch_small_ok and the EPD_INVALID_ARGUMENT return work as for route_small. */
 int epd_k_dispatch_small_ok(const struct epd_k_dispatch_args *args);
 int epd_k_dispatch_small(const struct epd_k_dispatch_args *args, cudaStream_t stream);
+/* The same in two halves, so that a caller timing the op can make the plan (the host's
+ * checks and occupancy queries) before it opens its GPU time window: _plan queues nothing and
+ * returns EPD_INVALID_ARGUMENT for an op that does not qualify; _launch takes a plan that _plan
+ * made for the same args on the same device. The fields belong to dispatch_small.cu. */
+struct epd_k_small_plan {
+        uint32_t cluster, blocks, slots, slices;
+        uint64_t slice_bytes;
+        uint64_t smem;
+};
+int epd_k_dispatch_small_plan(const struct epd_k_dispatch_args *args,
+                              struct epd_k_small_plan *plan);
+int epd_k_dispatch_small_launch(const struct epd_k_dispatch_args *args,
+                                const struct epd_k_small_plan *plan, cudaStream_t stream);
 /* Zeroes the small routing's counters of a freshly allocated workspace, on `stream`. */
 int epd_k_workspace_init(void *workspace, uint32_t world_size, uint32_t num_experts,
                          uint32_t max_tokens, uint32_t max_topk, cudaStream_t stream);

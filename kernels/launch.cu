@@ -1,7 +1,8 @@
 /* launch.cu - the host side shared by the launchers: sizing, argument checks, CUDA error
  * conversion and grid sizing. Runs on whichever host thread calls a launcher; keeps no state
- * except the calling thread's last CUDA error.
+ * except the calling thread's last CUDA error and a cache of occupancy answers.
  */
+#include <mutex>
 #include <stdint.h>
 
 #include "internal.cuh"
@@ -139,6 +140,43 @@ int epd__k_check_combine(const struct epd_k_combine_args *a, struct epd_ws_layou
         return 0;
 }
 
+/* Resident blocks per multiprocessor of (kernel, threads, shared memory, device), asked of the
+ * runtime once: the occupancy query takes microseconds, and the daemon launches inside its op's
+ * GPU time window. A small table; when it is full, queries are simply not cached. */
+#define OCC_CACHE 64
+static struct occ_entry {
+        const void *kernel;
+        int threads, device, per_sm, sms;
+        size_t smem;
+} occ_cache[OCC_CACHE];
+static int occ_used;
+static std::mutex occ_lock;
+
+static int occ_lookup(const void *kernel, int threads, size_t smem, int device, int *per_sm,
+                      int *sms)
+{
+        std::lock_guard<std::mutex> g(occ_lock);
+        for (int i = 0; i < occ_used; i++) {
+                const struct occ_entry *e = &occ_cache[i];
+                if (e->kernel == kernel && e->threads == threads && e->smem == smem &&
+                    e->device == device) {
+                        *per_sm = e->per_sm;
+                        *sms = e->sms;
+                        return 1;
+                }
+        }
+        return 0;
+}
+
+static void occ_store(const void *kernel, int threads, size_t smem, int device, int per_sm,
+                      int sms)
+{
+        std::lock_guard<std::mutex> g(occ_lock);
+        if (occ_used < OCC_CACHE)
+                occ_cache[occ_used++] = (struct occ_entry){ kernel, threads, device, per_sm, sms,
+                                                            smem };
+}
+
 int epd__k_grid_blocks(const void *kernel, int threads, size_t smem, uint64_t work_blocks,
                        int *blocks)
 {
@@ -146,13 +184,17 @@ int epd__k_grid_blocks(const void *kernel, int threads, size_t smem, uint64_t wo
         cudaError_t err;
 
         err = cudaGetDevice(&device);
-        if (err == cudaSuccess)
-                err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-        if (err == cudaSuccess)
-                err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
-                                                                     smem);
         if (err != cudaSuccess)
                 return epd__k_cuda_status(err);
+        if (!occ_lookup(kernel, threads, smem, device, &per_sm, &sms)) {
+                err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+                if (err == cudaSuccess)
+                        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
+                                                                             threads, smem);
+                if (err != cudaSuccess)
+                        return epd__k_cuda_status(err);
+                occ_store(kernel, threads, smem, device, per_sm, sms);
+        }
         if (per_sm < 1)
                 per_sm = 1;
         uint64_t n = (uint64_t)sms * per_sm;

@@ -382,6 +382,9 @@ static void build_cases(void)
         c->R = 8; c->E = 256; c->T = 128; c->K = 8; c->KO = 8; c->H = 7168;
         c->dtype = EPD_DTYPE_FP8_E4M3; c->has_weights = 1; c->num_bias = 0; c->big = 1;
         c->seed = 0x5004;
+        c = add_case("realistic tiny: R 8, T 1, H 7168, top-8 of 256, bf16");
+        c->R = 8; c->E = 256; c->T = 1; c->K = 8; c->KO = 8; c->H = 7168;
+        c->has_weights = 1; c->num_bias = 0; c->big = 1; c->seed = 0x5005;
         c = add_case("realistic prefill bf16 expand, align 128");
         c->R = 8; c->E = 256; c->T = 4096; c->K = 8; c->KO = 8; c->H = 7168;
         c->layout = EPD_LAYOUT_EXPAND; c->align = 128; c->has_weights = 1; c->apply_weights = 1;
@@ -572,8 +575,10 @@ static void gen_inputs(struct ctx *x, struct rng *g)
                 struct rank_data *r = &x->rk[s];
                 uint32_t n;
 
-                if (c->big)
+                if (c->big && x->T > x->R)
                         n = x->T - s; /* BENCHMARKS.md prefill: rank r sends T - r */
+                else if (c->big)
+                        n = x->T; /* tiny: every rank sends T */
                 else
                         n = x->T - rng_below(g, x->T / 3 + 1);
                 if ((c->empty_rank && s == x->R - 1) || (c->empty_mask >> s & 1))
@@ -1310,21 +1315,33 @@ static int time_chain(struct ctx *x, int iters, double *steps)
 }
 
 /* One device: the mean GPU time of the small-op routing step alone (with_copy 0), of the
- * routing followed by the overlapped copy (with_copy 1), or of the one-launch small dispatch
- * (with_copy 2), over `iters` back-to-back launches after one warm-up. */
-static int time_route_small(struct ctx *x, int with_copy, int iters, double *ms_out)
+ * routing followed by the overlapped copy (with_copy 1), of the one-launch small dispatch
+ * (with_copy 2), or of the one-launch small dispatch writing the reply block into pinned host
+ * memory as the daemon has it do (with_copy 3), over `iters` back-to-back launches after one
+ * warm-up. host_us, when not NULL, gets the mean host time of one launch call. */
+static int time_route_small(struct ctx *x, int with_copy, int iters, double *ms_out,
+                            double *host_us)
 {
         struct epd_k_dispatch_args a;
+        void *pinned = NULL;
+        double host_ns = 0;
         float ms;
 
         CK(cudaSetDevice(0));
         dev_dispatch_args(x, 0, &a);
+        if (with_copy == 3) {
+                CK(cudaMallocHost(&pinned, x->lay.reply_bytes));
+                a.reply_copy = pinned;
+        }
         for (int i = 0; i <= iters; i++) {
                 if (i == 1)
                         CK(cudaEventRecord(x->ev_t0[0], x->stream[0]));
                 a.flags = 0;
-                if (with_copy == 2) {
+                if (with_copy >= 2) {
+                        const double h0 = now_s();
                         CKS(epd_k_dispatch_small(&a, x->stream[0]));
+                        if (i > 0)
+                                host_ns += (now_s() - h0) * 1e9;
                         continue;
                 }
                 CKS(epd_k_dispatch_route_small(&a, x->stream[0]));
@@ -1336,6 +1353,50 @@ static int time_route_small(struct ctx *x, int with_copy, int iters, double *ms_
         CK(cudaEventSynchronize(x->ev_t1[0]));
         CK(cudaEventElapsedTime(&ms, x->ev_t0[0], x->ev_t1[0]));
         *ms_out = ms / iters;
+        if (host_us != NULL)
+                *host_us = host_ns / iters / 1e3;
+        if (pinned != NULL)
+                CK(cudaFreeHost(pinned));
+        return 0;
+}
+
+/* One device, BENCHMARKS.md's Fresh mode as the daemon's benchmark sees it: 256 MB written on
+ * the stream before each launch (which leaves the L2 full of dirty lines), then the mean GPU
+ * time between events around the launch alone, over `iters` launches after one warm-up: the
+ * one-launch small dispatch writing its reply into pinned host memory (what 0, as the daemon
+ * runs it) or combine (what 1). The launch is queued while the flush still runs, so no host
+ * time falls inside the window. */
+static int time_fresh(struct ctx *x, int what, int iters, double *ms_out)
+{
+        const size_t flush_bytes = 256u << 20;
+        struct epd_k_dispatch_args da;
+        struct epd_k_combine_args ca;
+        void *flush = NULL, *pinned = NULL;
+        double total = 0;
+        float ms;
+
+        CK(cudaSetDevice(0));
+        dev_dispatch_args(x, 0, &da);
+        dev_combine_args(x, 0, &ca);
+        CK(cudaMalloc(&flush, flush_bytes));
+        CK(cudaMallocHost(&pinned, x->lay.reply_bytes));
+        da.reply_copy = pinned;
+        for (int i = 0; i <= iters; i++) {
+                CK(cudaMemsetAsync(flush, i % 251 + 1, flush_bytes, x->stream[0]));
+                CK(cudaEventRecord(x->ev_t0[0], x->stream[0]));
+                if (what == 0)
+                        CKS(epd_k_dispatch_small(&da, x->stream[0]));
+                else
+                        CKS(epd_k_combine(&ca, x->stream[0]));
+                CK(cudaEventRecord(x->ev_t1[0], x->stream[0]));
+                CK(cudaEventSynchronize(x->ev_t1[0]));
+                CK(cudaEventElapsedTime(&ms, x->ev_t0[0], x->ev_t1[0]));
+                if (i > 0)
+                        total += ms;
+        }
+        *ms_out = total / iters;
+        CK(cudaFreeHost(pinned));
+        CK(cudaFree(flush));
         return 0;
 }
 
@@ -1372,10 +1433,14 @@ static int report_timing(struct ctx *x, double ceiling)
         double steps[4], ms_small = 0, ms_small_copy = 0, ms_fused = 0;
         if (x->ndev == 1 && time_chain(x, 10, steps) < 0)
                 return -1;
-        if (small_ok(x, 0) && (time_route_small(x, 0, 20, &ms_small) < 0 ||
-                                  time_route_small(x, 1, 20, &ms_small_copy) < 0))
+        if (small_ok(x, 0) && (time_route_small(x, 0, 20, &ms_small, NULL) < 0 ||
+                                  time_route_small(x, 1, 20, &ms_small_copy, NULL) < 0))
                 return -1;
-        if (small_ok(x, 1) && time_route_small(x, 2, 20, &ms_fused) < 0)
+        double ms_fused_reply = 0, us_fused_host = 0, ms_fused_fresh = 0, ms_comb_fresh = 0;
+        if (small_ok(x, 1) && (time_route_small(x, 2, 20, &ms_fused, &us_fused_host) < 0 ||
+                               time_route_small(x, 3, 20, &ms_fused_reply, NULL) < 0 ||
+                               time_fresh(x, 0, 20, &ms_fused_fresh) < 0 ||
+                               time_fresh(x, 1, 20, &ms_comb_fresh) < 0))
                 return -1;
 #ifdef DS_TRACE
         if (ms_fused > 0) {
@@ -1441,11 +1506,18 @@ static int report_timing(struct ctx *x, double ceiling)
                        ms_small, ms_small_copy, disp_floor / (ms_small_copy * 1e-3) / 1e9,
                        100.0 * disp_floor / (ms_small_copy * 1e-3) / 1e9 / ceiling);
         if (ms_fused > 0)
-                printf("    one-launch small dispatch %.3f ms: floor bytes %.0f GB/s = %.1f%% of "
-                       "ceiling\n",
+                printf("    one-launch small dispatch %.4f ms: floor bytes %.0f GB/s = %.1f%% of "
+                       "ceiling; writing the reply into pinned host memory too %.4f ms; host "
+                       "time of one launch call %.1f us\n",
                        ms_fused, disp_floor / (ms_fused * 1e-3) / 1e9,
-                       100.0 * disp_floor / (ms_fused * 1e-3) / 1e9 / ceiling);
-        printf("    combine kernel: %.3f ms, %llu rows read, %llu rows written; floor %.0f GB/s "
+                       100.0 * disp_floor / (ms_fused * 1e-3) / 1e9 / ceiling, ms_fused_reply,
+                       us_fused_host);
+        if (ms_fused_fresh > 0)
+                printf("    Fresh mode (256 MB written before each launch, events around the "
+                       "launch): one-launch small dispatch with the reply copy %.4f ms, combine "
+                       "%.4f ms\n",
+                       ms_fused_fresh, ms_comb_fresh);
+        printf("    combine kernel: %.4f ms, %llu rows read, %llu rows written; floor %.0f GB/s "
                "= %.1f%% of ceiling\n",
                ms_comb, (unsigned long long)contrib, (unsigned long long)tokens,
                comb_floor / (ms_comb * 1e-3) / 1e9,
