@@ -48,14 +48,24 @@
 
 #define MAX_DEVICES 64
 
+/* Descriptor staging for one kind of op: a pinned host buffer, its device copy, and what the
+ * device copy holds, reused by every op (the executor runs one op at a time and waits for it).
+ * The device copy is uploaded only when the bytes differ from what it holds: a model's ops
+ * usually come back with the same tensors and token counts, and an upload is a host call and a
+ * copy-engine round trip before the op's kernel can start. Kernels only read it. */
+struct desc_buf {
+        void *h, *d;
+        void *held;                   /* malloc'd: the bytes d holds, held_bytes of them */
+        size_t cap, held_bytes;       /* held_bytes 0: unknown */
+};
+
+enum { DESC_DISPATCH, DESC_COMBINE, DESC_KINDS };
+
 struct cuda_dev {
         cudaStream_t stream;
         cudaEvent_t counted, done;
         cudaEvent_t t0, t1;           /* timing: around the op's kernels */
-        /* Descriptor staging: pinned host buffers and their device copies, reused by every op
-         * (the executor runs one op at a time and waits for it). */
-        void *h_desc, *d_desc;
-        size_t desc_bytes;
+        struct desc_buf desc[DESC_KINDS];
 };
 
 struct cuda_backend {
@@ -118,21 +128,41 @@ static int cu_fail(char *err, size_t err_len, const char *what, CUresult r)
 
 /* ---- executor ---- */
 
-static void *ensure_desc(struct cuda_dev *dv, size_t bytes)
+/* The staging buffer of `kind` with room for `bytes`, for the caller to fill; NULL when out
+ * of memory. Current device: dv's. */
+static void *ensure_desc(struct cuda_dev *dv, int kind, size_t bytes)
 {
-        if (dv->desc_bytes >= bytes)
-                return dv->h_desc;
-        if (dv->h_desc)
-                cudaFreeHost(dv->h_desc);
-        if (dv->d_desc)
-                cudaFree(dv->d_desc);
-        dv->h_desc = dv->d_desc = NULL;
-        dv->desc_bytes = 0;
-        if (cudaMallocHost(&dv->h_desc, bytes) != cudaSuccess ||
-            cudaMalloc(&dv->d_desc, bytes) != cudaSuccess)
+        struct desc_buf *b = &dv->desc[kind];
+
+        if (b->cap >= bytes)
+                return b->h;
+        if (b->h)
+                cudaFreeHost(b->h);
+        if (b->d)
+                cudaFree(b->d);
+        free(b->held);
+        memset(b, 0, sizeof(*b));
+        if (cudaMallocHost(&b->h, bytes) != cudaSuccess ||
+            cudaMalloc(&b->d, bytes) != cudaSuccess || !(b->held = malloc(bytes)))
                 return NULL;
-        dv->desc_bytes = bytes;
-        return dv->h_desc;
+        b->cap = bytes;
+        return b->h;
+}
+
+/* Queues the upload of the first `bytes` of the staging buffer of `kind` on dv's stream,
+ * unless the device copy already holds exactly them. */
+static int upload_desc(struct cuda_dev *dv, int kind, size_t bytes)
+{
+        struct desc_buf *b = &dv->desc[kind];
+
+        if (b->held_bytes == bytes && memcmp(b->held, b->h, bytes) == 0)
+                return 0;
+        b->held_bytes = 0;
+        if (cudaMemcpyAsync(b->d, b->h, bytes, cudaMemcpyHostToDevice, dv->stream) != cudaSuccess)
+                return EPD_INTERNAL;
+        memcpy(b->held, b->h, bytes);
+        b->held_bytes = bytes;
+        return 0;
 }
 
 /* A released workspace of exactly `bytes` on `device`, or NULL. Executor thread. */
@@ -231,13 +261,12 @@ static int upload_dispatch(struct cuda_backend *cb, struct epd_exec *ex, void *w
 
                 memset(a, 0, sizeof(*a));
                 cudaSetDevice(d);
-                if (!(h = ensure_desc(dv, bytes)))
+                if (!(h = ensure_desc(dv, DESC_DISPATCH, bytes)))
                         return EPD_INTERNAL;
                 fill_dispatch_ranks(ex, (struct epd_k_dispatch_rank *)h);
                 build_local(ex, d, (struct epd_k_local *)(h + ranks_bytes), &a->num_local,
                             &a->local_tokens, 0);
-                if (cudaMemcpyAsync(dv->d_desc, h, bytes, cudaMemcpyHostToDevice, dv->stream) !=
-                    cudaSuccess)
+                if (upload_desc(dv, DESC_DISPATCH, bytes) < 0)
                         return EPD_INTERNAL;
                 a->world_size = R;
                 a->num_experts = ex->cfg.num_experts;
@@ -252,8 +281,9 @@ static int upload_dispatch(struct cuda_backend *cb, struct epd_exec *ex, void *w
                 a->row_bytes = ex->cfg.row_bytes;
                 a->scale_bytes = ex->cfg.scale_cols * 4;
                 a->workspace = ws;
-                a->ranks = dv->d_desc;
-                a->local = (const struct epd_k_local *)((uint8_t *)dv->d_desc + ranks_bytes);
+                a->ranks = dv->desc[DESC_DISPATCH].d;
+                a->local = (const struct epd_k_local *)((uint8_t *)dv->desc[DESC_DISPATCH].d +
+                                                        ranks_bytes);
         }
         return 0;
 }
@@ -684,7 +714,7 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                 if (!used[d])
                         continue;
                 cudaSetDevice(d);
-                if (!(h = ensure_desc(dv, bytes))) {
+                if (!(h = ensure_desc(dv, DESC_COMBINE, bytes))) {
                         rc = EPD_INTERNAL;
                         break;
                 }
@@ -702,8 +732,7 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                 memset(a, 0, sizeof(*a));
                 build_local(ex, d, (struct epd_k_local *)(h + ranks_bytes), &a->num_local,
                             &a->local_tokens, 1);
-                if (cudaMemcpyAsync(dv->d_desc, h, bytes, cudaMemcpyHostToDevice, dv->stream) !=
-                    cudaSuccess) {
+                if (upload_desc(dv, DESC_COMBINE, bytes) < 0) {
                         rc = EPD_INTERNAL;
                         break;
                 }
@@ -717,8 +746,9 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                 a->apply_weights = ex->apply_weights;
                 a->has_weights = ex->has_weights;
                 a->workspace = ch->ws;
-                a->ranks = dv->d_desc;
-                a->local = (const struct epd_k_local *)((uint8_t *)dv->d_desc + ranks_bytes);
+                a->ranks = dv->desc[DESC_COMBINE].d;
+                a->local = (const struct epd_k_local *)((uint8_t *)dv->desc[DESC_COMBINE].d +
+                                                        ranks_bytes);
         }
         if (rc == 0) {
                 op_begin(cb, ex, used, W);

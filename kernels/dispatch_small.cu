@@ -42,7 +42,9 @@
  *      nothing after place reads them.
  *   4. If the op is valid and fits, the block's warps copy the tokens it owns, a (token, slice)
  *      item per warp (copy_token_rows, as the copy step does). Token (group q, lane l) is copied
- *      by the block that routed q in cluster ((q / C) * 32 + l) % (number of clusters).
+ *      by the block that routed q in copying cluster ((q / C) * 32 + l) % (number of copying
+ *      clusters). With DS_SKIP0_CLUSTERS clusters or more, cluster 0 does not copy: its blocks
+ *      finish phase 3 last.
  *
  * Memory ordering. Inside a cluster, shared memory written before a cluster.sync() (barrier.cluster
  * arrive.release / wait.acquire, cluster scope) is visible to every block of the cluster after it:
@@ -78,6 +80,8 @@ namespace cg = cooperative_groups;
 #define DS_WARPS (DS_THREADS / 32)
 /* Cluster sizes tried, largest first (8 is the portable maximum). */
 #define DS_MAX_CLUSTER 8
+/* From this many clusters on, cluster 0 leaves the copy to the others. */
+#define DS_SKIP0_CLUSTERS 4
 /* K_op up to this routes in registers (route_token_regs), larger ones in shared memory. */
 #define DS_REG_TOPK 8
 
@@ -153,27 +157,36 @@ static __device__ __forceinline__ uint32_t ds_source_of(const struct ds_src *src
         return lo;
 }
 
-/* Copy item `it` of block cr of cluster c: slice it % slices of the token in slot it / slices,
- * whose index among the tokens this block routes is slot * ncl + c: group (index / 32) * C + cr,
- * lane index % 32. Returns its flat token, or UINT32_MAX when the slot is past the op. */
+/* Copy item `it` of block cr of the copying cluster cc (of ncc): slice it % slices of the token
+ * in slot it / slices, whose index among the tokens this block routes is slot * ncc + cc: group
+ * (index / 32) * C + cr, lane index % 32. Returns its flat token, or UINT32_MAX when the slot is
+ * past the op. */
 static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t slices,
-                                                        uint32_t ncl, uint32_t c, uint32_t C,
+                                                        uint32_t ncc, uint32_t cc, uint32_t C,
                                                         uint32_t cr, uint32_t G, uint32_t n)
 {
-        const uint32_t cb = it / slices * ncl + c;
+        const uint32_t cb = it / slices * ncc + cc;
         const uint32_t q = cb / 32 * C + cr, g = q * 32 + cb % 32;
         return q < G && g < n ? g : UINT32_MAX;
 }
 
-/* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into the
- * workspace's `local` area, which this kernel does not otherwise use. */
+/* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
+ * device array, 16 stamps per block, which epd_k_ds_trace copies out. */
 #ifdef DS_TRACE
+#define DS_TRACE_BLOCKS 1024
+static __device__ uint64_t ds_trace[DS_TRACE_BLOCKS * 16];
 #define DS_STAMP(i)                                                                              \
         do {                                                                                     \
-                if (threadIdx.x == 0)                                                            \
-                        ((uint64_t *)((uint8_t *)a.workspace + l.local))[blockIdx.x * 8 + (i)] = \
-                                epd_globaltimer_ns();                                            \
+                if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS)                            \
+                        ds_trace[blockIdx.x * 16 + (i)] = epd_globaltimer_ns();                  \
         } while (0)
+
+extern "C" int epd_k_ds_trace(uint64_t *dst, size_t bytes)
+{
+        if (bytes > sizeof(ds_trace))
+                bytes = sizeof(ds_trace);
+        return epd__k_cuda_status(cudaMemcpyFromSymbol(dst, ds_trace, bytes));
+}
 #else
 #define DS_STAMP(i) ((void)0)
 #endif
@@ -247,7 +260,7 @@ template <uint32_t KMAX>
 static __global__ void __launch_bounds__(DS_THREADS, 1)
         dispatch_small_kernel(const __grid_constant__ struct epd_k_dispatch_args a,
                               const __grid_constant__ struct epd_ws_layout l, uint32_t slots,
-                              uint32_t slices, uint64_t slice_bytes)
+                              uint32_t slices, uint64_t slice_bytes, uint32_t skip0)
 {
         extern __shared__ int32_t smem[];
         __shared__ struct ds_src srcs[SMALL_MAX_RANKS];
@@ -258,6 +271,9 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         cg::cluster_group cluster = cg::this_cluster();
         const uint32_t C = cluster.num_blocks(), cr = cluster.block_rank();
         const uint32_t ncl = gridDim.x / C, c = blockIdx.x / C;
+        /* The clusters that copy: all, or (skip0) all but cluster 0, which has the expert
+         * counts and the verdict to write; cc is this one's index among them. */
+        const uint32_t ncc = ncl - skip0, cc = c - skip0;
         const uint32_t R = a.world_size, E = a.num_experts, K = a.num_topk, T = a.max_tokens;
         const uint32_t L = l.num_local_experts, nl = a.num_local, n = a.local_tokens;
         const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -398,8 +414,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         /* This thread's token, when this cluster copies it: its rows, slot and workspace
          * entries. */
         const uint32_t jb = warp * 32 + lane; /* the token's index among this block's */
-        const int mine = valid && jb % ncl == c;
-        const uint32_t slot = jb / ncl;
+        const int mine = valid && (c != 0 || !skip0) && jb % ncc == cc;
+        const uint32_t slot = jb / ncc;
         if (mine) {
                 for (uint32_t k = 0; k < K; k++) {
                         const int32_t v = nsm[k];
@@ -451,6 +467,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                                         pfx[x + R] - pfx[x];
                 }
                 __syncthreads(); /* rank_prefix stored: write_verdict reads it back */
+                DS_STAMP(8);
                 if (threadIdx.x == 0) {
                         uint32_t s = UINT32_MAX, chunk = UINT32_MAX;
                         if (bad_all != ~0ull) {
@@ -465,22 +482,26 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         }
                         write_verdict(&a, &l, s, chunk, num_short, first_short);
                         ds_reply_verdict(a, l);
+                        DS_STAMP(9);
                 }
         }
         if (c == 0) {
                 for (uint32_t x = 0; x < nd && cr + C * x < R; x++) /* block-uniform */
                         ds_expert_counts(a, l, cr + C * x, hist + x * E, algn);
+                DS_STAMP(10);
         }
         if (!ok)
                 return;
         __syncthreads(); /* every slot's rows are in place (ds_expert_counts syncs only in
                           * cluster 0) */
         DS_STAMP(4);
+        if (c == 0 && skip0)
+                return;
 
         /* 4: the tokens this block copies. */
         for (uint32_t it = warp; it < slots * slices; it += DS_WARPS) {
                 const uint32_t j = it / slices;
-                const uint32_t cg_ = ds_item_token(it, slices, ncl, c, C, cr, G, n);
+                const uint32_t cg_ = ds_item_token(it, slices, ncc, cc, C, cr, G, n);
                 if (cg_ == UINT32_MAX) /* warp-uniform */
                         continue;
                 const uint32_t ci = ds_source_of(srcs, nl, cg_), ct = cg_ - srcs[ci].offset;
@@ -595,8 +616,19 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
                 if (clusters < 1)
                         continue;
                 p->blocks = (uint32_t)clusters * p->cluster;
-                /* Each block copies its share of gpb * 32 tokens, spread over the clusters. */
-                p->slots = (gpb * 32 + clusters - 1) / (uint32_t)clusters;
+                /* Cluster 0 writes the expert counts and the verdict after the routing, which
+                 * makes its blocks the last to start copying (phase stamps of a tiny op: its
+                 * block 0 starts about 7 us after the others and ends the grid 5 us after its
+                 * start); with enough clusters the others copy its share. */
+                p->skip0 = clusters >= DS_SKIP0_CLUSTERS;
+#ifdef DS_TRACE
+                if (getenv("DS_SKIP0") != NULL)
+                        p->skip0 = clusters > 1 && atoi(getenv("DS_SKIP0")) != 0;
+#endif
+                /* Each block copies its share of gpb * 32 tokens, spread over the copying
+                 * clusters. */
+                const uint32_t ncc = (uint32_t)clusters - p->skip0;
+                p->slots = (gpb * 32 + ncc - 1) / ncc;
                 p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
                                                 args->num_topk, G, p->cluster, p->slots)
                                          .words;
@@ -612,8 +644,9 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
                                                p->slice_bytes);
                 }
 #ifdef DS_TRACE
-                fprintf(stderr, "dispatch_small: cluster %u, %u blocks, %u slots, %u slices\n",
-                        p->cluster, p->blocks, p->slots, p->slices);
+                fprintf(stderr,
+                        "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u\n",
+                        p->cluster, p->blocks, p->slots, p->slices, p->skip0);
 #endif
                 return 0;
         }
@@ -652,9 +685,10 @@ extern "C" int epd_k_dispatch_small_launch(const struct epd_k_dispatch_args *arg
         if (args->num_topk <= DS_REG_TOPK)
                 return epd__k_cuda_status(cudaLaunchKernelEx(
                         &cfg, dispatch_small_kernel<DS_REG_TOPK>, *args, l, p->slots, p->slices,
-                        p->slice_bytes));
+                        p->slice_bytes, p->skip0));
         return epd__k_cuda_status(cudaLaunchKernelEx(&cfg, dispatch_small_kernel<0>, *args, l,
-                                                     p->slots, p->slices, p->slice_bytes));
+                                                     p->slots, p->slices, p->slice_bytes,
+                                                     p->skip0));
 }
 
 extern "C" int epd_k_dispatch_small(const struct epd_k_dispatch_args *args, cudaStream_t stream)

@@ -111,6 +111,20 @@ static __device__ __forceinline__ unsigned int epd__k_ldg(const unsigned int *p)
 {
         return __ldg(p);
 }
+/* The same load asking the L2 to evict the line first (createpolicy evict_first +
+ * ld.global.nc.L2::cache_hint), for data read once by a small op: a streamed line then replaces
+ * another streamed line rather than one that someone will use again, or a dirty one whose
+ * write-back the op would wait for. It changes which line is replaced, never what is read. */
+static __device__ __forceinline__ int4 epd__k_ldg_evict_first(const int4 *p)
+{
+        uint64_t policy;
+        int4 v;
+        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+        asm("ld.global.nc.L2::cache_hint.v4.s32 {%0, %1, %2, %3}, [%4], %5;"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+            : "l"(p), "l"(policy));
+        return v;
+}
 static __device__ __forceinline__ unsigned short epd__k_ldg(const unsigned short *p)
 {
         return __ldg(p);
