@@ -44,7 +44,6 @@ struct epd_client {
         pthread_mutex_t lock;
         uint64_t next_id;
         int timeout_ms;
-        uint64_t poll_ns;             /* how long a wait for a reply polls before it sleeps */
         int broken;                   /* the connection failed; every call fails */
         char last_error[512];
         struct epd_daemon_info info;

@@ -98,10 +98,7 @@ struct epd_connect_args {
 };
 
 /* Connects and performs Hello/Welcome. On failure *out is untouched; the reason is in the
- * returned status and, when err/err_len are given, in err. A call waiting for the daemon's
- * reply polls the socket for $EPD_CLIENT_POLL_US microseconds (0 to 100000; default 100 on
- * machines with 8 or more CPUs, else 0) before it sleeps; another value of the variable fails
- * the connect with EPD_INVALID_ARGUMENT. */
+ * returned status and, when err/err_len are given, in err. */
 int epd_client_connect(const struct epd_connect_args *args, struct epd_client **out, char *err,
                        size_t err_len);
 /* Closes the connection; the daemon releases every region, binding and handle of this client. */

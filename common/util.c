@@ -2,7 +2,6 @@
 #include <errno.h>
 #include <sys/random.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "util.h"
 
@@ -12,11 +11,6 @@ uint64_t epd__now_ns(void)
 
         clock_gettime(CLOCK_MONOTONIC, &ts);
         return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-uint64_t epd__default_poll_ns(void)
-{
-        return sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 100000 : 0;
 }
 
 int epd__random_bytes(void *buf, size_t len)

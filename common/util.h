@@ -8,11 +8,6 @@
 #define EPD_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
 
 uint64_t epd__now_ns(void);        /* CLOCK_MONOTONIC */
-/* How long a thread that waits for the other side of the socket polls before it sleeps, when
- * nobody configured it: 100 us on machines with at least 8 CPUs, else 0 (polling threads would
- * take the cores of a small machine's other processes). The daemon's poll_us and libepd's
- * EPD_CLIENT_POLL_US default to it. */
-uint64_t epd__default_poll_ns(void);
 int epd__random_bytes(void *buf, size_t len); /* getrandom; 0 or -errno */
 /* Compares without an early exit, so the time taken does not reveal where a secret differs. */
 int epd__consttime_equal(const void *a, size_t a_len, const void *b, size_t b_len);

@@ -10,7 +10,6 @@
 #include <syslog.h>
 
 #include "config.h"
-#include "util.h"
 #include "log.h"
 
 void epd_config_defaults(struct epd_config *cfg)
@@ -259,7 +258,7 @@ int epd_config_load(struct epd_config *cfg, const char *path, char *err, size_t 
 uint64_t epd_config_poll_ns(const struct epd_config *cfg)
 {
         if (cfg->poll_us == EPD_POLL_AUTO)
-                return epd__default_poll_ns();
+                return sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 100000 : 0;
         return (uint64_t)cfg->poll_us * 1000;
 }
 
