@@ -638,7 +638,11 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
                 p->slices = 1;
                 p->slice_bytes = args->row_bytes;
                 if (p->slots != 0 && p->slots < DS_WARPS && args->row_bytes > 32 * 16) {
-                        const uint64_t want = DS_WARPS / p->slots;
+                        uint64_t want = DS_WARPS / p->slots;
+#ifdef DS_TRACE
+                        if (getenv("DS_SLICES") != NULL)
+                                want = (uint64_t)atoi(getenv("DS_SLICES"));
+#endif
                         p->slice_bytes = ((args->row_bytes + want - 1) / want + 15) / 16 * 16;
                         p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
                                                p->slice_bytes);
