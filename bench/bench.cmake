@@ -28,3 +28,17 @@ if(EPD_HAVE_CUDA)
 endif()
 # Without --socket the benchmark starts build/bin/epd next to itself.
 add_dependencies(epd-bench epd)
+# epd-memop-probe: the GPU cost of the stream memory operations (doorbell writes and waits) the
+# daemon queues around an op, one call each against one cuStreamBatchMemOp.
+if(EPD_HAVE_CUDA)
+  add_executable(epd-memop-probe ${CMAKE_CURRENT_LIST_DIR}/memop_probe.cu
+    ${CMAKE_CURRENT_LIST_DIR}/../common/cudrv.c)
+  target_include_directories(epd-memop-probe PRIVATE ${CMAKE_CURRENT_LIST_DIR}/../common
+    ${CUDAToolkit_INCLUDE_DIRS})
+  epd_cuda_filter_options(epd-memop-probe)
+  set_target_properties(epd-memop-probe PROPERTIES
+    CUDA_STANDARD 17
+    CUDA_STANDARD_REQUIRED ON
+    CUDA_RUNTIME_LIBRARY Static)
+  target_link_libraries(epd-memop-probe PRIVATE CUDA::cudart_static)
+endif()

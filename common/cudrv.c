@@ -44,6 +44,7 @@ static void load(void)
                 { "cuMemRelease", (void **)&table.MemRelease },
                 { "cuStreamWaitValue64", (void **)&table.StreamWaitValue64 },
                 { "cuStreamWriteValue64", (void **)&table.StreamWriteValue64 },
+                { "cuStreamBatchMemOp", (void **)&table.StreamBatchMemOp },
                 { "cuGetErrorName", (void **)&table.GetErrorName },
                 { "cuCtxPushCurrent", (void **)&table.CtxPushCurrent },
                 { "cuCtxPopCurrent", (void **)&table.CtxPopCurrent },

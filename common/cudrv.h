@@ -32,6 +32,8 @@ struct epd_cudrv {
         CUresult (*MemRelease)(CUmemGenericAllocationHandle);
         CUresult (*StreamWaitValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
         CUresult (*StreamWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+        CUresult (*StreamBatchMemOp)(CUstream, unsigned int, CUstreamBatchMemOpParams *,
+                                     unsigned int);
         CUresult (*GetErrorName)(CUresult, const char **);
         CUresult (*CtxPushCurrent)(CUcontext);
         CUresult (*CtxPopCurrent)(CUcontext *);
