@@ -80,6 +80,7 @@ static int stash_take(struct epd_client *c, uint64_t id, Epd__V1__Response **res
                         continue;
                 *pp = s->next;
                 *resp = s->resp;
+                c->last_read_ns = s->read_ns;
                 for (unsigned i = 0; i < 2; i++)
                         fds_out[i] = i < s->num_fds ? s->fds[i] : -1;
                 free(s);
@@ -141,6 +142,7 @@ int epd__client_wait_locked(struct epd_client *c, uint64_t id, int timeout_ms,
                                                 rc == -ECONNRESET ? "daemon closed it"
                                                                   : why ? why : strerror(-rc));
                 }
+                const uint64_t read_ns = epd__now_ns();
                 Epd__V1__Response *r = epd__v1__response__unpack(NULL, frame.body_len, frame.body);
                 if (!r) {
                         epd_frame_close_fds(&frame);
@@ -161,6 +163,7 @@ int epd__client_wait_locked(struct epd_client *c, uint64_t id, int timeout_ms,
                                 fds_out[i] = epd_frame_take_fd(&frame, i);
                         epd_frame_close_fds(&frame);
                         *resp = r;
+                        c->last_read_ns = read_ns;
                         return 0;
                 }
                 struct epd__stashed *s = calloc(1, sizeof(*s));
@@ -170,6 +173,7 @@ int epd__client_wait_locked(struct epd_client *c, uint64_t id, int timeout_ms,
                         continue;
                 }
                 s->resp = r;
+                s->read_ns = read_ns;
                 for (unsigned i = 0; i < frame.num_fds && i < 2; i++)
                         s->fds[s->num_fds++] = epd_frame_take_fd(&frame, i);
                 epd_frame_close_fds(&frame);

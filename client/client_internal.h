@@ -13,6 +13,7 @@
 
 struct epd__stashed {
         struct epd__stashed *next;
+        uint64_t read_ns;             /* when its frame was read (CLOCK_MONOTONIC) */
         Epd__V1__Response *resp;
         int fds[2];
         unsigned num_fds;
@@ -44,6 +45,8 @@ struct epd_client {
         pthread_mutex_t lock;
         uint64_t next_id;
         int timeout_ms;
+        uint64_t last_read_ns;        /* when the reply epd__client_wait_locked returned last
+                                       * was read from the socket */
         int broken;                   /* the connection failed; every call fails */
         char last_error[512];
         struct epd_daemon_info info;

@@ -358,6 +358,26 @@ struct epd_combine_result {
         uint64_t kernel_ns; /* GPU time of the op's kernels (cuda backend), else 0 */
 };
 
+/* Where a completed op's time went, as this rank saw it: CLOCK_MONOTONIC nanoseconds of this
+ * host (the daemon runs on it and reads the same clock), 0 where not known (an op that failed,
+ * or an older daemon). In order: libepd sent the request; the daemon read it, handed the op to
+ * its executor, which began it and took exec_ns (kernel_ns of them on the GPU); the daemon's
+ * loop took the completion and built this reply; libepd read it. */
+struct epd_op_timeline {
+        size_t size;                    /* sizeof(struct epd_op_timeline) */
+        uint64_t submitted_ns;
+        uint64_t received_ns;
+        uint64_t launched_ns;
+        uint64_t exec_start_ns;
+        uint64_t exec_ns;
+        uint64_t kernel_ns;
+        uint64_t completed_ns;
+        uint64_t replied_ns;
+        uint64_t reply_read_ns;
+};
+/* EPD_UNAVAILABLE while the op is pending (epd_op_wait first). */
+int epd_op_timeline(const struct epd_op *op, struct epd_op_timeline *out);
+
 /* Async forms: submit returns an op at once; epd_op_wait blocks until it completes. */
 int epd_dispatch_submit(struct epd_group *group, const struct epd_dispatch_args *args,
                         struct epd_op **out);

@@ -18,6 +18,8 @@ struct epd_op {
         int status;
         char message[512];
         Epd__V1__Response *resp;
+        uint64_t sent_ns;             /* just before the request was sent */
+        uint64_t read_ns;             /* when the reply was read from the socket */
 };
 
 static struct epd_op *op_new(struct epd_group *g, int kind)
@@ -38,6 +40,7 @@ static int op_send(struct epd_op *op, Epd__V1__Request *req, struct epd_op **out
         int rc;
 
         pthread_mutex_lock(&c->lock);
+        op->sent_ns = epd__now_ns();
         rc = epd__client_send_locked(c, req, NULL, 0);
         if (rc == 0)
                 op->seq = ++op->group->submitted;
@@ -157,6 +160,8 @@ int epd_op_wait(struct epd_op *op, int timeout_ms)
             resp->body_case == EPD__V1__RESPONSE__BODY_DISPATCH && resp->dispatch &&
             resp->dispatch->arena_generation > op->group->arena_generation)
                 arena_rc = epd__group_arena_sync_locked(op->group);
+        if (rc == 0)
+                op->read_ns = c->last_read_ns;
         pthread_mutex_unlock(&c->lock);
         if (rc == EPD_TIMEOUT && !c->broken)
                 return rc; /* the op is still pending */
@@ -262,6 +267,38 @@ int epd_op_combine_result(const struct epd_op *op, struct epd_combine_result *ou
         out->exec_ns = r->exec_ns;
         out->queue_ns = r->queue_ns;
         out->kernel_ns = r->kernel_ns;
+        return 0;
+}
+
+int epd_op_timeline(const struct epd_op *op, struct epd_op_timeline *out)
+{
+        const Epd__V1__OpTimeline *t = NULL;
+
+        if (!op || !out || out->size < sizeof(*out))
+                return EPD_INVALID_ARGUMENT;
+        if (!op->done)
+                return EPD_UNAVAILABLE;
+        memset((uint8_t *)out + sizeof(out->size), 0, sizeof(*out) - sizeof(out->size));
+        out->submitted_ns = op->sent_ns;
+        out->reply_read_ns = op->read_ns;
+        if (op->resp && op->resp->body_case == EPD__V1__RESPONSE__BODY_DISPATCH &&
+            op->resp->dispatch) {
+                t = op->resp->dispatch->timeline;
+                out->exec_ns = op->resp->dispatch->exec_ns;
+                out->kernel_ns = op->resp->dispatch->kernel_ns;
+        } else if (op->resp && op->resp->body_case == EPD__V1__RESPONSE__BODY_COMBINE &&
+                   op->resp->combine) {
+                t = op->resp->combine->timeline;
+                out->exec_ns = op->resp->combine->exec_ns;
+                out->kernel_ns = op->resp->combine->kernel_ns;
+        }
+        if (t) {
+                out->received_ns = t->received_ns;
+                out->launched_ns = t->launched_ns;
+                out->exec_start_ns = t->exec_start_ns;
+                out->completed_ns = t->completed_ns;
+                out->replied_ns = t->replied_ns;
+        }
         return 0;
 }
 

@@ -78,6 +78,7 @@ struct epd_exec {
         /* Result, written by the backend before epd_exec_done. */
         int status;
         char message[512];
+        uint64_t exec_start_ns;       /* when the executor began it (CLOCK_MONOTONIC) */
         uint64_t exec_ns;
         uint64_t kernel_ns;           /* GPU time of the op's kernels (cuda), else 0 */
         uint64_t bytes;               /* floor bytes moved, for statistics */

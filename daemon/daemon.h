@@ -229,6 +229,7 @@ struct epd_op {
         unsigned num_refs;
         uint64_t epoch;               /* group epoch at launch */
         uint64_t launch_ns;
+        uint64_t completed_ns;        /* the loop thread took the completion */
 };
 
 struct epd_group {

@@ -58,6 +58,7 @@ static void *executor_main(void *arg)
                 pthread_mutex_unlock(&e->lock);
 
                 uint64_t t0 = epd__now_ns();
+                ex->exec_start_ns = t0;
                 atomic_store(&e->heartbeat_ns, t0);
                 ex->status = 0;
                 ex->message[0] = '\0';

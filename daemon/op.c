@@ -802,6 +802,16 @@ static void wire_arena_tensor(Epd__V1__TensorRef *t, uint64_t *sizes, uint64_t r
         t->n_sizes = cols ? 2 : 1;
 }
 
+/* This rank's timeline of the op (proto OpTimeline); replied_ns is taken now. */
+static void fill_timeline(const struct epd_op *op, uint32_t r, Epd__V1__OpTimeline *tl)
+{
+        tl->received_ns = op->subs[r].submitted_ns;
+        tl->launched_ns = op->launch_ns;
+        tl->exec_start_ns = op->exec->exec_start_ns;
+        tl->completed_ns = op->completed_ns;
+        tl->replied_ns = epd__now_ns();
+}
+
 static void reply_dispatch(struct epd_op *op, uint32_t r, struct epd_handle *h)
 {
         struct epd_group *g = op->group;
@@ -862,6 +872,9 @@ static void reply_dispatch(struct epd_op *op, uint32_t r, struct epd_handle *h)
         resp.message = "";
         resp.body_case = EPD__V1__RESPONSE__BODY_DISPATCH;
         resp.dispatch = &dr;
+        Epd__V1__OpTimeline tl = EPD__V1__OP_TIMELINE__INIT;
+        fill_timeline(op, r, &tl);
+        dr.timeline = &tl;
         (void)epd_conn_send(sub->conn, &resp, NULL, 0);
 }
 
@@ -881,6 +894,9 @@ static void reply_combine(struct epd_op *op, uint32_t r)
         resp.message = "";
         resp.body_case = EPD__V1__RESPONSE__BODY_COMBINE;
         resp.combine = &cr;
+        Epd__V1__OpTimeline tl = EPD__V1__OP_TIMELINE__INIT;
+        fill_timeline(op, r, &tl);
+        cr.timeline = &tl;
         (void)epd_conn_send(sub->conn, &resp, NULL, 0);
 }
 
@@ -929,6 +945,8 @@ void epd_op_complete(struct epd_exec *ex)
         struct epd_handle *h = op->handle;
         uint64_t now = epd__now_ns();
         int status = ex->status;
+
+        op->completed_ns = now;
 
         if (status == EPD_OK) {
                 for (uint32_t r = 0; r < R; r++) {

@@ -138,6 +138,42 @@ int wl_enter_group(struct epd_client *client, const char *name, uint32_t rank,
         return EPD_NOT_FOUND;
 }
 
+/* An op's timeline (epd_op_timeline) must be in order and inside the caller's own submit and
+ * return times t0 and t1 (one clock on one host): libepd sent the request, the daemon read it,
+ * launched the op, its executor began and ended it, the loop took the completion and built the
+ * reply, and libepd read it. */
+static int check_timeline(const struct epd_op *op, uint64_t t0, uint64_t t1, char *err,
+                          size_t len)
+{
+        struct epd_op_timeline tl = { .size = sizeof(tl) };
+        int rc = epd_op_timeline(op, &tl);
+
+        if (rc < 0) {
+                snprintf(err, len, "epd_op_timeline: %s", epd_status_name(rc));
+                return -1;
+        }
+        const uint64_t seq[] = { t0, tl.submitted_ns, tl.received_ns, tl.launched_ns,
+                                 tl.exec_start_ns, tl.exec_start_ns + tl.exec_ns,
+                                 tl.completed_ns, tl.replied_ns, tl.reply_read_ns, t1 };
+        static const char *const names[] = { "call", "submitted", "received", "launched",
+                                             "exec_start", "exec_end", "completed", "replied",
+                                             "reply_read", "return" };
+        for (size_t i = 1; i < sizeof(seq) / sizeof(seq[0]); i++) {
+                if (seq[i] < seq[i - 1] || seq[i] == 0) {
+                        snprintf(err, len, "%s (%llu) before %s (%llu), or unknown", names[i],
+                                 (unsigned long long)seq[i], names[i - 1],
+                                 (unsigned long long)seq[i - 1]);
+                        return -1;
+                }
+        }
+        if (tl.kernel_ns > tl.exec_ns) {
+                snprintf(err, len, "kernel_ns %llu above exec_ns %llu",
+                         (unsigned long long)tl.kernel_ns, (unsigned long long)tl.exec_ns);
+                return -1;
+        }
+        return 0;
+}
+
 /* A bump allocator over one registered region. */
 struct slab {
         uint8_t *base;
@@ -320,6 +356,8 @@ int wl_worker(const struct wl_case *c, const char *socket_path, const char *grou
                         FAIL("dispatch: %s: %s", epd_status_name(rc), epd_client_last_error(client));
                 struct epd_dispatch_result dr;
                 epd_op_dispatch_result(op, &dr);
+                if (check_timeline(op, t0, t1, err, sizeof(err)) != 0)
+                        FAIL("dispatch timeline: %s", err);
                 if (timing) {
                         timing->dispatch_ns = t1 - t0;
                         timing->dispatch_exec_ns = dr.exec_ns;
