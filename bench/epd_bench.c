@@ -199,6 +199,7 @@ struct sample {
         uint64_t exec_ns;       /* the backend's execution time of the whole op */
         uint64_t kernel_ns;     /* GPU time of the op's kernels (cuda backend), else 0 */
         uint64_t queue_ns;      /* from this rank's submission to launch, per the daemon */
+        struct epd_op_timeline tl; /* where the time went (epd_op_timeline) */
 };
 
 struct bench {
@@ -1139,7 +1140,10 @@ static int worker_run(struct bench *b, uint32_t rank)
                 rc = epd_op_dispatch_result(op, &dr);
                 if (rc < 0)
                         WFAIL("dispatch %u result: %s", it, epd_status_name(rc));
-                smp[OP_DISPATCH] = (struct sample){ t0, t1, dr.exec_ns, dr.kernel_ns, dr.queue_ns };
+                smp[OP_DISPATCH] = (struct sample){ t0, t1, dr.exec_ns, dr.kernel_ns, dr.queue_ns,
+                                                    { .size = sizeof(struct epd_op_timeline) } };
+                if (epd_op_timeline(op, &smp[OP_DISPATCH].tl) < 0)
+                        WFAIL("dispatch %u timeline", it);
 
                 if (it == 0) {
                         struct ref_counts_actual counts = {
@@ -1187,7 +1191,10 @@ static int worker_run(struct bench *b, uint32_t rank)
                 rc = epd_op_combine_result(op, &cr);
                 if (rc < 0)
                         WFAIL("combine %u result: %s", it, epd_status_name(rc));
-                smp[OP_COMBINE] = (struct sample){ t0, t1, cr.exec_ns, cr.kernel_ns, cr.queue_ns };
+                smp[OP_COMBINE] = (struct sample){ t0, t1, cr.exec_ns, cr.kernel_ns, cr.queue_ns,
+                                                   { .size = sizeof(struct epd_op_timeline) } };
+                if (epd_op_timeline(op, &smp[OP_COMBINE].tl) < 0)
+                        WFAIL("combine %u timeline", it);
                 epd_op_free(op);
                 op = NULL;
 
@@ -1282,8 +1289,43 @@ struct op_stats {
          * calls, waiting for completion: exec_ns - kernel_ns), and the rest (the request and
          * reply through the socket and the loop thread: e2e - queue_ns - exec_ns). */
         double last_queue_p50, last_host_exec_p50, last_rest_p50;
+        /* The same overhead along the op's timeline (epd_op_timeline; us, p50 of each step, so
+         * the steps need not add up exactly): TL_STEPS steps, named in tl_step_names. */
+        double last_tl_p50[8];
         double exec_spread_max;          /* us: largest difference of op time between ranks */
 };
+
+/* The last submitter's overhead along the op's timeline: each step's time in us. The GPU
+ * window (kernel_ns) is the op time and left out; for the host backend the whole execution
+ * is. Stream-ordered ops end when the worker's stream passes the doorbell, which may come
+ * before the reply: their last steps are then negative. */
+#define TL_STEPS 8
+static const char *const tl_step_names[TL_STEPS] = {
+        "request",           /* submit to the daemon reading it */
+        "loop_to_executor",  /* read to handed to the executor (queue_ns) */
+        "executor_pickup",   /* handed to begun */
+        "executor_host",     /* the executor's time outside the GPU window */
+        "completion_pickup", /* executor done to the loop taking the completion */
+        "reply_build",       /* completion taken to this reply built (replies to other ranks
+                              * built first included) */
+        "reply_transit",     /* reply built to libepd reading it */
+        "client_return",     /* reply read to the call returning (host-waited) */
+};
+
+static void tl_steps(const struct sample *s, double *out)
+{
+        const struct epd_op_timeline *t = &s->tl;
+        const double host = (double)(s->kernel_ns ? s->exec_ns - s->kernel_ns : 0);
+
+        out[0] = ((double)t->received_ns - (double)s->submit_ns) / 1e3;
+        out[1] = ((double)t->launched_ns - (double)t->received_ns) / 1e3;
+        out[2] = ((double)t->exec_start_ns - (double)t->launched_ns) / 1e3;
+        out[3] = host / 1e3;
+        out[4] = ((double)t->completed_ns - (double)(t->exec_start_ns + t->exec_ns)) / 1e3;
+        out[5] = ((double)t->replied_ns - (double)t->completed_ns) / 1e3;
+        out[6] = ((double)t->reply_read_ns - (double)t->replied_ns) / 1e3;
+        out[7] = ((double)s->done_ns - (double)t->reply_read_ns) / 1e3;
+}
 
 static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_stats *st)
 {
@@ -1294,10 +1336,11 @@ static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_
         double *last = calloc(iters, sizeof(double)), *queue = calloc(ns, sizeof(double));
         double *lq = calloc(iters, sizeof(double)), *lx = calloc(iters, sizeof(double));
         double *lr = calloc(iters, sizeof(double));
+        double *ltl = calloc((size_t)iters * TL_STEPS, sizeof(double));
         size_t k = 0;
 
         memset(st, 0, sizeof(*st));
-        if (!exec || !e2e || !ovh || !last || !queue || !lq || !lx || !lr)
+        if (!exec || !e2e || !ovh || !last || !queue || !lq || !lx || !lr || !ltl)
                 goto out;
         for (uint32_t i = 0; i < iters; i++) {
                 uint64_t emax = 0, emin = UINT64_MAX, last_submit = 0;
@@ -1325,6 +1368,10 @@ static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_
                                                 ? (double)(s->exec_ns - s->kernel_ns) / 1e3
                                                 : 0;
                                 lr[i] = t - (double)(s->queue_ns + s->exec_ns) / 1e3;
+                                double steps[TL_STEPS];
+                                tl_steps(s, steps);
+                                for (int j = 0; j < TL_STEPS; j++)
+                                        ltl[(size_t)j * iters + i] = steps[j];
                         }
                 }
                 /* One exec serves every rank: its time is the device figure. */
@@ -1354,7 +1401,12 @@ static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_
         st->last_queue_p50 = pct(lq, iters, 50);
         st->last_host_exec_p50 = pct(lx, iters, 50);
         st->last_rest_p50 = pct(lr, iters, 50);
+        for (int j = 0; j < TL_STEPS; j++) {
+                qsort(ltl + (size_t)j * iters, iters, sizeof(double), cmp_double);
+                st->last_tl_p50[j] = pct(ltl + (size_t)j * iters, iters, 50);
+        }
 out:
+        free(ltl);
         free(lq);
         free(lx);
         free(lr);
@@ -2018,6 +2070,10 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
         json_object_set_new(o, "last_submitter_host_exec_p50_us",
                             json_real(st->last_host_exec_p50));
         json_object_set_new(o, "last_submitter_socket_loop_p50_us", json_real(st->last_rest_p50));
+        json_t *tl = json_object();
+        for (int j = 0; j < TL_STEPS; j++)
+                json_object_set_new(tl, tl_step_names[j], json_real(st->last_tl_p50[j]));
+        json_object_set_new(o, "last_submitter_timeline_p50_us", tl);
         json_object_set_new(o, "logical_gbps", json_real(lg));
         json_object_set_new(o, "floor_gbps", json_real(fl));
         json_object_set_new(o, "floor_fraction_of_ceiling", json_real(fl / ri->ceiling));
