@@ -153,6 +153,8 @@ static const struct workload_spec workloads[] = {
 };
 
 struct options {
+        uint32_t poll_us;       /* --poll-us: the started daemon's poll_us (poll_us_set) */
+        int poll_us_set;
         const struct workload_spec *wl;
         uint32_t ranks;
         uint32_t iters;
@@ -1291,7 +1293,7 @@ struct op_stats {
         double last_queue_p50, last_host_exec_p50, last_rest_p50;
         /* The same overhead along the op's timeline (epd_op_timeline; us, p50 of each step, so
          * the steps need not add up exactly): TL_STEPS steps, named in tl_step_names. */
-        double last_tl_p50[8];
+        double last_tl_p50[9];
         double exec_spread_max;          /* us: largest difference of op time between ranks */
 };
 
@@ -1299,9 +1301,10 @@ struct op_stats {
  * window (kernel_ns) is the op time and left out; for the host backend the whole execution
  * is. Stream-ordered ops end when the worker's stream passes the doorbell, which may come
  * before the reply: their last steps are then negative. */
-#define TL_STEPS 8
+#define TL_STEPS 9
 static const char *const tl_step_names[TL_STEPS] = {
-        "request",           /* submit to the daemon reading it */
+        "request_build",     /* the call to libepd sending the request */
+        "request",           /* sent to the daemon reading it */
         "loop_to_executor",  /* read to handed to the executor (queue_ns) */
         "executor_pickup",   /* handed to begun */
         "executor_host",     /* the executor's time outside the GPU window */
@@ -1317,14 +1320,15 @@ static void tl_steps(const struct sample *s, double *out)
         const struct epd_op_timeline *t = &s->tl;
         const double host = (double)(s->kernel_ns ? s->exec_ns - s->kernel_ns : 0);
 
-        out[0] = ((double)t->received_ns - (double)s->submit_ns) / 1e3;
-        out[1] = ((double)t->launched_ns - (double)t->received_ns) / 1e3;
-        out[2] = ((double)t->exec_start_ns - (double)t->launched_ns) / 1e3;
-        out[3] = host / 1e3;
-        out[4] = ((double)t->completed_ns - (double)(t->exec_start_ns + t->exec_ns)) / 1e3;
-        out[5] = ((double)t->replied_ns - (double)t->completed_ns) / 1e3;
-        out[6] = ((double)t->reply_read_ns - (double)t->replied_ns) / 1e3;
-        out[7] = ((double)s->done_ns - (double)t->reply_read_ns) / 1e3;
+        out[0] = ((double)t->submitted_ns - (double)s->submit_ns) / 1e3;
+        out[1] = ((double)t->received_ns - (double)t->submitted_ns) / 1e3;
+        out[2] = ((double)t->launched_ns - (double)t->received_ns) / 1e3;
+        out[3] = ((double)t->exec_start_ns - (double)t->launched_ns) / 1e3;
+        out[4] = host / 1e3;
+        out[5] = ((double)t->completed_ns - (double)(t->exec_start_ns + t->exec_ns)) / 1e3;
+        out[6] = ((double)t->replied_ns - (double)t->completed_ns) / 1e3;
+        out[7] = ((double)t->reply_read_ns - (double)t->replied_ns) / 1e3;
+        out[8] = ((double)s->done_ns - (double)t->reply_read_ns) / 1e3;
 }
 
 static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_stats *st)
@@ -1482,6 +1486,8 @@ static void usage(FILE *f)
                 "  --flush-l2        Fresh mode: write 256 MB on the GPU before every op (in each\n"
                 "                    worker, before submit, synchronised); default for decode\n"
                 "  --no-flush-l2     never flush\n"
+                "  --poll-us N       start the daemon with --poll-us N (0..100000; default: the\n"
+                "                    daemon's own default)\n"
                 "  --completion C    host (default): the client waits for the reply (epd_op_wait);\n"
                 "                    stream: inputs marked ready on the worker's stream, then\n"
                 "                    epd_op_stream_wait and an event whose completion ends the\n"
@@ -1526,6 +1532,7 @@ static int parse_args(int argc, char **argv, struct options *o)
                 { "no-flush-l2", no_argument, NULL, 'f' },
                 { "completion", required_argument, NULL, 'C' },
                 { "stream-order", no_argument, NULL, 'O' },
+                { "poll-us", required_argument, NULL, 'P' },
                 { "help", no_argument, NULL, 'h' },
                 { NULL, 0, NULL, 0 },
         };
@@ -1618,6 +1625,11 @@ static int parse_args(int argc, char **argv, struct options *o)
                         break;
                 case 'F':
                         o->flush_l2 = 1;
+                        break;
+                case 'P':
+                        if (parse_u32(optarg, 0, 100000, &o->poll_us) < 0)
+                                goto bad;
+                        o->poll_us_set = 1;
                         break;
                 case 'f':
                         o->flush_l2 = 0;
@@ -2028,6 +2040,10 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
         json_object_set_new(o, "completion", json_string(b->phase_stream[p]
                                                                 ? "stream" : "host"));
         json_object_set_new(o, "flush_l2", json_boolean(b->opt.flush_l2));
+        if (b->opt.poll_us_set)
+                json_object_set_new(o, "daemon_poll_us", json_integer(b->opt.poll_us));
+        else
+                json_object_set_new(o, "daemon_poll_us", json_string("default"));
         json_object_set_new(o, "git_rev", json_string(EPD_GIT_REV));
         json_object_set_new(o, "tokens", json_integer(b->T));
         json_object_set_new(o, "nominal_tokens", json_integer(b->opt.wl->tokens));
@@ -2872,11 +2888,17 @@ int main(int argc, char **argv)
         if (b.opt.socket) {
                 snprintf(b.socket, sizeof(b.socket), "%s", b.opt.socket);
         } else {
-                char threads[16];
+                char threads[16], poll[16];
                 const char *host_args[] = { "--backend", "host", "--host-threads", threads,
-                                            "--log-level", "warning", NULL };
-                const char *cuda_args[] = { "--backend", "cuda", "--log-level", "warning", NULL };
+                                            "--log-level", "warning", NULL, NULL, NULL };
+                const char *cuda_args[] = { "--backend", "cuda", "--log-level", "warning", NULL,
+                                            NULL, NULL };
                 snprintf(threads, sizeof(threads), "%u", b.threads);
+                snprintf(poll, sizeof(poll), "%u", b.opt.poll_us);
+                if (b.opt.poll_us_set) {
+                        host_args[6] = cuda_args[4] = "--poll-us";
+                        host_args[7] = cuda_args[5] = poll;
+                }
                 if (b.opt.cuda)
                         fprintf(stderr, "epd-bench: starting %s/epd --backend cuda\n", h_bin_dir());
                 else

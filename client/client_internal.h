@@ -47,6 +47,7 @@ struct epd_client {
         int timeout_ms;
         uint64_t last_read_ns;        /* when the reply epd__client_wait_locked returned last
                                        * was read from the socket */
+        uint64_t poll_ns;             /* how long a wait for a reply polls before it sleeps */
         int broken;                   /* the connection failed; every call fails */
         char last_error[512];
         struct epd_daemon_info info;

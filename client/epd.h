@@ -98,7 +98,11 @@ struct epd_connect_args {
 };
 
 /* Connects and performs Hello/Welcome. On failure *out is untouched; the reason is in the
- * returned status and, when err/err_len are given, in err. */
+ * returned status and, when err/err_len are given, in err. With $EPD_CLIENT_POLL_US set (0 to
+ * 100000 microseconds; default 0), a call waiting for the daemon's reply polls the socket that
+ * long before it sleeps: a reply within the window is then read without waking a sleeping
+ * thread, at the price of a busy core while it waits (docs/performance.md measures both). Any
+ * other value fails the connect with EPD_INVALID_ARGUMENT. */
 int epd_client_connect(const struct epd_connect_args *args, struct epd_client **out, char *err,
                        size_t err_len);
 /* Closes the connection; the daemon releases every region, binding and handle of this client. */

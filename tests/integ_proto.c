@@ -343,6 +343,47 @@ START_TEST(test_version_mismatch_hello)
 }
 END_TEST
 
+/* libepd's EPD_CLIENT_POLL_US: a value that is not a number of microseconds in [0, 100000]
+ * fails the connect with a message naming the variable; valid values (no polling, the largest)
+ * connect and make requests. */
+START_TEST(test_client_poll_env)
+{
+        static const char *const bad[] = { "abc", "-1", "100001", "12x", "",
+                                           "99999999999999999999" };
+        struct h_daemon d;
+        struct epd_connect_args args = { .size = sizeof(args), .client_name = "poll",
+                                         .timeout_ms = 5000 };
+        struct epd_client *c = NULL;
+        char err[512];
+        int rc;
+
+        daemon_start(&d);
+        args.socket_path = d.socket;
+        for (size_t i = 0; i < EPD_ARRAY_SIZE(bad); i++) {
+                err[0] = '\0';
+                setenv("EPD_CLIENT_POLL_US", bad[i], 1);
+                rc = epd_client_connect(&args, &c, err, sizeof(err));
+                ck_assert_msg(rc == EPD_INVALID_ARGUMENT, "EPD_CLIENT_POLL_US='%s' gave %s: %s",
+                              bad[i], epd_status_name(rc), err);
+                ck_assert_ptr_null(c);
+                ck_assert_msg(strstr(err, "EPD_CLIENT_POLL_US") != NULL,
+                              "message does not name the variable: '%s'", err);
+        }
+        const char *good[] = { "0", "100000", "25" };
+        for (size_t i = 0; i < EPD_ARRAY_SIZE(good); i++) {
+                setenv("EPD_CLIENT_POLL_US", good[i], 1);
+                rc = epd_client_connect(&args, &c, err, sizeof(err));
+                ck_assert_msg(rc == 0, "EPD_CLIENT_POLL_US='%s' gave %s: %s", good[i],
+                              epd_status_name(rc), err);
+                ck_assert_int_eq(size_hint(c), EPD_OK);
+                epd_client_free(c);
+                c = NULL;
+        }
+        unsetenv("EPD_CLIENT_POLL_US");
+        daemon_stop_clean(&d);
+}
+END_TEST
+
 START_TEST(test_version_mismatch_frame)
 {
         struct h_daemon d;
@@ -1217,6 +1258,7 @@ static Suite *proto_suite(void)
         tcase_add_test(tc, test_version_mismatch_hello);
         tcase_add_test(tc, test_version_mismatch_frame);
         tcase_add_test(tc, test_request_before_hello);
+        tcase_add_test(tc, test_client_poll_env);
         suite_add_tcase(s, tc);
 
         tc = tcase_create("groups");
