@@ -91,15 +91,6 @@ static int stash_take(struct epd_client *c, uint64_t id, Epd__V1__Response **res
         return 0;
 }
 
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#elif defined(__aarch64__)
-        __asm__ __volatile__("yield");
-#endif
-}
-
 static int64_t now_ms(void)
 {
         return (int64_t)(epd__now_ns() / 1000000);
@@ -142,7 +133,7 @@ int epd__client_wait_locked(struct epd_client *c, uint64_t id, int timeout_ms,
                                 if (spin_until == 0)
                                         spin_until = now + c->poll_ns;
                                 if (now < spin_until) {
-                                        cpu_relax();
+                                        epd__cpu_relax();
                                         continue;
                                 }
                         }

@@ -5,22 +5,13 @@
 #include "executor.h"
 #include "util.h"
 
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#elif defined(__aarch64__)
-        __asm__ __volatile__("yield");
-#endif
-}
-
 /* Polls, without the lock, until an exec is queued or spin_ns has passed. */
 static void spin_for_work(struct epd_executor *e)
 {
         uint64_t end = epd__now_ns() + e->spin_ns;
 
         for (unsigned i = 0; atomic_load_explicit(&e->queued, memory_order_acquire) == 0; i++) {
-                cpu_relax();
+                epd__cpu_relax();
                 if ((i & 63) == 63 && epd__now_ns() > end)
                         return;
         }
