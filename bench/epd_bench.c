@@ -1963,6 +1963,17 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
                        "epd_op_stream_wait"
                      : "the reply in epd_op_wait",
                 b->kernel_time ? "kernel time" : "exec");
+        for (uint32_t p = 0; p < b->num_phases; p++) {
+                for (int k = 0; k < 2; k++) {
+                        const struct op_stats *st = &ri->st[p][k];
+                        fprintf(f, "  last-sub overhead, %s%s%s%s, p50 per step (us):", names[k],
+                                cuda ? " [" : "", cuda ? phase_name(b, p) : "",
+                                cuda ? "]" : "");
+                        for (int j = 0; j < TL_STEPS; j++)
+                                fprintf(f, " %s %.1f", tl_step_names[j], st->last_tl_p50[j]);
+                        fprintf(f, "\n");
+                }
+        }
         for (int k = 0; k < 2; k++) {
                 double u = (double)bc->unique[k] / (ri->st[0][k].exec_p50 * 1e3);
                 double fl = (double)bc->floor[k] / (ri->st[0][k].exec_p50 * 1e3);
