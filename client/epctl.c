@@ -305,6 +305,18 @@ static void print_stats_table(const Epd__V1__StatsReply *s, const Epd__V1__Stats
                                rs->queue_depth, rs->arena_used_bytes / 1048576.0,
                                rs->arena_bytes / 1048576.0);
                 }
+                /* Where the group's ops spent their time (p50/p99 us per stage). */
+                if (gs->n_stages > 0) {
+                        printf("%-16s stages p50/p99[us]:", "");
+                        for (size_t i = 0; i < gs->n_stages; i++) {
+                                const Epd__V1__OpStage *st = gs->stages[i];
+                                if (st->latency)
+                                        printf(" %s %s %.1f/%.1f", st->op, st->stage,
+                                               st->latency->latency_p50_ns / 1e3,
+                                               st->latency->latency_p99_ns / 1e3);
+                        }
+                        printf("\n");
+                }
         }
         printf("%-6s %-44s %6s %12s %14s\n", "DEV", "UUID", "RANKS", "RANK-OPS", "BYTES");
         for (size_t i = 0; i < s->n_devices; i++)
@@ -343,14 +355,21 @@ static int cmd_stats(struct epd_client *c, int json)
                                                  (json_int_t)rs->queue_depth, "next_op",
                                                  (json_int_t)rs->next_op));
                 }
+                json_t *stages = json_array();
+                for (size_t i = 0; i < gs->n_stages; i++)
+                        json_array_append_new(stages,
+                                              json_pack("{s:s, s:s, s:o}", "op", gs->stages[i]->op,
+                                                        "stage", gs->stages[i]->stage, "latency",
+                                                        op_stats_json(gs->stages[i]->latency)));
                 json_array_append_new(
-                        groups, json_pack("{s:I, s:s, s:s, s:I, s:o, s:o, s:I, s:I, s:o}", "id",
-                                          (json_int_t)gs->id, "name", gs->name, "state", gs->state,
-                                          "world_size", (json_int_t)gs->world_size, "dispatch",
-                                          op_stats_json(gs->dispatch), "combine",
+                        groups, json_pack("{s:I, s:s, s:s, s:I, s:o, s:o, s:I, s:I, s:o, s:o}",
+                                          "id", (json_int_t)gs->id, "name", gs->name, "state",
+                                          gs->state, "world_size", (json_int_t)gs->world_size,
+                                          "dispatch", op_stats_json(gs->dispatch), "combine",
                                           op_stats_json(gs->combine), "pending_ops",
                                           (json_int_t)gs->pending_ops, "handles",
-                                          (json_int_t)gs->handles, "ranks", ranks));
+                                          (json_int_t)gs->handles, "stages", stages, "ranks",
+                                          ranks));
         }
         for (size_t i = 0; i < s->n_clients; i++) {
                 const Epd__V1__ClientStats *cs = s->clients[i];

@@ -254,6 +254,24 @@ static void render_daemon(struct textbuf *b, const struct epd_daemon *d,
         sample_u64(b, "epd_collective_ops_total", "result=\"failed\"", s->ops_failed);
 }
 
+/* A latency histogram from OpStats' power-of-two buckets: bucket i counts ops below 2^i
+ * microseconds; the last is open-ended and becomes +Inf, which must equal the count. */
+static void render_histogram(struct textbuf *b, const char *name, const char *labels,
+                             const Epd__V1__OpStats *o)
+{
+        uint64_t cumulative = 0;
+
+        for (size_t i = 0; i + 1 < o->n_latency_buckets; i++) {
+                cumulative += o->latency_buckets[i];
+                tb_printf(b, "%s_bucket{%s,le=\"%.9g\"} %llu\n", name, labels,
+                          (double)(1ull << i) * 1e-6, (unsigned long long)cumulative);
+        }
+        tb_printf(b, "%s_bucket{%s,le=\"+Inf\"} %llu\n", name, labels,
+                  (unsigned long long)o->latency_count);
+        tb_printf(b, "%s_sum{%s} %.9f\n", name, labels, (double)o->latency_sum_ns / 1e9);
+        tb_printf(b, "%s_count{%s} %llu\n", name, labels, (unsigned long long)o->latency_count);
+}
+
 static void render_groups(struct textbuf *b, const Epd__V1__StatsReply *s)
 {
         static const char *const states[] = { "FORMING", "READY", "DRAINING", "BROKEN" };
@@ -292,6 +310,25 @@ static void render_groups(struct textbuf *b, const Epd__V1__StatsReply *s)
                         continue;
                 group_labels(labels, sizeof(labels), s->groups[g]);
                 sample_u64(b, "epd_group_handles", labels, s->groups[g]->handles);
+        }
+        family(b, "epd_op_stage_seconds", "histogram",
+               "Where the group's successful ops spent their time: stage peers (first rank's "
+               "request to the last rank's), daemon (last request read to last reply sent, "
+               "less the GPU time), gpu (kernel time).");
+        for (size_t g = 0; g < s->n_groups; g++) {
+                const Epd__V1__GroupStats *gs = s->groups[g];
+                if (!group_listed(gs))
+                        continue;
+                for (size_t i = 0; i < gs->n_stages; i++) {
+                        const Epd__V1__OpStage *st = gs->stages[i];
+                        char l[320];
+                        if (!st->latency)
+                                continue;
+                        group_labels(l, sizeof(l), gs);
+                        snprintf(labels, sizeof(labels), "%s,kind=\"%s\",stage=\"%s\"", l,
+                                 st->op, st->stage);
+                        render_histogram(b, "epd_op_stage_seconds", labels, st->latency);
+                }
         }
 }
 
@@ -340,24 +377,10 @@ static void render_ranks(struct textbuf *b, const Epd__V1__StatsReply *s)
                 rank_labels(base, sizeof(base), gs, rs);
                 for (int k = 0; k < 2; k++) {
                         const Epd__V1__OpStats *o = rank_kind(rs, k);
-                        uint64_t cumulative = 0;
                         if (!o)
                                 continue;
-                        /* Bucket i counts ops below 2^i microseconds; the last is open-ended
-                         * and becomes +Inf, which must equal the count. */
-                        for (size_t i = 0; i + 1 < o->n_latency_buckets; i++) {
-                                cumulative += o->latency_buckets[i];
-                                tb_printf(b,
-                                          "epd_op_latency_seconds_bucket{%s,kind=\"%s\",le=\"%.9g\"} %llu\n",
-                                          base, kind_names[k], (double)(1ull << i) * 1e-6,
-                                          (unsigned long long)cumulative);
-                        }
-                        tb_printf(b, "epd_op_latency_seconds_bucket{%s,kind=\"%s\",le=\"+Inf\"} %llu\n",
-                                  base, kind_names[k], (unsigned long long)o->latency_count);
-                        tb_printf(b, "epd_op_latency_seconds_sum{%s,kind=\"%s\"} %.9f\n", base,
-                                  kind_names[k], (double)o->latency_sum_ns / 1e9);
-                        tb_printf(b, "epd_op_latency_seconds_count{%s,kind=\"%s\"} %llu\n", base,
-                                  kind_names[k], (unsigned long long)o->latency_count);
+                        snprintf(labels, sizeof(labels), "%s,kind=\"%s\"", base, kind_names[k]);
+                        render_histogram(b, "epd_op_latency_seconds", labels, o);
                 }
         }
         family(b, "epd_rank_bound", "gauge", "1 while a client holds the rank.");

@@ -935,6 +935,26 @@ static void handle_record(struct epd_group *g, struct epd_handle *h, struct epd_
 
 /* Floor bytes of SEMANTICS/BENCHMARKS accounting are the benchmark's business; the statistics
  * count the bytes the op wrote to its outputs, which the backend reports in ex->bytes. */
+/* The group's stage statistics of a successful op (stats.h), once its replies are sent. */
+static void record_stages(const struct epd_op *op, const struct epd_exec *ex)
+{
+        struct epd_latency_hist *st = op->group->stats.stage[op->kind - 1];
+        uint64_t first = UINT64_MAX, last = 0;
+
+        for (uint32_t r = 0; r < op->group->cfg.world_size; r++) {
+                const uint64_t t = op->subs[r].submitted_ns;
+                first = t < first ? t : first;
+                last = t > last ? t : last;
+        }
+        const uint64_t replied = epd__now_ns();
+        const uint64_t daemon = replied - last;
+        epd_latency_record(&st[EPD_STAGE_PEERS], last - first);
+        epd_latency_record(&st[EPD_STAGE_DAEMON],
+                           daemon > ex->kernel_ns ? daemon - ex->kernel_ns : 0);
+        if (ex->kernel_ns)
+                epd_latency_record(&st[EPD_STAGE_GPU], ex->kernel_ns);
+}
+
 void epd_op_complete(struct epd_exec *ex)
 {
         struct epd_op *op = ex->op;
@@ -1025,6 +1045,8 @@ void epd_op_complete(struct epd_exec *ex)
         }
         epd_op_stats_record(&g->stats.kind[op->kind - 1], status, ex->bytes,
                             now - op->launch_ns);
+        if (status == EPD_OK)
+                record_stages(op, ex);
         if (status == EPD_OK) {
                 g->stats.ops_completed++;
                 d->stats.ops_completed++;

@@ -67,6 +67,33 @@ static Epd__V1__OpStats *op_stats(struct pool *p, const struct epd_op_stats *s)
         return o;
 }
 
+/* The group's stage histograms that hold at least one op (stats.h). */
+static Epd__V1__OpStage **group_stages(struct pool *p, const struct epd_group_stats *gs,
+                                       size_t *n)
+{
+        static char *const kinds[2] = { "dispatch", "combine" };
+        Epd__V1__OpStage **v = pool_alloc(p, sizeof(*v) * 2 * EPD_STAGES);
+
+        *n = 0;
+        for (int k = 0; v && k < 2; k++) {
+                for (int st = 0; st < EPD_STAGES; st++) {
+                        const struct epd_latency_hist *h = &gs->stage[k][st];
+                        if (h->count == 0)
+                                continue;
+                        struct epd_op_stats os = { .ops = h->count, .latency = *h };
+                        Epd__V1__OpStage *o = pool_alloc(p, sizeof(*o));
+                        if (!o)
+                                return v;
+                        epd__v1__op_stage__init(o);
+                        o->op = kinds[k];
+                        o->stage = (char *)epd_stage_names[st];
+                        o->latency = op_stats(p, &os);
+                        v[(*n)++] = o;
+                }
+        }
+        return v;
+}
+
 static unsigned rank_queue_depth(const struct epd_group *g, uint32_t rank)
 {
         const struct epd_list *pos;
@@ -118,6 +145,7 @@ int epd_report_build(struct epd_daemon *d, Epd__V1__StatsReply *out, struct epd_
                 gs->world_size = R;
                 gs->dispatch = op_stats(p, &g->stats.kind[0]);
                 gs->combine = op_stats(p, &g->stats.kind[1]);
+                gs->stages = group_stages(p, &g->stats, &gs->n_stages);
                 gs->handles = g->num_handles;
                 epd_list_for_each(op_pos, &g->ops) gs->pending_ops++;
                 gs->ranks = pool_alloc(p, sizeof(*gs->ranks) * R);

@@ -1,6 +1,8 @@
 /* stats.c - latency histograms and op counters. */
 #include "stats.h"
 
+const char *const epd_stage_names[EPD_STAGES] = { "peers", "daemon", "gpu" };
+
 void epd_latency_record(struct epd_latency_hist *h, uint64_t ns)
 {
         uint64_t us = ns / 1000;

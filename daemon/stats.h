@@ -28,10 +28,19 @@ struct epd_rank_stats {
         struct epd_op_stats kind[2];  /* dispatch, combine */
 };
 
+/* Where a group's successful ops spent their time (epd_stage_names):
+ *   peers   from the first rank's request to the last rank's: the wait for the slowest rank;
+ *   daemon  from the last request read to the last reply sent, less the GPU time: the daemon's
+ *           own share (with the host backend, whose ops have no GPU time, the execution too);
+ *   gpu     the op's kernel time (CUDA backend only). */
+enum { EPD_STAGE_PEERS, EPD_STAGE_DAEMON, EPD_STAGE_GPU, EPD_STAGES };
+extern const char *const epd_stage_names[EPD_STAGES];
+
 struct epd_group_stats {
         uint64_t ops_completed;
         uint64_t ops_failed;
         struct epd_op_stats kind[2];
+        struct epd_latency_hist stage[2][EPD_STAGES]; /* [kind][stage] */
 };
 
 struct epd_client_stats {

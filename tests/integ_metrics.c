@@ -443,6 +443,11 @@ static int mode_exposition(void)
         static const char *const dispatch[] = { LOAD_GROUP_LABEL, "kind=\"dispatch\"", NULL };
         static const char *const device[] = { "gpu=\"0\"", "UUID=\"", NULL };
         static const char *const ready[] = { LOAD_GROUP_LABEL, "state=\"READY\"", NULL };
+        static const char *const stage_daemon[] = { LOAD_GROUP_LABEL, "kind=\"dispatch\"",
+                                                    "stage=\"daemon\"", NULL };
+        static const char *const stage_peers[] = { LOAD_GROUP_LABEL, "kind=\"combine\"",
+                                                   "stage=\"peers\"", NULL };
+        static const char *const stage_gpu[] = { LOAD_GROUP_LABEL, "stage=\"gpu\"", NULL };
         static const struct {
                 const char *name;
                 const char *const *labels;
@@ -457,6 +462,9 @@ static int mode_exposition(void)
                 { "epd_collective_ops_total", completed },
                 { "epd_frames_received_total", NULL },
                 { "epd_client_ops_total", NULL },
+                { "epd_op_stage_seconds_count", stage_daemon },
+                { "epd_op_stage_seconds_sum", stage_daemon },
+                { "epd_op_stage_seconds_count", stage_peers },
         };
         for (size_t i = 0; i < sizeof(grows) / sizeof(grows[0]); i++) {
                 double va = metric_sum(a, grows[i].name, grows[i].labels);
@@ -471,6 +479,13 @@ static int mode_exposition(void)
         if (metric_sum(b, "epd_ops_total", dispatch_ok) !=
             metric_sum(b, "epd_op_latency_seconds_count", dispatch))
                 return fail("epd_ops_total (OK) and the histogram's _count differ");
+        /* The group's stages count each successful op once, as each rank's counters do; the
+         * host backend has no GPU stage. */
+        if (metric_sum(b, "epd_ops_total", dispatch_ok) !=
+            metric_sum(b, "epd_op_stage_seconds_count", stage_daemon))
+                return fail("rank 0's successful dispatches and the daemon stage's count differ");
+        if (metric_sum(b, "epd_op_stage_seconds_count", stage_gpu) >= 0) /* -1: no line */
+                return fail("a gpu stage on the host backend");
         if (metric_sum(b, "epd_group_state", ready) != 1)
                 return fail("the loaded group is not READY in epd_group_state");
         if (metric_sum(b, "epd_clients", NULL) < 1 || metric_sum(b, "epd_groups", NULL) != 1)
@@ -681,6 +696,10 @@ static int mode_top(void)
                             d2);
         if (rate2 <= 0)
                 return fail("epctl top shows no dispatch rate under load");
+        /* The group's stage line: where its dispatches and combines spent their time. */
+        if (!strstr(pane, "stages p50/p99[us]: dispatch peers ") ||
+            !strstr(pane, " dispatch daemon ") || !strstr(pane, " combine daemon "))
+                return fail("epctl top shows no stage line for the loaded group");
         cleanup();
         printf("top: passed\n");
         return 0;
