@@ -156,8 +156,8 @@ test_activate() {
         done
         [ -S "$sock" ] || fail "systemd-socket-activate did not create $sock"
         out=$(epctl_retry "$sock" status --json) || { cat "$tmp/epd.log" >&2; fail "epctl status through the activated socket"; }
-        echo "$out" | grep -q '"backend": "host"' || fail "unexpected status: $out"
-        echo "$out" | grep -q "\"pid\": $pid," || fail "status pid is not the activated process $pid: $out"
+        echo "$out" | grep '"backend": "host"' >/dev/null || fail "unexpected status: $out"
+        echo "$out" | grep "\"pid\": $pid," >/dev/null || fail "status pid is not the activated process $pid: $out"
         epctl_retry "$sock" clients >/dev/null || fail "a second client on the activated socket"
         grep -q 'using activated socket' "$tmp/epd.log" || fail "epd did not report the activated socket"
         [ ! -e "$own" ] || fail "epd bound its own --socket although a socket was passed"
@@ -240,7 +240,8 @@ config_keys() {
 }
 
 # Prints the lines of section $2 of file $1: "[$2]" in an INI file, ".SH [$2]" or ".SH $2" in a
-# manual page.
+# manual page. (Its readers use grep without -q: under pipefail, a grep -q that stops at the
+# first match can kill the writer with SIGPIPE and fail the pipeline.)
 section_of() {
         awk -v want="$2" '
                 /^\[[a-z]+\]/ { cur = $0; gsub(/[][]/, "", cur); next }
@@ -256,9 +257,9 @@ roff_option() {
 test_docs() {
         local n=0 sec key opt cmd
         while read -r sec key; do
-                section_of "$src/systemd/epd.conf" "$sec" | grep -qE "^#?$key = " ||
+                section_of "$src/systemd/epd.conf" "$sec" | grep -E "^#?$key = " >/dev/null ||
                         fail "systemd/epd.conf lacks [$sec] $key"
-                section_of "$src/man/epd.conf.5" "$sec" | grep -E '^\.BR? ' | grep -qw -- "$key" ||
+                section_of "$src/man/epd.conf.5" "$sec" | grep -E '^\.BR? ' | grep -w -- "$key" >/dev/null ||
                         fail "man/epd.conf.5 lacks [$sec] $key"
                 n=$((n + 1))
         done < <(config_keys)
@@ -281,7 +282,7 @@ test_docs() {
         [ "$n" -ge 2 ] || fail "found only $n epctl options in client/epctl.c"
         n=0
         while read -r cmd; do
-                section_of "$src/man/epctl.8" COMMANDS | grep -qx "\.B $cmd" ||
+                section_of "$src/man/epctl.8" COMMANDS | grep -x "\.B $cmd" >/dev/null ||
                         fail "man/epctl.8 lacks the command $cmd"
                 n=$((n + 1))
         done < <(grep -oE 'strcmp\(cmd, "[a-z-]+"\)' "$src/client/epctl.c" | sed -E 's/.*"(.*)".*/\1/' | sort -u)
