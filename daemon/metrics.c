@@ -195,7 +195,6 @@ static void rank_labels(char *out, size_t out_len, const Epd__V1__GroupStats *gs
         snprintf(out, out_len, "group=\"%s\",rank=\"%u\"", name, rs->rank);
 }
 
-static const char *const kind_names[2] = { "dispatch", "combine" };
 
 static const Epd__V1__OpStats *rank_kind(const Epd__V1__RankStats *rs, int kind)
 {
@@ -346,14 +345,14 @@ static void render_ranks(struct textbuf *b, const Epd__V1__StatsReply *s)
                         if (!o)
                                 continue;
                         snprintf(labels, sizeof(labels), "%s,kind=\"%s\",status=\"OK\"", base,
-                                 kind_names[k]);
+                                 epd_op_kind_names[k]);
                         sample_u64(b, "epd_ops_total", labels, o->ops);
                         /* Error series appear once they are non-zero. */
                         for (size_t e = 1; e < o->n_errors; e++) {
                                 if (!o->errors[e])
                                         continue;
                                 snprintf(labels, sizeof(labels), "%s,kind=\"%s\",status=\"%s\"",
-                                         base, kind_names[k], epd_status_name(-(int)e));
+                                         base, epd_op_kind_names[k], epd_status_name(-(int)e));
                                 sample_u64(b, "epd_ops_total", labels, o->errors[e]);
                         }
                 }
@@ -366,7 +365,8 @@ static void render_ranks(struct textbuf *b, const Epd__V1__StatsReply *s)
                         const Epd__V1__OpStats *o = rank_kind(rs, k);
                         if (!o)
                                 continue;
-                        snprintf(labels, sizeof(labels), "%s,kind=\"%s\"", base, kind_names[k]);
+                        snprintf(labels, sizeof(labels), "%s,kind=\"%s\"", base,
+                                 epd_op_kind_names[k]);
                         sample_u64(b, "epd_op_bytes_total", labels, o->bytes);
                 }
         }
@@ -379,7 +379,8 @@ static void render_ranks(struct textbuf *b, const Epd__V1__StatsReply *s)
                         const Epd__V1__OpStats *o = rank_kind(rs, k);
                         if (!o)
                                 continue;
-                        snprintf(labels, sizeof(labels), "%s,kind=\"%s\"", base, kind_names[k]);
+                        snprintf(labels, sizeof(labels), "%s,kind=\"%s\"", base,
+                                 epd_op_kind_names[k]);
                         render_histogram(b, "epd_op_latency_seconds", labels, o);
                 }
         }

@@ -933,8 +933,6 @@ static void handle_record(struct epd_group *g, struct epd_handle *h, struct epd_
         }
 }
 
-/* Floor bytes of SEMANTICS/BENCHMARKS accounting are the benchmark's business; the statistics
- * count the bytes the op wrote to its outputs, which the backend reports in ex->bytes. */
 /* The group's stage statistics of a successful op (stats.h), once its replies are sent. */
 static void record_stages(const struct epd_op *op, const struct epd_exec *ex)
 {
@@ -955,6 +953,8 @@ static void record_stages(const struct epd_op *op, const struct epd_exec *ex)
                 epd_latency_record(&st[EPD_STAGE_GPU], ex->kernel_ns);
 }
 
+/* Floor bytes of SEMANTICS/BENCHMARKS accounting are the benchmark's business; the statistics
+ * count the bytes the op wrote to its outputs, which the backend reports in ex->bytes. */
 void epd_op_complete(struct epd_exec *ex)
 {
         struct epd_op *op = ex->op;
@@ -1045,9 +1045,8 @@ void epd_op_complete(struct epd_exec *ex)
         }
         epd_op_stats_record(&g->stats.kind[op->kind - 1], status, ex->bytes,
                             now - op->launch_ns);
-        if (status == EPD_OK)
-                record_stages(op, ex);
         if (status == EPD_OK) {
+                record_stages(op, ex);
                 g->stats.ops_completed++;
                 d->stats.ops_completed++;
         } else {

@@ -71,7 +71,6 @@ static Epd__V1__OpStats *op_stats(struct pool *p, const struct epd_op_stats *s)
 static Epd__V1__OpStage **group_stages(struct pool *p, const struct epd_group_stats *gs,
                                        size_t *n)
 {
-        static char *const kinds[2] = { "dispatch", "combine" };
         Epd__V1__OpStage **v = pool_alloc(p, sizeof(*v) * 2 * EPD_STAGES);
 
         *n = 0;
@@ -85,7 +84,7 @@ static Epd__V1__OpStage **group_stages(struct pool *p, const struct epd_group_st
                         if (!o)
                                 return v;
                         epd__v1__op_stage__init(o);
-                        o->op = kinds[k];
+                        o->op = (char *)epd_op_kind_names[k];
                         o->stage = (char *)epd_stage_names[st];
                         o->latency = op_stats(p, &os);
                         v[(*n)++] = o;

@@ -2,6 +2,7 @@
 #include "stats.h"
 
 const char *const epd_stage_names[EPD_STAGES] = { "peers", "daemon", "gpu" };
+const char *const epd_op_kind_names[2] = { "dispatch", "combine" };
 
 void epd_latency_record(struct epd_latency_hist *h, uint64_t ns)
 {

@@ -35,6 +35,8 @@ struct epd_rank_stats {
  *   gpu     the op's kernel time (CUDA backend only). */
 enum { EPD_STAGE_PEERS, EPD_STAGE_DAEMON, EPD_STAGE_GPU, EPD_STAGES };
 extern const char *const epd_stage_names[EPD_STAGES];
+/* Op kinds as statistics and metrics name them: [0] dispatch, [1] combine. */
+extern const char *const epd_op_kind_names[2];
 
 struct epd_group_stats {
         uint64_t ops_completed;
