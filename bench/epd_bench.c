@@ -1280,6 +1280,9 @@ static uint64_t op_ns(const struct bench *b, const struct sample *s)
         return b->kernel_time ? s->kernel_ns : s->exec_ns;
 }
 
+/* Steps of the op timeline that the last submitter's overhead is split into (tl_step_names). */
+#define TL_STEPS 9
+
 struct op_stats {
         double exec_p50, exec_p99;       /* us: the op time (kernel or backend execution) */
         double e2e_p50, e2e_p99, e2e_max; /* us: client-observed, every rank's samples */
@@ -1293,7 +1296,7 @@ struct op_stats {
         double last_queue_p50, last_host_exec_p50, last_rest_p50;
         /* The same overhead along the op's timeline (epd_op_timeline; us, p50 of each step, so
          * the steps need not add up exactly): TL_STEPS steps, named in tl_step_names. */
-        double last_tl_p50[9];
+        double last_tl_p50[TL_STEPS];
         double exec_spread_max;          /* us: largest difference of op time between ranks */
 };
 
@@ -1301,7 +1304,6 @@ struct op_stats {
  * window (kernel_ns) is the op time and left out; for the host backend the whole execution
  * is. Stream-ordered ops end when the worker's stream passes the doorbell, which may come
  * before the reply: their last steps are then negative. */
-#define TL_STEPS 9
 static const char *const tl_step_names[TL_STEPS] = {
         "request_build",     /* the call to libepd sending the request */
         "request",           /* sent to the daemon reading it */
