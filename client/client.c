@@ -96,8 +96,24 @@ static int64_t now_ms(void)
         return (int64_t)(epd__now_ns() / 1000000);
 }
 
+static int client_wait(struct epd_client *c, uint64_t id, int timeout_ms, int quiet,
+                       Epd__V1__Response **resp, int *fds_out);
+
 int epd__client_wait_locked(struct epd_client *c, uint64_t id, int timeout_ms,
                             Epd__V1__Response **resp, int *fds_out)
+{
+        return client_wait(c, id, timeout_ms, 0, resp, fds_out);
+}
+
+int epd__client_try_locked(struct epd_client *c, uint64_t id, Epd__V1__Response **resp,
+                           int *fds_out)
+{
+        return client_wait(c, id, 0, 1, resp, fds_out);
+}
+
+/* quiet: a probe (timeout 0) that neither polls nor records its timeout. */
+static int client_wait(struct epd_client *c, uint64_t id, int timeout_ms, int quiet,
+                       Epd__V1__Response **resp, int *fds_out)
 {
         int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
         uint64_t spin_until = 0;
@@ -128,6 +144,8 @@ int epd__client_wait_locked(struct epd_client *c, uint64_t id, int timeout_ms,
                         /* Poll a while before sleeping: a reply that comes within poll_ns is
                          * taken without the wake-up of a sleeping thread (tens of
                          * microseconds on a loaded or virtual machine). */
+                        if (quiet)
+                                return EPD_TIMEOUT;
                         if (c->poll_ns != 0) {
                                 const uint64_t now = epd__now_ns();
                                 if (spin_until == 0)
@@ -325,12 +343,28 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
                 }
                 poll_ns = (uint64_t)us * 1000;
         }
+        /* Replies of dispatch and combine: in the doorbell page (the default) or on the
+         * socket (common/doorbell.h, reply mailbox). */
+        const char *reply_env = getenv("EPD_CLIENT_REPLY");
+        int mailbox = 1;
+        if (reply_env != NULL) {
+                if (strcmp(reply_env, "socket") == 0) {
+                        mailbox = 0;
+                } else if (strcmp(reply_env, "doorbell") != 0) {
+                        if (err)
+                                snprintf(err, err_len,
+                                         "EPD_CLIENT_REPLY=%s: expected doorbell or socket",
+                                         reply_env);
+                        return EPD_INVALID_ARGUMENT;
+                }
+        }
         c = calloc(1, sizeof(*c));
         if (!c)
                 return EPD_INTERNAL;
         pthread_mutex_init(&c->lock, NULL);
         c->timeout_ms = args && args->timeout_ms ? args->timeout_ms : DEFAULT_TIMEOUT_MS;
         c->poll_ns = poll_ns;
+        c->mailbox = mailbox;
         c->max_frame = CLIENT_MAX_FRAME;
         c->rbuf_len = EPD_FRAME_HEADER_BYTES + CLIENT_MAX_FRAME + 1;
         c->rbuf = malloc(c->rbuf_len);
@@ -954,8 +988,10 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
         if (fds[0] >= 0 && j->doorbell_bytes >= sizeof(struct epd_doorbell)) {
                 void *p = mmap(NULL, j->doorbell_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
                                fds[0], 0);
-                if (p != MAP_FAILED)
+                if (p != MAP_FAILED) {
                         g->doorbell = p;
+                        g->doorbell_bytes = j->doorbell_bytes;
+                }
         }
         if (j->arena_bytes && fds[1] >= 0 && j->arena_kind == EPD__V1__REGION_KIND__HOST_MEMFD) {
                 pthread_mutex_lock(&c->lock);
@@ -1020,7 +1056,7 @@ int epd_group_leave(struct epd_group *group)
         free(group->arena_segs);
         epd__group_stream_fini(group);
         if (group->doorbell)
-                munmap(group->doorbell, EPD_DOORBELL_BYTES);
+                munmap(group->doorbell, group->doorbell_bytes);
         free(group);
         return rc;
 }

@@ -48,6 +48,7 @@ struct epd_client {
         uint64_t last_read_ns;        /* when the reply epd__client_wait_locked returned last
                                        * was read from the socket */
         uint64_t poll_ns;             /* how long a wait for a reply polls before it sleeps */
+        int mailbox;                  /* ask for replies in the doorbell page (EPD_CLIENT_REPLY) */
         int broken;                   /* the connection failed; every call fails */
         char last_error[512];
         struct epd_daemon_info info;
@@ -85,6 +86,8 @@ struct epd_group {
         unsigned num_arena_segs;
         uint64_t arena_region_id;
         struct epd_doorbell *doorbell; /* mapped doorbell page (common/doorbell.h) */
+        uint64_t doorbell_bytes;      /* its mapped size */
+        uint64_t mailbox_id;          /* request whose reply comes in the page; 0: none */
         void *doorbell_dev;           /* its device address once registered with CUDA */
         uint64_t submitted;           /* ops this rank submitted since it was bound */
         uint64_t inputs_marked;       /* inputs_ready values handed out */
@@ -101,6 +104,10 @@ int epd__client_send_locked(struct epd_client *c, Epd__V1__Request *req, const i
  * held by the caller. Returns 0, EPD_TIMEOUT, or EPD_UNAVAILABLE (connection lost). */
 int epd__client_wait_locked(struct epd_client *c, uint64_t id, int timeout_ms,
                             Epd__V1__Response **resp, int *fds_out);
+/* The same without waiting and without recording anything: EPD_TIMEOUT when the reply has not
+ * come yet. */
+int epd__client_try_locked(struct epd_client *c, uint64_t id, Epd__V1__Response **resp,
+                           int *fds_out);
 /* Sends req and waits for its response with the client's timeout. Converts a non-OK status to
  * the return value and records its message. *resp is owned by the caller on success. */
 int epd__client_call(struct epd_client *c, Epd__V1__Request *req, const int *fds,

@@ -378,6 +378,9 @@ struct epd_op_timeline {
         uint64_t completed_ns;
         uint64_t replied_ns;
         uint64_t reply_read_ns;
+        /* 1 when the reply came through the rank's doorbell page (EPD_CLIENT_REPLY, README),
+         * 0 when on the socket. Filled when size covers it. */
+        uint32_t reply_in_doorbell;
 };
 /* EPD_UNAVAILABLE while the op is pending (epd_op_wait first). */
 int epd_op_timeline(const struct epd_op *op, struct epd_op_timeline *out);

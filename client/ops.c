@@ -1,7 +1,11 @@
 /* ops.c - libepd: dispatch and combine submission, waiting, results, and handle release. */
+#include <linux/futex.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "client_internal.h"
@@ -18,8 +22,10 @@ struct epd_op {
         int status;
         char message[512];
         Epd__V1__Response *resp;
+        int mailbox;                  /* it asked for its reply in the doorbell page */
+        int via_page;                 /* and the reply came there */
         uint64_t sent_ns;             /* just before the request was sent */
-        uint64_t read_ns;             /* when the reply was read from the socket */
+        uint64_t read_ns;             /* when the reply was read */
 };
 
 static struct epd_op *op_new(struct epd_group *g, int kind)
@@ -40,10 +46,24 @@ static int op_send(struct epd_op *op, Epd__V1__Request *req, struct epd_op **out
         int rc;
 
         pthread_mutex_lock(&c->lock);
+        /* The reply in the doorbell page when the daemon offers it and no earlier op of this
+         * rank still waits there (common/doorbell.h, reply mailbox). */
+        const int mailbox = c->mailbox && op->group->doorbell &&
+                            (c->daemon_caps & EPD__V1__CAPABILITY__CAP_REPLY_MAILBOX) &&
+                            EPD_MAILBOX_CAPACITY(op->group->doorbell_bytes) > 0 &&
+                            op->group->mailbox_id == 0;
+        if (req->body_case == EPD__V1__REQUEST__BODY_DISPATCH)
+                req->dispatch->reply_in_doorbell = mailbox;
+        else
+                req->combine->reply_in_doorbell = mailbox;
         op->sent_ns = epd__now_ns();
         rc = epd__client_send_locked(c, req, NULL, 0);
-        if (rc == 0)
+        if (rc == 0) {
                 op->seq = ++op->group->submitted;
+                op->mailbox = mailbox;
+                if (mailbox)
+                        op->group->mailbox_id = req->id;
+        }
         pthread_mutex_unlock(&c->lock);
         if (rc < 0) {
                 free(op);
@@ -141,6 +161,93 @@ int epd_combine_submit(struct epd_group *group, const struct epd_combine_args *a
         return op_send(op, &req, out);
 }
 
+/* The reply that an op asked for in the doorbell page (common/doorbell.h, reply mailbox), read
+ * once reply_id names it. Not on the client's lock. */
+static int mailbox_take(struct epd_op *op, Epd__V1__Response **resp, int *fds, int64_t left_ms)
+{
+        struct epd_client *c = op->client;
+        const struct epd_doorbell *db = op->group->doorbell;
+        const uint32_t len = db->reply_len;
+        int rc;
+
+        if (len == EPD_MAILBOX_ON_SOCKET) {
+                /* Too large for the page: it follows on the socket. */
+                pthread_mutex_lock(&c->lock);
+                rc = epd__client_wait_locked(c, op->request_id, (int)left_ms, resp, fds);
+                if (rc == 0)
+                        op->read_ns = c->last_read_ns;
+                pthread_mutex_unlock(&c->lock);
+                return rc;
+        }
+        op->read_ns = epd__now_ns();
+        Epd__V1__Response *r = len <= EPD_MAILBOX_CAPACITY(op->group->doorbell_bytes)
+                                       ? epd__v1__response__unpack(NULL, len, db->reply)
+                                       : NULL;
+        if (!r || r->id != op->request_id) {
+                if (r)
+                        epd__v1__response__free_unpacked(r, NULL);
+                return epd__client_fail(c, EPD_INTERNAL,
+                                        "undecodable reply of %u bytes in the doorbell page", len);
+        }
+        *resp = r;
+        op->via_page = 1;
+        return 0;
+}
+
+/* Waits for an op's reply in the doorbell page: polls reply_id for the client's poll time, then
+ * sleeps on reply_seq's futex (the protocol in daemon/mailbox.c). Between sleeps it looks at the
+ * socket, where the reply comes instead when the daemon refused the request before taking it
+ * and where a lost connection shows; the sleeps grow from 1 to 64 ms, so such a reply is seen
+ * late but not missed. Not on the client's lock. */
+static int mailbox_wait(struct epd_op *op, int timeout_ms, Epd__V1__Response **resp, int *fds)
+{
+        struct epd_client *c = op->client;
+        struct epd_doorbell *db = op->group->doorbell;
+        const uint64_t id = op->request_id, t0 = epd__now_ns();
+        const uint64_t deadline =
+                timeout_ms < 0 ? UINT64_MAX : t0 + (uint64_t)timeout_ms * 1000000ull;
+        uint64_t nap_ns = 1000000;
+        int rc;
+
+        fds[0] = fds[1] = -1;
+        for (;;) {
+                if (__atomic_load_n(&db->reply_id, __ATOMIC_ACQUIRE) == id) {
+                        const uint64_t now = epd__now_ns();
+                        return mailbox_take(op, resp, fds,
+                                            deadline == UINT64_MAX ? -1
+                                            : now >= deadline      ? 0
+                                                                   : (int64_t)((deadline - now) / 1000000));
+                }
+                const uint64_t now = epd__now_ns();
+                if (now - t0 < c->poll_ns && now < deadline) {
+                        epd__cpu_relax();
+                        continue;
+                }
+                pthread_mutex_lock(&c->lock);
+                rc = epd__client_try_locked(c, id, resp, fds);
+                if (rc == 0)
+                        op->read_ns = c->last_read_ns;
+                pthread_mutex_unlock(&c->lock);
+                if (rc != EPD_TIMEOUT)
+                        return rc;
+                if (now >= deadline)
+                        return epd__client_fail(c, EPD_TIMEOUT,
+                                                "no reply from the daemon within %d ms",
+                                                timeout_ms);
+                const uint32_t seq = __atomic_load_n(&db->reply_seq, __ATOMIC_ACQUIRE);
+                __atomic_store_n(&db->waiting, 1, __ATOMIC_SEQ_CST);
+                if (__atomic_load_n(&db->reply_id, __ATOMIC_SEQ_CST) != id) {
+                        uint64_t ns = nap_ns < deadline - now ? nap_ns : deadline - now;
+                        struct timespec ts = { (time_t)(ns / 1000000000ull),
+                                               (long)(ns % 1000000000ull) };
+                        (void)syscall(SYS_futex, &db->reply_seq, FUTEX_WAIT, seq, &ts, NULL, 0);
+                        if (nap_ns < 64000000)
+                                nap_ns *= 2;
+                }
+                __atomic_store_n(&db->waiting, 0, __ATOMIC_RELAXED);
+        }
+}
+
 int epd_op_wait(struct epd_op *op, int timeout_ms)
 {
         struct epd_client *c;
@@ -152,16 +259,23 @@ int epd_op_wait(struct epd_op *op, int timeout_ms)
         if (op->done)
                 return op->status;
         c = op->client;
-        pthread_mutex_lock(&c->lock);
-        rc = epd__client_wait_locked(c, op->request_id, timeout_ms, &resp, fds);
+        if (op->mailbox) {
+                rc = mailbox_wait(op, timeout_ms, &resp, fds);
+                pthread_mutex_lock(&c->lock);
+                if (rc != EPD_TIMEOUT || c->broken)
+                        op->group->mailbox_id = 0; /* the page is this rank's again */
+        } else {
+                pthread_mutex_lock(&c->lock);
+                rc = epd__client_wait_locked(c, op->request_id, timeout_ms, &resp, fds);
+                if (rc == 0)
+                        op->read_ns = c->last_read_ns;
+        }
         /* Outputs in an arena that a resize changed since this client mapped it: map its new
          * segments before anyone reads them (client_internal.h). */
         if (rc == 0 && resp->status == EPD__V1__STATUS_CODE__OK &&
             resp->body_case == EPD__V1__RESPONSE__BODY_DISPATCH && resp->dispatch &&
             resp->dispatch->arena_generation > op->group->arena_generation)
                 arena_rc = epd__group_arena_sync_locked(op->group);
-        if (rc == 0)
-                op->read_ns = c->last_read_ns;
         pthread_mutex_unlock(&c->lock);
         if (rc == EPD_TIMEOUT && !c->broken)
                 return rc; /* the op is still pending */
@@ -274,11 +388,16 @@ int epd_op_timeline(const struct epd_op *op, struct epd_op_timeline *out)
 {
         const Epd__V1__OpTimeline *t = NULL;
 
-        if (!op || !out || out->size < sizeof(*out))
+        /* Callers built before reply_in_doorbell pass the smaller size. */
+        const size_t v1 = offsetof(struct epd_op_timeline, reply_in_doorbell);
+        if (!op || !out || out->size < v1)
                 return EPD_INVALID_ARGUMENT;
         if (!op->done)
                 return EPD_UNAVAILABLE;
-        memset((uint8_t *)out + sizeof(out->size), 0, sizeof(*out) - sizeof(out->size));
+        memset((uint8_t *)out + sizeof(out->size), 0,
+               (out->size < sizeof(*out) ? v1 : sizeof(*out)) - sizeof(out->size));
+        if (out->size >= sizeof(*out))
+                out->reply_in_doorbell = op->via_page;
         out->submitted_ns = op->sent_ns;
         out->reply_read_ns = op->read_ns;
         if (op->resp && op->resp->body_case == EPD__V1__RESPONSE__BODY_DISPATCH &&

@@ -18,7 +18,7 @@ static int doorbell_device(struct epd_group *g)
                 return 0;
         if (!g->doorbell)
                 return epd__client_fail(g->client, EPD_UNAVAILABLE, "the group has no doorbell");
-        ce = cudaHostRegister(g->doorbell, EPD_DOORBELL_BYTES,
+        ce = cudaHostRegister(g->doorbell, g->doorbell_bytes,
                               cudaHostRegisterPortable | cudaHostRegisterMapped);
         if (ce == cudaSuccess)
                 ce = cudaHostGetDevicePointer(&g->doorbell_dev, g->doorbell, 0);

@@ -1,6 +1,6 @@
-/* doorbell.h - the per-rank doorbell page: 64-bit sequence words in daemon-owned host memory,
- * shared with the rank's client, that order the client's CUDA stream and the daemon's streams
- * without a host round trip (DESIGN.md section 2, "Stream ordering").
+/* doorbell.h - the per-rank doorbell page, daemon-owned host memory shared with the rank's
+ * client: 64-bit sequence words that order the client's CUDA stream and the daemon's streams
+ * without a host round trip (DESIGN.md section 2, "Stream ordering"), and a reply mailbox.
  *
  *   completed     written by the daemon: how many of this rank's ops (since it was bound) have
  *                 finished, successfully or not. Its streams write it with cuStreamWriteValue64
@@ -14,24 +14,52 @@
  *                 When the client dies or the wait outlives the op timeout, the daemon stores
  *                 EPD_DOORBELL_RELEASED from the host so its own streams cannot hang.
  *
- * Both words live in host memory registered with CUDA in both processes: a CPU store and a GPU
- * stream memory operation on it are ordered at system scope, which is the scope that two
- * processes (and the CPU) share. Each word has its own 64-byte line so the two writers never
- * share a cache line.
+ *   reply mailbox (docs/design-notes.md, "Replies through the doorbell page") a request
+ *                 that asks for it (Dispatch/Combine reply_in_doorbell) gets its reply here instead of on the socket: the loop
+ *                 thread copies the packed Response into `reply`, stores its length, then the
+ *                 request id into reply_id (release), then adds 1 to reply_seq, and wakes
+ *                 reply_seq's futex when the client says it is sleeping (`waiting`). A client
+ *                 that spins sees reply_id change without any system call on either side; a
+ *                 sleeping one waits on reply_seq. A reply too large for the page is sent on the
+ *                 socket, announced by reply_len = EPD_MAILBOX_ON_SOCKET. A rank has at most one
+ *                 such request pending (the daemon refuses a second), so the daemon never
+ *                 overwrites a reply its client has not read. The daemon reads nothing from the
+ *                 page but `waiting`, and only to decide whether to wake.
+ *
+ * The sequence words live in host memory registered with CUDA in both processes: a CPU store and
+ * a GPU stream memory operation on it are ordered at system scope, which is the scope that two
+ * processes (and the CPU) share. Each writer's words have their own 64-byte line so that two
+ * writers never share a cache line.
  */
 #ifndef EPD_COMMON_DOORBELL_H
 #define EPD_COMMON_DOORBELL_H
 
 #include <stdint.h>
 
-#define EPD_DOORBELL_BYTES 4096u
+#define EPD_DOORBELL_BYTES 16384u
 #define EPD_DOORBELL_RELEASED (UINT64_MAX / 2)
+/* reply_len of a mailbox reply that went on the socket instead. */
+#define EPD_MAILBOX_ON_SOCKET UINT32_MAX
 
 struct epd_doorbell {
         volatile uint64_t completed;
         uint64_t pad0[7];
         volatile uint64_t inputs_ready;
         uint64_t pad1[7];
+        /* The reply mailbox: written by the daemon... */
+        volatile uint64_t reply_id;
+        volatile uint32_t reply_len;
+        volatile uint32_t reply_seq;  /* futex word */
+        uint64_t pad2[6];
+        /* ...and by the client. */
+        volatile uint32_t waiting;
+        uint32_t pad3[15];
+        uint8_t reply[];              /* up to the page's end */
 };
+
+/* Bytes of a packed reply that fit in a doorbell page of page_bytes. */
+#define EPD_MAILBOX_CAPACITY(page_bytes)                                                       \
+        ((page_bytes) > sizeof(struct epd_doorbell) ? (page_bytes) - sizeof(struct epd_doorbell) \
+                                                    : 0)
 
 #endif

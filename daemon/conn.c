@@ -20,6 +20,7 @@
 #include "daemon.h"
 #include "frame.h"
 #include "log.h"
+#include "mailbox.h"
 #include "util.h"
 
 static void on_conn_event(uv_poll_t *handle, int status, int events);
@@ -251,23 +252,50 @@ int epd_conn_send(struct epd_conn *c, const Epd__V1__Response *resp, const int *
         return 0;
 }
 
-void epd_conn_reply_status(struct epd_conn *c, uint64_t request_id, int status, const char *fmt,
-                           ...)
+int epd_conn_reply(struct epd_conn *c, struct epd_doorbell *mailbox,
+                   const Epd__V1__Response *resp)
+{
+        if (mailbox && !c->closing && !c->close_reason && epd_mailbox_post(mailbox, resp) == 0) {
+                c->daemon->stats.mailbox_replies++;
+                return 0;
+        }
+        return epd_conn_send(c, resp, NULL, 0);
+}
+
+static void reply_status(struct epd_conn *c, struct epd_doorbell *mailbox, uint64_t request_id,
+                         int status, const char *fmt, va_list ap)
 {
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
         Epd__V1__Empty empty = EPD__V1__EMPTY__INIT;
         char message[1024];
-        va_list ap;
 
-        va_start(ap, fmt);
         vsnprintf(message, sizeof(message), fmt, ap);
-        va_end(ap);
         resp.id = request_id;
         resp.status = (Epd__V1__StatusCode)epd__status_to_wire(status);
         resp.message = message;
         resp.body_case = EPD__V1__RESPONSE__BODY_EMPTY;
         resp.empty = &empty;
-        (void)epd_conn_send(c, &resp, NULL, 0);
+        (void)epd_conn_reply(c, mailbox, &resp);
+}
+
+void epd_conn_reply_status(struct epd_conn *c, uint64_t request_id, int status, const char *fmt,
+                           ...)
+{
+        va_list ap;
+
+        va_start(ap, fmt);
+        reply_status(c, NULL, request_id, status, fmt, ap);
+        va_end(ap);
+}
+
+void epd_conn_reply_status_to(struct epd_conn *c, struct epd_doorbell *mailbox,
+                              uint64_t request_id, int status, const char *fmt, ...)
+{
+        va_list ap;
+
+        va_start(ap, fmt);
+        reply_status(c, mailbox, request_id, status, fmt, ap);
+        va_end(ap);
 }
 
 /* Reads and handles every waiting frame. Returns -1 once the connection was closed. */

@@ -143,6 +143,7 @@ struct epd_rank {
         struct epd_doorbell *doorbell; /* this binding's doorbell page (common/doorbell.h) */
         int doorbell_fd;
         void *doorbell_dev;           /* its device address (cuda backend), else NULL */
+        uint64_t mailbox_id;          /* request whose reply goes into the page; 0: none */
         uint64_t completed;           /* ops of this binding finished, as in the doorbell */
         uint64_t submitted;           /* submissions of this binding, accepted or refused */
         uint64_t *refused;            /* sequence numbers of refused submissions not yet counted */
@@ -201,6 +202,7 @@ struct epd_submission {
         struct epd_conn *conn;
         uint64_t submitted_ns;
         uint64_t seq;                 /* the rank's submission number (doorbell) */
+        int mailbox;                  /* the reply goes into the rank's doorbell page */
         Epd__V1__Request *req;        /* owned; decoded request */
 };
 
@@ -263,6 +265,13 @@ int epd_conn_send(struct epd_conn *c, const Epd__V1__Response *resp, const int *
 /* Sends a Response with only a status and message. */
 void epd_conn_reply_status(struct epd_conn *c, uint64_t request_id, int status,
                            const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+/* The reply to an op's request: into `mailbox` (the rank's doorbell page) when given and the
+ * reply fits, else on the socket. */
+int epd_conn_reply(struct epd_conn *c, struct epd_doorbell *mailbox,
+                   const Epd__V1__Response *resp);
+void epd_conn_reply_status_to(struct epd_conn *c, struct epd_doorbell *mailbox,
+                              uint64_t request_id, int status, const char *fmt, ...)
+        __attribute__((format(printf, 5, 6)));
 
 /* handlers.c: one request, decoded. Returns 0, or a negative value when the connection must be
  * closed. */

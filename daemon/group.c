@@ -264,6 +264,7 @@ static void rank_doorbell_retire(struct epd_group *g, struct epd_rank *r)
         r->doorbell = NULL;
         r->doorbell_dev = NULL;
         r->doorbell_fd = -1;
+        r->mailbox_id = 0;
 }
 
 static int rank_doorbell_create(struct epd_group *g, struct epd_rank *r, char *err,
@@ -286,6 +287,7 @@ static int rank_doorbell_create(struct epd_group *g, struct epd_rank *r, char *e
         }
         r->doorbell = (struct epd_doorbell *)page;
         r->doorbell_fd = fd;
+        r->mailbox_id = 0;
         r->completed = 0;
         r->submitted = 0;
         r->num_refused = 0;

@@ -24,14 +24,33 @@ static void op_free_cb(uv_handle_t *handle)
         free(op);
 }
 
+/* Where rank r's reply to the op goes: the rank's doorbell page when its request asked for it
+ * and the binding that sent it still holds the rank, else (NULL) the socket. Either way the
+ * rank's mailbox is free again once this reply is out. */
+static struct epd_doorbell *reply_mailbox(struct epd_op *op, uint32_t r)
+{
+        struct epd_submission *sub = &op->subs[r];
+        struct epd_rank *rk = &op->group->ranks[r];
+
+        if (!sub->mailbox)
+                return NULL;
+        sub->mailbox = 0;
+        if (rk->mailbox_id != sub->request_id || rk->conn != sub->conn)
+                return NULL;
+        rk->mailbox_id = 0;
+        return rk->doorbell;
+}
+
 static void op_destroy(struct epd_op *op)
 {
         uint32_t R = op->group->cfg.world_size;
 
         epd_list_del(&op->link);
-        for (uint32_t r = 0; r < R; r++)
+        for (uint32_t r = 0; r < R; r++) {
+                (void)reply_mailbox(op, r); /* a rank that got no reply: its mailbox is free */
                 if (op->subs[r].req)
                         epd__v1__request__free_unpacked(op->subs[r].req, NULL);
+        }
         free(op->subs);
         op->subs = NULL;
         if (op->timer_active)
@@ -57,7 +76,8 @@ static void reply_error(struct epd_op *op, uint32_t rank)
 
         if (sub->conn) {
                 sub->conn->outstanding_ops--;
-                epd_conn_reply_status(sub->conn, sub->request_id, op->status, "%s", op->message);
+                epd_conn_reply_status_to(sub->conn, reply_mailbox(op, rank), sub->request_id,
+                                         op->status, "%s", op->message);
         }
         sub->conn = NULL;
 }
@@ -204,6 +224,16 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
                 epd__v1__request__free_unpacked(req, NULL);
                 return;
         }
+        const int mailbox = kind == EPD_OP_DISPATCH ? req->dispatch->reply_in_doorbell
+                                                    : req->combine->reply_in_doorbell;
+        if (mailbox && g->ranks[rank].mailbox_id != 0) {
+                epd_group_rank_refused(g, rank);
+                epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT,
+                                      "group '%s' rank %u: request %llu still waits for its reply in the doorbell page; reply_in_doorbell allows one such request per rank at a time",
+                                      g->name, rank, (unsigned long long)g->ranks[rank].mailbox_id);
+                epd__v1__request__free_unpacked(req, NULL);
+                return;
+        }
         op = op_get(g, g->ranks[rank].next_op, kind);
         if (!op) {
                 epd_group_rank_refused(g, rank);
@@ -221,6 +251,9 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
         sub->submitted_ns = epd__now_ns();
         sub->seq = epd_group_rank_submitted(g, rank);
         sub->req = req;
+        sub->mailbox = mailbox && g->ranks[rank].doorbell != NULL;
+        if (sub->mailbox)
+                g->ranks[rank].mailbox_id = req->id;
         op->arrived++;
         if (op->state == EPD_OP_FINISHED) {
                 epd_op_stats_record(&g->ranks[rank].stats.kind[kind - 1], op->status, 0, 0);
@@ -875,7 +908,7 @@ static void reply_dispatch(struct epd_op *op, uint32_t r, struct epd_handle *h)
         Epd__V1__OpTimeline tl = EPD__V1__OP_TIMELINE__INIT;
         fill_timeline(op, r, &tl);
         dr.timeline = &tl;
-        (void)epd_conn_send(sub->conn, &resp, NULL, 0);
+        (void)epd_conn_reply(sub->conn, reply_mailbox(op, r), &resp);
 }
 
 static void reply_combine(struct epd_op *op, uint32_t r)
@@ -897,7 +930,7 @@ static void reply_combine(struct epd_op *op, uint32_t r)
         Epd__V1__OpTimeline tl = EPD__V1__OP_TIMELINE__INIT;
         fill_timeline(op, r, &tl);
         cr.timeline = &tl;
-        (void)epd_conn_send(sub->conn, &resp, NULL, 0);
+        (void)epd_conn_reply(sub->conn, reply_mailbox(op, r), &resp);
 }
 
 static struct epd_handle *handle_new(struct epd_group *g, struct epd_exec *ex)
@@ -1027,14 +1060,15 @@ void epd_op_complete(struct epd_exec *ex)
                 epd_group_rank_op_finished(g, r, sub->seq);
                 if (status != EPD_OK && named) {
                         sub->conn->outstanding_ops--;
-                        epd_conn_reply_status(sub->conn, sub->request_id, status, "%s",
-                                              ex->message);
+                        epd_conn_reply_status_to(sub->conn, reply_mailbox(op, r),
+                                                 sub->request_id, status, "%s", ex->message);
                 } else if (status != EPD_OK) {
                         /* SEMANTICS.md 4: the backend's message gets the group and op number. */
                         sub->conn->outstanding_ops--;
-                        epd_conn_reply_status(sub->conn, sub->request_id, status,
-                                              "group '%s' op %llu: %s", g->name,
-                                              (unsigned long long)op->number, ex->message);
+                        epd_conn_reply_status_to(sub->conn, reply_mailbox(op, r),
+                                                 sub->request_id, status,
+                                                 "group '%s' op %llu: %s", g->name,
+                                                 (unsigned long long)op->number, ex->message);
                 } else {
                         sub->conn->outstanding_ops--;
                         if (op->kind == EPD_OP_DISPATCH)

@@ -1,7 +1,14 @@
 /* integ_doorbell.c - the doorbell page through the real daemon (host backend): `completed`
  * counts a rank's finished ops in order, a request with wait_inputs is held until the client
- * marks its inputs ready, and a mark that never comes turns into TIMEOUT instead of a hang. */
+ * marks its inputs ready, and a mark that never comes turns into TIMEOUT instead of a hang.
+ * The reply mailbox: replies (results and failures) come through the page by default and are
+ * counted by the daemon, EPD_CLIENT_REPLY=socket turns it off and a bad value is refused, a
+ * second op submitted while the first still waits for its page reply gets its reply on the
+ * socket, a wait on the page times out and resumes, and a daemon killed during such a wait
+ * fails it promptly instead of hanging it. */
 #include <check.h>
+#include <jansson.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +37,26 @@ static double now_ms(void)
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* Whether the op's reply came through the doorbell page. */
+static int via_page(const struct epd_op *op)
+{
+        struct epd_op_timeline tl = { .size = sizeof(tl) };
+
+        ck_assert_int_eq(epd_op_timeline(op, &tl), 0);
+        return (int)tl.reply_in_doorbell;
+}
+
+/* The daemon's count of replies written into doorbell pages (epctl stats --json). */
+static long long mailbox_replies(const struct h_daemon *d)
+{
+        json_t *j = h_epctl_json(d, "stats");
+        json_t *v = json_object_get(j, "mailbox_replies");
+        ck_assert_msg(json_is_integer(v), "epctl stats --json has no mailbox_replies");
+        long long n = json_integer_value(v);
+        json_decref(j);
+        return n;
 }
 
 static void setup_group(struct setup *s, uint32_t timeout_ms)
@@ -83,6 +110,7 @@ START_TEST(test_completed_counts_ops)
         for (uint64_t i = 1; i <= 3; i++) {
                 ck_assert_int_eq(epd_dispatch(s.g, &s.da, &op), 0);
                 ck_assert_uint_eq(epd_op_sequence(op), i);
+                ck_assert_int_eq(via_page(op), 1);
                 /* The reply follows the doorbell store, so it is visible by now. */
                 ck_assert_uint_eq(__atomic_load_n(completed, __ATOMIC_ACQUIRE), i);
                 struct epd_dispatch_result dr;
@@ -93,8 +121,14 @@ START_TEST(test_completed_counts_ops)
         /* A failed op finishes too: a bad top-k id. */
         int64_t *topk = s.topk_ptr;
         topk[0] = 9999;
-        ck_assert_int_eq(epd_dispatch(s.g, &s.da, &op), EPD_INVALID_ARGUMENT);
+        ck_assert_int_eq(epd_dispatch_submit(s.g, &s.da, &op), 0);
+        ck_assert_int_eq(epd_op_wait(op, 5000), EPD_INVALID_ARGUMENT);
         ck_assert_uint_eq(__atomic_load_n(completed, __ATOMIC_ACQUIRE), 4);
+        /* The failure came through the page too, with its message. */
+        ck_assert_int_eq(via_page(op), 1);
+        ck_assert_msg(strstr(epd_op_error(op), "9999") != NULL, "message: %s", epd_op_error(op));
+        epd_op_free(op);
+        ck_assert_int_eq(mailbox_replies(&s.d), 4);
         teardown(&s);
 }
 END_TEST
@@ -113,6 +147,7 @@ START_TEST(test_wait_inputs)
         ck_assert_int_eq(epd_group_mark_inputs_ready_host(s.g, &seq), 0);
         ck_assert_uint_eq(seq, 1);
         ck_assert_int_eq(epd_op_wait(op, 5000), 0);
+        ck_assert_int_eq(via_page(op), 1); /* the timed-out wait resumed on the page */
         epd_op_free(op);
         teardown(&s);
 }
@@ -141,6 +176,88 @@ START_TEST(test_wait_inputs_timeout)
 }
 END_TEST
 
+START_TEST(test_mailbox_off_and_bad_env)
+{
+        struct setup s;
+        struct epd_op *op;
+
+        setenv("EPD_CLIENT_REPLY", "socket", 1);
+        setup_group(&s, 5000);
+        for (int i = 0; i < 2; i++) {
+                ck_assert_int_eq(epd_dispatch(s.g, &s.da, &op), 0);
+                ck_assert_int_eq(via_page(op), 0);
+                epd_op_free(op);
+        }
+        ck_assert_int_eq(mailbox_replies(&s.d), 0);
+
+        struct epd_connect_args args = { .size = sizeof(args), .socket_path = s.d.socket,
+                                         .client_name = "bad-env", .timeout_ms = 5000 };
+        struct epd_client *c = NULL;
+        char err[512] = "";
+        setenv("EPD_CLIENT_REPLY", "pigeon", 1);
+        ck_assert_int_eq(epd_client_connect(&args, &c, err, sizeof(err)), EPD_INVALID_ARGUMENT);
+        ck_assert_ptr_null(c);
+        ck_assert_msg(strstr(err, "EPD_CLIENT_REPLY") != NULL, "message: %s", err);
+        unsetenv("EPD_CLIENT_REPLY");
+        teardown(&s);
+}
+END_TEST
+
+START_TEST(test_mailbox_one_at_a_time)
+{
+        struct setup s;
+        struct epd_op *a, *b;
+        uint64_t seq;
+
+        setup_group(&s, 5000);
+        /* a is held by its inputs, so b is submitted while a's page reply is pending. */
+        s.da.wait_inputs = 1;
+        ck_assert_int_eq(epd_dispatch_submit(s.g, &s.da, &a), 0);
+        s.da.wait_inputs = 0;
+        ck_assert_int_eq(epd_dispatch_submit(s.g, &s.da, &b), 0);
+        ck_assert_int_eq(epd_op_wait(b, 100), EPD_TIMEOUT); /* queued behind a */
+        ck_assert_int_eq(epd_group_mark_inputs_ready_host(s.g, &seq), 0);
+        /* b first: its reply is on the socket; a's waits in the page meanwhile. */
+        ck_assert_int_eq(epd_op_wait(b, 5000), 0);
+        ck_assert_int_eq(epd_op_wait(a, 5000), 0);
+        ck_assert_int_eq(via_page(a), 1);
+        ck_assert_int_eq(via_page(b), 0);
+        epd_op_free(a);
+        epd_op_free(b);
+        /* The page is free again. */
+        ck_assert_int_eq(epd_dispatch(s.g, &s.da, &a), 0);
+        ck_assert_int_eq(via_page(a), 1);
+        epd_op_free(a);
+        ck_assert_int_eq(mailbox_replies(&s.d), 2);
+        teardown(&s);
+}
+END_TEST
+
+START_TEST(test_mailbox_daemon_killed)
+{
+        struct setup s;
+        struct epd_op *op;
+
+        setup_group(&s, 60000);
+        s.da.wait_inputs = 1; /* never marked: the op waits until the daemon dies */
+        ck_assert_int_eq(epd_dispatch_submit(s.g, &s.da, &op), 0);
+        ck_assert_int_eq(epd_op_wait(op, 300), EPD_TIMEOUT);
+        ck_assert_int_eq(kill(s.d.pid, SIGKILL), 0);
+        double t0 = now_ms();
+        int rc = epd_op_wait(op, 30000);
+        double dt = now_ms() - t0;
+        ck_assert_int_eq(rc, EPD_UNAVAILABLE);
+        /* Noticed at the next look at the socket (sleeps of at most 64 ms), not at the
+         * wait's 30 s. */
+        ck_assert_msg(dt < 2000, "the lost daemon was noticed after %.0f ms", dt);
+        epd_op_free(op);
+        wl_inputs_free(&s.in);
+        epd_group_leave(s.g);
+        epd_client_free(s.c);
+        (void)h_daemon_stop(&s.d, 1000);
+}
+END_TEST
+
 int main(void)
 {
         Suite *su = suite_create("integ_doorbell");
@@ -152,6 +269,9 @@ int main(void)
         tcase_add_test(tc, test_completed_counts_ops);
         tcase_add_test(tc, test_wait_inputs);
         tcase_add_test(tc, test_wait_inputs_timeout);
+        tcase_add_test(tc, test_mailbox_off_and_bad_env);
+        tcase_add_test(tc, test_mailbox_one_at_a_time);
+        tcase_add_test(tc, test_mailbox_daemon_killed);
         suite_add_tcase(su, tc);
         sr = srunner_create(su);
         srunner_run_all(sr, CK_NORMAL);

@@ -1,0 +1,47 @@
+/* mailbox.c - see mailbox.h.
+ *
+ * Why. Replying on the socket costs the loop thread a sendmsg per rank, and each one wakes a
+ * sleeping worker inside the sender's system call: about 2.5 us per reply on the H200 test
+ * machine's virtual machine, so the eighth rank of a group got its reply 17-27 us after the op
+ * completed, and the wake-up of its thread took another 10 us (docs/performance.md, "Daemon
+ * overhead"). Through the page, a reply is a copy into shared memory: a worker that spins sees it
+ * at once, and one that sleeps costs a futex wake only when it said it sleeps.
+ *
+ * Ordering. The payload and its length are plain stores, published by the release store of
+ * reply_id; the client's acquire load of reply_id (which it compares with its request id) makes
+ * them visible. The futex protocol is the usual one with a waiter flag: the daemon stores
+ * reply_id, increments reply_seq and then reads `waiting` (both sequentially consistent); the
+ * client reads reply_seq, sets `waiting`, checks reply_id once more and sleeps only while
+ * reply_seq still holds the value it read. Either the client's check sees the reply, or the
+ * daemon's read sees the flag and wakes it, or the futex call finds reply_seq changed and
+ * returns at once. */
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "mailbox.h"
+
+static void mailbox_ring(struct epd_doorbell *db, uint64_t id)
+{
+        __atomic_store_n(&db->reply_id, id, __ATOMIC_RELEASE);
+        __atomic_add_fetch(&db->reply_seq, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&db->waiting, __ATOMIC_SEQ_CST) != 0)
+                (void)syscall(SYS_futex, &db->reply_seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+int epd_mailbox_post(struct epd_doorbell *db, const Epd__V1__Response *resp)
+{
+        const size_t len = epd__v1__response__get_packed_size(resp);
+
+        if (len > EPD_MAILBOX_CAPACITY(EPD_DOORBELL_BYTES)) {
+                db->reply_len = EPD_MAILBOX_ON_SOCKET;
+                mailbox_ring(db, resp->id);
+                return -EMSGSIZE;
+        }
+        epd__v1__response__pack(resp, (uint8_t *)db->reply);
+        db->reply_len = (uint32_t)len;
+        mailbox_ring(db, resp->id);
+        return 0;
+}

@@ -1,0 +1,194 @@
+/* unit_mailbox.c - the daemon's side of the reply mailbox (daemon/mailbox.c, common/doorbell.h).
+ *
+ * Covers: a reply posted into a page unpacks to the same Response, with reply_id, reply_len and
+ * reply_seq published; a reply too large for the page is not written but announced
+ * (EPD_MAILBOX_ON_SOCKET, -EMSGSIZE) with the page's previous bytes left alone; a reply that
+ * fills the page exactly still goes in; a thread sleeping on reply_seq's futex under the client's
+ * protocol (waiting flag, re-check, FUTEX_WAIT) is woken by a post, so no wake-up is lost.
+ * Each test runs in its own process (fork mode).
+ */
+#include <check.h>
+#include <errno.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "mailbox.h"
+
+static struct epd_doorbell *page_new(void)
+{
+        void *p = mmap(NULL, EPD_DOORBELL_BYTES, PROT_READ | PROT_WRITE,
+                       MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        ck_assert_ptr_ne(p, MAP_FAILED);
+        return p;
+}
+
+/* A Response whose message has `len` characters. */
+static void response_with(Epd__V1__Response *r, Epd__V1__Empty *e, char *msg, size_t len,
+                          uint64_t id)
+{
+        epd__v1__response__init(r);
+        epd__v1__empty__init(e);
+        memset(msg, 'm', len);
+        msg[len] = '\0';
+        r->id = id;
+        r->status = EPD__V1__STATUS_CODE__INVALID_ARGUMENT;
+        r->message = msg;
+        r->body_case = EPD__V1__RESPONSE__BODY_EMPTY;
+        r->empty = e;
+}
+
+START_TEST(test_post_and_unpack)
+{
+        struct epd_doorbell *db = page_new();
+        Epd__V1__Response r;
+        Epd__V1__Empty e;
+        char msg[128];
+
+        response_with(&r, &e, msg, 100, 42);
+        ck_assert_int_eq(epd_mailbox_post(db, &r), 0);
+        ck_assert_uint_eq(db->reply_id, 42);
+        ck_assert_uint_eq(db->reply_seq, 1);
+        ck_assert_uint_eq(db->reply_len, epd__v1__response__get_packed_size(&r));
+        Epd__V1__Response *u = epd__v1__response__unpack(NULL, db->reply_len, db->reply);
+        ck_assert_ptr_nonnull(u);
+        ck_assert_uint_eq(u->id, 42);
+        ck_assert_int_eq(u->status, EPD__V1__STATUS_CODE__INVALID_ARGUMENT);
+        ck_assert_str_eq(u->message, msg);
+        epd__v1__response__free_unpacked(u, NULL);
+        /* The next reply replaces it. */
+        response_with(&r, &e, msg, 3, 43);
+        ck_assert_int_eq(epd_mailbox_post(db, &r), 0);
+        ck_assert_uint_eq(db->reply_id, 43);
+        ck_assert_uint_eq(db->reply_seq, 2);
+        u = epd__v1__response__unpack(NULL, db->reply_len, db->reply);
+        ck_assert_ptr_nonnull(u);
+        ck_assert_str_eq(u->message, "mmm");
+        epd__v1__response__free_unpacked(u, NULL);
+}
+END_TEST
+
+START_TEST(test_too_large_goes_to_socket)
+{
+        struct epd_doorbell *db = page_new();
+        const size_t cap = EPD_MAILBOX_CAPACITY(EPD_DOORBELL_BYTES);
+        char *msg = malloc(cap + 64);
+        Epd__V1__Response r;
+        Epd__V1__Empty e;
+
+        ck_assert_ptr_nonnull(msg);
+        ck_assert_uint_gt(cap, 8192);
+        /* Find the message length whose packed reply is exactly the capacity. */
+        size_t len = cap - 16;
+        for (;;) {
+                response_with(&r, &e, msg, len, 7);
+                size_t packed = epd__v1__response__get_packed_size(&r);
+                if (packed == cap)
+                        break;
+                ck_assert_uint_lt(packed, cap);
+                len++;
+        }
+        ck_assert_int_eq(epd_mailbox_post(db, &r), 0);
+        ck_assert_uint_eq(db->reply_len, cap);
+        ck_assert_uint_eq(db->reply_id, 7);
+        uint8_t last = db->reply[cap - 1];
+
+        /* One byte more does not fit: announced, nothing written. */
+        response_with(&r, &e, msg, len + 1, 8);
+        memset(msg, 'x', len + 1); /* would show in the page if it were copied */
+        ck_assert_int_eq(epd_mailbox_post(db, &r), -EMSGSIZE);
+        ck_assert_uint_eq(db->reply_len, EPD_MAILBOX_ON_SOCKET);
+        ck_assert_uint_eq(db->reply_id, 8);
+        ck_assert_uint_eq(db->reply_seq, 2);
+        ck_assert_uint_eq(db->reply[cap - 1], last);
+        ck_assert_ptr_null(memchr(db->reply, 'x', cap));
+        free(msg);
+}
+END_TEST
+
+struct sleeper {
+        struct epd_doorbell *db;
+        uint64_t id;
+        int woken;     /* saw the reply */
+        int slept;     /* entered FUTEX_WAIT at least once */
+};
+
+/* The client's sleep protocol (client/ops.c, mailbox_wait), with 10 s naps: a lost wake-up
+ * shows as a test timeout. */
+static void *sleeper_main(void *arg)
+{
+        struct sleeper *s = arg;
+        struct epd_doorbell *db = s->db;
+
+        while (__atomic_load_n(&db->reply_id, __ATOMIC_ACQUIRE) != s->id) {
+                const uint32_t seq = __atomic_load_n(&db->reply_seq, __ATOMIC_ACQUIRE);
+                __atomic_store_n(&db->waiting, 1, __ATOMIC_SEQ_CST);
+                if (__atomic_load_n(&db->reply_id, __ATOMIC_SEQ_CST) != s->id) {
+                        struct timespec ts = { 10, 0 };
+                        __atomic_store_n(&s->slept, 1, __ATOMIC_SEQ_CST);
+                        (void)syscall(SYS_futex, &db->reply_seq, FUTEX_WAIT, seq, &ts, NULL, 0);
+                }
+                __atomic_store_n(&db->waiting, 0, __ATOMIC_RELAXED);
+        }
+        s->woken = 1;
+        return NULL;
+}
+
+static double now_s(void)
+{
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+START_TEST(test_sleeper_is_woken)
+{
+        for (int round = 0; round < 200; round++) {
+                struct epd_doorbell *db = page_new();
+                struct sleeper s = { db, 1000 + (uint64_t)round, 0, 0 };
+                Epd__V1__Response r;
+                Epd__V1__Empty e;
+                char msg[8];
+                pthread_t th;
+
+                ck_assert_int_eq(pthread_create(&th, NULL, sleeper_main, &s), 0);
+                /* Half the rounds post while the sleeper is (most likely) asleep, half race
+                 * with it going to sleep. */
+                if (round % 2 == 0)
+                        while (!__atomic_load_n(&s.slept, __ATOMIC_SEQ_CST))
+                                usleep(100);
+                response_with(&r, &e, msg, 4, s.id);
+                const double t0 = now_s();
+                ck_assert_int_eq(epd_mailbox_post(db, &r), 0);
+                ck_assert_int_eq(pthread_join(th, NULL), 0);
+                ck_assert_int_eq(s.woken, 1);
+                /* Well under the sleeper's 10 s nap: the post woke it. */
+                ck_assert_msg(now_s() - t0 < 5.0, "round %d: the sleeper was not woken", round);
+                munmap(db, EPD_DOORBELL_BYTES);
+        }
+}
+END_TEST
+
+int main(void)
+{
+        Suite *su = suite_create("unit_mailbox");
+        TCase *tc = tcase_create("mailbox");
+        SRunner *sr;
+        int failed;
+
+        tcase_set_timeout(tc, 120);
+        tcase_add_test(tc, test_post_and_unpack);
+        tcase_add_test(tc, test_too_large_goes_to_socket);
+        tcase_add_test(tc, test_sleeper_is_woken);
+        suite_add_tcase(su, tc);
+        sr = srunner_create(su);
+        srunner_run_all(sr, CK_NORMAL);
+        failed = srunner_ntests_failed(sr);
+        srunner_free(sr);
+        return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
