@@ -1298,6 +1298,10 @@ struct op_stats {
          * the steps need not add up exactly): TL_STEPS steps, named in tl_step_names. */
         double last_tl_p50[TL_STEPS];
         double exec_spread_max;          /* us: largest difference of op time between ranks */
+        /* us: from the last rank's submission to the last rank's completion, less the op time:
+         * what the group as a whole waits beyond the op, whichever rank is served last. */
+        double group_ovh_p50, group_ovh_p99;
+        double replies_in_doorbell;      /* fraction of the replies that came in the page */
 };
 
 /* The last submitter's overhead along the op's timeline: each step's time in us. The GPU
@@ -1343,13 +1347,15 @@ static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_
         double *lq = calloc(iters, sizeof(double)), *lx = calloc(iters, sizeof(double));
         double *lr = calloc(iters, sizeof(double));
         double *ltl = calloc((size_t)iters * TL_STEPS, sizeof(double));
+        double *grp = calloc(iters, sizeof(double));
+        size_t in_page = 0;
         size_t k = 0;
 
         memset(st, 0, sizeof(*st));
-        if (!exec || !e2e || !ovh || !last || !queue || !lq || !lx || !lr || !ltl)
+        if (!exec || !e2e || !ovh || !last || !queue || !lq || !lx || !lr || !ltl || !grp)
                 goto out;
         for (uint32_t i = 0; i < iters; i++) {
-                uint64_t emax = 0, emin = UINT64_MAX, last_submit = 0;
+                uint64_t emax = 0, emin = UINT64_MAX, last_submit = 0, last_done = 0;
                 double last_ovh = 0;
 
                 for (uint32_t r = 0; r < R; r++) {
@@ -1366,6 +1372,8 @@ static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_
                         ovh[k] = t - (double)op_ns(b, s) / 1e3;
                         queue[k] = (double)s->queue_ns / 1e3;
                         k++;
+                        in_page += s->tl.reply_in_doorbell != 0;
+                        last_done = s->done_ns > last_done ? s->done_ns : last_done;
                         if (s->submit_ns >= last_submit) {
                                 last_submit = s->submit_ns;
                                 last_ovh = t - (double)op_ns(b, s) / 1e3;
@@ -1383,6 +1391,7 @@ static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_
                 /* One exec serves every rank: its time is the device figure. */
                 exec[i] = (double)emax / 1e3;
                 last[i] = last_ovh;
+                grp[i] = ((double)last_done - (double)last_submit - (double)emax) / 1e3;
                 if ((double)(emax - emin) / 1e3 > st->exec_spread_max)
                         st->exec_spread_max = (double)(emax - emin) / 1e3;
         }
@@ -1411,7 +1420,12 @@ static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_
                 qsort(ltl + (size_t)j * iters, iters, sizeof(double), cmp_double);
                 st->last_tl_p50[j] = pct(ltl + (size_t)j * iters, iters, 50);
         }
+        qsort(grp, iters, sizeof(double), cmp_double);
+        st->group_ovh_p50 = pct(grp, iters, 50);
+        st->group_ovh_p99 = pct(grp, iters, 99);
+        st->replies_in_doorbell = ns ? (double)in_page / (double)ns : 0;
 out:
+        free(grp);
         free(ltl);
         free(lq);
         free(lx);
@@ -1973,7 +1987,11 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
                                 cuda ? "]" : "");
                         for (int j = 0; j < TL_STEPS; j++)
                                 fprintf(f, " %s %.1f", tl_step_names[j], st->last_tl_p50[j]);
-                        fprintf(f, "\n");
+                        fprintf(f, "\n    group overhead (last submission to last completion, "
+                                   "less the op) p50 %.1f p99 %.1f us; replies in doorbell "
+                                   "pages %.0f%%\n",
+                                st->group_ovh_p50, st->group_ovh_p99,
+                                100.0 * st->replies_in_doorbell);
                 }
         }
         for (int k = 0; k < 2; k++) {
@@ -2057,6 +2075,9 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
                 json_object_set_new(o, "daemon_poll_us", json_integer(b->opt.poll_us));
         else
                 json_object_set_new(o, "daemon_poll_us", json_string("default"));
+        const char *reply_env = getenv("EPD_CLIENT_REPLY"), *poll_env = getenv("EPD_CLIENT_POLL_US");
+        json_object_set_new(o, "client_reply", json_string(reply_env ? reply_env : "default"));
+        json_object_set_new(o, "client_poll_us", json_integer(poll_env ? atoi(poll_env) : 0));
         json_object_set_new(o, "git_rev", json_string(EPD_GIT_REV));
         json_object_set_new(o, "tokens", json_integer(b->T));
         json_object_set_new(o, "nominal_tokens", json_integer(b->opt.wl->tokens));
@@ -2094,6 +2115,9 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
                             json_real(st->last_ovh_p50));
         json_object_set_new(o, "daemon_overhead_last_submitter_p99_us",
                             json_real(st->last_ovh_p99));
+        json_object_set_new(o, "daemon_overhead_group_p50_us", json_real(st->group_ovh_p50));
+        json_object_set_new(o, "daemon_overhead_group_p99_us", json_real(st->group_ovh_p99));
+        json_object_set_new(o, "replies_in_doorbell", json_real(st->replies_in_doorbell));
         json_object_set_new(o, "queue_p50_us", json_real(st->queue_p50));
         json_object_set_new(o, "last_submitter_queue_p50_us", json_real(st->last_queue_p50));
         json_object_set_new(o, "last_submitter_host_exec_p50_us",

@@ -137,7 +137,7 @@ cat "$out"/*-mps-*.jsonl > "$out/all.jsonl" 2>/dev/null || true
 python3 - "$out/all.jsonl" >> "$out/summary.txt" <<'EOF' || true
 import json, sys
 hdr = ("workload", "tok", "op", "compl", "mps", "alloc", "kern p50", "kern p99", "e2e p50",
-       "e2e p99", "e2e max", "ovh p50", "ovh p99", "log GB/s", "floor GB/s", "floor/d2d",
+       "e2e p99", "e2e max", "ovh p50", "ovh p99", "last p50", "group p50", "log GB/s", "floor GB/s", "floor/d2d",
        "d2d GB/s", "ws/rank MiB")
 print("%-13s %4s %-8s %-6s %-3s %-10s" % hdr[:6] + "".join(" %10s" % h for h in hdr[6:]))
 def num(v):
@@ -151,9 +151,11 @@ for line in open(sys.argv[1]):
          for k, v in o.items()}
     print("%-13s %4d %-8s %-6s %-3s %-10s" % (o["workload"], o["tokens"], o["op"], o["completion"],
                                            o["mps"], o.get("alloc", "?"))
-          + " %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %9.1f%% %10.0f %10.2f" % (
+          + " %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %9.1f%% %10.0f %10.2f" % (
               o["kernel_time_p50_us"], o["kernel_time_p99_us"], o["e2e_p50_us"], o["e2e_p99_us"],
               o["e2e_max_us"], o["daemon_overhead_p50_us"], o["daemon_overhead_p99_us"],
+              o["daemon_overhead_last_submitter_p50_us"],
+              o.get("daemon_overhead_group_p50_us", float("nan")),
               o["logical_gbps"], o["floor_gbps"], 100 * o["floor_fraction_of_ceiling"],
               o["ceiling_d2d_gbps"], o["daemon_workspace_bytes_per_rank"] / 1048576.0))
 EOF
