@@ -17,8 +17,37 @@
 #include "util.h"
 
 #define DEFAULT_TIMEOUT_MS 30000
-/* EPD_CLIENT_POLL_US's largest value (the daemon's poll_us has the same bound). */
+/* EPD_CLIENT_POLL_US's and EPD_CLIENT_SPIN_US's largest value (the daemon's poll_us has the
+ * same bound). */
 #define CLIENT_MAX_POLL_US 100000u
+/* How long a wait in the doorbell page polls after a wake-up, by default: the daemon wakes its
+ * sleepers when their op starts (daemon/mailbox.c), and a decode-sized op ends within this.
+ * Only on machines of 8 CPUs or more (as the daemon's poll_us): on fewer, polling workers take
+ * the CPUs that the daemon (and the host backend) need. */
+#define CLIENT_DEFAULT_SPIN_US (sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 200u : 0u)
+
+/* A microsecond setting from the environment: def when unset; 0..CLIENT_MAX_POLL_US. */
+static int env_us(const char *name, unsigned def, uint64_t *ns, char *err, size_t err_len)
+{
+        const char *v = getenv(name);
+        unsigned long us = def;
+
+        if (v != NULL) {
+                char *end = NULL;
+                errno = 0;
+                us = strtoul(v, &end, 10);
+                if (errno != 0 || end == v || *end != '\0' || v[0] == '-' ||
+                    us > CLIENT_MAX_POLL_US) {
+                        if (err)
+                                snprintf(err, err_len,
+                                         "%s=%s: expected microseconds from 0 to %u", name, v,
+                                         CLIENT_MAX_POLL_US);
+                        return EPD_INVALID_ARGUMENT;
+                }
+        }
+        *ns = (uint64_t)us * 1000;
+        return 0;
+}
 #define CLIENT_MAX_FRAME (16u << 20)
 
 int epd__client_fail(struct epd_client *c, int status, const char *fmt, ...)
@@ -312,7 +341,7 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
         Epd__V1__Request req = EPD__V1__REQUEST__INIT;
         Epd__V1__Hello hello = EPD__V1__HELLO__INIT;
         Epd__V1__Response *resp = NULL;
-        uint64_t poll_ns = 0;
+        uint64_t poll_ns = 0, spin_ns = 0;
         int rc;
 
         if (!path)
@@ -327,22 +356,9 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
                         snprintf(err, err_len, "socket path too long: %s", path);
                 return EPD_INVALID_ARGUMENT;
         }
-        const char *poll_env = getenv("EPD_CLIENT_POLL_US");
-        if (poll_env != NULL) {
-                char *end = NULL;
-                errno = 0;
-                unsigned long us = strtoul(poll_env, &end, 10);
-                if (errno != 0 || end == poll_env || *end != '\0' || poll_env[0] == '-' ||
-                    us > CLIENT_MAX_POLL_US) {
-                        if (err)
-                                snprintf(err, err_len,
-                                         "EPD_CLIENT_POLL_US=%s: expected microseconds from 0 "
-                                         "to %u",
-                                         poll_env, CLIENT_MAX_POLL_US);
-                        return EPD_INVALID_ARGUMENT;
-                }
-                poll_ns = (uint64_t)us * 1000;
-        }
+        if (env_us("EPD_CLIENT_POLL_US", 0, &poll_ns, err, err_len) < 0 ||
+            env_us("EPD_CLIENT_SPIN_US", CLIENT_DEFAULT_SPIN_US, &spin_ns, err, err_len) < 0)
+                return EPD_INVALID_ARGUMENT;
         /* Replies of dispatch and combine: in the doorbell page (the default) or on the
          * socket (common/doorbell.h, reply mailbox). */
         const char *reply_env = getenv("EPD_CLIENT_REPLY");
@@ -364,6 +380,7 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
         pthread_mutex_init(&c->lock, NULL);
         c->timeout_ms = args && args->timeout_ms ? args->timeout_ms : DEFAULT_TIMEOUT_MS;
         c->poll_ns = poll_ns;
+        c->spin_ns = spin_ns;
         c->mailbox = mailbox;
         c->max_frame = CLIENT_MAX_FRAME;
         c->rbuf_len = EPD_FRAME_HEADER_BYTES + CLIENT_MAX_FRAME + 1;

@@ -48,6 +48,8 @@ struct epd_client {
         uint64_t last_read_ns;        /* when the reply epd__client_wait_locked returned last
                                        * was read from the socket */
         uint64_t poll_ns;             /* how long a wait for a reply polls before it sleeps */
+        uint64_t spin_ns;             /* how long a wait in the doorbell page polls after a
+                                       * wake-up (EPD_CLIENT_SPIN_US) */
         int mailbox;                  /* ask for replies in the doorbell page (EPD_CLIENT_REPLY) */
         int broken;                   /* the connection failed; every call fails */
         char last_error[512];

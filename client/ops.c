@@ -1,4 +1,5 @@
 /* ops.c - libepd: dispatch and combine submission, waiting, results, and handle release. */
+#include <errno.h>
 #include <linux/futex.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -195,10 +196,12 @@ static int mailbox_take(struct epd_op *op, Epd__V1__Response **resp, int *fds, i
 }
 
 /* Waits for an op's reply in the doorbell page: polls reply_id for the client's poll time, then
- * sleeps on reply_seq's futex (the protocol in daemon/mailbox.c). Between sleeps it looks at the
- * socket, where the reply comes instead when the daemon refused the request before taking it
- * and where a lost connection shows; the sleeps grow from 1 to 64 ms, so such a reply is seen
- * late but not missed. Not on the client's lock. */
+ * sleeps on reply_seq's futex (the protocol in daemon/mailbox.c), and after each wake-up polls
+ * again for the spin time: the daemon wakes its sleepers when their op starts, so the reply
+ * finds them polling. Between sleeps it looks at the socket, where the reply comes instead when
+ * the daemon refused the request before taking it and where a lost connection shows; sleeps
+ * that end by timeout grow from 1 to 64 ms, so such a reply is seen late but not missed. Not on
+ * the client's lock. */
 static int mailbox_wait(struct epd_op *op, int timeout_ms, Epd__V1__Response **resp, int *fds)
 {
         struct epd_client *c = op->client;
@@ -206,7 +209,7 @@ static int mailbox_wait(struct epd_op *op, int timeout_ms, Epd__V1__Response **r
         const uint64_t id = op->request_id, t0 = epd__now_ns();
         const uint64_t deadline =
                 timeout_ms < 0 ? UINT64_MAX : t0 + (uint64_t)timeout_ms * 1000000ull;
-        uint64_t nap_ns = 1000000;
+        uint64_t nap_ns = 1000000, spin_until = t0 + c->poll_ns;
         int rc;
 
         fds[0] = fds[1] = -1;
@@ -219,7 +222,7 @@ static int mailbox_wait(struct epd_op *op, int timeout_ms, Epd__V1__Response **r
                                                                    : (int64_t)((deadline - now) / 1000000));
                 }
                 const uint64_t now = epd__now_ns();
-                if (now - t0 < c->poll_ns && now < deadline) {
+                if (now < spin_until && now < deadline) {
                         epd__cpu_relax();
                         continue;
                 }
@@ -235,14 +238,21 @@ static int mailbox_wait(struct epd_op *op, int timeout_ms, Epd__V1__Response **r
                                                 "no reply from the daemon within %d ms",
                                                 timeout_ms);
                 const uint32_t seq = __atomic_load_n(&db->reply_seq, __ATOMIC_ACQUIRE);
-                __atomic_store_n(&db->waiting, 1, __ATOMIC_SEQ_CST);
+                __atomic_store_n(&db->waiting,
+                                 c->spin_ns ? EPD_MAILBOX_WAKE_AT_START : EPD_MAILBOX_WAKE_AT_REPLY,
+                                 __ATOMIC_SEQ_CST);
                 if (__atomic_load_n(&db->reply_id, __ATOMIC_SEQ_CST) != id) {
                         uint64_t ns = nap_ns < deadline - now ? nap_ns : deadline - now;
                         struct timespec ts = { (time_t)(ns / 1000000000ull),
                                                (long)(ns % 1000000000ull) };
-                        (void)syscall(SYS_futex, &db->reply_seq, FUTEX_WAIT, seq, &ts, NULL, 0);
-                        if (nap_ns < 64000000)
-                                nap_ns *= 2;
+                        if (syscall(SYS_futex, &db->reply_seq, FUTEX_WAIT, seq, &ts, NULL, 0) < 0 &&
+                            errno == ETIMEDOUT) {
+                                if (nap_ns < 64000000)
+                                        nap_ns *= 2;
+                        } else {
+                                /* Woken, or reply_seq moved: the op runs. */
+                                spin_until = epd__now_ns() + c->spin_ns;
+                        }
                 }
                 __atomic_store_n(&db->waiting, 0, __ATOMIC_RELAXED);
         }

@@ -18,8 +18,10 @@
  *                 that asks for it (Dispatch/Combine reply_in_doorbell) gets its reply here instead of on the socket: the loop
  *                 thread copies the packed Response into `reply`, stores its length, then the
  *                 request id into reply_id (release), then adds 1 to reply_seq, and wakes
- *                 reply_seq's futex when the client says it is sleeping (`waiting`). A client
- *                 that spins sees reply_id change without any system call on either side; a
+ *                 reply_seq's futex when the client says it is sleeping (`waiting`). When an
+ *                 op starts, the daemon also adds 1 to reply_seq and wakes a client that asked
+ *                 for it (EPD_MAILBOX_WAKE_AT_START), which then polls for its reply. A client
+ *                 that polls sees reply_id change without any system call on either side; a
  *                 sleeping one waits on reply_seq. A reply too large for the page is sent on the
  *                 socket, announced by reply_len = EPD_MAILBOX_ON_SOCKET. A rank has at most one
  *                 such request pending (the daemon refuses a second), so the daemon never
@@ -40,6 +42,10 @@
 #define EPD_DOORBELL_RELEASED (UINT64_MAX / 2)
 /* reply_len of a mailbox reply that went on the socket instead. */
 #define EPD_MAILBOX_ON_SOCKET UINT32_MAX
+/* `waiting`: the client sleeps and is to be woken by its reply, or already when its op starts
+ * executing (it then polls for the reply). */
+#define EPD_MAILBOX_WAKE_AT_REPLY 1u
+#define EPD_MAILBOX_WAKE_AT_START 2u
 
 struct epd_doorbell {
         volatile uint64_t completed;

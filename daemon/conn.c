@@ -298,12 +298,16 @@ void epd_conn_reply_status_to(struct epd_conn *c, struct epd_doorbell *mailbox,
         va_end(ap);
 }
 
-/* Reads and handles every waiting frame. Returns -1 once the connection was closed. */
+/* Reads and handles the next waiting frame. One per readiness event: the poll is
+ * level-triggered, so libuv reports the socket again while frames wait, and reading on until
+ * EAGAIN would cost every request a second, empty recvmsg (about a microsecond on a virtual
+ * machine, and the loop thread reads eight ranks' requests one after another). Returns -1 once
+ * the connection was closed. */
 static int conn_read(struct epd_conn *c)
 {
         struct epd_daemon *d = c->daemon;
 
-        for (int budget = 0; budget < 64 && !c->closing && !c->close_reason; budget++) {
+        for (int budget = 0; budget < 1 && !c->closing && !c->close_reason; budget++) {
                 struct epd_frame frame;
                 const char *why = NULL;
                 int rc = epd_frame_recv(c->fd, d->rbuf, d->rbuf_len, d->cfg.max_frame_bytes,

@@ -5,7 +5,12 @@
  * machine's virtual machine, so the eighth rank of a group got its reply 17-27 us after the op
  * completed, and the wake-up of its thread took another 10 us (docs/performance.md, "Daemon
  * overhead"). Through the page, a reply is a copy into shared memory: a worker that spins sees it
- * at once, and one that sleeps costs a futex wake only when it said it sleeps.
+ * at once, and one that sleeps costs a futex wake only when it said it sleeps. The wake-ups are
+ * moved off the reply's path: when an op starts executing, the loop nudges every rank that waits
+ * in its page and asked for it (waiting = EPD_MAILBOX_WAKE_AT_START), and libepd then polls for
+ * its reply a while (EPD_CLIENT_SPIN_US), so the workers are awake when the replies come, without
+ * spinning while the daemon reads their requests. A client that does not poll asks to be woken
+ * only by its reply: waking it at the start would only take a CPU from the op.
  *
  * Ordering. The payload and its length are plain stores, published by the release store of
  * reply_id; the client's acquire load of reply_id (which it compares with its request id) makes
@@ -23,12 +28,23 @@
 
 #include "mailbox.h"
 
+/* Moves reply_seq and wakes a sleeper whose `waiting` is at least `level`. */
+static void mailbox_wake(struct epd_doorbell *db, uint32_t level)
+{
+        __atomic_add_fetch(&db->reply_seq, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&db->waiting, __ATOMIC_SEQ_CST) >= level)
+                (void)syscall(SYS_futex, &db->reply_seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+void epd_mailbox_nudge(struct epd_doorbell *db)
+{
+        mailbox_wake(db, EPD_MAILBOX_WAKE_AT_START);
+}
+
 static void mailbox_ring(struct epd_doorbell *db, uint64_t id)
 {
         __atomic_store_n(&db->reply_id, id, __ATOMIC_RELEASE);
-        __atomic_add_fetch(&db->reply_seq, 1, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&db->waiting, __ATOMIC_SEQ_CST) != 0)
-                (void)syscall(SYS_futex, &db->reply_seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+        mailbox_wake(db, EPD_MAILBOX_WAKE_AT_REPLY);
 }
 
 int epd_mailbox_post(struct epd_doorbell *db, const Epd__V1__Response *resp)

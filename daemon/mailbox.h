@@ -9,5 +9,8 @@
  * the page is not written: the page announces it (EPD_MAILBOX_ON_SOCKET) and -EMSGSIZE tells
  * the caller to send it on the socket. Loop thread. */
 int epd_mailbox_post(struct epd_doorbell *db, const Epd__V1__Response *resp);
+/* Tells a client sleeping on the page that its op started: reply_seq moves and a sleeper is
+ * woken, nothing else changes. Any thread. */
+void epd_mailbox_nudge(struct epd_doorbell *db);
 
 #endif

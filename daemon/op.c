@@ -13,6 +13,7 @@
 #include "backend.h"
 #include "daemon.h"
 #include "log.h"
+#include "mailbox.h"
 #include "resize.h"
 #include "tensor.h"
 #include "util.h"
@@ -797,6 +798,13 @@ static int op_launch(struct epd_op *op)
         op->launch_ns = epd__now_ns();
         g->executing = op;
         epd_backend_submit(d->backend, p.ex);
+        /* Ranks waiting in their doorbell page: wake the sleepers while the op runs, so that
+         * they poll for their replies rather than being woken one after another when the
+         * replies come (daemon/mailbox.c). */
+        for (uint32_t r = 0; r < R; r++)
+                if (op->subs[r].mailbox && op->subs[r].conn == g->ranks[r].conn &&
+                    g->ranks[r].mailbox_id == op->subs[r].request_id && g->ranks[r].doorbell)
+                        epd_mailbox_nudge(g->ranks[r].doorbell);
         return 0;
 }
 

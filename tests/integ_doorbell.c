@@ -2,19 +2,21 @@
  * counts a rank's finished ops in order, a request with wait_inputs is held until the client
  * marks its inputs ready, and a mark that never comes turns into TIMEOUT instead of a hang.
  * The reply mailbox: replies (results and failures) come through the page by default and are
- * counted by the daemon, EPD_CLIENT_REPLY=socket turns it off and a bad value is refused, a
+ * counted by the daemon, each op nudges the page when it starts, EPD_CLIENT_REPLY=socket turns it off and a bad value is refused, a
  * second op submitted while the first still waits for its page reply gets its reply on the
  * socket, a wait on the page times out and resumes, and a daemon killed during such a wait
  * fails it promptly instead of hanging it. */
 #include <check.h>
 #include <jansson.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "doorbell.h"
 #include "harness.h"
 #include "workload.h"
 
@@ -111,6 +113,11 @@ START_TEST(test_completed_counts_ops)
                 ck_assert_int_eq(epd_dispatch(s.g, &s.da, &op), 0);
                 ck_assert_uint_eq(epd_op_sequence(op), i);
                 ck_assert_int_eq(via_page(op), 1);
+                /* reply_seq moved twice per op: the nudge when it started, then the reply. */
+                const struct epd_doorbell *db =
+                        (const struct epd_doorbell *)((const uint8_t *)completed -
+                                                      offsetof(struct epd_doorbell, completed));
+                ck_assert_uint_eq(__atomic_load_n(&db->reply_seq, __ATOMIC_ACQUIRE), 2 * i);
                 /* The reply follows the doorbell store, so it is visible by now. */
                 ck_assert_uint_eq(__atomic_load_n(completed, __ATOMIC_ACQUIRE), i);
                 struct epd_dispatch_result dr;

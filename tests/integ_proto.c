@@ -348,6 +348,7 @@ END_TEST
  * connect and make requests. */
 START_TEST(test_client_poll_env)
 {
+        static const char *const vars[] = { "EPD_CLIENT_POLL_US", "EPD_CLIENT_SPIN_US" };
         static const char *const bad[] = { "abc", "-1", "100001", "12x", "",
                                            "99999999999999999999" };
         struct h_daemon d;
@@ -359,27 +360,29 @@ START_TEST(test_client_poll_env)
 
         daemon_start(&d);
         args.socket_path = d.socket;
-        for (size_t i = 0; i < EPD_ARRAY_SIZE(bad); i++) {
-                err[0] = '\0';
-                setenv("EPD_CLIENT_POLL_US", bad[i], 1);
-                rc = epd_client_connect(&args, &c, err, sizeof(err));
-                ck_assert_msg(rc == EPD_INVALID_ARGUMENT, "EPD_CLIENT_POLL_US='%s' gave %s: %s",
-                              bad[i], epd_status_name(rc), err);
-                ck_assert_ptr_null(c);
-                ck_assert_msg(strstr(err, "EPD_CLIENT_POLL_US") != NULL,
-                              "message does not name the variable: '%s'", err);
+        for (size_t v = 0; v < EPD_ARRAY_SIZE(vars); v++) {
+                for (size_t i = 0; i < EPD_ARRAY_SIZE(bad); i++) {
+                        err[0] = '\0';
+                        setenv(vars[v], bad[i], 1);
+                        rc = epd_client_connect(&args, &c, err, sizeof(err));
+                        ck_assert_msg(rc == EPD_INVALID_ARGUMENT, "%s='%s' gave %s: %s", vars[v],
+                                      bad[i], epd_status_name(rc), err);
+                        ck_assert_ptr_null(c);
+                        ck_assert_msg(strstr(err, vars[v]) != NULL,
+                                      "message does not name the variable: '%s'", err);
+                }
+                const char *good[] = { "0", "100000", "25" };
+                for (size_t i = 0; i < EPD_ARRAY_SIZE(good); i++) {
+                        setenv(vars[v], good[i], 1);
+                        rc = epd_client_connect(&args, &c, err, sizeof(err));
+                        ck_assert_msg(rc == 0, "%s='%s' gave %s: %s", vars[v], good[i],
+                                      epd_status_name(rc), err);
+                        ck_assert_int_eq(size_hint(c), EPD_OK);
+                        epd_client_free(c);
+                        c = NULL;
+                }
+                unsetenv(vars[v]);
         }
-        const char *good[] = { "0", "100000", "25" };
-        for (size_t i = 0; i < EPD_ARRAY_SIZE(good); i++) {
-                setenv("EPD_CLIENT_POLL_US", good[i], 1);
-                rc = epd_client_connect(&args, &c, err, sizeof(err));
-                ck_assert_msg(rc == 0, "EPD_CLIENT_POLL_US='%s' gave %s: %s", good[i],
-                              epd_status_name(rc), err);
-                ck_assert_int_eq(size_hint(c), EPD_OK);
-                epd_client_free(c);
-                c = NULL;
-        }
-        unsetenv("EPD_CLIENT_POLL_US");
         daemon_stop_clean(&d);
 }
 END_TEST

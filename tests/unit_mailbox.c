@@ -4,7 +4,9 @@
  * reply_seq published; a reply too large for the page is not written but announced
  * (EPD_MAILBOX_ON_SOCKET, -EMSGSIZE) with the page's previous bytes left alone; a reply that
  * fills the page exactly still goes in; a thread sleeping on reply_seq's futex under the client's
- * protocol (waiting flag, re-check, FUTEX_WAIT) is woken by a post, so no wake-up is lost.
+ * protocol (waiting flag, re-check, FUTEX_WAIT) is woken by a post, so no wake-up is lost; the
+ * nudge at an op's start moves reply_seq, wakes a client that polls after wake-ups and leaves
+ * one that does not asleep until its reply.
  * Each test runs in its own process (fork mode).
  */
 #include <check.h>
@@ -127,7 +129,7 @@ static void *sleeper_main(void *arg)
 
         while (__atomic_load_n(&db->reply_id, __ATOMIC_ACQUIRE) != s->id) {
                 const uint32_t seq = __atomic_load_n(&db->reply_seq, __ATOMIC_ACQUIRE);
-                __atomic_store_n(&db->waiting, 1, __ATOMIC_SEQ_CST);
+                __atomic_store_n(&db->waiting, EPD_MAILBOX_WAKE_AT_REPLY, __ATOMIC_SEQ_CST);
                 if (__atomic_load_n(&db->reply_id, __ATOMIC_SEQ_CST) != s->id) {
                         struct timespec ts = { 10, 0 };
                         __atomic_store_n(&s->slept, 1, __ATOMIC_SEQ_CST);
@@ -174,6 +176,69 @@ START_TEST(test_sleeper_is_woken)
 }
 END_TEST
 
+struct napper {
+        struct epd_doorbell *db;
+        uint32_t level;
+        int asleep;    /* about to call FUTEX_WAIT */
+        int returned;  /* FUTEX_WAIT returned */
+};
+
+/* One sleep on reply_seq with `waiting` at the given level, 10 s at most. */
+static void *napper_main(void *arg)
+{
+        struct napper *n = arg;
+        const uint32_t seq = __atomic_load_n(&n->db->reply_seq, __ATOMIC_ACQUIRE);
+        struct timespec ts = { 10, 0 };
+
+        __atomic_store_n(&n->db->waiting, n->level, __ATOMIC_SEQ_CST);
+        __atomic_store_n(&n->asleep, 1, __ATOMIC_SEQ_CST);
+        (void)syscall(SYS_futex, &n->db->reply_seq, FUTEX_WAIT, seq, &ts, NULL, 0);
+        __atomic_store_n(&n->returned, 1, __ATOMIC_SEQ_CST);
+        return NULL;
+}
+
+START_TEST(test_nudge_wakes_only_pollers)
+{
+        struct epd_doorbell *db = page_new();
+        Epd__V1__Response r;
+        Epd__V1__Empty e;
+        char msg[8];
+        pthread_t th;
+
+        /* Nobody sleeps: the sequence moves, the reply slot does not. */
+        epd_mailbox_nudge(db);
+        ck_assert_uint_eq(db->reply_seq, 1);
+        ck_assert_uint_eq(db->reply_id, 0);
+
+        /* A client that polls after a wake-up is woken when its op starts. */
+        struct napper a = { db, EPD_MAILBOX_WAKE_AT_START, 0, 0 };
+        ck_assert_int_eq(pthread_create(&th, NULL, napper_main, &a), 0);
+        while (!__atomic_load_n(&a.asleep, __ATOMIC_SEQ_CST))
+                usleep(100);
+        usleep(50000);
+        const double t0 = now_s();
+        epd_mailbox_nudge(db);
+        ck_assert_int_eq(pthread_join(th, NULL), 0);
+        ck_assert_msg(now_s() - t0 < 5.0, "the polling client was not woken at the start");
+
+        /* One that does not poll sleeps on until its reply. */
+        struct napper b = { db, EPD_MAILBOX_WAKE_AT_REPLY, 0, 0 };
+        ck_assert_int_eq(pthread_create(&th, NULL, napper_main, &b), 0);
+        while (!__atomic_load_n(&b.asleep, __ATOMIC_SEQ_CST))
+                usleep(100);
+        usleep(50000);
+        epd_mailbox_nudge(db);
+        usleep(300000);
+        ck_assert_msg(!__atomic_load_n(&b.returned, __ATOMIC_SEQ_CST),
+                      "a client that does not poll was woken at the start");
+        response_with(&r, &e, msg, 4, 99);
+        ck_assert_int_eq(epd_mailbox_post(db, &r), 0);
+        ck_assert_int_eq(pthread_join(th, NULL), 0);
+        ck_assert_int_eq(b.returned, 1);
+        munmap(db, EPD_DOORBELL_BYTES);
+}
+END_TEST
+
 int main(void)
 {
         Suite *su = suite_create("unit_mailbox");
@@ -185,6 +250,7 @@ int main(void)
         tcase_add_test(tc, test_post_and_unpack);
         tcase_add_test(tc, test_too_large_goes_to_socket);
         tcase_add_test(tc, test_sleeper_is_woken);
+        tcase_add_test(tc, test_nudge_wakes_only_pollers);
         suite_add_tcase(su, tc);
         sr = srunner_create(su);
         srunner_run_all(sr, CK_NORMAL);
