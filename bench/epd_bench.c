@@ -1465,7 +1465,8 @@ static void usage(FILE *f)
                 "                    threads; default: the number of CPUs\n"
                 "  --outputs O       arena (default in host memory): outputs in the daemon's output\n"
                 "                    arena; regions: client-registered outputs of exact capacity\n"
-                "  --socket PATH     use a running daemon instead of starting one\n"
+                "  --socket PATH     use a running daemon instead of starting one (else the one\n"
+                "                    started is $EPD_BENCH_DAEMON if set, or epd beside epd-bench)\n"
                 "  --json            one JSON object per line per result on stdout (table on stderr)\n"
                 "\nCUDA mode:\n"
                 "  --backend B       host (default) or cuda: the daemon's backend; with --socket the\n"
@@ -2260,7 +2261,11 @@ static int daemon_start(struct h_daemon *d, const char *const *extra, int timeou
         }
         snprintf(d->socket, sizeof(d->socket), "%s/epd.sock", d->dir);
         snprintf(d->log, sizeof(d->log), "%s/epd.log", d->dir);
-        snprintf(epd, sizeof(epd), "%s/epd", h_bin_dir());
+        /* EPD_BENCH_DAEMON: another epd binary, for comparing two daemons on one machine. */
+        if (getenv("EPD_BENCH_DAEMON") != NULL)
+                snprintf(epd, sizeof(epd), "%s", getenv("EPD_BENCH_DAEMON"));
+        else
+                snprintf(epd, sizeof(epd), "%s/epd", h_bin_dir());
         argv[argc++] = epd;
         argv[argc++] = "--socket";
         argv[argc++] = d->socket;

@@ -6,7 +6,8 @@
 # Usage: bench/profile-h200.sh OUT_DIR [BUILD_DIR] [STEP...]
 #   OUT_DIR    gets one NAME.log per step and summary.txt
 #   BUILD_DIR  a CUDA build (cmake -DEPD_CUDA=ON -DEPD_STATIC_DEPS=ON); default build-gpu
-#   STEP       any of: inproc alloc ncu-inproc ncu-prefill ncu-decode (default: all)
+#   STEP       any of: inproc alloc ncu-inproc ncu-prefill ncu-decode ncu-writeback
+#              (default: all)
 #
 # Steps:
 #   inproc       gpu_kernels_test's realistic prefill, decode and prefill-bf16 cases: the kernels on the
@@ -17,6 +18,10 @@
 #   ncu-prefill  ncu on the daemon's copy and combine kernels during epd-bench prefill, for
 #                both allocations (--target-processes all: the daemon is a child of the bench)
 #   ncu-decode   ncu on every kernel of two decode ops through the daemon (durations only)
+#   ncu-writeback  DRAM bytes of the decode case's one-launch dispatch and combine in Fresh mode
+#                (gpu_kernels_test's time_fresh: 256 MB written before each launch, then the
+#                same after a flush that only reads), with ncu leaving the cache alone
+#                (--cache-control none): what the write-back of the flush's dirty lines adds
 # Each step is bounded by STEP_TIMEOUT seconds (default 120).
 set -u
 
@@ -25,7 +30,7 @@ repo=$(cd "$here/.." && pwd)
 out=${1:?usage: profile-h200.sh OUT_DIR [BUILD_DIR] [STEP...]}
 build=${2:-$repo/build-gpu}
 shift $(( $# >= 2 ? 2 : $# ))
-steps=${*:-inproc alloc ncu-inproc ncu-prefill ncu-decode}
+steps=${*:-inproc alloc ncu-inproc ncu-prefill ncu-decode ncu-writeback}
 iters=${ITERS:-30}
 step_timeout=${STEP_TIMEOUT:-120}
 mkdir -p "$out"
@@ -114,6 +119,37 @@ for l in sys.stdin:
                         -k regex:'_kernel' --launch-skip 4 --launch-count 6 \
                         "$bin/epd-bench" --backend cuda --ranks 8 --iters 4 --warmup 1 \
                         --workload decode --flush-l2
+                ;;
+        ncu-writeback)
+                # time_fresh runs last: for dispatch then combine, 21 launches after a write
+                # flush, then 21 after a read flush (read_flush_kernel before each).
+                step ncu-writeback "$ncu" --clock-control none --cache-control none --csv \
+                        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+                        -k regex:'dispatch_small_kernel|combine_kernel' \
+                        "$bin/gpu_kernels_test" --case "$decode"
+                python3 - "$out/ncu-writeback.log" <<'PY' | tee -a "$out/summary.txt"
+import csv, statistics, sys
+rows = {}
+lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
+for r in csv.DictReader(lines):
+    key = (r["ID"], r["Kernel Name"].split("<")[0].split("(")[0])
+    v = float(r["Metric Value"].replace(",", ""))
+    unit = r["Metric Unit"]
+    v *= {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "ns": 1e-3, "nsecond": 1e-3,
+          "us": 1, "usecond": 1, "ms": 1e3, "msecond": 1e3}.get(unit, 1)
+    rows.setdefault(key, {})[r["Metric Name"]] = v
+seq = [(k[1], m) for k, m in sorted(rows.items(), key=lambda kv: int(kv[0][0]))]
+for name in ("dispatch_small_kernel", "combine_kernel"):
+    ks = [m for n, m in seq if n.endswith(name)]
+    if len(ks) < 42:
+        print("   ncu-writeback: only %d launches of %s" % (len(ks), name))
+        continue
+    for label, part in (("after a write flush", ks[-42:-21]), ("after a read flush", ks[-21:])):
+        med = lambda m: statistics.median(x[m] for x in part)
+        print("   %-22s %-20s %6.1f us  DRAM read %6.1f MB  written %6.1f MB" % (
+            name, label, med("gpu__time_duration.sum"), med("dram__bytes_read.sum") / 1e6,
+            med("dram__bytes_write.sum") / 1e6))
+PY
                 ;;
         *)
                 echo "profile-h200: unknown step $s" >&2

@@ -141,7 +141,9 @@ hdr = ("workload", "tok", "op", "compl", "mps", "alloc", "kern p50", "kern p99",
        "d2d GB/s", "ws/rank MiB")
 print("%-13s %4s %-8s %-6s %-3s %-10s" % hdr[:6] + "".join(" %10s" % h for h in hdr[6:]))
 def num(v):
-    return float("nan") if v is None else float(v)
+    if v is None:
+        return float("nan")
+    return float(v) if isinstance(v, (int, float)) else v
 for line in open(sys.argv[1]):
     line = line.strip()
     if not line:

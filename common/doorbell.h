@@ -3,9 +3,9 @@
  * without a host round trip (DESIGN.md section 2, "Stream ordering"), and a reply mailbox.
  *
  *   completed     written by the daemon: how many of this rank's ops (since it was bound) have
- *                 finished, successfully or not. Its streams write it with cuStreamWriteValue64
- *                 once the op's last kernel is done; the loop thread also stores it (release)
- *                 when the op completes, and when a rank's client dies the daemon completes
+ *                 finished, successfully or not. The CUDA backend's executor stores it
+ *                 (release) as soon as it sees the op's end event; the loop thread stores it
+ *                 again when it takes the completion (the host backend's only store), and when a rank's client dies the daemon completes
  *                 every doorbell its peers wait on. A client stream waits with
  *                 cuStreamWaitValue64(completed >= n) for its n-th op, then reads the status on
  *                 the host when it needs it.

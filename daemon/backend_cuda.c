@@ -418,7 +418,11 @@ static void memop_add(struct memop_batch *b, int wait, void *doorbell_dev, size_
                 memop_flush(b);
 }
 
-/* Queues, on `stream`, the waits for every rank's inputs that the op was told to wait for. */
+/* Queues, on `stream`, the waits for every rank's inputs that the op was told to wait for,
+ * except those the host already sees satisfied: the client's stream stored inputs_ready after
+ * its inputs were written (a stream write with its memory barrier), so a kernel launched after
+ * this read finds them, and a wait that is already satisfied still costs the GPU about 1.2 us
+ * per rank (8 satisfied waits: 9.6-9.9 us, bench/memop_probe.cu) before the op can start. */
 static void queue_input_waits(const struct epd_exec *ex, cudaStream_t stream)
 {
         struct memop_batch b;
@@ -427,27 +431,39 @@ static void queue_input_waits(const struct epd_exec *ex, cudaStream_t stream)
         b.n = 0;
         for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
                 const struct epd_exec_rank *er = &ex->ranks[r];
-                if (er->wait_inputs && er->doorbell_dev)
-                        memop_add(&b, 1, er->doorbell_dev,
-                                  offsetof(struct epd_doorbell, inputs_ready), er->wait_inputs);
+                if (!er->wait_inputs || !er->doorbell_dev)
+                        continue;
+                if (er->doorbell && __atomic_load_n(&er->doorbell->inputs_ready,
+                                                    __ATOMIC_ACQUIRE) >= er->wait_inputs)
+                        continue;
+                memop_add(&b, 1, er->doorbell_dev, offsetof(struct epd_doorbell, inputs_ready),
+                          er->wait_inputs);
         }
         memop_flush(&b);
 }
 
-/* Queues the completion doorbell of every rank after the op's last kernel on `stream`. */
-static void queue_completions(const struct epd_exec *ex, cudaStream_t stream)
+/* Publishes every rank's completion doorbell from the host once the executor has seen the op's
+ * end event: its kernels are complete, so their outputs are in place for any stream of the
+ * device, and a stream-ordered client's stream (waiting for `completed` with
+ * cuStreamWaitValue64) is released. The loop thread stores the same value again when it takes
+ * the completion (group.c, rank_publish); the larger value wins. From the host rather than as
+ * stream writes after the end event: those 8 writes took 7.4 us of GPU time as one batch
+ * (bench/memop_probe.cu), so the last rank's doorbell moved that long after the op ended, and
+ * the next op on the stream started that much later. Executor thread; the pages stay mapped
+ * while the op executes (group.c, rank_doorbell_retire). */
+static void publish_completions(const struct epd_exec *ex)
 {
-        struct memop_batch b;
-
-        b.stream = (CUstream)stream;
-        b.n = 0;
         for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
                 const struct epd_exec_rank *er = &ex->ranks[r];
-                if (er->doorbell_dev)
-                        memop_add(&b, 0, er->doorbell_dev,
-                                  offsetof(struct epd_doorbell, completed), er->completed_value);
+                if (!er->doorbell)
+                        continue;
+                uint64_t cur = __atomic_load_n(&er->doorbell->completed, __ATOMIC_RELAXED);
+                while (cur < er->completed_value &&
+                       !__atomic_compare_exchange_n(&er->doorbell->completed, &cur,
+                                                    er->completed_value, 0, __ATOMIC_RELEASE,
+                                                    __ATOMIC_RELAXED))
+                        ;
         }
-        memop_flush(&b);
 }
 
 /* Waits for a stream, or for an event on it (ev not NULL), with a bound: past the op timeout,
@@ -503,9 +519,8 @@ static void op_begin(struct cuda_backend *cb, const struct epd_exec *ex, const i
 }
 
 /* The end of an op: W's stream joins every other device's work, t1 marks the end of the
- * kernel time, and the completion doorbells follow. */
-static void op_end(struct cuda_backend *cb, const struct epd_exec *ex, const int *used, int W,
-                   int ring_doorbells)
+ * kernel time (the executor publishes the completion doorbells once it has passed). */
+static void op_end(struct cuda_backend *cb, const int *used, int W)
 {
         for (int d = 0; d < cb->num_devices; d++) {
                 if (!used[d] || d == W)
@@ -517,8 +532,6 @@ static void op_end(struct cuda_backend *cb, const struct epd_exec *ex, const int
         }
         cudaSetDevice(W);
         cudaEventRecord(cb->dev[W].t1, cb->dev[W].stream);
-        if (ring_doorbells)
-                queue_completions(ex, cb->dev[W].stream);
 }
 
 /* GPU time between op_begin and op_end, once both have completed. */
@@ -704,16 +717,13 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         if (rc < 0)
                 goto cuda_error;
 launched:
-        /* Every device's copy done, then the completion doorbells on W's stream. The executor
-         * waits for t1, which follows every device's work, not for the doorbell writes queued
-         * after it: they are for stream-ordered clients, which wait for them on the GPU, and
-         * would add their GPU time (about 4 us for 8 ranks, bench/memop_probe.cu) to the reply
-         * of every op. The next op on the stream runs after them. */
-        op_end(cb, ex, used, W, 1);
+        /* Every device's copy done: t1 on W's stream, which the executor waits for. */
+        op_end(cb, used, W);
         step = "the op's kernels (found at completion)";
         ce = sync_stream(ex, W, cb->dev[W].stream, cb->dev[W].t1, deadline);
         if (ce != cudaSuccess)
                 goto cuda_error;
+        publish_completions(ex);
         if (ex->status < 0)
                 goto fail;
         if (verdict(ex, &ch->layout, cb->h_reply) < 0)
@@ -817,7 +827,7 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                         cudaSetDevice(d);
                         rc = epd_k_combine(&args[d], cb->dev[d].stream);
                 }
-                op_end(cb, ex, used, W, rc == 0);
+                op_end(cb, used, W);
         }
         /* As for dispatch: the end event (it follows every device's combine); after a failed
          * launch, every used stream. */
@@ -828,6 +838,8 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                                 deadline) != cudaSuccess)
                         rc = EPD_UNAVAILABLE;
         }
+        if (rc == 0 && ex->status == 0)
+                publish_completions(ex);
         if (ex->status < 0)
                 return -1;
         if (rc < 0) {
