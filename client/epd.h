@@ -98,11 +98,18 @@ struct epd_connect_args {
 };
 
 /* Connects and performs Hello/Welcome. On failure *out is untouched; the reason is in the
- * returned status and, when err/err_len are given, in err. With $EPD_CLIENT_POLL_US set (0 to
- * 100000 microseconds; default 0), a call waiting for the daemon's reply polls the socket that
- * long before it sleeps: a reply within the window is then read without waking a sleeping
- * thread, at the price of a busy core while it waits (docs/performance.md measures both). Any
- * other value fails the connect with EPD_INVALID_ARGUMENT. */
+ * returned status and, when err/err_len are given, in err. The environment tunes how ops wait
+ * (docs/design-notes.md, "Replies through the doorbell page"):
+ *   EPD_CLIENT_REPLY    doorbell (default): dispatch and combine replies come through the
+ *                       rank's doorbell page when the daemon offers it; socket: always the socket.
+ *   EPD_CLIENT_SPIN_US  0 to 100000: how long a wait in the doorbell page polls after a wake-up
+ *                       (the daemon wakes it when its op starts); default 200 on machines of 8
+ *                       CPUs or more, else 0 (sleep until the reply).
+ *   EPD_CLIENT_POLL_US  0 to 100000 (default 0): how long a wait polls right after the
+ *                       submission, before it first sleeps.
+ * Polling saves a thread wake-up per op at the price of a busy core while it waits
+ * (docs/performance.md measures both). Any other value fails the connect with
+ * EPD_INVALID_ARGUMENT and a message naming the variable. */
 int epd_client_connect(const struct epd_connect_args *args, struct epd_client **out, char *err,
                        size_t err_len);
 /* Closes the connection; the daemon releases every region, binding and handle of this client. */
