@@ -4,8 +4,8 @@
  * one token: lane k reads top-k position k's expert, row and weight from the handle's workspace,
  * a ballot gives the contributing positions, and the warp walks the hidden dimension, 16 bf16
  * values per lane per step, adding the contributions in ascending k with one fp32 rounding per
- * operation. The next contribution's load is issued before the current one is added, so two
- * rows are in flight per lane.
+ * operation. The loads of up to 8 contributions of a step are issued before the first is added
+ * (combine_vec).
  *
  * Floating point: __fmul_rn and __fadd_rn are never contracted into an FMA, and the library is
  * built with --fmad=false -ftz=false as well; bf16 -> fp32 is a shift; fp32 -> bf16 is
@@ -72,9 +72,20 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld(const int4
         return STREAM ? epd__k_ldg_evict_first(p) : epd__k_ldg(p);
 }
 
+#ifndef COMBINE_AHEAD
+#define COMBINE_AHEAD 8 /* contributions whose loads are issued together */
+#endif
+
 /* The 16-byte path: every row address and 2H are multiples of 16. my_row is this lane's
  * contribution row (NULL when position `lane` does not contribute); mask the contributing
- * positions; my_weight the weight of position `lane`. */
+ * positions; my_weight the weight of position `lane`. The loads of up to COMBINE_AHEAD
+ * contributions of a step are issued together before any is added, so a step waits about one
+ * load latency rather than one per contribution; the additions keep the ascending order.
+ * Measured on an H200 in process against loading one contribution ahead (sixth session,
+ * docs/benchmarks/h200-s6-combine-variants.txt): decode in Fresh mode 32.6-32.8 us against
+ * 34.2-34.4, prefill fp8 0.725 against 0.772 ms, prefill bf16 expand 0.980 against 0.993 ms,
+ * with 121 registers (16 warps per multiprocessor) against 63; 4 ahead (80 registers) and
+ * 16-byte vectors of 1 per lane (59 and 75 registers) fell between. */
 template <bool STREAM>
 static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float my_weight,
                                    int weighted, const uint8_t *bias0, const uint8_t *bias1,
@@ -82,45 +93,36 @@ static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float m
 {
         for (uint32_t base = v0; base < nvec; base += 32 * COMBINE_VEC) {
                 float acc[8 * COMBINE_VEC];
-                int4 cur[COMBINE_VEC], nxt[COMBINE_VEC];
 #pragma unroll
                 for (int i = 0; i < 8 * COMBINE_VEC; i++)
                         acc[i] = 0.0f;
+                for (uint32_t m = mask; m != 0;) {
+                        int4 buf[COMBINE_AHEAD][COMBINE_VEC];
+                        float w[COMBINE_AHEAD];
+                        int n = 0;
 #pragma unroll
-                for (int u = 0; u < COMBINE_VEC; u++)
-                        cur[u] = nxt[u] = make_int4(0, 0, 0, 0);
-
-                uint32_t m = mask;
-                if (m != 0) {
-                        const int4 *p = (const int4 *)__shfl_sync(
-                                EPD_K_FULL_MASK, (unsigned long long)my_row, __ffs(m) - 1);
-#pragma unroll
-                        for (int u = 0; u < COMBINE_VEC; u++) {
-                                uint32_t i = base + u * 32 + lane;
-                                if (i < nvec)
-                                        cur[u] = comb_ld<STREAM>(p + i);
-                        }
-                }
-                while (m != 0) {
-                        int j = __ffs(m) - 1;
-                        m &= m - 1;
-                        float w = __shfl_sync(EPD_K_FULL_MASK, my_weight, j);
-                        if (m != 0) {
+                        for (int c = 0; c < COMBINE_AHEAD; c++) {
+                                if (m == 0)
+                                        break;
+                                const int j = __ffs(m) - 1;
+                                m &= m - 1;
                                 const int4 *p = (const int4 *)__shfl_sync(
-                                        EPD_K_FULL_MASK, (unsigned long long)my_row,
-                                        __ffs(m) - 1);
+                                        EPD_K_FULL_MASK, (unsigned long long)my_row, j);
+                                w[c] = __shfl_sync(EPD_K_FULL_MASK, my_weight, j);
 #pragma unroll
                                 for (int u = 0; u < COMBINE_VEC; u++) {
                                         uint32_t i = base + u * 32 + lane;
-                                        if (i < nvec)
-                                                nxt[u] = comb_ld<STREAM>(p + i);
+                                        buf[c][u] = i < nvec ? comb_ld<STREAM>(p + i)
+                                                             : make_int4(0, 0, 0, 0);
                                 }
+                                n++;
                         }
 #pragma unroll
-                        for (int u = 0; u < COMBINE_VEC; u++) {
-                                add_vec(acc + 8 * u, cur[u], weighted, w);
-                                cur[u] = nxt[u];
-                        }
+                        for (int c = 0; c < COMBINE_AHEAD; c++)
+                                if (c < n)
+#pragma unroll
+                                        for (int u = 0; u < COMBINE_VEC; u++)
+                                                add_vec(acc + 8 * u, buf[c][u], weighted, w[c]);
                 }
 #pragma unroll
                 for (int u = 0; u < COMBINE_VEC; u++) {
