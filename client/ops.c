@@ -198,7 +198,8 @@ static int mailbox_take(struct epd_op *op, Epd__V1__Response **resp, int *fds, i
 /* Waits for an op's reply in the doorbell page: polls reply_id for the client's poll time, then
  * sleeps on reply_seq's futex (the protocol in daemon/mailbox.c), and after each wake-up polls
  * again for the spin time: the daemon wakes its sleepers when their op starts, so the reply
- * finds them polling. Between sleeps it looks at the socket, where the reply comes instead when
+ * finds them polling. It also polls, once, when the op's completion doorbell has passed (the
+ * reply is then on its way). Between sleeps it looks at the socket, where the reply comes instead when
  * the daemon refused the request before taking it and where a lost connection shows; sleeps
  * that end by timeout grow from 1 to 64 ms, so such a reply is seen late but not missed. Not on
  * the client's lock. */
@@ -210,7 +211,7 @@ static int mailbox_wait(struct epd_op *op, int timeout_ms, Epd__V1__Response **r
         const uint64_t deadline =
                 timeout_ms < 0 ? UINT64_MAX : t0 + (uint64_t)timeout_ms * 1000000ull;
         uint64_t nap_ns = 1000000, spin_until = t0 + c->poll_ns;
-        int rc;
+        int rc, finished = 0;
 
         fds[0] = fds[1] = -1;
         for (;;) {
@@ -225,6 +226,15 @@ static int mailbox_wait(struct epd_op *op, int timeout_ms, Epd__V1__Response **r
                 if (now < spin_until && now < deadline) {
                         epd__cpu_relax();
                         continue;
+                }
+                /* The op is complete (its doorbell passed, as a stream-ordered caller has
+                 * seen before it asks for the result): the reply follows within microseconds,
+                 * so poll for it once rather than sleep. */
+                if (!finished && __atomic_load_n(&db->completed, __ATOMIC_ACQUIRE) >= op->seq) {
+                        finished = 1;
+                        spin_until = now + c->spin_ns;
+                        if (now < spin_until && now < deadline)
+                                continue;
                 }
                 pthread_mutex_lock(&c->lock);
                 rc = epd__client_try_locked(c, id, resp, fds);
