@@ -1465,8 +1465,9 @@ static void usage(FILE *f)
                 "                    threads; default: the number of CPUs\n"
                 "  --outputs O       arena (default in host memory): outputs in the daemon's output\n"
                 "                    arena; regions: client-registered outputs of exact capacity\n"
-                "  --socket PATH     use a running daemon instead of starting one (else the one\n"
-                "                    started is $EPD_BENCH_DAEMON if set, or epd beside epd-bench)\n"
+                "  --socket PATH     use a running daemon instead of starting one (else the\n"
+                "                    one started is $EPD_BENCH_DAEMON if set, or epd beside\n"
+                "                    epd-bench)\n"
                 "  --json            one JSON object per line per result on stdout (table on stderr)\n"
                 "\nCUDA mode:\n"
                 "  --backend B       host (default) or cuda: the daemon's backend; with --socket the\n"
@@ -2076,9 +2077,13 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
                 json_object_set_new(o, "daemon_poll_us", json_integer(b->opt.poll_us));
         else
                 json_object_set_new(o, "daemon_poll_us", json_string("default"));
-        const char *reply_env = getenv("EPD_CLIENT_REPLY"), *poll_env = getenv("EPD_CLIENT_POLL_US");
+        /* libepd's settings as the workers saw them (unset: libepd's defaults). */
+        const char *reply_env = getenv("EPD_CLIENT_REPLY");
+        const char *poll_env = getenv("EPD_CLIENT_POLL_US");
+        const char *spin_env = getenv("EPD_CLIENT_SPIN_US");
         json_object_set_new(o, "client_reply", json_string(reply_env ? reply_env : "default"));
-        json_object_set_new(o, "client_poll_us", json_integer(poll_env ? atoi(poll_env) : 0));
+        json_object_set_new(o, "client_poll_us", json_string(poll_env ? poll_env : "default"));
+        json_object_set_new(o, "client_spin_us", json_string(spin_env ? spin_env : "default"));
         json_object_set_new(o, "git_rev", json_string(EPD_GIT_REV));
         json_object_set_new(o, "tokens", json_integer(b->T));
         json_object_set_new(o, "nominal_tokens", json_integer(b->opt.wl->tokens));

@@ -199,10 +199,10 @@ static int mailbox_take(struct epd_op *op, Epd__V1__Response **resp, int *fds, i
  * sleeps on reply_seq's futex (the protocol in daemon/mailbox.c), and after each wake-up polls
  * again for the spin time: the daemon wakes its sleepers when their op starts, so the reply
  * finds them polling. It also polls, once, when the op's completion doorbell has passed (the
- * reply is then on its way). Between sleeps it looks at the socket, where the reply comes instead when
- * the daemon refused the request before taking it and where a lost connection shows; sleeps
- * that end by timeout grow from 1 to 64 ms, so such a reply is seen late but not missed. Not on
- * the client's lock. */
+ * reply is then on its way). Between sleeps it looks at the socket, where the reply comes
+ * instead when the daemon refused the request before taking it and where a lost connection
+ * shows; sleeps that end by timeout grow from 1 to 64 ms, so such a reply is seen late but not
+ * missed. Not on the client's lock. */
 static int mailbox_wait(struct epd_op *op, int timeout_ms, Epd__V1__Response **resp, int *fds)
 {
         struct epd_client *c = op->client;
@@ -215,14 +215,13 @@ static int mailbox_wait(struct epd_op *op, int timeout_ms, Epd__V1__Response **r
 
         fds[0] = fds[1] = -1;
         for (;;) {
-                if (__atomic_load_n(&db->reply_id, __ATOMIC_ACQUIRE) == id) {
-                        const uint64_t now = epd__now_ns();
-                        return mailbox_take(op, resp, fds,
-                                            deadline == UINT64_MAX ? -1
-                                            : now >= deadline      ? 0
-                                                                   : (int64_t)((deadline - now) / 1000000));
-                }
                 const uint64_t now = epd__now_ns();
+                if (__atomic_load_n(&db->reply_id, __ATOMIC_ACQUIRE) == id) {
+                        int64_t left_ms = -1; /* for a reply that follows on the socket */
+                        if (deadline != UINT64_MAX)
+                                left_ms = now >= deadline ? 0 : (int64_t)((deadline - now) / 1000000);
+                        return mailbox_take(op, resp, fds, left_ms);
+                }
                 if (now < spin_until && now < deadline) {
                         epd__cpu_relax();
                         continue;

@@ -3,28 +3,28 @@
  * without a host round trip (DESIGN.md section 2, "Stream ordering"), and a reply mailbox.
  *
  *   completed     written by the daemon: how many of this rank's ops (since it was bound) have
- *                 finished, successfully or not. The CUDA backend's executor stores it
- *                 (release) as soon as it sees the op's end event; the loop thread stores it
- *                 again when it takes the completion (the host backend's only store), and when a rank's client dies the daemon completes
- *                 every doorbell its peers wait on. A client stream waits with
- *                 cuStreamWaitValue64(completed >= n) for its n-th op, then reads the status on
- *                 the host when it needs it.
+ *                 finished, successfully or not. The CUDA backend's executor stores it (release)
+ *                 as soon as it sees the op's end event; the loop thread stores it again when it
+ *                 takes the completion (the host backend's only store), and when a rank's client
+ *                 dies the daemon completes every doorbell its peers wait on. A client stream
+ *                 waits with cuStreamWaitValue64(completed >= n) for its n-th op, then reads the
+ *                 status on the host when it needs it.
  *   inputs_ready  written by the client's stream (cuStreamWriteValue64) when the inputs of its
  *                 k-th request are ready; the daemon's streams wait for it before reading them.
  *                 When the client dies or the wait outlives the op timeout, the daemon stores
  *                 EPD_DOORBELL_RELEASED from the host so its own streams cannot hang.
  *
- *   reply mailbox (docs/design-notes.md, "Replies through the doorbell page") a request
- *                 that asks for it (Dispatch/Combine reply_in_doorbell) gets its reply here instead of on the socket: the loop
- *                 thread copies the packed Response into `reply`, stores its length, then the
- *                 request id into reply_id (release), then adds 1 to reply_seq, and wakes
- *                 reply_seq's futex when the client says it is sleeping (`waiting`). When an
- *                 op starts, the daemon also adds 1 to reply_seq and wakes a client that asked
- *                 for it (EPD_MAILBOX_WAKE_AT_START), which then polls for its reply. A client
- *                 that polls sees reply_id change without any system call on either side; a
- *                 sleeping one waits on reply_seq. A reply too large for the page is sent on the
- *                 socket, announced by reply_len = EPD_MAILBOX_ON_SOCKET. A rank has at most one
- *                 such request pending (the daemon refuses a second), so the daemon never
+ *   reply mailbox (docs/design-notes.md, "Replies through the doorbell page") a request that asks
+ *                 for it (Dispatch/Combine reply_in_doorbell) gets its reply here instead of on
+ *                 the socket: the loop thread copies the packed Response into `reply`, stores its
+ *                 length, then the request id into reply_id (release), then adds 1 to reply_seq,
+ *                 and wakes reply_seq's futex when the client says it is sleeping (`waiting`).
+ *                 When an op starts, the daemon also adds 1 to reply_seq and wakes a client that
+ *                 asked for it (EPD_MAILBOX_WAKE_AT_START), which then polls for its reply. A
+ *                 client that polls sees reply_id change without any system call on either side;
+ *                 a sleeping one waits on reply_seq. A reply too large for the page is sent on
+ *                 the socket, announced by reply_len = EPD_MAILBOX_ON_SOCKET. A rank has at most
+ *                 one such request pending (the daemon refuses a second), so the daemon never
  *                 overwrites a reply its client has not read. The daemon reads nothing from the
  *                 page but `waiting`, and only to decide whether to wake.
  *

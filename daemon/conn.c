@@ -307,56 +307,56 @@ static int conn_read(struct epd_conn *c)
 {
         struct epd_daemon *d = c->daemon;
 
-        for (int budget = 0; budget < 1 && !c->closing && !c->close_reason; budget++) {
-                struct epd_frame frame;
-                const char *why = NULL;
-                int rc = epd_frame_recv(c->fd, d->rbuf, d->rbuf_len, d->cfg.max_frame_bytes,
-                                        d->cfg.max_fds_per_frame, &frame, &why);
-                if (rc == -EAGAIN)
-                        return 0;
-                if (rc == -ECONNRESET) {
-                        epd_conn_close(c, "end of stream");
-                        return -1;
-                }
-                if (rc < 0) {
-                        char msg[256];
-                        d->stats.protocol_errors++;
-                        snprintf(msg, sizeof(msg), "protocol error: %s",
-                                 why ? why : strerror(-rc));
-                        log_notice("client=%llu %s", (unsigned long long)c->id, msg);
-                        epd_conn_reply_status(c, 0, EPD_INVALID_ARGUMENT, "%s", msg);
-                        epd_conn_close(c, msg);
-                        return -1;
-                }
-                d->stats.frames_in++;
-                c->stats.requests++;
-                if (frame.header.version != EPD_PROTOCOL_VERSION) {
-                        epd_frame_close_fds(&frame);
-                        epd_conn_reply_status(c, 0, EPD_VERSION_MISMATCH,
-                                              "frame protocol version %u, daemon speaks %u",
-                                              frame.header.version, EPD_PROTOCOL_VERSION);
-                        epd_conn_close(c, "protocol version mismatch");
-                        return -1;
-                }
-                Epd__V1__Request *req =
-                        epd__v1__request__unpack(NULL, frame.body_len, frame.body);
-                if (!req) {
-                        d->stats.protocol_errors++;
-                        epd_frame_close_fds(&frame);
-                        epd_conn_reply_status(c, 0, EPD_INVALID_ARGUMENT,
-                                              "protocol error: body is not a valid Request");
-                        epd_conn_close(c, "undecodable request");
-                        return -1;
-                }
-                /* The handler takes the fds it uses (setting them to -1); the rest are closed
-                 * here, so a stray fd never outlives its frame. */
-                rc = epd_handle_request(c, req, frame.fds, frame.num_fds);
+        if (c->closing || c->close_reason)
+                return 0;
+        struct epd_frame frame;
+        const char *why = NULL;
+        int rc = epd_frame_recv(c->fd, d->rbuf, d->rbuf_len, d->cfg.max_frame_bytes,
+                                d->cfg.max_fds_per_frame, &frame, &why);
+        if (rc == -EAGAIN)
+                return 0;
+        if (rc == -ECONNRESET) {
+                epd_conn_close(c, "end of stream");
+                return -1;
+        }
+        if (rc < 0) {
+                char msg[256];
+                d->stats.protocol_errors++;
+                snprintf(msg, sizeof(msg), "protocol error: %s",
+                         why ? why : strerror(-rc));
+                log_notice("client=%llu %s", (unsigned long long)c->id, msg);
+                epd_conn_reply_status(c, 0, EPD_INVALID_ARGUMENT, "%s", msg);
+                epd_conn_close(c, msg);
+                return -1;
+        }
+        d->stats.frames_in++;
+        c->stats.requests++;
+        if (frame.header.version != EPD_PROTOCOL_VERSION) {
                 epd_frame_close_fds(&frame);
-                if (rc < 0) {
-                        if (!c->closing)
-                                epd_conn_close(c, "request handler closed the connection");
-                        return -1;
-                }
+                epd_conn_reply_status(c, 0, EPD_VERSION_MISMATCH,
+                                      "frame protocol version %u, daemon speaks %u",
+                                      frame.header.version, EPD_PROTOCOL_VERSION);
+                epd_conn_close(c, "protocol version mismatch");
+                return -1;
+        }
+        Epd__V1__Request *req =
+                epd__v1__request__unpack(NULL, frame.body_len, frame.body);
+        if (!req) {
+                d->stats.protocol_errors++;
+                epd_frame_close_fds(&frame);
+                epd_conn_reply_status(c, 0, EPD_INVALID_ARGUMENT,
+                                      "protocol error: body is not a valid Request");
+                epd_conn_close(c, "undecodable request");
+                return -1;
+        }
+        /* The handler takes the fds it uses (setting them to -1); the rest are closed
+         * here, so a stray fd never outlives its frame. */
+        rc = epd_handle_request(c, req, frame.fds, frame.num_fds);
+        epd_frame_close_fds(&frame);
+        if (rc < 0) {
+                if (!c->closing)
+                        epd_conn_close(c, "request handler closed the connection");
+                return -1;
         }
         return 0;
 }

@@ -25,21 +25,28 @@ static void op_free_cb(uv_handle_t *handle)
         free(op);
 }
 
-/* Where rank r's reply to the op goes: the rank's doorbell page when its request asked for it
- * and the binding that sent it still holds the rank, else (NULL) the socket. Either way the
- * rank's mailbox is free again once this reply is out. */
+/* The doorbell page that rank r's reply to the op goes into: the rank's page when its request
+ * asked for it and the binding that sent it still holds the rank, else NULL (the socket). */
+static struct epd_doorbell *sub_page(const struct epd_op *op, uint32_t r)
+{
+        const struct epd_submission *sub = &op->subs[r];
+        const struct epd_rank *rk = &op->group->ranks[r];
+
+        if (!sub->mailbox || rk->mailbox_id != sub->request_id || rk->conn != sub->conn)
+                return NULL;
+        return rk->doorbell;
+}
+
+/* sub_page for the reply being sent now: the rank's mailbox is free again once it is out. */
 static struct epd_doorbell *reply_mailbox(struct epd_op *op, uint32_t r)
 {
-        struct epd_submission *sub = &op->subs[r];
-        struct epd_rank *rk = &op->group->ranks[r];
+        struct epd_doorbell *page = sub_page(op, r);
 
-        if (!sub->mailbox)
-                return NULL;
-        sub->mailbox = 0;
-        if (rk->mailbox_id != sub->request_id || rk->conn != sub->conn)
-                return NULL;
-        rk->mailbox_id = 0;
-        return rk->doorbell;
+        /* (mailbox_id is set only while the rank has a page, and cleared with it.) */
+        if (page)
+                op->group->ranks[r].mailbox_id = 0;
+        op->subs[r].mailbox = 0;
+        return page;
 }
 
 static void op_destroy(struct epd_op *op)
@@ -801,10 +808,11 @@ static int op_launch(struct epd_op *op)
         /* Ranks waiting in their doorbell page: wake the sleepers while the op runs, so that
          * they poll for their replies rather than being woken one after another when the
          * replies come (daemon/mailbox.c). */
-        for (uint32_t r = 0; r < R; r++)
-                if (op->subs[r].mailbox && op->subs[r].conn == g->ranks[r].conn &&
-                    g->ranks[r].mailbox_id == op->subs[r].request_id && g->ranks[r].doorbell)
-                        epd_mailbox_nudge(g->ranks[r].doorbell);
+        for (uint32_t r = 0; r < R; r++) {
+                struct epd_doorbell *page = sub_page(op, r);
+                if (page)
+                        epd_mailbox_nudge(page);
+        }
         return 0;
 }
 

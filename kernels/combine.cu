@@ -72,6 +72,14 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld(const int4
         return STREAM ? epd__k_ldg_evict_first(p) : epd__k_ldg(p);
 }
 
+/* Items per multiprocessor that a small op is cut for (epd__k_slicing): 1.5 per resident warp
+ * (16 of 121 registers). Decode in process, against 48 (sixth session,
+ * docs/benchmarks/h200-s6-combine-variants.txt): 31.8-32.3 us in Fresh mode against 32.6-33.0,
+ * 27.5-27.9 against 29.0-29.1 after a read-only flush; 96 was no better than 48. */
+#ifndef COMBINE_SLICE_WARPS
+#define COMBINE_SLICE_WARPS 24
+#endif
+
 #ifndef COMBINE_AHEAD
 #define COMBINE_AHEAD 8 /* contributions whose loads are issued together */
 #endif
@@ -275,8 +283,8 @@ extern "C" int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t
         const uint64_t warps_per_block = COMBINE_THREADS / 32;
         uint64_t slice_values;
         uint32_t slices;
-        ret = epd__k_slicing(args->local_tokens, args->hidden, COMBINE_SLICE_UNIT, &slice_values,
-                             &slices);
+        ret = epd__k_slicing(args->local_tokens, args->hidden, COMBINE_SLICE_UNIT,
+                             COMBINE_SLICE_WARPS, &slice_values, &slices);
         if (ret < 0)
                 return ret;
         const uint64_t items = (uint64_t)args->local_tokens * slices;

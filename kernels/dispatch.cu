@@ -205,8 +205,8 @@ extern "C" int epd_k_dispatch_copy(const struct epd_k_dispatch_args *args, cudaS
                               PAD_ROWS_PER_ITEM;
         uint64_t slice_bytes;
         uint32_t slices;
-        ret = epd__k_slicing(args->local_tokens, args->row_bytes, COPY_SLICE_UNIT, &slice_bytes,
-                             &slices);
+        ret = epd__k_slicing(args->local_tokens, args->row_bytes, COPY_SLICE_UNIT,
+                             EPD_K_SLICE_WARPS, &slice_bytes, &slices);
         if (ret < 0)
                 return ret;
         uint64_t items = (uint64_t)args->local_tokens * slices;

@@ -38,12 +38,17 @@ int epd__k_smem_optin(int *optin);
 int epd__k_dynamic_smem(const void *kernel, size_t smem);
 
 /* How to cut each of `rows` work rows of `total` units (bytes or values) into slices for a
- * grid-stride kernel with a warp per (row, slice): enough slices that every resident warp of the
- * current device gets about one item, so that a small op keeps as many loads in flight as a
- * large one; large ops get one slice (whole rows per warp). *len is a multiple of `unit` (and
- * covers the row when *slices is 1); *slices = ceil(total / *len) >= 1. */
-int epd__k_slicing(uint64_t rows, uint64_t total, uint64_t unit, uint64_t *len,
-                   uint32_t *slices);
+ * grid-stride kernel with a warp per (row, slice): enough slices for about `warps_per_sm` items
+ * on each multiprocessor of the current device, so that a small op keeps as many loads in
+ * flight as a large one; large ops get one slice (whole rows per warp). *len is a multiple of
+ * `unit` (and covers the row when *slices is 1); *slices = ceil(total / *len) >= 1. */
+int epd__k_slicing(uint64_t rows, uint64_t total, uint64_t unit, uint64_t warps_per_sm,
+                   uint64_t *len, uint32_t *slices);
+/* Items per multiprocessor that small ops are cut for: 3/4 of Hopper's 64 warps (the copy);
+ * overridable with -D for experiments. */
+#ifndef EPD_K_SLICE_WARPS
+#define EPD_K_SLICE_WARPS 48
+#endif
 
 /* Loads each file's kernels into the current device's context (epd_k_preload). */
 int epd__k_preload_route(void);

@@ -204,14 +204,9 @@ int epd__k_grid_blocks(const void *kernel, int threads, size_t smem, uint64_t wo
         return 0;
 }
 
-int epd__k_slicing(uint64_t rows, uint64_t total, uint64_t unit, uint64_t *len,
-                   uint32_t *slices)
+int epd__k_slicing(uint64_t rows, uint64_t total, uint64_t unit, uint64_t warps_per_sm,
+                   uint64_t *len, uint32_t *slices)
 {
-        /* Items wanted: 48 warps on each multiprocessor, 3/4 of Hopper's 64. */
-#ifndef EPD_K_SLICE_WARPS /* overridable with -D for experiments */
-#define EPD_K_SLICE_WARPS 48
-#endif
-        const uint64_t warps_per_sm = EPD_K_SLICE_WARPS;
         int device, sms;
         cudaError_t err;
 

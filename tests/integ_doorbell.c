@@ -2,10 +2,10 @@
  * counts a rank's finished ops in order, a request with wait_inputs is held until the client
  * marks its inputs ready, and a mark that never comes turns into TIMEOUT instead of a hang.
  * The reply mailbox: replies (results and failures) come through the page by default and are
- * counted by the daemon, each op nudges the page when it starts, EPD_CLIENT_REPLY=socket turns it off and a bad value is refused, a
- * second op submitted while the first still waits for its page reply gets its reply on the
- * socket, a wait on the page times out and resumes, and a daemon killed during such a wait
- * fails it promptly instead of hanging it. */
+ * counted by the daemon, each op nudges the page when it starts, EPD_CLIENT_REPLY=socket turns
+ * it off and a bad value is refused, a second op submitted while the first still waits for its
+ * page reply gets its reply on the socket, a wait on the page times out and resumes, and a
+ * daemon killed during such a wait fails it promptly instead of hanging it. */
 #include <check.h>
 #include <jansson.h>
 #include <signal.h>
