@@ -4,8 +4,9 @@
  * The reply mailbox: replies (results and failures) come through the page by default and are
  * counted by the daemon, each op nudges the page when it starts, EPD_CLIENT_REPLY=socket turns
  * it off and a bad value is refused, a second op submitted while the first still waits for its
- * page reply gets its reply on the socket, a wait on the page times out and resumes, and a
- * daemon killed during such a wait fails it promptly instead of hanging it. */
+ * page reply gets its reply on the socket, a client that asks for a second page reply anyway is
+ * refused with a clear error, a wait on the page times out and resumes, and a daemon killed
+ * during such a wait fails it promptly instead of hanging it. */
 #include <check.h>
 #include <jansson.h>
 #include <signal.h>
@@ -17,6 +18,7 @@
 #include <unistd.h>
 
 #include "doorbell.h"
+#include "client_internal.h"
 #include "harness.h"
 #include "workload.h"
 
@@ -240,6 +242,40 @@ START_TEST(test_mailbox_one_at_a_time)
 }
 END_TEST
 
+/* A client that asks for a second reply in the page while the first is pending (libepd never
+ * does: the test clears libepd's record of the pending one) is refused with a clear error on
+ * the socket, which the wait in the page still picks up; the first op is unharmed. */
+START_TEST(test_mailbox_second_refused)
+{
+        struct setup s;
+        struct epd_op *a, *b;
+        uint64_t seq;
+
+        setup_group(&s, 5000);
+        s.da.wait_inputs = 1;
+        ck_assert_int_eq(epd_dispatch_submit(s.g, &s.da, &a), 0);
+        s.g->mailbox_id = 0; /* forget a: b asks for the page too */
+        s.da.wait_inputs = 0;
+        ck_assert_int_eq(epd_dispatch_submit(s.g, &s.da, &b), 0);
+        double t0 = now_ms();
+        ck_assert_int_eq(epd_op_wait(b, 5000), EPD_INVALID_ARGUMENT);
+        ck_assert_msg(now_ms() - t0 < 2000, "the refusal took %.0f ms", now_ms() - t0);
+        ck_assert_msg(strstr(epd_op_error(b), "doorbell page") != NULL, "message: %s",
+                      epd_op_error(b));
+        ck_assert_int_eq(via_page(b), 0);
+        ck_assert_int_eq(epd_group_mark_inputs_ready_host(s.g, &seq), 0);
+        ck_assert_int_eq(epd_op_wait(a, 5000), 0);
+        ck_assert_int_eq(via_page(a), 1);
+        epd_op_free(a);
+        epd_op_free(b);
+        /* The rank goes on: the refused submission counts as finished. */
+        ck_assert_int_eq(epd_dispatch(s.g, &s.da, &a), 0);
+        ck_assert_int_eq(via_page(a), 1);
+        epd_op_free(a);
+        teardown(&s);
+}
+END_TEST
+
 START_TEST(test_mailbox_daemon_killed)
 {
         struct setup s;
@@ -278,6 +314,7 @@ int main(void)
         tcase_add_test(tc, test_wait_inputs_timeout);
         tcase_add_test(tc, test_mailbox_off_and_bad_env);
         tcase_add_test(tc, test_mailbox_one_at_a_time);
+        tcase_add_test(tc, test_mailbox_second_refused);
         tcase_add_test(tc, test_mailbox_daemon_killed);
         suite_add_tcase(su, tc);
         sr = srunner_create(su);

@@ -9,3 +9,5 @@ epd_integration_test(integ_errors ${CMAKE_CURRENT_SOURCE_DIR}/integ_errors.c)
 target_link_libraries(integ_errors PRIVATE epd_workload)
 epd_integration_test(integ_doorbell ${CMAKE_CURRENT_SOURCE_DIR}/integ_doorbell.c)
 target_link_libraries(integ_doorbell PRIVATE epd_workload)
+# test_mailbox_second_refused plays a client that breaks libepd's one-reply-in-the-page rule.
+target_include_directories(integ_doorbell PRIVATE ${CMAKE_SOURCE_DIR}/client)
