@@ -63,6 +63,18 @@ struct epd_doorbell {
         uint8_t reply[];              /* up to the page's end */
 };
 
+/* Raises a sequence word (`completed`) to value, never lowering it (release). Two threads
+ * store it: the CUDA executor when it sees an op's end event, and the loop thread when it takes
+ * the completion or counts a refused submission, whose count may lag the executor's. */
+static inline void epd_doorbell_advance(volatile uint64_t *word, uint64_t value)
+{
+        uint64_t cur = __atomic_load_n(word, __ATOMIC_RELAXED);
+
+        while (cur < value && !__atomic_compare_exchange_n(word, &cur, value, 0,
+                                                           __ATOMIC_RELEASE, __ATOMIC_RELAXED))
+                ;
+}
+
 /* Bytes of a packed reply that fit in a doorbell page of page_bytes. */
 #define EPD_MAILBOX_CAPACITY(page_bytes)                                                       \
         ((page_bytes) > sizeof(struct epd_doorbell) ? (page_bytes) - sizeof(struct epd_doorbell) \

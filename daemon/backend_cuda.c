@@ -446,24 +446,17 @@ static void queue_input_waits(const struct epd_exec *ex, cudaStream_t stream)
  * end event: its kernels are complete, so their outputs are in place for any stream of the
  * device, and a stream-ordered client's stream (waiting for `completed` with
  * cuStreamWaitValue64) is released. The loop thread stores the same value again when it takes
- * the completion (group.c, rank_publish); the larger value wins. From the host rather than as
+ * the completion (group.c, rank_publish); the word only ever grows (epd_doorbell_advance). From the host rather than as
  * stream writes after the end event: those 8 writes took 7.4 us of GPU time as one batch
  * (bench/memop_probe.cu), so the last rank's doorbell moved that long after the op ended, and
  * the next op on the stream started that much later. Executor thread; the pages stay mapped
  * while the op executes (group.c, rank_doorbell_retire). */
 static void publish_completions(const struct epd_exec *ex)
 {
-        for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
-                const struct epd_exec_rank *er = &ex->ranks[r];
-                if (!er->doorbell)
-                        continue;
-                uint64_t cur = __atomic_load_n(&er->doorbell->completed, __ATOMIC_RELAXED);
-                while (cur < er->completed_value &&
-                       !__atomic_compare_exchange_n(&er->doorbell->completed, &cur,
-                                                    er->completed_value, 0, __ATOMIC_RELEASE,
-                                                    __ATOMIC_RELAXED))
-                        ;
-        }
+        for (uint32_t r = 0; r < ex->cfg.world_size; r++)
+                if (ex->ranks[r].doorbell)
+                        epd_doorbell_advance(&ex->ranks[r].doorbell->completed,
+                                             ex->ranks[r].completed_value);
 }
 
 /* Waits for a stream, or for an event on it (ev not NULL), with a bound: past the op timeout,

@@ -309,8 +309,9 @@ static void rank_publish(struct epd_rank *r)
                 memmove(r->refused, r->refused + i, (r->num_refused - i) * sizeof(*r->refused));
                 r->num_refused -= i;
         }
+        /* Never lower: the CUDA executor may have stored an executing op's count already. */
         if (r->doorbell)
-                __atomic_store_n(&r->doorbell->completed, r->completed, __ATOMIC_RELEASE);
+                epd_doorbell_advance(&r->doorbell->completed, r->completed);
 }
 
 uint64_t epd_group_rank_submitted(struct epd_group *g, uint32_t rank)

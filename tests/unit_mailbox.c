@@ -6,7 +6,8 @@
  * fills the page exactly still goes in; a thread sleeping on reply_seq's futex under the client's
  * protocol (waiting flag, re-check, FUTEX_WAIT) is woken by a post, so no wake-up is lost; the
  * nudge at an op's start moves reply_seq, wakes a client that polls after wake-ups and leaves
- * one that does not asleep until its reply.
+ * one that does not asleep until its reply; the `completed` word is never lowered by a store
+ * that lags another writer's.
  * Each test runs in its own process (fork mode).
  */
 #include <check.h>
@@ -239,6 +240,24 @@ START_TEST(test_nudge_wakes_only_pollers)
 }
 END_TEST
 
+/* `completed` has two writers (the CUDA executor at an op's end event, the loop thread when it
+ * takes the completion or counts a refused submission): a lagging store must not lower it. */
+START_TEST(test_completed_never_lowers)
+{
+        struct epd_doorbell *db = page_new();
+
+        epd_doorbell_advance(&db->completed, 5);
+        ck_assert_uint_eq(db->completed, 5);
+        epd_doorbell_advance(&db->completed, 4); /* the loop's count, behind the executor's */
+        ck_assert_uint_eq(db->completed, 5);
+        epd_doorbell_advance(&db->completed, 5);
+        ck_assert_uint_eq(db->completed, 5);
+        epd_doorbell_advance(&db->completed, 6);
+        ck_assert_uint_eq(db->completed, 6);
+        munmap(db, EPD_DOORBELL_BYTES);
+}
+END_TEST
+
 int main(void)
 {
         Suite *su = suite_create("unit_mailbox");
@@ -251,6 +270,7 @@ int main(void)
         tcase_add_test(tc, test_too_large_goes_to_socket);
         tcase_add_test(tc, test_sleeper_is_woken);
         tcase_add_test(tc, test_nudge_wakes_only_pollers);
+        tcase_add_test(tc, test_completed_never_lowers);
         suite_add_tcase(su, tc);
         sr = srunner_create(su);
         srunner_run_all(sr, CK_NORMAL);
