@@ -48,6 +48,24 @@ static int env_us(const char *name, unsigned def, uint64_t *ns, char *err, size_
         *ns = (uint64_t)us * 1000;
         return 0;
 }
+
+/* Where dispatch and combine go from the environment (common/doorbell.h, the mailboxes):
+ * *page = 1 for "doorbell" (also when unset), 0 for "socket". */
+static int env_path(const char *name, int *page, char *err, size_t err_len)
+{
+        const char *v = getenv(name);
+
+        *page = 1;
+        if (v == NULL || strcmp(v, "doorbell") == 0)
+                return 0;
+        if (strcmp(v, "socket") == 0) {
+                *page = 0;
+                return 0;
+        }
+        if (err)
+                snprintf(err, err_len, "%s=%s: expected doorbell or socket", name, v);
+        return EPD_INVALID_ARGUMENT;
+}
 #define CLIENT_MAX_FRAME (16u << 20)
 
 int epd__client_fail(struct epd_client *c, int status, const char *fmt, ...)
@@ -93,6 +111,8 @@ int epd__client_send_locked(struct epd_client *c, Epd__V1__Request *req, const i
         }
         if (buf != stackbuf)
                 free(buf);
+        if (rc == 0)
+                c->last_socket_id = req->id;
         if (rc < 0) {
                 c->broken = 1;
                 return epd__client_fail(c, EPD_UNAVAILABLE, "send to the daemon failed: %s",
@@ -359,21 +379,12 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
         if (env_us("EPD_CLIENT_POLL_US", 0, &poll_ns, err, err_len) < 0 ||
             env_us("EPD_CLIENT_SPIN_US", CLIENT_DEFAULT_SPIN_US, &spin_ns, err, err_len) < 0)
                 return EPD_INVALID_ARGUMENT;
-        /* Replies of dispatch and combine: in the doorbell page (the default) or on the
-         * socket (common/doorbell.h, reply mailbox). */
-        const char *reply_env = getenv("EPD_CLIENT_REPLY");
-        int mailbox = 1;
-        if (reply_env != NULL) {
-                if (strcmp(reply_env, "socket") == 0) {
-                        mailbox = 0;
-                } else if (strcmp(reply_env, "doorbell") != 0) {
-                        if (err)
-                                snprintf(err, err_len,
-                                         "EPD_CLIENT_REPLY=%s: expected doorbell or socket",
-                                         reply_env);
-                        return EPD_INVALID_ARGUMENT;
-                }
-        }
+        /* Requests and replies of dispatch and combine: through the doorbell page (the
+         * default) or the socket. */
+        int mailbox, page_requests;
+        if (env_path("EPD_CLIENT_REPLY", &mailbox, err, err_len) < 0 ||
+            env_path("EPD_CLIENT_REQUEST", &page_requests, err, err_len) < 0)
+                return EPD_INVALID_ARGUMENT;
         c = calloc(1, sizeof(*c));
         if (!c)
                 return EPD_INTERNAL;
@@ -382,6 +393,7 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
         c->poll_ns = poll_ns;
         c->spin_ns = spin_ns;
         c->mailbox = mailbox;
+        c->page_requests = page_requests;
         c->max_frame = CLIENT_MAX_FRAME;
         c->rbuf_len = EPD_FRAME_HEADER_BYTES + CLIENT_MAX_FRAME + 1;
         c->rbuf = malloc(c->rbuf_len);

@@ -51,6 +51,9 @@ struct epd_client {
         uint64_t spin_ns;             /* how long a wait in the doorbell page polls after a
                                        * wake-up (EPD_CLIENT_SPIN_US) */
         int mailbox;                  /* ask for replies in the doorbell page (EPD_CLIENT_REPLY) */
+        int page_requests;            /* post requests in the doorbell page when the daemon
+                                       * polls (EPD_CLIENT_REQUEST) */
+        uint64_t last_socket_id;      /* id of the last request sent on the socket */
         int broken;                   /* the connection failed; every call fails */
         char last_error[512];
         struct epd_daemon_info info;

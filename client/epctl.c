@@ -273,10 +273,12 @@ static uint64_t errors_total(const Epd__V1__OpStats *o)
 static void print_stats_table(const Epd__V1__StatsReply *s, const Epd__V1__StatsReply *prev,
                               double dt)
 {
-        printf("epd  backend %s  uptime %.1f s  ops %llu ok / %llu failed  clients %zu  replies "
-               "%llu framed / %llu in doorbell pages\n",
+        printf("epd  backend %s  uptime %.1f s  ops %llu ok / %llu failed  clients %zu  requests "
+               "%llu framed / %llu in doorbell pages  replies %llu framed / %llu in doorbell "
+               "pages\n",
                s->backend, s->uptime_ms / 1000.0, (unsigned long long)s->ops_completed,
-               (unsigned long long)s->ops_failed, s->n_clients, (unsigned long long)s->frames_out,
+               (unsigned long long)s->ops_failed, s->n_clients, (unsigned long long)s->frames_in,
+               (unsigned long long)s->mailbox_requests, (unsigned long long)s->frames_out,
                (unsigned long long)s->mailbox_replies);
         printf("%-16s %4s %5s %9s %8s %8s %8s %9s %8s %8s %6s %5s %12s\n", "GROUP", "RANK", "DEV",
                "DISPATCH", "/s", "p50[us]", "p99[us]", "COMBINE", "p50[us]", "p99[us]", "ERR",
@@ -393,7 +395,7 @@ static int cmd_stats(struct epd_client *c, int json)
                                                 (json_int_t)ds->ops, "bytes",
                                                 (json_int_t)ds->bytes));
         }
-        json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:o}",
+        json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:o}",
                               "backend", s->backend, "uptime_ms", (json_int_t)s->uptime_ms,
                               "ops_completed", (json_int_t)s->ops_completed, "ops_failed",
                               (json_int_t)s->ops_failed, "protocol_errors",
@@ -401,7 +403,9 @@ static int cmd_stats(struct epd_client *c, int json)
                               (json_int_t)s->clients_accepted, "clients_refused",
                               (json_int_t)s->clients_refused, "frames_out",
                               (json_int_t)s->frames_out, "mailbox_replies",
-                              (json_int_t)s->mailbox_replies, "groups", groups, "clients",
+                              (json_int_t)s->mailbox_replies, "frames_in",
+                              (json_int_t)s->frames_in, "mailbox_requests",
+                              (json_int_t)s->mailbox_requests, "groups", groups, "clients",
                               clients, "devices", devices);
         json_dumpf(o, stdout, JSON_INDENT(2));
         putchar('\n');

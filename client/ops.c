@@ -25,6 +25,7 @@ struct epd_op {
         Epd__V1__Response *resp;
         int mailbox;                  /* it asked for its reply in the doorbell page */
         int via_page;                 /* and the reply came there */
+        int request_via_page;         /* the request went through the page */
         uint64_t sent_ns;             /* just before the request was sent */
         uint64_t read_ns;             /* when the reply was read */
 };
@@ -41,10 +42,33 @@ static struct epd_op *op_new(struct epd_group *g, int kind)
         return op;
 }
 
+/* Posts req in the rank's request box (common/doorbell.h, request mailbox; the protocol's
+ * other half is in daemon/mailbox.c) when the daemon looks at it and has read every frame this
+ * client sent on the socket. Returns 1 when the daemon took or will take it, 0 when it is to go
+ * on the socket (it may then have been given an id it does not keep). Lock held. */
+static int page_post_locked(struct epd_client *c, struct epd_group *g, Epd__V1__Request *req)
+{
+        struct epd_request_box *box;
+
+        if (!c->page_requests || c->broken || !g->doorbell ||
+            !(c->daemon_caps & EPD__V1__CAPABILITY__CAP_REQUEST_MAILBOX))
+                return 0;
+        box = epd_doorbell_request_box(g->doorbell, g->doorbell_bytes);
+        if (!box || !epd_request_box_open(box, c->last_socket_id))
+                return 0;
+        req->id = ++c->next_id;
+        const size_t len = epd__v1__request__get_packed_size(req);
+        if (len > EPD_REQUEST_CAPACITY)
+                return 0;
+        epd__v1__request__pack(req, box->bytes);
+        box->len = (uint32_t)len;
+        return epd_request_publish(box);
+}
+
 static int op_send(struct epd_op *op, Epd__V1__Request *req, struct epd_op **out)
 {
         struct epd_client *c = op->client;
-        int rc;
+        int rc = 0;
 
         pthread_mutex_lock(&c->lock);
         /* The reply in the doorbell page when the daemon offers it and no earlier op of this
@@ -58,7 +82,9 @@ static int op_send(struct epd_op *op, Epd__V1__Request *req, struct epd_op **out
         else
                 req->combine->reply_in_doorbell = mailbox;
         op->sent_ns = epd__now_ns();
-        rc = epd__client_send_locked(c, req, NULL, 0);
+        op->request_via_page = page_post_locked(c, op->group, req);
+        if (!op->request_via_page)
+                rc = epd__client_send_locked(c, req, NULL, 0);
         if (rc == 0) {
                 op->seq = ++op->group->submitted;
                 op->mailbox = mailbox;
@@ -415,8 +441,10 @@ int epd_op_timeline(const struct epd_op *op, struct epd_op_timeline *out)
                 return EPD_UNAVAILABLE;
         memset((uint8_t *)out + sizeof(out->size), 0,
                (out->size < sizeof(*out) ? v1 : sizeof(*out)) - sizeof(out->size));
-        if (out->size >= sizeof(*out))
+        if (out->size >= sizeof(*out)) {
                 out->reply_in_doorbell = op->via_page;
+                out->request_in_doorbell = op->request_via_page;
+        }
         out->submitted_ns = op->sent_ns;
         out->reply_read_ns = op->read_ns;
         if (op->resp && op->resp->body_case == EPD__V1__RESPONSE__BODY_DISPATCH &&

@@ -28,6 +28,21 @@
  *                 overwrites a reply its client has not read. The daemon reads nothing from the
  *                 page but `waiting`, and only to decide whether to wake.
  *
+ *   request mailbox (docs/design-notes.md, "Requests through the doorbell page") the last
+ *                 EPD_REQUEST_AREA_BYTES of the page (struct epd_request_box). While the daemon's
+ *                 loop thread polls (it says so in `polling`), a client may put a packed Dispatch
+ *                 or Combine Request of this rank there instead of sending it on the socket: it
+ *                 copies the bytes and their length, then moves `state` from EMPTY to POSTED. The
+ *                 loop thread claims it (POSTED -> TAKEN, compare-and-swap), copies it out, and
+ *                 empties the slot (release) before it decodes the copy. A client that then reads
+ *                 `polling` as 0 takes its request back (POSTED -> EMPTY) and sends it on the
+ *                 socket; the loop thread, after it stores `polling` = 0, looks at every slot once
+ *                 more, so a request is either taken or taken back, never left behind. Order with
+ *                 the socket: a client posts only when the daemon has read every frame it sent
+ *                 (`socket_read_id`, the id of the last request the loop thread read from this
+ *                 client's socket), and the loop thread takes a client's posted requests before
+ *                 it handles the next frame from its socket.
+ *
  * The sequence words live in host memory registered with CUDA in both processes: a CPU store and
  * a GPU stream memory operation on it are ordered at system scope, which is the scope that two
  * processes (and the CPU) share. Each writer's words have their own 64-byte line so that two
@@ -60,8 +75,61 @@ struct epd_doorbell {
         /* ...and by the client. */
         volatile uint32_t waiting;
         uint32_t pad3[15];
-        uint8_t reply[];              /* up to the page's end */
+        uint8_t reply[];              /* up to the request box */
 };
+
+/* The request mailbox at the end of the page. */
+#define EPD_REQUEST_AREA_BYTES 4096u
+#define EPD_REQUEST_EMPTY 0u
+#define EPD_REQUEST_POSTED 1u
+#define EPD_REQUEST_TAKEN 2u
+
+struct epd_request_box {
+        /* Written by the daemon. */
+        volatile uint32_t polling;        /* 1 while the loop thread looks at the slots */
+        uint32_t pad0;
+        volatile uint64_t socket_read_id; /* last request id read from the client's socket */
+        uint64_t pad1[6];
+        /* The slot: `state` moves by compare-and-swap on both sides, `len` and `bytes` are the
+         * client's while the slot is EMPTY and the daemon's while it is POSTED or TAKEN. */
+        volatile uint32_t state;
+        volatile uint32_t len;
+        uint64_t pad2[7];
+        uint8_t bytes[];                  /* up to the page's end */
+};
+
+#define EPD_REQUEST_CAPACITY (EPD_REQUEST_AREA_BYTES - sizeof(struct epd_request_box))
+
+/* The request box of a page of page_bytes, or NULL when the page has no room for one. */
+static inline struct epd_request_box *epd_doorbell_request_box(void *page, uint64_t page_bytes)
+{
+        if (page_bytes < sizeof(struct epd_doorbell) + EPD_REQUEST_AREA_BYTES)
+                return 0;
+        return (struct epd_request_box *)((uint8_t *)page + page_bytes - EPD_REQUEST_AREA_BYTES);
+}
+
+/* The client's half of the request mailbox (the daemon's is daemon/mailbox.c, which argues the
+ * ordering). epd_request_box_open: whether a request may be posted now, given the id of the
+ * last request the client sent on its socket. The client then writes `bytes` and `len`, and
+ * epd_request_publish returns 1 when the daemon took or will take the request, 0 when the
+ * daemon had stopped looking and the request was taken back (it is to go on the socket). */
+static inline int epd_request_box_open(const struct epd_request_box *box, uint64_t last_socket_id)
+{
+        return __atomic_load_n(&box->polling, __ATOMIC_RELAXED) &&
+               __atomic_load_n(&box->state, __ATOMIC_ACQUIRE) == EPD_REQUEST_EMPTY &&
+               __atomic_load_n(&box->socket_read_id, __ATOMIC_ACQUIRE) >= last_socket_id;
+}
+
+static inline int epd_request_publish(struct epd_request_box *box)
+{
+        uint32_t expect = EPD_REQUEST_POSTED;
+
+        __atomic_store_n(&box->state, EPD_REQUEST_POSTED, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&box->polling, __ATOMIC_SEQ_CST))
+                return 1;
+        return !__atomic_compare_exchange_n(&box->state, &expect, EPD_REQUEST_EMPTY, 0,
+                                            __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
 
 /* Raises a sequence word (`completed`) to value, never lowering it (release). Two threads
  * store it: the CUDA executor when it sees an op's end event, and the loop thread when it takes
@@ -75,9 +143,11 @@ static inline void epd_doorbell_advance(volatile uint64_t *word, uint64_t value)
                 ;
 }
 
-/* Bytes of a packed reply that fit in a doorbell page of page_bytes. */
-#define EPD_MAILBOX_CAPACITY(page_bytes)                                                       \
-        ((page_bytes) > sizeof(struct epd_doorbell) ? (page_bytes) - sizeof(struct epd_doorbell) \
-                                                    : 0)
+/* Bytes of a packed reply that fit in a doorbell page of page_bytes: from the header to the
+ * request box. */
+#define EPD_MAILBOX_CAPACITY(page_bytes)                                                 \
+        ((page_bytes) > sizeof(struct epd_doorbell) + EPD_REQUEST_AREA_BYTES                \
+                 ? (page_bytes) - sizeof(struct epd_doorbell) - EPD_REQUEST_AREA_BYTES      \
+                 : 0)
 
 #endif

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "daemon.h"
 #include "log.h"
 #include "util.h"
 
@@ -39,22 +40,43 @@ static void on_done_async(uv_async_t *handle)
 
 /* An active idle handle makes every loop turn poll for I/O without blocking; this callback
  * runs once per turn. A completion is then answered without the eventfd wake-up of the loop
- * thread, and the next request is read as soon as it arrives. */
+ * thread, the next request is read as soon as it arrives, and requests that clients post in
+ * their doorbell pages are taken without a system call (conn.c). */
 static void on_poll_idle(uv_idle_t *handle)
 {
         struct epd_backend *b = handle->data;
 
         drain_done(b);
-        if (b->inflight == 0 && epd__now_ns() > b->poll_until_ns)
+        (void)epd_conn_poll_pages(b->daemon);
+        if (b->inflight == 0 && epd__now_ns() > b->poll_until_ns) {
                 uv_idle_stop(handle);
+                /* Its last look may take a request that launches an op, which polls again. */
+                epd_conn_set_polling(b->daemon, 0);
+        }
+}
+
+static void poll_start(struct epd_backend *b)
+{
+        if (b->poll_ns && !uv_is_active((uv_handle_t *)&b->poll_idle)) {
+                uv_idle_start(&b->poll_idle, on_poll_idle);
+                epd_conn_set_polling(b->daemon, 1);
+        }
 }
 
 void epd_backend_submit(struct epd_backend *b, struct epd_exec *ex)
 {
         b->inflight++;
-        if (b->poll_ns && !uv_is_active((uv_handle_t *)&b->poll_idle))
-                uv_idle_start(&b->poll_idle, on_poll_idle);
+        poll_start(b);
         b->ops->submit(b, ex);
+}
+
+void epd_backend_poll_window(struct epd_backend *b)
+{
+        const uint64_t until = epd__now_ns() + b->poll_ns;
+
+        if (until > b->poll_until_ns)
+                b->poll_until_ns = until;
+        poll_start(b);
 }
 
 void epd_exec_done(struct epd_backend *b, struct epd_exec *ex)

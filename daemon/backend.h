@@ -137,8 +137,9 @@ struct epd_backend {
         pthread_mutex_t done_lock;
         struct epd_list done;
         /* Loop-side polling (poll_us): while execs are in flight, and poll_ns after the last
-         * one completed, an active idle handle keeps uv_run from sleeping and drains the
-         * completion queue on every turn. Loop thread only. */
+         * one completed or an op's first request came, an active idle handle keeps uv_run from
+         * sleeping, drains the completion queue and takes the requests posted in doorbell pages
+         * on every turn. Loop thread only. */
         uv_idle_t poll_idle;
         uint64_t poll_ns, poll_until_ns;
         unsigned inflight;
@@ -146,6 +147,9 @@ struct epd_backend {
 
 /* Hands an exec to the backend (ops->submit) and starts the loop's polling. Loop thread. */
 void epd_backend_submit(struct epd_backend *b, struct epd_exec *ex);
+/* Keeps the loop polling for poll_ns from now: an op's first request came, and its other ranks'
+ * requests are on their way. Loop thread. */
+void epd_backend_poll_window(struct epd_backend *b);
 
 /* Waits on the host until every rank's inputs_ready has reached its wait_inputs, or until
  * deadline_ns; on expiry releases the doorbells it waited on and returns -1. Host backend. */

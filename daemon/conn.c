@@ -298,6 +298,150 @@ void epd_conn_reply_status_to(struct epd_conn *c, struct epd_doorbell *mailbox,
         va_end(ap);
 }
 
+static int conn_protocol_error(struct epd_conn *c, const char *fmt, ...)
+        __attribute__((format(printf, 2, 3)));
+
+/* Answers a protocol error with request id 0 and closes the connection. Returns -1. */
+static int conn_protocol_error(struct epd_conn *c, const char *fmt, ...)
+{
+        char msg[256];
+        va_list ap;
+
+        va_start(ap, fmt);
+        vsnprintf(msg, sizeof(msg), fmt, ap);
+        va_end(ap);
+        c->daemon->stats.protocol_errors++;
+        log_notice("client=%llu %s", (unsigned long long)c->id, msg);
+        epd_conn_reply_status(c, 0, EPD_INVALID_ARGUMENT, "%s", msg);
+        epd_conn_close(c, msg);
+        return -1;
+}
+
+/* ---- requests through the doorbell pages (common/doorbell.h, request mailbox) ---- */
+
+/* Handles the request a client posted in the page of binding b, if any. Returns 1 when one was
+ * handled, 0 when there was none, -1 once the connection was closed. */
+static int conn_take_page(struct epd_conn *c, struct epd_binding *b)
+{
+        struct epd_daemon *d = c->daemon;
+        struct epd_group *g = b->group;
+        struct epd_doorbell *page = g->ranks[b->rank].doorbell;
+        uint8_t buf[EPD_REQUEST_CAPACITY];
+        size_t len;
+        int rc;
+
+        if (!page)
+                return 0;
+        rc = epd_mailbox_take(page, buf, sizeof(buf), &len);
+        if (rc == 0)
+                return 0;
+        if (rc < 0)
+                return conn_protocol_error(
+                        c, "protocol error: the request in the doorbell page of group '%s' rank %u is %zu bytes; it must be 1 to %zu",
+                        g->name, b->rank, len, (size_t)EPD_REQUEST_CAPACITY);
+        Epd__V1__Request *req = epd__v1__request__unpack(NULL, len, buf);
+        if (!req)
+                return conn_protocol_error(
+                        c, "protocol error: the doorbell page of group '%s' rank %u holds no valid Request",
+                        g->name, b->rank);
+        const int ok = (req->body_case == EPD__V1__REQUEST__BODY_DISPATCH &&
+                        req->dispatch->group_id == g->id && req->dispatch->rank == b->rank) ||
+                       (req->body_case == EPD__V1__REQUEST__BODY_COMBINE &&
+                        req->combine->group_id == g->id && req->combine->rank == b->rank);
+        if (!ok) {
+                epd__v1__request__free_unpacked(req, NULL);
+                return conn_protocol_error(
+                        c, "protocol error: a request in the doorbell page of group '%s' rank %u must be a Dispatch or Combine of that rank",
+                        g->name, b->rank);
+        }
+        d->stats.mailbox_requests++;
+        c->stats.requests++;
+        rc = epd_handle_request(c, req, NULL, 0);
+        if (rc < 0 || c->closing || c->close_reason) {
+                if (!c->closing)
+                        epd_conn_close(c, "request handler closed the connection");
+                return -1;
+        }
+        return 1;
+}
+
+/* Takes every request c's client posted in its pages. Returns the number handled, or -1 once
+ * the connection was closed. */
+static int conn_take_pages(struct epd_conn *c)
+{
+        struct epd_list *pos, *tmp;
+        int n = 0;
+
+        if (c->closing || c->close_reason)
+                return 0;
+        epd_list_for_each_safe(pos, tmp, &c->bindings)
+        {
+                int rc = conn_take_page(c, epd_list_entry(pos, struct epd_binding, conn_link));
+                if (rc < 0)
+                        return -1;
+                n += rc;
+        }
+        return n;
+}
+
+unsigned epd_conn_poll_pages(struct epd_daemon *d)
+{
+        struct epd_list *pos, *tmp;
+        unsigned n = 0;
+
+        epd_list_for_each_safe(pos, tmp, &d->conns)
+        {
+                int rc = conn_take_pages(epd_list_entry(pos, struct epd_conn, link));
+                if (rc > 0)
+                        n += (unsigned)rc;
+        }
+        return n;
+}
+
+void epd_conn_page_init(struct epd_conn *c, struct epd_doorbell *page)
+{
+        epd_mailbox_set_read_id(page, c->last_read_id);
+        epd_mailbox_set_polling(page, c->daemon->polling);
+}
+
+void epd_conn_set_polling(struct epd_daemon *d, int on)
+{
+        struct epd_list *pos, *bpos;
+
+        if (d->polling == on)
+                return;
+        d->polling = on;
+        epd_list_for_each(pos, &d->conns)
+        {
+                struct epd_conn *c = epd_list_entry(pos, struct epd_conn, link);
+                epd_list_for_each(bpos, &c->bindings)
+                {
+                        struct epd_binding *b = epd_list_entry(bpos, struct epd_binding, conn_link);
+                        struct epd_doorbell *page = b->group->ranks[b->rank].doorbell;
+                        if (page)
+                                epd_mailbox_set_polling(page, on);
+                }
+        }
+        /* A client that posted before it could see the 0 is served by this last look. */
+        if (!on)
+                (void)epd_conn_poll_pages(d);
+}
+
+/* Tells the client's pages that its socket was read up to request `id`. */
+static void conn_read_up_to(struct epd_conn *c, uint64_t id)
+{
+        struct epd_list *pos;
+
+        c->last_read_id = id;
+        epd_list_for_each(pos, &c->bindings)
+        {
+                struct epd_binding *b = epd_list_entry(pos, struct epd_binding, conn_link);
+                struct epd_doorbell *page = b->group->ranks[b->rank].doorbell;
+                if (page)
+                        epd_mailbox_set_read_id(page, id);
+        }
+}
+
 /* Reads and handles the next waiting frame. One per readiness event: the poll is
  * level-triggered, so libuv reports the socket again while frames wait, and reading on until
  * EAGAIN would cost every request a second, empty recvmsg (about a microsecond on a virtual
@@ -319,14 +463,11 @@ static int conn_read(struct epd_conn *c)
                 epd_conn_close(c, "end of stream");
                 return -1;
         }
-        if (rc < 0) {
-                char msg[256];
-                d->stats.protocol_errors++;
-                snprintf(msg, sizeof(msg), "protocol error: %s",
-                         why ? why : strerror(-rc));
-                log_notice("client=%llu %s", (unsigned long long)c->id, msg);
-                epd_conn_reply_status(c, 0, EPD_INVALID_ARGUMENT, "%s", msg);
-                epd_conn_close(c, msg);
+        if (rc < 0)
+                return conn_protocol_error(c, "protocol error: %s", why ? why : strerror(-rc));
+        /* Requests the client posted in its pages came before this frame. */
+        if (conn_take_pages(c) < 0) {
+                epd_frame_close_fds(&frame);
                 return -1;
         }
         d->stats.frames_in++;
@@ -342,13 +483,10 @@ static int conn_read(struct epd_conn *c)
         Epd__V1__Request *req =
                 epd__v1__request__unpack(NULL, frame.body_len, frame.body);
         if (!req) {
-                d->stats.protocol_errors++;
                 epd_frame_close_fds(&frame);
-                epd_conn_reply_status(c, 0, EPD_INVALID_ARGUMENT,
-                                      "protocol error: body is not a valid Request");
-                epd_conn_close(c, "undecodable request");
-                return -1;
+                return conn_protocol_error(c, "protocol error: body is not a valid Request");
         }
+        conn_read_up_to(c, req->id);
         /* The handler takes the fds it uses (setting them to -1); the rest are closed
          * here, so a stray fd never outlives its frame. */
         rc = epd_handle_request(c, req, frame.fds, frame.num_fds);

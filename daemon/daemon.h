@@ -47,6 +47,7 @@ struct epd_daemon {
         struct epd_daemon_stats stats;
         uint8_t *rbuf;                /* receive buffer, max frame + header + 1 */
         size_t rbuf_len;
+        int polling;                  /* the loop thread looks at the request boxes each turn */
 };
 
 /* A client's registered memory. base is the address through which the backend reaches it
@@ -97,6 +98,7 @@ struct epd_conn {
         unsigned num_regions;
         uint64_t region_bytes;
         struct epd_list bindings;     /* struct epd_binding */
+        uint64_t last_read_id;        /* id of the last request read from the socket */
         unsigned outstanding_ops;
         struct epd_list out_queue;
         uint64_t out_bytes;
@@ -341,6 +343,13 @@ int epd_daemon_init(struct epd_daemon *d, uv_loop_t *loop, char *err, size_t err
 /* server.c */
 int epd_server_listen(struct epd_daemon *d, char *err, size_t err_len);
 void epd_server_close(struct epd_daemon *d);
+/* Requests through the doorbell pages (common/doorbell.h, request mailbox; conn.c). The loop
+ * thread takes every posted request and returns how many it handled; it tells the clients'
+ * pages whether it looks at them (after saying no, it looks once more); a new binding's page
+ * gets the current state. */
+unsigned epd_conn_poll_pages(struct epd_daemon *d);
+void epd_conn_set_polling(struct epd_daemon *d, int on);
+void epd_conn_page_init(struct epd_conn *c, struct epd_doorbell *page);
 int epd_conn_is_allowed(const struct epd_daemon *d, uid_t uid, gid_t gid);
 int epd_conn_is_admin(const struct epd_daemon *d, uid_t uid, gid_t gid);
 

@@ -418,6 +418,8 @@ int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint3
         r->conn = c;
         r->binding = b;
         r->next_op = 0;
+        if (r->doorbell)
+                epd_conn_page_init(c, r->doorbell);
         g->num_bound++;
         if (g->num_bound == g->cfg.world_size &&
             (g->state == EPD_GROUP_FORMING || g->state == EPD_GROUP_BROKEN)) {

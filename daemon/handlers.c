@@ -79,6 +79,7 @@ static int handle_hello(struct epd_conn *c, const Epd__V1__Request *req)
         w.capabilities = EPD__V1__CAPABILITY__CAP_HOST_REGIONS |
                          EPD__V1__CAPABILITY__CAP_OUTPUT_ARENA |
                          EPD__V1__CAPABILITY__CAP_REPLY_MAILBOX |
+                         EPD__V1__CAPABILITY__CAP_REQUEST_MAILBOX |
                          (c->admin ? EPD__V1__CAPABILITY__CAP_ADMIN : 0);
         if (strcmp(d->backend->ops->name, "cuda") == 0)
                 w.capabilities |= EPD__V1__CAPABILITY__CAP_CUDA_REGIONS;

@@ -1,6 +1,6 @@
 /* mailbox.c - see mailbox.h.
  *
- * Why. Replying on the socket costs the loop thread a sendmsg per rank, and each one wakes a
+ * Replies. Why. Replying on the socket costs the loop thread a sendmsg per rank, and each one wakes a
  * sleeping worker inside the sender's system call: about 2.5 us per reply on the H200 test
  * machine's virtual machine, so the eighth rank of a group got its reply 17-27 us after the op
  * completed, and the wake-up of its thread took another 10 us (docs/performance.md, "Daemon
@@ -19,9 +19,25 @@
  * client reads reply_seq, sets `waiting`, checks reply_id once more and sleeps only while
  * reply_seq still holds the value it read. Either the client's check sees the reply, or the
  * daemon's read sees the flag and wakes it, or the futex call finds reply_seq changed and
- * returns at once. */
+ * returns at once.
+ *
+ * Requests. Why. Eight ranks submit an op's requests at nearly the same time, and the loop thread
+ * reads them one after another: an epoll_wait and a recvmsg each, about 2 us per request on the
+ * H200 test machine's virtual machine, so the last submitter's request waited 17-27 us before the
+ * loop read it (docs/performance.md). While the loop thread polls anyway (the backend's poll_us
+ * window), it looks at the request boxes each turn instead, and a request there costs a copy.
+ *
+ * Ordering. The client's bytes and length are plain stores published by its release of
+ * state = POSTED; the daemon's compare-and-swap to TAKEN (acquire) makes them visible, and it
+ * copies them out before it stores EMPTY (release), after which the client may write the slot
+ * again. The handshake that no request is left behind is Dekker's: the client stores POSTED and
+ * then loads `polling`, the daemon stores `polling` = 0 and then loads each `state`, all
+ * sequentially consistent, so at least one of them sees the other's store: either the daemon's
+ * last look finds the request, or the client sees polling = 0 and takes it back, and the
+ * compare-and-swap on `state` decides which of the two owns it. */
 #include <errno.h>
 #include <limits.h>
+#include <string.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -60,4 +76,45 @@ int epd_mailbox_post(struct epd_doorbell *db, const Epd__V1__Response *resp)
         db->reply_len = (uint32_t)len;
         mailbox_ring(db, resp->id);
         return 0;
+}
+
+static struct epd_request_box *request_box(struct epd_doorbell *db)
+{
+        return epd_doorbell_request_box(db, EPD_DOORBELL_BYTES);
+}
+
+void epd_mailbox_set_polling(struct epd_doorbell *db, int on)
+{
+        __atomic_store_n(&request_box(db)->polling, on ? 1u : 0u, __ATOMIC_SEQ_CST);
+}
+
+void epd_mailbox_set_read_id(struct epd_doorbell *db, uint64_t id)
+{
+        __atomic_store_n(&request_box(db)->socket_read_id, id, __ATOMIC_RELEASE);
+}
+
+int epd_mailbox_take(struct epd_doorbell *db, uint8_t *buf, size_t buf_len, size_t *len)
+{
+        struct epd_request_box *box = request_box(db);
+        uint32_t expect = EPD_REQUEST_POSTED;
+
+        if (__atomic_load_n(&box->state, __ATOMIC_SEQ_CST) != EPD_REQUEST_POSTED)
+                return 0;
+        if (!__atomic_compare_exchange_n(&box->state, &expect, EPD_REQUEST_TAKEN, 0,
+                                         __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+                return 0; /* taken back by the client */
+        /* Read the length once: the client may scribble on the slot, but what is copied is
+         * bounded by what was checked. */
+        const uint32_t n = __atomic_load_n(&box->len, __ATOMIC_RELAXED);
+        int rc = 1;
+
+        if (n == 0 || n > EPD_REQUEST_CAPACITY || n > buf_len) {
+                *len = n;
+                rc = -EMSGSIZE;
+        } else {
+                memcpy(buf, box->bytes, n);
+                *len = n;
+        }
+        __atomic_store_n(&box->state, EPD_REQUEST_EMPTY, __ATOMIC_RELEASE);
+        return rc;
 }

@@ -250,6 +250,9 @@ static void render_daemon(struct textbuf *b, const struct epd_daemon *d,
         family(b, "epd_mailbox_replies_total", "counter",
                "Op replies written into the rank's doorbell page instead of a frame.");
         sample_u64(b, "epd_mailbox_replies_total", NULL, s->mailbox_replies);
+        family(b, "epd_mailbox_requests_total", "counter",
+               "Op requests taken from the rank's doorbell page instead of a frame.");
+        sample_u64(b, "epd_mailbox_requests_total", NULL, s->mailbox_requests);
         family(b, "epd_collective_ops_total", "counter",
                "Collective ops (one per op of a group, all ranks together) by result.");
         sample_u64(b, "epd_collective_ops_total", "result=\"completed\"", s->ops_completed);

@@ -274,6 +274,8 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
         if (op->arrived == 1 && g->cfg.world_size > 1) {
                 uv_timer_start(&op->timer, on_op_timeout, g->cfg.op_timeout_ms, 0);
                 op->timer_active = 1;
+                /* Its other ranks may post their requests in their pages. */
+                epd_backend_poll_window(d->backend);
         }
         if (op->arrived == g->cfg.world_size) {
                 if (op->timer_active) {

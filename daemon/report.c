@@ -123,6 +123,7 @@ int epd_report_build(struct epd_daemon *d, Epd__V1__StatsReply *out, struct epd_
         out->frames_in = d->stats.frames_in;
         out->frames_out = d->stats.frames_out;
         out->mailbox_replies = d->stats.mailbox_replies;
+        out->mailbox_requests = d->stats.mailbox_requests;
         out->protocol_errors = d->stats.protocol_errors;
         out->clients_accepted = d->stats.clients_accepted;
         out->clients_refused = d->stats.clients_refused;

@@ -56,6 +56,7 @@ struct epd_daemon_stats {
         uint64_t frames_in;
         uint64_t frames_out;
         uint64_t mailbox_replies;     /* replies through doorbell pages, not frames */
+        uint64_t mailbox_requests;    /* requests through doorbell pages, not frames */
         uint64_t protocol_errors;
         uint64_t clients_accepted;
         uint64_t clients_refused;

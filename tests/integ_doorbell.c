@@ -6,7 +6,12 @@
  * it off and a bad value is refused, a second op submitted while the first still waits for its
  * page reply gets its reply on the socket, a client that asks for a second page reply anyway is
  * refused with a clear error, a wait on the page times out and resumes, and a daemon killed
- * during such a wait fails it promptly instead of hanging it. */
+ * during such a wait fails it promptly instead of hanging it.
+ * The request mailbox: while the daemon polls, requests go through the page, are counted, and
+ * give the same results as on the socket; EPD_CLIENT_REQUEST=socket turns it off and a bad value
+ * is refused; a frame sent on the socket while a request waits in the page is handled after it;
+ * and a page holding garbage, an oversized length, a request of another kind or of another
+ * rank closes that client's connection with a clear error while the daemon goes on. */
 #include <check.h>
 #include <jansson.h>
 #include <signal.h>
@@ -63,7 +68,7 @@ static long long mailbox_replies(const struct h_daemon *d)
         return n;
 }
 
-static void setup_group(struct setup *s, uint32_t timeout_ms)
+static void setup_group_with(struct setup *s, uint32_t timeout_ms, const char *const *daemon_args)
 {
         const struct wl_case *c = &base_case;
         struct epd_group_config cfg = {
@@ -75,7 +80,7 @@ static void setup_group(struct setup *s, uint32_t timeout_ms)
         void *p;
         uint64_t region;
 
-        ck_assert_int_eq(h_daemon_start(&s->d, NULL), 0);
+        ck_assert_int_eq(h_daemon_start(&s->d, daemon_args), 0);
         s->c = h_connect(&s->d, "doorbell");
         ck_assert_ptr_nonnull(s->c);
         ck_assert_int_eq(wl_enter_group(s->c, "db", 0, &cfg, &s->g), 0);
@@ -93,6 +98,15 @@ static void setup_group(struct setup *s, uint32_t timeout_ms)
         ck_assert_int_eq(epd_tensor_at(s->c, (uint8_t *)p + 32768, EPD_DTYPE_INT64, 2, ks,
                                        &s->da.topk_idx), 0);
 }
+
+static void setup_group(struct setup *s, uint32_t timeout_ms)
+{
+        setup_group_with(s, timeout_ms, NULL);
+}
+
+/* The daemon's loop thread polls 100 ms after each op, so the next op's request may go through
+ * the page. */
+static const char *const polling_daemon[] = { "--poll-us", "100000", NULL };
 
 static void teardown(struct setup *s)
 {
@@ -301,6 +315,185 @@ START_TEST(test_mailbox_daemon_killed)
 }
 END_TEST
 
+/* Whether the op's request went through the doorbell page. */
+static int request_via_page(const struct epd_op *op)
+{
+        struct epd_op_timeline tl = { .size = sizeof(tl) };
+
+        ck_assert_int_eq(epd_op_timeline(op, &tl), 0);
+        return (int)tl.request_in_doorbell;
+}
+
+static long long stat_of(const struct h_daemon *d, const char *name)
+{
+        json_t *j = h_epctl_json(d, "stats");
+        json_t *v = json_object_get(j, name);
+        ck_assert_msg(json_is_integer(v), "epctl stats --json has no %s", name);
+        long long n = json_integer_value(v);
+        json_decref(j);
+        return n;
+}
+
+/* One dispatch; returns whether its request went through the page, checks its result against
+ * the first op's (rows received) and releases its handle. */
+static int dispatch_once(struct setup *s, uint64_t *rows)
+{
+        struct epd_op *op;
+        struct epd_dispatch_result dr;
+
+        ck_assert_int_eq(epd_dispatch(s->g, &s->da, &op), 0);
+        ck_assert_int_eq(epd_op_dispatch_result(op, &dr), 0);
+        if (*rows == UINT64_MAX)
+                *rows = (uint64_t)dr.num_recv_tokens;
+        ck_assert_uint_eq((uint64_t)dr.num_recv_tokens, *rows);
+        ck_assert_int_eq(epd_handle_release(s->g, dr.handle_id), 0);
+        const int page = request_via_page(op);
+        epd_op_free(op);
+        return page;
+}
+
+START_TEST(test_request_page)
+{
+        struct setup s;
+        uint64_t rows = UINT64_MAX;
+        int in_page = 0;
+
+        setup_group_with(&s, 5000, polling_daemon);
+        /* The first op finds the daemon asleep: socket. The next ones come within its 100 ms
+         * of polling. */
+        ck_assert_int_eq(dispatch_once(&s, &rows), 0);
+        for (int i = 0; i < 20; i++)
+                in_page += dispatch_once(&s, &rows);
+        ck_assert_msg(in_page >= 15, "only %d of 20 requests went through the page", in_page);
+        ck_assert_int_eq(stat_of(&s.d, "mailbox_requests"), in_page);
+        teardown(&s);
+
+        /* Off by the environment; a bad value is refused. */
+        setenv("EPD_CLIENT_REQUEST", "socket", 1);
+        setup_group_with(&s, 5000, polling_daemon);
+        for (int i = 0; i < 5; i++)
+                ck_assert_int_eq(dispatch_once(&s, &rows), 0);
+        ck_assert_int_eq(stat_of(&s.d, "mailbox_requests"), 0);
+        struct epd_connect_args args = { .size = sizeof(args), .socket_path = s.d.socket,
+                                         .client_name = "bad-env", .timeout_ms = 5000 };
+        struct epd_client *c = NULL;
+        char err[512] = "";
+        setenv("EPD_CLIENT_REQUEST", "carrier", 1);
+        ck_assert_int_eq(epd_client_connect(&args, &c, err, sizeof(err)), EPD_INVALID_ARGUMENT);
+        ck_assert_ptr_null(c);
+        ck_assert_msg(strstr(err, "EPD_CLIENT_REQUEST") != NULL, "message: %s", err);
+        unsetenv("EPD_CLIENT_REQUEST");
+        teardown(&s);
+}
+END_TEST
+
+/* A request posted in the page, then one on the socket: the daemon handles them in that order.
+ * The daemon does not poll here; the test holds the box open itself (as the daemon's flag reads
+ * in the instant before it stops polling), so the page's request is seen only when the socket's
+ * frame wakes the loop thread, which must take the page first. */
+static const char *const sleeping_daemon[] = { "--poll-us", "0", NULL };
+
+START_TEST(test_request_page_order)
+{
+        struct setup s;
+        uint64_t rows = UINT64_MAX;
+        struct epd_op *a, *b;
+        struct epd_op_timeline ta = { .size = sizeof(ta) }, tb = { .size = sizeof(tb) };
+
+        setup_group_with(&s, 5000, sleeping_daemon);
+        (void)dispatch_once(&s, &rows);
+        struct epd_request_box *box = epd_doorbell_request_box(s.g->doorbell, s.g->doorbell_bytes);
+        ck_assert_ptr_nonnull(box);
+        ck_assert_uint_eq(box->polling, 0);
+        __atomic_store_n(&box->polling, 1, __ATOMIC_SEQ_CST);
+        ck_assert_int_eq(epd_dispatch_submit(s.g, &s.da, &a), 0);
+        ck_assert_int_eq(epd_dispatch_submit(s.g, &s.da, &b), 0);
+        ck_assert_int_eq(epd_op_wait(a, 5000), 0);
+        ck_assert_int_eq(epd_op_wait(b, 5000), 0);
+        ck_assert_int_eq(request_via_page(a), 1);
+        ck_assert_int_eq(request_via_page(b), 0); /* the box was full */
+        ck_assert_int_eq(epd_op_timeline(a, &ta), 0);
+        ck_assert_int_eq(epd_op_timeline(b, &tb), 0);
+        ck_assert_msg(ta.received_ns < tb.received_ns, "the socket's request was read first");
+        ck_assert_uint_eq(epd_op_sequence(a) + 1, epd_op_sequence(b));
+        struct epd_dispatch_result ra, rb;
+        ck_assert_int_eq(epd_op_dispatch_result(a, &ra), 0);
+        ck_assert_int_eq(epd_op_dispatch_result(b, &rb), 0);
+        ck_assert_uint_eq((uint64_t)ra.num_recv_tokens, rows);
+        ck_assert_uint_eq((uint64_t)rb.num_recv_tokens, rows);
+        ck_assert_uint_lt(ra.op_number, rb.op_number);
+        ck_assert_int_eq(epd_handle_release(s.g, ra.handle_id), 0);
+        ck_assert_int_eq(epd_handle_release(s.g, rb.handle_id), 0);
+        epd_op_free(a);
+        epd_op_free(b);
+        ck_assert_int_eq(stat_of(&s.d, "mailbox_requests"), 1);
+        teardown(&s);
+}
+END_TEST
+
+/* What a hostile client can put in its page: each closes its own connection with a message
+ * naming the page, and the daemon serves others. */
+START_TEST(test_request_page_bad)
+{
+        for (int variant = 0; variant < 4; variant++) {
+                struct setup s;
+                struct epd_op *op;
+                uint8_t buf[EPD_REQUEST_CAPACITY];
+                size_t len = 0;
+
+                setup_group_with(&s, 5000, sleeping_daemon); /* the page waits for a frame */
+                struct epd_request_box *box =
+                        epd_doorbell_request_box(s.g->doorbell, s.g->doorbell_bytes);
+                ck_assert_ptr_nonnull(box);
+                Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+                Epd__V1__StatusRequest st = EPD__V1__STATUS_REQUEST__INIT;
+                Epd__V1__Dispatch dm = EPD__V1__DISPATCH__INIT;
+                req.id = 1000;
+                switch (variant) {
+                case 0: /* not a Request */
+                        memset(buf, 0xff, 64);
+                        len = 64;
+                        break;
+                case 1: /* a length beyond the box */
+                        len = EPD_REQUEST_CAPACITY + 1;
+                        break;
+                case 2: /* a request of another kind */
+                        req.body_case = EPD__V1__REQUEST__BODY_STATUS;
+                        req.status = &st;
+                        len = epd__v1__request__pack(&req, buf);
+                        break;
+                default: /* a Dispatch of another rank */
+                        dm.group_id = s.g->id;
+                        dm.rank = 5;
+                        req.body_case = EPD__V1__REQUEST__BODY_DISPATCH;
+                        req.dispatch = &dm;
+                        len = epd__v1__request__pack(&req, buf);
+                        break;
+                }
+                if (len <= EPD_REQUEST_CAPACITY)
+                        memcpy(box->bytes, buf, len);
+                box->len = (uint32_t)len;
+                __atomic_store_n(&box->state, EPD_REQUEST_POSTED, __ATOMIC_SEQ_CST);
+                /* The next frame makes the daemon take the page first. */
+                int rc = epd_dispatch_submit(s.g, &s.da, &op);
+                if (rc == 0) {
+                        rc = epd_op_wait(op, 5000);
+                        epd_op_free(op);
+                }
+                ck_assert_int_ne(rc, 0);
+                const char *msg = epd_client_last_error(s.c);
+                ck_assert_msg(strstr(msg, "doorbell page") != NULL, "variant %d: %s", variant,
+                              msg);
+                h_assert_daemon_alive(&s.d, "after a bad request in a page");
+                ck_assert_int_eq(stat_of(&s.d, "protocol_errors"), 1);
+                ck_assert_int_eq(stat_of(&s.d, "mailbox_requests"), 0);
+                struct epd_client *other = h_connect_ok(&s.d, "other");
+                epd_client_free(other);
+                teardown(&s);
+        }
+}
+END_TEST
+
 int main(void)
 {
         Suite *su = suite_create("integ_doorbell");
@@ -316,6 +509,9 @@ int main(void)
         tcase_add_test(tc, test_mailbox_one_at_a_time);
         tcase_add_test(tc, test_mailbox_second_refused);
         tcase_add_test(tc, test_mailbox_daemon_killed);
+        tcase_add_test(tc, test_request_page);
+        tcase_add_test(tc, test_request_page_order);
+        tcase_add_test(tc, test_request_page_bad);
         suite_add_tcase(su, tc);
         sr = srunner_create(su);
         srunner_run_all(sr, CK_NORMAL);

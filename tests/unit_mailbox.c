@@ -8,6 +8,12 @@
  * nudge at an op's start moves reply_seq, wakes a client that polls after wake-ups and leaves
  * one that does not asleep until its reply; the `completed` word is never lowered by a store
  * that lags another writer's.
+ * Request mailbox (the client's half in common/doorbell.h): a posted request is copied out and
+ * the slot emptied; a length of 0 or beyond the box is refused and the slot emptied; a request
+ * posted after the daemon stopped looking is taken back; the box is closed while the daemon
+ * does not look, while a request is in it, and while the daemon has not read the client's
+ * socket up to its last frame; and two threads playing client and daemon, the daemon starting
+ * and stopping its polling at random, never lose or duplicate a request.
  * Each test runs in its own process (fork mode).
  */
 #include <check.h>
@@ -258,6 +264,213 @@ START_TEST(test_completed_never_lowers)
 }
 END_TEST
 
+static struct epd_request_box *box_of(struct epd_doorbell *db)
+{
+        struct epd_request_box *box = epd_doorbell_request_box(db, EPD_DOORBELL_BYTES);
+        ck_assert_ptr_nonnull(box);
+        /* The reply area ends where the box begins. */
+        ck_assert_ptr_eq(db->reply + EPD_MAILBOX_CAPACITY(EPD_DOORBELL_BYTES), (void *)box);
+        return box;
+}
+
+/* The client's side: writes n bytes of `fill` and publishes them. */
+static int client_post(struct epd_request_box *box, uint32_t n, uint8_t fill)
+{
+        memset(box->bytes, fill, n);
+        box->len = n;
+        return epd_request_publish(box);
+}
+
+START_TEST(test_request_take)
+{
+        struct epd_doorbell *db = page_new();
+        struct epd_request_box *box = box_of(db);
+        uint8_t buf[EPD_REQUEST_CAPACITY];
+        size_t len = 0;
+
+        epd_mailbox_set_polling(db, 1);
+        ck_assert_int_eq(client_post(box, 100, 0xab), 1);
+        ck_assert_uint_eq(box->state, EPD_REQUEST_POSTED);
+        ck_assert_int_eq(epd_mailbox_take(db, buf, sizeof(buf), &len), 1);
+        ck_assert_uint_eq(len, 100);
+        for (int i = 0; i < 100; i++)
+                ck_assert_uint_eq(buf[i], 0xab);
+        ck_assert_uint_eq(box->state, EPD_REQUEST_EMPTY);
+        ck_assert_int_eq(epd_mailbox_take(db, buf, sizeof(buf), &len), 0);
+        /* The largest request fits exactly. */
+        ck_assert_int_eq(client_post(box, EPD_REQUEST_CAPACITY, 0x11), 1);
+        ck_assert_int_eq(epd_mailbox_take(db, buf, sizeof(buf), &len), 1);
+        ck_assert_uint_eq(len, EPD_REQUEST_CAPACITY);
+        ck_assert_uint_eq(buf[EPD_REQUEST_CAPACITY - 1], 0x11);
+        munmap(db, EPD_DOORBELL_BYTES);
+}
+END_TEST
+
+START_TEST(test_request_bad_length)
+{
+        struct epd_doorbell *db = page_new();
+        struct epd_request_box *box = box_of(db);
+        uint8_t buf[EPD_REQUEST_CAPACITY + 64];
+        size_t len = 0;
+
+        memset(buf, 0x5a, sizeof(buf));
+        epd_mailbox_set_polling(db, 1);
+        ck_assert_int_eq(client_post(box, 0, 0), 1);
+        ck_assert_int_eq(epd_mailbox_take(db, buf, sizeof(buf), &len), -EMSGSIZE);
+        ck_assert_uint_eq(len, 0);
+        ck_assert_uint_eq(box->state, EPD_REQUEST_EMPTY);
+        /* A length beyond the box: nothing copied, even into a larger buffer. */
+        ck_assert_int_eq(client_post(box, 16, 0x77), 1);
+        box->len = EPD_REQUEST_CAPACITY + 1;
+        ck_assert_int_eq(epd_mailbox_take(db, buf, sizeof(buf), &len), -EMSGSIZE);
+        ck_assert_uint_eq(len, EPD_REQUEST_CAPACITY + 1);
+        ck_assert_uint_eq(buf[0], 0x5a);
+        ck_assert_uint_eq(box->state, EPD_REQUEST_EMPTY);
+        /* Or beyond the caller's buffer. */
+        ck_assert_int_eq(client_post(box, 64, 0x77), 1);
+        ck_assert_int_eq(epd_mailbox_take(db, buf, 32, &len), -EMSGSIZE);
+        ck_assert_uint_eq(buf[0], 0x5a);
+        munmap(db, EPD_DOORBELL_BYTES);
+}
+END_TEST
+
+START_TEST(test_request_taken_back_and_open)
+{
+        struct epd_doorbell *db = page_new();
+        struct epd_request_box *box = box_of(db);
+        uint8_t buf[64];
+        size_t len = 0;
+
+        /* Not polling: closed, and a post that raced with the stop is taken back. */
+        ck_assert_int_eq(epd_request_box_open(box, 0), 0);
+        ck_assert_int_eq(client_post(box, 10, 1), 0);
+        ck_assert_uint_eq(box->state, EPD_REQUEST_EMPTY);
+        ck_assert_int_eq(epd_mailbox_take(db, buf, sizeof(buf), &len), 0);
+
+        epd_mailbox_set_polling(db, 1);
+        epd_mailbox_set_read_id(db, 7);
+        ck_assert_int_eq(epd_request_box_open(box, 7), 1);
+        /* A frame the daemon has not read yet (id 8) keeps the box closed: order. */
+        ck_assert_int_eq(epd_request_box_open(box, 8), 0);
+        epd_mailbox_set_read_id(db, 8);
+        ck_assert_int_eq(epd_request_box_open(box, 8), 1);
+        /* A request in the box keeps it closed until the daemon takes it. */
+        ck_assert_int_eq(client_post(box, 10, 2), 1);
+        ck_assert_int_eq(epd_request_box_open(box, 8), 0);
+        ck_assert_int_eq(epd_mailbox_take(db, buf, sizeof(buf), &len), 1);
+        ck_assert_int_eq(epd_request_box_open(box, 8), 1);
+        munmap(db, EPD_DOORBELL_BYTES);
+}
+END_TEST
+
+#define HANDSHAKE_REQUESTS 200000u
+
+struct handshake {
+        struct epd_doorbell *db;
+        uint8_t *taken;       /* per request, by the daemon's thread: it took it */
+        uint8_t *outcome;     /* by the client's: 1 publish kept it, 2 it was taken back */
+        int client_done;
+        const char *failure;
+};
+
+/* The client posts request i as 4 bytes holding i whenever the box is empty, whether or not
+ * the daemon polls (so that the take-back races with the daemon's last look). */
+static void *handshake_client(void *arg)
+{
+        struct handshake *h = arg;
+        struct epd_request_box *box = epd_doorbell_request_box(h->db, EPD_DOORBELL_BYTES);
+
+        for (uint32_t i = 0; i < HANDSHAKE_REQUESTS && !__atomic_load_n(&h->failure, __ATOMIC_SEQ_CST); i++) {
+                while (__atomic_load_n(&box->state, __ATOMIC_ACQUIRE) != EPD_REQUEST_EMPTY &&
+                       !__atomic_load_n(&h->failure, __ATOMIC_SEQ_CST))
+                        ;
+                memcpy(box->bytes, &i, sizeof(i));
+                box->len = sizeof(i);
+                __atomic_store_n(&h->outcome[i], epd_request_publish(box) ? 1 : 2,
+                                 __ATOMIC_SEQ_CST);
+        }
+        __atomic_store_n(&h->client_done, 1, __ATOMIC_SEQ_CST);
+        return NULL;
+}
+
+static void handshake_take(struct handshake *h)
+{
+        uint8_t buf[16];
+        size_t len;
+        uint32_t i;
+
+        if (epd_mailbox_take(h->db, buf, sizeof(buf), &len) == 1) {
+                memcpy(&i, buf, sizeof(i));
+                h->taken[i]++;
+        }
+}
+
+/* After the daemon's last look with polling = 0 nothing takes requests: one still posted once
+ * its publish returned "kept" was left behind. */
+static void handshake_check_left(struct handshake *h)
+{
+        struct epd_request_box *box = epd_doorbell_request_box(h->db, EPD_DOORBELL_BYTES);
+        uint32_t i;
+
+        if (__atomic_load_n(&box->state, __ATOMIC_SEQ_CST) != EPD_REQUEST_POSTED)
+                return;
+        memcpy(&i, box->bytes, sizeof(i));
+        if (i >= HANDSHAKE_REQUESTS)
+                return;
+        const double t0 = now_s();
+        while (!__atomic_load_n(&h->outcome[i], __ATOMIC_SEQ_CST) && now_s() - t0 < 1.0)
+                ;
+        if (__atomic_load_n(&h->outcome[i], __ATOMIC_SEQ_CST) == 1 &&
+            __atomic_load_n(&box->state, __ATOMIC_SEQ_CST) == EPD_REQUEST_POSTED &&
+            memcmp(box->bytes, &i, sizeof(i)) == 0)
+                __atomic_store_n(&h->failure, "a request kept by publish was left in the box",
+                                 __ATOMIC_SEQ_CST);
+}
+
+START_TEST(test_request_handshake)
+{
+        struct handshake h = { page_new(), calloc(HANDSHAKE_REQUESTS, 1),
+                               calloc(HANDSHAKE_REQUESTS, 1), 0, NULL };
+        pthread_t th;
+        unsigned seed = 12345;
+
+        ck_assert_ptr_nonnull(h.taken);
+        ck_assert_ptr_nonnull(h.outcome);
+        ck_assert_int_eq(pthread_create(&th, NULL, handshake_client, &h), 0);
+        while (!__atomic_load_n(&h.client_done, __ATOMIC_SEQ_CST) &&
+               !__atomic_load_n(&h.failure, __ATOMIC_SEQ_CST)) {
+                /* Polling for a random while, then stopping with the last look, as the loop
+                 * thread does (daemon/backend.c, conn.c). */
+                epd_mailbox_set_polling(h.db, 1);
+                for (unsigned k = rand_r(&seed) % 200; k > 0; k--)
+                        handshake_take(&h);
+                epd_mailbox_set_polling(h.db, 0);
+                handshake_take(&h);
+                if (rand_r(&seed) % 16 == 0)
+                        handshake_check_left(&h);
+        }
+        ck_assert_int_eq(pthread_join(th, NULL), 0);
+        ck_assert_msg(h.failure == NULL, "%s", h.failure);
+        handshake_take(&h);
+        unsigned kept = 0, back = 0;
+        for (uint32_t i = 0; i < HANDSHAKE_REQUESTS; i++) {
+                /* Exactly one owner: the daemon took it, or the client took it back. */
+                const int ok = (h.outcome[i] == 1 && h.taken[i] == 1) ||
+                               (h.outcome[i] == 2 && h.taken[i] == 0);
+                ck_assert_msg(ok, "request %u: publish said %s, the daemon took it %u times", i,
+                              h.outcome[i] == 1 ? "kept" : "taken back", h.taken[i]);
+                kept += h.outcome[i] == 1;
+                back += h.outcome[i] == 2;
+        }
+        /* Both outcomes happened, so the race was exercised. */
+        ck_assert_uint_gt(kept, 0);
+        ck_assert_uint_gt(back, 0);
+        free(h.taken);
+        free(h.outcome);
+        munmap(h.db, EPD_DOORBELL_BYTES);
+}
+END_TEST
+
 int main(void)
 {
         Suite *su = suite_create("unit_mailbox");
@@ -271,6 +484,10 @@ int main(void)
         tcase_add_test(tc, test_sleeper_is_woken);
         tcase_add_test(tc, test_nudge_wakes_only_pollers);
         tcase_add_test(tc, test_completed_never_lowers);
+        tcase_add_test(tc, test_request_take);
+        tcase_add_test(tc, test_request_bad_length);
+        tcase_add_test(tc, test_request_taken_back_and_open);
+        tcase_add_test(tc, test_request_handshake);
         suite_add_tcase(su, tc);
         sr = srunner_create(su);
         srunner_run_all(sr, CK_NORMAL);
