@@ -72,12 +72,15 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld(const int4
         return STREAM ? epd__k_ldg_evict_first(p) : epd__k_ldg(p);
 }
 
-/* Items per multiprocessor that a small op is cut for (epd__k_slicing): 1.5 per resident warp
- * (16 of 121 registers). Decode in process, against 48 (sixth session,
- * docs/benchmarks/h200-s6-combine-variants.txt): 31.8-32.3 us in Fresh mode against 32.6-33.0,
- * 27.5-27.9 against 29.0-29.1 after a read-only flush; 96 was no better than 48. */
+/* Items per multiprocessor that a small op is cut for (epd__k_slicing), against 16 resident
+ * warps (121 registers). Below 16, a decode op (1024 tokens on 132 multiprocessors) is cut in
+ * two slices of 7 steps, one item per warp; 24 cut it in four of 4, 4, 4 and 2 steps, so that
+ * most warps did two items (8 steps and two routing preambles). Decode in process, 14 against
+ * 24 (seventh session, docs/benchmarks/h200-s7-combine-slicing.txt, three repetitions each):
+ * 26.2 against 26.8-26.9 us warm, 31.3-32.0 against 31.6-32.2 us in Fresh mode, 26.9-27.0
+ * against 27.6-27.8 us after a read-only flush. 24 had beaten 48 and 96 (sixth session). */
 #ifndef COMBINE_SLICE_WARPS
-#define COMBINE_SLICE_WARPS 24
+#define COMBINE_SLICE_WARPS 14
 #endif
 
 #ifndef COMBINE_AHEAD

@@ -8,7 +8,9 @@
  * records, or Requests of every type (admin verbs too: the clients run as root) whose fields
  * come from the input, with ids of groups, regions, handles and clients that the client learnt
  * from the daemon's replies, so that ops really launch and run on the host backend. Clients
- * may also ring their doorbells, stop reading their replies, or disconnect mid-op. After each
+ * may also post dispatch and combine requests in their doorbell pages instead of sending them
+ * (with a wrong length if the script says so), ring their doorbells, stop reading their
+ * replies, or disconnect mid-op. After each
  * command the loop runs until no op executes.
  * At the end every client disconnects and the daemon must be back where it started: no
  * connection, no group, no libuv handle but the backend's, and no open fd more than before
@@ -445,6 +447,33 @@ static uint64_t send_request(struct fz_client *cl, Epd__V1__Request *req, const 
         epd__v1__request__pack(req, buf);
         send_body(cl, buf, len, fds, num_fds, EPD_PROTOCOL_VERSION);
         free(buf);
+        return req->id;
+}
+
+/* Sends req, or with EPD_FUZZ_PAGE in flags posts it in b's request box (fuzz_script.h), as a
+ * client may write anything there. Returns the request id. */
+static uint64_t send_or_post(struct fz_client *cl, const struct fz_binding *b,
+                             Epd__V1__Request *req, uint8_t flags)
+{
+        struct epd_request_box *box =
+                b->doorbell ? epd_doorbell_request_box(b->doorbell, EPD_DOORBELL_BYTES) : NULL;
+
+        if (!(flags & EPD_FUZZ_PAGE) || !box)
+                return send_request(cl, req, NULL, 0);
+        req->id = ++cl->next_id;
+        size_t len = epd__v1__request__get_packed_size(req);
+        if (len > EPD_REQUEST_CAPACITY)
+                return send_request(cl, req, NULL, 0);
+        epd__v1__request__pack(req, box->bytes);
+        if (flags & 0x08) {
+                const size_t bad[4] = { len, len / 2, 0, EPD_REQUEST_CAPACITY + 1 };
+                len = bad[req->id % 4];
+        }
+        box->len = (uint32_t)len;
+        __atomic_store_n(&box->state, EPD_REQUEST_POSTED, __ATOMIC_SEQ_CST);
+        if (verbose)
+                fprintf(stderr, "  request id=%llu posted in the doorbell page, %zu bytes\n",
+                        (unsigned long long)req->id, len);
         return req->id;
 }
 
@@ -948,7 +977,7 @@ static void cmd_dispatch(struct reader *r, struct fz_client *cl)
         m.topk_idx_dtype = (Epd__V1__DType)topk_dtype;
         req.body_case = EPD__V1__REQUEST__BODY_DISPATCH;
         req.dispatch = &m;
-        p.request_id = send_request(cl, &req, NULL, 0);
+        p.request_id = send_or_post(cl, b, &req, flags);
         p.group_id = b->group_id;
         p.rank = m.rank;
         p.num_tokens = n;
@@ -995,7 +1024,7 @@ static void cmd_combine(struct reader *r, struct fz_client *cl)
         m.bias = bias;
         req.body_case = EPD__V1__REQUEST__BODY_COMBINE;
         req.combine = &m;
-        send_request(cl, &req, NULL, 0);
+        send_or_post(cl, b, &req, flags);
 }
 
 static void cmd_handle_release(struct reader *r, struct fz_client *cl)

@@ -33,6 +33,12 @@
 #define EPD_TESTS_FUZZ_SCRIPT_H
 
 #define EPD_FUZZ_MAX_CLIENTS 3
+/* Flag bit 7 of Dispatch and Combine: the request goes into the request box of the binding's
+ * doorbell page (common/doorbell.h) instead of a frame; the daemon takes it while it polls or
+ * before the client's next frame. With bit 3 also set, the length written is not the packed
+ * length but, by the request id % 4: the packed length, half of it, 0, or one more than the
+ * box holds. */
+#define EPD_FUZZ_PAGE 0x80
 #define EPD_FUZZ_NO_HELLO 0x80
 
 enum epd_fuzz_op {
@@ -63,13 +69,14 @@ enum epd_fuzz_op {
         EPD_FUZZ_OP_STATS = 12,
         /* u8 binding sel, u8 rank, u8 handle sel (0 new, 255 raw u64), u8 num_tokens,
          * u8 flags (bit 0 EXPAND, 1 zero_padding, 2 use_arena, 3 raw layout u8, 4 wait_inputs,
-         * 5 int64 topk_idx, 6 num_topk u8 explicit), u16 expert_alignment, then the tensors x,
+         * 5 int64 topk_idx, 6 num_topk u8 explicit, 7 posted in the binding's doorbell page
+         * instead of sent: see EPD_FUZZ_PAGE), u16 expert_alignment, then the tensors x,
          * scales, topk_idx, topk_weights, recv_x, recv_scales, recv_topk_idx, recv_weights,
          * recv_src, recv_topk_slot */
         EPD_FUZZ_OP_DISPATCH = 13,
-        /* u8 binding sel, u8 rank, u8 handle sel, u8 flags (bit 0 apply_weights, bit 4
-         * wait_inputs), u8 number of biases (% 4), then the tensors y, bias[0], bias[1],
-         * combined, combined_topk_weights */
+        /* u8 binding sel, u8 rank, u8 handle sel, u8 flags (bit 0 apply_weights, bit 3 see
+         * EPD_FUZZ_PAGE, bit 4 wait_inputs, bit 7 posted in the doorbell page), u8 number of
+         * biases (% 4), then the tensors y, bias[0], bias[1], combined, combined_topk_weights */
         EPD_FUZZ_OP_COMBINE = 14,
         /* u8 binding sel, u8 rank, u8 handle sel */
         EPD_FUZZ_OP_HANDLE_RELEASE = 15,

@@ -477,15 +477,19 @@ static void gen_requests(void)
 
         /* One rank, bf16, arena outputs: dispatch, cached dispatch, combine, release.
          * Region 1: 4096 bytes of int32 (k % 2 + k / 2) % 4: valid top-2 expert ids for a row
-         * that starts at an even element. Known regions: 1 the region, 2 the arena. */
-        for (int expand = 0; expand < 2; expand++) {
+         * that starts at an even element. Known regions: 1 the region, 2 the arena. Variant 2:
+         * non-expand, every dispatch and combine posted in the doorbell page, and a last post
+         * whose length is wrong. */
+        for (int variant = 0; variant < 3; variant++) {
+                const int expand = variant == 1;
+                const unsigned page = variant == 2 ? EPD_FUZZ_PAGE : 0;
                 b.len = 0;
                 u8(&b, 0);
                 region(&b, 0, 256, EPD_FUZZ_FILL_I32, 2, 1, 4);
                 group_create(&b, 0, 0, 1, 4, 0, 4, 2, 0, 0, 64, 0);
                 op(&b, EPD_FUZZ_OP_DISPATCH, 0);
                 u8(&b, 0); u8(&b, 0); u8(&b, 0); u8(&b, 4);
-                u8(&b, 4 | expand); /* use_arena */
+                u8(&b, page | 4 | expand); /* use_arena */
                 u16(&b, expand ? 4 : 0);
                 tensor(&b, 1, 0);        /* x */
                 absent(&b);              /* scales */
@@ -493,9 +497,11 @@ static void gen_requests(void)
                 tensor(&b, 1, 512);      /* topk_weights */
                 for (int i = 0; i < 6; i++)
                         absent(&b);
+                if (page) /* a frame: the daemon takes the page first */
+                        simple(&b, EPD_FUZZ_OP_STATS);
                 op(&b, EPD_FUZZ_OP_DISPATCH, 0); /* cached: handle 1 */
                 u8(&b, 0); u8(&b, 0); u8(&b, 1); u8(&b, 0);
-                u8(&b, 4 | expand);
+                u8(&b, page | 4 | expand);
                 u16(&b, expand ? 4 : 0);
                 tensor(&b, 1, 0);
                 absent(&b);
@@ -503,9 +509,11 @@ static void gen_requests(void)
                 tensor(&b, 1, 512);
                 for (int i = 0; i < 6; i++)
                         absent(&b);
+                if (page)
+                        simple(&b, EPD_FUZZ_OP_STATS);
                 op(&b, EPD_FUZZ_OP_COMBINE, 0);
                 u8(&b, 0); u8(&b, 0); u8(&b, 1);
-                u8(&b, expand);          /* apply_weights with EXPAND */
+                u8(&b, page | expand);   /* apply_weights with EXPAND */
                 u8(&b, 1);               /* one bias */
                 tensor(&b, 1, 1024);     /* y: the handle's rows */
                 tensor(&b, 1, 2048);     /* bias[0] */
@@ -513,13 +521,27 @@ static void gen_requests(void)
                 tensor(&b, 1, 3072);     /* combined */
                 absent(&b);
                 simple(&b, EPD_FUZZ_OP_STATS);
+                if (page) {
+                        /* A combine whose posted length is not the packed one (bit 3):
+                         * the daemon closes the connection at the next frame. */
+                        op(&b, EPD_FUZZ_OP_COMBINE, 0);
+                        u8(&b, 0); u8(&b, 0); u8(&b, 1);
+                        u8(&b, page | 8);
+                        u8(&b, 0);
+                        for (int i = 0; i < 5; i++)
+                                absent(&b);
+                        simple(&b, EPD_FUZZ_OP_STATS);
+                }
                 op(&b, EPD_FUZZ_OP_HANDLE_RELEASE, 0);
                 u8(&b, 0); u8(&b, 0); u8(&b, 1);
                 op(&b, EPD_FUZZ_OP_REGION_RELEASE, 0);
                 u8(&b, 0);
                 op(&b, EPD_FUZZ_OP_GROUP_LEAVE, 0);
                 u8(&b, 0); u8(&b, 0);
-                write_file("fuzz_request", expand ? "one_rank_expand_arena" : "one_rank_arena", &b);
+                write_file("fuzz_request", variant == 2   ? "one_rank_arena_page"
+                                           : expand ? "one_rank_expand_arena"
+                                                    : "one_rank_arena",
+                           &b);
         }
 
         /* One rank, fp8 (hidden 16, scale block 16), outputs in the client's own region. */
