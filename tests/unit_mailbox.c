@@ -369,6 +369,8 @@ struct handshake {
         struct epd_doorbell *db;
         uint8_t *taken;       /* per request, by the daemon's thread: it took it */
         uint8_t *outcome;     /* by the client's: 1 publish kept it, 2 it was taken back */
+        unsigned taken_total; /* the daemon's thread's count */
+        unsigned back_total;  /* the client's count of requests taken back */
         int client_done;
         const char *failure;
 };
@@ -386,8 +388,10 @@ static void *handshake_client(void *arg)
                         ;
                 memcpy(box->bytes, &i, sizeof(i));
                 box->len = sizeof(i);
-                __atomic_store_n(&h->outcome[i], epd_request_publish(box) ? 1 : 2,
-                                 __ATOMIC_SEQ_CST);
+                const int kept = epd_request_publish(box);
+                __atomic_store_n(&h->outcome[i], kept ? 1 : 2, __ATOMIC_SEQ_CST);
+                if (!kept)
+                        __atomic_add_fetch(&h->back_total, 1, __ATOMIC_SEQ_CST);
         }
         __atomic_store_n(&h->client_done, 1, __ATOMIC_SEQ_CST);
         return NULL;
@@ -402,6 +406,7 @@ static void handshake_take(struct handshake *h)
         if (epd_mailbox_take(h->db, buf, sizeof(buf), &len) == 1) {
                 memcpy(&i, buf, sizeof(i));
                 h->taken[i]++;
+                h->taken_total++;
         }
 }
 
@@ -430,7 +435,7 @@ static void handshake_check_left(struct handshake *h)
 START_TEST(test_request_handshake)
 {
         struct handshake h = { page_new(), calloc(HANDSHAKE_REQUESTS, 1),
-                               calloc(HANDSHAKE_REQUESTS, 1), 0, NULL };
+                               calloc(HANDSHAKE_REQUESTS, 1), 0, 0, 0, NULL };
         pthread_t th;
         unsigned seed = 12345;
 
@@ -439,15 +444,27 @@ START_TEST(test_request_handshake)
         ck_assert_int_eq(pthread_create(&th, NULL, handshake_client, &h), 0);
         while (!__atomic_load_n(&h.client_done, __ATOMIC_SEQ_CST) &&
                !__atomic_load_n(&h.failure, __ATOMIC_SEQ_CST)) {
-                /* Polling for a random while, then stopping with the last look, as the loop
-                 * thread does (daemon/backend.c, conn.c). */
+                /* Polling until a request was taken (or 20 ms) and a random while more, then
+                 * stopping with the last look, as the loop thread does (daemon/backend.c,
+                 * conn.c); then not polling until the client took a request back (or 20 ms),
+                 * so that both outcomes occur however the two threads are scheduled. */
+                const unsigned t0 = h.taken_total;
+                double until = now_s() + 0.02;
                 epd_mailbox_set_polling(h.db, 1);
+                while (h.taken_total == t0 && !__atomic_load_n(&h.client_done, __ATOMIC_SEQ_CST) &&
+                       now_s() < until)
+                        handshake_take(&h);
                 for (unsigned k = rand_r(&seed) % 200; k > 0; k--)
                         handshake_take(&h);
                 epd_mailbox_set_polling(h.db, 0);
                 handshake_take(&h);
                 if (rand_r(&seed) % 16 == 0)
                         handshake_check_left(&h);
+                const unsigned b0 = __atomic_load_n(&h.back_total, __ATOMIC_SEQ_CST);
+                until = now_s() + 0.02;
+                while (__atomic_load_n(&h.back_total, __ATOMIC_SEQ_CST) == b0 &&
+                       !__atomic_load_n(&h.client_done, __ATOMIC_SEQ_CST) && now_s() < until)
+                        ;
         }
         ck_assert_int_eq(pthread_join(th, NULL), 0);
         ck_assert_msg(h.failure == NULL, "%s", h.failure);
