@@ -205,7 +205,7 @@ struct epd_submission {
         uint64_t submitted_ns;
         uint64_t seq;                 /* the rank's submission number (doorbell) */
         int mailbox;                  /* the reply goes into the rank's doorbell page */
-        Epd__V1__Request *req;        /* owned; decoded request */
+        Epd__V1__Request *req;        /* owned; decoded request, freed once the op launched */
 };
 
 enum epd_op_state {
