@@ -395,7 +395,8 @@ static int cmd_stats(struct epd_client *c, int json)
                                                 (json_int_t)ds->ops, "bytes",
                                                 (json_int_t)ds->bytes));
         }
-        json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:o}",
+        json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, "
+                              "s:o, s:o, s:o}",
                               "backend", s->backend, "uptime_ms", (json_int_t)s->uptime_ms,
                               "ops_completed", (json_int_t)s->ops_completed, "ops_failed",
                               (json_int_t)s->ops_failed, "protocol_errors",

@@ -319,13 +319,18 @@ static int conn_protocol_error(struct epd_conn *c, const char *fmt, ...)
 
 /* ---- requests through the doorbell pages (common/doorbell.h, request mailbox) ---- */
 
+static struct epd_doorbell *binding_page(const struct epd_binding *b)
+{
+        return b->group->ranks[b->rank].doorbell;
+}
+
 /* Handles the request a client posted in the page of binding b, if any. Returns 1 when one was
  * handled, 0 when there was none, -1 once the connection was closed. */
 static int conn_take_page(struct epd_conn *c, struct epd_binding *b)
 {
         struct epd_daemon *d = c->daemon;
         struct epd_group *g = b->group;
-        struct epd_doorbell *page = g->ranks[b->rank].doorbell;
+        struct epd_doorbell *page = binding_page(b);
         uint8_t buf[EPD_REQUEST_CAPACITY];
         size_t len;
         int rc;
@@ -416,8 +421,8 @@ void epd_conn_set_polling(struct epd_daemon *d, int on)
                 struct epd_conn *c = epd_list_entry(pos, struct epd_conn, link);
                 epd_list_for_each(bpos, &c->bindings)
                 {
-                        struct epd_binding *b = epd_list_entry(bpos, struct epd_binding, conn_link);
-                        struct epd_doorbell *page = b->group->ranks[b->rank].doorbell;
+                        struct epd_doorbell *page = binding_page(
+                                epd_list_entry(bpos, struct epd_binding, conn_link));
                         if (page)
                                 epd_mailbox_set_polling(page, on);
                 }
@@ -435,8 +440,8 @@ static void conn_read_up_to(struct epd_conn *c, uint64_t id)
         c->last_read_id = id;
         epd_list_for_each(pos, &c->bindings)
         {
-                struct epd_binding *b = epd_list_entry(pos, struct epd_binding, conn_link);
-                struct epd_doorbell *page = b->group->ranks[b->rank].doorbell;
+                struct epd_doorbell *page =
+                        binding_page(epd_list_entry(pos, struct epd_binding, conn_link));
                 if (page)
                         epd_mailbox_set_read_id(page, id);
         }

@@ -1,9 +1,9 @@
 /* mailbox.c - see mailbox.h.
  *
- * Replies. Why. Replying on the socket costs the loop thread a sendmsg per rank, and each one wakes a
- * sleeping worker inside the sender's system call: about 2.5 us per reply on the H200 test
- * machine's virtual machine, so the eighth rank of a group got its reply 17-27 us after the op
- * completed, and the wake-up of its thread took another 10 us (docs/performance.md, "Daemon
+ * Replies. Why. Replying on the socket costs the loop thread a sendmsg per rank, and each one
+ * wakes a sleeping worker inside the sender's system call: about 2.5 us per reply on the H200
+ * test machine's virtual machine, so the eighth rank of a group got its reply 17-27 us after the
+ * op completed, and the wake-up of its thread took another 10 us (docs/performance.md, "Daemon
  * overhead"). Through the page, a reply is a copy into shared memory: a worker that spins sees it
  * at once, and one that sleeps costs a futex wake only when it said it sleeps. The wake-ups are
  * moved off the reply's path: when an op starts executing, the loop nudges every rank that waits

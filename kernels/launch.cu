@@ -293,7 +293,8 @@ int epd__k_dynamic_smem(const void *kernel, size_t smem)
         }
         std::lock_guard<std::mutex> g(smem_lock);
         int i = 0;
-        while (i < smem_used && !(smem_cache[i].kernel == kernel && smem_cache[i].device == e.device))
+        while (i < smem_used &&
+               !(smem_cache[i].kernel == kernel && smem_cache[i].device == e.device))
                 i++;
         if (i < smem_used)
                 smem_cache[i].dynamic_max = e.dynamic_max > smem_cache[i].dynamic_max

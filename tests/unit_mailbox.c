@@ -382,7 +382,8 @@ static void *handshake_client(void *arg)
         struct handshake *h = arg;
         struct epd_request_box *box = epd_doorbell_request_box(h->db, EPD_DOORBELL_BYTES);
 
-        for (uint32_t i = 0; i < HANDSHAKE_REQUESTS && !__atomic_load_n(&h->failure, __ATOMIC_SEQ_CST); i++) {
+        for (uint32_t i = 0;
+             i < HANDSHAKE_REQUESTS && !__atomic_load_n(&h->failure, __ATOMIC_SEQ_CST); i++) {
                 while (__atomic_load_n(&box->state, __ATOMIC_ACQUIRE) != EPD_REQUEST_EMPTY &&
                        !__atomic_load_n(&h->failure, __ATOMIC_SEQ_CST))
                         ;
