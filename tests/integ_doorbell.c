@@ -68,6 +68,22 @@ static long long mailbox_replies(const struct h_daemon *d)
         return n;
 }
 
+/* With name=value in the environment, a connect fails with a message naming the variable;
+ * the variable is unset afterwards. */
+static void refuse_bad_env(const struct h_daemon *d, const char *name, const char *value)
+{
+        struct epd_connect_args args = { .size = sizeof(args), .socket_path = d->socket,
+                                         .client_name = "bad-env", .timeout_ms = 5000 };
+        struct epd_client *c = NULL;
+        char err[512] = "";
+
+        setenv(name, value, 1);
+        ck_assert_int_eq(epd_client_connect(&args, &c, err, sizeof(err)), EPD_INVALID_ARGUMENT);
+        ck_assert_ptr_null(c);
+        ck_assert_msg(strstr(err, name) != NULL, "message: %s", err);
+        unsetenv(name);
+}
+
 static void setup_group_with(struct setup *s, uint32_t timeout_ms, const char *const *daemon_args)
 {
         const struct wl_case *c = &base_case;
@@ -213,15 +229,8 @@ START_TEST(test_mailbox_off_and_bad_env)
         }
         ck_assert_int_eq(mailbox_replies(&s.d), 0);
 
-        struct epd_connect_args args = { .size = sizeof(args), .socket_path = s.d.socket,
-                                         .client_name = "bad-env", .timeout_ms = 5000 };
-        struct epd_client *c = NULL;
-        char err[512] = "";
-        setenv("EPD_CLIENT_REPLY", "pigeon", 1);
-        ck_assert_int_eq(epd_client_connect(&args, &c, err, sizeof(err)), EPD_INVALID_ARGUMENT);
-        ck_assert_ptr_null(c);
-        ck_assert_msg(strstr(err, "EPD_CLIENT_REPLY") != NULL, "message: %s", err);
         unsetenv("EPD_CLIENT_REPLY");
+        refuse_bad_env(&s.d, "EPD_CLIENT_REPLY", "pigeon");
         teardown(&s);
 }
 END_TEST
@@ -374,15 +383,7 @@ START_TEST(test_request_page)
         for (int i = 0; i < 5; i++)
                 ck_assert_int_eq(dispatch_once(&s, &rows), 0);
         ck_assert_int_eq(stat_of(&s.d, "mailbox_requests"), 0);
-        struct epd_connect_args args = { .size = sizeof(args), .socket_path = s.d.socket,
-                                         .client_name = "bad-env", .timeout_ms = 5000 };
-        struct epd_client *c = NULL;
-        char err[512] = "";
-        setenv("EPD_CLIENT_REQUEST", "carrier", 1);
-        ck_assert_int_eq(epd_client_connect(&args, &c, err, sizeof(err)), EPD_INVALID_ARGUMENT);
-        ck_assert_ptr_null(c);
-        ck_assert_msg(strstr(err, "EPD_CLIENT_REQUEST") != NULL, "message: %s", err);
-        unsetenv("EPD_CLIENT_REQUEST");
+        refuse_bad_env(&s.d, "EPD_CLIENT_REQUEST", "carrier");
         teardown(&s);
 }
 END_TEST
