@@ -48,21 +48,33 @@ static double now_ms(void)
         return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
-/* Whether the op's reply came through the doorbell page. */
-static int via_page(const struct epd_op *op)
+/* The completed op's timeline. */
+static struct epd_op_timeline timeline_of(const struct epd_op *op)
 {
         struct epd_op_timeline tl = { .size = sizeof(tl) };
 
         ck_assert_int_eq(epd_op_timeline(op, &tl), 0);
-        return (int)tl.reply_in_doorbell;
+        return tl;
 }
 
-/* The daemon's count of replies written into doorbell pages (epctl stats --json). */
-static long long mailbox_replies(const struct h_daemon *d)
+/* Whether the op's reply, and its request, went through the doorbell page. */
+static int via_page(const struct epd_op *op)
+{
+        return (int)timeline_of(op).reply_in_doorbell;
+}
+
+static int request_via_page(const struct epd_op *op)
+{
+        return (int)timeline_of(op).request_in_doorbell;
+}
+
+/* One of the daemon's counters (epctl stats --json): mailbox_replies, mailbox_requests,
+ * protocol_errors. */
+static long long stat_of(const struct h_daemon *d, const char *name)
 {
         json_t *j = h_epctl_json(d, "stats");
-        json_t *v = json_object_get(j, "mailbox_replies");
-        ck_assert_msg(json_is_integer(v), "epctl stats --json has no mailbox_replies");
+        json_t *v = json_object_get(j, name);
+        ck_assert_msg(json_is_integer(v), "epctl stats --json has no %s", name);
         long long n = json_integer_value(v);
         json_decref(j);
         return n;
@@ -167,7 +179,7 @@ START_TEST(test_completed_counts_ops)
         ck_assert_int_eq(via_page(op), 1);
         ck_assert_msg(strstr(epd_op_error(op), "9999") != NULL, "message: %s", epd_op_error(op));
         epd_op_free(op);
-        ck_assert_int_eq(mailbox_replies(&s.d), 4);
+        ck_assert_int_eq(stat_of(&s.d, "mailbox_replies"), 4);
         teardown(&s);
 }
 END_TEST
@@ -227,7 +239,7 @@ START_TEST(test_mailbox_off_and_bad_env)
                 ck_assert_int_eq(via_page(op), 0);
                 epd_op_free(op);
         }
-        ck_assert_int_eq(mailbox_replies(&s.d), 0);
+        ck_assert_int_eq(stat_of(&s.d, "mailbox_replies"), 0);
 
         unsetenv("EPD_CLIENT_REPLY");
         refuse_bad_env(&s.d, "EPD_CLIENT_REPLY", "pigeon");
@@ -260,7 +272,7 @@ START_TEST(test_mailbox_one_at_a_time)
         ck_assert_int_eq(epd_dispatch(s.g, &s.da, &a), 0);
         ck_assert_int_eq(via_page(a), 1);
         epd_op_free(a);
-        ck_assert_int_eq(mailbox_replies(&s.d), 2);
+        ck_assert_int_eq(stat_of(&s.d, "mailbox_replies"), 2);
         teardown(&s);
 }
 END_TEST
@@ -324,25 +336,6 @@ START_TEST(test_mailbox_daemon_killed)
 }
 END_TEST
 
-/* Whether the op's request went through the doorbell page. */
-static int request_via_page(const struct epd_op *op)
-{
-        struct epd_op_timeline tl = { .size = sizeof(tl) };
-
-        ck_assert_int_eq(epd_op_timeline(op, &tl), 0);
-        return (int)tl.request_in_doorbell;
-}
-
-static long long stat_of(const struct h_daemon *d, const char *name)
-{
-        json_t *j = h_epctl_json(d, "stats");
-        json_t *v = json_object_get(j, name);
-        ck_assert_msg(json_is_integer(v), "epctl stats --json has no %s", name);
-        long long n = json_integer_value(v);
-        json_decref(j);
-        return n;
-}
-
 /* One dispatch; returns whether its request went through the page, checks its result against
  * the first op's (rows received) and releases its handle. */
 static int dispatch_once(struct setup *s, uint64_t *rows)
@@ -399,7 +392,6 @@ START_TEST(test_request_page_order)
         struct setup s;
         uint64_t rows = UINT64_MAX;
         struct epd_op *a, *b;
-        struct epd_op_timeline ta = { .size = sizeof(ta) }, tb = { .size = sizeof(tb) };
 
         setup_group_with(&s, 5000, sleeping_daemon);
         (void)dispatch_once(&s, &rows);
@@ -413,9 +405,8 @@ START_TEST(test_request_page_order)
         ck_assert_int_eq(epd_op_wait(b, 5000), 0);
         ck_assert_int_eq(request_via_page(a), 1);
         ck_assert_int_eq(request_via_page(b), 0); /* the box was full */
-        ck_assert_int_eq(epd_op_timeline(a, &ta), 0);
-        ck_assert_int_eq(epd_op_timeline(b, &tb), 0);
-        ck_assert_msg(ta.received_ns < tb.received_ns, "the socket's request was read first");
+        ck_assert_msg(timeline_of(a).received_ns < timeline_of(b).received_ns,
+                      "the socket's request was read first");
         ck_assert_uint_eq(epd_op_sequence(a) + 1, epd_op_sequence(b));
         struct epd_dispatch_result ra, rb;
         ck_assert_int_eq(epd_op_dispatch_result(a, &ra), 0);
