@@ -66,6 +66,20 @@ static int env_path(const char *name, int *page, char *err, size_t err_len)
                 snprintf(err, err_len, "%s=%s: expected doorbell or socket", name, v);
         return EPD_INVALID_ARGUMENT;
 }
+
+/* EPD_CLIENT_REPLY_FORMAT: compact (the default) or protobuf, for replies in the page. */
+static int env_reply_format(int *compact, char *err, size_t err_len)
+{
+        const char *v = getenv("EPD_CLIENT_REPLY_FORMAT");
+
+        *compact = v == NULL || strcmp(v, "compact") == 0;
+        if (*compact || strcmp(v, "protobuf") == 0)
+                return 0;
+        if (err)
+                snprintf(err, err_len, "EPD_CLIENT_REPLY_FORMAT=%s: expected compact or protobuf",
+                         v);
+        return EPD_INVALID_ARGUMENT;
+}
 #define CLIENT_MAX_FRAME (16u << 20)
 
 int epd__client_fail(struct epd_client *c, int status, const char *fmt, ...)
@@ -381,9 +395,10 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
                 return EPD_INVALID_ARGUMENT;
         /* Requests and replies of dispatch and combine: through the doorbell page (the
          * default) or the socket. */
-        int mailbox, page_requests;
+        int mailbox, page_requests, compact_replies;
         if (env_path("EPD_CLIENT_REPLY", &mailbox, err, err_len) < 0 ||
-            env_path("EPD_CLIENT_REQUEST", &page_requests, err, err_len) < 0)
+            env_path("EPD_CLIENT_REQUEST", &page_requests, err, err_len) < 0 ||
+            env_reply_format(&compact_replies, err, err_len) < 0)
                 return EPD_INVALID_ARGUMENT;
         c = calloc(1, sizeof(*c));
         if (!c)
@@ -394,6 +409,7 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
         c->spin_ns = spin_ns;
         c->mailbox = mailbox;
         c->page_requests = page_requests;
+        c->compact_replies = compact_replies;
         c->max_frame = CLIENT_MAX_FRAME;
         c->rbuf_len = EPD_FRAME_HEADER_BYTES + CLIENT_MAX_FRAME + 1;
         c->rbuf = malloc(c->rbuf_len);

@@ -105,6 +105,9 @@ struct epd_connect_args {
  *   EPD_CLIENT_REQUEST  doorbell (default): dispatch and combine requests go into the rank's
  *                       doorbell page while the daemon polls it ("Requests through the
  *                       doorbell page"); socket: always the socket.
+ *   EPD_CLIENT_REPLY_FORMAT  compact (default): a successful reply in the page may come as a
+ *                       fixed struct, which costs the daemon's loop thread a copy instead of
+ *                       a protobuf pack ("Compact replies"); protobuf: always a packed Response.
  *   EPD_CLIENT_SPIN_US  0 to 100000: how long a wait in the doorbell page polls after a wake-up
  *                       (the daemon wakes it when its op starts); default 200 on machines of 8
  *                       CPUs or more, else 0 (sleep until the reply).
@@ -394,6 +397,9 @@ struct epd_op_timeline {
         /* 1 when the request went through the rank's doorbell page (EPD_CLIENT_REQUEST,
          * README), 0 when on the socket. Filled when size covers it. */
         uint32_t request_in_doorbell;
+        /* 1 when the reply in the doorbell page was a compact one (EPD_CLIENT_REPLY_FORMAT,
+         * README). Filled when size covers it. */
+        uint32_t reply_compact;
 };
 /* EPD_UNAVAILABLE while the op is pending (epd_op_wait first). */
 int epd_op_timeline(const struct epd_op *op, struct epd_op_timeline *out);

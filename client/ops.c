@@ -23,6 +23,7 @@ struct epd_op {
         int status;
         char message[512];
         Epd__V1__Response *resp;
+        int resp_compact;             /* resp was built from a compact reply: one free() */
         int mailbox;                  /* it asked for its reply in the doorbell page */
         int via_page;                 /* and the reply came there */
         int request_via_page;         /* the request went through the page */
@@ -77,10 +78,13 @@ static int op_send(struct epd_op *op, Epd__V1__Request *req, struct epd_op **out
                             (c->daemon_caps & EPD__V1__CAPABILITY__CAP_REPLY_MAILBOX) &&
                             EPD_MAILBOX_CAPACITY(op->group->doorbell_bytes) > 0 &&
                             op->group->mailbox_id == 0;
-        if (req->body_case == EPD__V1__REQUEST__BODY_DISPATCH)
+        if (req->body_case == EPD__V1__REQUEST__BODY_DISPATCH) {
                 req->dispatch->reply_in_doorbell = mailbox;
-        else
+                req->dispatch->compact_reply = mailbox && c->compact_replies;
+        } else {
                 req->combine->reply_in_doorbell = mailbox;
+                req->combine->compact_reply = mailbox && c->compact_replies;
+        }
         op->sent_ns = epd__now_ns();
         op->request_via_page = page_post_locked(c, op->group, req);
         if (!op->request_via_page)
@@ -188,6 +192,79 @@ int epd_combine_submit(struct epd_group *group, const struct epd_combine_args *a
         return op_send(op, &req, out);
 }
 
+/* A compact reply (common/doorbell.h) turned into the Response that the result functions read,
+ * in one allocation that epd_op_free releases with free(). The daemon's bytes are copied out of
+ * the page once and checked against their own sizes before use. */
+struct compact_resp {
+        Epd__V1__Response resp;
+        Epd__V1__DispatchReply dispatch;
+        Epd__V1__CombineReply combine;
+        Epd__V1__OpTimeline timeline;
+        struct epd_compact_reply rep;   /* its counts follow */
+};
+
+static Epd__V1__Response *compact_decode(const struct epd_op *op, const uint8_t *page,
+                                         uint32_t len)
+{
+        struct epd_compact_reply h;
+
+        if (len < sizeof(h))
+                return NULL;
+        memcpy(&h, page, sizeof(h));
+        const uint32_t kind = op->kind == 1 ? EPD_COMPACT_DISPATCH : EPD_COMPACT_COMBINE;
+        if (h.kind != kind || h.id != op->request_id ||
+            epd_compact_reply_bytes(kind, h.num_local_experts, h.world_size) != len)
+                return NULL;
+        struct compact_resp *m = malloc(offsetof(struct compact_resp, rep) + len);
+        if (!m)
+                return NULL;
+        memcpy(&m->rep, page, len);
+        const struct epd_compact_reply *c = &m->rep;
+        epd__v1__response__init(&m->resp);
+        epd__v1__op_timeline__init(&m->timeline);
+        m->resp.id = c->id;
+        m->resp.status = EPD__V1__STATUS_CODE__OK;
+        m->resp.message = "";
+        m->timeline.received_ns = c->received_ns;
+        m->timeline.launched_ns = c->launched_ns;
+        m->timeline.exec_start_ns = c->exec_start_ns;
+        m->timeline.completed_ns = c->completed_ns;
+        m->timeline.replied_ns = c->replied_ns;
+        if (kind == EPD_COMPACT_DISPATCH) {
+                Epd__V1__DispatchReply *d = &m->dispatch;
+                const uint32_t L = c->num_local_experts;
+                epd__v1__dispatch_reply__init(d);
+                d->op_number = c->op_number;
+                d->handle_id = c->handle_id;
+                d->num_recv_tokens = (int32_t)c->num_tokens;
+                d->num_expanded_rows = (int32_t)c->num_expanded_rows;
+                d->n_num_recv_tokens_per_expert = L;
+                d->num_recv_tokens_per_expert = m->rep.counts;
+                d->n_num_recv_tokens_per_expert_aligned = L;
+                d->num_recv_tokens_per_expert_aligned = m->rep.counts + L;
+                d->n_rank_prefix = (size_t)c->world_size + 1;
+                d->rank_prefix = m->rep.counts + 2 * (size_t)L;
+                d->exec_ns = c->exec_ns;
+                d->queue_ns = c->queue_ns;
+                d->kernel_ns = c->kernel_ns;
+                d->timeline = &m->timeline;
+                m->resp.body_case = EPD__V1__RESPONSE__BODY_DISPATCH;
+                m->resp.dispatch = d;
+        } else {
+                Epd__V1__CombineReply *cr = &m->combine;
+                epd__v1__combine_reply__init(cr);
+                cr->op_number = c->op_number;
+                cr->num_tokens = (uint32_t)c->num_tokens;
+                cr->exec_ns = c->exec_ns;
+                cr->queue_ns = c->queue_ns;
+                cr->kernel_ns = c->kernel_ns;
+                cr->timeline = &m->timeline;
+                m->resp.body_case = EPD__V1__RESPONSE__BODY_COMBINE;
+                m->resp.combine = cr;
+        }
+        return &m->resp;
+}
+
 /* The reply that an op asked for in the doorbell page (common/doorbell.h, reply mailbox), read
  * once reply_id names it. Not on the client's lock. */
 static int mailbox_take(struct epd_op *op, Epd__V1__Response **resp, int *fds, int64_t left_ms)
@@ -207,16 +284,22 @@ static int mailbox_take(struct epd_op *op, Epd__V1__Response **resp, int *fds, i
                 return rc;
         }
         op->read_ns = epd__now_ns();
-        Epd__V1__Response *r = len <= EPD_MAILBOX_CAPACITY(op->group->doorbell_bytes)
-                                       ? epd__v1__response__unpack(NULL, len, db->reply)
-                                       : NULL;
-        if (!r || r->id != op->request_id) {
-                if (r)
-                        epd__v1__response__free_unpacked(r, NULL);
-                return epd__client_fail(c, EPD_INTERNAL,
-                                        "undecodable reply of %u bytes in the doorbell page", len);
+        const int compact = (len & EPD_MAILBOX_COMPACT) != 0;
+        const uint32_t bytes = len & ~EPD_MAILBOX_COMPACT;
+        Epd__V1__Response *r = NULL;
+        if (bytes <= EPD_MAILBOX_CAPACITY(op->group->doorbell_bytes))
+                r = compact ? compact_decode(op, (const uint8_t *)db->reply, bytes)
+                            : epd__v1__response__unpack(NULL, bytes, db->reply);
+        if (r && !compact && r->id != op->request_id) {
+                epd__v1__response__free_unpacked(r, NULL);
+                r = NULL;
         }
+        if (!r)
+                return epd__client_fail(c, EPD_INTERNAL,
+                                        "undecodable %sreply of %u bytes in the doorbell page",
+                                        compact ? "compact " : "", bytes);
         *resp = r;
+        op->resp_compact = compact;
         op->via_page = 1;
         return 0;
 }
@@ -433,18 +516,23 @@ int epd_op_timeline(const struct epd_op *op, struct epd_op_timeline *out)
 {
         const Epd__V1__OpTimeline *t = NULL;
 
-        /* Callers built before reply_in_doorbell pass the smaller size. */
+        /* Callers built before a field was added pass a smaller size: each later field is
+         * filled only when the size covers it. */
         const size_t v1 = offsetof(struct epd_op_timeline, reply_in_doorbell);
         if (!op || !out || out->size < v1)
                 return EPD_INVALID_ARGUMENT;
         if (!op->done)
                 return EPD_UNAVAILABLE;
-        memset((uint8_t *)out + sizeof(out->size), 0,
-               (out->size < sizeof(*out) ? v1 : sizeof(*out)) - sizeof(out->size));
-        if (out->size >= sizeof(*out)) {
+        const size_t have = out->size < sizeof(*out) ? out->size : sizeof(*out);
+        memset((uint8_t *)out + sizeof(out->size), 0, have - sizeof(out->size));
+#define COVERS(field) (have >= offsetof(struct epd_op_timeline, field) + sizeof(out->field))
+        if (COVERS(reply_in_doorbell))
                 out->reply_in_doorbell = op->via_page;
+        if (COVERS(request_in_doorbell))
                 out->request_in_doorbell = op->request_via_page;
-        }
+        if (COVERS(reply_compact))
+                out->reply_compact = op->resp_compact;
+#undef COVERS
         out->submitted_ns = op->sent_ns;
         out->reply_read_ns = op->read_ns;
         if (op->resp && op->resp->body_case == EPD__V1__RESPONSE__BODY_DISPATCH &&
@@ -474,7 +562,9 @@ void epd_op_free(struct epd_op *op)
                 return;
         if (!op->done)
                 (void)epd_op_wait(op, -1);
-        if (op->resp)
+        if (op->resp && op->resp_compact)
+                free(op->resp); /* the first member of its struct compact_resp */
+        else if (op->resp)
                 epd__v1__response__free_unpacked(op->resp, NULL);
         free(op);
 }

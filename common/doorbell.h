@@ -28,6 +28,11 @@
  *                 overwrites a reply its client has not read. The daemon reads nothing from the
  *                 page but `waiting`, and only to decide whether to wake.
  *
+ *                 A request that also asks for a compact reply (compact_reply) may get, when
+ *                 it succeeded and names no arena outputs, the fixed struct epd_compact_reply
+ *                 below instead of a packed Response; reply_len then carries
+ *                 EPD_MAILBOX_COMPACT (docs/design-notes.md, "Compact replies").
+ *
  *   request mailbox (docs/design-notes.md, "Requests through the doorbell page") the last
  *                 EPD_REQUEST_AREA_BYTES of the page (struct epd_request_box). While the daemon's
  *                 loop thread polls (it says so in `polling`), a client may put a packed Dispatch
@@ -77,6 +82,39 @@ struct epd_doorbell {
         uint32_t pad3[15];
         uint8_t reply[];              /* up to the request box */
 };
+
+/* reply_len of a compact reply: this bit, or'ed with the struct's length in bytes. */
+#define EPD_MAILBOX_COMPACT 0x80000000u
+#define EPD_COMPACT_DISPATCH 1u
+#define EPD_COMPACT_COMBINE 2u
+
+/* A successful dispatch or combine reply as one fixed struct, the fields of DispatchReply or
+ * CombineReply and of their OpTimeline (proto/epd.proto documents each). Written by the daemon's
+ * loop thread, read by libepd, both on the same host and build, so native byte order. */
+struct epd_compact_reply {
+        uint64_t id;                  /* Response.id: the request's id */
+        uint32_t kind;                /* EPD_COMPACT_DISPATCH or EPD_COMPACT_COMBINE */
+        uint32_t num_local_experts;   /* dispatch: L, the length of both count arrays */
+        uint32_t world_size;          /* dispatch: R; rank_prefix holds R + 1 entries */
+        uint32_t pad;
+        int64_t num_tokens;           /* dispatch: num_recv_tokens; combine: num_tokens */
+        int64_t num_expanded_rows;    /* dispatch */
+        uint64_t op_number, handle_id, exec_ns, queue_ns, kernel_ns;
+        uint64_t received_ns, launched_ns, exec_start_ns, completed_ns, replied_ns;
+        /* dispatch: L per expert, L aligned per expert, R + 1 rank prefix; combine: none */
+        int32_t counts[];
+};
+
+/* Bytes of a compact reply with L local experts and R ranks (dispatch) or of a combine's; 0 when
+ * the sizes overflow. */
+static inline uint64_t epd_compact_reply_bytes(uint32_t kind, uint64_t L, uint64_t R)
+{
+        if (kind != EPD_COMPACT_DISPATCH)
+                return sizeof(struct epd_compact_reply);
+        if (L > UINT32_MAX || R > UINT32_MAX)
+                return 0;
+        return sizeof(struct epd_compact_reply) + (2 * L + R + 1) * sizeof(int32_t);
+}
 
 /* The request mailbox at the end of the page. */
 #define EPD_REQUEST_AREA_BYTES 4096u

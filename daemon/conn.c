@@ -262,6 +262,15 @@ int epd_conn_reply(struct epd_conn *c, struct epd_doorbell *mailbox,
         return epd_conn_send(c, resp, NULL, 0);
 }
 
+int epd_conn_reply_compact(struct epd_conn *c, struct epd_doorbell *mailbox,
+                           const struct epd_compact_reply *rep, size_t len)
+{
+        if (c->closing || c->close_reason || epd_mailbox_post_compact(mailbox, rep, len) < 0)
+                return -1;
+        c->daemon->stats.mailbox_replies++;
+        return 0;
+}
+
 static void reply_status(struct epd_conn *c, struct epd_doorbell *mailbox, uint64_t request_id,
                          int status, const char *fmt, va_list ap)
 {

@@ -205,6 +205,7 @@ struct epd_submission {
         uint64_t submitted_ns;
         uint64_t seq;                 /* the rank's submission number (doorbell) */
         int mailbox;                  /* the reply goes into the rank's doorbell page */
+        int compact;                  /* there, a success may go as struct epd_compact_reply */
         Epd__V1__Request *req;        /* owned; decoded request, freed once the op launched */
 };
 
@@ -271,6 +272,10 @@ void epd_conn_reply_status(struct epd_conn *c, uint64_t request_id, int status,
  * reply fits, else on the socket. */
 int epd_conn_reply(struct epd_conn *c, struct epd_doorbell *mailbox,
                    const Epd__V1__Response *resp);
+/* A compact reply (common/doorbell.h) into `mailbox`: 0 when it was posted, -1 when it must go
+ * as a Response instead (the connection is closing or the struct does not fit the page). */
+int epd_conn_reply_compact(struct epd_conn *c, struct epd_doorbell *mailbox,
+                           const struct epd_compact_reply *rep, size_t len);
 void epd_conn_reply_status_to(struct epd_conn *c, struct epd_doorbell *mailbox,
                               uint64_t request_id, int status, const char *fmt, ...)
         __attribute__((format(printf, 5, 6)));

@@ -78,6 +78,17 @@ int epd_mailbox_post(struct epd_doorbell *db, const Epd__V1__Response *resp)
         return 0;
 }
 
+int epd_mailbox_post_compact(struct epd_doorbell *db, const struct epd_compact_reply *rep,
+                             size_t len)
+{
+        if (len > EPD_MAILBOX_CAPACITY(EPD_DOORBELL_BYTES) || len >= EPD_MAILBOX_COMPACT)
+                return -EMSGSIZE;
+        memcpy((uint8_t *)db->reply, rep, len);
+        db->reply_len = (uint32_t)len | EPD_MAILBOX_COMPACT;
+        mailbox_ring(db, rep->id);
+        return 0;
+}
+
 static struct epd_request_box *request_box(struct epd_doorbell *db)
 {
         return epd_doorbell_request_box(db, EPD_DOORBELL_BYTES);

@@ -10,6 +10,10 @@
  * the page is not written: the page announces it (EPD_MAILBOX_ON_SOCKET) and -EMSGSIZE tells
  * the caller to send it on the socket. Loop thread. */
 int epd_mailbox_post(struct epd_doorbell *db, const Epd__V1__Response *resp);
+/* Copies a compact reply of len bytes (common/doorbell.h) into the page and publishes it, as
+ * epd_mailbox_post does; -EMSGSIZE, with nothing written, when it does not fit. Loop thread. */
+int epd_mailbox_post_compact(struct epd_doorbell *db, const struct epd_compact_reply *rep,
+                             size_t len);
 /* Tells a client sleeping on the page that its op started: reply_seq moves and a sleeper is
  * woken, nothing else changes. Any thread. */
 void epd_mailbox_nudge(struct epd_doorbell *db);

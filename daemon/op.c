@@ -260,6 +260,8 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
         sub->seq = epd_group_rank_submitted(g, rank);
         sub->req = req;
         sub->mailbox = mailbox && g->ranks[rank].doorbell != NULL;
+        sub->compact = kind == EPD_OP_DISPATCH ? req->dispatch->compact_reply
+                                               : req->combine->compact_reply;
         if (sub->mailbox)
                 g->ranks[rank].mailbox_id = req->id;
         op->arrived++;
@@ -870,6 +872,56 @@ static void fill_timeline(const struct epd_op *op, uint32_t r, Epd__V1__OpTimeli
         tl->replied_ns = epd__now_ns();
 }
 
+/* The fields that a compact reply (common/doorbell.h) shares with DispatchReply/CombineReply
+ * and OpTimeline; replied_ns is taken now. */
+static void compact_common(const struct epd_op *op, uint32_t r, uint32_t kind,
+                           struct epd_compact_reply *c)
+{
+        const struct epd_submission *sub = &op->subs[r];
+
+        memset(c, 0, sizeof(*c));
+        c->id = sub->request_id;
+        c->kind = kind;
+        c->op_number = op->number;
+        c->exec_ns = op->exec->exec_ns;
+        c->kernel_ns = op->exec->kernel_ns;
+        c->queue_ns = op->launch_ns - sub->submitted_ns;
+        c->received_ns = sub->submitted_ns;
+        c->launched_ns = op->launch_ns;
+        c->exec_start_ns = op->exec->exec_start_ns;
+        c->completed_ns = op->completed_ns;
+        c->replied_ns = epd__now_ns();
+}
+
+/* A dispatch reply as a compact struct into the page, when the request asked for it and the
+ * outputs are the client's own tensors (arena placements need the Response's TensorRefs).
+ * Returns 1 when it was posted. */
+static int reply_dispatch_compact(struct epd_op *op, uint32_t r, const struct epd_handle *h,
+                                  struct epd_doorbell *page)
+{
+        const struct epd_group *g = op->group;
+        const struct epd_exec_rank *er = &op->exec->ranks[r];
+        const uint32_t L = g->cfg.num_local_experts, R = g->cfg.world_size;
+        const uint64_t len = epd_compact_reply_bytes(EPD_COMPACT_DISPATCH, L, R);
+        union {
+                struct epd_compact_reply rep;
+                uint8_t bytes[EPD_MAILBOX_CAPACITY(EPD_DOORBELL_BYTES)];
+        } u;
+
+        if (!page || !op->subs[r].compact || er->use_arena || len == 0 || len > sizeof(u))
+                return 0;
+        compact_common(op, r, EPD_COMPACT_DISPATCH, &u.rep);
+        u.rep.num_local_experts = L;
+        u.rep.world_size = R;
+        u.rep.num_tokens = er->num_recv_tokens;
+        u.rep.num_expanded_rows = er->num_expanded_rows;
+        u.rep.handle_id = h->id;
+        memcpy(u.rep.counts, er->per_expert, L * sizeof(int32_t));
+        memcpy(u.rep.counts + L, er->per_expert_aligned, L * sizeof(int32_t));
+        memcpy(u.rep.counts + 2 * L, er->rank_prefix, (R + 1) * sizeof(int32_t));
+        return epd_conn_reply_compact(op->subs[r].conn, page, &u.rep, len) == 0;
+}
+
 static void reply_dispatch(struct epd_op *op, uint32_t r, struct epd_handle *h)
 {
         struct epd_group *g = op->group;
@@ -877,6 +929,9 @@ static void reply_dispatch(struct epd_op *op, uint32_t r, struct epd_handle *h)
         struct epd_exec_rank *er = &ex->ranks[r];
         struct epd_submission *sub = &op->subs[r];
         uint32_t L = g->cfg.num_local_experts, R = g->cfg.world_size;
+        struct epd_doorbell *page = reply_mailbox(op, r);
+        if (reply_dispatch_compact(op, r, h, page))
+                return;
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
         Epd__V1__DispatchReply dr = EPD__V1__DISPATCH_REPLY__INIT;
         Epd__V1__TensorRef t[EPD_OUT_FIELDS];
@@ -933,12 +988,20 @@ static void reply_dispatch(struct epd_op *op, uint32_t r, struct epd_handle *h)
         Epd__V1__OpTimeline tl = EPD__V1__OP_TIMELINE__INIT;
         fill_timeline(op, r, &tl);
         dr.timeline = &tl;
-        (void)epd_conn_reply(sub->conn, reply_mailbox(op, r), &resp);
+        (void)epd_conn_reply(sub->conn, page, &resp);
 }
 
 static void reply_combine(struct epd_op *op, uint32_t r)
 {
         struct epd_submission *sub = &op->subs[r];
+        struct epd_doorbell *page = reply_mailbox(op, r);
+        if (page && sub->compact) {
+                struct epd_compact_reply c;
+                compact_common(op, r, EPD_COMPACT_COMBINE, &c);
+                c.num_tokens = op->exec->ranks[r].num_tokens;
+                if (epd_conn_reply_compact(sub->conn, page, &c, sizeof(c)) == 0)
+                        return;
+        }
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
         Epd__V1__CombineReply cr = EPD__V1__COMBINE_REPLY__INIT;
 
@@ -955,7 +1018,7 @@ static void reply_combine(struct epd_op *op, uint32_t r)
         Epd__V1__OpTimeline tl = EPD__V1__OP_TIMELINE__INIT;
         fill_timeline(op, r, &tl);
         cr.timeline = &tl;
-        (void)epd_conn_reply(sub->conn, reply_mailbox(op, r), &resp);
+        (void)epd_conn_reply(sub->conn, page, &resp);
 }
 
 static struct epd_handle *handle_new(struct epd_group *g, struct epd_exec *ex)

@@ -39,6 +39,7 @@ struct setup {
         struct wl_inputs in;
         struct epd_dispatch_args da;
         int64_t *topk_ptr;
+        uint8_t *base;                /* the region of x and top-k, with room for outputs */
 };
 
 static double now_ms(void)
@@ -117,6 +118,7 @@ static void setup_group_with(struct setup *s, uint32_t timeout_ms, const char *c
         memcpy(p, s->in.x, (size_t)c->max_tokens * c->hidden * 2);
         memcpy((uint8_t *)p + 32768, s->in.topk, (size_t)c->max_tokens * c->num_topk * 8);
         s->topk_ptr = (int64_t *)((uint8_t *)p + 32768);
+        s->base = p;
         uint64_t xs[2] = { c->max_tokens, c->hidden }, ks[2] = { c->max_tokens, c->num_topk };
         memset(&s->da, 0, sizeof(s->da));
         s->da.size = sizeof(s->da);
@@ -244,6 +246,135 @@ START_TEST(test_mailbox_off_and_bad_env)
         unsetenv("EPD_CLIENT_REPLY");
         refuse_bad_env(&s.d, "EPD_CLIENT_REPLY", "pigeon");
         teardown(&s);
+}
+END_TEST
+
+static int bf16_is_nan(uint16_t v)
+{
+        return (v & 0x7f80) == 0x7f80 && (v & 0x7f) != 0;
+}
+
+/* What a reply says, copied out of the op (test_compact_replies). */
+struct said {
+        int32_t recv_tokens, expanded, per_expert[8], aligned[8], prefix[2];
+        uint32_t experts, world, combined_tokens;
+        uint64_t op_number, handle_id, exec_ns, kernel_ns;
+        uint32_t dispatch_compact, combine_compact;
+        int combined_ok;
+};
+
+/* Dispatch with outputs in the client's region (or the arena), then combine the rows back, and
+ * record what the replies said and whether they came compact. */
+static void dispatch_and_combine(struct setup *s, int use_arena, struct said *out)
+{
+        const struct wl_case *c = &base_case;
+        const uint64_t xs[2] = { c->max_tokens, c->hidden }, src[1] = { c->max_tokens };
+        struct epd_dispatch_result dr;
+        struct epd_op *op;
+
+        memset(out, 0, sizeof(*out));
+        s->da.use_arena = use_arena;
+        s->da.expert_alignment = 4; /* so that the two count arrays differ */
+        memset(&s->da.recv_x, 0, sizeof(s->da.recv_x));
+        memset(&s->da.recv_src, 0, sizeof(s->da.recv_src));
+        if (!use_arena) {
+                ck_assert_int_eq(epd_tensor_at(s->c, s->base + 4096, EPD_DTYPE_BF16, 2, xs,
+                                               &s->da.recv_x), 0);
+                ck_assert_int_eq(epd_tensor_at(s->c, s->base + 8192, EPD_DTYPE_INT64, 1, src,
+                                               &s->da.recv_src), 0);
+        }
+        ck_assert_int_eq(epd_dispatch(s->g, &s->da, &op), 0);
+        ck_assert_int_eq(via_page(op), 1);
+        out->dispatch_compact = timeline_of(op).reply_compact;
+        ck_assert_int_eq(epd_op_dispatch_result(op, &dr), 0);
+        ck_assert_uint_eq(dr.num_local_experts, 8);
+        ck_assert_uint_eq(dr.world_size, 1);
+        out->recv_tokens = dr.num_recv_tokens;
+        out->expanded = dr.num_expanded_rows;
+        out->experts = dr.num_local_experts;
+        out->world = dr.world_size;
+        memcpy(out->per_expert, dr.num_recv_tokens_per_expert, sizeof(out->per_expert));
+        memcpy(out->aligned, dr.num_recv_tokens_per_expert_aligned, sizeof(out->aligned));
+        memcpy(out->prefix, dr.rank_prefix, sizeof(out->prefix));
+        out->op_number = dr.op_number;
+        out->handle_id = dr.handle_id;
+        out->exec_ns = dr.exec_ns;
+        out->kernel_ns = dr.kernel_ns;
+        /* Only arena outputs are placed by the reply; the client knows its own. */
+        ck_assert_int_eq(use_arena, dr.recv_x_ptr != NULL);
+
+        struct epd_combine_args ca = { .size = sizeof(ca), .handle_id = dr.handle_id,
+                                       .y = use_arena ? dr.recv_x : s->da.recv_x };
+        const size_t x_bytes = (size_t)c->max_tokens * c->hidden * 2;
+        memset(s->base + 16384, 0xff, x_bytes);
+        const uint64_t cs[2] = { c->max_tokens, c->hidden };
+        ck_assert_int_eq(epd_tensor_at(s->c, s->base + 16384, EPD_DTYPE_BF16, 2, cs,
+                                       &ca.combined), 0);
+        struct epd_op *cop;
+        struct epd_combine_result cr;
+        ck_assert_int_eq(epd_combine_submit(s->g, &ca, &cop), 0);
+        ck_assert_int_eq(epd_op_wait(cop, 5000), 0);
+        ck_assert_int_eq(epd_op_combine_result(cop, &cr), 0);
+        out->combined_tokens = cr.num_tokens;
+        out->combine_compact = timeline_of(cop).reply_compact;
+        /* One rank: each token was received once and comes back as itself (a NaN as some
+         * NaN: the reduction need not keep its payload). */
+        const uint16_t *got = (const uint16_t *)(s->base + 16384), *x = (const uint16_t *)s->base;
+        int same = cr.num_tokens == c->max_tokens;
+        for (size_t i = 0; same && i < x_bytes / 2; i++)
+                same = bf16_is_nan(x[i]) ? bf16_is_nan(got[i]) : got[i] == x[i];
+        out->combined_ok = same;
+        epd_op_free(cop);
+        epd_op_free(op);
+        ck_assert_int_eq(epd_handle_release(s->g, dr.handle_id), 0);
+}
+
+/* Replies whose outputs are the client's own tensors come as compact structs
+ * (EPD_CLIENT_REPLY_FORMAT, default compact) and say what a packed Response says; arena
+ * outputs keep the Response, whose TensorRefs place them. */
+START_TEST(test_compact_replies)
+{
+        struct setup s;
+        struct said compact, packed, arena;
+
+        setup_group(&s, 5000);
+        dispatch_and_combine(&s, 0, &compact);
+        dispatch_and_combine(&s, 1, &arena);
+        ck_assert_int_eq(stat_of(&s.d, "mailbox_replies"), 4);
+        refuse_bad_env(&s.d, "EPD_CLIENT_REPLY_FORMAT", "json");
+        teardown(&s);
+
+        setenv("EPD_CLIENT_REPLY_FORMAT", "protobuf", 1);
+        setup_group(&s, 5000);
+        unsetenv("EPD_CLIENT_REPLY_FORMAT");
+        dispatch_and_combine(&s, 0, &packed);
+        teardown(&s);
+
+        ck_assert_uint_eq(compact.dispatch_compact, 1);
+        ck_assert_uint_eq(compact.combine_compact, 1);
+        ck_assert_uint_eq(arena.dispatch_compact, 0);
+        ck_assert_uint_eq(arena.combine_compact, 1);
+        ck_assert_uint_eq(packed.dispatch_compact, 0);
+        ck_assert_uint_eq(packed.combine_compact, 0);
+        /* The same op on the same inputs: the same counts in every form (times and numbers
+         * aside: the arena run is the group's second op). */
+        ck_assert_int_gt(compact.recv_tokens, 0);
+        ck_assert_int_ne(memcmp(compact.per_expert, compact.aligned, sizeof(compact.aligned)), 0);
+        ck_assert_int_gt(compact.exec_ns, 0);
+        ck_assert_uint_eq(compact.op_number, packed.op_number);
+        ck_assert_uint_eq(compact.handle_id, packed.handle_id);
+        const struct said *other[2] = { &packed, &arena };
+        for (int i = 0; i < 2; i++) {
+                const struct said *o = other[i];
+                ck_assert_int_eq(compact.recv_tokens, o->recv_tokens);
+                ck_assert_int_eq(compact.expanded, o->expanded);
+                ck_assert_mem_eq(compact.per_expert, o->per_expert, sizeof(o->per_expert));
+                ck_assert_mem_eq(compact.aligned, o->aligned, sizeof(o->aligned));
+                ck_assert_mem_eq(compact.prefix, o->prefix, sizeof(o->prefix));
+                ck_assert_uint_eq(compact.combined_tokens, o->combined_tokens);
+                ck_assert_msg(o->combined_ok == 1, "run %d: combine did not return x", i);
+        }
+        ck_assert_int_eq(compact.combined_ok, 1);
 }
 END_TEST
 
@@ -498,6 +629,7 @@ int main(void)
         tcase_add_test(tc, test_wait_inputs);
         tcase_add_test(tc, test_wait_inputs_timeout);
         tcase_add_test(tc, test_mailbox_off_and_bad_env);
+        tcase_add_test(tc, test_compact_replies);
         tcase_add_test(tc, test_mailbox_one_at_a_time);
         tcase_add_test(tc, test_mailbox_second_refused);
         tcase_add_test(tc, test_mailbox_daemon_killed);
