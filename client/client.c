@@ -67,17 +67,17 @@ static int env_path(const char *name, int *page, char *err, size_t err_len)
         return EPD_INVALID_ARGUMENT;
 }
 
-/* EPD_CLIENT_REPLY_FORMAT: compact (the default) or protobuf, for replies in the page. */
-static int env_reply_format(int *compact, char *err, size_t err_len)
+/* EPD_CLIENT_REPLY_FORMAT, EPD_CLIENT_REQUEST_FORMAT: compact (the default) or protobuf, for
+ * replies and requests in the page. */
+static int env_format(const char *name, int *compact, char *err, size_t err_len)
 {
-        const char *v = getenv("EPD_CLIENT_REPLY_FORMAT");
+        const char *v = getenv(name);
 
         *compact = v == NULL || strcmp(v, "compact") == 0;
         if (*compact || strcmp(v, "protobuf") == 0)
                 return 0;
         if (err)
-                snprintf(err, err_len, "EPD_CLIENT_REPLY_FORMAT=%s: expected compact or protobuf",
-                         v);
+                snprintf(err, err_len, "%s=%s: expected compact or protobuf", name, v);
         return EPD_INVALID_ARGUMENT;
 }
 #define CLIENT_MAX_FRAME (16u << 20)
@@ -395,10 +395,11 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
                 return EPD_INVALID_ARGUMENT;
         /* Requests and replies of dispatch and combine: through the doorbell page (the
          * default) or the socket. */
-        int mailbox, page_requests, compact_replies;
+        int mailbox, page_requests, compact_replies, compact_requests;
         if (env_path("EPD_CLIENT_REPLY", &mailbox, err, err_len) < 0 ||
             env_path("EPD_CLIENT_REQUEST", &page_requests, err, err_len) < 0 ||
-            env_reply_format(&compact_replies, err, err_len) < 0)
+            env_format("EPD_CLIENT_REPLY_FORMAT", &compact_replies, err, err_len) < 0 ||
+            env_format("EPD_CLIENT_REQUEST_FORMAT", &compact_requests, err, err_len) < 0)
                 return EPD_INVALID_ARGUMENT;
         c = calloc(1, sizeof(*c));
         if (!c)
@@ -410,6 +411,7 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
         c->mailbox = mailbox;
         c->page_requests = page_requests;
         c->compact_replies = compact_replies;
+        c->compact_requests = compact_requests;
         c->max_frame = CLIENT_MAX_FRAME;
         c->rbuf_len = EPD_FRAME_HEADER_BYTES + CLIENT_MAX_FRAME + 1;
         c->rbuf = malloc(c->rbuf_len);

@@ -52,6 +52,7 @@ struct epd_client {
                                        * wake-up (EPD_CLIENT_SPIN_US) */
         int mailbox;                  /* ask for replies in the doorbell page (EPD_CLIENT_REPLY) */
         int compact_replies;          /* and for compact ones (EPD_CLIENT_REPLY_FORMAT) */
+        int compact_requests;         /* page requests as compact ones (EPD_CLIENT_REQUEST_FORMAT) */
         int page_requests;            /* post requests in the doorbell page when the daemon
                                        * polls (EPD_CLIENT_REQUEST) */
         uint64_t last_socket_id;      /* id of the last request sent on the socket */

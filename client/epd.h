@@ -108,6 +108,9 @@ struct epd_connect_args {
  *   EPD_CLIENT_REPLY_FORMAT  compact (default): a successful reply in the page may come as a
  *                       fixed struct, which costs the daemon's loop thread a copy instead of
  *                       a protobuf pack ("Compact replies"); protobuf: always a packed Response.
+ *   EPD_CLIENT_REQUEST_FORMAT  compact (default): a request in the page goes as a fixed
+ *                       struct when the daemon offers it, which spares the daemon's loop thread
+ *                       a protobuf decode ("Compact requests"); protobuf: always packed.
  *   EPD_CLIENT_SPIN_US  0 to 100000: how long a wait in the doorbell page polls after a wake-up
  *                       (the daemon wakes it when its op starts); default 200 on machines of 8
  *                       CPUs or more, else 0 (sleep until the reply).
@@ -400,6 +403,9 @@ struct epd_op_timeline {
         /* 1 when the reply in the doorbell page was a compact one (EPD_CLIENT_REPLY_FORMAT,
          * README). Filled when size covers it. */
         uint32_t reply_compact;
+        /* 1 when the request went through the page as a compact request
+         * (EPD_CLIENT_REQUEST_FORMAT, README). Filled when size covers it. */
+        uint32_t request_compact;
 };
 /* EPD_UNAVAILABLE while the op is pending (epd_op_wait first). */
 int epd_op_timeline(const struct epd_op *op, struct epd_op_timeline *out);

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "client_internal.h"
+#include "compact.h"
 #include "tensor.h"
 #include "util.h"
 
@@ -27,6 +28,7 @@ struct epd_op {
         int mailbox;                  /* it asked for its reply in the doorbell page */
         int via_page;                 /* and the reply came there */
         int request_via_page;         /* the request went through the page */
+        int request_compact;          /* as a compact request (when it went through the page) */
         uint64_t sent_ns;             /* just before the request was sent */
         uint64_t read_ns;             /* when the reply was read */
 };
@@ -47,10 +49,12 @@ static struct epd_op *op_new(struct epd_group *g, int kind)
  * other half is in daemon/mailbox.c) when the daemon looks at it and has read every frame this
  * client sent on the socket. Returns 1 when the daemon took or will take it, 0 when it is to go
  * on the socket (it may then have been given an id it does not keep). Lock held. */
-static int page_post_locked(struct epd_client *c, struct epd_group *g, Epd__V1__Request *req)
+static int page_post_locked(struct epd_client *c, struct epd_group *g, Epd__V1__Request *req,
+                            int *compact)
 {
         struct epd_request_box *box;
 
+        *compact = 0;
         if (!c->page_requests || c->broken || !g->doorbell ||
             !(c->daemon_caps & EPD__V1__CAPABILITY__CAP_REQUEST_MAILBOX))
                 return 0;
@@ -58,6 +62,14 @@ static int page_post_locked(struct epd_client *c, struct epd_group *g, Epd__V1__
         if (!box || !epd_request_box_open(box, c->last_socket_id))
                 return 0;
         req->id = ++c->next_id;
+        *compact = c->compact_requests &&
+                   (c->daemon_caps & EPD__V1__CAPABILITY__CAP_COMPACT_REQUEST) &&
+                   sizeof(struct epd_compact_request) <= EPD_REQUEST_CAPACITY &&
+                   epd__compact_request(req, (struct epd_compact_request *)box->bytes);
+        if (*compact) {
+                box->len = (uint32_t)sizeof(struct epd_compact_request) | EPD_REQUEST_COMPACT;
+                return epd_request_publish(box);
+        }
         const size_t len = epd__v1__request__get_packed_size(req);
         if (len > EPD_REQUEST_CAPACITY)
                 return 0;
@@ -86,7 +98,7 @@ static int op_send(struct epd_op *op, Epd__V1__Request *req, struct epd_op **out
                 req->combine->compact_reply = mailbox && c->compact_replies;
         }
         op->sent_ns = epd__now_ns();
-        op->request_via_page = page_post_locked(c, op->group, req);
+        op->request_via_page = page_post_locked(c, op->group, req, &op->request_compact);
         if (!op->request_via_page)
                 rc = epd__client_send_locked(c, req, NULL, 0);
         if (rc == 0) {
@@ -532,6 +544,8 @@ int epd_op_timeline(const struct epd_op *op, struct epd_op_timeline *out)
                 out->request_in_doorbell = op->request_via_page;
         if (COVERS(reply_compact))
                 out->reply_compact = op->resp_compact;
+        if (COVERS(request_compact))
+                out->request_compact = op->request_via_page && op->request_compact;
 #undef COVERS
         out->submitted_ns = op->sent_ns;
         out->reply_read_ns = op->read_ns;

@@ -46,7 +46,9 @@
  *                 the socket: a client posts only when the daemon has read every frame it sent
  *                 (`socket_read_id`, the id of the last request the loop thread read from this
  *                 client's socket), and the loop thread takes a client's posted requests before
- *                 it handles the next frame from its socket.
+ *                 it handles the next frame from its socket. A request may also be posted as
+ *                 the fixed struct epd_compact_request below (docs/design-notes.md, "Compact
+ *                 requests"), its length or'ed with EPD_REQUEST_COMPACT.
  *
  * The sequence words live in host memory registered with CUDA in both processes: a CPU store and
  * a GPU stream memory operation on it are ordered at system scope, which is the scope that two
@@ -137,6 +139,47 @@ struct epd_request_box {
 };
 
 #define EPD_REQUEST_CAPACITY (EPD_REQUEST_AREA_BYTES - sizeof(struct epd_request_box))
+
+/* A compact request (docs/design-notes.md, "Compact requests"): instead of a packed Request, a
+ * client of a daemon that offers it (CAP_COMPACT_REQUEST) may post this fixed struct in the box,
+ * with `len` = sizeof(struct epd_compact_request) | EPD_REQUEST_COMPACT. It carries the fields
+ * of a Dispatch or Combine (proto/epd.proto documents each) and the Request's id; the daemon
+ * checks its length, kind, flags and tensor ranks, then turns it into the same Request. */
+#define EPD_REQUEST_COMPACT 0x80000000u
+#define EPD_COMPACT_MAX_DIMS 4u
+#define EPD_COMPACT_ZERO_PADDING 1u      /* Dispatch.zero_padding */
+#define EPD_COMPACT_USE_ARENA 2u         /* Dispatch.use_arena */
+#define EPD_COMPACT_APPLY_WEIGHTS 4u     /* Combine.apply_weights */
+#define EPD_COMPACT_REPLY_IN_DOORBELL 8u /* reply_in_doorbell */
+#define EPD_COMPACT_REPLY 16u            /* compact_reply */
+#define EPD_COMPACT_FLAGS 31u
+
+/* A TensorRef: absent when region_id is 0; n_strides is 0 (contiguous) or ndim. */
+struct epd_compact_tensor {
+        uint64_t region_id, offset;
+        uint32_t dtype, ndim, n_strides, pad;
+        uint64_t sizes[EPD_COMPACT_MAX_DIMS], strides[EPD_COMPACT_MAX_DIMS];
+};
+
+/* The tensors of a compact request, by kind. */
+enum {
+        EPD_CT_X, EPD_CT_SCALES, EPD_CT_TOPK_IDX, EPD_CT_TOPK_WEIGHTS, EPD_CT_RECV_X,
+        EPD_CT_RECV_SCALES, EPD_CT_RECV_TOPK_IDX, EPD_CT_RECV_WEIGHTS, EPD_CT_RECV_SRC,
+        EPD_CT_RECV_TOPK_SLOT, EPD_CT_DISPATCH_TENSORS
+};
+enum { EPD_CT_Y, EPD_CT_BIAS0, EPD_CT_BIAS1, EPD_CT_COMBINED, EPD_CT_COMBINED_TOPK_WEIGHTS };
+
+struct epd_compact_request {
+        uint64_t id;                  /* Request.id */
+        uint32_t kind;                /* EPD_COMPACT_DISPATCH or EPD_COMPACT_COMBINE */
+        uint32_t rank;
+        uint64_t group_id, handle_id, wait_inputs;
+        uint32_t num_tokens, num_topk;        /* dispatch */
+        uint32_t layout, expert_alignment;    /* dispatch */
+        uint32_t topk_idx_dtype, flags;       /* flags: EPD_COMPACT_* */
+        uint32_t num_bias, pad;               /* combine: bias tensors given (0 to 2) */
+        struct epd_compact_tensor t[EPD_CT_DISPATCH_TENSORS];
+};
 
 /* The request box of a page of page_bytes, or NULL when the page has no room for one. */
 static inline struct epd_request_box *epd_doorbell_request_box(void *page, uint64_t page_bytes)

@@ -22,6 +22,7 @@
 #include "log.h"
 #include "mailbox.h"
 #include "util.h"
+#include "request.h"
 
 static void on_conn_event(uv_poll_t *handle, int status, int events);
 static void on_close_idle(uv_idle_t *idle);
@@ -313,7 +314,7 @@ static int conn_protocol_error(struct epd_conn *c, const char *fmt, ...)
 /* Answers a protocol error with request id 0 and closes the connection. Returns -1. */
 static int conn_protocol_error(struct epd_conn *c, const char *fmt, ...)
 {
-        char msg[256];
+        char msg[512];
         va_list ap;
 
         va_start(ap, fmt);
@@ -353,7 +354,13 @@ static int conn_take_page(struct epd_conn *c, struct epd_binding *b)
                 return conn_protocol_error(
                         c, "protocol error: the request in the doorbell page of group '%s' rank %u is %zu bytes; it must be 1 to %zu",
                         g->name, b->rank, len, (size_t)EPD_REQUEST_CAPACITY);
-        Epd__V1__Request *req = epd__v1__request__unpack(NULL, len, buf);
+        char why[160];
+        Epd__V1__Request *req = rc == 2 ? epd_request_from_compact(buf, len, why, sizeof(why))
+                                        : epd__v1__request__unpack(NULL, len, buf);
+        if (!req && rc == 2)
+                return conn_protocol_error(
+                        c, "protocol error: the compact request in the doorbell page of group '%s' rank %u is malformed: %s",
+                        g->name, b->rank, why);
         if (!req)
                 return conn_protocol_error(
                         c, "protocol error: the doorbell page of group '%s' rank %u holds no valid Request",
@@ -363,7 +370,7 @@ static int conn_take_page(struct epd_conn *c, struct epd_binding *b)
                        (req->body_case == EPD__V1__REQUEST__BODY_COMBINE &&
                         req->combine->group_id == g->id && req->combine->rank == b->rank);
         if (!ok) {
-                epd__v1__request__free_unpacked(req, NULL);
+                epd_request_free(req);
                 return conn_protocol_error(
                         c, "protocol error: a request in the doorbell page of group '%s' rank %u must be a Dispatch or Combine of that rank",
                         g->name, b->rank);

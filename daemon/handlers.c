@@ -20,6 +20,7 @@
 #include "resize.h"
 #include "routing.h"
 #include "util.h"
+#include "request.h"
 
 #define EPD_MIN_SECRET_BYTES 16
 
@@ -80,6 +81,7 @@ static int handle_hello(struct epd_conn *c, const Epd__V1__Request *req)
                          EPD__V1__CAPABILITY__CAP_OUTPUT_ARENA |
                          EPD__V1__CAPABILITY__CAP_REPLY_MAILBOX |
                          EPD__V1__CAPABILITY__CAP_REQUEST_MAILBOX |
+                         EPD__V1__CAPABILITY__CAP_COMPACT_REQUEST |
                          (c->admin ? EPD__V1__CAPABILITY__CAP_ADMIN : 0);
         if (strcmp(d->backend->ops->name, "cuda") == 0)
                 w.capabilities |= EPD__V1__CAPABILITY__CAP_CUDA_REGIONS;
@@ -569,14 +571,14 @@ int epd_handle_request(struct epd_conn *c, Epd__V1__Request *req, int *fds, unsi
         if (!c->hello_done && req->body_case != EPD__V1__REQUEST__BODY_HELLO) {
                 epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT,
                                       "protocol error: the first request must be Hello");
-                epd__v1__request__free_unpacked(req, NULL);
+                epd_request_free(req);
                 return -1;
         }
         if (num_fds && req->body_case != EPD__V1__REQUEST__BODY_REGION_REGISTER) {
                 epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT,
                                       "protocol error: this request carries no fds, frame has %u",
                                       num_fds);
-                epd__v1__request__free_unpacked(req, NULL);
+                epd_request_free(req);
                 return -1;
         }
         switch (req->body_case) {
@@ -648,6 +650,6 @@ int epd_handle_request(struct epd_conn *c, Epd__V1__Request *req, int *fds, unsi
                                       (int)req->body_case);
                 break;
         }
-        epd__v1__request__free_unpacked(req, NULL);
+        epd_request_free(req);
         return rc;
 }

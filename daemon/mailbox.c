@@ -116,8 +116,9 @@ int epd_mailbox_take(struct epd_doorbell *db, uint8_t *buf, size_t buf_len, size
                 return 0; /* taken back by the client */
         /* Read the length once: the client may scribble on the slot, but what is copied is
          * bounded by what was checked. */
-        const uint32_t n = __atomic_load_n(&box->len, __ATOMIC_RELAXED);
-        int rc = 1;
+        const uint32_t word = __atomic_load_n(&box->len, __ATOMIC_RELAXED);
+        const uint32_t n = word & ~EPD_REQUEST_COMPACT;
+        int rc = word & EPD_REQUEST_COMPACT ? 2 : 1;
 
         if (n == 0 || n > EPD_REQUEST_CAPACITY || n > buf_len) {
                 *len = n;

@@ -23,7 +23,8 @@ void epd_mailbox_nudge(struct epd_doorbell *db);
 void epd_mailbox_set_polling(struct epd_doorbell *db, int on);
 /* Publishes the id of the last request read from the client's socket. Loop thread. */
 void epd_mailbox_set_read_id(struct epd_doorbell *db, uint64_t id);
-/* Claims a posted request: copies it into buf and empties the slot. Returns 1 with *len set, 0
+/* Claims a posted request: copies it into buf and empties the slot. Returns 1 with *len set (2
+ * when it is a compact request, struct epd_compact_request), 0
  * when there is none (or the client took it back), -EMSGSIZE when its length is 0 or larger than
  * the box or buf (*len says what it claimed; the slot is emptied). Loop thread. */
 int epd_mailbox_take(struct epd_doorbell *db, uint8_t *buf, size_t buf_len, size_t *len);

@@ -17,6 +17,7 @@
 #include "resize.h"
 #include "tensor.h"
 #include "util.h"
+#include "request.h"
 
 static void op_free_cb(uv_handle_t *handle)
 {
@@ -57,7 +58,7 @@ static void op_destroy(struct epd_op *op)
         for (uint32_t r = 0; r < R; r++) {
                 (void)reply_mailbox(op, r); /* a rank that got no reply: its mailbox is free */
                 if (op->subs[r].req)
-                        epd__v1__request__free_unpacked(op->subs[r].req, NULL);
+                        epd_request_free(op->subs[r].req);
         }
         free(op->subs);
         op->subs = NULL;
@@ -221,7 +222,7 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
                 epd_conn_reply_status(c, req->id, EPD_PEER_LOST,
                                       "group '%s' is broken: a rank was lost; it is usable again once every rank is bound",
                                       g->name);
-                epd__v1__request__free_unpacked(req, NULL);
+                epd_request_free(req);
                 return;
         }
         if (c->outstanding_ops >= d->cfg.max_outstanding_ops_per_client) {
@@ -229,7 +230,7 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
                 epd_conn_reply_status(c, req->id, EPD_UNAVAILABLE,
                                       "client has %u outstanding ops, the limit max_outstanding_ops_per_client",
                                       c->outstanding_ops);
-                epd__v1__request__free_unpacked(req, NULL);
+                epd_request_free(req);
                 return;
         }
         const int mailbox = kind == EPD_OP_DISPATCH ? req->dispatch->reply_in_doorbell
@@ -239,14 +240,14 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
                 epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT,
                                       "group '%s' rank %u: request %llu still waits for its reply in the doorbell page; reply_in_doorbell allows one such request per rank at a time",
                                       g->name, rank, (unsigned long long)g->ranks[rank].mailbox_id);
-                epd__v1__request__free_unpacked(req, NULL);
+                epd_request_free(req);
                 return;
         }
         op = op_get(g, g->ranks[rank].next_op, kind);
         if (!op) {
                 epd_group_rank_refused(g, rank);
                 epd_conn_reply_status(c, req->id, EPD_INTERNAL, "out of memory");
-                epd__v1__request__free_unpacked(req, NULL);
+                epd_request_free(req);
                 return;
         }
         g->ranks[rank].next_op++;
@@ -821,7 +822,7 @@ static int op_launch(struct epd_op *op)
          * replies, where the frees (tens per request) would delay the next op's requests. */
         for (uint32_t r = 0; r < R; r++) {
                 if (op->subs[r].req)
-                        epd__v1__request__free_unpacked(op->subs[r].req, NULL);
+                        epd_request_free(op->subs[r].req);
                 op->subs[r].req = NULL;
         }
         return 0;

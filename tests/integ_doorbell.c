@@ -64,9 +64,11 @@ static int via_page(const struct epd_op *op)
         return (int)timeline_of(op).reply_in_doorbell;
 }
 
+/* 0: the request went on the socket; through the page, 1 packed, 2 compact. */
 static int request_via_page(const struct epd_op *op)
 {
-        return (int)timeline_of(op).request_in_doorbell;
+        const struct epd_op_timeline tl = timeline_of(op);
+        return tl.request_in_doorbell ? (tl.request_compact ? 2 : 1) : 0;
 }
 
 /* One of the daemon's counters (epctl stats --json): mailbox_replies, mailbox_requests,
@@ -260,6 +262,7 @@ struct said {
         uint32_t experts, world, combined_tokens;
         uint64_t op_number, handle_id, exec_ns, kernel_ns;
         uint32_t dispatch_compact, combine_compact;
+        int dispatch_request, combine_request; /* request_via_page */
         int combined_ok;
 };
 
@@ -286,6 +289,7 @@ static void dispatch_and_combine(struct setup *s, int use_arena, struct said *ou
         ck_assert_int_eq(epd_dispatch(s->g, &s->da, &op), 0);
         ck_assert_int_eq(via_page(op), 1);
         out->dispatch_compact = timeline_of(op).reply_compact;
+        out->dispatch_request = request_via_page(op);
         ck_assert_int_eq(epd_op_dispatch_result(op, &dr), 0);
         ck_assert_uint_eq(dr.num_local_experts, 8);
         ck_assert_uint_eq(dr.world_size, 1);
@@ -317,6 +321,7 @@ static void dispatch_and_combine(struct setup *s, int use_arena, struct said *ou
         ck_assert_int_eq(epd_op_combine_result(cop, &cr), 0);
         out->combined_tokens = cr.num_tokens;
         out->combine_compact = timeline_of(cop).reply_compact;
+        out->combine_request = request_via_page(cop);
         /* One rank: each token was received once and comes back as itself (a NaN as some
          * NaN: the reduction need not keep its payload). */
         const uint16_t *got = (const uint16_t *)(s->base + 16384), *x = (const uint16_t *)s->base;
@@ -375,6 +380,36 @@ START_TEST(test_compact_replies)
                 ck_assert_msg(o->combined_ok == 1, "run %d: combine did not return x", i);
         }
         ck_assert_int_eq(compact.combined_ok, 1);
+}
+END_TEST
+
+/* Compact requests of both kinds, outputs in the client's tensors: the daemon reads them as
+ * the packed ones (the same counts and the combined rows back), op after op. */
+START_TEST(test_compact_requests)
+{
+        struct setup s;
+        struct said first, now;
+        int compact[2] = { 0, 0 };
+
+        setup_group_with(&s, 5000, polling_daemon);
+        dispatch_and_combine(&s, 0, &first);
+        ck_assert_int_eq(first.combined_ok, 1);
+        for (int i = 0; i < 12; i++) {
+                dispatch_and_combine(&s, 0, &now);
+                compact[0] += now.dispatch_request == 2;
+                compact[1] += now.combine_request == 2;
+                ck_assert_int_ne(now.dispatch_request, 1); /* never packed in the page */
+                ck_assert_int_ne(now.combine_request, 1);
+                ck_assert_int_eq(now.recv_tokens, first.recv_tokens);
+                ck_assert_mem_eq(now.per_expert, first.per_expert, sizeof(now.per_expert));
+                ck_assert_mem_eq(now.aligned, first.aligned, sizeof(now.aligned));
+                ck_assert_uint_eq(now.combined_tokens, first.combined_tokens);
+                ck_assert_int_eq(now.combined_ok, 1);
+        }
+        ck_assert_msg(compact[0] >= 8 && compact[1] >= 8,
+                      "compact requests: %d dispatches, %d combines of 12", compact[0],
+                      compact[1]);
+        teardown(&s);
 }
 END_TEST
 
@@ -491,15 +526,29 @@ START_TEST(test_request_page)
         uint64_t rows = UINT64_MAX;
         int in_page = 0;
 
-        setup_group_with(&s, 5000, polling_daemon);
-        /* The first op finds the daemon asleep: socket. The next ones come within its 100 ms
-         * of polling. */
-        ck_assert_int_eq(dispatch_once(&s, &rows), 0);
-        for (int i = 0; i < 20; i++)
-                in_page += dispatch_once(&s, &rows);
-        ck_assert_msg(in_page >= 15, "only %d of 20 requests went through the page", in_page);
-        ck_assert_int_eq(stat_of(&s.d, "mailbox_requests"), in_page);
-        teardown(&s);
+        for (int format = 0; format < 2; format++) {
+                /* Compact requests (the default), then packed ones. */
+                if (format)
+                        setenv("EPD_CLIENT_REQUEST_FORMAT", "protobuf", 1);
+                setup_group_with(&s, 5000, polling_daemon);
+                /* The first op finds the daemon asleep: socket. The next ones come within its
+                 * 100 ms of polling. */
+                ck_assert_int_eq(dispatch_once(&s, &rows), 0);
+                in_page = 0;
+                for (int i = 0; i < 20; i++) {
+                        const int how = dispatch_once(&s, &rows);
+                        ck_assert_msg(how == 0 || how == (format ? 1 : 2),
+                                      "format %d: request form %d", format, how);
+                        in_page += how != 0;
+                }
+                ck_assert_msg(in_page >= 15, "only %d of 20 requests went through the page",
+                              in_page);
+                ck_assert_int_eq(stat_of(&s.d, "mailbox_requests"), in_page);
+                if (format)
+                        refuse_bad_env(&s.d, "EPD_CLIENT_REQUEST_FORMAT", "xml");
+                teardown(&s);
+        }
+        unsetenv("EPD_CLIENT_REQUEST_FORMAT");
 
         /* Off by the environment; a bad value is refused. */
         setenv("EPD_CLIENT_REQUEST", "socket", 1);
@@ -534,7 +583,7 @@ START_TEST(test_request_page_order)
         ck_assert_int_eq(epd_dispatch_submit(s.g, &s.da, &b), 0);
         ck_assert_int_eq(epd_op_wait(a, 5000), 0);
         ck_assert_int_eq(epd_op_wait(b, 5000), 0);
-        ck_assert_int_eq(request_via_page(a), 1);
+        ck_assert_int_eq(request_via_page(a), 2);
         ck_assert_int_eq(request_via_page(b), 0); /* the box was full */
         ck_assert_msg(timeline_of(a).received_ns < timeline_of(b).received_ns,
                       "the socket's request was read first");
@@ -558,7 +607,7 @@ END_TEST
  * naming the page, and the daemon serves others. */
 START_TEST(test_request_page_bad)
 {
-        for (int variant = 0; variant < 4; variant++) {
+        for (int variant = 0; variant < 9; variant++) {
                 struct setup s;
                 struct epd_op *op;
                 uint8_t buf[EPD_REQUEST_CAPACITY];
@@ -571,6 +620,7 @@ START_TEST(test_request_page_bad)
                 Epd__V1__Request req = EPD__V1__REQUEST__INIT;
                 Epd__V1__StatusRequest st = EPD__V1__STATUS_REQUEST__INIT;
                 Epd__V1__Dispatch dm = EPD__V1__DISPATCH__INIT;
+                struct epd_compact_request cr;
                 req.id = 1000;
                 switch (variant) {
                 case 0: /* not a Request */
@@ -585,17 +635,30 @@ START_TEST(test_request_page_bad)
                         req.status = &st;
                         len = epd__v1__request__pack(&req, buf);
                         break;
-                default: /* a Dispatch of another rank */
+                case 3: /* a Dispatch of another rank */
                         dm.group_id = s.g->id;
                         dm.rank = 5;
                         req.body_case = EPD__V1__REQUEST__BODY_DISPATCH;
                         req.dispatch = &dm;
                         len = epd__v1__request__pack(&req, buf);
                         break;
+                default: /* compact: a short one, an unknown kind, a tensor of 5 dims,
+                          * unknown flags, a Dispatch of another rank */
+                        memset(&cr, 0, sizeof(cr));
+                        cr.id = 1000;
+                        cr.kind = variant == 5 ? 9 : EPD_COMPACT_DISPATCH;
+                        cr.group_id = s.g->id;
+                        cr.rank = variant == 8 ? 5 : 0;
+                        cr.t[EPD_CT_X].region_id = 1;
+                        cr.t[EPD_CT_X].ndim = variant == 6 ? 5 : 2;
+                        cr.flags = variant == 7 ? 0x100 : 0;
+                        len = sizeof(cr) - (variant == 4 ? 8 : 0);
+                        memcpy(buf, &cr, len);
+                        break;
                 }
                 if (len <= EPD_REQUEST_CAPACITY)
                         memcpy(box->bytes, buf, len);
-                box->len = (uint32_t)len;
+                box->len = (uint32_t)len | (variant >= 4 ? EPD_REQUEST_COMPACT : 0);
                 __atomic_store_n(&box->state, EPD_REQUEST_POSTED, __ATOMIC_SEQ_CST);
                 /* The next frame makes the daemon take the page first. */
                 int rc = epd_dispatch_submit(s.g, &s.da, &op);
@@ -630,6 +693,7 @@ int main(void)
         tcase_add_test(tc, test_wait_inputs_timeout);
         tcase_add_test(tc, test_mailbox_off_and_bad_env);
         tcase_add_test(tc, test_compact_replies);
+        tcase_add_test(tc, test_compact_requests);
         tcase_add_test(tc, test_mailbox_one_at_a_time);
         tcase_add_test(tc, test_mailbox_second_refused);
         tcase_add_test(tc, test_mailbox_daemon_killed);

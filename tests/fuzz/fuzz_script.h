@@ -34,8 +34,9 @@
 
 #define EPD_FUZZ_MAX_CLIENTS 3
 /* Flag bit 7 of Dispatch and Combine: the request goes into the request box of the binding's
- * doorbell page (common/doorbell.h) instead of a frame; the daemon takes it while it polls or
- * before the client's next frame. With bit 3 also set, the length written is not the packed
+ * doorbell page (common/doorbell.h) instead of a frame, as a compact request when bit 1 of its
+ * id is set and it fits one; the daemon takes it while it polls or before the client's next
+ * frame. With bit 3 also set, the length written is not the packed
  * length but, by the request id % 4: the packed length, half of it, 0, or one more than the
  * box holds. */
 #define EPD_FUZZ_PAGE 0x80
