@@ -174,6 +174,7 @@ struct options {
         uint32_t devices;       /* GPUs the ranks spread over: rank r on device r % devices */
         int flush_l2;           /* -1: default (on for decode with --backend cuda) */
         enum completion completion;
+        uint32_t extra_regions; /* --extra-regions: unused regions each worker holds */
 };
 
 /* A MAP_SHARED memfd made before fork, so that every worker sees it at the same address. */
@@ -982,6 +983,14 @@ static int worker_run(struct bench *b, uint32_t rank)
         if (b->worker_cuda && wcuda_init(&wc, b, rank, err, sizeof(err)) < 0)
                 WFAIL("CUDA on device %u: %s", rank % b->opt.devices, err);
 
+        /* Regions the ops never use, registered first (--extra-regions). */
+        for (uint32_t i = 0; i < b->opt.extra_regions; i++) {
+                void *p;
+                rc = epd_region_alloc(client, 4096, &p, &region_id);
+                if (rc < 0)
+                        WFAIL("extra region %u: %s", i, epd_client_last_error(client));
+        }
+
         /* Inputs and y: the shared memfds themselves, or device copies of them uploaded once.
          * The device copies keep the memfd's layout, so in_base + (p - me->in.ptr) maps. */
         uint8_t *in_base = me->in.ptr, *y_base = me->y.ptr;
@@ -1515,6 +1524,9 @@ static void usage(FILE *f)
                 "  --no-flush-l2     never flush\n"
                 "  --poll-us N       start the daemon with --poll-us N (0..100000; default: the\n"
                 "                    daemon's own default)\n"
+                "  --extra-regions N each worker registers N small regions (0..1000) before its\n"
+                "                    own and keeps them, as a long-lived process holds many: the\n"
+                "                    daemon looks up every tensor of every op among them\n"
                 "  --completion C    host (default): the client waits for the reply (epd_op_wait);\n"
                 "                    stream: inputs marked ready on the worker's stream, then\n"
                 "                    epd_op_stream_wait and an event whose completion ends the\n"
@@ -1560,6 +1572,7 @@ static int parse_args(int argc, char **argv, struct options *o)
                 { "completion", required_argument, NULL, 'C' },
                 { "stream-order", no_argument, NULL, 'O' },
                 { "poll-us", required_argument, NULL, 'P' },
+                { "extra-regions", required_argument, NULL, 'X' },
                 { "help", no_argument, NULL, 'h' },
                 { NULL, 0, NULL, 0 },
         };
@@ -1660,6 +1673,10 @@ static int parse_args(int argc, char **argv, struct options *o)
                         break;
                 case 'f':
                         o->flush_l2 = 0;
+                        break;
+                case 'X':
+                        if (parse_u32(optarg, 0, 1000, &o->extra_regions) < 0)
+                                goto bad;
                         break;
                 case 'C':
                         if (strcmp(optarg, "host") == 0)
@@ -2104,6 +2121,7 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
                             json_string(req_format_env ? req_format_env : "default"));
         json_object_set_new(o, "client_poll_us", json_string(poll_env ? poll_env : "default"));
         json_object_set_new(o, "client_spin_us", json_string(spin_env ? spin_env : "default"));
+        json_object_set_new(o, "extra_regions", json_integer(b->opt.extra_regions));
         json_object_set_new(o, "git_rev", json_string(EPD_GIT_REV));
         json_object_set_new(o, "tokens", json_integer(b->T));
         json_object_set_new(o, "nominal_tokens", json_integer(b->opt.wl->tokens));

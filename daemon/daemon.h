@@ -95,7 +95,10 @@ struct epd_conn {
         uv_idle_t close_idle;
         unsigned open_handles;        /* poll and close_idle; freed when both are closed */
         struct epd_list regions;
-        unsigned num_regions;
+        /* The same regions by id (registry.c): open addressing, at most half full. */
+        struct epd_region **region_slots;
+        uint32_t region_cap, region_count;
+        unsigned num_regions;         /* client-registered ones (arenas not counted) */
         uint64_t region_bytes;
         struct epd_list bindings;     /* struct epd_binding */
         uint64_t last_read_id;        /* id of the last request read from the socket */
@@ -298,6 +301,9 @@ void epd_region_unref(struct epd_daemon *d, struct epd_region *r);
 /* Checks that `tensor` (rows x cols of dtype, row stride from strides[0]) lies inside the
  * client's region and returns the backend address of its first byte and its row stride in
  * bytes. rows is the number of rows the op will touch (capacity for outputs). */
+/* Adds r (id set) to c's list and lookup table; the caller counts it. Returns 0, or
+ * EPD_INTERNAL when the table cannot grow (r is then not added). */
+int epd_region_attach(struct epd_conn *c, struct epd_region *r);
 int epd_region_resolve(struct epd_conn *c, const struct epd_tensor *tensor, uint64_t rows,
                        uint64_t cols, struct epd_region **region, uint8_t **ptr,
                        uint64_t *row_stride, char *err, size_t err_len);

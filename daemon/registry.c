@@ -12,6 +12,68 @@
 #include "daemon.h"
 #include "log.h"
 
+/* ---- the connection's lookup table: a client may hold thousands of regions
+ * (max_regions_per_client), and every tensor of every op is looked up by id ---- */
+
+static uint32_t slot_of(uint64_t id, uint32_t cap)
+{
+        return (uint32_t)((id * 0x9E3779B97F4A7C15ull) >> 32) & (cap - 1);
+}
+
+static void table_insert(struct epd_region **slots, uint32_t cap, struct epd_region *r)
+{
+        uint32_t i = slot_of(r->id, cap);
+
+        while (slots[i])
+                i = (i + 1) & (cap - 1);
+        slots[i] = r;
+}
+
+int epd_region_attach(struct epd_conn *c, struct epd_region *r)
+{
+        if (2 * (c->region_count + 1) > c->region_cap) {
+                const uint32_t cap = c->region_cap ? 2 * c->region_cap : 16;
+                struct epd_region **n = calloc(cap, sizeof(*n));
+                if (!n)
+                        return EPD_INTERNAL;
+                for (uint32_t i = 0; i < c->region_cap; i++)
+                        if (c->region_slots[i])
+                                table_insert(n, cap, c->region_slots[i]);
+                free(c->region_slots);
+                c->region_slots = n;
+                c->region_cap = cap;
+        }
+        table_insert(c->region_slots, c->region_cap, r);
+        c->region_count++;
+        epd_list_add_tail(&c->regions, &r->conn_link);
+        return 0;
+}
+
+/* Removes r from the table, moving later entries of its probe run back so that no lookup
+ * stops early at the hole (deletion without tombstones). */
+static void table_remove(struct epd_conn *c, struct epd_region *r)
+{
+        const uint32_t mask = c->region_cap - 1;
+        uint32_t hole = slot_of(r->id, c->region_cap);
+
+        while (c->region_slots[hole] != r)
+                hole = (hole + 1) & mask;
+        c->region_slots[hole] = NULL;
+        c->region_count--;
+        for (uint32_t j = (hole + 1) & mask; c->region_slots[j]; j = (j + 1) & mask) {
+                const uint32_t home = slot_of(c->region_slots[j]->id, c->region_cap);
+                /* Entry j may move into the hole unless its home lies cyclically in
+                 * (hole, j]: then the hole is before its home and lookups never pass it. */
+                const int stays = hole <= j ? (home > hole && home <= j)
+                                            : (home > hole || home <= j);
+                if (stays)
+                        continue;
+                c->region_slots[hole] = c->region_slots[j];
+                c->region_slots[j] = NULL;
+                hole = j;
+        }
+}
+
 int epd_region_register(struct epd_conn *c, const Epd__V1__RegionRegister *rr, int fd,
                         uint64_t *region_id, char *err, size_t err_len)
 {
@@ -65,7 +127,12 @@ int epd_region_register(struct epd_conn *c, const Epd__V1__RegionRegister *rr, i
         }
         r->id = ++d->next_region_id;
         r->refs = 1;
-        epd_list_add_tail(&c->regions, &r->conn_link);
+        if (epd_region_attach(c, r) < 0) {
+                d->backend->ops->region_release(d->backend, r);
+                free(r);
+                snprintf(err, err_len, "out of memory");
+                return EPD_INTERNAL;
+        }
         c->num_regions++;
         c->region_bytes += r->size;
         *region_id = r->id;
@@ -92,6 +159,7 @@ void epd_region_unref(struct epd_daemon *d, struct epd_region *r)
 
 static void region_detach(struct epd_conn *c, struct epd_region *r)
 {
+        table_remove(c, r);
         epd_list_del(&r->conn_link);
         if (!r->is_arena) {
                 c->num_regions--;
@@ -103,15 +171,13 @@ static void region_detach(struct epd_conn *c, struct epd_region *r)
 
 struct epd_region *epd_region_find(struct epd_conn *c, uint64_t region_id)
 {
-        struct epd_list *pos;
-
-        epd_list_for_each(pos, &c->regions)
-        {
-                struct epd_region *r = epd_list_entry(pos, struct epd_region, conn_link);
-                if (r->id == region_id)
+        if (c->region_cap == 0)
+                return NULL;
+        for (uint32_t i = slot_of(region_id, c->region_cap);; i = (i + 1) & (c->region_cap - 1)) {
+                struct epd_region *r = c->region_slots[i];
+                if (!r || r->id == region_id)
                         return r;
         }
-        return NULL;
 }
 
 int epd_region_release_id(struct epd_conn *c, uint64_t region_id)
@@ -137,6 +203,9 @@ void epd_region_release_all(struct epd_conn *c)
 
         epd_list_for_each_safe(pos, tmp, &c->regions)
                 region_detach(c, epd_list_entry(pos, struct epd_region, conn_link));
+        free(c->region_slots);
+        c->region_slots = NULL;
+        c->region_cap = 0;
 }
 
 int epd_region_resolve(struct epd_conn *c, const struct epd_tensor *t, uint64_t rows,
@@ -235,7 +304,10 @@ int epd_region_add_arena(struct epd_conn *c, struct epd_arena *arena, uint32_t d
         r->id = ++c->daemon->next_region_id;
         r->refs = 1;
         /* Arena regions count against no client limit: the daemon sized them. */
-        epd_list_add_tail(&c->regions, &r->conn_link);
+        if (epd_region_attach(c, r) < 0) {
+                free(r);
+                return EPD_INTERNAL;
+        }
         *region_id = r->id;
         return 0;
 }

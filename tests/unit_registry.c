@@ -103,6 +103,7 @@ static void fake_free(struct fake *f)
                                 free(r->base);
                         free(r);
                 }
+                free(conns[i]->region_slots);
         }
         free(f);
 }
@@ -120,7 +121,7 @@ static struct epd_region *add_region(struct epd_conn *c, uint64_t size)
         r->base = malloc(size ? size : 1);
         ck_assert_ptr_nonnull(r->base);
         r->refs = 1;
-        epd_list_add_tail(&c->regions, &r->conn_link);
+        ck_assert_int_eq(epd_region_attach(c, r), 0);
         c->num_regions++;
         c->region_bytes += size;
         return r;
@@ -207,6 +208,62 @@ START_TEST(test_find)
         ck_assert_ptr_null(epd_region_find(&f->a, 0));
         ck_assert_ptr_null(epd_region_find(&f->a, 999));
         ck_assert_ptr_null(epd_region_find(&f->a, UINT64_MAX));
+        fake_free(f);
+}
+END_TEST
+
+/* Thousands of regions, released in a scattered order: every lookup finds exactly the regions
+ * still held (the table's deletion moves entries back, never loses one). */
+START_TEST(test_find_many)
+{
+        enum { N = 5000 };
+        struct fake *f = fake_new();
+        struct epd_region **r = calloc(N, sizeof(*r));
+        uint8_t *held = calloc(N, 1);
+        uint64_t *ids = calloc(N, sizeof(*ids));
+        uint64_t state = 12345;
+
+        ck_assert_ptr_nonnull(r);
+        ck_assert_ptr_nonnull(held);
+        ck_assert_ptr_nonnull(ids);
+        /* Pseudo-random ids rather than the daemon's sequence, whose hashes seldom collide:
+         * the table's probe runs and their repair on release are what is under test. */
+        for (int i = 0; i < N; i++) {
+                state = state * 6364136223846793005ull + 1442695040888963407ull;
+                r[i] = calloc(1, sizeof(*r[i]));
+                ck_assert_ptr_nonnull(r[i]);
+                r[i]->id = (state >> 1) | 1; /* never 0 */
+                r[i]->owner = &f->a;
+                r[i]->size = 16;
+                r[i]->base = fake_memory;
+                r[i]->refs = 1;
+                ck_assert_int_eq(epd_region_attach(&f->a, r[i]), 0);
+                f->a.num_regions++;
+                ids[i] = r[i]->id;
+                held[i] = 1;
+        }
+        ck_assert_uint_ge(f->a.region_cap, 2 * N);
+        for (int round = 0; round < 3; round++) {
+                /* Release about a third of those held, chosen pseudo-randomly. */
+                for (int i = 0; i < N; i++) {
+                        state = state * 6364136223846793005ull + 1442695040888963407ull;
+                        if (!held[i] || (state >> 33) % 3 != 0)
+                                continue;
+                        ck_assert_int_eq(epd_region_release_id(&f->a, ids[i]), 0);
+                        held[i] = 0;
+                }
+                for (int i = 0; i < N; i++)
+                        ck_assert_ptr_eq(epd_region_find(&f->a, ids[i]), held[i] ? r[i] : NULL);
+                ck_assert_ptr_null(epd_region_find(&f->a, 2)); /* even: never an id here */
+        }
+        unsigned left = 0;
+        for (int i = 0; i < N; i++)
+                left += held[i];
+        ck_assert_uint_eq(f->a.num_regions, left);
+        ck_assert_uint_eq(f->a.region_count, left);
+        free(ids);
+        free(held);
+        free(r);
         fake_free(f);
 }
 END_TEST
@@ -1062,6 +1119,7 @@ static Suite *registry_suite(void)
         TCase *tc = tcase_create("resolve");
 
         tcase_add_test(tc, test_find);
+        tcase_add_test(tc, test_find_many);
         tcase_add_test(tc, test_resolve_unknown_and_foreign_region);
         tcase_add_test(tc, test_resolve_exact_fit_and_one_byte_over);
         tcase_add_test(tc, test_resolve_offset_past_end);
