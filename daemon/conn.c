@@ -21,8 +21,8 @@
 #include "frame.h"
 #include "log.h"
 #include "mailbox.h"
-#include "util.h"
 #include "request.h"
+#include "util.h"
 
 static void on_conn_event(uv_poll_t *handle, int status, int events);
 static void on_close_idle(uv_idle_t *idle);

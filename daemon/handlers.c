@@ -17,10 +17,10 @@
 #include "daemon.h"
 #include "log.h"
 #include "report.h"
+#include "request.h"
 #include "resize.h"
 #include "routing.h"
 #include "util.h"
-#include "request.h"
 
 #define EPD_MIN_SECRET_BYTES 16
 

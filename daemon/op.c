@@ -14,10 +14,10 @@
 #include "daemon.h"
 #include "log.h"
 #include "mailbox.h"
+#include "request.h"
 #include "resize.h"
 #include "tensor.h"
 #include "util.h"
-#include "request.h"
 
 static void op_free_cb(uv_handle_t *handle)
 {
