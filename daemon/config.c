@@ -31,6 +31,7 @@ void epd_config_defaults(struct epd_config *cfg)
         cfg->max_regions_per_client = 1024;
         cfg->max_region_bytes_per_client = 1ull << 40;
         cfg->max_outstanding_ops_per_client = 64;
+        cfg->max_handles_per_group = 4096;
         cfg->max_frame_bytes = 64u * 1024u;
         cfg->max_fds_per_frame = 8;
         cfg->max_output_queue_bytes = 8ull << 20;
@@ -128,6 +129,7 @@ int epd_config_set(struct epd_config *cfg, const char *section, const char *name
         NUM_KEY("limits", "max_regions_per_client", max_regions_per_client, 1u << 20)
         NUM_KEY("limits", "max_region_bytes_per_client", max_region_bytes_per_client, 1ull << 50)
         NUM_KEY("limits", "max_outstanding_ops_per_client", max_outstanding_ops_per_client, 1u << 16)
+        NUM_KEY("limits", "max_handles_per_group", max_handles_per_group, 1u << 20)
         NUM_KEY("limits", "max_frame_bytes", max_frame_bytes, 16u << 20)
         NUM_KEY("limits", "max_fds_per_frame", max_fds_per_frame, 16)
         NUM_KEY("limits", "max_output_queue_bytes", max_output_queue_bytes, 1ull << 34)
@@ -272,6 +274,7 @@ void epd_config_apply_hot(struct epd_config *dst, const struct epd_config *src)
         dst->max_regions_per_client = src->max_regions_per_client;
         dst->max_region_bytes_per_client = src->max_region_bytes_per_client;
         dst->max_outstanding_ops_per_client = src->max_outstanding_ops_per_client;
+        dst->max_handles_per_group = src->max_handles_per_group;
         dst->max_output_queue_bytes = src->max_output_queue_bytes;
         memcpy(dst->allow_uids, src->allow_uids, sizeof(dst->allow_uids));
         dst->num_allow_uids = src->num_allow_uids;

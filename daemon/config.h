@@ -42,6 +42,7 @@ struct epd_config {
         uint32_t max_regions_per_client;
         uint64_t max_region_bytes_per_client;
         uint32_t max_outstanding_ops_per_client;
+        uint32_t max_handles_per_group;
         uint32_t max_frame_bytes;
         uint32_t max_fds_per_frame;
         uint64_t max_output_queue_bytes; /* a client that stops reading is disconnected */

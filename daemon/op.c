@@ -443,6 +443,15 @@ static int prep_dispatch(struct prep *p)
                 if (!ex->num_topk)
                         ex->num_topk = h->num_topk;
         }
+        /* A new dispatch makes a handle that lives until every rank releases it: a client
+         * that never releases must not take the daemon's memory (each holds a workspace). */
+        if (!h && g->num_handles >= g->daemon->cfg.max_handles_per_group) {
+                snprintf(p->err, sizeof(p->err),
+                         "group '%s' op %llu: the group holds %u live handles, the limit max_handles_per_group; every rank releases a handle (epd_handle_release) once no combine or cached dispatch needs it",
+                         g->name, (unsigned long long)op->number, g->num_handles);
+                p->status = EPD_UNAVAILABLE;
+                return p->status;
+        }
         /* SEMANTICS.md 1: what must match across ranks. */
         for (uint32_t r = 1; r < R; r++) {
                 const Epd__V1__Dispatch *m = op->subs[r].req->dispatch;

@@ -12,6 +12,8 @@
  *   closed), the limit is per client where it should be, and freeing makes room again;
  * - max_outstanding_ops_per_client: the async op over the limit fails at once with UNAVAILABLE
  *   without using up an op number; the ops in flight complete normally;
+ * - max_handles_per_group: a dispatch that would make one live handle more fails with
+ *   UNAVAILABLE naming the limit; a cached dispatch is still served, and a release makes room;
  * - max_frame_bytes: announced in Welcome; a frame of exactly the limit is served, one byte more
  *   closes that connection; libepd refuses to send a request over the limit;
  * - max_fds_per_frame: announced in Welcome; a frame with more fds closes that connection and
@@ -481,6 +483,58 @@ START_TEST(test_max_outstanding_ops)
 }
 END_TEST
 
+/* ---- max_handles_per_group ---- */
+
+START_TEST(test_max_handles)
+{
+        struct limits_daemon ld;
+        struct epd_group_config cfg = group_config(1);
+        struct epd_client *a;
+        struct epd_group *g;
+        struct epd_op *op;
+        struct epd_dispatch_result res;
+        struct epd_dispatch_args da, cached;
+        struct inputs in;
+        uint64_t handles[2];
+        const char *msg;
+        int rc;
+
+        daemon_start_with(&ld, "[limits]\nmax_handles_per_group = 2\n");
+        a = h_connect_ok(&ld.d, "a");
+        ck_assert_int_eq(group_enter(a, 1, "g", 0, &cfg, &g), EPD_OK);
+        inputs_make(a, &in);
+        da = dispatch_args(&in);
+        for (int i = 0; i < 2; i++) {
+                ck_assert_int_eq(epd_dispatch(g, &da, &op), EPD_OK);
+                ck_assert_int_eq(epd_op_dispatch_result(op, &res), EPD_OK);
+                handles[i] = res.handle_id;
+                epd_op_free(op);
+        }
+        /* A third live handle is refused with the limit named; the group goes on. */
+        rc = epd_dispatch(g, &da, &op);
+        msg = epd_client_last_error(a);
+        ck_assert_msg(rc == EPD_UNAVAILABLE, "a third handle gave %s: %s", epd_status_name(rc),
+                      msg);
+        ck_assert_msg(strstr(msg, "max_handles_per_group") != NULL,
+                      "the message does not name the limit: '%s'", msg);
+        /* A cached dispatch makes no handle: it is served at the limit. */
+        cached = da;
+        cached.handle_id = handles[0];
+        memset(&cached.topk_idx, 0, sizeof(cached.topk_idx));
+        rc = epd_dispatch(g, &cached, &op);
+        ck_assert_msg(rc == EPD_OK, "cached dispatch: %s", epd_client_last_error(a));
+        epd_op_free(op);
+        /* Releasing one makes room for a new one. */
+        ck_assert_int_eq(epd_handle_release(g, handles[0]), EPD_OK);
+        rc = epd_dispatch(g, &da, &op);
+        ck_assert_msg(rc == EPD_OK, "after a release: %s", epd_client_last_error(a));
+        epd_op_free(op);
+        ck_assert_int_eq(epd_group_leave(g), EPD_OK);
+        epd_client_free(a);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
 /* ---- max_frame_bytes ---- */
 
 #define FRAME_LIMIT 8192u
@@ -705,6 +759,7 @@ static Suite *limits_suite(void)
         tcase_add_test(tc, test_max_regions);
         tcase_add_test(tc, test_max_region_bytes);
         tcase_add_test(tc, test_max_outstanding_ops);
+        tcase_add_test(tc, test_max_handles);
         tcase_add_test(tc, test_max_frame_bytes);
         tcase_add_test(tc, test_max_fds_per_frame);
         tcase_add_test(tc, test_output_queue_limit);

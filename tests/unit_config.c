@@ -83,6 +83,7 @@ static const struct num_key {
           1ull << 50 },
         { "limits", "max_outstanding_ops_per_client", FIELD(max_outstanding_ops_per_client),
           1u << 16 },
+        { "limits", "max_handles_per_group", FIELD(max_handles_per_group), 1u << 20 },
         { "limits", "max_frame_bytes", FIELD(max_frame_bytes), 16u << 20 },
         { "limits", "max_fds_per_frame", FIELD(max_fds_per_frame), 16 },
         { "limits", "max_output_queue_bytes", FIELD(max_output_queue_bytes), 1ull << 34 },
@@ -118,6 +119,7 @@ static void assert_cfg_eq(const struct epd_config *a, const struct epd_config *b
         ck_assert_uint_eq(a->max_regions_per_client, b->max_regions_per_client);
         ck_assert_uint_eq(a->max_region_bytes_per_client, b->max_region_bytes_per_client);
         ck_assert_uint_eq(a->max_outstanding_ops_per_client, b->max_outstanding_ops_per_client);
+        ck_assert_uint_eq(a->max_handles_per_group, b->max_handles_per_group);
         ck_assert_uint_eq(a->max_frame_bytes, b->max_frame_bytes);
         ck_assert_uint_eq(a->max_fds_per_frame, b->max_fds_per_frame);
         ck_assert_uint_eq(a->max_output_queue_bytes, b->max_output_queue_bytes);
@@ -153,6 +155,7 @@ START_TEST(test_defaults)
         ck_assert_uint_eq(cfg.max_regions_per_client, 1024);
         ck_assert_uint_eq(cfg.max_region_bytes_per_client, 1ull << 40);
         ck_assert_uint_eq(cfg.max_outstanding_ops_per_client, 64);
+        ck_assert_uint_eq(cfg.max_handles_per_group, 4096);
         ck_assert_uint_eq(cfg.max_frame_bytes, 64u * 1024u);
         ck_assert_uint_eq(cfg.max_fds_per_frame, 8);
         ck_assert_uint_eq(cfg.max_output_queue_bytes, 8ull << 20);
@@ -734,6 +737,7 @@ START_TEST(test_apply_hot_copies_exactly_the_hot_keys)
         ck_assert_uint_eq(dst.max_regions_per_client, 3);
         ck_assert_uint_eq(dst.max_region_bytes_per_client, 3);
         ck_assert_uint_eq(dst.max_outstanding_ops_per_client, 3);
+        ck_assert_uint_eq(dst.max_handles_per_group, 3);
         ck_assert_uint_eq(dst.max_output_queue_bytes, 3);
         ck_assert_str_eq(dst.admin_group, "wheel");
         ck_assert_uint_eq(dst.num_allow_uids, 2);
