@@ -65,8 +65,9 @@ static int compact_check(const struct epd_compact_request *c, char *err, size_t 
                 const struct epd_compact_tensor *t = &c->t[i];
                 if (t->region_id == 0)
                         continue;
-                if (i >= tensors) {
-                        snprintf(err, err_len, "tensor slot %u is not used by this kind", i);
+                if (i >= tensors || (c->kind == EPD_COMPACT_COMBINE && i >= EPD_CT_BIAS0 &&
+                                     i <= EPD_CT_BIAS1 && i - EPD_CT_BIAS0 >= c->num_bias)) {
+                        snprintf(err, err_len, "tensor slot %u is not used by this request", i);
                         return -1;
                 }
                 if (t->ndim == 0 || t->ndim > EPD_COMPACT_MAX_DIMS ||

@@ -607,7 +607,7 @@ END_TEST
  * naming the page, and the daemon serves others. */
 START_TEST(test_request_page_bad)
 {
-        for (int variant = 0; variant < 9; variant++) {
+        for (int variant = 0; variant < 10; variant++) {
                 struct setup s;
                 struct epd_op *op;
                 uint8_t buf[EPD_REQUEST_CAPACITY];
@@ -641,6 +641,17 @@ START_TEST(test_request_page_bad)
                         req.body_case = EPD__V1__REQUEST__BODY_DISPATCH;
                         req.dispatch = &dm;
                         len = epd__v1__request__pack(&req, buf);
+                        break;
+                case 9: /* compact: a Combine with a bias beyond its count */
+                        memset(&cr, 0, sizeof(cr));
+                        cr.id = 1000;
+                        cr.kind = EPD_COMPACT_COMBINE;
+                        cr.group_id = s.g->id;
+                        cr.num_bias = 1;
+                        cr.t[EPD_CT_BIAS1].region_id = 1;
+                        cr.t[EPD_CT_BIAS1].ndim = 2;
+                        len = sizeof(cr);
+                        memcpy(buf, &cr, len);
                         break;
                 default: /* compact: a short one, an unknown kind, a tensor of 5 dims,
                           * unknown flags, a Dispatch of another rank */
