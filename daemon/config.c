@@ -259,8 +259,11 @@ int epd_config_load(struct epd_config *cfg, const char *path, char *err, size_t 
 
 uint64_t epd_config_poll_ns(const struct epd_config *cfg)
 {
+        /* Long enough to span the gap between a decoding model's MoE layers (a few hundred
+         * microseconds), so that their requests go through the doorbell pages and the threads
+         * need no wake-up (docs/performance.md, eighth session). */
         if (cfg->poll_us == EPD_POLL_AUTO)
-                return sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 100000 : 0;
+                return sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 1000000 : 0;
         return (uint64_t)cfg->poll_us * 1000;
 }
 
