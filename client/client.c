@@ -526,6 +526,32 @@ int epd_memfd_alloc(size_t bytes, int *fd_out, void **ptr_out)
         return 0;
 }
 
+/* The region table is kept in ascending order of local address (regions without one first), so
+ * that epd_tensor_at finds a pointer's region by bisection: a process may hold a thousand regions
+ * and look up every tensor of every op. Lock held. */
+
+/* The number of regions whose address is at or below p. */
+static unsigned regions_at_or_below(const struct epd_client *c, const uint8_t *p)
+{
+        unsigned lo = 0, hi = c->num_regions;
+
+        while (lo < hi) {
+                const unsigned mid = lo + (hi - lo) / 2;
+                if ((uintptr_t)c->regions[mid].ptr <= (uintptr_t)p)
+                        lo = mid + 1;
+                else
+                        hi = mid;
+        }
+        return lo;
+}
+
+void epd__client_region_remove_at(struct epd_client *c, unsigned i)
+{
+        memmove(&c->regions[i], &c->regions[i + 1],
+                (c->num_regions - i - 1) * sizeof(c->regions[0]));
+        c->num_regions--;
+}
+
 int epd__client_region_add(struct epd_client *c, uint64_t id, void *ptr, uint64_t bytes,
                            int owned)
 {
@@ -537,8 +563,12 @@ int epd__client_region_add(struct epd_client *c, uint64_t id, void *ptr, uint64_
                 c->regions = n;
                 c->cap_regions = cap;
         }
-        c->regions[c->num_regions++] =
+        const unsigned at = regions_at_or_below(c, ptr);
+        memmove(&c->regions[at + 1], &c->regions[at],
+                (c->num_regions - at) * sizeof(c->regions[0]));
+        c->regions[at] =
                 (struct epd__local_region){ .id = id, .ptr = ptr, .bytes = bytes, .owned = owned };
+        c->num_regions++;
         return 0;
 }
 
@@ -693,7 +723,7 @@ int epd_region_release(struct epd_client *client, uint64_t region_id)
                         continue;
                 if (client->regions[i].owned)
                         munmap(client->regions[i].ptr, client->regions[i].bytes);
-                client->regions[i] = client->regions[--client->num_regions];
+                epd__client_region_remove_at(client, i);
                 break;
         }
         pthread_mutex_unlock(&client->lock);
@@ -711,7 +741,9 @@ int epd_tensor_at(struct epd_client *client, const void *ptr, enum epd_dtype dty
         for (uint32_t i = 0; i < ndim; i++)
                 bytes *= sizes[i];
         pthread_mutex_lock(&client->lock);
-        for (unsigned i = 0; i < client->num_regions; i++) {
+        /* The regions that start at or below p, nearest first: the first one normally holds
+         * it, and only overlapping registrations (or a miss) look further. */
+        for (unsigned i = regions_at_or_below(client, p); i-- > 0;) {
                 const struct epd__local_region *r = &client->regions[i];
                 if (!r->ptr || p < r->ptr || p > r->ptr + r->bytes ||
                     bytes > (uint64_t)(r->ptr + r->bytes - p))
@@ -1093,7 +1125,7 @@ int epd_group_leave(struct epd_group *group)
         pthread_mutex_lock(&c->lock);
         for (unsigned i = 0; i < c->num_regions; i++) {
                 if (c->regions[i].id == group->arena_region_id && group->arena_region_id) {
-                        c->regions[i] = c->regions[--c->num_regions];
+                        epd__client_region_remove_at(c, i);
                         break;
                 }
         }

@@ -119,9 +119,11 @@ int epd__client_try_locked(struct epd_client *c, uint64_t id, Epd__V1__Response 
  * the return value and records its message. *resp is owned by the caller on success. */
 int epd__client_call(struct epd_client *c, Epd__V1__Request *req, const int *fds,
                      unsigned num_fds, Epd__V1__Response **resp, int *fds_out);
-/* Adds an entry to the local region table (lock held). */
+/* Adds an entry to the local region table, in address order (lock held). */
 int epd__client_region_add(struct epd_client *c, uint64_t id, void *ptr, uint64_t bytes,
                            int owned);
+/* Removes entry i of the region table, keeping its order. Lock held. */
+void epd__client_region_remove_at(struct epd_client *c, unsigned i);
 /* Sends RegionRegister (fd: -1 for none; ipc_handle: NULL for none) and adds the region to the
  * local table with local_ptr/bytes. On success *region_id is the daemon's id. Lock not held. */
 int epd__client_region_register(struct epd_client *c, enum epd_region_kind kind, int fd,

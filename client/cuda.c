@@ -376,7 +376,7 @@ static unsigned overlapping_regions(struct epd_client *c, uint64_t base, uint64_
                 if (n < max)
                         ids[n++] = r->id;
                 if (forget)
-                        c->regions[i] = c->regions[--c->num_regions];
+                        epd__client_region_remove_at(c, i);
                 else
                         i++;
         }

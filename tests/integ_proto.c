@@ -627,6 +627,83 @@ START_TEST(test_region_of_other_client)
 }
 END_TEST
 
+/* epd_tensor_at among many regions, whose mappings lie wherever the kernel put them: every
+ * pointer resolves to a region that holds the whole tensor, at the right offset, or to
+ * NOT_FOUND when none does; so after a scattered half of them is released. The expected answer
+ * is worked out by scanning the test's own list. */
+struct held_region {
+        uint8_t *base;
+        uint64_t bytes, id;
+        int held;
+};
+
+static void check_tensor_at(struct epd_client *c, const struct held_region *h, unsigned n,
+                            const uint8_t *p, uint64_t len)
+{
+        struct epd_tensor t;
+        const uint64_t sizes[1] = { len };
+        int want = 0;
+
+        for (unsigned i = 0; i < n; i++)
+                want |= h[i].held && p >= h[i].base && p + len <= h[i].base + h[i].bytes;
+        int rc = epd_tensor_at(c, p, EPD_DTYPE_FP8_E4M3, 1, sizes, &t);
+        if (!want) {
+                ck_assert_msg(rc == EPD_NOT_FOUND, "%p + %llu resolved (rc %d) outside every region",
+                              (const void *)p, (unsigned long long)len, rc);
+                return;
+        }
+        ck_assert_msg(rc == EPD_OK, "%p + %llu: %s", (const void *)p, (unsigned long long)len,
+                      epd_client_last_error(c));
+        for (unsigned i = 0; i < n; i++)
+                if (h[i].held && h[i].id == t.region_id) {
+                        ck_assert_ptr_eq(h[i].base + t.offset, p);
+                        ck_assert_uint_le(t.offset + len, h[i].bytes);
+                        return;
+                }
+        ck_assert_msg(0, "%p resolved to region %llu, not one of the held ones", (const void *)p,
+                      (unsigned long long)t.region_id);
+}
+
+START_TEST(test_tensor_at_many_regions)
+{
+        enum { N = 300 };
+        struct h_daemon d;
+        struct held_region *h = calloc(N, sizeof(*h));
+        struct epd_client *c;
+
+        ck_assert_ptr_nonnull(h);
+        daemon_start(&d);
+        c = h_connect_ok(&d, "many");
+        for (unsigned i = 0; i < N; i++) {
+                void *p;
+                h[i].bytes = 4096u * (1 + i % 3);
+                ck_assert_int_eq(epd_region_alloc(c, h[i].bytes, &p, &h[i].id), EPD_OK);
+                h[i].base = p;
+                h[i].held = 1;
+        }
+        for (int round = 0; round < 2; round++) {
+                for (unsigned i = 0; i < N; i++) {
+                        const uint8_t *b = h[i].base;
+                        check_tensor_at(c, h, N, b, 1);
+                        check_tensor_at(c, h, N, b + h[i].bytes / 2, 64);
+                        check_tensor_at(c, h, N, b + h[i].bytes - 8, 8);
+                        check_tensor_at(c, h, N, b + h[i].bytes - 8, 16); /* runs past the end */
+                        check_tensor_at(c, h, N, b, h[i].bytes);
+                }
+                /* Release a scattered half (held entries keep their addresses). */
+                for (unsigned i = round; i < N; i += 2) {
+                        if (!h[i].held || (i * 7) % 3 == 0)
+                                continue;
+                        ck_assert_int_eq(epd_region_release(c, h[i].id), EPD_OK);
+                        h[i].held = 0;
+                }
+        }
+        epd_client_free(c);
+        free(h);
+        daemon_stop_clean(&d);
+}
+END_TEST
+
 /* Registration is where a region's bounds come from, so the daemon checks the fd it receives:
  * the claimed size must fit the file, and the file must be sealed against shrinking (else a
  * client could truncate it and make the daemon fault on a later access). */
@@ -1274,6 +1351,7 @@ static Suite *proto_suite(void)
         tcase_set_timeout(tc, 20);
         tcase_add_test(tc, test_region_out_of_bounds);
         tcase_add_test(tc, test_region_of_other_client);
+        tcase_add_test(tc, test_tensor_at_many_regions);
         tcase_add_test(tc, test_region_register_checks);
         tcase_add_test(tc, test_device_memory_unavailable);
         suite_add_tcase(s, tc);
