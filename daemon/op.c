@@ -1131,8 +1131,19 @@ void epd_op_complete(struct epd_exec *ex)
                 op->handle->busy = 0;
                 if (op->handle->epoch != g->epoch ||
                     epd_group_handle_all_released(g, op->handle)) {
-                        if (h == op->handle)
+                        if (h == op->handle) {
+                                /* A cached dispatch whose handle every rank released while it
+                                 * ran: the handle, and any arena space of its outputs, are gone
+                                 * with it, so there is nothing left to reply with. */
                                 h = NULL;
+                                if (status == EPD_OK && op->kind == EPD_OP_DISPATCH) {
+                                        status = EPD_NOT_FOUND;
+                                        snprintf(ex->message, sizeof(ex->message),
+                                                 "group '%s' op %llu: handle %llu was released by every rank while this cached dispatch ran",
+                                                 g->name, (unsigned long long)op->number,
+                                                 (unsigned long long)op->handle->id);
+                                }
+                        }
                         epd_group_handle_free(g, op->handle);
                 } else {
                         /* Ranks that released during the op: free their arena space now. */

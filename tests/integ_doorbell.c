@@ -413,6 +413,60 @@ START_TEST(test_compact_requests)
 }
 END_TEST
 
+/* Every rank releases a handle while an op that uses it runs (held here by its inputs): a
+ * cached dispatch then has no handle to reply with and fails with NOT_FOUND naming it, while a
+ * combine, which needs none in its reply, succeeds; the daemon carries on either way. (Found by
+ * fuzz_request: the daemon used to read the freed handle.) */
+START_TEST(test_handle_released_during_op)
+{
+        struct setup s;
+        struct epd_op *op, *held;
+        struct epd_dispatch_result dr;
+        uint64_t seq;
+
+        setup_group(&s, 5000);
+        for (int kind = 0; kind < 2; kind++) {
+                ck_assert_int_eq(epd_dispatch(s.g, &s.da, &op), 0);
+                ck_assert_int_eq(epd_op_dispatch_result(op, &dr), 0);
+                const uint64_t handle = dr.handle_id;
+                struct epd_tensor y = dr.recv_x;
+                if (kind == 0) {
+                        struct epd_dispatch_args cached = s.da;
+                        cached.handle_id = handle;
+                        memset(&cached.topk_idx, 0, sizeof(cached.topk_idx));
+                        cached.wait_inputs = 2 * (uint64_t)kind + 1;
+                        ck_assert_int_eq(epd_dispatch_submit(s.g, &cached, &held), 0);
+                } else {
+                        const uint64_t cs[2] = { base_case.max_tokens, base_case.hidden };
+                        struct epd_combine_args ca = { .size = sizeof(ca), .handle_id = handle,
+                                                       .y = y };
+                        ck_assert_int_eq(epd_tensor_at(s.c, s.base + 16384, EPD_DTYPE_BF16, 2,
+                                                       cs, &ca.combined), 0);
+                        ca.wait_inputs = 2;
+                        ck_assert_int_eq(epd_combine_submit(s.g, &ca, &held), 0);
+                }
+                epd_op_free(op);
+                ck_assert_int_eq(epd_op_wait(held, 100), EPD_TIMEOUT);
+                ck_assert_int_eq(epd_handle_release(s.g, handle), 0);
+                ck_assert_int_eq(epd_group_mark_inputs_ready_host(s.g, &seq), 0);
+                const int rc = epd_op_wait(held, 5000);
+                if (kind == 0) {
+                        ck_assert_int_eq(rc, EPD_NOT_FOUND);
+                        ck_assert_msg(strstr(epd_op_error(held), "released by every rank"),
+                                      "message: %s", epd_op_error(held));
+                } else {
+                        ck_assert_msg(rc == 0, "combine: %s", epd_op_error(held));
+                }
+                epd_op_free(held);
+                h_assert_daemon_alive(&s.d, "after a handle released during its op");
+        }
+        /* The group goes on. */
+        ck_assert_int_eq(epd_dispatch(s.g, &s.da, &op), 0);
+        epd_op_free(op);
+        teardown(&s);
+}
+END_TEST
+
 START_TEST(test_mailbox_one_at_a_time)
 {
         struct setup s;
@@ -705,6 +759,7 @@ int main(void)
         tcase_add_test(tc, test_mailbox_off_and_bad_env);
         tcase_add_test(tc, test_compact_replies);
         tcase_add_test(tc, test_compact_requests);
+        tcase_add_test(tc, test_handle_released_during_op);
         tcase_add_test(tc, test_mailbox_one_at_a_time);
         tcase_add_test(tc, test_mailbox_second_refused);
         tcase_add_test(tc, test_mailbox_daemon_killed);
