@@ -348,6 +348,24 @@ class TestClient(unittest.TestCase):
                 self.assertIn("epd_device_alloc", c.last_error)
             self.assertEqual(c.info()["backend"], "host")  # the connection is unharmed
 
+    def test_locate_among_many_regions(self):
+        # Arrays in many regions are found in theirs, at the right offset, before and after a
+        # scattered half of the regions is released; arrays outside every region are not.
+        with epd.connect(DAEMON["socket"]) as c:
+            regions = [c.region(4096 * (1 + i % 3)) for i in range(120)]
+            arrays = [r.array((64,), np.uint8, offset=r.nbytes - 64) for r in regions]
+            for round_ in range(2):
+                for r, a in zip(regions, arrays):
+                    if r.released:
+                        self.assertIsNone(c._locate_range(a))
+                        continue
+                    where = c._locate_range(a)
+                    self.assertIsNotNone(where)
+                    self.assertEqual(where[:2], (r.region_id, r.nbytes - 64))
+                    self.assertIsNone(c._locate_range(np.zeros(64, np.uint8)))
+                for r in regions[round_::2][::3]:
+                    r.release()
+
     def test_region_released_with_last_array(self):
         c = epd.connect(DAEMON["socket"])
         a = c.empty((16,), np.float32)

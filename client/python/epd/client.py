@@ -25,6 +25,7 @@ Thread safety: a client may be used from several threads (libepd serialises call
 the binding's own tables have a lock). ctypes releases the GIL during every libepd call.
 """
 
+import bisect
 import ctypes
 import mmap
 import os
@@ -349,7 +350,11 @@ class Client:
         # Reentrant: a region's finalizer (which takes it) may run from garbage collection
         # while this thread holds it.
         self._lock = threading.RLock()
-        self._ranges = {}
+        self._ranges = {}             # region id -> (start, end, releaser)
+        # The same ranges as (start, region id), sorted, and the longest one's length, so that
+        # _locate_range bisects rather than scans (a process may hold many regions).
+        self._starts = []
+        self._max_span = 0
         self._groups = weakref.WeakSet()
         self._pending = set()
         self._tensor_memory = {}     # torch device -> epd.tensors memory strategy
@@ -402,6 +407,8 @@ class Client:
         ptr, self._ptr = self._ptr, None
         with self._lock:
             self._ranges.clear()
+            self._starts.clear()
+            self._max_span = 0
             self._device_regions.clear()
             mems, self._tensor_memory = self._tensor_memory, {}
             # epd_client_free frees their memory.
@@ -583,11 +590,17 @@ class Client:
 
     def _add_range(self, address, nbytes, region_id, releaser=None):
         with self._lock:
+            self._forget_range(region_id)
             self._ranges[region_id] = (address, address + nbytes, releaser)
+            bisect.insort(self._starts, (address, region_id))
+            self._max_span = max(self._max_span, nbytes)
 
     def _forget_range(self, region_id):
         with self._lock:
-            self._ranges.pop(region_id, None)
+            known = self._ranges.pop(region_id, None)
+            if known is not None:
+                i = bisect.bisect_left(self._starts, (known[0], region_id))
+                del self._starts[i]
 
     def _locate_range(self, array):
         """(region_id, offset, row_stride_elems, releaser) of an array in a known region."""
@@ -613,8 +626,16 @@ class Client:
         else:
             return None
         with self._lock:
-            for region_id, (lo, hi, releaser) in self._ranges.items():
-                if lo <= start and start + span <= hi:
+            # The ranges that start at or below the array, nearest first, back to the longest
+            # range's length below it: no range starting further down can hold it.
+            i = bisect.bisect_right(self._starts, (start, float("inf")))
+            while i > 0:
+                i -= 1
+                lo, region_id = self._starts[i]
+                if lo < start - self._max_span:
+                    break
+                _, hi, releaser = self._ranges[region_id]
+                if start + span <= hi:
                     return region_id, start - lo, row_stride, releaser
         return None
 
