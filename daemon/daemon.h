@@ -171,6 +171,8 @@ enum epd_out_field {
 /* Where a rank's dispatch outputs sit in its arena: one extent holding every field. */
 struct epd_arena_place {
         int used;
+        struct epd_arena *arena;      /* the arena placed in: released there, even after the
+                                       * rank's arena was replaced (group.c) */
         uint64_t ext_off, ext_len;
         uint64_t off[EPD_OUT_FIELDS]; /* absolute offsets in the arena; UINT64_MAX: absent */
 };
@@ -258,7 +260,8 @@ struct epd_group {
         uint64_t next_handle_id;
         uint64_t epoch;               /* bumped when the group breaks: old handles die */
         int free_pending;             /* destroy once the executing op completes */
-        struct epd_list retired_doorbells; /* pages of past bindings an executing op may use */
+        struct epd_list retired;      /* doorbell pages and arenas of past bindings that the
+                                       * executing op may still use */
         struct epd_resize *resize;    /* pending `epctl resize` (resize.c): no op is launched */
         struct epd_group_stats stats;
 };
@@ -314,7 +317,7 @@ int epd_region_resolve(struct epd_conn *c, const struct epd_tensor *tensor, uint
 uint64_t epd_group_rank_submitted(struct epd_group *g, uint32_t rank);
 void epd_group_rank_op_finished(struct epd_group *g, uint32_t rank, uint64_t seq);
 void epd_group_rank_refused(struct epd_group *g, uint32_t rank);
-/* Frees doorbell pages of past bindings (no op executing). */
+/* Frees the doorbell pages and arenas of past bindings (no op executing). */
 void epd_group_free_retired(struct epd_group *g);
 struct epd_group *epd_group_find(struct epd_daemon *d, uint64_t id);
 struct epd_group *epd_group_find_name(struct epd_daemon *d, const char *name);

@@ -38,6 +38,7 @@ static int arena_place(struct epd_exec *ex, struct epd_exec_rank *er, uint64_t r
         if (epd_arena_alloc(er->arena, total, &off) < 0)
                 return -1;
         er->place.used = 1;
+        er->place.arena = er->arena;
         er->place.ext_off = off;
         er->place.ext_len = total;
         er->place_new = 1;
@@ -117,7 +118,7 @@ void epd_exec_release_new_arenas(struct epd_exec *ex)
                 struct epd_exec_rank *er = &ex->ranks[r];
                 if (!er->place_new)
                         continue;
-                epd_arena_release(er->arena, er->place.ext_off, er->place.ext_len);
+                epd_arena_release(er->place.arena, er->place.ext_off, er->place.ext_len);
                 memset(&er->place, 0, sizeof(er->place));
                 er->place_new = 0;
         }

@@ -181,7 +181,7 @@ int epd_group_new(struct epd_daemon *d, const char *name, const void *secret, si
         g->next_handle_id = 1;
         epd_list_init(&g->ops);
         epd_list_init(&g->handles);
-        epd_list_init(&g->retired_doorbells);
+        epd_list_init(&g->retired);
         for (uint32_t r = 0; r < cfg->world_size; r++)
                 g->ranks[r].doorbell_fd = -1;
         epd_list_add_tail(&d->groups, &g->link);
@@ -205,18 +205,34 @@ static int rank_arena_create(struct epd_group *g, struct epd_rank *r, int host_m
                                 err_len);
 }
 
-static void rank_arena_destroy(struct epd_group *g, struct epd_rank *r)
-{
-        (void)g;
-        epd_arena_free(r->arena);
-        r->arena = NULL;
-}
-
-struct retired_doorbell {
+/* What a past binding leaves behind while the group's executing op may still use it: its
+ * doorbell page (the op's waits and completion stores), or its arena (the op places outputs
+ * in it, and the op's handle releases them there). */
+struct retired {
         struct epd_list link;
-        struct epd_doorbell *page;
+        struct epd_doorbell *page;    /* with fd; or NULL */
         int fd;
+        struct epd_arena *arena;      /* or NULL */
 };
+
+/* Frees the rank's arena now, or once the executing op completes. The caller makes sure that
+ * no handle outside that op still has outputs in it: handles of a broken group are gone (but
+ * the executing op's, freed at its completion, before the retired list). */
+static int rank_arena_destroy(struct epd_group *g, struct epd_rank *r)
+{
+        if (g->executing && r->arena) {
+                struct retired *rt = calloc(1, sizeof(*rt));
+                if (!rt)
+                        return EPD_INTERNAL;
+                rt->arena = r->arena;
+                rt->fd = -1;
+                epd_list_add_tail(&g->retired, &rt->link);
+        } else {
+                epd_arena_free(r->arena);
+        }
+        r->arena = NULL;
+        return 0;
+}
 
 static void doorbell_free(struct epd_group *g, struct epd_doorbell *page, int fd)
 {
@@ -234,12 +250,13 @@ void epd_group_free_retired(struct epd_group *g)
 {
         struct epd_list *pos, *tmp;
 
-        epd_list_for_each_safe(pos, tmp, &g->retired_doorbells)
+        epd_list_for_each_safe(pos, tmp, &g->retired)
         {
-                struct retired_doorbell *rd = epd_list_entry(pos, struct retired_doorbell, link);
-                epd_list_del(&rd->link);
-                doorbell_free(g, rd->page, rd->fd);
-                free(rd);
+                struct retired *rt = epd_list_entry(pos, struct retired, link);
+                epd_list_del(&rt->link);
+                doorbell_free(g, rt->page, rt->fd);
+                epd_arena_free(rt->arena);
+                free(rt);
         }
 }
 
@@ -247,17 +264,17 @@ void epd_group_free_retired(struct epd_group *g)
  * have stream operations queued on it) completes. */
 static void rank_doorbell_retire(struct epd_group *g, struct epd_rank *r)
 {
-        struct retired_doorbell *rd;
+        struct retired *rt;
 
         if (!r->doorbell)
                 return;
         /* Release the daemon's own streams that may wait for this client's inputs. */
         __atomic_store_n(&r->doorbell->inputs_ready, EPD_DOORBELL_RELEASED, __ATOMIC_RELEASE);
-        rd = g->executing ? calloc(1, sizeof(*rd)) : NULL;
-        if (rd) {
-                rd->page = r->doorbell;
-                rd->fd = r->doorbell_fd;
-                epd_list_add_tail(&g->retired_doorbells, &rd->link);
+        rt = g->executing ? calloc(1, sizeof(*rt)) : NULL;
+        if (rt) {
+                rt->page = r->doorbell;
+                rt->fd = r->doorbell_fd;
+                epd_list_add_tail(&g->retired, &rt->link);
         } else {
                 doorbell_free(g, r->doorbell, r->doorbell_fd);
         }
@@ -391,8 +408,11 @@ int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint3
                 return EPD_ALREADY_EXISTS;
         }
         /* The arena lives on the rank's device, in memory this client can map. */
-        if (r->arena && (r->device != device || r->arena_host != !c->cuda_capable))
-                rank_arena_destroy(g, r);
+        if (r->arena && (r->device != device || r->arena_host != !c->cuda_capable) &&
+            rank_arena_destroy(g, r) < 0) {
+                snprintf(err, err_len, "out of memory");
+                return EPD_INTERNAL;
+        }
         r->device = device;
         r->arena_host = !c->cuda_capable;
         rc = rank_arena_create(g, r, r->arena_host, err, err_len);
@@ -442,8 +462,8 @@ void epd_group_handle_free(struct epd_group *g, struct epd_handle *h)
         g->num_handles--;
         for (uint32_t r = 0; r < g->cfg.world_size; r++) {
                 struct epd_arena_place *pl = &h->ranks[r].arena;
-                if (pl->used && g->ranks[r].arena)
-                        epd_arena_release(g->ranks[r].arena, pl->ext_off, pl->ext_len);
+                if (pl->used)
+                        epd_arena_release(pl->arena, pl->ext_off, pl->ext_len);
                 pl->used = 0;
         }
         if (h->state)
@@ -480,8 +500,8 @@ void epd_group_handle_release(struct epd_group *g, struct epd_handle *h, uint32_
         h->ranks[rank].released = 1;
         /* The rank's outputs are its own business: free its arena space now, unless an op
          * still writes it. */
-        if (!h->busy && pl->used && g->ranks[rank].arena) {
-                epd_arena_release(g->ranks[rank].arena, pl->ext_off, pl->ext_len);
+        if (!h->busy && pl->used) {
+                epd_arena_release(pl->arena, pl->ext_off, pl->ext_len);
                 pl->used = 0;
         }
         if (!h->busy && epd_group_handle_all_released(g, h))
@@ -571,7 +591,7 @@ void epd_group_maybe_free(struct epd_group *g)
                 epd_group_handle_free(g, epd_list_entry(pos, struct epd_handle, link));
         epd_op_destroy_all(g);
         for (uint32_t r = 0; r < g->cfg.world_size; r++) {
-                rank_arena_destroy(g, &g->ranks[r]);
+                (void)rank_arena_destroy(g, &g->ranks[r]); /* nothing executes: frees */
                 rank_doorbell_retire(g, &g->ranks[r]);
         }
         epd_group_free_retired(g);

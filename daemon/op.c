@@ -1118,6 +1118,7 @@ void epd_op_complete(struct epd_exec *ex)
                                         status = EPD_INTERNAL;
                                         snprintf(ex->message, sizeof(ex->message), "out of memory");
                                         b->ops->handle_free(b, ex->new_handle_state);
+                                        epd_exec_release_new_arenas(ex);
                                 }
                         }
                         if (h)
@@ -1125,6 +1126,9 @@ void epd_op_complete(struct epd_exec *ex)
                 } else {
                         if (ex->new_handle_state)
                                 b->ops->handle_free(b, ex->new_handle_state);
+                        /* The backend placed outputs in the arenas and succeeded, but the op
+                         * failed here (a rank was lost): no handle owns those extents. */
+                        epd_exec_release_new_arenas(ex);
                 }
         }
         if (op->handle) {

@@ -23,6 +23,7 @@
 #include <grp.h>
 #include <jansson.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,12 +55,13 @@ static void daemon_start(struct h_daemon *d, const char *extra)
         snprintf(config_path, sizeof(config_path), "/tmp/epd-resize-test-%d.conf", (int)getpid());
         f = fopen(config_path, "we");
         ck_assert_msg(f != NULL, "cannot write %s", config_path);
-        fprintf(f, "[daemon]\n%s", extra ? extra : "");
+        fprintf(f, "[daemon]\n");
         if (geteuid() != 0) {
                 struct group *gr = getgrgid(getegid());
                 ck_assert_msg(gr != NULL, "no name for group %u", (unsigned)getegid());
                 fprintf(f, "admin_group = %s\n", gr->gr_name);
         }
+        fputs(extra ? extra : "", f); /* last: it may open other sections */
         fclose(f);
         args[0] = "--config";
         args[1] = config_path;
@@ -141,8 +143,9 @@ static const json_t *jrank(const json_t *reply, size_t i)
         return json_array_get(ranks, i);
 }
 
-/* Rank 0's arena bytes of group `name` in `epctl stats --json`. */
-static uint64_t stats_arena_bytes(const struct h_daemon *d, const char *name)
+/* A number of rank `rank` of group `name` in `epctl stats --json`. */
+static uint64_t stats_rank(const struct h_daemon *d, const char *name, uint32_t rank,
+                           const char *key)
 {
         static char out[256 * 1024];
         const char *args[] = { "stats", "--json", NULL };
@@ -157,11 +160,16 @@ static uint64_t stats_arena_bytes(const struct h_daemon *d, const char *name)
         json_array_foreach(json_object_get(j, "groups"), i, g)
         {
                 if (strcmp(json_string_value(json_object_get(g, "name")), name) == 0)
-                        bytes = jnum(json_array_get(json_object_get(g, "ranks"), 0),
-                                     "arena_bytes");
+                        bytes = jnum(json_array_get(json_object_get(g, "ranks"), rank), key);
         }
         json_decref(j);
         return bytes;
+}
+
+/* Rank 0's arena bytes of group `name`. */
+static uint64_t stats_arena_bytes(const struct h_daemon *d, const char *name)
+{
+        return stats_rank(d, name, 0, "arena_bytes");
 }
 
 /* The permissions of the mapping holding addr in /proc/self/maps ("rw-s", "---p"), or "". */
@@ -873,6 +881,165 @@ START_TEST(test_resize_waits_for_executing_op)
 }
 END_TEST
 
+/* ---- a rank bound again on another device while an op executes ---- */
+
+/* Rank 0's client dies while an op of its group executes (held by rank 1's inputs), and a new
+ * client binds rank 0 on another device, which replaces the rank's arena. The executing op
+ * still places rank 0's outputs in the old arena: that arena must outlive the op. (It once was
+ * freed at the bind and the op wrote into unmapped memory, killing the daemon: the likely cause
+ * of the executor-thread SEGV that fuzz_request hit in CI.) The op fails with PEER_LOST, the
+ * new arena is untouched, rank 1's outputs of that op are freed, and the re-formed group works. */
+static const struct wl_case rebind_case = {
+        .name = "rebind", .seed = 78, .world_size = 2, .num_experts = 4, .hidden = 256,
+        .max_tokens = 64, .num_topk = 2, .dtype = EPD_DTYPE_BF16, .topk_dtype = EPD_DTYPE_INT64,
+        .layout = EPD_LAYOUT_NON_EXPAND, .has_weights = 0, .routing = TD_ROUTING_UNIFORM,
+        .minus_one_prob = 0.0, .tokens = WL_TOKENS_FULL, .apply_weights = 0, .use_arena = 1,
+        .arena_bytes = 128 * KiB,
+};
+
+struct member {
+        struct epd_client *cl;
+        struct epd_group *g;
+        struct io io;
+        struct wl_inputs in;
+};
+
+static void member_inputs(struct member *m, const struct wl_case *c, uint32_t rank)
+{
+        ck_assert_int_eq(io_alloc(m->cl, c, &m->io), 0);
+        ck_assert_int_eq(wl_inputs_make(c, rank, 0, 0, &m->in), 0);
+        memcpy(io_x(c, &m->io), m->in.x, (size_t)c->max_tokens * c->hidden * 2);
+        memcpy(io_topk(c, &m->io), m->in.topk, (size_t)c->max_tokens * c->num_topk * 8);
+}
+
+static int member_submit(struct member *m, const struct wl_case *c, uint64_t wait_inputs,
+                         struct epd_op **op)
+{
+        struct epd_dispatch_args da = {
+                .size = sizeof(da), .num_tokens = c->max_tokens, .num_topk = c->num_topk,
+                .use_arena = 1, .wait_inputs = wait_inputs,
+        };
+
+        da.x = tensor_in(&m->io, io_x(c, &m->io), EPD_DTYPE_BF16, c->max_tokens, c->hidden);
+        da.topk_idx = tensor_in(&m->io, io_topk(c, &m->io), EPD_DTYPE_INT64, c->max_tokens,
+                                c->num_topk);
+        return epd_dispatch_submit(m->g, &da, op);
+}
+
+/* Rank 0 in a child process: enters the group, submits the op, says so, and waits to be
+ * killed. */
+static void rebind_rank0(const struct h_daemon *d, const struct wl_case *c,
+                         const struct epd_group_config *gcfg, int ready_fd)
+{
+        struct member a = { 0 };
+        struct epd_op *op;
+
+        a.cl = h_connect(d, "rebind-a");
+        if (!a.cl || wl_enter_group(a.cl, "rebind", 0, gcfg, &a.g) != EPD_OK ||
+            io_alloc(a.cl, c, &a.io) < 0 || wl_inputs_make(c, 0, 0, 0, &a.in) < 0)
+                _exit(1);
+        memcpy(io_x(c, &a.io), a.in.x, (size_t)c->max_tokens * c->hidden * 2);
+        memcpy(io_topk(c, &a.io), a.in.topk, (size_t)c->max_tokens * c->num_topk * 8);
+        if (member_submit(&a, c, 0, &op) != EPD_OK || write(ready_fd, "r", 1) != 1)
+                _exit(1);
+        for (;;)
+                pause();
+}
+
+START_TEST(test_rebind_while_op_executes)
+{
+        const struct wl_case *c = &rebind_case;
+        struct epd_group_config gcfg = {
+                .size = sizeof(gcfg), .world_size = 2, .num_experts = c->num_experts,
+                .hidden = c->hidden, .max_tokens_per_rank = c->max_tokens,
+                .max_topk = c->num_topk, .dispatch_dtype = c->dtype, .op_timeout_ms = 60000,
+                .arena_bytes = c->arena_bytes,
+        };
+        struct member b = { 0 }, n = { 0 };
+        struct epd_op *op_b, *op_n;
+        struct epd_dispatch_result dr;
+        struct h_daemon d;
+        uint64_t bytes;
+        int status, pipefd[2];
+        char byte;
+
+        daemon_start(&d, "[host]\ndevices = 2\n");
+        ck_assert_int_eq(pipe2(pipefd, O_CLOEXEC), 0);
+        pid_t child = fork();
+        ck_assert_int_ge(child, 0);
+        if (child == 0) {
+                close(pipefd[0]);
+                rebind_rank0(&d, c, &gcfg, pipefd[1]);
+        }
+        close(pipefd[1]);
+        b.cl = h_connect(&d, "rebind-b");
+        ck_assert_ptr_nonnull(b.cl);
+        ck_assert_int_eq(wl_enter_group(b.cl, "rebind", 1, &gcfg, &b.g), EPD_OK);
+        member_inputs(&b, c, 1);
+
+        /* The op executes, waiting for rank 1's inputs. */
+        ck_assert_int_eq(member_submit(&b, c, 1, &op_b), EPD_OK);
+        ck_assert_int_eq(read(pipefd[0], &byte, 1), 1);
+        close(pipefd[0]);
+        ck_assert_int_eq(epd_op_wait(op_b, 300), EPD_TIMEOUT);
+
+        /* Rank 0's client dies; a new one binds rank 0 on device 1 (a new arena). */
+        ck_assert_int_eq(kill(child, SIGKILL), 0);
+        ck_assert_int_eq(waitpid(child, &status, 0), child);
+        n.cl = h_connect(&d, "rebind-n");
+        ck_assert_ptr_nonnull(n.cl);
+        int rc = EPD_UNAVAILABLE;
+        for (int i = 0; i < 500 && rc != EPD_OK; i++) {
+                rc = wl_join_group_on(n.cl, "rebind", 0, 1, &n.g);
+                if (rc != EPD_OK)
+                        usleep(2000); /* until the daemon has seen the old client go */
+        }
+        ck_assert_msg(rc == EPD_OK, "join: %s: %s", epd_status_name(rc),
+                      epd_client_last_error(n.cl));
+        ck_assert_int_eq(epd_op_wait(op_b, 0), EPD_TIMEOUT); /* it still executes */
+        uint8_t *arena = epd_group_arena(n.g, &bytes);
+        ck_assert_ptr_nonnull(arena);
+        memset(arena, 0x5a, bytes);
+
+        /* The op goes on: rank 0 is gone, so it fails, and writes nothing the new client sees. */
+        ck_assert_int_eq(epd_group_mark_inputs_ready_host(b.g, NULL), EPD_OK);
+        rc = epd_op_wait(op_b, 10000);
+        if (rc != EPD_PEER_LOST)
+                h_daemon_dump_log(&d);
+        ck_assert_msg(rc == EPD_PEER_LOST, "the op: %s: %s", epd_status_name(rc),
+                      epd_op_error(op_b));
+        epd_op_free(op_b);
+        ck_assert_int_eq(waitpid(d.pid, &status, WNOHANG), 0); /* the daemon lives */
+        for (uint64_t i = 0; i < bytes; i++)
+                ck_assert_msg(arena[i] == 0x5a, "byte %llu of the new arena changed",
+                              (unsigned long long)i);
+        /* Rank 1's outputs of the failed op have no handle: their extents are free again. */
+        ck_assert_uint_eq(stats_rank(&d, "rebind", 1, "arena_used_bytes"), 0);
+
+        /* The group re-formed with the new rank 0: a dispatch places into the new arena. */
+        member_inputs(&n, c, 0);
+        ck_assert_int_eq(member_submit(&n, c, 0, &op_n), EPD_OK);
+        ck_assert_int_eq(member_submit(&b, c, 0, &op_b), EPD_OK);
+        rc = epd_op_wait(op_n, 10000);
+        ck_assert_msg(rc == EPD_OK, "rank 0: %s: %s", epd_status_name(rc), epd_op_error(op_n));
+        ck_assert_int_eq(epd_op_wait(op_b, 10000), EPD_OK);
+        ck_assert_int_eq(epd_op_dispatch_result(op_n, &dr), EPD_OK);
+        ck_assert_ptr_eq(dr.recv_x_ptr, arena + dr.recv_x.offset);
+        ck_assert_int_eq(epd_handle_release(n.g, dr.handle_id), EPD_OK);
+        ck_assert_int_eq(epd_handle_release(b.g, dr.handle_id), EPD_OK);
+        epd_op_free(op_n);
+        epd_op_free(op_b);
+
+        wl_inputs_free(&n.in);
+        wl_inputs_free(&b.in);
+        epd_group_leave(n.g);
+        epd_group_leave(b.g);
+        epd_client_free(n.cl);
+        epd_client_free(b.cl);
+        ck_assert_int_eq(h_daemon_stop(&d, 5000), 0);
+}
+END_TEST
+
 /* ---- edges ---- */
 
 START_TEST(test_resize_edges)
@@ -968,6 +1135,7 @@ int main(void)
         tcase_add_test(tc, test_resize_under_load);
         tcase_add_test(tc, test_resize_segments);
         tcase_add_test(tc, test_resize_waits_for_executing_op);
+        tcase_add_test(tc, test_rebind_while_op_executes);
         tcase_add_test(tc, test_resize_edges);
         suite_add_tcase(s, tc);
         sr = srunner_create(s);

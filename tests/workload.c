@@ -116,6 +116,26 @@ void wl_ref_params(const struct wl_case *c, struct ref_params *p)
         p->has_weights = c->has_weights;
 }
 
+/* The group's secret, derived from its name. */
+static void group_secret(const char *name, unsigned char secret[16])
+{
+        for (int i = 0; i < 16; i++)
+                secret[i] = (unsigned char)(name[i % (strlen(name) ? strlen(name) : 1)] * 31 + i);
+}
+
+int wl_join_group_on(struct epd_client *client, const char *name, uint32_t rank, uint32_t device,
+                     struct epd_group **out)
+{
+        unsigned char secret[16];
+        struct epd_group_args ga = {
+                .size = sizeof(ga), .name = name, .secret = secret, .secret_len = sizeof(secret),
+                .rank = rank, .device = device,
+        };
+
+        group_secret(name, secret);
+        return epd_group_join(client, &ga, out);
+}
+
 int wl_enter_group(struct epd_client *client, const char *name, uint32_t rank,
                    const struct epd_group_config *cfg, struct epd_group **out)
 {
@@ -125,8 +145,7 @@ int wl_enter_group(struct epd_client *client, const char *name, uint32_t rank,
                 .rank = rank, .config = cfg,
         };
 
-        for (int i = 0; i < 16; i++)
-                secret[i] = (unsigned char)(name[i % (strlen(name) ? strlen(name) : 1)] * 31 + i);
+        group_secret(name, secret);
         if (rank == 0)
                 return epd_group_create(client, &ga, out);
         for (int attempt = 0; attempt < 2000; attempt++) {

@@ -76,5 +76,8 @@ int wl_worker(const struct wl_case *c, const char *socket_path, const char *grou
 /* Joins (rank > 0) or creates (rank 0) a group, retrying joins until the creator has made it. */
 int wl_enter_group(struct epd_client *client, const char *name, uint32_t rank,
                    const struct epd_group_config *cfg, struct epd_group **out);
+/* Joins an existing group (any rank, rank 0 too: a rank bound again) on `device`, once. */
+int wl_join_group_on(struct epd_client *client, const char *name, uint32_t rank, uint32_t device,
+                     struct epd_group **out);
 
 #endif
