@@ -22,17 +22,24 @@ int epd__memfd_map(int fd, uint64_t offset, uint64_t size, uint8_t **base, uint6
                 snprintf(err, err_len, "region fd is not a memfd or regular file");
                 return EPD_INVALID_ARGUMENT;
         }
+        /* Seal before reading the size: the client still holds the file and could shrink it
+         * between the check and the seal, and a mapping past the file's end faults (SIGBUS) on
+         * the daemon's first access. */
+        seals = fcntl(fd, F_GET_SEALS);
+        if (seals < 0 || (!(seals & F_SEAL_SHRINK) && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) < 0)) {
+                snprintf(err, err_len,
+                         "memfd must allow sealing (MFD_ALLOW_SEALING) so that it cannot shrink under the daemon");
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (fstat(fd, &st) < 0) {
+                snprintf(err, err_len, "cannot read the region file's size: %s", strerror(errno));
+                return EPD_INVALID_ARGUMENT;
+        }
         if (offset > (uint64_t)st.st_size || size > (uint64_t)st.st_size - offset) {
                 snprintf(err, err_len,
                          "region of %llu bytes at offset %llu exceeds the file's %lld bytes",
                          (unsigned long long)size, (unsigned long long)offset,
                          (long long)st.st_size);
-                return EPD_INVALID_ARGUMENT;
-        }
-        seals = fcntl(fd, F_GET_SEALS);
-        if (seals < 0 || (!(seals & F_SEAL_SHRINK) && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) < 0)) {
-                snprintf(err, err_len,
-                         "memfd must allow sealing (MFD_ALLOW_SEALING) so that it cannot shrink under the daemon");
                 return EPD_INVALID_ARGUMENT;
         }
         map_off = offset / page * page;
