@@ -237,7 +237,9 @@ static volatile pid_t g_daemon_pid;
 static const struct h_daemon *volatile g_daemon;
 static volatile pid_t *g_worker_pids;
 static volatile uint32_t g_num_workers;
-static volatile pid_t g_probe_pid;      /* the ceiling child (CUDA mode) */
+#ifdef EPD_BENCH_CUDA
+static volatile pid_t g_probe_pid;      /* the ceiling child */
+#endif
 
 static uint64_t now_ns(void)
 {

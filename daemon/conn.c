@@ -274,6 +274,10 @@ int epd_conn_reply_compact(struct epd_conn *c, struct epd_doorbell *mailbox,
 
 static void reply_status(struct epd_conn *c, struct epd_doorbell *mailbox, uint64_t request_id,
                          int status, const char *fmt, va_list ap)
+        __attribute__((format(printf, 5, 0)));
+
+static void reply_status(struct epd_conn *c, struct epd_doorbell *mailbox, uint64_t request_id,
+                         int status, const char *fmt, va_list ap)
 {
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
         Epd__V1__Empty empty = EPD__V1__EMPTY__INIT;
@@ -531,7 +535,10 @@ static void on_conn_event(uv_poll_t *handle, int status, int events)
                 return;
         }
         if (status < 0) {
-                epd_conn_close(c, uv_strerror(status));
+                /* libuv reports an error condition on the socket (POLLERR: a client that died
+                 * with replies unread resets the connection) as UV_EBADF. */
+                epd_conn_close(c, status == UV_EBADF ? "connection reset by the client"
+                                                     : uv_strerror(status));
                 return;
         }
         if (events & UV_WRITABLE) {
