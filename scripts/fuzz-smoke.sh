@@ -17,6 +17,21 @@ cmake -S . -B "$build" -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug -DEPD_C
 cmake --build "$build" -j "$jobs" --target fuzz_frame fuzz_request fuzz_config
 (cd "$build" && ctest --output-on-failure -L fuzz)
 
+# The sanitizer's report from its first line (the error and the faulting stack come first, and
+# the thread and allocation stacks after them can be long), then the log's last lines.
+report() {
+        first=$(grep -n -m 1 -E '^==[0-9]+==ERROR|runtime error:|^==[0-9]+== ERROR: libFuzzer|^WARNING: ThreadSanitizer' "$1" | cut -d: -f1)
+        if [ -z "$first" ]; then
+                tail -n 60 "$1"
+                return
+        fi
+        sed -n "${first},$((first + 150))p" "$1"
+        if [ "$(wc -l <"$1")" -gt $((first + 150)) ]; then
+                echo "fuzz-smoke: [...] the log's last lines:"
+                tail -n 20 "$1"
+        fi
+}
+
 mkdir -p "$build/fuzz-artifacts"
 for target in fuzz_frame fuzz_request fuzz_config; do
         mkdir -p "$build/fuzz-corpus/$target"
@@ -26,7 +41,15 @@ for target in fuzz_frame fuzz_request fuzz_config; do
                 -print_final_stats=1 -artifact_prefix="$build/fuzz-artifacts/$target-" \
                 "$build/fuzz-corpus/$target" "tests/fuzz/corpus/$target" \
                 >"$build/fuzz-artifacts/$target.log" 2>&1 || {
-                tail -n 60 "$build/fuzz-artifacts/$target.log"
+                report "$build/fuzz-artifacts/$target.log"
+                for input in "$build/fuzz-artifacts/$target"-*; do
+                        [ -f "$input" ] || continue
+                        # CI keeps only the output: the input itself, to replay elsewhere with
+                        # `base64 -d > input && $build/bin/$target input`.
+                        echo "fuzz-smoke: $input, base64:"
+                        base64 -w 0 "$input"
+                        echo
+                done
                 echo "fuzz-smoke: $target failed; the input is in $build/fuzz-artifacts/" >&2
                 exit 1
         }
