@@ -37,7 +37,12 @@
 /* The combine kernels are compute-bound with SSE2 (the x86-64 baseline); an AVX2 clone, picked at
  * load time by the CPU, runs about a third faster. The results are identical: the same IEEE
  * multiplies and adds in the same order, and -ffp-contract=off keeps FMA out of every clone. */
-#if defined(__x86_64__) && defined(__has_attribute)
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define EPD_NO_CLONES /* ThreadSanitizer instruments the ifunc resolver, which runs before it is set up */
+#endif
+#endif
+#if defined(__x86_64__) && defined(__has_attribute) && !defined(EPD_NO_CLONES)
 #if __has_attribute(target_clones)
 #define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
 #endif

@@ -13,8 +13,8 @@
 if(NOT CMAKE_C_COMPILER_ID MATCHES "Clang")
   message(FATAL_ERROR "EPD_FUZZ=ON needs clang (libFuzzer): configure with -DCMAKE_C_COMPILER=clang")
 endif()
-if(NOT EPD_SANITIZE)
-  message(FATAL_ERROR "EPD_FUZZ=ON needs EPD_SANITIZE=ON: every object of a fuzz target must be built with ASan/UBSan")
+if(NOT EPD_SANITIZE AND NOT EPD_TSAN)
+  message(FATAL_ERROR "EPD_FUZZ=ON needs EPD_SANITIZE=ON (or EPD_TSAN=ON to replay inputs under ThreadSanitizer): every object of a fuzz target must be built with a sanitizer")
 endif()
 
 set(EPD_FUZZ_DIR ${CMAKE_CURRENT_LIST_DIR})
