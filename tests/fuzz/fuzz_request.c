@@ -11,7 +11,8 @@
  * may also post dispatch and combine requests in their doorbell pages instead of sending them
  * (with a wrong length if the script says so), ring their doorbells, stop reading their
  * replies, or disconnect mid-op. After each
- * command the loop runs until no op executes.
+ * command the loop runs until no op executes, unless the input asks for commands that overlap
+ * executing ops (EPD_FUZZ_OVERLAP).
  * At the end every client disconnects and the daemon must be back where it started: no
  * connection, no group, no libuv handle but the backend's, and no open fd more than before
  * (abort otherwise); ASan and LeakSanitizer watch the rest.
@@ -45,6 +46,9 @@
 #define MAX_HANDLES 16
 #define MAX_PENDING 32
 #define SETTLE_MS 200       /* longest wait for executing ops after one command */
+
+/* The input's EPD_FUZZ_OVERLAP: commands do not wait for executing ops. */
+static unsigned settle_ms = SETTLE_MS;
 #define FINISH_MS 10000     /* longest wait for the daemon to release everything at the end */
 #define SNDBUF_BYTES 40000  /* the kernel doubles it: room for one 64 KiB frame */
 
@@ -1205,13 +1209,13 @@ static void run_command(struct reader *r)
         case EPD_FUZZ_OP_DISCONNECT: {
                 uint8_t flags = rd_u8(r);
                 client_disconnect(cl);
-                settle(SETTLE_MS);
+                settle(settle_ms);
                 if (flags & 1)
                         client_connect(cl, 1);
                 break;
         }
         }
-        settle(SETTLE_MS);
+        settle(settle_ms);
 }
 
 /* ---- libFuzzer entry points ---- */
@@ -1267,6 +1271,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
          * depend on the ones before it. */
         d->next_client_id = d->next_group_id = d->next_region_id = 0;
         num_clients = 1 + setup % EPD_FUZZ_MAX_CLIENTS;
+        settle_ms = setup & EPD_FUZZ_OVERLAP ? 0 : SETTLE_MS;
         for (unsigned i = 0; i < num_clients; i++)
                 client_connect(&clients[i], !(setup & EPD_FUZZ_NO_HELLO));
         settle(SETTLE_MS);

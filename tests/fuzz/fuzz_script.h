@@ -5,7 +5,9 @@
  * when the input is exhausted. Integers are little-endian.
  *
  *   u8 setup        number of clients = 1 + setup % EPD_FUZZ_MAX_CLIENTS; bit 7 set: the
- *                   clients do not send the automatic valid Hello first
+ *                   clients do not send the automatic valid Hello first; bit 6 set: a
+ *                   command does not wait for the ops executing after it, so the next ones
+ *                   (a disconnect, a join, a resize, ...) overlap them
  *   then commands:  u8 op (% EPD_FUZZ_OP_COUNT), u8 client (% number of clients), fields
  *
  * Fields of each op are listed next to it below. Selections ("sel") index what the client
@@ -41,6 +43,7 @@
  * box holds. */
 #define EPD_FUZZ_PAGE 0x80
 #define EPD_FUZZ_NO_HELLO 0x80
+#define EPD_FUZZ_OVERLAP 0x40
 
 enum epd_fuzz_op {
         /* u16 len, bytes: a frame body under a valid header */

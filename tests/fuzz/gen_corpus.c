@@ -652,6 +652,30 @@ static void gen_requests(void)
         u8(&b, 0);
         write_file("fuzz_request", "doorbell", &b);
 
+        /* Overlap: commands do not wait for the op. Rank 1's inputs hold it while rank 0's
+         * client dies and comes back on device 1 (a new arena), then rank 1 rings. */
+        b.len = 0;
+        u8(&b, EPD_FUZZ_OVERLAP); /* 0x40 % 3 == 1: two clients */
+        region(&b, 0, 256, EPD_FUZZ_FILL_I32, 2, 1, 4);
+        region(&b, 1, 256, EPD_FUZZ_FILL_I32, 2, 3, 4);
+        group_create(&b, 0, 3, 2, 2, 0, 4, 2, 0, 0, 64, 0);
+        group_join(&b, 1, 3, 1, 0);
+        for (unsigned c = 0; c < 2; c++) {
+                op(&b, EPD_FUZZ_OP_DISPATCH, c);
+                u8(&b, 0); u8(&b, 0); u8(&b, 0); u8(&b, 4); u8(&b, c ? 4 | 16 : 4); u16(&b, 0);
+                tensor(&b, 1, 0); absent(&b); tensor(&b, 1, 256);
+                for (int i = 0; i < 7; i++)
+                        absent(&b);
+        }
+        op(&b, EPD_FUZZ_OP_DISCONNECT, 0);
+        u8(&b, 1);
+        group_join(&b, 0, 3, 0, 1);
+        op(&b, EPD_FUZZ_OP_RING, 1);
+        u8(&b, 0);
+        u8(&b, 1);
+        simple(&b, EPD_FUZZ_OP_STATS);
+        write_file("fuzz_request", "overlap_rebind", &b);
+
         /* Admin verbs around live ops: drain a group (its ops wait), undrain (they run),
          * resize its arenas, fetch the segments, drain and undrain the daemon, evict a rank. */
         b.len = 0;
