@@ -215,9 +215,10 @@ struct retired {
         struct epd_arena *arena;      /* or NULL */
 };
 
-/* Frees the rank's arena now, or once the executing op completes. The caller makes sure that
- * no handle outside that op still has outputs in it: handles of a broken group are gone (but
- * the executing op's, freed at its completion, before the retired list). */
+/* Frees the rank's arena now, or once the executing op completes. No other handle has outputs
+ * in it by then: a rank is bound again either before its group ran any op (no handle exists) or
+ * after the group broke, which freed every handle but the executing op's, and that op's
+ * completion frees its handle before the retired list. */
 static int rank_arena_destroy(struct epd_group *g, struct epd_rank *r)
 {
         if (g->executing && r->arena) {
