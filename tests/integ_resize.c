@@ -989,7 +989,7 @@ START_TEST(test_rebind_while_op_executes)
         n.cl = h_connect(&d, "rebind-n");
         ck_assert_ptr_nonnull(n.cl);
         int rc = EPD_UNAVAILABLE;
-        for (int i = 0; i < 500 && rc != EPD_OK; i++) {
+        for (int i = 0; i < 2500 && rc != EPD_OK; i++) { /* up to 5 s */
                 rc = wl_join_group_on(n.cl, "rebind", 0, 1, &n.g);
                 if (rc != EPD_OK)
                         usleep(2000); /* until the daemon has seen the old client go */
