@@ -390,6 +390,17 @@ static void simple(struct buf *b, unsigned code)
         op(b, code, 0);
 }
 
+/* A dispatch of the client's first binding: 4 tokens, x at 0 and int32 topk_idx at 256 of its
+ * first region, no other tensor (flags as in fuzz_script.h: 4 use_arena, 16 wait_inputs). */
+static void small_dispatch(struct buf *b, unsigned client, unsigned flags)
+{
+        op(b, EPD_FUZZ_OP_DISPATCH, client);
+        u8(b, 0); u8(b, 0); u8(b, 0); u8(b, 4); u8(b, flags); u16(b, 0);
+        tensor(b, 1, 0); absent(b); tensor(b, 1, 256);
+        for (int i = 0; i < 7; i++)
+                absent(b);
+}
+
 static void gen_requests(void)
 {
         uint8_t body[1024];
@@ -609,22 +620,14 @@ static void gen_requests(void)
         region(&b, 0, 256, EPD_FUZZ_FILL_I32, 2, 1, 4);
         group_create(&b, 0, 2, 2, 2, 0, 4, 2, 0, 0, 64, 0);
         group_join(&b, 1, 2, 1, 0);
-        op(&b, EPD_FUZZ_OP_DISPATCH, 0);
-        u8(&b, 0); u8(&b, 0); u8(&b, 0); u8(&b, 4); u8(&b, 4); u16(&b, 0);
-        tensor(&b, 1, 0); absent(&b); tensor(&b, 1, 256); absent(&b);
-        for (int i = 0; i < 6; i++)
-                absent(&b);
+        small_dispatch(&b, 0, 4);
         op(&b, EPD_FUZZ_OP_PUMP, 0);
         u8(&b, 7);
         op(&b, EPD_FUZZ_OP_PUMP, 0);
         u8(&b, 7);
         op(&b, EPD_FUZZ_OP_PUMP, 0);
         u8(&b, 7);
-        op(&b, EPD_FUZZ_OP_DISPATCH, 0);
-        u8(&b, 0); u8(&b, 0); u8(&b, 0); u8(&b, 4); u8(&b, 4); u16(&b, 0);
-        tensor(&b, 1, 0); absent(&b); tensor(&b, 1, 256); absent(&b);
-        for (int i = 0; i < 6; i++)
-                absent(&b);
+        small_dispatch(&b, 0, 4);
         op(&b, EPD_FUZZ_OP_DISCONNECT, 1);
         u8(&b, 1);
         group_join(&b, 1, 2, 1, 0);
@@ -635,19 +638,11 @@ static void gen_requests(void)
         u8(&b, 0);
         region(&b, 0, 256, EPD_FUZZ_FILL_I32, 2, 1, 4);
         group_create(&b, 0, 3, 1, 4, 0, 4, 2, 0, 0, 64, 0);
-        op(&b, EPD_FUZZ_OP_DISPATCH, 0);
-        u8(&b, 0); u8(&b, 0); u8(&b, 0); u8(&b, 4); u8(&b, 4 | 16); u16(&b, 0);
-        tensor(&b, 1, 0); absent(&b); tensor(&b, 1, 256); absent(&b);
-        for (int i = 0; i < 6; i++)
-                absent(&b);
+        small_dispatch(&b, 0, 4 | 16);
         op(&b, EPD_FUZZ_OP_RING, 0);
         u8(&b, 0);
         u8(&b, 1);
-        op(&b, EPD_FUZZ_OP_DISPATCH, 0);
-        u8(&b, 0); u8(&b, 0); u8(&b, 0); u8(&b, 4); u8(&b, 4 | 16); u16(&b, 0);
-        tensor(&b, 1, 0); absent(&b); tensor(&b, 1, 256); absent(&b);
-        for (int i = 0; i < 6; i++)
-                absent(&b);
+        small_dispatch(&b, 0, 4 | 16);
         op(&b, EPD_FUZZ_OP_DISCONNECT, 0);
         u8(&b, 0);
         write_file("fuzz_request", "doorbell", &b);
@@ -660,13 +655,8 @@ static void gen_requests(void)
         region(&b, 1, 256, EPD_FUZZ_FILL_I32, 2, 3, 4);
         group_create(&b, 0, 3, 2, 2, 0, 4, 2, 0, 0, 64, 0);
         group_join(&b, 1, 3, 1, 0);
-        for (unsigned c = 0; c < 2; c++) {
-                op(&b, EPD_FUZZ_OP_DISPATCH, c);
-                u8(&b, 0); u8(&b, 0); u8(&b, 0); u8(&b, 4); u8(&b, c ? 4 | 16 : 4); u16(&b, 0);
-                tensor(&b, 1, 0); absent(&b); tensor(&b, 1, 256);
-                for (int i = 0; i < 7; i++)
-                        absent(&b);
-        }
+        for (unsigned c = 0; c < 2; c++)
+                small_dispatch(&b, c, c ? 4 | 16 : 4);
         op(&b, EPD_FUZZ_OP_DISCONNECT, 0);
         u8(&b, 1);
         group_join(&b, 0, 3, 0, 1);
@@ -688,11 +678,7 @@ static void gen_requests(void)
         u8(&b, 0); u8(&b, 9); u8(&b, 1);       /* drain "g0" by name */
         for (int round = 0; round < 2; round++) {
                 for (unsigned c = 0; c < 2; c++) {
-                        op(&b, EPD_FUZZ_OP_DISPATCH, c);
-                        u8(&b, 0); u8(&b, 0); u8(&b, 0); u8(&b, 4); u8(&b, 4); u16(&b, 0);
-                        tensor(&b, 1, 0); absent(&b); tensor(&b, 1, 256); absent(&b);
-                        for (int i = 0; i < 6; i++)
-                                absent(&b);
+                        small_dispatch(&b, c, 4);
                 }
                 if (round == 0) {
                         op(&b, EPD_FUZZ_OP_DRAIN, 0);
