@@ -285,6 +285,27 @@ static uint8_t *io_cw(const struct wl_case *c, const struct io *io)
         return io_combined(c, io) + (uint64_t)c->max_tokens * c->hidden * 2 + 4 * KiB;
 }
 
+/* Every token of `in` (full, contiguous) into io's x and int64 topk_idx. */
+static void io_fill(const struct wl_case *c, const struct io *io, const struct wl_inputs *in)
+{
+        memcpy(io_x(c, io), in->x, (size_t)c->max_tokens * c->hidden * 2);
+        memcpy(io_topk(c, io), in->topk, (size_t)c->max_tokens * c->num_topk * 8);
+}
+
+/* Submits a use_arena dispatch of io's x and topk_idx (max_tokens tokens, no weights). */
+static int io_submit(const struct wl_case *c, const struct io *io, struct epd_group *g,
+                     uint64_t wait_inputs, struct epd_op **op)
+{
+        struct epd_dispatch_args da = {
+                .size = sizeof(da), .num_tokens = c->max_tokens, .num_topk = c->num_topk,
+                .use_arena = 1, .wait_inputs = wait_inputs,
+        };
+
+        da.x = tensor_in(io, io_x(c, io), EPD_DTYPE_BF16, c->max_tokens, c->hidden);
+        da.topk_idx = tensor_in(io, io_topk(c, io), EPD_DTYPE_INT64, c->max_tokens, c->num_topk);
+        return epd_dispatch_submit(g, &da, op);
+}
+
 /* Dispatch number `number` of case c on `rank` with use_arena: every source's inputs and the
  * reference, this rank's inputs copied into io, the outputs and counts checked. The arena
  * base must be `base` and the outputs inside the arena. 0, or -1 with msg. */
@@ -820,16 +841,8 @@ START_TEST(test_resize_waits_for_executing_op)
         memset(&st, 0, sizeof(st));
         st.world_size = 1;
         ck_assert_int_eq(wl_inputs_make(c, 0, 0, 0, &st.ins[0]), 0);
-        memcpy(io_x(c, &s.io), st.ins[0].x, (size_t)c->max_tokens * c->hidden * 2);
-        memcpy(io_topk(c, &s.io), st.ins[0].topk, (size_t)c->max_tokens * c->num_topk * 8);
-        struct epd_dispatch_args da = {
-                .size = sizeof(da), .num_tokens = c->max_tokens, .num_topk = c->num_topk,
-                .use_arena = 1, .wait_inputs = 1,
-        };
-        da.x = tensor_in(&s.io, io_x(c, &s.io), EPD_DTYPE_BF16, c->max_tokens, c->hidden);
-        da.topk_idx = tensor_in(&s.io, io_topk(c, &s.io), EPD_DTYPE_INT64, c->max_tokens,
-                                c->num_topk);
-        ck_assert_int_eq(epd_dispatch_submit(s.g, &da, &op), EPD_OK);
+        io_fill(c, &s.io, &st.ins[0]);
+        ck_assert_int_eq(io_submit(c, &s.io, s.g, 1, &op), EPD_OK);
         ck_assert_int_eq(epd_op_wait(op, 200), EPD_TIMEOUT);
 
         snprintf(path, sizeof(path), "/tmp/epd-resize-out-%d", (int)getpid());
@@ -908,22 +921,7 @@ static void member_inputs(struct member *m, const struct wl_case *c, uint32_t ra
 {
         ck_assert_int_eq(io_alloc(m->cl, c, &m->io), 0);
         ck_assert_int_eq(wl_inputs_make(c, rank, 0, 0, &m->in), 0);
-        memcpy(io_x(c, &m->io), m->in.x, (size_t)c->max_tokens * c->hidden * 2);
-        memcpy(io_topk(c, &m->io), m->in.topk, (size_t)c->max_tokens * c->num_topk * 8);
-}
-
-static int member_submit(struct member *m, const struct wl_case *c, uint64_t wait_inputs,
-                         struct epd_op **op)
-{
-        struct epd_dispatch_args da = {
-                .size = sizeof(da), .num_tokens = c->max_tokens, .num_topk = c->num_topk,
-                .use_arena = 1, .wait_inputs = wait_inputs,
-        };
-
-        da.x = tensor_in(&m->io, io_x(c, &m->io), EPD_DTYPE_BF16, c->max_tokens, c->hidden);
-        da.topk_idx = tensor_in(&m->io, io_topk(c, &m->io), EPD_DTYPE_INT64, c->max_tokens,
-                                c->num_topk);
-        return epd_dispatch_submit(m->g, &da, op);
+        io_fill(c, &m->io, &m->in);
 }
 
 /* Rank 0 in a child process: enters the group, submits the op, says so, and waits to be
@@ -938,9 +936,8 @@ static void rebind_rank0(const struct h_daemon *d, const struct wl_case *c,
         if (!a.cl || wl_enter_group(a.cl, "rebind", 0, gcfg, &a.g) != EPD_OK ||
             io_alloc(a.cl, c, &a.io) < 0 || wl_inputs_make(c, 0, 0, 0, &a.in) < 0)
                 _exit(1);
-        memcpy(io_x(c, &a.io), a.in.x, (size_t)c->max_tokens * c->hidden * 2);
-        memcpy(io_topk(c, &a.io), a.in.topk, (size_t)c->max_tokens * c->num_topk * 8);
-        if (member_submit(&a, c, 0, &op) != EPD_OK || write(ready_fd, "r", 1) != 1)
+        io_fill(c, &a.io, &a.in);
+        if (io_submit(c, &a.io, a.g, 0, &op) != EPD_OK || write(ready_fd, "r", 1) != 1)
                 _exit(1);
         for (;;)
                 pause();
@@ -978,7 +975,7 @@ START_TEST(test_rebind_while_op_executes)
         member_inputs(&b, c, 1);
 
         /* The op executes, waiting for rank 1's inputs. */
-        ck_assert_int_eq(member_submit(&b, c, 1, &op_b), EPD_OK);
+        ck_assert_int_eq(io_submit(c, &b.io, b.g, 1, &op_b), EPD_OK);
         ck_assert_int_eq(read(pipefd[0], &byte, 1), 1);
         close(pipefd[0]);
         ck_assert_int_eq(epd_op_wait(op_b, 300), EPD_TIMEOUT);
@@ -1018,8 +1015,8 @@ START_TEST(test_rebind_while_op_executes)
 
         /* The group re-formed with the new rank 0: a dispatch places into the new arena. */
         member_inputs(&n, c, 0);
-        ck_assert_int_eq(member_submit(&n, c, 0, &op_n), EPD_OK);
-        ck_assert_int_eq(member_submit(&b, c, 0, &op_b), EPD_OK);
+        ck_assert_int_eq(io_submit(c, &n.io, n.g, 0, &op_n), EPD_OK);
+        ck_assert_int_eq(io_submit(c, &b.io, b.g, 0, &op_b), EPD_OK);
         rc = epd_op_wait(op_n, 10000);
         ck_assert_msg(rc == EPD_OK, "rank 0: %s: %s", epd_status_name(rc), epd_op_error(op_n));
         ck_assert_int_eq(epd_op_wait(op_b, 10000), EPD_OK);
@@ -1095,17 +1092,9 @@ START_TEST(test_resize_edges)
         memset(&st, 0, sizeof(st));
         st.world_size = 1;
         ck_assert_int_eq(wl_inputs_make(c, 0, 0, 0, &st.ins[0]), 0);
-        memcpy(io_x(c, &s.io), st.ins[0].x, (size_t)c->max_tokens * c->hidden * 2);
-        memcpy(io_topk(c, &s.io), st.ins[0].topk, (size_t)c->max_tokens * c->num_topk * 8);
-        struct epd_dispatch_args da = {
-                .size = sizeof(da), .num_tokens = c->max_tokens, .num_topk = c->num_topk,
-                .use_arena = 1,
-        };
-        da.x = tensor_in(&s.io, io_x(c, &s.io), EPD_DTYPE_BF16, c->max_tokens, c->hidden);
-        da.topk_idx = tensor_in(&s.io, io_topk(c, &s.io), EPD_DTYPE_INT64, c->max_tokens,
-                                c->num_topk);
+        io_fill(c, &s.io, &st.ins[0]);
         struct epd_op *op = NULL;
-        ck_assert_int_eq(epd_dispatch_submit(s.g, &da, &op), EPD_OK);
+        ck_assert_int_eq(io_submit(c, &s.io, s.g, 0, &op), EPD_OK);
         ck_assert_int_eq(epd_op_wait(op, 200), EPD_TIMEOUT);
         r = resize_ok(&d, "edge", "768K");
         json_decref(r);
