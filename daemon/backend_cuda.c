@@ -786,6 +786,7 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                         memset(&kr[r], 0, sizeof(kr[r]));
                         kr[r].num_tokens = er->num_tokens;
                         kr[r].y = kmat(er->y);
+                        kr[r].y_rows = er->y_rows;
                         kr[r].bias[0] = kmat(er->comb.bias[0]);
                         kr[r].bias[1] = kmat(er->comb.bias[1]);
                         kr[r].combined = kmat(er->comb.combined);

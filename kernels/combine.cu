@@ -254,7 +254,10 @@ static __global__ void __launch_bounds__(COMBINE_THREADS)
                 if (row >= 0) {
                         const struct epd_k_combine_rank *d =
                                 &a.ranks[epd_route_expert_rank(expert, L)];
-                        my_row = d->y.ptr + (uint64_t)row * d->y.stride;
+                        if ((uint64_t)row < d->y_rows)
+                                my_row = d->y.ptr + (uint64_t)row * d->y.stride;
+                        else
+                                row = -1;
                 }
                 const uint32_t mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
                 const uint8_t *bias0 = mat_row(&me->bias[0], t);

@@ -124,6 +124,9 @@ struct epd_k_combine_rank {
         uint32_t num_tokens;           /* N_s of the handle's dispatch */
         uint32_t reserved;
         struct epd_k_mat y;            /* bf16 rows in the dispatch's layout */
+        uint64_t y_rows;               /* rows of y checked at prep: a workspace row at or above
+                                        * is not read (only a client rewriting its topk_idx
+                                        * during the dispatch can make one) */
         struct epd_k_mat bias[2];      /* bf16 [N_s, H]; ptr NULL when absent */
         struct epd_k_mat combined;     /* bf16 [N_s, H] */
         struct epd_k_mat combined_topk_weights; /* fp32 [N_s, K_op]; ptr NULL when absent */

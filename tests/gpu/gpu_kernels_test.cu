@@ -1017,8 +1017,12 @@ static int setup_combine(struct ctx *x, struct rng *g)
                 struct rank_data *r = &x->rk[d];
                 r->y_rows = r->rows;
                 r->y_stride = hb + (c->strided ? 32 : 0);
-                r->y = (uint8_t *)halloc(x, r->y_rows * r->y_stride);
+                /* One guard row of NaN past the y_rows that combine is told of, so that a read
+                 * past them shows (combine_row_bound). */
+                r->y = (uint8_t *)halloc(x, (r->y_rows + 1) * r->y_stride);
                 fill_bf16(g, (uint16_t *)r->y, r->y_rows * r->y_stride / 2);
+                for (uint64_t h = 0; h < r->y_stride / 2; h++)
+                        ((uint16_t *)(r->y + r->y_rows * r->y_stride))[h] = 0x7fc1;
                 /* Padding rows of EXPAND are never read: poison them with NaN so a read shows. */
                 if (c->layout == EPD_LAYOUT_EXPAND) {
                         const int32_t *cnt = x->plan->expert_count + (uint64_t)d * x->L;
@@ -1029,7 +1033,7 @@ static int setup_combine(struct ctx *x, struct rng *g)
                                                 ((uint16_t *)(r->y + row * r->y_stride))[h] =
                                                         0x7fc1;
                 }
-                if (upload(x, r->dev, r->y, r->y_rows * r->y_stride, &r->d_y) < 0)
+                if (upload(x, r->dev, r->y, (r->y_rows + 1) * r->y_stride, &r->d_y) < 0)
                         return -1;
         }
         for (uint32_t s = 0; s < x->R; s++) {
@@ -1065,6 +1069,7 @@ static int setup_combine(struct ctx *x, struct rng *g)
                 cr->num_tokens = r->n;
                 cr->y.ptr = r->d_y;
                 cr->y.stride = r->y_stride;
+                cr->y_rows = r->y_rows;
                 for (int b = 0; b < c->num_bias; b++) {
                         cr->bias[b].ptr = r->d_bias[b];
                         cr->bias[b].stride = r->comb.stride;
@@ -1175,6 +1180,48 @@ static void host_combine(struct ctx *x, int use_w2)
         op.y = y;
         op.src = src;
         run_items(epd_host_combine_items(&op), host_combine_fn, &op);
+}
+
+static int combine_row_bound(struct ctx *x)
+{
+        for (uint32_t s = 0; s < x->R; s++) {
+                for (uint64_t e = 0; e < (uint64_t)x->rk[s].n * x->KO; e++) {
+                        int32_t *prow = &x->plan->row[s][e];
+                        if (*prow < 0)
+                                continue;
+                        const uint32_t t = (uint32_t)(e / x->KO), k = (uint32_t)(e % x->KO);
+                        const uint32_t d = (uint32_t)x->plan->topk[s][e] / x->L;
+                        const int32_t keep = *prow, past = (int32_t)x->rk[d].y_rows;
+                        int32_t *wrow = (int32_t *)(x->ws + x->lay.row) +
+                                        epd_ws_entry(&x->lay, s, t, x->K, 0) + k;
+                        *prow = -1;
+                        for (uint32_t r = 0; r < x->R; r++) {
+                                memset(x->rk[r].comb.ref, SENTINEL, x->rk[r].comb.bytes);
+                                if (x->rk[r].comb_w.present)
+                                        memset(x->rk[r].comb_w.ref, SENTINEL,
+                                               x->rk[r].comb_w.bytes);
+                        }
+                        host_combine(x, 0);
+                        *prow = keep;
+                        CK(cudaSetDevice(0));
+                        CK(cudaMemcpy(wrow, &past, 4, cudaMemcpyHostToDevice));
+                        int rc = gpu_combine(x);
+                        CK(cudaSetDevice(0));
+                        CK(cudaMemcpy(wrow, &keep, 4, cudaMemcpyHostToDevice));
+                        if (rc < 0)
+                                return -1;
+                        char what[96];
+                        snprintf(what, sizeof(what), "combine with entry (%u, %u, %u) past y",
+                                 s, t, k);
+                        for (uint32_t r = 0; r < x->R; r++)
+                                compare_buf(x, what, r, x->rk[r].comb.ref, x->rk[r].comb.got,
+                                            x->rk[r].comb.bytes, x->rk[r].comb.stride);
+                        printf("    combine skipped row %d of rank %u (past its y): same outputs "
+                               "as without that entry\n", past, d);
+                        return 0;
+                }
+        }
+        return 0;
 }
 
 static void host_dispatch(struct ctx *x, int use_w2)
@@ -1815,6 +1862,13 @@ static int run_case(struct ctx *x, int ndev_avail, int timing, double *ceiling)
                         }
                 }
         }
+
+        /* A workspace row past the rows of y that prep checked (what a client rewriting its
+         * topk_idx during the dispatch could leave): combine must skip that contribution,
+         * neither reading past y nor faulting. The first contributing entry's row is set to its
+         * destination's y_rows, and the reference drops the same entry. */
+        if (combine_row_bound(x) < 0)
+                return -1;
 
         /* Cached dispatch with new weights: recheck + copy, then combine with them. */
         if (c->cached) {
