@@ -50,7 +50,8 @@
  * arrive.release / wait.acquire, cluster scope) is visible to every block of the cluster after it:
  * the zeroed counters before any peer adds to them (barrier 1), the group counts, bad keys and
  * histogram before they are gathered or read (barrier 2), the prefixes stored into block 0
- * before it reads them (barrier 3). No block touches another's shared memory after barrier 3, so
+ * before it reads them (barrier 3). wbal never leaves its block: lane 0 of the routing warp
+ * writes it in phase 1, the same warp's lanes read it in phase 3, after both barriers. No block touches another's shared memory after barrier 3, so
  * a block may return after it. Across clusters nothing is shared: the inputs (topk_idx, x,
  * scales, weights, descriptors) are read-only for the whole op, and every workspace word and
  * output byte has exactly one writer in the grid. Block 0's rank_prefix stores precede the
@@ -90,6 +91,8 @@ namespace cg = cooperative_groups;
  *   nrow  [DS_THREADS][stride]   each thread's normalised row (route_token's scratch, or a copy
  *                                of route_token_regs' registers for indexing by a variable k)
  *   wcnt  [G][R]                 tokens of group q going to each destination
+ *   wbal  [G][R]                 this block's groups only: the ballot behind each count, the
+ *                                lanes of q going to each destination
  *   wpre  [G][R]                 after the scan: rows before group q at each destination
  *   total [R]                    rows of each destination
  *   pfx   [R + 1][R]             block 0 of cluster 0: rows before source s's first token
@@ -99,7 +102,7 @@ namespace cg = cooperative_groups;
  *   sexp  [slots][K_op]          tokens this block copies: normalised experts
  *   srow  [slots][K_op]          their rows of first positions, -1 elsewhere */
 struct ds_smem {
-        uint32_t nrow, wcnt, wpre, total, pfx, hist, algn, sexp, srow, words;
+        uint32_t nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, words;
 };
 
 static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E, uint32_t K,
@@ -111,6 +114,8 @@ static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E,
         m.nrow = w;
         w += DS_THREADS * small_row_stride(K);
         m.wcnt = w;
+        w += G * R;
+        m.wbal = w;
         w += G * R;
         m.wpre = w;
         w += G * R;
@@ -282,6 +287,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         const uint64_t lmagic = epd_udiv_magic(L);
         const struct ds_smem m = ds_smem_layout(R, E, K, G, C, slots);
         int32_t *wcnt = smem + m.wcnt, *wpre = smem + m.wpre, *total = smem + m.total;
+        uint32_t *wbal = (uint32_t *)smem + m.wbal;
         int32_t *pfx = smem + m.pfx, *hist = smem + m.hist, *algn = smem + m.algn;
         int32_t *sexp = smem + m.sexp, *srow = smem + m.srow;
         int32_t *nsm = smem + m.nrow + threadIdx.x * small_row_stride(K);
@@ -355,8 +361,10 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
                 for (uint32_t d = 0; d < R; d++) {
                         const uint32_t bl = __ballot_sync(EPD_K_FULL_MASK, (dmask >> d) & 1);
-                        if (lane == 0)
+                        if (lane == 0) {
                                 wcnt[q * R + d] = __popc(bl);
+                                wbal[q * R + d] = bl;
+                        }
                 }
         }
         cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in place */
@@ -417,26 +425,16 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         const int mine = valid && (c != 0 || !skip0) && jb % ncc == cc;
         const uint32_t slot = jb / ncc;
         if (mine) {
+                /* A first position's row: the destination's rows before group q, plus the
+                 * group's earlier lanes going there (the phase-1 ballot, this block's own). */
                 for (uint32_t k = 0; k < K; k++) {
                         const int32_t v = nsm[k];
+                        const uint32_t d = (uint32_t)v >> 16;
                         sexp[slot * K + k] = v >= 0 ? v & 0xffff : -1;
-                        srow[slot * K + k] = -1;
-                }
-        }
-        if (q < G) { /* warp-uniform */
-                for (uint32_t d = 0; d < R; d++) {
-                        const uint32_t bl = __ballot_sync(EPD_K_FULL_MASK, (dmask >> d) & 1);
-                        if (!mine || !((dmask >> d) & 1))
-                                continue;
-                        const int32_t before = wpre[q * R + d] + __popc(bl & below);
-                        for (uint32_t f = first; f != 0; f &= f - 1) {
-                                const uint32_t k = __ffs(f) - 1;
-                                if (epd_route_expert_rank_magic(sexp[slot * K + k], lmagic) ==
-                                    d) {
-                                        srow[slot * K + k] = before;
-                                        break;
-                                }
-                        }
+                        srow[slot * K + k] = (first >> k) & 1 ? wpre[q * R + d] +
+                                                                        __popc(wbal[q * R + d] &
+                                                                               below)
+                                                              : -1;
                 }
         }
         if (mine) {
