@@ -578,8 +578,73 @@ static int ds_resident_clusters(const ds_launch *p, int regs_kernel, const void 
         return v;
 }
 
-/* Whether an op qualifies, and its launch: the largest cluster size the device runs with this
- * shared memory, as many clusters as are resident at once. */
+/* The launch of an op with clusters of p->cluster blocks: 0, 1 when this size cannot run, 2 when
+ * neither can any smaller one, or an error. */
+static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, const void *kernel,
+                           ds_launch *p)
+{
+        const uint32_t gpb = (G + p->cluster - 1) / p->cluster; /* groups per block */
+        if (gpb > DS_WARPS)
+                return 2; /* smaller clusters have more */
+        /* Slots for the largest cluster count; fewer clusters only get more. */
+        p->slots = gpb * 32;
+        p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
+                                        args->num_topk, G, p->cluster, p->slots)
+                                 .words;
+        /* Also raises the kernel's limit when needed: this is the launch's plan. */
+        int ret = epd__k_dynamic_smem(kernel, p->smem);
+        if (ret == EPD_INVALID_ARGUMENT)
+                return 1;
+        if (ret < 0)
+                return ret;
+        const int clusters =
+                ds_resident_clusters(p, args->num_topk <= DS_REG_TOPK, kernel);
+        if (clusters < 1)
+                return 1;
+        p->blocks = (uint32_t)clusters * p->cluster;
+        /* Cluster 0 writes the expert counts and the verdict after the routing, which
+         * makes its blocks the last to start copying (phase stamps of a tiny op: its
+         * block 0 starts about 7 us after the others and ends the grid 5 us after its
+         * start); with enough clusters the others copy its share. */
+        p->skip0 = clusters >= DS_SKIP0_CLUSTERS;
+#ifdef DS_TRACE
+        if (getenv("DS_SKIP0") != NULL)
+                p->skip0 = clusters > 1 && atoi(getenv("DS_SKIP0")) != 0;
+#endif
+        /* Each block copies its share of gpb * 32 tokens, spread over the copying
+         * clusters. */
+        const uint32_t ncc = (uint32_t)clusters - p->skip0;
+        p->slots = (gpb * 32 + ncc - 1) / ncc;
+        p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
+                                        args->num_topk, G, p->cluster, p->slots)
+                                 .words;
+        /* Slices: as many (token, slice) items as the block has warps, not more (a
+         * warp with two items doubles the block's copy time), each slice a multiple of
+         * 16 bytes so that every slice starts where the widest access may. */
+        p->slices = 1;
+        p->slice_bytes = args->row_bytes;
+        if (p->slots != 0 && p->slots < DS_WARPS && args->row_bytes > 32 * 16) {
+                uint64_t want = DS_WARPS / p->slots;
+#ifdef DS_TRACE
+                if (getenv("DS_SLICES") != NULL)
+                        want = (uint64_t)atoi(getenv("DS_SLICES"));
+#endif
+                p->slice_bytes = ((args->row_bytes + want - 1) / want + 15) / 16 * 16;
+                p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
+                                       p->slice_bytes);
+        }
+        return 0;
+}
+
+/* Whether an op qualifies, and its launch: the cluster size whose clusters, as many as are
+ * resident at once, occupy the most multiprocessors, the largest such size on a tie. On an H200
+ * (132 multiprocessors) clusters of 8 and of 4 fill 120 and clusters of 2 fill all 132. Decode
+ * dispatch with clusters of 2 against 8 (tenth session, h200-s10-cluster-ab.txt, three
+ * repetitions): 32.1-32.2 against 33.2-33.6 us in process in Fresh mode, the same warm and after
+ * a clean flush, and 32.5-32.7 against 33.5-33.8 us through the daemon; tiny dispatch 18.6-19.2
+ * against 18.2-18.3 us in process in Fresh mode but 20.7-21.5 against 23.4-23.7 us through the
+ * daemon. The copy is bound by the rows' stores, and more multiprocessors issue more of them;
+ * the routing is the same per thread whatever the cluster size. */
 static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout *l,
                    ds_launch *p)
 {
@@ -589,70 +654,31 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
                 return ret;
         const uint32_t n = args->local_tokens, G = (n + 31) / 32;
         const void *kernel = ds_kernel(args->num_topk);
-        uint32_t first_cluster = DS_MAX_CLUSTER;
+        uint32_t first_cluster = DS_MAX_CLUSTER, last_cluster = 1;
 #ifdef DS_TRACE
         if (getenv("DS_CLUSTER") != NULL)
-                first_cluster = (uint32_t)atoi(getenv("DS_CLUSTER"));
+                first_cluster = last_cluster = (uint32_t)atoi(getenv("DS_CLUSTER"));
 #endif
-        for (p->cluster = first_cluster; p->cluster >= 1; p->cluster /= 2) {
-                const uint32_t gpb = (G + p->cluster - 1) / p->cluster; /* groups per block */
-                if (gpb > DS_WARPS)
-                        return EPD_INVALID_ARGUMENT; /* smaller clusters have more */
-                /* Slots for the largest cluster count; fewer clusters only get more. */
-                p->slots = gpb * 32;
-                p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                                args->num_topk, G, p->cluster, p->slots)
-                                         .words;
-                /* Also raises the kernel's limit when needed: this is the launch's plan. */
-                ret = epd__k_dynamic_smem(kernel, p->smem);
-                if (ret == EPD_INVALID_ARGUMENT)
-                        continue;
+        ds_launch best = {}, cand;
+        for (uint32_t c = first_cluster; c >= last_cluster && c >= 1; c /= 2) {
+                cand = (ds_launch){};
+                cand.cluster = c;
+                ret = ds_plan_cluster(args, G, kernel, &cand);
                 if (ret < 0)
                         return ret;
-                const int clusters =
-                        ds_resident_clusters(p, args->num_topk <= DS_REG_TOPK, kernel);
-                if (clusters < 1)
-                        continue;
-                p->blocks = (uint32_t)clusters * p->cluster;
-                /* Cluster 0 writes the expert counts and the verdict after the routing, which
-                 * makes its blocks the last to start copying (phase stamps of a tiny op: its
-                 * block 0 starts about 7 us after the others and ends the grid 5 us after its
-                 * start); with enough clusters the others copy its share. */
-                p->skip0 = clusters >= DS_SKIP0_CLUSTERS;
-#ifdef DS_TRACE
-                if (getenv("DS_SKIP0") != NULL)
-                        p->skip0 = clusters > 1 && atoi(getenv("DS_SKIP0")) != 0;
-#endif
-                /* Each block copies its share of gpb * 32 tokens, spread over the copying
-                 * clusters. */
-                const uint32_t ncc = (uint32_t)clusters - p->skip0;
-                p->slots = (gpb * 32 + ncc - 1) / ncc;
-                p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                                args->num_topk, G, p->cluster, p->slots)
-                                         .words;
-                /* Slices: as many (token, slice) items as the block has warps, not more (a
-                 * warp with two items doubles the block's copy time), each slice a multiple of
-                 * 16 bytes so that every slice starts where the widest access may. */
-                p->slices = 1;
-                p->slice_bytes = args->row_bytes;
-                if (p->slots != 0 && p->slots < DS_WARPS && args->row_bytes > 32 * 16) {
-                        uint64_t want = DS_WARPS / p->slots;
-#ifdef DS_TRACE
-                        if (getenv("DS_SLICES") != NULL)
-                                want = (uint64_t)atoi(getenv("DS_SLICES"));
-#endif
-                        p->slice_bytes = ((args->row_bytes + want - 1) / want + 15) / 16 * 16;
-                        p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
-                                               p->slice_bytes);
-                }
-#ifdef DS_TRACE
-                fprintf(stderr,
-                        "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u\n",
-                        p->cluster, p->blocks, p->slots, p->slices, p->skip0);
-#endif
-                return 0;
+                if (ret == 2)
+                        break;
+                if (ret == 0 && cand.blocks > best.blocks)
+                        best = cand;
         }
-        return EPD_INVALID_ARGUMENT;
+        if (best.blocks == 0)
+                return EPD_INVALID_ARGUMENT;
+        *p = best;
+#ifdef DS_TRACE
+        fprintf(stderr, "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u\n",
+                p->cluster, p->blocks, p->slots, p->slices, p->skip0);
+#endif
+        return 0;
 }
 
 extern "C" int epd_k_dispatch_small_ok(const struct epd_k_dispatch_args *args)
