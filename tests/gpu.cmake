@@ -69,3 +69,10 @@ if(EPD_HAVE_CUDA)
                  ${CMAKE_BINARY_DIR}/tests/gpu/run-gpu-tests.sh COPYONLY)
   file(WRITE ${CMAKE_BINARY_DIR}/tests/gpu/gpu-tests.list "${EPD_GPU_TESTS}")
 endif()
+
+# The runner itself, on a fake build directory (no GPU needed, so it runs everywhere): passes,
+# failures, and a hung test killed after its per-test limit rather than hanging the run.
+add_test(NAME gpu_runner
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/gpu/check-runner.sh
+          ${CMAKE_CURRENT_SOURCE_DIR}/gpu/run-gpu-tests.sh)
+set_tests_properties(gpu_runner PROPERTIES TIMEOUT 120)

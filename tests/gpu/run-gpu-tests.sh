@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # run-gpu-tests.sh - runs every GPU test binary of a build directory and keeps one log per test.
 #
-# Usage: run-gpu-tests.sh [-b BUILD_DIR] [-o OUT_DIR] [-- ARGS...]
+# Usage: run-gpu-tests.sh [-b BUILD_DIR] [-o OUT_DIR] [-t SECONDS] [-- ARGS...]
 #   -b  the build directory. Default: the build directory this script sits in (the build copies
 #       it to BUILD/tests/gpu/), else ./build under the repository when run from the source tree.
 #   -o  where the logs go (one NAME.log per test and summary.txt). Default: BUILD/gpu-logs.
+#   -t  the most seconds one test may run (default 600, or EPD_GPU_TEST_TIMEOUT): a test still
+#       running then is killed and counts as failed, so that a hung kernel cannot hang the run.
 #   ARGS are passed to every test binary (for example --quick or --no-timing).
 #
 # The binaries are found relative to the build directory (tests/gpu/gpu-tests.list, written at
@@ -21,12 +23,14 @@ set -u
 here=$(cd "$(dirname "$0")" && pwd)
 build=""
 out=""
+limit=${EPD_GPU_TEST_TIMEOUT:-600}
 while [ $# -gt 0 ]; do
         case "$1" in
         -b) build=$2; shift 2 ;;
         -o) out=$2; shift 2 ;;
+        -t) limit=$2; shift 2 ;;
         --) shift; break ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) break ;;
         esac
 done
@@ -100,7 +104,8 @@ for line in "${tests[@]}"; do
         fi
         echo "== ${envs[*]:-}${envs[*]:+ }$name $*"
         start=$(date +%s)
-        (cd "$build" && env ${envs[@]+"${envs[@]}"} "$t" "$@") > "$out/$name.log" 2>&1
+        (cd "$build" && timeout -k 10 "$limit" env ${envs[@]+"${envs[@]}"} "$t" "$@") \
+                > "$out/$name.log" 2>&1
         rc=$?
         secs=$(( $(date +%s) - start ))
         tail -n 40 "$out/$name.log"
@@ -110,6 +115,10 @@ for line in "${tests[@]}"; do
         case $rc in
         0) verdict=PASS; passed=$((passed + 1)) ;;
         77) verdict=SKIP; skipped=$((skipped + 1)) ;;
+        124|137)
+                verdict="FAIL (killed after ${limit}s: timed out)"
+                failed=$((failed + 1))
+                ;;
         *) verdict="FAIL (exit $rc)"; failed=$((failed + 1)) ;;
         esac
         echo "$name: $verdict in ${secs}s, log $out/$name.log" | tee -a "$out/summary.txt"
