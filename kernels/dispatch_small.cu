@@ -51,10 +51,11 @@
  * the zeroed counters before any peer adds to them (barrier 1), the group counts, bad keys and
  * histogram before they are gathered or read (barrier 2), the prefixes stored into block 0
  * before it reads them (barrier 3). wbal never leaves its block: lane 0 of the routing warp
- * writes it in phase 1, the same warp's lanes read it in phase 3, after both barriers. No block touches another's shared memory after barrier 3, so
- * a block may return after it. Across clusters nothing is shared: the inputs (topk_idx, x,
- * scales, weights, descriptors) are read-only for the whole op, and every workspace word and
- * output byte has exactly one writer in the grid. Block 0's rank_prefix stores precede the
+ * writes it in phase 1, the same warp's lanes read it in phase 3, after both barriers. No block
+ * touches another's shared memory after barrier 3, so a block may return after it. Across
+ * clusters nothing is shared: the inputs (topk_idx, x, scales, weights, descriptors) are
+ * read-only for the whole op, and every workspace word and output byte has exactly one writer in
+ * the grid. Block 0's rank_prefix stores precede the
  * __syncthreads() before write_verdict, which reads them back (same block). The verdict's status
  * is stored last with a .sys release (write_verdict), for the host, which copies the reply block
  * after the kernel completes on the stream, or, given reply_copy, reads the copy this kernel

@@ -42,7 +42,8 @@ check "the summary names both tests as passed" \
 fake "$work/bad" "a_gpu_test=exit 0" "b_gpu_test=exit 3"
 bash "$runner" -b "$work/bad" -o "$work/bad-out" > "$work/bad.log" 2>&1
 check "a failing test gives exit 1" [ $? -eq 1 ]
-check "the summary names the failure" grep -q 'b_gpu_test: FAIL (exit 3)' "$work/bad-out/summary.txt"
+check "the summary names the failure" grep -q 'b_gpu_test: FAIL (exit 3)' \
+        "$work/bad-out/summary.txt"
 
 fake "$work/hang" "a_gpu_test=exit 0" "b_gpu_test=exec sleep 30" "c_gpu_test=exit 0"
 start=$(date +%s)
