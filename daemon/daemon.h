@@ -147,6 +147,8 @@ struct epd_rank {
         uint64_t arena_region_id;     /* the arena in the bound client's region table */
         struct epd_doorbell *doorbell; /* this binding's doorbell page (common/doorbell.h) */
         int doorbell_fd;
+        struct epd_retired *doorbell_retired; /* the record that retires it (group.c),
+                                               * allocated with it so retiring cannot fail */
         void *doorbell_dev;           /* its device address (cuda backend), else NULL */
         uint64_t mailbox_id;          /* request whose reply goes into the page; 0: none */
         uint64_t completed;           /* ops of this binding finished, as in the doorbell */

@@ -208,7 +208,7 @@ static int rank_arena_create(struct epd_group *g, struct epd_rank *r, int host_m
 /* What a past binding leaves behind while the group's executing op may still use it: its
  * doorbell page (the op's waits and completion stores), or its arena (the op places outputs
  * in it, and the op's handle releases them there). */
-struct retired {
+struct epd_retired {
         struct epd_list link;
         struct epd_doorbell *page;    /* with fd; or NULL */
         int fd;
@@ -222,7 +222,7 @@ struct retired {
 static int rank_arena_destroy(struct epd_group *g, struct epd_rank *r)
 {
         if (g->executing && r->arena) {
-                struct retired *rt = calloc(1, sizeof(*rt));
+                struct epd_retired *rt = calloc(1, sizeof(*rt));
                 if (!rt)
                         return EPD_INTERNAL;
                 rt->arena = r->arena;
@@ -253,7 +253,7 @@ void epd_group_free_retired(struct epd_group *g)
 
         epd_list_for_each_safe(pos, tmp, &g->retired)
         {
-                struct retired *rt = epd_list_entry(pos, struct retired, link);
+                struct epd_retired *rt = epd_list_entry(pos, struct epd_retired, link);
                 epd_list_del(&rt->link);
                 doorbell_free(g, rt->page, rt->fd);
                 epd_arena_free(rt->arena);
@@ -265,20 +265,24 @@ void epd_group_free_retired(struct epd_group *g)
  * have stream operations queued on it) completes. */
 static void rank_doorbell_retire(struct epd_group *g, struct epd_rank *r)
 {
-        struct retired *rt;
+        struct epd_retired *rt;
 
         if (!r->doorbell)
                 return;
         /* Release the daemon's own streams that may wait for this client's inputs. */
         __atomic_store_n(&r->doorbell->inputs_ready, EPD_DOORBELL_RELEASED, __ATOMIC_RELEASE);
-        rt = g->executing ? calloc(1, sizeof(*rt)) : NULL;
-        if (rt) {
+        /* The record was allocated with the page, so retiring cannot fail: with no record, the
+         * page would have to be freed under the executing op. */
+        rt = r->doorbell_retired;
+        if (g->executing) {
                 rt->page = r->doorbell;
                 rt->fd = r->doorbell_fd;
                 epd_list_add_tail(&g->retired, &rt->link);
         } else {
                 doorbell_free(g, r->doorbell, r->doorbell_fd);
+                free(rt);
         }
+        r->doorbell_retired = NULL;
         r->doorbell = NULL;
         r->doorbell_dev = NULL;
         r->doorbell_fd = -1;
@@ -289,20 +293,29 @@ static int rank_doorbell_create(struct epd_group *g, struct epd_rank *r, char *e
                                 size_t err_len)
 {
         struct epd_backend *b = g->daemon->backend;
+        struct epd_retired *rt = calloc(1, sizeof(*rt)); /* for rank_doorbell_retire */
         uint8_t *page;
         int fd, rc;
 
+        if (!rt) {
+                snprintf(err, err_len, "out of memory");
+                return EPD_INTERNAL;
+        }
         rc = epd__memfd_arena(EPD_DOORBELL_BYTES, &page, &fd, err, err_len);
-        if (rc < 0)
+        if (rc < 0) {
+                free(rt);
                 return rc;
+        }
         memset(page, 0, EPD_DOORBELL_BYTES);
         rc = b->ops->host_register(b, page, EPD_DOORBELL_BYTES, &r->doorbell_dev);
         if (rc < 0) {
                 munmap(page, EPD_DOORBELL_BYTES);
                 close(fd);
+                free(rt);
                 snprintf(err, err_len, "cannot register the doorbell page with the backend");
                 return rc;
         }
+        r->doorbell_retired = rt;
         r->doorbell = (struct epd_doorbell *)page;
         r->doorbell_fd = fd;
         r->mailbox_id = 0;
@@ -424,6 +437,7 @@ int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint3
                 return rc;
         b = calloc(1, sizeof(*b));
         if (!b) {
+                rank_doorbell_retire(g, r);
                 snprintf(err, err_len, "out of memory");
                 return EPD_INTERNAL;
         }
@@ -433,6 +447,7 @@ int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint3
         if (r->arena && epd_region_add_arena(c, r->arena, device, &r->arena_region_id) < 0) {
                 epd_list_del(&b->conn_link);
                 free(b);
+                rank_doorbell_retire(g, r);
                 snprintf(err, err_len, "out of memory");
                 return EPD_INTERNAL;
         }
