@@ -23,10 +23,10 @@
  * token. Phases, with cluster barriers (cluster.sync()) between them:
  *   1. Each thread validates its token (route_token_regs / route_token, the functions route_small
  *      uses) and records its first bad entry in its block's bad key; a ballot per destination
- *      gives the group's counts, kept in the block's wcnt[q]. Cluster 0 also counts the
- *      selections of each (source, expert) into the histogram of the block that writes that
- *      expert's destination (block d % C holds destination d), with atomics on that block's
- *      shared memory.
+ *      gives the group's counts, kept in the block's wcnt[q] (and the ballot in wbal[q]). Then
+ *      cluster 0 alone, after barrier 1, counts the selections of each (source, expert) into
+ *      the histogram of the block that writes that expert's destination (block d % C holds
+ *      destination d), with atomics on that block's shared memory.
  *   2. Each block copies the other groups' counts from the blocks that own them, takes the
  *      minimum of their bad keys, and scans the counts per destination: the row of (g, d) is the
  *      number of earlier flat tokens going to d (SEMANTICS.md 2.1: ascending source, then
@@ -48,21 +48,25 @@
  *
  * Memory ordering. Inside a cluster, shared memory written before a cluster.sync() (barrier.cluster
  * arrive.release / wait.acquire, cluster scope) is visible to every block of the cluster after it:
- * the zeroed counters before any peer adds to them (barrier 1), the group counts, bad keys and
- * histogram before they are gathered or read (barrier 2), the prefixes stored into block 0
- * before it reads them (barrier 3). wbal never leaves its block: lane 0 of the routing warp
- * writes it in phase 1, the same warp's lanes read it in phase 3, after both barriers. No block
- * touches another's shared memory after barrier 3, so a block may return after it. Across
- * clusters nothing is shared: the inputs (topk_idx, x, scales, weights, descriptors) are
- * read-only for the whole op, and every workspace word and output byte has exactly one writer in
- * the grid. Block 0's rank_prefix stores precede the
- * __syncthreads() before write_verdict, which reads them back (same block). The verdict's status
- * is stored last with a .sys release (write_verdict), for the host, which copies the reply block
- * after the kernel completes on the stream, or, given reply_copy, reads the copy this kernel
- * writes into its pinned memory (each value by the thread that writes the workspace's, the status
- * last with a .sys release; the host reads after the stream completes, which makes every store of
- * the kernel visible to it); combine and cached dispatch read the workspace after a kernel
- * boundary, and the stream order (or event) after the kernel publishes the outputs.
+ * the zeroed histogram before a peer adds to it (barrier 1), the group counts, bad keys and
+ * histogram before they are gathered or read (barrier 2), the prefixes stored into block 0 before
+ * it reads them (barrier 3). Only cluster 0 writes into a peer before barrier 2, so only cluster 0
+ * has barrier 1 (a cluster-uniform branch), after its routing: until then every block touches only
+ * its own shared memory, and the routing's loads start without waiting for the cluster's slowest
+ * block. Barrier 2 also guarantees, in every cluster, that each block is running before a peer
+ * reads its shared memory. wbal never leaves its block: lane 0 of the routing warp writes it in
+ * phase 1, the same warp's lanes read it in phase 3, after barrier 2 (and 3). No block touches
+ * another's shared memory after barrier 3, so a block may return after it. Across clusters nothing
+ * is shared: the inputs (topk_idx, x, scales, weights, descriptors) are read-only for the whole op,
+ * and every workspace word and output byte has exactly one writer in the grid. Block 0's
+ * rank_prefix stores precede the __syncthreads() before write_verdict, which reads them back (same
+ * block). The verdict's status is stored last with a .sys release (write_verdict), for the host,
+ * which copies the reply block after the kernel completes on the stream, or, given reply_copy,
+ * reads the copy this kernel writes into its pinned memory (each value by the thread that writes
+ * the workspace's, the status last with a .sys release; the host reads after the stream completes,
+ * which makes every store of the kernel visible to it); combine and cached dispatch read the
+ * workspace after a kernel boundary, and the stream order (or event) after the kernel publishes the
+ * outputs.
  */
 #include <atomic>
 #include <cooperative_groups.h>
@@ -297,7 +301,9 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         DS_STAMP(0);
 
         if (threadIdx.x < nl) {
-                const struct epd_k_dispatch_rank *r = &a.ranks[a.local[threadIdx.x].rank];
+                /* Local index s is rank s (small_op_check: every rank is local, ascending),
+                 * so the descriptor's load does not wait for local[]'s. */
+                const struct epd_k_dispatch_rank *r = &a.ranks[threadIdx.x];
                 srcs[threadIdx.x] = (struct ds_src){
                         r->topk_idx, r->topk_stride != 0 ? r->topk_stride : K, r->num_tokens,
                         a.local[threadIdx.x].token_offset, a.local[threadIdx.x].rank, 0 };
@@ -315,10 +321,10 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         __syncthreads();
         if (threadIdx.x < nl && srcs[threadIdx.x].num_tokens > T)
                 atomicMin(&bad_key, (unsigned long long)threadIdx.x << 32);
-        cluster.sync(); /* 1: every block's counters are zero before a peer adds to them */
-        DS_STAMP(1);
 
-        /* 1: this thread's token: group q = warp * C + cr, flat token g. */
+        /* 1: this thread's token: group q = warp * C + cr, flat token g. Until barrier 1 (or
+         * barrier 2 outside cluster 0) a block touches only its own shared memory, so the
+         * routing's loads do not wait for the cluster's other blocks. */
         const uint32_t q = warp * C + cr, g = q * 32 + lane;
         uint64_t dmask = 0;
         uint32_t first = 0, i = 0, t = 0;
@@ -346,19 +352,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         }
                         if (bad != UINT32_MAX)
                                 atomicMin(&bad_key, (unsigned long long)i << 32 | (t * K + bad));
-                        if (c == 0) {
-                                /* Cluster 0's expert histogram, in the block of each entry's
-                                 * destination. */
-                                for (uint32_t k = 0; k < K; k++) {
-                                        const int32_t v = nsm[k];
-                                        if (v < 0)
-                                                continue;
-                                        const uint32_t d = (uint32_t)v >> 16;
-                                        int32_t *h = cluster.map_shared_rank(hist, d % C);
-                                        atomicAdd(&h[((d / C) * R + i) * L + (v & 0xffff) - d * L],
-                                                  1);
-                                }
-                        }
                 }
                 for (uint32_t d = 0; d < R; d++) {
                         const uint32_t bl = __ballot_sync(EPD_K_FULL_MASK, (dmask >> d) & 1);
@@ -366,6 +359,19 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                                 wcnt[q * R + d] = __popc(bl);
                                 wbal[q * R + d] = bl;
                         }
+                }
+        }
+        DS_STAMP(1);
+        if (c == 0) { /* cluster-uniform */
+                cluster.sync(); /* 1: every block's histogram is zero before a peer adds to it */
+                /* Cluster 0's expert histogram, in the block of each entry's destination. */
+                for (uint32_t k = 0; valid && k < K; k++) {
+                        const int32_t v = nsm[k];
+                        if (v < 0)
+                                continue;
+                        const uint32_t d = (uint32_t)v >> 16;
+                        int32_t *h = cluster.map_shared_rank(hist, d % C);
+                        atomicAdd(&h[((d / C) * R + i) * L + (v & 0xffff) - d * L], 1);
                 }
         }
         cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in place */
