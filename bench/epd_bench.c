@@ -96,10 +96,8 @@ int epd_bench_p2p_store_ring(int num_devices, uint64_t bytes, int reps, double *
 #include "layout.h"
 #include "reference.h"
 #include "testdata.h"
+#include "util.h"
 
-#ifndef EPD_GIT_REV
-#define EPD_GIT_REV "unknown"
-#endif
 
 /* The BENCHMARKS.md model shape, common to every workload. */
 #define BENCH_HIDDEN 7168u
@@ -1921,11 +1919,11 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
                         : b->opt.cumem        ? "device (cuMem, epd_device_alloc)"
                                               : "device (cudaMalloc, CUDA IPC)",
                         ri->mps,
-                        ri->mps_detail, EPD_GIT_REV);
+                        ri->mps_detail, epd_git_rev);
         else
                 fprintf(f, "  backend %s, every rank on device 0 (the daemon has %u), MPS %s, %u "
                            "host threads, %u CPUs, rev %s\n",
-                        ri->backend, ri->devices, ri->mps, b->threads, b->cpus, EPD_GIT_REV);
+                        ri->backend, ri->devices, ri->mps, b->threads, b->cpus, epd_git_rev);
         fprintf(f, "  %u measured iterations after %u warm-up per phase (%s); iteration 0 "
                    "verified bitwise%s\n",
                 b->opt.iters, b->opt.warmup,
@@ -2124,7 +2122,7 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
         json_object_set_new(o, "client_poll_us", json_string(poll_env ? poll_env : "default"));
         json_object_set_new(o, "client_spin_us", json_string(spin_env ? spin_env : "default"));
         json_object_set_new(o, "extra_regions", json_integer(b->opt.extra_regions));
-        json_object_set_new(o, "git_rev", json_string(EPD_GIT_REV));
+        json_object_set_new(o, "git_rev", json_string(epd_git_rev));
         json_object_set_new(o, "tokens", json_integer(b->T));
         json_object_set_new(o, "nominal_tokens", json_integer(b->opt.wl->tokens));
         json_object_set_new(o, "scaled", json_boolean(ri->scaled));

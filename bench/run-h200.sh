@@ -52,6 +52,7 @@ fi
 
 {
         echo "# run-h200 $(date -u +%FT%TZ) rev $(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown)"
+        echo "# binaries: $("$build/bin/epd" --version 2>&1 | head -1)"
         nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv 2>&1 || true
         nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv 2>&1 || true
 } > "$out/machine.txt"

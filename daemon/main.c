@@ -178,7 +178,7 @@ int main(int argc, char **argv)
                         usage(stdout);
                         return 0;
                 case 'V':
-                        printf("epd %s (%s)\n", EPD_VERSION_STRING, EPD_GIT_REV);
+                        printf("epd %s (%s)\n", EPD_VERSION_STRING, epd_git_rev);
                         return 0;
                 default:
                         usage(stderr);

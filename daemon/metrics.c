@@ -219,7 +219,7 @@ static void render_daemon(struct textbuf *b, const struct epd_daemon *d,
         family(b, "epd_build_info", "gauge", "The daemon's version, source revision and backend.");
         escape_label(backend, sizeof(backend), s->backend);
         snprintf(labels, sizeof(labels), "version=\"%s\",revision=\"%s\",backend=\"%s\"",
-                 EPD_VERSION_STRING, EPD_GIT_REV, backend);
+                 EPD_VERSION_STRING, epd_git_rev, backend);
         sample_u64(b, "epd_build_info", labels, 1);
         family(b, "epd_uptime_seconds", "gauge", "Seconds since the daemon started.");
         sample_f64(b, "epd_uptime_seconds", NULL, (double)s->uptime_ms / 1e3);
