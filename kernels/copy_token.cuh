@@ -82,18 +82,20 @@ static __device__ __forceinline__ uint8_t *mat_row(const struct epd_k_mat *m, in
 }
 
 /* One slice of token t of source s: bytes [slice * slice_bytes, + slice_bytes) of its x row (the
- * whole row when there is one slice). Lane k < K_op holds the entry's normalised expert and its
- * row (the destination row of a first position, -1 for every other entry and lane). Slice 0 also
- * moves the scales and writes the rows' metadata and the weights kept for combine (entry `ent`
- * onwards in the workspace). Every lane of the warp calls it. */
+ * whole row when there is one slice). ranks: a->ranks, or its copy in shared memory. Lane k < K_op
+ * holds the entry's normalised expert and its row (the destination row of a first position, -1 for
+ * every other entry and lane). Slice 0 also moves the scales and writes the rows' metadata and the
+ * weights kept for combine (entry `ent` onwards in the workspace). Every lane of the warp calls
+ * it. */
 static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispatch_args *a,
+                                                       const struct epd_k_dispatch_rank *ranks,
                                                        const struct epd_ws_layout *l, uint32_t s,
                                                        uint32_t t, uint64_t ent, int32_t expert,
                                                        int32_t row, uint32_t slice,
                                                        uint64_t slice_bytes, uint32_t lane)
 {
         const uint32_t L = l->num_local_experts, K = a->num_topk;
-        const struct epd_k_dispatch_rank *src = &a->ranks[s];
+        const struct epd_k_dispatch_rank *src = &ranks[s];
         float weight = 0.0f;
 
         if (lane < K && a->has_weights) {
@@ -107,7 +109,7 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                 return;
 
         const uint32_t d = row >= 0 ? epd_route_expert_rank(expert, L) : 0;
-        const struct epd_k_dispatch_rank *dst = &a->ranks[d];
+        const struct epd_k_dispatch_rank *dst = &ranks[d];
 
         /* x: this item's slice. The access width depends on the whole row (addresses and
          * row_bytes), and slices start at multiples of every width, so the accesses are the
@@ -154,7 +156,7 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                 int j = __ffs(m) - 1;
                 uint32_t dj = __shfl_sync(EPD_K_FULL_MASK, d, j);
                 int32_t rj = __shfl_sync(EPD_K_FULL_MASK, row, j);
-                const struct epd_k_dispatch_rank *dd = &a->ranks[dj];
+                const struct epd_k_dispatch_rank *dd = &ranks[dj];
                 if (lane >= K)
                         continue;
                 int on = expert >= 0 && epd_route_expert_rank(expert, L) == dj;

@@ -46,27 +46,28 @@
  *      clusters). With DS_SKIP0_CLUSTERS clusters or more, cluster 0 does not copy: its blocks
  *      finish phase 3 last.
  *
- * Memory ordering. Inside a cluster, shared memory written before a cluster.sync() (barrier.cluster
- * arrive.release / wait.acquire, cluster scope) is visible to every block of the cluster after it:
- * the zeroed histogram before a peer adds to it (barrier 1), the group counts, bad keys and
- * histogram before they are gathered or read (barrier 2), the prefixes stored into block 0 before
- * it reads them (barrier 3). Only cluster 0 writes into a peer before barrier 2, so only cluster 0
- * has barrier 1 (a cluster-uniform branch), after its routing: until then every block touches only
- * its own shared memory, and the routing's loads start without waiting for the cluster's slowest
- * block. Barrier 2 also guarantees, in every cluster, that each block is running before a peer
- * reads its shared memory. wbal never leaves its block: lane 0 of the routing warp writes it in
- * phase 1, the same warp's lanes read it in phase 3, after barrier 2 (and 3). No block touches
- * another's shared memory after barrier 3, so a block may return after it. Across clusters nothing
- * is shared: the inputs (topk_idx, x, scales, weights, descriptors) are read-only for the whole op,
- * and every workspace word and output byte has exactly one writer in the grid. Block 0's
- * rank_prefix stores precede the __syncthreads() before write_verdict, which reads them back (same
- * block). The verdict's status is stored last with a .sys release (write_verdict), for the host,
- * which copies the reply block after the kernel completes on the stream, or, given reply_copy,
- * reads the copy this kernel writes into its pinned memory (each value by the thread that writes
- * the workspace's, the status last with a .sys release; the host reads after the stream completes,
- * which makes every store of the kernel visible to it); combine and cached dispatch read the
- * workspace after a kernel boundary, and the stream order (or event) after the kernel publishes the
- * outputs.
+ * Memory ordering. Every rank's descriptor is copied into the block's shared memory (sranks) by the
+ * whole block before the setup's __syncthreads(); the copy reads it from there. Inside a cluster,
+ * shared memory written before a cluster.sync() (barrier.cluster arrive.release / wait.acquire,
+ * cluster scope) is visible to every block of the cluster after it: the zeroed histogram before a
+ * peer adds to it (barrier 1), the group counts, bad keys and histogram before they are gathered or
+ * read (barrier 2), the prefixes stored into block 0 before it reads them (barrier 3). Only cluster
+ * 0 writes into a peer before barrier 2, so only cluster 0 has barrier 1 (a cluster-uniform
+ * branch), after its routing: until then every block touches only its own shared memory, and the
+ * routing's loads start without waiting for the cluster's slowest block. Barrier 2 also guarantees,
+ * in every cluster, that each block is running before a peer reads its shared memory. wbal never
+ * leaves its block: lane 0 of the routing warp writes it in phase 1, the same warp's lanes read it
+ * in phase 3, after barrier 2 (and 3). No block touches another's shared memory after barrier 3, so
+ * a block may return after it. Across clusters nothing is shared: the inputs (topk_idx, x, scales,
+ * weights, descriptors) are read-only for the whole op, and every workspace word and output byte
+ * has exactly one writer in the grid. Block 0's rank_prefix stores precede the __syncthreads()
+ * before write_verdict, which reads them back (same block). The verdict's status is stored last
+ * with a .sys release (write_verdict), for the host, which copies the reply block after the kernel
+ * completes on the stream, or, given reply_copy, reads the copy this kernel writes into its pinned
+ * memory (each value by the thread that writes the workspace's, the status last with a .sys
+ * release; the host reads after the stream completes, which makes every store of the kernel visible
+ * to it); combine and cached dispatch read the workspace after a kernel boundary, and the stream
+ * order (or event) after the kernel publishes the outputs.
  */
 #include <atomic>
 #include <cooperative_groups.h>
@@ -275,6 +276,9 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         extern __shared__ int32_t smem[];
         __shared__ struct ds_src srcs[SMALL_MAX_RANKS];
         __shared__ uint64_t cap[SMALL_MAX_RANKS];
+        /* Every rank's descriptor, for the copy: the loads in front of each warp's first row
+         * (the source's x, the destinations' outputs) then run on shared memory. */
+        __shared__ struct epd_k_dispatch_rank sranks[SMALL_MAX_RANKS];
         __shared__ unsigned long long bad_key; /* source << 32 | t * K_op + k; lowest wins */
         __shared__ unsigned long long bad_all; /* the minimum over the cluster */
         __shared__ uint32_t num_short, first_short;
@@ -314,6 +318,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 num_short = 0;
                 first_short = UINT32_MAX;
         }
+        epd__k_block_copy(sranks, a.ranks, R * sizeof(sranks[0]));
         for (uint32_t x = threadIdx.x; x < nd * E; x += blockDim.x)
                 hist[x] = 0;
         for (uint32_t x = threadIdx.x; x < (R + 1) * R; x += blockDim.x)
@@ -516,8 +521,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         expert = sexp[j * K + lane];
                         row = srow[j * K + lane];
                 }
-                copy_token_rows(&a, &l, s, ct, epd_ws_entry(&l, s, ct, K, 0), expert, row,
-                                it % slices, slice_bytes, lane);
+                copy_token_rows(&a, sranks, &l, s, ct, epd_ws_entry(&l, s, ct, K, 0), expert,
+                                row, it % slices, slice_bytes, lane);
         }
 #ifdef DS_TRACE
         __syncthreads();
