@@ -1512,12 +1512,18 @@ static int report_timing(struct ctx *x, double ceiling)
                                time_route_small(x, 3, 20, &ms_fused_reply, NULL) < 0))
                 return -1;
         for (int what = 0; what < 2 && small_ok(x, 1); what++)
+#ifdef DS_TRACE
+                /* The stamps are the last launch's: make it a Fresh-mode one. */
+                for (int rf = 1; rf >= 0; rf--)
+#else
                 for (int rf = 0; rf < 2; rf++)
+#endif
                         if (time_fresh(x, what, rf, 20, &fresh[what][rf]) < 0)
                                 return -1;
 #ifdef DS_TRACE
         if (ms_fused > 0) {
-                /* Experiments: the phase stamps of the last one-launch small dispatch. */
+                /* Experiments: the phase stamps of the last one-launch small dispatch (Fresh
+                 * mode, the loop above). */
                 uint64_t st[1024 * 16];
                 int nb = 0;
                 CK(cudaDeviceGetAttribute(&nb, cudaDevAttrMultiProcessorCount, 0));
