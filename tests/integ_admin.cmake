@@ -21,3 +21,9 @@ set_tests_properties(metrics_promtool PROPERTIES LABELS "integration;metrics" TI
   SKIP_RETURN_CODE 77)
 set_tests_properties(epctl_top PROPERTIES LABELS "integration;top" TIMEOUT 120
   SKIP_RETURN_CODE 77)
+
+# The revision that `epd --version` and epd_build_info report is the checkout's HEAD, taken at
+# build time (skipped outside a git checkout).
+add_test(NAME build_revision
+  COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/check-revision.sh $<TARGET_FILE:epd> ${CMAKE_SOURCE_DIR})
+set_tests_properties(build_revision PROPERTIES LABELS "admin" TIMEOUT 30 SKIP_RETURN_CODE 77)
