@@ -98,7 +98,6 @@ int epd_bench_p2p_store_ring(int num_devices, uint64_t bytes, int reps, double *
 #include "testdata.h"
 #include "util.h"
 
-
 /* The BENCHMARKS.md model shape, common to every workload. */
 #define BENCH_HIDDEN 7168u
 #define BENCH_TOPK 8u

@@ -152,6 +152,20 @@ struct ds_src {
         uint32_t reserved;
 };
 
+/* The whole block copies the R rank descriptors (read-only for the launch) into shared memory,
+ * in 8-byte words; the caller syncs the block before anyone reads the copy. */
+static __device__ __forceinline__ void ds_copy_ranks(struct epd_k_dispatch_rank *dst,
+                                                     const struct epd_k_dispatch_rank *src,
+                                                     uint32_t R)
+{
+        static_assert(sizeof(*dst) % 8 == 0, "descriptors are copied in 8-byte words");
+        const uint64_t *s = (const uint64_t *)src;
+        uint64_t *d = (uint64_t *)dst;
+
+        for (uint32_t x = threadIdx.x; x < R * sizeof(*dst) / 8; x += blockDim.x)
+                d[x] = s[x];
+}
+
 /* The local source of flat token g: the last i with offset <= g (empty sources skipped). */
 static __device__ __forceinline__ uint32_t ds_source_of(const struct ds_src *srcs, uint32_t nl,
                                                        uint32_t g)
@@ -318,7 +332,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 num_short = 0;
                 first_short = UINT32_MAX;
         }
-        epd__k_block_copy(sranks, a.ranks, R * sizeof(sranks[0]));
+        ds_copy_ranks(sranks, a.ranks, R);
         for (uint32_t x = threadIdx.x; x < nd * E; x += blockDim.x)
                 hist[x] = 0;
         for (uint32_t x = threadIdx.x; x < (R + 1) * R; x += blockDim.x)

@@ -78,22 +78,6 @@ static __device__ __forceinline__ uint32_t epd__k_find_local(const struct epd_k_
         return lo;
 }
 
-
-/* The whole block copies `bytes` (a multiple of 8, both pointers 8-byte aligned) from global
- * memory that no kernel writes during the launch into shared memory; the caller then syncs the
- * block before anyone reads the copy. */
-static __device__ __forceinline__ void epd__k_block_copy(void *dst, const void *src,
-                                                         uint64_t bytes)
-{
-        const uint64_t *s = (const uint64_t *)src;
-        uint64_t *d = (uint64_t *)dst;
-
-        for (uint64_t x = threadIdx.x; x < bytes / 8; x += blockDim.x)
-                d[x] = s[x];
-}
-static_assert(sizeof(struct epd_k_dispatch_rank) % 8 == 0,
-              "descriptors are copied into shared memory in 8-byte words");
-
 /* Reads one normalised-or-raw expert id from a topk_idx row of either dtype. */
 static __device__ __forceinline__ int64_t epd__k_load_topk(const void *topk, enum epd_dtype dtype,
                                                           uint64_t index)
