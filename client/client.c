@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "client_internal.h"
+#include "reply.h"
 #include "tensor.h"
 #include "util.h"
 
@@ -295,6 +296,13 @@ int epd__client_call(struct epd_client *c, Epd__V1__Request *req, const int *fds
         if (resp->status != EPD__V1__STATUS_CODE__OK) {
                 rc = epd__status_from_wire(resp->status);
                 epd__client_fail(c, rc, "%s", resp->message ? resp->message : "");
+        } else if (resp->body_case != epd__reply_body(req->body_case)) {
+                /* Another member of the reply's oneof: reading the expected one would read it. */
+                rc = epd__client_fail(c, EPD_INTERNAL, "daemon answered %s with %s",
+                                      epd__request_body_name(req->body_case),
+                                      epd__response_body_name(resp->body_case));
+        }
+        if (rc < 0) {
                 epd__v1__response__free_unpacked(resp, NULL);
                 for (int i = 0; i < 2; i++)
                         if (tmp_fds[i] >= 0)
@@ -443,8 +451,6 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
         rc = epd__client_call(c, &req, NULL, 0, &resp, NULL);
         if (rc == EPD_UNAVAILABLE && c->broken)
                 rc = take_refusal(c, rc);
-        if (rc == 0 && resp->body_case != EPD__V1__RESPONSE__BODY_WELCOME)
-                rc = epd__client_fail(c, EPD_INTERNAL, "daemon answered Hello without Welcome");
         if (rc < 0) {
                 if (err)
                         snprintf(err, err_len, "%s", c->last_error);
@@ -1046,8 +1052,7 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
         g = calloc(1, sizeof(*g));
         if (!g || !j || !j->config) {
                 free(g);
-                rc = epd__client_fail(c, j ? EPD_INTERNAL : EPD_INTERNAL,
-                                      "bad GroupJoined reply");
+                rc = epd__client_fail(c, EPD_INTERNAL, "bad GroupJoined reply");
                 goto out;
         }
         g->client = c;

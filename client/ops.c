@@ -11,6 +11,7 @@
 
 #include "client_internal.h"
 #include "compact.h"
+#include "reply.h"
 #include "tensor.h"
 #include "util.h"
 
@@ -431,6 +432,14 @@ int epd_op_wait(struct epd_op *op, int timeout_ms)
         op->resp = resp;
         op->status = epd__status_from_wire(resp->status);
         snprintf(op->message, sizeof(op->message), "%s", resp->message ? resp->message : "");
+        const Epd__V1__Request__BodyCase asked = op->kind == 1 ? EPD__V1__REQUEST__BODY_DISPATCH
+                                                               : EPD__V1__REQUEST__BODY_COMBINE;
+        if (op->status == 0 && resp->body_case != epd__reply_body(asked)) {
+                /* Another member of the reply's oneof: reading ours would read it. */
+                op->status = EPD_INTERNAL;
+                snprintf(op->message, sizeof(op->message), "daemon answered %s with %s",
+                         epd__request_body_name(asked), epd__response_body_name(resp->body_case));
+        }
         if (arena_rc < 0) {
                 /* The daemon placed the outputs where this process cannot reach them. */
                 op->status = arena_rc;

@@ -46,7 +46,14 @@ if(CHECK_FOUND)
   target_include_directories(unit_mailbox PRIVATE ${EPD_ROOT_DIR}/daemon)
   target_link_libraries(unit_mailbox PRIVATE epd_common epd_check Threads::Threads)
   add_test(NAME unit_mailbox COMMAND unit_mailbox)
-  set_tests_properties(unit_frame unit_config unit_registry unit_mailbox PROPERTIES TIMEOUT 120)
+  # libepd against a fake daemon (a thread speaking the framing) that answers with the wrong
+  # reply body.
+  add_executable(unit_client ${CMAKE_CURRENT_LIST_DIR}/unit_client.c)
+  target_link_libraries(unit_client PRIVATE epd_client_static epd_common epd_check
+    Threads::Threads)
+  add_test(NAME unit_client COMMAND unit_client)
+  set_tests_properties(unit_frame unit_config unit_registry unit_mailbox unit_client
+    PROPERTIES TIMEOUT 120)
 else()
   message(STATUS "epd: Check not found, unit tests disabled")
 endif()
