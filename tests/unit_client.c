@@ -4,8 +4,9 @@
  * request's (a daemon of another version, a bug) must fail the call with EPD_INTERNAL and a
  * message naming both, not be read as the expected body. The fake daemon is a thread on a Unix
  * SOCK_SEQPACKET socket speaking the real framing (common/frame.c): it answers Hello with a
- * Welcome and every later request with the body the test chose. Covers connect (Hello), size
- * hint, region registration and group creation, each also answered correctly as a control.
+ * Welcome, the request under test with the body the test chose, and the others correctly.
+ * Covers connect (Hello), size hint, region registration, group creation, and the completion of
+ * dispatch and combine, each also answered correctly as a control.
  * Each test runs in its own process (fork mode), so a crash fails only its own test.
  */
 #include <check.h>
@@ -31,7 +32,7 @@ struct fake {
         pthread_t thread;
         Epd__V1__Response__BodyCase hello_body; /* the answer to Hello */
         Epd__V1__Request__BodyCase target;      /* the request under test */
-        Epd__V1__Response__BodyCase body;       /* its answer; anything else gets Empty */
+        Epd__V1__Response__BodyCase body;       /* its answer */
 };
 
 /* One OK reply to req with the given body, each body filled with recognisable values. */
@@ -45,6 +46,9 @@ static void answer(int fd, const Epd__V1__Request *req, Epd__V1__Response__BodyC
         Epd__V1__ListGroupsReply groups = EPD__V1__LIST_GROUPS_REPLY__INIT;
         Epd__V1__GroupJoined joined = EPD__V1__GROUP_JOINED__INIT;
         Epd__V1__GroupConfig cfg = EPD__V1__GROUP_CONFIG__INIT;
+        Epd__V1__DispatchReply disp = EPD__V1__DISPATCH_REPLY__INIT;
+        Epd__V1__CombineReply comb = EPD__V1__COMBINE_REPLY__INIT;
+        int32_t counts[8] = { 0 }, prefix[2] = { 0, 0 };
         uint8_t buf[4096];
 
         resp.id = req->id;
@@ -82,6 +86,20 @@ static void answer(int fd, const Epd__V1__Request *req, Epd__V1__Response__BodyC
                 joined.config = &cfg;
                 resp.group_joined = &joined;
                 break;
+        case EPD__V1__RESPONSE__BODY_DISPATCH:
+                disp.op_number = 5;
+                disp.n_num_recv_tokens_per_expert = 8;
+                disp.num_recv_tokens_per_expert = counts;
+                disp.n_num_recv_tokens_per_expert_aligned = 8;
+                disp.num_recv_tokens_per_expert_aligned = counts;
+                disp.n_rank_prefix = 2;
+                disp.rank_prefix = prefix;
+                resp.dispatch = &disp;
+                break;
+        case EPD__V1__RESPONSE__BODY_COMBINE:
+                comb.op_number = 6;
+                resp.combine = &comb;
+                break;
         default:
                 resp.body_case = EPD__V1__RESPONSE__BODY_EMPTY;
                 resp.empty = &empty;
@@ -112,11 +130,14 @@ static void *fake_main(void *arg)
                         epd__v1__request__unpack(NULL, frame.body_len, frame.body);
                 if (!req)
                         break;
+                /* The request under test gets the test's body; the others their own. */
                 Epd__V1__Response__BodyCase body = EPD__V1__RESPONSE__BODY_EMPTY;
                 if (req->body_case == EPD__V1__REQUEST__BODY_HELLO)
                         body = f->hello_body;
                 else if (req->body_case == f->target)
                         body = f->body;
+                else if (req->body_case == EPD__V1__REQUEST__BODY_GROUP_CREATE)
+                        body = EPD__V1__RESPONSE__BODY_GROUP_JOINED;
                 answer(fd, req, body);
                 epd__v1__request__free_unpacked(req, NULL);
         }
@@ -324,6 +345,96 @@ START_TEST(group_create_answered_right)
 }
 END_TEST
 
+/* ---- dispatch and combine (the op's completion, here through the socket: the fake daemon
+ * gives no doorbell page) ---- */
+
+static int op_with(Epd__V1__Request__BodyCase target, Epd__V1__Response__BodyCase body,
+                   uint64_t *op_number, char *msg, size_t msg_len)
+{
+        static const char secret[32] = "0123456789abcdef0123456789abcdef";
+        struct fake f;
+        struct epd_group *g = NULL;
+        struct epd_op *op = NULL;
+        int rc;
+
+        fake_start(&f, EPD__V1__RESPONSE__BODY_WELCOME, target, body);
+        struct epd_client *c = connect_to(&f);
+        struct epd_group_args a = { .size = sizeof(a), .name = "g", .secret = secret,
+                                    .secret_len = sizeof(secret), .config = &test_config };
+        ck_assert_int_eq(epd_group_create(c, &a, &g), 0);
+        if (target == EPD__V1__REQUEST__BODY_DISPATCH) {
+                struct epd_dispatch_args d = { .size = sizeof(d) };
+                ck_assert_int_eq(epd_dispatch_submit(g, &d, &op), 0);
+        } else {
+                struct epd_combine_args cb = { .size = sizeof(cb), .handle_id = 1 };
+                ck_assert_int_eq(epd_combine_submit(g, &cb, &op), 0);
+        }
+        rc = epd_op_wait(op, 5000);
+        snprintf(msg, msg_len, "%s", epd_client_last_error(c));
+        if (rc == 0 && target == EPD__V1__REQUEST__BODY_DISPATCH) {
+                struct epd_dispatch_result r;
+                ck_assert_int_eq(epd_op_dispatch_result(op, &r), 0);
+                *op_number = r.op_number;
+        } else if (rc == 0) {
+                struct epd_combine_result r;
+                ck_assert_int_eq(epd_op_combine_result(op, &r), 0);
+                *op_number = r.op_number;
+        }
+        epd_op_free(op);
+        ck_assert_int_eq(epd_group_leave(g), 0);
+        epd_client_free(c);
+        fake_stop(&f);
+        return rc;
+}
+
+START_TEST(dispatch_answered_with_combine)
+{
+        uint64_t n = 0;
+        char msg[256];
+
+        ck_assert_int_eq(op_with(EPD__V1__REQUEST__BODY_DISPATCH, EPD__V1__RESPONSE__BODY_COMBINE,
+                                 &n, msg, sizeof(msg)),
+                         EPD_INTERNAL);
+        ck_assert_msg(strstr(msg, "answered dispatch with combine") != NULL, "message: %s", msg);
+}
+END_TEST
+
+START_TEST(dispatch_answered_right)
+{
+        uint64_t n = 0;
+        char msg[256];
+
+        ck_assert_int_eq(op_with(EPD__V1__REQUEST__BODY_DISPATCH,
+                                 EPD__V1__RESPONSE__BODY_DISPATCH, &n, msg, sizeof(msg)),
+                         0);
+        ck_assert_uint_eq(n, 5);
+}
+END_TEST
+
+START_TEST(combine_answered_with_dispatch)
+{
+        uint64_t n = 0;
+        char msg[256];
+
+        ck_assert_int_eq(op_with(EPD__V1__REQUEST__BODY_COMBINE, EPD__V1__RESPONSE__BODY_DISPATCH,
+                                 &n, msg, sizeof(msg)),
+                         EPD_INTERNAL);
+        ck_assert_msg(strstr(msg, "answered combine with dispatch") != NULL, "message: %s", msg);
+}
+END_TEST
+
+START_TEST(combine_answered_right)
+{
+        uint64_t n = 0;
+        char msg[256];
+
+        ck_assert_int_eq(op_with(EPD__V1__REQUEST__BODY_COMBINE, EPD__V1__RESPONSE__BODY_COMBINE,
+                                 &n, msg, sizeof(msg)),
+                         0);
+        ck_assert_uint_eq(n, 6);
+}
+END_TEST
+
 static Suite *client_suite(void)
 {
         Suite *s = suite_create("client");
@@ -337,6 +448,10 @@ static Suite *client_suite(void)
         tcase_add_test(tc, region_register_answered_right);
         tcase_add_test(tc, group_create_answered_with_size_hint);
         tcase_add_test(tc, group_create_answered_right);
+        tcase_add_test(tc, dispatch_answered_with_combine);
+        tcase_add_test(tc, dispatch_answered_right);
+        tcase_add_test(tc, combine_answered_with_dispatch);
+        tcase_add_test(tc, combine_answered_right);
         suite_add_tcase(s, tc);
         return s;
 }
