@@ -185,6 +185,8 @@ static struct epd_client *connect_to(struct fake *f)
         return c;
 }
 
+static const char test_secret[32] = "0123456789abcdef0123456789abcdef";
+
 static const struct epd_group_config test_config = {
         .size = sizeof(struct epd_group_config),
         .world_size = 1,
@@ -305,7 +307,6 @@ END_TEST
 
 static int create_with(Epd__V1__Response__BodyCase body, char *msg, size_t msg_len)
 {
-        static const char secret[32] = "0123456789abcdef0123456789abcdef";
         struct fake f;
         struct epd_group *g = NULL;
         int rc;
@@ -313,8 +314,8 @@ static int create_with(Epd__V1__Response__BodyCase body, char *msg, size_t msg_l
         fake_start(&f, EPD__V1__RESPONSE__BODY_WELCOME, EPD__V1__REQUEST__BODY_GROUP_CREATE,
                    body);
         struct epd_client *c = connect_to(&f);
-        struct epd_group_args a = { .size = sizeof(a), .name = "g", .secret = secret,
-                                    .secret_len = sizeof(secret), .config = &test_config };
+        struct epd_group_args a = { .size = sizeof(a), .name = "g", .secret = test_secret,
+                                    .secret_len = sizeof(test_secret), .config = &test_config };
         rc = epd_group_create(c, &a, &g);
         snprintf(msg, msg_len, "%s", epd_client_last_error(c));
         if (rc == 0) {
@@ -351,7 +352,6 @@ END_TEST
 static int op_with(Epd__V1__Request__BodyCase target, Epd__V1__Response__BodyCase body,
                    uint64_t *op_number, char *msg, size_t msg_len)
 {
-        static const char secret[32] = "0123456789abcdef0123456789abcdef";
         struct fake f;
         struct epd_group *g = NULL;
         struct epd_op *op = NULL;
@@ -359,8 +359,8 @@ static int op_with(Epd__V1__Request__BodyCase target, Epd__V1__Response__BodyCas
 
         fake_start(&f, EPD__V1__RESPONSE__BODY_WELCOME, target, body);
         struct epd_client *c = connect_to(&f);
-        struct epd_group_args a = { .size = sizeof(a), .name = "g", .secret = secret,
-                                    .secret_len = sizeof(secret), .config = &test_config };
+        struct epd_group_args a = { .size = sizeof(a), .name = "g", .secret = test_secret,
+                                    .secret_len = sizeof(test_secret), .config = &test_config };
         ck_assert_int_eq(epd_group_create(c, &a, &g), 0);
         if (target == EPD__V1__REQUEST__BODY_DISPATCH) {
                 struct epd_dispatch_args d = { .size = sizeof(d) };
@@ -387,51 +387,51 @@ static int op_with(Epd__V1__Request__BodyCase target, Epd__V1__Response__BodyCas
         return rc;
 }
 
-START_TEST(dispatch_answered_with_combine)
+/* The op under test answered with another body: EPD_INTERNAL, and the message names both. */
+static void expect_op_refused(Epd__V1__Request__BodyCase target,
+                              Epd__V1__Response__BodyCase body, const char *words)
 {
         uint64_t n = 0;
         char msg[256];
 
-        ck_assert_int_eq(op_with(EPD__V1__REQUEST__BODY_DISPATCH, EPD__V1__RESPONSE__BODY_COMBINE,
-                                 &n, msg, sizeof(msg)),
-                         EPD_INTERNAL);
-        ck_assert_msg(strstr(msg, "answered dispatch with combine") != NULL, "message: %s", msg);
+        ck_assert_int_eq(op_with(target, body, &n, msg, sizeof(msg)), EPD_INTERNAL);
+        ck_assert_msg(strstr(msg, words) != NULL, "message: %s", msg);
+}
+
+/* The control: answered with its own body, the op succeeds with the fake's op number. */
+static void expect_op_ok(Epd__V1__Request__BodyCase target, Epd__V1__Response__BodyCase body,
+                         uint64_t op_number)
+{
+        uint64_t n = 0;
+        char msg[256];
+
+        ck_assert_int_eq(op_with(target, body, &n, msg, sizeof(msg)), 0);
+        ck_assert_uint_eq(n, op_number);
+}
+
+START_TEST(dispatch_answered_with_combine)
+{
+        expect_op_refused(EPD__V1__REQUEST__BODY_DISPATCH, EPD__V1__RESPONSE__BODY_COMBINE,
+                          "answered dispatch with combine");
 }
 END_TEST
 
 START_TEST(dispatch_answered_right)
 {
-        uint64_t n = 0;
-        char msg[256];
-
-        ck_assert_int_eq(op_with(EPD__V1__REQUEST__BODY_DISPATCH,
-                                 EPD__V1__RESPONSE__BODY_DISPATCH, &n, msg, sizeof(msg)),
-                         0);
-        ck_assert_uint_eq(n, 5);
+        expect_op_ok(EPD__V1__REQUEST__BODY_DISPATCH, EPD__V1__RESPONSE__BODY_DISPATCH, 5);
 }
 END_TEST
 
 START_TEST(combine_answered_with_dispatch)
 {
-        uint64_t n = 0;
-        char msg[256];
-
-        ck_assert_int_eq(op_with(EPD__V1__REQUEST__BODY_COMBINE, EPD__V1__RESPONSE__BODY_DISPATCH,
-                                 &n, msg, sizeof(msg)),
-                         EPD_INTERNAL);
-        ck_assert_msg(strstr(msg, "answered combine with dispatch") != NULL, "message: %s", msg);
+        expect_op_refused(EPD__V1__REQUEST__BODY_COMBINE, EPD__V1__RESPONSE__BODY_DISPATCH,
+                          "answered combine with dispatch");
 }
 END_TEST
 
 START_TEST(combine_answered_right)
 {
-        uint64_t n = 0;
-        char msg[256];
-
-        ck_assert_int_eq(op_with(EPD__V1__REQUEST__BODY_COMBINE, EPD__V1__RESPONSE__BODY_COMBINE,
-                                 &n, msg, sizeof(msg)),
-                         0);
-        ck_assert_uint_eq(n, 6);
+        expect_op_ok(EPD__V1__REQUEST__BODY_COMBINE, EPD__V1__RESPONSE__BODY_COMBINE, 6);
 }
 END_TEST
 
