@@ -42,3 +42,20 @@ if(EPD_HAVE_CUDA)
     CUDA_RUNTIME_LIBRARY Static)
   target_link_libraries(epd-memop-probe PRIVATE CUDA::cudart_static)
 endif()
+# epd-floor-probe: the decode workload's bytes with the routing known in advance (empty, store,
+# copy, memset and reduce kernels), in Fresh, clean and warm L2 states: the floors against which
+# docs/performance.md sets the decode targets. Same data as epd-bench (epd_testlib's generators).
+if(EPD_HAVE_CUDA)
+  add_executable(epd-floor-probe ${CMAKE_CURRENT_LIST_DIR}/floor_probe.cu)
+  target_include_directories(epd-floor-probe PRIVATE ${JANSSON_INCLUDE}
+    ${CMAKE_CURRENT_LIST_DIR}/../kernels ${CMAKE_CURRENT_LIST_DIR}/../tests
+    ${CUDAToolkit_INCLUDE_DIRS})
+  epd_cuda_filter_options(epd-floor-probe)
+  target_compile_options(epd-floor-probe PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo -Xcompiler=-Wall,-Wextra>)
+  set_target_properties(epd-floor-probe PROPERTIES
+    CUDA_STANDARD 17
+    CUDA_STANDARD_REQUIRED ON
+    CUDA_RUNTIME_LIBRARY Static)
+  target_link_libraries(epd-floor-probe PRIVATE epd_testlib ${JANSSON_LIB} CUDA::cudart_static)
+endif()

@@ -1,0 +1,846 @@
+/* floor_probe.cu - epd-floor-probe: what the bytes of a small op cost on this GPU with nothing of
+ * epd around them, so that issue 5's decode targets can be set against a measured floor rather
+ * than against the op's bytes at the copy ceiling (docs/performance.md, "Decode floors").
+ *
+ * The data are epd-bench's (the same seed, generators and order: bench/epd_bench.c, make_inputs),
+ * so the routing is the one the daemon's decode op sees: R ranks of T tokens, H = 7168, top-8
+ * of 256 experts, fp8 rows with 56 fp32 scales, int64 topk. The host routes the op (rows in
+ * SEMANTICS.md 2.1's order: ascending source, then token) and uploads a plan, one destination
+ * row per (token, rank). What each kernel does with it:
+ *
+ *   empty     an empty kernel of one warp, and one with the one-launch dispatch's shape (clusters
+ *             of 8 blocks of 1024 threads, as many clusters as fit): the launch and the drain
+ *             that every event-timed op pays;
+ *   store     the dispatch's output bytes (x, scales, localised topk, weights of every received
+ *             row) stored from registers, nothing loaded but the plan: the store floor;
+ *   copy      the dispatch with its routing known: a warp per (token, slice) loads the slice once
+ *             and stores it to every destination, then slice 0 moves the scales and writes the
+ *             metadata (copy_token.cuh's shape, without epd's descriptors or workspace);
+ *   memset    cudaMemsetAsync of the dispatch's output bytes, and of 1 GiB (the write ceiling);
+ *   reduce    the combine with its routing known: a warp per (token, slice) adds the token's bf16
+ *             rows from the received buffer in fp32 and stores the bf16 sum, loads plain or with
+ *             the L2 evict-first hint (combine.cu's small-op loads).
+ *
+ * Each is timed three ways around the GPU's state before it: Fresh (BENCHMARKS.md: 256 MB written,
+ * which leaves the L2 full of dirty lines, then the stream synchronised so the GPU is idle), clean
+ * (256 MB read by a kernel: the L2 holds clean lines) and warm (nothing between launches). And two
+ * ways around the launch: `event` records an event, launches, records another on an idle GPU, as
+ * epd's kernel time is taken (so the host's launch call falls inside); `gated` queues the same
+ * behind a one-warp kernel spinning on a pinned word that the host sets once everything is queued,
+ * so the figure is the GPU's alone. Median and p99 over --reps launches after one untimed one.
+ * The copy and reduce outputs are checked bitwise against the host once, so a floor is never taken
+ * from a kernel that skipped its work.
+ *
+ * Usage: epd-floor-probe [--ranks R] [--tokens T] [--reps N] [--seed S] [--device D] [--json]
+ * (--json: one JSON object per figure on stdout, the table on stderr, as epd-bench does.)
+ * Exit 77 without a usable GPU, 1 on a failure or a mismatch, 2 on bad arguments.
+ */
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" {
+#include "bf16.h"
+#include "routing.h"
+#include "testdata.h"
+#include "util.h"
+}
+#include "internal.cuh"
+
+/* The BENCHMARKS.md model shape (bench/epd_bench.c keeps the same numbers). */
+#define FP_HIDDEN 7168u
+#define FP_TOPK 8u
+#define FP_EXPERTS 256u
+#define FP_SCALE_BLOCK 128u
+#define FP_FLUSH_BYTES (256ull << 20)
+#define FP_WRITE_CEILING_BYTES (1ull << 30)
+#define FP_THREADS 256
+#define FP_MAX_RANKS 32 /* a plan row is read by one lane per rank */
+
+#define CK(x)                                                                                 \
+        do {                                                                                  \
+                cudaError_t e_ = (x);                                                         \
+                if (e_ != cudaSuccess) {                                                      \
+                        fprintf(stderr, "epd-floor-probe: %s:%d: %s: %s\n", __FILE__, __LINE__, \
+                                #x, cudaGetErrorString(e_));                                  \
+                        exit(1);                                                              \
+                }                                                                             \
+        } while (0)
+
+/* ---- kernels ------------------------------------------------------------------------------ */
+
+__global__ void fp_empty(void)
+{
+}
+
+/* The gate: one warp spins until the host stores `value` into the pinned word. The volatile
+ * load goes to system memory each time; the host's store becomes visible to it eventually,
+ * which is all a gate needs. */
+__global__ void fp_gate(const volatile uint32_t *word, uint32_t value)
+{
+        while (*word != value)
+                __nanosleep(200);
+}
+
+/* The clean flush: reads n int4 and stores one word only when an impossible sum appears, so the
+ * loads cannot be dropped. */
+__global__ void fp_read_flush(const int4 *__restrict__ p, uint64_t n, int *__restrict__ sink)
+{
+        const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+        int acc = 0;
+
+        for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+                const int4 v = __ldg(p + i);
+                acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
+        if (acc == 0x7fffffff)
+                *sink = acc;
+}
+
+struct fp_copy_args {
+        const uint8_t *x;      /* [N][row_bytes] every source's rows, flat token order */
+        const uint8_t *scales; /* [N][scale_bytes] */
+        const int64_t *topk;   /* [N][K] */
+        const float *weights;  /* [N][K] */
+        const int32_t *plan;   /* [N][R]: global received row of the token at rank d, or -1 */
+        uint8_t *recv_x;       /* [rows][row_bytes], every destination's rows one after another */
+        uint8_t *recv_scales;  /* [rows][scale_bytes] */
+        int64_t *recv_topk;    /* [rows][K] */
+        float *recv_weights;   /* [rows][K] */
+        const uint32_t *base;  /* [R]: first global row of each destination */
+        uint32_t tokens, ranks, local_experts, slices;
+        uint32_t row_bytes, scale_bytes;
+};
+
+/* A synthetic 16-byte value for the store-only kernel: distinct per (token, vector) so that no
+ * compression shortcuts it. */
+static __device__ __forceinline__ int4 fp_synth(uint32_t g, uint32_t i)
+{
+        return make_int4((int)(g * 2654435761u ^ i), (int)(i * 40503u + g), (int)~g, (int)(i ^ 0x5bd1e995u));
+}
+
+/* Item = (token, slice) per warp. LOAD false: the store floor (x and scales synthesised, the
+ * metadata from the token index). MAXV: 16-byte vectors per lane that hold a whole slice. */
+template <bool LOAD, int MAXV> __global__ void __launch_bounds__(FP_THREADS) fp_copy(struct fp_copy_args a)
+{
+        const uint32_t lane = threadIdx.x % 32;
+        const uint32_t item = (blockIdx.x * FP_THREADS + threadIdx.x) / 32;
+        const uint32_t g = item / a.slices, slice = item % a.slices;
+
+        if (g >= a.tokens)
+                return;
+        const int32_t r = lane < a.ranks ? a.plan[(uint64_t)g * a.ranks + lane] : -1;
+        const uint32_t mask = __ballot_sync(0xffffffffu, r >= 0);
+        const uint32_t nvec = a.row_bytes / 16, svec = nvec / a.slices, v0 = slice * svec;
+        const int4 *src = (const int4 *)(a.x + (uint64_t)g * a.row_bytes) + v0;
+        int4 v[MAXV];
+
+#pragma unroll
+        for (int u = 0; u < MAXV; u++) {
+                const uint32_t i = u * 32 + lane;
+                if (i < svec)
+                        v[u] = LOAD ? __ldg(src + i) : fp_synth(g, v0 + i);
+        }
+        for (uint32_t m = mask; m != 0; m &= m - 1) {
+                const int j = __ffs(m) - 1;
+                const int32_t rr = __shfl_sync(0xffffffffu, r, j);
+                int4 *dst = (int4 *)(a.recv_x + (uint64_t)rr * a.row_bytes) + v0;
+#pragma unroll
+                for (int u = 0; u < MAXV; u++) {
+                        const uint32_t i = u * 32 + lane;
+                        if (i < svec)
+                                dst[i] = v[u];
+                }
+        }
+        if (slice != 0)
+                return;
+        /* Scales: one 16-byte vector per lane (scale_bytes <= 512). */
+        const uint32_t sv = a.scale_bytes / 16;
+        int4 s = make_int4(0, 0, 0, 0);
+        if (lane < sv)
+                s = LOAD ? __ldg((const int4 *)(a.scales + (uint64_t)g * a.scale_bytes) + lane)
+                         : fp_synth(g, nvec + lane);
+        /* Metadata: lane k < K holds entry k. */
+        int64_t e = -1;
+        float w = 0.0f;
+        if (lane < FP_TOPK) {
+                e = LOAD ? a.topk[(uint64_t)g * FP_TOPK + lane]
+                         : (int64_t)((g * 7u + lane * 31u) % (a.ranks * a.local_experts));
+                w = LOAD ? a.weights[(uint64_t)g * FP_TOPK + lane] : 0.5f;
+        }
+        for (uint32_t m = mask; m != 0; m &= m - 1) {
+                const int j = __ffs(m) - 1;
+                const int32_t rr = __shfl_sync(0xffffffffu, r, j);
+                if (lane < sv)
+                        ((int4 *)(a.recv_scales + (uint64_t)rr * a.scale_bytes))[lane] = s;
+                if (lane < FP_TOPK) {
+                        const int on = e >= 0 && epd_route_expert_rank((int32_t)e, a.local_experts) == (uint32_t)j;
+                        a.recv_topk[(uint64_t)rr * FP_TOPK + lane] = on ? e - (int64_t)j * a.local_experts : -1;
+                        a.recv_weights[(uint64_t)rr * FP_TOPK + lane] = on ? w : 0.0f;
+                }
+        }
+}
+
+struct fp_reduce_args {
+        const uint8_t *y;     /* [rows][row_bytes] bf16: every destination's received rows */
+        const int32_t *plan;  /* as fp_copy_args.plan */
+        uint8_t *out;         /* [N][row_bytes] bf16 */
+        uint32_t tokens, ranks, slices, row_bytes;
+};
+
+/* Item = (token, slice) per warp; each step loads VEC 16-byte vectors of every contribution
+ * (up to 8, ascending rank) before adding them in fp32, then stores the bf16 sum. EF: loads with
+ * the L2 evict-first hint. */
+template <bool EF, int VEC> __global__ void __launch_bounds__(FP_THREADS) fp_reduce(struct fp_reduce_args a)
+{
+        const uint32_t lane = threadIdx.x % 32;
+        const uint32_t item = (blockIdx.x * FP_THREADS + threadIdx.x) / 32;
+        const uint32_t g = item / a.slices, slice = item % a.slices;
+
+        if (g >= a.tokens)
+                return;
+        const int32_t r = lane < a.ranks ? a.plan[(uint64_t)g * a.ranks + lane] : -1;
+        const uint32_t mask = __ballot_sync(0xffffffffu, r >= 0);
+        const uint32_t n = __popc(mask);
+        const uint32_t nvec = a.row_bytes / 16, svec = nvec / a.slices;
+        const uint32_t v0 = slice * svec, v1 = slice + 1 == a.slices ? nvec : v0 + svec;
+        const int4 *rows[8];
+        {
+                uint32_t m = mask;
+#pragma unroll
+                for (int c = 0; c < 8; c++) {
+                        const int j = m != 0 ? __ffs(m) - 1 : 0;
+                        const int32_t rr = __shfl_sync(0xffffffffu, r, j);
+                        rows[c] = (const int4 *)(a.y + (uint64_t)(rr < 0 ? 0 : rr) * a.row_bytes);
+                        if (m != 0)
+                                m &= m - 1;
+                }
+        }
+        for (uint32_t base = v0; base < v1; base += 32 * VEC) {
+                int4 buf[8][VEC];
+#pragma unroll
+                for (int c = 0; c < 8; c++)
+#pragma unroll
+                        for (int u = 0; u < VEC; u++) {
+                                const uint32_t i = base + u * 32 + lane;
+                                buf[c][u] = make_int4(0, 0, 0, 0);
+                                if ((uint32_t)c < n && i < v1)
+                                        buf[c][u] = EF ? epd__k_ldg_evict_first(rows[c] + i)
+                                                       : __ldg(rows[c] + i);
+                        }
+#pragma unroll
+                for (int u = 0; u < VEC; u++) {
+                        const uint32_t i = base + u * 32 + lane;
+                        float acc[8];
+#pragma unroll
+                        for (int q = 0; q < 8; q++)
+                                acc[q] = 0.0f;
+#pragma unroll
+                        for (int c = 0; c < 8; c++) {
+                                if ((uint32_t)c >= n)
+                                        break;
+                                const uint32_t wv[4] = { (uint32_t)buf[c][u].x, (uint32_t)buf[c][u].y,
+                                                         (uint32_t)buf[c][u].z, (uint32_t)buf[c][u].w };
+#pragma unroll
+                                for (int q = 0; q < 4; q++) {
+                                        acc[2 * q] = __fadd_rn(acc[2 * q], __uint_as_float(wv[q] << 16));
+                                        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1],
+                                                                   __uint_as_float(wv[q] & 0xffff0000u));
+                                }
+                        }
+                        uint32_t o[4];
+#pragma unroll
+                        for (int q = 0; q < 4; q++) {
+                                const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q]));
+                                const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q + 1]));
+                                o[q] = lo | hi << 16;
+                        }
+                        if (i < v1)
+                                ((int4 *)(a.out + (uint64_t)g * a.row_bytes))[i] =
+                                        make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
+                }
+        }
+}
+
+/* ---- host --------------------------------------------------------------------------------- */
+
+struct fp_options {
+        uint32_t ranks, tokens, reps, device;
+        uint64_t seed;
+        int json;
+};
+
+enum fp_mode { MODE_FRESH, MODE_CLEAN, MODE_WARM };
+static const char *const mode_names[] = { "fresh", "clean", "warm" };
+
+struct fp_state {
+        struct fp_options o;
+        cudaStream_t stream;
+        cudaEvent_t e0, e1;
+        uint8_t *flush;
+        int *sink;
+        volatile uint32_t *gate_host;
+        uint32_t *gate_dev;
+        uint32_t gate_value;
+        double *samples;
+        char device_name[256];
+};
+
+/* What one probe launches: a callback and its bytes. */
+struct fp_probe {
+        const char *name;
+        const char *variant;
+        uint64_t bytes_read, bytes_written;
+        void (*launch)(const struct fp_probe *p, cudaStream_t s);
+        const void *ctx;
+};
+
+static int cmp_double(const void *a, const void *b)
+{
+        const double x = *(const double *)a, y = *(const double *)b;
+        return x < y ? -1 : x > y;
+}
+
+static void prepare(struct fp_state *st, enum fp_mode mode, uint32_t salt)
+{
+        if (mode == MODE_FRESH)
+                CK(cudaMemsetAsync(st->flush, (int)(salt % 251) + 1, FP_FLUSH_BYTES, st->stream));
+        else if (mode == MODE_CLEAN)
+                fp_read_flush<<<1024, 256, 0, st->stream>>>((const int4 *)st->flush,
+                                                            FP_FLUSH_BYTES / 16, st->sink);
+        CK(cudaGetLastError());
+        CK(cudaStreamSynchronize(st->stream));
+}
+
+/* One timed launch of p after the mode's preparation; microseconds. */
+static double time_once(struct fp_state *st, const struct fp_probe *p, enum fp_mode mode,
+                        int gated, uint32_t salt)
+{
+        float ms = 0;
+
+        prepare(st, mode, salt);
+        if (gated) {
+                st->gate_value++;
+                fp_gate<<<1, 32, 0, st->stream>>>(st->gate_dev, st->gate_value);
+                CK(cudaGetLastError());
+        }
+        CK(cudaEventRecord(st->e0, st->stream));
+        p->launch(p, st->stream);
+        CK(cudaGetLastError());
+        CK(cudaEventRecord(st->e1, st->stream));
+        if (gated)
+                __atomic_store_n(st->gate_host, st->gate_value, __ATOMIC_RELEASE);
+        CK(cudaEventSynchronize(st->e1));
+        CK(cudaEventElapsedTime(&ms, st->e0, st->e1));
+        return ms * 1e3;
+}
+
+static void run_probe(struct fp_state *st, const struct fp_probe *p, json_t *rows, FILE *tf)
+{
+        for (int mode = MODE_FRESH; mode <= MODE_WARM; mode++)
+                for (int gated = 0; gated <= 1; gated++) {
+                        const uint32_t n = st->o.reps;
+                        time_once(st, p, (enum fp_mode)mode, gated, 0); /* untimed */
+                        for (uint32_t i = 0; i < n; i++)
+                                st->samples[i] = time_once(st, p, (enum fp_mode)mode, gated, i + 1);
+                        qsort(st->samples, n, sizeof(double), cmp_double);
+                        const double p50 = st->samples[n / 2];
+                        const double p99 = st->samples[(uint32_t)((n - 1) * 0.99)];
+                        const double gbps = (double)(p->bytes_read + p->bytes_written) / (p50 * 1e3);
+                        fprintf(tf, "  %-8s %-22s %-6s %-6s p50 %8.2f us  p99 %8.2f us  %7.1f GB/s (read %.2f MB, written %.2f MB)\n",
+                               p->name, p->variant, mode_names[mode], gated ? "gated" : "event",
+                               p50, p99, gbps, p->bytes_read / 1e6, p->bytes_written / 1e6);
+                        json_t *o = json_object();
+                        json_object_set_new(o, "bench", json_string("floor-probe"));
+                        json_object_set_new(o, "kernel", json_string(p->name));
+                        json_object_set_new(o, "variant", json_string(p->variant));
+                        json_object_set_new(o, "mode", json_string(mode_names[mode]));
+                        json_object_set_new(o, "launch", json_string(gated ? "gated" : "event"));
+                        json_object_set_new(o, "p50_us", json_real(p50));
+                        json_object_set_new(o, "p99_us", json_real(p99));
+                        json_object_set_new(o, "min_us", json_real(st->samples[0]));
+                        json_object_set_new(o, "bytes_read", json_integer((json_int_t)p->bytes_read));
+                        json_object_set_new(o, "bytes_written", json_integer((json_int_t)p->bytes_written));
+                        json_object_set_new(o, "gbps", json_real(gbps));
+                        json_array_append_new(rows, o);
+                }
+}
+
+/* ---- the probes' launches ----------------------------------------------------------------- */
+
+struct fp_empty_ctx {
+        int cluster; /* 0: one warp */
+        uint32_t blocks;
+};
+
+static void launch_empty(const struct fp_probe *p, cudaStream_t s)
+{
+        const struct fp_empty_ctx *c = (const struct fp_empty_ctx *)p->ctx;
+        if (!c->cluster) {
+                fp_empty<<<1, 32, 0, s>>>();
+                return;
+        }
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = (unsigned)c->cluster;
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cfg.gridDim = dim3(c->blocks);
+        cfg.blockDim = dim3(1024);
+        cfg.stream = s;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        CK(cudaLaunchKernelEx(&cfg, fp_empty));
+}
+
+struct fp_copy_ctx {
+        struct fp_copy_args a;
+        int load;
+};
+
+static void launch_copy(const struct fp_probe *p, cudaStream_t s)
+{
+        const struct fp_copy_ctx *c = (const struct fp_copy_ctx *)p->ctx;
+        const uint64_t warps = (uint64_t)c->a.tokens * c->a.slices;
+        const unsigned blocks = (unsigned)((warps * 32 + FP_THREADS - 1) / FP_THREADS);
+        const uint32_t per_lane = (c->a.row_bytes / 16 / c->a.slices + 31) / 32;
+
+        if (!c->load)
+                fp_copy<false, 8><<<blocks, FP_THREADS, 0, s>>>(c->a);
+        else if (per_lane <= 4)
+                fp_copy<true, 4><<<blocks, FP_THREADS, 0, s>>>(c->a);
+        else if (per_lane <= 8)
+                fp_copy<true, 8><<<blocks, FP_THREADS, 0, s>>>(c->a);
+        else
+                fp_copy<true, 16><<<blocks, FP_THREADS, 0, s>>>(c->a);
+}
+
+struct fp_memset_ctx {
+        uint8_t *ptr;
+        uint64_t bytes;
+};
+
+static void launch_memset(const struct fp_probe *p, cudaStream_t s)
+{
+        const struct fp_memset_ctx *c = (const struct fp_memset_ctx *)p->ctx;
+        CK(cudaMemsetAsync(c->ptr, 0x5a, c->bytes, s));
+}
+
+struct fp_reduce_ctx {
+        struct fp_reduce_args a;
+        int evict_first;
+};
+
+static void launch_reduce(const struct fp_probe *p, cudaStream_t s)
+{
+        const struct fp_reduce_ctx *c = (const struct fp_reduce_ctx *)p->ctx;
+        const uint64_t warps = (uint64_t)c->a.tokens * c->a.slices;
+        const unsigned blocks = (unsigned)((warps * 32 + FP_THREADS - 1) / FP_THREADS);
+
+        if (c->evict_first)
+                fp_reduce<true, 2><<<blocks, FP_THREADS, 0, s>>>(c->a);
+        else
+                fp_reduce<false, 2><<<blocks, FP_THREADS, 0, s>>>(c->a);
+}
+
+/* ---- data --------------------------------------------------------------------------------- */
+
+struct fp_host {
+        uint32_t R, T, N, L, rows, scale_bytes;
+        uint8_t *x, *scales;   /* [N][...] */
+        int64_t *topk;
+        float *weights;
+        int32_t *plan;         /* [N][R] */
+        uint32_t *base;        /* [R] */
+        uint8_t *y;            /* [rows][2H] bf16 */
+};
+
+static void *xmalloc(size_t n)
+{
+        void *p = malloc(n ? n : 1);
+        if (!p) {
+                fprintf(stderr, "epd-floor-probe: out of host memory (%zu bytes)\n", n);
+                exit(1);
+        }
+        return p;
+}
+
+/* epd-bench's inputs, rank by rank in the same generator order (bench/epd_bench.c,
+ * make_inputs), then the host routing. */
+static void make_host(const struct fp_options *o, struct fp_host *h)
+{
+        const uint32_t scale_cols = FP_HIDDEN / FP_SCALE_BLOCK;
+
+        h->R = o->ranks;
+        h->T = o->tokens;
+        h->N = h->R * h->T;
+        h->L = FP_EXPERTS / h->R;
+        h->scale_bytes = scale_cols * 4;
+        h->x = (uint8_t *)xmalloc((size_t)h->N * FP_HIDDEN);
+        h->scales = (uint8_t *)xmalloc((size_t)h->N * h->scale_bytes);
+        h->topk = (int64_t *)xmalloc((size_t)h->N * FP_TOPK * 8);
+        h->weights = (float *)xmalloc((size_t)h->N * FP_TOPK * 4);
+        for (uint32_t r = 0; r < h->R; r++) {
+                const uint64_t g0 = (uint64_t)r * h->T;
+                struct td_rng rng;
+                td_rng_seed(&rng, td_mix_seed(o->seed, r));
+                td_fill_bytes(&rng, h->x + g0 * FP_HIDDEN, h->T, FP_HIDDEN, 0);
+                td_fill_f32(&rng, h->scales + g0 * h->scale_bytes, h->T, scale_cols, 0, 0.5f, 2.0f);
+                struct td_routing_args ra = {};
+                ra.world_size = h->R;
+                ra.num_experts = FP_EXPERTS;
+                ra.num_tokens = h->T;
+                ra.num_topk = FP_TOPK;
+                ra.mode = TD_ROUTING_UNIFORM;
+                ra.dtype = EPD_DTYPE_INT64;
+                td_gen_topk(&rng, &ra, h->topk + g0 * FP_TOPK);
+                td_fill_f32(&rng, h->weights + g0 * FP_TOPK, h->T, FP_TOPK, 0, 0.0f, 1.0f);
+        }
+        /* Rows per destination in flat (source, token) order, then global rows. */
+        uint32_t *count = (uint32_t *)calloc(h->R, sizeof(uint32_t));
+        h->plan = (int32_t *)xmalloc((size_t)h->N * h->R * 4);
+        h->base = (uint32_t *)xmalloc((size_t)h->R * 4);
+        for (uint32_t g = 0; g < h->N; g++)
+                for (uint32_t d = 0; d < h->R; d++) {
+                        int to = 0;
+                        for (uint32_t k = 0; k < FP_TOPK; k++) {
+                                const int64_t e = h->topk[(uint64_t)g * FP_TOPK + k];
+                                to |= e >= 0 && epd_route_expert_rank((int32_t)e, h->L) == d;
+                        }
+                        h->plan[(uint64_t)g * h->R + d] = to ? (int32_t)count[d]++ : -1;
+                }
+        h->rows = 0;
+        for (uint32_t d = 0; d < h->R; d++) {
+                h->base[d] = h->rows;
+                h->rows += count[d];
+        }
+        for (uint32_t g = 0; g < h->N; g++)
+                for (uint32_t d = 0; d < h->R; d++)
+                        if (h->plan[(uint64_t)g * h->R + d] >= 0)
+                                h->plan[(uint64_t)g * h->R + d] += (int32_t)h->base[d];
+        free(count);
+        h->y = (uint8_t *)xmalloc((size_t)h->rows * FP_HIDDEN * 2);
+        struct td_rng rng;
+        td_rng_seed(&rng, td_mix_seed(o->seed, 2000000));
+        td_fill_bf16(&rng, h->y, h->rows, FP_HIDDEN, 0, 0.0);
+}
+
+template <typename V> static V *dev_copy(const V *host, size_t n)
+{
+        V *d = NULL;
+        CK(cudaMalloc((void **)&d, n * sizeof(V)));
+        if (host)
+                CK(cudaMemcpy(d, host, n * sizeof(V), cudaMemcpyHostToDevice));
+        return d;
+}
+
+/* The copy's outputs against the host: every received row's x, scales, topk and weights. */
+static int check_copy(const struct fp_host *h, const struct fp_copy_args *a)
+{
+        const size_t xb = (size_t)h->rows * FP_HIDDEN, sb = (size_t)h->rows * h->scale_bytes;
+        uint8_t *rx = (uint8_t *)xmalloc(xb), *rs = (uint8_t *)xmalloc(sb);
+        int64_t *rt = (int64_t *)xmalloc((size_t)h->rows * FP_TOPK * 8);
+        float *rw = (float *)xmalloc((size_t)h->rows * FP_TOPK * 4);
+        int bad = 0;
+
+        CK(cudaMemcpy(rx, a->recv_x, xb, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(rs, a->recv_scales, sb, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(rt, a->recv_topk, (size_t)h->rows * FP_TOPK * 8, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(rw, a->recv_weights, (size_t)h->rows * FP_TOPK * 4, cudaMemcpyDeviceToHost));
+        for (uint32_t g = 0; g < h->N && !bad; g++)
+                for (uint32_t d = 0; d < h->R && !bad; d++) {
+                        const int32_t r = h->plan[(uint64_t)g * h->R + d];
+                        if (r < 0)
+                                continue;
+                        bad |= memcmp(rx + (size_t)r * FP_HIDDEN, h->x + (size_t)g * FP_HIDDEN, FP_HIDDEN) != 0;
+                        bad |= memcmp(rs + (size_t)r * h->scale_bytes, h->scales + (size_t)g * h->scale_bytes,
+                                      h->scale_bytes) != 0;
+                        for (uint32_t k = 0; k < FP_TOPK; k++) {
+                                const int64_t e = h->topk[(uint64_t)g * FP_TOPK + k];
+                                const int on = e >= 0 && epd_route_expert_rank((int32_t)e, h->L) == d;
+                                bad |= rt[(size_t)r * FP_TOPK + k] != (on ? e - (int64_t)d * h->L : -1);
+                                bad |= rw[(size_t)r * FP_TOPK + k] != (on ? h->weights[(uint64_t)g * FP_TOPK + k] : 0.0f);
+                        }
+                        if (bad)
+                                fprintf(stderr, "epd-floor-probe: copy output wrong at token %u, rank %u\n", g, d);
+                }
+        free(rx);
+        free(rs);
+        free(rt);
+        free(rw);
+        return bad ? -1 : 0;
+}
+
+/* The reduce's output against the host's fp32 sums, ascending rank, one rounding to bf16. */
+static int check_reduce(const struct fp_host *h, const uint8_t *out_dev)
+{
+        const size_t ob = (size_t)h->N * FP_HIDDEN * 2;
+        uint16_t *out = (uint16_t *)xmalloc(ob);
+        const uint16_t *y = (const uint16_t *)h->y;
+
+        CK(cudaMemcpy(out, out_dev, ob, cudaMemcpyDeviceToHost));
+        for (uint32_t g = 0; g < h->N; g++)
+                for (uint32_t c = 0; c < FP_HIDDEN; c++) {
+                        float acc = 0.0f;
+                        for (uint32_t d = 0; d < h->R; d++) {
+                                const int32_t r = h->plan[(uint64_t)g * h->R + d];
+                                if (r >= 0)
+                                        acc = acc + epd__bf16_to_float(y[(size_t)r * FP_HIDDEN + c]);
+                        }
+                        const uint16_t want = epd__float_to_bf16(acc);
+                        const uint16_t got = out[(size_t)g * FP_HIDDEN + c];
+                        if (want != got && !(acc != acc && (got & 0x7fc0) == 0x7fc0)) {
+                                fprintf(stderr, "epd-floor-probe: reduce output wrong at token %u, column %u: 0x%04x, want 0x%04x\n",
+                                        g, c, got, want);
+                                free(out);
+                                return -1;
+                        }
+                }
+        free(out);
+        return 0;
+}
+
+static void usage(FILE *f)
+{
+        fprintf(f, "Usage: epd-floor-probe [--ranks R] [--tokens T] [--reps N] [--seed S] [--device D] [--json]\n"
+                   "  Times the decode workload's bytes with the routing known in advance (empty,\n"
+                   "  store, copy, memset, reduce kernels), in Fresh, clean and warm L2 states, with\n"
+                   "  the launch inside the events and gated. Defaults: 8 ranks, 128 tokens (decode),\n"
+                   "  200 repetitions, seed 1 (epd-bench's), device 0.\n");
+}
+
+static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
+{
+        char *end = NULL;
+        unsigned long v = strtoul(s, &end, 0);
+        if (!*s || *end || v < lo || v > hi)
+                return -1;
+        *out = (uint32_t)v;
+        return 0;
+}
+
+int main(int argc, char **argv)
+{
+        static const struct option longopts[] = {
+                { "ranks", required_argument, NULL, 'r' }, { "tokens", required_argument, NULL, 't' },
+                { "reps", required_argument, NULL, 'n' },  { "seed", required_argument, NULL, 's' },
+                { "device", required_argument, NULL, 'd' }, { "json", no_argument, NULL, 'j' },
+                { "help", no_argument, NULL, 'h' },        { NULL, 0, NULL, 0 },
+        };
+        struct fp_state st = {};
+        struct fp_options *o = &st.o;
+        int c, ndev = 0;
+
+        o->ranks = 8;
+        o->tokens = 128;
+        o->reps = 200;
+        o->seed = 1;
+        while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+                int bad = 0;
+                switch (c) {
+                case 'r':
+                        bad = parse_u32(optarg, 1, FP_MAX_RANKS, &o->ranks) < 0 ||
+                              FP_EXPERTS % o->ranks != 0;
+                        break;
+                case 't':
+                        bad = parse_u32(optarg, 1, 65536, &o->tokens) < 0;
+                        break;
+                case 'n':
+                        bad = parse_u32(optarg, 1, 100000, &o->reps) < 0;
+                        break;
+                case 'd':
+                        bad = parse_u32(optarg, 0, 1024, &o->device) < 0;
+                        break;
+                case 's': {
+                        char *end = NULL;
+                        o->seed = strtoull(optarg, &end, 0);
+                        bad = !*optarg || *end;
+                        break;
+                }
+                case 'j':
+                        o->json = 1;
+                        break;
+                case 'h':
+                        usage(stdout);
+                        return 0;
+                default:
+                        usage(stderr);
+                        return 2;
+                }
+                if (bad) {
+                        fprintf(stderr, "epd-floor-probe: bad value for --%s: '%s' (ranks divide %u and are at most %u)\n",
+                                longopts[c == 'r' ? 0 : c == 't' ? 1 : c == 'n' ? 2 : c == 's' ? 3 : 4].name,
+                                optarg, FP_EXPERTS, FP_MAX_RANKS);
+                        return 2;
+                }
+        }
+        if (optind != argc) {
+                usage(stderr);
+                return 2;
+        }
+        if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+                printf("SKIP: no CUDA device\n");
+                return 77;
+        }
+        if ((int)o->device >= ndev) {
+                fprintf(stderr, "epd-floor-probe: --device %u, but %d device(s)\n", o->device, ndev);
+                return 2;
+        }
+        CK(cudaSetDevice((int)o->device));
+        cudaDeviceProp prop;
+        CK(cudaGetDeviceProperties(&prop, (int)o->device));
+        snprintf(st.device_name, sizeof(st.device_name), "%s", prop.name);
+
+        struct fp_host h = {};
+        make_host(o, &h);
+        CK(cudaStreamCreateWithFlags(&st.stream, cudaStreamNonBlocking));
+        CK(cudaEventCreate(&st.e0));
+        CK(cudaEventCreate(&st.e1));
+        CK(cudaMalloc((void **)&st.flush, FP_FLUSH_BYTES));
+        CK(cudaMemset(st.flush, 1, FP_FLUSH_BYTES));
+        CK(cudaMalloc((void **)&st.sink, sizeof(int)));
+        CK(cudaHostAlloc((void **)&st.gate_host, 4096, cudaHostAllocMapped));
+        *st.gate_host = 0;
+        CK(cudaHostGetDevicePointer((void **)&st.gate_dev, (void *)st.gate_host, 0));
+        st.samples = (double *)xmalloc(sizeof(double) * o->reps);
+
+        /* Device data. */
+        struct fp_copy_args ca = {};
+        ca.x = dev_copy(h.x, (size_t)h.N * FP_HIDDEN);
+        ca.scales = dev_copy(h.scales, (size_t)h.N * h.scale_bytes);
+        ca.topk = dev_copy(h.topk, (size_t)h.N * FP_TOPK);
+        ca.weights = dev_copy(h.weights, (size_t)h.N * FP_TOPK);
+        ca.plan = dev_copy(h.plan, (size_t)h.N * h.R);
+        ca.base = dev_copy(h.base, h.R);
+        ca.recv_x = dev_copy<uint8_t>(NULL, (size_t)h.rows * FP_HIDDEN);
+        ca.recv_scales = dev_copy<uint8_t>(NULL, (size_t)h.rows * h.scale_bytes);
+        ca.recv_topk = dev_copy<int64_t>(NULL, (size_t)h.rows * FP_TOPK);
+        ca.recv_weights = dev_copy<float>(NULL, (size_t)h.rows * FP_TOPK);
+        ca.tokens = h.N;
+        ca.ranks = h.R;
+        ca.local_experts = h.L;
+        ca.row_bytes = FP_HIDDEN;
+        ca.scale_bytes = h.scale_bytes;
+        const uint64_t token_bytes = FP_HIDDEN + h.scale_bytes + FP_TOPK * 8 + FP_TOPK * 4;
+        const uint64_t disp_read = (uint64_t)h.N * token_bytes + (uint64_t)h.N * h.R * 4;
+        const uint64_t disp_written = (uint64_t)h.rows * token_bytes;
+
+        struct fp_reduce_args ra = {};
+        ra.y = dev_copy(h.y, (size_t)h.rows * FP_HIDDEN * 2);
+        ra.plan = ca.plan;
+        ra.out = dev_copy<uint8_t>(NULL, (size_t)h.N * FP_HIDDEN * 2);
+        ra.tokens = h.N;
+        ra.ranks = h.R;
+        ra.row_bytes = FP_HIDDEN * 2;
+        const uint64_t comb_read = (uint64_t)h.rows * FP_HIDDEN * 2 + (uint64_t)h.N * h.R * 4;
+        const uint64_t comb_written = (uint64_t)h.N * FP_HIDDEN * 2;
+
+        uint8_t *ceiling = NULL;
+        CK(cudaMalloc((void **)&ceiling, FP_WRITE_CEILING_BYTES));
+
+        /* The dispatch_small shape: clusters of 8 blocks of 1024 threads, as many as fit. */
+        int clusters = 0;
+        {
+                cudaLaunchConfig_t cfg = {};
+                cudaLaunchAttribute attr[1];
+                attr[0].id = cudaLaunchAttributeClusterDimension;
+                attr[0].val.clusterDim.x = 8;
+                attr[0].val.clusterDim.y = 1;
+                attr[0].val.clusterDim.z = 1;
+                cfg.gridDim = dim3(8 * prop.multiProcessorCount);
+                cfg.blockDim = dim3(1024);
+                cfg.attrs = attr;
+                cfg.numAttrs = 1;
+                if (cudaOccupancyMaxActiveClusters(&clusters, fp_empty, &cfg) != cudaSuccess)
+                        clusters = 0;
+                cudaGetLastError();
+        }
+
+        FILE *tf = o->json ? stderr : stdout; /* the table; JSON lines go to stdout */
+        fprintf(tf, "epd-floor-probe on %s (%d SMs, %.0f MiB L2), git %s: %u ranks x %u tokens, %u received rows, "
+               "median and p99 of %u launches\n",
+               st.device_name, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0, epd_git_rev,
+               h.R, h.T, h.rows, o->reps);
+
+        struct fp_empty_ctx e1 = { 0, 1 }, e8 = { 8, (uint32_t)clusters * 8 };
+        struct fp_copy_ctx cs = { ca, 0 }, c1 = { ca, 1 }, c2 = { ca, 1 }, c4 = { ca, 1 };
+        cs.a.slices = 2;
+        c1.a.slices = 1;
+        c2.a.slices = 2;
+        c4.a.slices = 4;
+        struct fp_memset_ctx mo = { ca.recv_x, disp_written }, mc = { ceiling, FP_WRITE_CEILING_BYTES };
+        struct fp_reduce_ctx r7 = { ra, 1 }, r7p = { ra, 0 }, r4 = { ra, 1 }, r14 = { ra, 1 };
+        r7.a.slices = 7;
+        r7p.a.slices = 7;
+        r4.a.slices = 4;
+        r14.a.slices = 14;
+        char e8name[64];
+        snprintf(e8name, sizeof(e8name), "%d clusters of 8x1024", clusters);
+        const struct fp_probe probes[] = {
+                { "empty", "1 warp", 0, 0, launch_empty, &e1 },
+                { "empty", e8name, 0, 0, launch_empty, &e8 },
+                { "store", "2 slices", 0, disp_written, launch_copy, &cs },
+                { "copy", "1 slice", disp_read, disp_written, launch_copy, &c1 },
+                { "copy", "2 slices", disp_read, disp_written, launch_copy, &c2 },
+                { "copy", "4 slices", disp_read, disp_written, launch_copy, &c4 },
+                { "memset", "dispatch output", 0, disp_written, launch_memset, &mo },
+                { "memset", "1 GiB", 0, FP_WRITE_CEILING_BYTES, launch_memset, &mc },
+                { "reduce", "7 slices, evict-first", comb_read, comb_written, launch_reduce, &r7 },
+                { "reduce", "7 slices, plain", comb_read, comb_written, launch_reduce, &r7p },
+                { "reduce", "4 slices, evict-first", comb_read, comb_written, launch_reduce, &r4 },
+                { "reduce", "14 slices, evict-first", comb_read, comb_written, launch_reduce, &r14 },
+        };
+        const size_t nprobes = sizeof(probes) / sizeof(probes[0]);
+
+        /* Correctness first: a floor from a kernel that skipped work would be worthless. */
+        for (size_t i = 0; i < nprobes; i++) {
+                if (strcmp(probes[i].name, "copy") && strcmp(probes[i].name, "reduce"))
+                        continue;
+                CK(cudaMemset(probes[i].name[0] == 'c' ? ca.recv_x : ra.out, 0xee,
+                              probes[i].name[0] == 'c' ? (size_t)h.rows * FP_HIDDEN : (size_t)h.N * FP_HIDDEN * 2));
+                probes[i].launch(&probes[i], st.stream);
+                CK(cudaGetLastError());
+                CK(cudaStreamSynchronize(st.stream));
+                if (probes[i].name[0] == 'c' ? check_copy(&h, &ca) : check_reduce(&h, ra.out)) {
+                        fprintf(stderr, "epd-floor-probe: %s (%s) is wrong; no figures\n",
+                                probes[i].name, probes[i].variant);
+                        return 1;
+                }
+        }
+        fprintf(tf, "  copy and reduce outputs match the host bitwise\n");
+
+        json_t *rows = json_array();
+        for (size_t i = 0; i < nprobes; i++) {
+                if (probes[i].launch == launch_empty && ((const struct fp_empty_ctx *)probes[i].ctx)->cluster &&
+                    clusters == 0) {
+                        fprintf(tf, "  empty: no cluster launch fits this device; skipped\n");
+                        continue;
+                }
+                run_probe(&st, &probes[i], rows, tf);
+        }
+        if (o->json) {
+                size_t i;
+                json_t *row;
+                json_array_foreach(rows, i, row) {
+                        json_object_set_new(row, "device", json_string(st.device_name));
+                        json_object_set_new(row, "ranks", json_integer(h.R));
+                        json_object_set_new(row, "tokens", json_integer(h.T));
+                        json_object_set_new(row, "rows", json_integer(h.rows));
+                        json_object_set_new(row, "reps", json_integer(o->reps));
+                        json_object_set_new(row, "seed", json_integer((json_int_t)o->seed));
+                        json_object_set_new(row, "git_rev", json_string(epd_git_rev));
+                        char *s = json_dumps(row, JSON_COMPACT);
+                        if (s)
+                                printf("%s\n", s);
+                        free(s);
+                }
+        }
+        json_decref(rows);
+        return 0;
+}
