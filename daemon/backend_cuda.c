@@ -61,11 +61,18 @@ struct desc_buf {
 
 enum { DESC_DISPATCH, DESC_COMBINE, DESC_KINDS };
 
+/* The one-kernel ops launched with their timing events as one graph (kernels/timed.cu). */
+enum { TIMED_DISPATCH_SMALL, TIMED_COMBINE, TIMED_KINDS };
+
 struct cuda_dev {
         cudaStream_t stream;
         cudaEvent_t counted, done;
         cudaEvent_t t0, t1;           /* timing: around the op's kernels */
         struct desc_buf desc[DESC_KINDS];
+        /* An op of one kernel on this device (the one-launch dispatch, a one-device combine)
+         * sends t0, its kernel and t1 as one graph, so that the kernel time does not hold the
+         * host's launch call (kernels/timed.cu); executor thread only. */
+        struct epd_k_timed *timed[TIMED_KINDS];
 };
 
 struct cuda_backend {
@@ -498,8 +505,10 @@ static cudaError_t sync_stream(struct epd_exec *ex, int dev, cudaStream_t stream
 }
 
 /* The start of an op on its devices: every used stream waits for the clients' inputs, then
- * t0 on W marks the start of the kernel time. */
-static void op_begin(struct cuda_backend *cb, const struct epd_exec *ex, const int *used, int W)
+ * t0 on W marks the start of the kernel time, unless the op's one kernel is a timed launch
+ * (timed: it records t0 and t1 itself). W is the current device on return. */
+static void op_begin(struct cuda_backend *cb, const struct epd_exec *ex, const int *used, int W,
+                     int timed)
 {
         for (int d = 0; d < cb->num_devices; d++) {
                 if (!used[d])
@@ -508,7 +517,8 @@ static void op_begin(struct cuda_backend *cb, const struct epd_exec *ex, const i
                 queue_input_waits(ex, cb->dev[d].stream);
         }
         cudaSetDevice(W);
-        cudaEventRecord(cb->dev[W].t0, cb->dev[W].stream);
+        if (!timed)
+                cudaEventRecord(cb->dev[W].t0, cb->dev[W].stream);
 }
 
 /* The end of an op: W's stream joins every other device's work, t1 marks the end of the
@@ -610,17 +620,19 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                 rc = 0;
         }
         uint64_t deadline = epd__now_ns() + ex->timeout_ns;
-        op_begin(cb, ex, used, W);
+        op_begin(cb, ex, used, W, one_launch);
         int small = 0;
         if (one_launch) {
                 step = "dispatch_small";
                 /* The kernel writes the reply block into h_reply itself: no copy after it. */
                 args[W].reply_copy = cb->h_reply;
-                rc = epd_k_dispatch_small_launch(&args[W], &splan, cb->dev[W].stream);
+                rc = epd_k_dispatch_small_timed(&args[W], &splan,
+                                                cb->dev[W].timed[TIMED_DISPATCH_SMALL],
+                                                cb->dev[W].t0, cb->dev[W].t1, cb->dev[W].stream);
                 args[W].reply_copy = NULL;
                 if (rc < 0)
                         goto cuda_error;
-                goto launched;
+                goto ended;
         }
         if (fresh && ndev == 1) {
                 /* EPD_INVALID_ARGUMENT, before anything is queued: not a small op. */
@@ -712,6 +724,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
 launched:
         /* Every device's copy done: t1 on W's stream, which the executor waits for. */
         op_end(cb, used, W);
+ended:
         step = "the op's kernels (found at completion)";
         ce = sync_stream(ex, W, cb->dev[W].stream, cb->dev[W].t1, deadline);
         if (ce != cudaSuccess)
@@ -766,7 +779,8 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
         uint64_t deadline = epd__now_ns() + ex->timeout_ns;
         int W = (int)ex->ranks[0].device;
 
-        devices_of(ex, used);
+        /* One device: one kernel, launched with its events as one graph. */
+        const int timed = devices_of(ex, used) == 1;
         /* Descriptors first, so that the op's GPU time starts with its kernel. */
         for (int d = 0; d < cb->num_devices && rc == 0; d++) {
                 struct cuda_dev *dv = &cb->dev[d];
@@ -814,14 +828,20 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                                                         ranks_bytes);
         }
         if (rc == 0) {
-                op_begin(cb, ex, used, W);
-                for (int d = 0; d < cb->num_devices && rc == 0; d++) {
-                        if (!used[d])
-                                continue;
-                        cudaSetDevice(d);
-                        rc = epd_k_combine(&args[d], cb->dev[d].stream);
+                op_begin(cb, ex, used, W, timed);
+                if (timed) {
+                        rc = epd_k_combine_timed(&args[W], cb->dev[W].timed[TIMED_COMBINE],
+                                                 cb->dev[W].t0, cb->dev[W].t1,
+                                                 cb->dev[W].stream);
+                } else {
+                        for (int d = 0; d < cb->num_devices && rc == 0; d++) {
+                                if (!used[d])
+                                        continue;
+                                cudaSetDevice(d);
+                                rc = epd_k_combine(&args[d], cb->dev[d].stream);
+                        }
+                        op_end(cb, used, W);
                 }
-                op_end(cb, used, W);
         }
         /* As for dispatch: the end event (it follows every device's combine); after a failed
          * launch, every used stream. */
@@ -913,6 +933,11 @@ static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *
                     (ce = cudaEventCreateWithFlags(&cb->dev[d].done, cudaEventDisableTiming)) ||
                     (ce = cudaEventCreate(&cb->dev[d].t0)) || (ce = cudaEventCreate(&cb->dev[d].t1)))
                         return cuda_fail(err, err_len, "stream/event creation", ce);
+                for (int k = 0; k < TIMED_KINDS; k++)
+                        if (epd_k_timed_create(&cb->dev[d].timed[k]) < 0) {
+                                snprintf(err, err_len, "out of memory");
+                                return EPD_INTERNAL;
+                        }
                 if (epd_k_preload() < 0)
                         return cuda_fail(err, err_len, "kernel preload", epd_k_last_cuda_error());
                 /* Peer access to every device that allows it; a group spanning devices without
@@ -964,6 +989,11 @@ static void cuda_fini(struct epd_backend *b)
                 return;
         epd_executor_stop(&cb->executor);
         trim_spares(cb, 0);
+        for (int d = 0; d < cb->num_devices; d++) {
+                cudaSetDevice(d);
+                for (int k = 0; k < TIMED_KINDS; k++)
+                        epd_k_timed_destroy(cb->dev[d].timed[k]);
+        }
         free(cb->spare);
         free(cb);
         b->priv = NULL;

@@ -277,37 +277,72 @@ static __global__ void __launch_bounds__(COMBINE_THREADS)
         }
 }
 
-extern "C" int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t stream)
+/* The launch of a combine, described; its parameters point at *args, *l and *g. An op without
+ * local tokens has nothing to launch: 1. */
+struct combine_geometry {
+        uint32_t slices, slice_values;
+};
+
+static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws_layout *l,
+                            struct combine_geometry *g, struct epd__k_launch *d)
 {
-        struct epd_ws_layout l;
-        int blocks, ret = epd__k_check_combine(args, &l);
+        int blocks, ret = epd__k_check_combine(args, l);
 
         if (ret < 0)
                 return ret;
         if (args->num_local == 0 || args->local_tokens == 0)
-                return 0;
+                return 1;
         const uint64_t warps_per_block = COMBINE_THREADS / 32;
         uint64_t slice_values;
-        uint32_t slices;
         ret = epd__k_slicing(args->local_tokens, args->hidden, COMBINE_SLICE_UNIT,
-                             COMBINE_SLICE_WARPS, &slice_values, &slices);
+                             COMBINE_SLICE_WARPS, &slice_values, &g->slices);
         if (ret < 0)
                 return ret;
-        const uint64_t items = (uint64_t)args->local_tokens * slices;
-        const int stream_hint = slices > 1;
-        const void *kernel = stream_hint ? (const void *)combine_kernel<true>
-                                         : (const void *)combine_kernel<false>;
+        g->slice_values = (uint32_t)slice_values;
+        const uint64_t items = (uint64_t)args->local_tokens * g->slices;
+        const void *kernel = g->slices > 1 ? (const void *)combine_kernel<true>
+                                           : (const void *)combine_kernel<false>;
         ret = epd__k_grid_blocks(kernel, COMBINE_THREADS, 0,
                                  (items + warps_per_block - 1) / warps_per_block, &blocks);
         if (ret < 0)
                 return ret;
-        if (stream_hint)
-                combine_kernel<true><<<blocks, COMBINE_THREADS, 0, stream>>>(
-                        *args, l, slices, (uint32_t)slice_values);
-        else
-                combine_kernel<false><<<blocks, COMBINE_THREADS, 0, stream>>>(
-                        *args, l, slices, (uint32_t)slice_values);
-        return epd__k_launch_status();
+        *d = (struct epd__k_launch){};
+        d->func = kernel;
+        d->grid = dim3((unsigned)blocks);
+        d->block = dim3(COMBINE_THREADS);
+        d->params[0] = args;
+        d->params[1] = l;
+        d->params[2] = &g->slices;
+        d->params[3] = &g->slice_values;
+        return 0;
+}
+
+extern "C" int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t stream)
+{
+        struct epd_ws_layout l;
+        struct combine_geometry g;
+        struct epd__k_launch d;
+        int ret = combine_describe(args, &l, &g, &d);
+
+        return ret != 0 ? (ret > 0 ? 0 : ret) : epd__k_launch_direct(&d, stream);
+}
+
+/* With nothing to launch, the two events still bound an (empty) kernel time. */
+extern "C" int epd_k_combine_timed(const struct epd_k_combine_args *args, struct epd_k_timed *t,
+                                   cudaEvent_t t0, cudaEvent_t t1, cudaStream_t stream)
+{
+        struct epd_ws_layout l;
+        struct combine_geometry g;
+        struct epd__k_launch d;
+        int ret = combine_describe(args, &l, &g, &d);
+
+        if (ret < 0)
+                return ret;
+        if (ret > 0) {
+                ret = epd__k_cuda_status(cudaEventRecord(t0, stream));
+                return ret < 0 ? ret : epd__k_cuda_status(cudaEventRecord(t1, stream));
+        }
+        return epd__k_launch_timed(t, &d, t0, t1, stream);
 }
 
 int epd__k_preload_combine(void)

@@ -724,25 +724,50 @@ extern "C" int epd_k_dispatch_small_plan(const struct epd_k_dispatch_args *args,
         return ds_plan(args, &l, plan);
 }
 
-extern "C" int epd_k_dispatch_small_launch(const struct epd_k_dispatch_args *args,
-                                           const struct epd_k_small_plan *p, cudaStream_t stream)
+/* The launch of plan p, described; its parameters point at *args, *l and *p. */
+static int ds_describe(const struct epd_k_dispatch_args *args, const struct epd_k_small_plan *p,
+                       struct epd_ws_layout *l, struct epd__k_launch *d)
 {
-        struct epd_ws_layout l;
-        int ret = small_op_check(args, &l);
+        int ret = small_op_check(args, l);
 
         if (ret < 0)
                 return ret;
         if (p->cluster == 0 || p->blocks == 0 || p->blocks % p->cluster != 0)
                 return EPD_INVALID_ARGUMENT; /* not a plan of epd_k_dispatch_small_plan */
-        cudaLaunchAttribute attr;
-        cudaLaunchConfig_t cfg = ds_config(p, &attr, stream);
-        if (args->num_topk <= DS_REG_TOPK)
-                return epd__k_cuda_status(cudaLaunchKernelEx(
-                        &cfg, dispatch_small_kernel<DS_REG_TOPK>, *args, l, p->slots, p->slices,
-                        p->slice_bytes, p->skip0));
-        return epd__k_cuda_status(cudaLaunchKernelEx(&cfg, dispatch_small_kernel<0>, *args, l,
-                                                     p->slots, p->slices, p->slice_bytes,
-                                                     p->skip0));
+        *d = (struct epd__k_launch){};
+        d->func = ds_kernel(args->num_topk);
+        d->grid = dim3(p->blocks);
+        d->block = dim3(DS_THREADS);
+        d->smem = p->smem;
+        d->cluster = p->cluster;
+        d->params[0] = args;
+        d->params[1] = l;
+        d->params[2] = &p->slots;
+        d->params[3] = &p->slices;
+        d->params[4] = &p->slice_bytes;
+        d->params[5] = &p->skip0;
+        return 0;
+}
+
+extern "C" int epd_k_dispatch_small_launch(const struct epd_k_dispatch_args *args,
+                                           const struct epd_k_small_plan *p, cudaStream_t stream)
+{
+        struct epd_ws_layout l;
+        struct epd__k_launch d;
+        int ret = ds_describe(args, p, &l, &d);
+
+        return ret < 0 ? ret : epd__k_launch_direct(&d, stream);
+}
+
+extern "C" int epd_k_dispatch_small_timed(const struct epd_k_dispatch_args *args,
+                                          const struct epd_k_small_plan *p, struct epd_k_timed *t,
+                                          cudaEvent_t t0, cudaEvent_t t1, cudaStream_t stream)
+{
+        struct epd_ws_layout l;
+        struct epd__k_launch d;
+        int ret = ds_describe(args, p, &l, &d);
+
+        return ret < 0 ? ret : epd__k_launch_timed(t, &d, t0, t1, stream);
 }
 
 extern "C" int epd_k_dispatch_small(const struct epd_k_dispatch_args *args, cudaStream_t stream)

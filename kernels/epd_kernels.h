@@ -202,6 +202,24 @@ int epd_k_dispatch_small_plan(const struct epd_k_dispatch_args *args,
                               struct epd_k_small_plan *plan);
 int epd_k_dispatch_small_launch(const struct epd_k_dispatch_args *args,
                                 const struct epd_k_small_plan *plan, cudaStream_t stream);
+/* Timed launches (timed.cu): the op's kernel between the two events that time it, sent as one
+ * CUDA graph (event, kernel, event) that is instantiated once per kernel and cluster shape and
+ * updated with each op's parameters. Around a direct launch on an idle GPU the first event
+ * completes while the host is still in the launch call, so the kernel time would hold the host's
+ * launch latency (about 4 us on the H200 hosts); in one graph the three reach the GPU together.
+ * When a graph cannot be built or updated, the launch falls back to record, launch, record.
+ * One object per caller thread and device at a time; create costs a calloc. */
+struct epd_k_timed;
+int epd_k_timed_create(struct epd_k_timed **out);
+void epd_k_timed_destroy(struct epd_k_timed *t); /* on the device it launched on; NULL is a no-op */
+/* 1 when t's last launch went through a graph, 0 after a fallback or before any launch. */
+int epd_k_timed_uses_graph(const struct epd_k_timed *t);
+/* epd_k_dispatch_small_launch and epd_k_combine, timed: t0 before the kernel, t1 after it. */
+int epd_k_dispatch_small_timed(const struct epd_k_dispatch_args *args,
+                               const struct epd_k_small_plan *plan, struct epd_k_timed *t,
+                               cudaEvent_t t0, cudaEvent_t t1, cudaStream_t stream);
+int epd_k_combine_timed(const struct epd_k_combine_args *args, struct epd_k_timed *t,
+                        cudaEvent_t t0, cudaEvent_t t1, cudaStream_t stream);
 /* Zeroes the small routing's counters of a freshly allocated workspace, on `stream`. */
 int epd_k_workspace_init(void *workspace, uint32_t world_size, uint32_t num_experts,
                          uint32_t max_tokens, uint32_t max_topk, cudaStream_t stream);

@@ -50,6 +50,22 @@ int epd__k_slicing(uint64_t rows, uint64_t total, uint64_t unit, uint64_t warps_
 #define EPD_K_SLICE_WARPS 48
 #endif
 
+/* A launch, described: what cudaLaunchKernelExC takes, or a graph's kernel node. params[i]
+ * points at the kernel's i-th parameter, which must stay alive until the launch call returns. */
+#define EPD_K_LAUNCH_MAX_PARAMS 8
+struct epd__k_launch {
+        const void *func;
+        dim3 grid, block;
+        size_t smem;
+        unsigned cluster; /* blocks per cluster; 0 or 1: no cluster */
+        const void *params[EPD_K_LAUNCH_MAX_PARAMS];
+};
+/* Launches l on stream (timed.cu). */
+int epd__k_launch_direct(const struct epd__k_launch *l, cudaStream_t stream);
+/* Launches l between events t0 and t1 on stream, as one graph when t allows (timed.cu). */
+int epd__k_launch_timed(struct epd_k_timed *t, const struct epd__k_launch *l, cudaEvent_t t0,
+                        cudaEvent_t t1, cudaStream_t stream);
+
 /* Loads each file's kernels into the current device's context (epd_k_preload). */
 int epd__k_preload_route(void);
 int epd__k_preload_dispatch(void);

@@ -864,10 +864,43 @@ static int gpu_dispatch_small(struct ctx *x)
         return 0;
 }
 
+/* Timed launches (kernels/timed.cu) as the daemon makes them: one object and one pair of events
+ * per kind for the whole run on device 0, so that every case after the first updates the graph
+ * the previous one left (other buffers, grids and shared memory), and a change of kernel
+ * (K_op above 8) or cluster shape rebuilds it. A stale parameter would write the previous case's
+ * buffers and leave this one's poisoned. */
+static struct {
+        struct epd_k_timed *obj[2]; /* 0: one-launch dispatch, 1: combine */
+        cudaEvent_t t0, t1;
+        int launches[2], direct[2];
+} timed;
+
+static int timed_init(void)
+{
+        CK(cudaSetDevice(0));
+        CK(cudaEventCreate(&timed.t0));
+        CK(cudaEventCreate(&timed.t1));
+        for (int k = 0; k < 2; k++)
+                if (epd_k_timed_create(&timed.obj[k]) < 0)
+                        return -1;
+        return 0;
+}
+
+/* After a timed launch of kind k has completed: whether it went through a graph. The graph is
+ * what the daemon's kernel time relies on, so a silent fallback on this device is a failure. */
+static void timed_check(struct ctx *x, int k, const char *what)
+{
+        timed.launches[k]++;
+        if (!epd_k_timed_uses_graph(timed.obj[k])) {
+                timed.direct[k]++;
+                failf(x, "%s: the timed launch fell back to a direct launch", what);
+        }
+}
+
 /* The same dispatch in one launch (kernels/dispatch_small.cu), as the daemon runs a small op
  * whose outputs are in client memory, with the reply block written by the kernel into the pinned
- * host copy (no copy after it). */
-static int gpu_dispatch_fused(struct ctx *x)
+ * host copy (no copy after it); use_timed: through the timed launch (graph), as the daemon does. */
+static int gpu_dispatch_fused(struct ctx *x, int use_timed)
 {
         struct epd_k_dispatch_args a;
 
@@ -877,6 +910,15 @@ static int gpu_dispatch_fused(struct ctx *x)
          * that a value it does not write shows. */
         memset(x->reply, 0xA5, x->lay.reply_bytes);
         a.reply_copy = x->reply;
+        if (use_timed) {
+                struct epd_k_small_plan p;
+                CKS(epd_k_dispatch_small_plan(&a, &p));
+                CKS(epd_k_dispatch_small_timed(&a, &p, timed.obj[0], timed.t0, timed.t1,
+                                               x->stream[0]));
+                CK(cudaStreamSynchronize(x->stream[0]));
+                timed_check(x, 0, "one-launch small dispatch");
+                return 0;
+        }
         CKS(epd_k_dispatch_small(&a, x->stream[0]));
         CK(cudaStreamSynchronize(x->stream[0]));
         return 0;
@@ -1108,7 +1150,8 @@ static void dev_combine_args(const struct ctx *x, int dev, struct epd_k_combine_
         a->local_tokens = x->local_tokens[dev];
 }
 
-static int gpu_combine(struct ctx *x)
+/* use_timed: a one-device combine through the timed launch (a graph), as the daemon runs it. */
+static int gpu_combine(struct ctx *x, int use_timed)
 {
         struct epd_k_combine_args a;
 
@@ -1123,15 +1166,24 @@ static int gpu_combine(struct ctx *x)
                 CK(cudaSetDevice(dev));
                 CK(cudaDeviceSynchronize());
         }
+        uint32_t launched_tokens = 0;
+        use_timed = use_timed && x->ndev == 1;
         for (int dev = 0; dev < x->ndev; dev++) {
                 CK(cudaSetDevice(dev));
                 dev_combine_args(x, dev, &a);
-                CKS(epd_k_combine(&a, x->stream[dev]));
+                launched_tokens += a.local_tokens;
+                if (use_timed)
+                        CKS(epd_k_combine_timed(&a, timed.obj[1], timed.t0, timed.t1,
+                                                x->stream[dev]));
+                else
+                        CKS(epd_k_combine(&a, x->stream[dev]));
         }
         for (int dev = 0; dev < x->ndev; dev++) {
                 CK(cudaSetDevice(dev));
                 CK(cudaStreamSynchronize(x->stream[dev]));
         }
+        if (use_timed && launched_tokens != 0) /* else there was no kernel to launch */
+                timed_check(x, 1, "combine");
         for (uint32_t s = 0; s < x->R; s++) {
                 struct rank_data *r = &x->rk[s];
                 CK(cudaMemcpy(r->comb.got, r->comb.dev, r->comb.bytes, cudaMemcpyDeviceToHost));
@@ -1205,7 +1257,7 @@ static int combine_row_bound(struct ctx *x)
                         *prow = keep;
                         CK(cudaSetDevice(0));
                         CK(cudaMemcpy(wrow, &past, 4, cudaMemcpyHostToDevice));
-                        int rc = gpu_combine(x);
+                        int rc = gpu_combine(x, 0);
                         CK(cudaSetDevice(0));
                         CK(cudaMemcpy(wrow, &keep, 4, cudaMemcpyHostToDevice));
                         if (rc < 0)
@@ -1802,8 +1854,8 @@ static int run_case(struct ctx *x, int ndev_avail, int timing, double *ceiling)
          * on what run 3 left (the kernel must put its counters back to zero, whatever the
          * verdict). Combine and cached dispatch below then run on what it left. */
         /* Runs 5 and 6: the one-launch small dispatch, from garbage (it needs no zeroed
-         * counters), then again on what run 5 left; it must give the same verdict, outputs
-         * and workspace. Combine and cached dispatch below run on what run 6 left, so they
+         * counters), then again on what run 5 left, through the timed launch (a graph, as the
+         * daemon launches it); it must give the same verdict, outputs and workspace. Combine and cached dispatch below run on what run 6 left, so they
          * check the workspace arrays this kernel writes for them. */
         const int small = small_ok(x, 0), fused = small && small_ok(x, 1);
         for (int run = 3; run <= 6; run++) {
@@ -1820,7 +1872,7 @@ static int run_case(struct ctx *x, int ndev_avail, int timing, double *ceiling)
                 if (reset_outputs(x) < 0)
                         return -1;
                 CK(cudaDeviceSynchronize());
-                if ((one_launch ? gpu_dispatch_fused(x) : gpu_dispatch_small(x)) < 0)
+                if ((one_launch ? gpu_dispatch_fused(x, run == 6) : gpu_dispatch_small(x)) < 0)
                         return -1;
                 check_verdict(x, &want);
                 if (readback_outputs(x) < 0)
@@ -1845,7 +1897,7 @@ static int run_case(struct ctx *x, int ndev_avail, int timing, double *ceiling)
                 return 0;
         }
 
-        /* Combine, twice. */
+        /* Combine, twice: the second time through the timed launch (one device). */
         if (setup_combine(x, &g) < 0)
                 return -1;
         t0 = now_s();
@@ -1853,7 +1905,7 @@ static int run_case(struct ctx *x, int ndev_avail, int timing, double *ceiling)
         double t_hcomb = now_s() - t0;
         for (int run = 0; run < 2; run++) {
                 char what[64];
-                if (gpu_combine(x) < 0)
+                if (gpu_combine(x, run == 1) < 0)
                         return -1;
                 for (uint32_t s = 0; s < x->R; s++) {
                         struct rank_data *r = &x->rk[s];
@@ -1904,7 +1956,7 @@ static int run_case(struct ctx *x, int ndev_avail, int timing, double *ceiling)
                                 memset(x->rk[s].comb_w.ref, SENTINEL, x->rk[s].comb_w.bytes);
                 }
                 host_combine(x, 1);
-                if (gpu_combine(x) < 0)
+                if (gpu_combine(x, 0) < 0)
                         return -1;
                 for (uint32_t s = 0; s < x->R; s++) {
                         struct rank_data *r = &x->rk[s];
@@ -2157,6 +2209,8 @@ int main(int argc, char **argv)
                         }
                 }
                 cudaSetDevice(0);
+                if (timed_init() < 0)
+                        return 1;
         }
         const char *match = getenv("EPD_KTEST_MATCH");
         if (!list && only < 0 && !match) {
@@ -2221,6 +2275,10 @@ int main(int argc, char **argv)
         }
         if (list)
                 return 0;
+        if (!list)
+                printf("timed launches (graphs): %d one-launch dispatches, %d combines, %d and %d "
+                       "of them direct\n",
+                       timed.launches[0], timed.launches[1], timed.direct[0], timed.direct[1]);
         printf("%d of %d cases passed\n", ran - failed, ran);
         fflush(stdout);
         return failed ? 1 : 0;
