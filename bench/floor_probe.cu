@@ -27,7 +27,8 @@
  * ways around the launch: `event` records an event, launches, records another on an idle GPU, as
  * epd's kernel time is taken (so the host's launch call falls inside); `gated` queues the same
  * behind a one-warp kernel spinning on a pinned word that the host sets once everything is queued,
- * so the figure is the GPU's alone. Median and p99 over --reps launches after one untimed one.
+ * so the figure is the GPU's alone; `graph` captures the two events and the launch as one CUDA graph
+ * and launches that, so they reach the GPU in one submission. Median and p99 over --reps launches after one untimed one.
  * The copy and reduce outputs are checked bitwise against the host once, so a floor is never taken
  * from a kernel that skipped its work.
  *
@@ -317,13 +318,40 @@ static void prepare(struct fp_state *st, enum fp_mode mode, uint32_t salt)
         CK(cudaStreamSynchronize(st->stream));
 }
 
+enum fp_launch { LAUNCH_EVENT, LAUNCH_GATED, LAUNCH_GRAPH };
+static const char *const launch_names[] = { "event", "gated", "graph" };
+
+/* The events and the launch of p captured as one CUDA graph: t0, the kernel and t1 reach the GPU
+ * in one submission, as a daemon that keeps an instantiated graph per op shape would send them. */
+static cudaGraphExec_t capture(struct fp_state *st, const struct fp_probe *p)
+{
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+
+        CK(cudaStreamBeginCapture(st->stream, cudaStreamCaptureModeThreadLocal));
+        CK(cudaEventRecordWithFlags(st->e0, st->stream, cudaEventRecordExternal));
+        p->launch(p, st->stream);
+        CK(cudaEventRecordWithFlags(st->e1, st->stream, cudaEventRecordExternal));
+        CK(cudaStreamEndCapture(st->stream, &graph));
+        CK(cudaGraphInstantiate(&exec, graph, 0));
+        CK(cudaGraphDestroy(graph));
+        return exec;
+}
+
 /* One timed launch of p after the mode's preparation; microseconds. */
 static double time_once(struct fp_state *st, const struct fp_probe *p, enum fp_mode mode,
-                        int gated, uint32_t salt)
+                        enum fp_launch launch, cudaGraphExec_t exec, uint32_t salt)
 {
+        const int gated = launch == LAUNCH_GATED;
         float ms = 0;
 
         prepare(st, mode, salt);
+        if (launch == LAUNCH_GRAPH) {
+                CK(cudaGraphLaunch(exec, st->stream));
+                CK(cudaEventSynchronize(st->e1));
+                CK(cudaEventElapsedTime(&ms, st->e0, st->e1));
+                return ms * 1e3;
+        }
         if (gated) {
                 st->gate_value++;
                 fp_gate<<<1, 32, 0, st->stream>>>(st->gate_dev, st->gate_value);
@@ -342,25 +370,28 @@ static double time_once(struct fp_state *st, const struct fp_probe *p, enum fp_m
 
 static void run_probe(struct fp_state *st, const struct fp_probe *p, json_t *rows, FILE *tf)
 {
+        cudaGraphExec_t exec = capture(st, p);
+
         for (int mode = MODE_FRESH; mode <= MODE_WARM; mode++)
-                for (int gated = 0; gated <= 1; gated++) {
+                for (int launch = LAUNCH_EVENT; launch <= LAUNCH_GRAPH; launch++) {
                         const uint32_t n = st->o.reps;
-                        time_once(st, p, (enum fp_mode)mode, gated, 0); /* untimed */
+                        const enum fp_launch l = (enum fp_launch)launch;
+                        time_once(st, p, (enum fp_mode)mode, l, exec, 0); /* untimed */
                         for (uint32_t i = 0; i < n; i++)
-                                st->samples[i] = time_once(st, p, (enum fp_mode)mode, gated, i + 1);
+                                st->samples[i] = time_once(st, p, (enum fp_mode)mode, l, exec, i + 1);
                         qsort(st->samples, n, sizeof(double), cmp_double);
                         const double p50 = st->samples[n / 2];
                         const double p99 = st->samples[(uint32_t)((n - 1) * 0.99)];
                         const double gbps = (double)(p->bytes_read + p->bytes_written) / (p50 * 1e3);
                         fprintf(tf, "  %-8s %-22s %-6s %-6s p50 %8.2f us  p99 %8.2f us  %7.1f GB/s (read %.2f MB, written %.2f MB)\n",
-                               p->name, p->variant, mode_names[mode], gated ? "gated" : "event",
+                               p->name, p->variant, mode_names[mode], launch_names[launch],
                                p50, p99, gbps, p->bytes_read / 1e6, p->bytes_written / 1e6);
                         json_t *o = json_object();
                         json_object_set_new(o, "bench", json_string("floor-probe"));
                         json_object_set_new(o, "kernel", json_string(p->name));
                         json_object_set_new(o, "variant", json_string(p->variant));
                         json_object_set_new(o, "mode", json_string(mode_names[mode]));
-                        json_object_set_new(o, "launch", json_string(gated ? "gated" : "event"));
+                        json_object_set_new(o, "launch", json_string(launch_names[launch]));
                         json_object_set_new(o, "p50_us", json_real(p50));
                         json_object_set_new(o, "p99_us", json_real(p99));
                         json_object_set_new(o, "min_us", json_real(st->samples[0]));
@@ -369,6 +400,7 @@ static void run_probe(struct fp_state *st, const struct fp_probe *p, json_t *row
                         json_object_set_new(o, "gbps", json_real(gbps));
                         json_array_append_new(rows, o);
                 }
+        CK(cudaGraphExecDestroy(exec));
 }
 
 /* ---- the probes' launches ----------------------------------------------------------------- */
@@ -611,7 +643,7 @@ static void usage(FILE *f)
         fprintf(f, "Usage: epd-floor-probe [--ranks R] [--tokens T] [--reps N] [--seed S] [--device D] [--json]\n"
                    "  Times the decode workload's bytes with the routing known in advance (empty,\n"
                    "  store, copy, memset, reduce kernels), in Fresh, clean and warm L2 states, with\n"
-                   "  the launch inside the events and gated. Defaults: 8 ranks, 128 tokens (decode),\n"
+                   "  the launch inside the events, gated and as a graph. Defaults: 8 ranks, 128 tokens (decode),\n"
                    "  200 repetitions, seed 1 (epd-bench's), device 0.\n");
 }
 
@@ -774,7 +806,7 @@ int main(int argc, char **argv)
         c1.a.slices = 1;
         c2.a.slices = 2;
         c4.a.slices = 4;
-        struct fp_memset_ctx mo = { ca.recv_x, disp_written }, mc = { ceiling, FP_WRITE_CEILING_BYTES };
+        struct fp_memset_ctx mo = { ceiling, disp_written }, mc = { ceiling, FP_WRITE_CEILING_BYTES };
         struct fp_reduce_ctx r7 = { ra, 1 }, r7p = { ra, 0 }, r4 = { ra, 1 }, r14 = { ra, 1 };
         r7.a.slices = 7;
         r7p.a.slices = 7;
