@@ -291,6 +291,9 @@ static int upload_dispatch(struct cuda_backend *cb, struct epd_exec *ex, void *w
                 a->ranks = dv->desc[DESC_DISPATCH].d;
                 a->local = (const struct epd_k_local *)((uint8_t *)dv->desc[DESC_DISPATCH].d +
                                                         ranks_bytes);
+                /* The same descriptors for the kernel's parameters (small groups). */
+                a->ranks_host = (const struct epd_k_dispatch_rank *)h;
+                a->local_host = (const struct epd_k_local *)(h + ranks_bytes);
         }
         return 0;
 }
@@ -826,6 +829,8 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                 a->ranks = dv->desc[DESC_COMBINE].d;
                 a->local = (const struct epd_k_local *)((uint8_t *)dv->desc[DESC_COMBINE].d +
                                                         ranks_bytes);
+                a->ranks_host = kr;
+                a->local_host = (const struct epd_k_local *)(h + ranks_bytes);
         }
         if (rc == 0) {
                 op_begin(cb, ex, used, W, timed);

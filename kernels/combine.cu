@@ -216,7 +216,8 @@ template <bool STREAM>
 static __global__ void __launch_bounds__(COMBINE_THREADS)
         combine_kernel(const __grid_constant__ struct epd_k_combine_args a,
                        const __grid_constant__ struct epd_ws_layout l, uint32_t slices,
-                       uint32_t slice_values)
+                       uint32_t slice_values,
+                       const __grid_constant__ struct epd__k_inline<struct epd_k_combine_rank> in)
 {
         const uint32_t L = l.num_local_experts, K = a.num_topk;
         const uint32_t lane = threadIdx.x % 32;
@@ -224,15 +225,19 @@ static __global__ void __launch_bounds__(COMBINE_THREADS)
         const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
         const uint64_t items = (uint64_t)a.local_tokens * slices;
         void *ws = (void *)a.workspace;
+        /* The descriptors: in the parameters when the launcher had host copies (no load from
+         * device memory in front of each warp's first contribution), else device memory. */
+        const struct epd_k_combine_rank *ranks = epd__k_ranks(in, a.ranks);
+        const struct epd_k_local *local = epd__k_locals(in, a.local);
 
         for (uint64_t item = warp; item < items; item += warps) {
                 const uint64_t g = item / slices;
                 const uint32_t slice = (uint32_t)(item % slices);
                 const uint32_t h0 = slice * slice_values;
                 const uint32_t h1 = min(a.hidden, h0 + slice_values);
-                const uint32_t i = epd__k_find_local(a.local, a.num_local, (uint32_t)g);
-                const uint32_t s = a.local[i].rank, t = (uint32_t)g - a.local[i].token_offset;
-                const struct epd_k_combine_rank *me = &a.ranks[s];
+                const uint32_t i = epd__k_find_local(local, a.num_local, (uint32_t)g);
+                const uint32_t s = local[i].rank, t = (uint32_t)g - local[i].token_offset;
+                const struct epd_k_combine_rank *me = &ranks[s];
                 const uint64_t ent = epd_ws_entry(&l, s, t, K, 0);
                 int32_t expert = -1, row = -1;
                 float weight = 0.0f;
@@ -253,7 +258,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS)
                 const uint8_t *my_row = NULL;
                 if (row >= 0) {
                         const struct epd_k_combine_rank *d =
-                                &a.ranks[epd_route_expert_rank(expert, L)];
+                                &ranks[epd_route_expert_rank(expert, L)];
                         if ((uint64_t)row < d->y_rows)
                                 my_row = d->y.ptr + (uint64_t)row * d->y.stride;
                         else
@@ -277,10 +282,11 @@ static __global__ void __launch_bounds__(COMBINE_THREADS)
         }
 }
 
-/* The launch of a combine, described; its parameters point at *args, *l and *g. An op without
- * local tokens has nothing to launch: 1. */
+/* The launch of a combine, described; its parameters point at *args, *l and *g (which it
+ * fills). An op without local tokens has nothing to launch: 1. */
 struct combine_geometry {
         uint32_t slices, slice_values;
+        struct epd__k_inline<struct epd_k_combine_rank> in;
 };
 
 static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws_layout *l,
@@ -314,6 +320,8 @@ static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws
         d->params[1] = l;
         d->params[2] = &g->slices;
         d->params[3] = &g->slice_values;
+        epd__k_inline_fill(&g->in, args);
+        d->params[4] = &g->in;
         return 0;
 }
 

@@ -285,7 +285,8 @@ template <uint32_t KMAX>
 static __global__ void __launch_bounds__(DS_THREADS, 1)
         dispatch_small_kernel(const __grid_constant__ struct epd_k_dispatch_args a,
                               const __grid_constant__ struct epd_ws_layout l, uint32_t slots,
-                              uint32_t slices, uint64_t slice_bytes, uint32_t skip0)
+                              uint32_t slices, uint64_t slice_bytes, uint32_t skip0,
+                              const __grid_constant__ struct epd__k_inline<struct epd_k_dispatch_rank> in)
 {
         extern __shared__ int32_t smem[];
         __shared__ struct ds_src srcs[SMALL_MAX_RANKS];
@@ -316,23 +317,27 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         int32_t *nsm = smem + m.nrow + threadIdx.x * small_row_stride(K);
         int32_t nreg[KMAX ? KMAX : 1];
         void *ws = a.workspace;
+        /* The descriptors: in the parameters when the launcher had host copies, else device
+         * memory. */
+        const struct epd_k_dispatch_rank *ranks = epd__k_ranks(in, a.ranks);
+        const struct epd_k_local *local = epd__k_locals(in, a.local);
         DS_STAMP(0);
 
         if (threadIdx.x < nl) {
                 /* Local index s is rank s (small_op_check: every rank is local, ascending),
                  * so the descriptor's load does not wait for local[]'s. */
-                const struct epd_k_dispatch_rank *r = &a.ranks[threadIdx.x];
+                const struct epd_k_dispatch_rank *r = &ranks[threadIdx.x];
                 srcs[threadIdx.x] = (struct ds_src){
                         r->topk_idx, r->topk_stride != 0 ? r->topk_stride : K, r->num_tokens,
-                        a.local[threadIdx.x].token_offset, a.local[threadIdx.x].rank, 0 };
-                cap[threadIdx.x] = a.ranks[threadIdx.x].capacity_rows;
+                        local[threadIdx.x].token_offset, local[threadIdx.x].rank, 0 };
+                cap[threadIdx.x] = r->capacity_rows;
         }
         if (threadIdx.x == 0) {
                 bad_key = ~0ull;
                 num_short = 0;
                 first_short = UINT32_MAX;
         }
-        ds_copy_ranks(sranks, a.ranks, R);
+        ds_copy_ranks(sranks, ranks, R);
         for (uint32_t x = threadIdx.x; x < nd * E; x += blockDim.x)
                 hist[x] = 0;
         for (uint32_t x = threadIdx.x; x < (R + 1) * R; x += blockDim.x)
@@ -724,9 +729,11 @@ extern "C" int epd_k_dispatch_small_plan(const struct epd_k_dispatch_args *args,
         return ds_plan(args, &l, plan);
 }
 
-/* The launch of plan p, described; its parameters point at *args, *l and *p. */
+/* The launch of plan p, described; its parameters point at *args, *l, *p and *in (which it
+ * fills). */
 static int ds_describe(const struct epd_k_dispatch_args *args, const struct epd_k_small_plan *p,
-                       struct epd_ws_layout *l, struct epd__k_launch *d)
+                       struct epd_ws_layout *l, struct epd__k_inline<struct epd_k_dispatch_rank> *in,
+                       struct epd__k_launch *d)
 {
         int ret = small_op_check(args, l);
 
@@ -746,6 +753,8 @@ static int ds_describe(const struct epd_k_dispatch_args *args, const struct epd_
         d->params[3] = &p->slices;
         d->params[4] = &p->slice_bytes;
         d->params[5] = &p->skip0;
+        epd__k_inline_fill(in, args);
+        d->params[6] = in;
         return 0;
 }
 
@@ -753,8 +762,9 @@ extern "C" int epd_k_dispatch_small_launch(const struct epd_k_dispatch_args *arg
                                            const struct epd_k_small_plan *p, cudaStream_t stream)
 {
         struct epd_ws_layout l;
+        struct epd__k_inline<struct epd_k_dispatch_rank> in;
         struct epd__k_launch d;
-        int ret = ds_describe(args, p, &l, &d);
+        int ret = ds_describe(args, p, &l, &in, &d);
 
         return ret < 0 ? ret : epd__k_launch_direct(&d, stream);
 }
@@ -764,8 +774,9 @@ extern "C" int epd_k_dispatch_small_timed(const struct epd_k_dispatch_args *args
                                           cudaEvent_t t0, cudaEvent_t t1, cudaStream_t stream)
 {
         struct epd_ws_layout l;
+        struct epd__k_inline<struct epd_k_dispatch_rank> in;
         struct epd__k_launch d;
-        int ret = ds_describe(args, p, &l, &d);
+        int ret = ds_describe(args, p, &l, &in, &d);
 
         return ret < 0 ? ret : epd__k_launch_timed(t, &d, t0, t1, stream);
 }

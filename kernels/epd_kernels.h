@@ -110,6 +110,13 @@ struct epd_k_dispatch_args {
          * capacities. */
         const struct epd_k_dispatch_rank *ranks; /* [R], device memory */
         const struct epd_k_local *local;         /* [num_local + 1], device memory */
+        /* Optional host copies of ranks[] and local[] (NULL: none), read by the launcher only.
+         * With world_size and num_local at most EPD_K_INLINE_RANKS, the one-launch dispatch and
+         * combine pass them inside the kernel's parameters, so that the kernel's first loads do
+         * not wait for a descriptor load from device memory (a DRAM round trip after an L2
+         * flush). ranks and local must still hold the same descriptors. */
+        const struct epd_k_dispatch_rank *ranks_host;
+        const struct epd_k_local *local_host;
         uint32_t num_local;            /* ranks on the launching device (0 for prefix/recheck) */
         uint32_t local_tokens;         /* local[num_local].token_offset, known to the host */
         /* dispatch_small only, optional: pinned host memory of epd_k_reply_bytes, which the
@@ -144,9 +151,17 @@ struct epd_k_combine_args {
         const void *workspace;         /* the handle's workspace (placed dispatch) */
         const struct epd_k_combine_rank *ranks; /* [R], device memory */
         const struct epd_k_local *local;        /* [num_local + 1], device memory */
+        /* Optional host copies, as in epd_k_dispatch_args. */
+        const struct epd_k_combine_rank *ranks_host;
+        const struct epd_k_local *local_host;
         uint32_t num_local;
         uint32_t local_tokens;
 };
+
+/* The most ranks whose descriptors travel inside a kernel's parameters (ranks_host). Eight
+ * dispatch descriptors take 1.4 KB of the 4 KB every launch carries; larger groups read them
+ * from device memory. */
+#define EPD_K_INLINE_RANKS 8
 
 /* Bytes of the group workspace, and of its reply block at offset 0 (error record and counts).
  * 0 when the dims break SEMANTICS.md section 1. */

@@ -5,6 +5,7 @@
 #define EPD_KERNELS_INTERNAL_CUH
 
 #include <stdint.h>
+#include <string.h>
 
 #include "epd_kernels.h"
 #include "layout.h"
@@ -65,6 +66,42 @@ int epd__k_launch_direct(const struct epd__k_launch *l, cudaStream_t stream);
 /* Launches l between events t0 and t1 on stream, as one graph when t allows (timed.cu). */
 int epd__k_launch_timed(struct epd_k_timed *t, const struct epd__k_launch *l, cudaEvent_t t0,
                         cudaEvent_t t1, cudaStream_t stream);
+
+/* Descriptors inside a kernel's parameters (ranks_host, local_host of the args): a
+ * __grid_constant__ parameter of this type lets the kernel read them through a pointer into the
+ * parameter space, which the launch itself brings, instead of from device memory. */
+template <typename Rank> struct epd__k_inline {
+        Rank ranks[EPD_K_INLINE_RANKS];
+        struct epd_k_local local[EPD_K_INLINE_RANKS + 1];
+        uint32_t used; /* 0: the kernel reads args.ranks and args.local */
+};
+
+/* Fills *in from a's host copies when there are some and they fit; otherwise in->used = 0. */
+template <typename Args, typename Rank>
+static inline void epd__k_inline_fill(struct epd__k_inline<Rank> *in, const Args *a)
+{
+        memset(in, 0, sizeof(*in));
+        if (a->ranks_host == NULL || a->local_host == NULL ||
+            a->world_size > EPD_K_INLINE_RANKS || a->num_local > EPD_K_INLINE_RANKS)
+                return;
+        memcpy(in->ranks, a->ranks_host, sizeof(Rank) * a->world_size);
+        memcpy(in->local, a->local_host, sizeof(struct epd_k_local) * (a->num_local + 1));
+        in->used = 1;
+}
+
+/* The descriptors a kernel reads: the inline copies, or device memory. */
+template <typename Rank>
+static __device__ __forceinline__ const Rank *epd__k_ranks(const struct epd__k_inline<Rank> &in,
+                                                           const Rank *global)
+{
+        return in.used ? in.ranks : global;
+}
+template <typename Rank>
+static __device__ __forceinline__ const struct epd_k_local *
+epd__k_locals(const struct epd__k_inline<Rank> &in, const struct epd_k_local *global)
+{
+        return in.used ? in.local : global;
+}
 
 /* Loads each file's kernels into the current device's context (epd_k_preload). */
 int epd__k_preload_route(void);

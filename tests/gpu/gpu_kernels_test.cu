@@ -449,6 +449,7 @@ struct ctx {
         struct epd_k_dispatch_rank *dr_dev[MAX_DEV];
         struct epd_k_combine_rank *cr_dev[MAX_DEV];
         struct epd_k_local *local_dev[MAX_DEV];
+        struct epd_k_local *local_host[MAX_DEV]; /* the same lists on the host */
         uint32_t num_local[MAX_DEV], local_tokens[MAX_DEV];
         void *dallocs[MAX_ALLOCS];
         int ndallocs;
@@ -774,6 +775,7 @@ static int upload_locals(struct ctx *x)
                 loc[n].token_offset = off;
                 x->num_local[dev] = n;
                 x->local_tokens[dev] = off;
+                x->local_host[dev] = loc;
                 if (upload(x, dev, loc, sizeof(*loc) * (n + 1), (uint8_t **)&x->local_dev[dev]) < 0)
                         return -1;
         }
@@ -911,7 +913,11 @@ static int gpu_dispatch_fused(struct ctx *x, int use_timed)
         memset(x->reply, 0xA5, x->lay.reply_bytes);
         a.reply_copy = x->reply;
         if (use_timed) {
+                /* As the daemon: host copies of the descriptors too, which the launcher passes
+                 * in the kernel's parameters when the group is small enough. */
                 struct epd_k_small_plan p;
+                a.ranks_host = x->dr_host;
+                a.local_host = x->local_host[0];
                 CKS(epd_k_dispatch_small_plan(&a, &p));
                 CKS(epd_k_dispatch_small_timed(&a, &p, timed.obj[0], timed.t0, timed.t1,
                                                x->stream[0]));
@@ -1172,9 +1178,12 @@ static int gpu_combine(struct ctx *x, int use_timed)
                 CK(cudaSetDevice(dev));
                 dev_combine_args(x, dev, &a);
                 launched_tokens += a.local_tokens;
-                if (use_timed)
+                if (use_timed) {
+                        a.ranks_host = x->cr_host; /* as the daemon: see gpu_dispatch_fused */
+                        a.local_host = x->local_host[dev];
                         CKS(epd_k_combine_timed(&a, timed.obj[1], timed.t0, timed.t1,
                                                 x->stream[dev]));
+                }
                 else
                         CKS(epd_k_combine(&a, x->stream[dev]));
         }
@@ -1483,8 +1492,11 @@ static __global__ void read_flush_kernel(const int4 *p, uint64_t n, int *sink)
  * around the launch alone, over `iters` launches after one warm-up: the one-launch small
  * dispatch writing its reply into pinned host memory (what 0, as the daemon runs it) or combine
  * (what 1). The launch is queued while the flush still runs, so no host time falls inside the
- * window. */
-static int time_fresh(struct ctx *x, int what, int read_flush, int iters, double *ms_out)
+ * window. as_daemon: as the daemon instead: the flush completes (the GPU is idle, as
+ * BENCHMARKS.md's Fresh mode says), then the timed launch (events and kernel in one graph) with
+ * the descriptors in the kernel's parameters. */
+static int time_fresh(struct ctx *x, int what, int read_flush, int as_daemon, int iters,
+                      double *ms_out)
 {
         const size_t flush_bytes = 256u << 20;
         struct epd_k_dispatch_args da;
@@ -1499,6 +1511,14 @@ static int time_fresh(struct ctx *x, int what, int read_flush, int iters, double
         CK(cudaMalloc(&flush, flush_bytes));
         CK(cudaMallocHost(&pinned, x->lay.reply_bytes));
         da.reply_copy = pinned;
+        struct epd_k_small_plan plan;
+        if (as_daemon) {
+                da.ranks_host = x->dr_host;
+                da.local_host = x->local_host[0];
+                ca.ranks_host = x->cr_host;
+                ca.local_host = x->local_host[0];
+                CKS(epd_k_dispatch_small_plan(&da, &plan));
+        }
         CK(cudaMemset(flush, 1, flush_bytes));
         for (int i = 0; i <= iters; i++) {
                 if (read_flush)
@@ -1506,6 +1526,21 @@ static int time_fresh(struct ctx *x, int what, int read_flush, int iters, double
                                 (const int4 *)flush, flush_bytes / 16, (int *)flush);
                 else
                         CK(cudaMemsetAsync(flush, i % 251 + 1, flush_bytes, x->stream[0]));
+                if (as_daemon) {
+                        CK(cudaStreamSynchronize(x->stream[0]));
+                        if (what == 0)
+                                CKS(epd_k_dispatch_small_timed(&da, &plan, timed.obj[0],
+                                                               timed.t0, timed.t1,
+                                                               x->stream[0]));
+                        else
+                                CKS(epd_k_combine_timed(&ca, timed.obj[1], timed.t0, timed.t1,
+                                                        x->stream[0]));
+                        CK(cudaEventSynchronize(timed.t1));
+                        CK(cudaEventElapsedTime(&ms, timed.t0, timed.t1));
+                        if (i > 0)
+                                total += ms;
+                        continue;
+                }
                 CK(cudaEventRecord(x->ev_t0[0], x->stream[0]));
                 if (what == 0)
                         CKS(epd_k_dispatch_small(&da, x->stream[0]));
@@ -1559,7 +1594,7 @@ static int report_timing(struct ctx *x, double ceiling)
         if (small_ok(x, 0) && (time_route_small(x, 0, 20, &ms_small, NULL) < 0 ||
                                   time_route_small(x, 1, 20, &ms_small_copy, NULL) < 0))
                 return -1;
-        double ms_fused_reply = 0, us_fused_host = 0, fresh[2][2] = { { 0 } };
+        double ms_fused_reply = 0, us_fused_host = 0, fresh[2][2] = { { 0 } }, daemon[2] = { 0 };
         if (small_ok(x, 1) && (time_route_small(x, 2, 20, &ms_fused, &us_fused_host) < 0 ||
                                time_route_small(x, 3, 20, &ms_fused_reply, NULL) < 0))
                 return -1;
@@ -1570,8 +1605,13 @@ static int report_timing(struct ctx *x, double ceiling)
 #else
                 for (int rf = 0; rf < 2; rf++)
 #endif
-                        if (time_fresh(x, what, rf, 20, &fresh[what][rf]) < 0)
+                        if (time_fresh(x, what, rf, 0, 20, &fresh[what][rf]) < 0)
                                 return -1;
+#ifndef DS_TRACE
+        for (int what = 0; what < 2 && small_ok(x, 1); what++)
+                if (time_fresh(x, what, 0, 1, 20, &daemon[what]) < 0)
+                        return -1;
+#endif
 #ifdef DS_TRACE
         if (ms_fused > 0) {
                 /* Experiments: the phase stamps of the last one-launch small dispatch (Fresh
@@ -1649,6 +1689,11 @@ static int report_timing(struct ctx *x, double ceiling)
                        "launch): one-launch small dispatch with the reply copy %.4f ms, combine "
                        "%.4f ms; 256 MB read instead (clean L2): %.4f ms, %.4f ms\n",
                        fresh[0][0], fresh[1][0], fresh[0][1], fresh[1][1]);
+        if (daemon[0] > 0)
+                printf("    Fresh mode as the daemon (256 MB written, GPU idle, events and kernel as "
+                       "one graph, descriptors in the parameters): one-launch small dispatch "
+                       "%.4f ms, combine %.4f ms\n",
+                       daemon[0], daemon[1]);
         printf("    combine kernel: %.4f ms, %llu rows read, %llu rows written; floor %.0f GB/s "
                "= %.1f%% of ceiling\n",
                ms_comb, (unsigned long long)contrib, (unsigned long long)tokens,
@@ -1854,9 +1899,10 @@ static int run_case(struct ctx *x, int ndev_avail, int timing, double *ceiling)
          * on what run 3 left (the kernel must put its counters back to zero, whatever the
          * verdict). Combine and cached dispatch below then run on what it left. */
         /* Runs 5 and 6: the one-launch small dispatch, from garbage (it needs no zeroed
-         * counters), then again on what run 5 left, through the timed launch (a graph, as the
-         * daemon launches it); it must give the same verdict, outputs and workspace. Combine and cached dispatch below run on what run 6 left, so they
-         * check the workspace arrays this kernel writes for them. */
+         * counters), then again on what run 5 left, through the timed launch with the
+         * descriptors in the parameters (as the daemon launches it); it must give the same
+         * verdict, outputs and workspace. Combine and cached dispatch below run on what run 6
+         * left, so they check the workspace arrays this kernel writes for them. */
         const int small = small_ok(x, 0), fused = small && small_ok(x, 1);
         for (int run = 3; run <= 6; run++) {
                 const int one_launch = run >= 5;
