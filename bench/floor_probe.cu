@@ -125,19 +125,17 @@ static __device__ __forceinline__ int4 fp_synth(uint32_t g, uint32_t i)
         return make_int4((int)(g * 2654435761u ^ i), (int)(i * 40503u + g), (int)~g, (int)(i ^ 0x5bd1e995u));
 }
 
-/* Item = (token, slice) per warp. LOAD false: the store floor (x and scales synthesised, the
- * metadata from the token index). MAXV: 16-byte vectors per lane that hold a whole slice. */
-template <bool LOAD, int MAXV> __global__ void __launch_bounds__(FP_THREADS) fp_copy(struct fp_copy_args a)
+/* One item (token g, slice) by a warp. LOAD false: the store floor (x and scales synthesised,
+ * the metadata from the token index). MAXV: 16-byte vectors per lane that hold a whole slice
+ * (the last slice takes the remainder). */
+template <bool LOAD, int MAXV>
+static __device__ __forceinline__ void fp_copy_item(const struct fp_copy_args &a, uint32_t g,
+                                                    uint32_t slice, uint32_t lane)
 {
-        const uint32_t lane = threadIdx.x % 32;
-        const uint32_t item = (blockIdx.x * FP_THREADS + threadIdx.x) / 32;
-        const uint32_t g = item / a.slices, slice = item % a.slices;
-
-        if (g >= a.tokens)
-                return;
         const int32_t r = lane < a.ranks ? a.plan[(uint64_t)g * a.ranks + lane] : -1;
         const uint32_t mask = __ballot_sync(0xffffffffu, r >= 0);
-        const uint32_t nvec = a.row_bytes / 16, svec = nvec / a.slices, v0 = slice * svec;
+        const uint32_t nvec = a.row_bytes / 16, v0 = slice * (nvec / a.slices);
+        const uint32_t svec = slice + 1 == a.slices ? nvec - v0 : nvec / a.slices;
         const int4 *src = (const int4 *)(a.x + (uint64_t)g * a.row_bytes) + v0;
         int4 v[MAXV];
 
@@ -185,6 +183,27 @@ template <bool LOAD, int MAXV> __global__ void __launch_bounds__(FP_THREADS) fp_
                         a.recv_weights[(uint64_t)rr * FP_TOPK + lane] = on ? w : 0.0f;
                 }
         }
+}
+
+/* An item per warp, blocks of FP_THREADS. */
+template <bool LOAD, int MAXV> __global__ void __launch_bounds__(FP_THREADS) fp_copy(struct fp_copy_args a)
+{
+        const uint32_t item = (blockIdx.x * FP_THREADS + threadIdx.x) / 32;
+
+        if (item / a.slices < a.tokens)
+                fp_copy_item<LOAD, MAXV>(a, item / a.slices, item % a.slices, threadIdx.x % 32);
+}
+
+/* The one-launch dispatch's copy shape: one block of 1024 threads per multiprocessor on a
+ * given number of them, items dealt to the blocks in turn (item i to block i % blocks), so that
+ * every block has about as many. */
+template <int MAXV> __global__ void __launch_bounds__(1024, 1) fp_copy_wide(struct fp_copy_args a)
+{
+        const uint32_t items = a.tokens * a.slices;
+
+        for (uint32_t item = threadIdx.x / 32 * gridDim.x + blockIdx.x; item < items;
+             item += gridDim.x * 32)
+                fp_copy_item<true, MAXV>(a, item / a.slices, item % a.slices, threadIdx.x % 32);
 }
 
 struct fp_reduce_args {
@@ -434,6 +453,7 @@ static void launch_empty(const struct fp_probe *p, cudaStream_t s)
 struct fp_copy_ctx {
         struct fp_copy_args a;
         int load;
+        unsigned wide_blocks; /* 0: an item per warp; else blocks of 1024 threads */
 };
 
 static void launch_copy(const struct fp_probe *p, cudaStream_t s)
@@ -441,9 +461,11 @@ static void launch_copy(const struct fp_probe *p, cudaStream_t s)
         const struct fp_copy_ctx *c = (const struct fp_copy_ctx *)p->ctx;
         const uint64_t warps = (uint64_t)c->a.tokens * c->a.slices;
         const unsigned blocks = (unsigned)((warps * 32 + FP_THREADS - 1) / FP_THREADS);
-        const uint32_t per_lane = (c->a.row_bytes / 16 / c->a.slices + 31) / 32;
+        const uint32_t per_lane = (c->a.row_bytes / 16 / c->a.slices + c->a.slices + 31) / 32;
 
-        if (!c->load)
+        if (c->wide_blocks)
+                fp_copy_wide<8><<<c->wide_blocks, 1024, 0, s>>>(c->a);
+        else if (!c->load)
                 fp_copy<false, 8><<<blocks, FP_THREADS, 0, s>>>(c->a);
         else if (per_lane <= 4)
                 fp_copy<true, 4><<<blocks, FP_THREADS, 0, s>>>(c->a);
@@ -801,11 +823,18 @@ int main(int argc, char **argv)
                h.R, h.T, h.rows, o->reps);
 
         struct fp_empty_ctx e1 = { 0, 1 }, e8 = { 8, (uint32_t)clusters * 8 };
-        struct fp_copy_ctx cs = { ca, 0 }, c1 = { ca, 1 }, c2 = { ca, 1 }, c4 = { ca, 1 };
+        struct fp_copy_ctx cs = { ca, 0, 0 }, c1 = { ca, 1, 0 }, c2 = { ca, 1, 0 },
+                           c3 = { ca, 1, 0 }, c4 = { ca, 1, 0 }, w120 = { ca, 1, 120 },
+                           w132 = { ca, 1, (unsigned)prop.multiProcessorCount };
         cs.a.slices = 2;
         c1.a.slices = 1;
         c2.a.slices = 2;
+        c3.a.slices = 3;
         c4.a.slices = 4;
+        w120.a.slices = 3;
+        w132.a.slices = 3;
+        char w132name[64];
+        snprintf(w132name, sizeof(w132name), "3 slices, %ux1024", w132.wide_blocks);
         struct fp_memset_ctx mo = { ceiling, disp_written }, mc = { ceiling, FP_WRITE_CEILING_BYTES };
         struct fp_reduce_ctx r7 = { ra, 1 }, r7p = { ra, 0 }, r4 = { ra, 1 }, r14 = { ra, 1 };
         r7.a.slices = 7;
@@ -820,7 +849,10 @@ int main(int argc, char **argv)
                 { "store", "2 slices", 0, disp_written, launch_copy, &cs },
                 { "copy", "1 slice", disp_read, disp_written, launch_copy, &c1 },
                 { "copy", "2 slices", disp_read, disp_written, launch_copy, &c2 },
+                { "copy", "3 slices", disp_read, disp_written, launch_copy, &c3 },
                 { "copy", "4 slices", disp_read, disp_written, launch_copy, &c4 },
+                { "copy", "3 slices, 120x1024", disp_read, disp_written, launch_copy, &w120 },
+                { "copy", w132name, disp_read, disp_written, launch_copy, &w132 },
                 { "memset", "dispatch output", 0, disp_written, launch_memset, &mo },
                 { "memset", "1 GiB", 0, FP_WRITE_CEILING_BYTES, launch_memset, &mc },
                 { "reduce", "7 slices, evict-first", comb_read, comb_written, launch_reduce, &r7 },
