@@ -2,7 +2,7 @@
 # benchmark links two test libraries: the seeded data generators and the independent reference
 # (epd_testlib), with which it verifies its first iteration bitwise, and the integration harness
 # (epd_harness), with which it starts its own daemon. Paths are taken from this file's location.
-add_executable(epd-bench ${CMAKE_CURRENT_LIST_DIR}/epd_bench.c)
+add_executable(epd-bench ${CMAKE_CURRENT_LIST_DIR}/epd_bench.c ${CMAKE_CURRENT_LIST_DIR}/mps_state.c)
 target_include_directories(epd-bench PRIVATE ${JANSSON_INCLUDE} ${CMAKE_CURRENT_LIST_DIR}/../tests)
 target_link_libraries(epd-bench PRIVATE epd_client_static epd_testlib epd_harness ${JANSSON_LIB}
   Threads::Threads m)
@@ -46,7 +46,8 @@ endif()
 # copy, memset and reduce kernels), in Fresh, clean and warm L2 states: the floors against which
 # docs/performance.md sets the decode targets. Same data as epd-bench (epd_testlib's generators).
 if(EPD_HAVE_CUDA)
-  add_executable(epd-floor-probe ${CMAKE_CURRENT_LIST_DIR}/floor_probe.cu)
+  add_executable(epd-floor-probe ${CMAKE_CURRENT_LIST_DIR}/floor_probe.cu
+    ${CMAKE_CURRENT_LIST_DIR}/mps_state.c)
   target_include_directories(epd-floor-probe PRIVATE ${JANSSON_INCLUDE}
     ${CMAKE_CURRENT_LIST_DIR}/../kernels ${CMAKE_CURRENT_LIST_DIR}/../tests
     ${CUDAToolkit_INCLUDE_DIRS})

@@ -94,6 +94,7 @@ int epd_bench_p2p_store_ring(int num_devices, uint64_t bytes, int reps, double *
 #include "epd.h"
 #include "harness.h"
 #include "layout.h"
+#include "mps_state.h"
 #include "reference.h"
 #include "testdata.h"
 #include "util.h"
@@ -2700,53 +2701,7 @@ static void p2p_log_before(const struct d2d_report *rep, uint32_t num_devices)
  * test (the named pipe `control` alone may be stale). */
 static void detect_mps(struct run_info *ri)
 {
-        const char *dir = getenv("CUDA_MPS_PIPE_DIRECTORY");
-        char path[PATH_MAX], out[128] = "";
-        struct stat st;
-        int fifo, rc;
-        FILE *p;
-
-        if (!dir || !*dir)
-                dir = "/tmp/nvidia-mps";
-        if (stat(dir, &st) != 0) {
-                snprintf(ri->mps, sizeof(ri->mps), "off");
-                snprintf(ri->mps_detail, sizeof(ri->mps_detail), "no MPS pipe directory %.200s",
-                         dir);
-                return;
-        }
-        snprintf(path, sizeof(path), "%s/control", dir);
-        fifo = stat(path, &st) == 0 && S_ISFIFO(st.st_mode);
-        fflush(stdout);
-        fflush(stderr);
-        p = popen("echo get_server_list | PATH=\"$PATH:/usr/local/nvidia/bin\" timeout 10 "
-                  "nvidia-cuda-mps-control 2>&1", "r");
-        if (!p) {
-                snprintf(ri->mps, sizeof(ri->mps), "unknown");
-                snprintf(ri->mps_detail, sizeof(ri->mps_detail),
-                         "pipe directory %.200s, but popen failed", dir);
-                return;
-        }
-        if (!fgets(out, sizeof(out), p))
-                out[0] = 0;
-        while (fgetc(p) != EOF)
-                ;
-        out[strcspn(out, "\n")] = 0;
-        rc = pclose(p);
-        if (rc == 0) {
-                snprintf(ri->mps, sizeof(ri->mps), "on");
-                snprintf(ri->mps_detail, sizeof(ri->mps_detail),
-                         "control daemon answers at %.200s; servers: %.60s", dir,
-                         out[0] ? out : "none yet");
-        } else if (WIFEXITED(rc) && WEXITSTATUS(rc) == 127) {
-                snprintf(ri->mps, sizeof(ri->mps), "%s", fifo ? "unknown" : "off");
-                snprintf(ri->mps_detail, sizeof(ri->mps_detail),
-                         "nvidia-cuda-mps-control not found; %s control pipe in %.200s",
-                         fifo ? "a" : "no", dir);
-        } else {
-                snprintf(ri->mps, sizeof(ri->mps), "off");
-                snprintf(ri->mps_detail, sizeof(ri->mps_detail),
-                         "no control daemon answers at %.200s (%.60s)", dir, out);
-        }
+        epd_bench_mps_state(ri->mps, sizeof(ri->mps), ri->mps_detail, sizeof(ri->mps_detail));
 }
 
 static double median_of(const double *v, unsigned n)

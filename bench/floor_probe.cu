@@ -47,6 +47,7 @@
 
 extern "C" {
 #include "bf16.h"
+#include "mps_state.h"
 #include "routing.h"
 #include "testdata.h"
 #include "util.h"
@@ -309,6 +310,7 @@ struct fp_state {
         uint32_t gate_value;
         double *samples;
         char device_name[256];
+        char mps[16], mps_detail[320];
 };
 
 /* What one probe launches: a callback and its bytes. */
@@ -738,6 +740,7 @@ int main(int argc, char **argv)
                 usage(stderr);
                 return 2;
         }
+        epd_bench_mps_state(st.mps, sizeof(st.mps), st.mps_detail, sizeof(st.mps_detail));
         if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
                 printf("SKIP: no CUDA device\n");
                 return 77;
@@ -817,10 +820,10 @@ int main(int argc, char **argv)
         }
 
         FILE *tf = o->json ? stderr : stdout; /* the table; JSON lines go to stdout */
-        fprintf(tf, "epd-floor-probe on %s (%d SMs, %.0f MiB L2), git %s: %u ranks x %u tokens, %u received rows, "
-               "median and p99 of %u launches\n",
+        fprintf(tf, "epd-floor-probe on %s (%d SMs, %.0f MiB L2), git %s, MPS %s (%s): %u ranks x %u "
+               "tokens, %u received rows, median and p99 of %u launches\n",
                st.device_name, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0, epd_git_rev,
-               h.R, h.T, h.rows, o->reps);
+               st.mps, st.mps_detail, h.R, h.T, h.rows, o->reps);
 
         struct fp_empty_ctx e1 = { 0, 1 }, e8 = { 8, (uint32_t)clusters * 8 };
         struct fp_copy_ctx cs = { ca, 0, 0 }, c1 = { ca, 1, 0 }, c2 = { ca, 1, 0 },
@@ -893,6 +896,8 @@ int main(int argc, char **argv)
                 json_t *row;
                 json_array_foreach(rows, i, row) {
                         json_object_set_new(row, "device", json_string(st.device_name));
+                        json_object_set_new(row, "mps", json_string(st.mps));
+                        json_object_set_new(row, "mps_detail", json_string(st.mps_detail));
                         json_object_set_new(row, "ranks", json_integer(h.R));
                         json_object_set_new(row, "tokens", json_integer(h.T));
                         json_object_set_new(row, "rows", json_integer(h.rows));

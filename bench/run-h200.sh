@@ -21,6 +21,8 @@
 #                 stream-ordered completion (--completion both)
 #   tiny          bf16, T=8, host-wait and stream-ordered completion
 #   tiny-t1       bf16, T=1, the same
+# With MPS off and no ONLY, epd-floor-probe as well (floor-probe.jsonl and .log): the decode data's
+# bytes with the routing known, the floors docs/performance.md sets the decode targets against.
 # A run is limited to RUN_TIMEOUT seconds (default 75) and to what is left of TOTAL_BUDGET
 # seconds (default 420) since the script started; no run starts with less than 20 s left. So the
 # script ends within about 7.5 minutes even when something hangs (a normal pass takes about 2 to 4
@@ -105,6 +107,16 @@ if [ "${MPS:-both}" != on ]; then
         workloads mps-off
         alloc=cudamalloc run prefill-ipc-mps-off --workload prefill --ranks 8
         alloc=cudamalloc run prefill-bf16-ipc-mps-off --workload prefill-bf16 --ranks 8
+        # The decode floors of the same machine: the same bytes with the routing known
+        # (bench/floor_probe.cu; a few seconds). Not a result line of all.jsonl.
+        if [ -x "$build/bin/epd-floor-probe" ] && [ -z "${ONLY:-}" ]; then
+                timeout -s TERM -k 10 60 "$build/bin/epd-floor-probe" --json --reps 100 \
+                        > "$out/floor-probe.jsonl" 2> "$out/floor-probe.log" || {
+                        echo "run-h200: epd-floor-probe failed: $(tail -n 2 "$out/floor-probe.log" | tr '\n' ' ')" |
+                                tee -a "$out/summary.txt"
+                        failed=1
+                }
+        fi
 fi
 
 # ---- MPS on: a private control daemon; the benchmark, its daemon and workers inherit the
