@@ -23,10 +23,8 @@
 
 /* Copies nbytes from src to the row address each lane of dst_mask holds in my_dst, with
  * accesses of sizeof(V) bytes; every lane of the warp calls it with the same src, mask and size.
- * The source chunk is loaded once into registers and stored to every destination. STAGED: src is
- * the warp's copy of the bytes in shared memory (stage_row), where lane l reads only the vectors
- * i = l (mod 32) that its own cp.async wrote. */
-template <typename V, bool STAGED = false>
+ * The source chunk is loaded once into registers and stored to every destination. */
+template <typename V>
 static __device__ __forceinline__ void copy_row_multi(const uint8_t *src, uint8_t *my_dst,
                                                       uint32_t dst_mask, uint64_t nbytes,
                                                       uint32_t lane)
@@ -39,7 +37,7 @@ static __device__ __forceinline__ void copy_row_multi(const uint8_t *src, uint8_
 #pragma unroll
                 for (int u = 0; u < COPY_UNROLL; u++) {
                         uint64_t i = base + (uint64_t)u * 32 + lane;
-                        v[u] = i < nvec ? (STAGED ? s[i] : epd__k_ldg(s + i)) : epd__k_zero<V>();
+                        v[u] = i < nvec ? epd__k_ldg(s + i) : epd__k_zero<V>();
                 }
                 for (uint32_t m = dst_mask; m != 0; m &= m - 1) {
                         int j = __ffs(m) - 1;
@@ -52,33 +50,6 @@ static __device__ __forceinline__ void copy_row_multi(const uint8_t *src, uint8_
                         }
                 }
         }
-}
-
-/* Staging (the one-launch dispatch): a warp loads the bytes it will copy into its own shared
- * memory with cp.async while the op is still being routed, so that its copy only stores. Lane l
- * loads the 16-byte vectors i = l (mod 32), which copy_row_multi<int4, true> reads back in the
- * same lanes: after cp.async.wait_all each lane sees its own vectors, and no lane reads
- * another's. Needs 16-byte aligned src, dst and nbytes (stage_ok). */
-static __device__ __forceinline__ int stage_ok(const void *src, uint64_t nbytes)
-{
-        return (((uintptr_t)src | nbytes) & 15) == 0;
-}
-
-static __device__ __forceinline__ void stage_row(uint8_t *dst, const uint8_t *src, uint64_t nbytes,
-                                                 uint32_t lane)
-{
-        const uint32_t base = (uint32_t)__cvta_generic_to_shared(dst);
-
-        for (uint64_t i = lane; i < nbytes / 16; i += 32)
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + (uint32_t)i * 16),
-                             "l"(src + i * 16)
-                             : "memory");
-}
-
-/* Waits for this thread's cp.async copies (stage_row). */
-static __device__ __forceinline__ void stage_wait(void)
-{
-        asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
 /* align_bits: every address and size involved ORed together (low 32 bits suffice). */
@@ -121,9 +92,7 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                                                        const struct epd_ws_layout *l, uint32_t s,
                                                        uint32_t t, uint64_t ent, int32_t expert,
                                                        int32_t row, uint32_t slice,
-                                                       uint64_t slice_bytes, uint32_t lane,
-                                                       const uint8_t *staged_x = NULL,
-                                                       const uint8_t *staged_scales = NULL)
+                                                       uint64_t slice_bytes, uint32_t lane)
 {
         const uint32_t L = l->num_local_experts, K = a->num_topk;
         const struct epd_k_dispatch_rank *src = &ranks[s];
@@ -150,16 +119,9 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
         uint8_t *dx = row >= 0 ? mat_row(&dst->recv_x, row) : NULL;
         uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)dx) |
                         (uint32_t)(uintptr_t)sx | (uint32_t)a->row_bytes;
-        if (off < a->row_bytes) {
-                const uint64_t n = min(slice_bytes, a->row_bytes - off);
-                uint8_t *d = dx + (dx != NULL ? off : 0);
-                /* Staged bytes were checked 16-byte aligned at the source; the destinations
-                 * must be too for the 16-byte stores. */
-                if (staged_x != NULL && epd__k_access_width(bits | (uint32_t)off) == 16)
-                        copy_row_multi<int4, true>(staged_x, d, dst_mask, n, lane);
-                else
-                        copy_row_any(sx + off, d, dst_mask, n, lane, bits);
-        }
+        if (off < a->row_bytes)
+                copy_row_any(sx + off, dx + (dx != NULL ? off : 0), dst_mask,
+                             min(slice_bytes, a->row_bytes - off), lane, bits);
         if (slice != 0)
                 return;
 
@@ -172,10 +134,7 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                 uint32_t smask = __ballot_sync(EPD_K_FULL_MASK, ds != NULL);
                 bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)ds) |
                        (uint32_t)(uintptr_t)ss | (uint32_t)a->scale_bytes;
-                if (staged_scales != NULL && epd__k_access_width(bits) == 16)
-                        copy_row_multi<int4, true>(staged_scales, ds, smask, a->scale_bytes, lane);
-                else
-                        copy_row_any(ss, ds, smask, a->scale_bytes, lane, bits);
+                copy_row_any(ss, ds, smask, a->scale_bytes, lane, bits);
         }
 
         /* Metadata. */

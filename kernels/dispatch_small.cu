@@ -41,10 +41,7 @@
  *      chunk_base, `local` and the error records of chunks without an error are not written:
  *      nothing after place reads them.
  *   4. If the op is valid and fits, the block's warps copy the tokens it owns, a (token, slice)
- *      item per warp (copy_token_rows, as the copy step does). Each warp's first item is
- *      known from the block and warp alone, so where shared memory allows (stage) the warp
- *      loads it into its own shared memory with cp.async right after phase 1 (once the
- *      block's routing loads are done), and its copy then only stores. Token (group q, lane l) is copied
+ *      item per warp (copy_token_rows, as the copy step does). Token (group q, lane l) is copied
  *      by the block that routed q in copying cluster ((q / C) * 32 + l) % (number of copying
  *      clusters). With DS_SKIP0_CLUSTERS clusters or more, cluster 0 does not copy: its blocks
  *      finish phase 3 last.
@@ -61,11 +58,7 @@
  * in every cluster, that each block is running before a peer reads its shared memory. wbal never
  * leaves its block: lane 0 of the routing warp writes it in phase 1, the same warp's lanes read it
  * in phase 3, after barrier 2 (and 3). No block touches another's shared memory after barrier 3, so
- * a block may return after it. Staging: a warp's cp.async copies write only its own stage region,
- * each lane reads back only the vectors it loaded, after its own cp.async.wait_all (which every
- * thread of a staging block passes before it may return), so no barrier is needed between them;
- * staged[warp] is written by lane 0 before barrier 2 and read by the warp's lanes after barrier 3.
- * The staged bytes are inputs, read-only for the whole op. Across clusters nothing is shared: the inputs (topk_idx, x, scales,
+ * a block may return after it. Across clusters nothing is shared: the inputs (topk_idx, x, scales,
  * weights, descriptors) are read-only for the whole op, and every workspace word and output byte
  * has exactly one writer in the grid. Block 0's rank_prefix stores precede the __syncthreads()
  * before write_verdict, which reads them back (same block). The verdict's status is stored last
@@ -113,16 +106,13 @@ namespace cg = cooperative_groups;
  *                                (destination cr + C x) from each source
  *   algn  [L]                    their aligned totals
  *   sexp  [slots][K_op]          tokens this block copies: normalised experts
- *   srow  [slots][K_op]          their rows of first positions, -1 elsewhere
- *   stage [DS_WARPS][stage]      16-byte aligned: each warp's first item, its x slice then (slice
- *                                0) the token's scales, loaded while the op is routed */
+ *   srow  [slots][K_op]          their rows of first positions, -1 elsewhere */
 struct ds_smem {
-        uint32_t nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, stage, words;
+        uint32_t nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, words;
 };
 
 static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E, uint32_t K,
-                                                         uint32_t G, uint32_t C, uint32_t slots,
-                                                         uint32_t stage)
+                                                         uint32_t G, uint32_t C, uint32_t slots)
 {
         struct ds_smem m;
         uint32_t w = 0;
@@ -147,18 +137,8 @@ static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E,
         w += slots * K;
         m.srow = w;
         w += slots * K;
-        w = (w + 3) / 4 * 4;
-        m.stage = w;
-        w += DS_WARPS * stage;
         m.words = w;
         return m;
-}
-
-/* 32-bit words a warp's staged item takes: its x slice and the token's scales, each rounded up
- * to 16 bytes. */
-static __host__ __device__ uint32_t ds_stage_words(uint64_t slice_bytes, uint64_t scale_bytes)
-{
-        return (uint32_t)(((slice_bytes + 15) / 16 * 16 + (scale_bytes + 15) / 16 * 16) / 4);
 }
 
 /* A local source as the block needs it, in shared memory so that no load waits on a descriptor
@@ -306,8 +286,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         dispatch_small_kernel(const __grid_constant__ struct epd_k_dispatch_args a,
                               const __grid_constant__ struct epd_ws_layout l, uint32_t slots,
                               uint32_t slices, uint64_t slice_bytes, uint32_t skip0,
-                              const __grid_constant__ struct epd__k_inline<struct epd_k_dispatch_rank> in,
-                              uint32_t stage)
+                              const __grid_constant__ struct epd__k_inline<struct epd_k_dispatch_rank> in)
 {
         extern __shared__ int32_t smem[];
         __shared__ struct ds_src srcs[SMALL_MAX_RANKS];
@@ -315,8 +294,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         /* Every rank's descriptor, for the copy: the loads in front of each warp's first row
          * (the source's x, the destinations' outputs) then run on shared memory. */
         __shared__ struct epd_k_dispatch_rank sranks[SMALL_MAX_RANKS];
-        /* Per warp, what stage holds of its first item: bit 0 the x slice, bit 1 the scales. */
-        __shared__ uint32_t staged[DS_WARPS];
         __shared__ unsigned long long bad_key; /* source << 32 | t * K_op + k; lowest wins */
         __shared__ unsigned long long bad_all; /* the minimum over the cluster */
         __shared__ uint32_t num_short, first_short;
@@ -332,7 +309,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         const uint32_t below = (1u << lane) - 1;
         const uint32_t G = (n + 31) / 32, nd = (R + C - 1) / C;
         const uint64_t lmagic = epd_udiv_magic(L);
-        const struct ds_smem m = ds_smem_layout(R, E, K, G, C, slots, stage);
+        const struct ds_smem m = ds_smem_layout(R, E, K, G, C, slots);
         int32_t *wcnt = smem + m.wcnt, *wpre = smem + m.wpre, *total = smem + m.total;
         uint32_t *wbal = (uint32_t *)smem + m.wbal;
         int32_t *pfx = smem + m.pfx, *hist = smem + m.hist, *algn = smem + m.algn;
@@ -409,42 +386,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
         DS_STAMP(1);
-        /* Staging: each warp's first copy item (it = warp below) is loaded into the warp's own
-         * shared memory now, so that the copy only stores and the loads (and the write-backs
-         * of the L2 lines they displace) overlap the rest of the routing. After the routing's
-         * own loads, which the __syncthreads orders before any staging load of the block. Only
-         * inputs are read (never written during the op), and only rows of a source whose token
-         * count is valid. */
-        if (stage != 0 && (c != 0 || !skip0)) { /* block-uniform */
-#ifndef DS_STAGE_EARLY
-                __syncthreads();
-#endif
-                const uint32_t sg = warp < slots * slices
-                                            ? ds_item_token(warp, slices, ncc, cc, C, cr, G, n)
-                                            : UINT32_MAX;
-                const uint32_t si = sg != UINT32_MAX ? ds_source_of(srcs, nl, sg) : 0;
-                const uint64_t off = (uint64_t)(warp % slices) * slice_bytes;
-                uint32_t flags = 0;
-                if (sg != UINT32_MAX && srcs[si].num_tokens <= T && off < a.row_bytes) {
-                        const uint32_t st = sg - srcs[si].offset;
-                        const struct epd_k_dispatch_rank *sr = &sranks[srcs[si].rank];
-                        uint8_t *buf = (uint8_t *)(smem + m.stage + warp * stage);
-                        const uint8_t *sx = mat_row(&sr->x, st) + off;
-                        const uint64_t nb = min(slice_bytes, a.row_bytes - off);
-                        if (stage_ok(sx, nb)) {
-                                stage_row(buf, sx, nb, lane);
-                                flags |= 1;
-                        }
-                        if (off == 0 && a.scale_bytes != 0 && sr->scales.ptr != NULL &&
-                            stage_ok(mat_row(&sr->scales, st), a.scale_bytes)) {
-                                stage_row(buf + (slice_bytes + 15) / 16 * 16,
-                                          mat_row(&sr->scales, st), a.scale_bytes, lane);
-                                flags |= 2;
-                        }
-                }
-                if (lane == 0)
-                        staged[warp] = flags; /* read by this warp's lanes after barrier 3 */
-        }
         if (c == 0) { /* cluster-uniform */
                 cluster.sync(); /* 1: every block's histogram is zero before a peer adds to it */
                 /* Cluster 0's expert histogram, in the block of each entry's destination. */
@@ -578,8 +519,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         ds_expert_counts(a, l, cr + C * x, hist + x * E, algn);
                 DS_STAMP(10);
         }
-        if (stage != 0)
-                stage_wait(); /* this thread's staging loads are complete (or there were none) */
         if (!ok)
                 return;
         __syncthreads(); /* every slot's rows are in place (ds_expert_counts syncs only in
@@ -601,11 +540,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         expert = sexp[j * K + lane];
                         row = srow[j * K + lane];
                 }
-                const uint32_t f = stage != 0 && it == warp ? staged[warp] : 0;
-                const uint8_t *buf = (const uint8_t *)(smem + m.stage + warp * stage);
                 copy_token_rows(&a, sranks, &l, s, ct, epd_ws_entry(&l, s, ct, K, 0), expert,
-                                row, it % slices, slice_bytes, lane, f & 1 ? buf : NULL,
-                                f & 2 ? buf + (slice_bytes + 15) / 16 * 16 : NULL);
+                                row, it % slices, slice_bytes, lane);
         }
 #ifdef DS_TRACE
         __syncthreads();
@@ -684,7 +620,7 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
         /* Slots for the largest cluster count; fewer clusters only get more. */
         p->slots = gpb * 32;
         p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                        args->num_topk, G, p->cluster, p->slots, 0)
+                                        args->num_topk, G, p->cluster, p->slots)
                                  .words;
         /* Also raises the kernel's limit when needed: this is the launch's plan. */
         int ret = epd__k_dynamic_smem(kernel, p->smem);
@@ -711,7 +647,7 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
         const uint32_t ncc = (uint32_t)clusters - p->skip0;
         p->slots = (gpb * 32 + ncc - 1) / ncc;
         p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                        args->num_topk, G, p->cluster, p->slots, 0)
+                                        args->num_topk, G, p->cluster, p->slots)
                                  .words;
         /* Slices: as many (token, slice) items as the block has warps, not more (a
          * warp with two items doubles the block's copy time), each slice a multiple of
@@ -728,22 +664,6 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
                 p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
                                        p->slice_bytes);
         }
-        /* Staging (each warp's first item loaded while the op is routed), when its shared
-         * memory fits beside the rest. */
-        p->stage = 0;
-#ifndef DS_NO_STAGE
-        const uint32_t sw = ds_stage_words(p->slice_bytes, args->scale_bytes);
-        const uint64_t staged = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                                      args->num_topk, G, p->cluster, p->slots, sw)
-                                               .words;
-        ret = epd__k_dynamic_smem(kernel, staged);
-        if (ret < 0 && ret != EPD_INVALID_ARGUMENT)
-                return ret;
-        if (ret == 0) {
-                p->stage = sw;
-                p->smem = staged;
-        }
-#endif
         return 0;
 }
 
@@ -786,9 +706,8 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
                 return EPD_INVALID_ARGUMENT;
         *p = best;
 #ifdef DS_TRACE
-        fprintf(stderr, "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u, "
-                "stage %u words\n",
-                p->cluster, p->blocks, p->slots, p->slices, p->skip0, p->stage);
+        fprintf(stderr, "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u\n",
+                p->cluster, p->blocks, p->slots, p->slices, p->skip0);
 #endif
         return 0;
 }
@@ -836,7 +755,6 @@ static int ds_describe(const struct epd_k_dispatch_args *args, const struct epd_
         d->params[5] = &p->skip0;
         epd__k_inline_fill(in, args);
         d->params[6] = in;
-        d->params[7] = &p->stage;
         return 0;
 }
 
