@@ -73,6 +73,7 @@ struct cuda_dev {
          * sends t0, its kernel and t1 as one graph, so that the kernel time does not hold the
          * host's launch call (kernels/timed.cu); executor thread only. */
         struct epd_k_timed *timed[TIMED_KINDS];
+        int timed_warned[TIMED_KINDS];
 };
 
 struct cuda_backend {
@@ -540,6 +541,19 @@ static void op_end(struct cuda_backend *cb, const int *used, int W)
         cudaEventRecord(cb->dev[W].t1, cb->dev[W].stream);
 }
 
+/* After a timed launch on device d: says once per kind when it could not go through a graph,
+ * since the kernel times then hold the host's launch call again. */
+static void timed_note(struct cuda_backend *cb, int d, int kind)
+{
+        if (epd_k_timed_uses_graph(cb->dev[d].timed[kind]) || cb->dev[d].timed_warned[kind])
+                return;
+        cb->dev[d].timed_warned[kind] = 1;
+        log_warning("device %d: %s launched without a CUDA graph (%s); its kernel times include "
+                    "the host's launch call", d,
+                    kind == TIMED_COMBINE ? "combine" : "the one-launch dispatch",
+                    cudaGetErrorString(epd_k_timed_fallback_error(cb->dev[d].timed[kind])));
+}
+
 /* GPU time between op_begin and op_end, once both have completed. */
 static uint64_t op_kernel_ns(struct cuda_backend *cb, int W)
 {
@@ -635,6 +649,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
                 args[W].reply_copy = NULL;
                 if (rc < 0)
                         goto cuda_error;
+                timed_note(cb, W, TIMED_DISPATCH_SMALL);
                 goto ended;
         }
         if (fresh && ndev == 1) {
@@ -838,6 +853,8 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                         rc = epd_k_combine_timed(&args[W], cb->dev[W].timed[TIMED_COMBINE],
                                                  cb->dev[W].t0, cb->dev[W].t1,
                                                  cb->dev[W].stream);
+                        if (rc == 0 && args[W].local_tokens != 0)
+                                timed_note(cb, W, TIMED_COMBINE);
                 } else {
                         for (int d = 0; d < cb->num_devices && rc == 0; d++) {
                                 if (!used[d])

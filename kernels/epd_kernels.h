@@ -229,6 +229,8 @@ int epd_k_timed_create(struct epd_k_timed **out);
 void epd_k_timed_destroy(struct epd_k_timed *t); /* on the device it launched on; NULL is a no-op */
 /* 1 when t's last launch went through a graph, 0 after a fallback or before any launch. */
 int epd_k_timed_uses_graph(const struct epd_k_timed *t);
+/* The CUDA error that made t fall back to direct launches; cudaSuccess when it has not. */
+cudaError_t epd_k_timed_fallback_error(const struct epd_k_timed *t);
 /* epd_k_dispatch_small_launch and epd_k_combine, timed: t0 before the kernel, t1 after it. */
 int epd_k_dispatch_small_timed(const struct epd_k_dispatch_args *args,
                                const struct epd_k_small_plan *plan, struct epd_k_timed *t,

@@ -34,6 +34,7 @@ struct epd_k_timed {
         int device;
         cudaEvent_t t0, t1;
         int direct; /* a graph could not be built or updated: direct launches from now on */
+        cudaError_t why; /* what made it so */
         unsigned graphs_built;
 };
 
@@ -65,6 +66,11 @@ extern "C" void epd_k_timed_destroy(struct epd_k_timed *t)
 extern "C" int epd_k_timed_uses_graph(const struct epd_k_timed *t)
 {
         return t != NULL && !t->direct && t->exec != NULL;
+}
+
+extern "C" cudaError_t epd_k_timed_fallback_error(const struct epd_k_timed *t)
+{
+        return t != NULL && t->direct ? t->why : cudaSuccess;
 }
 
 static cudaKernelNodeParams node_params(const struct epd__k_launch *l)
@@ -157,6 +163,7 @@ int epd__k_launch_timed(struct epd_k_timed *t, const struct epd__k_launch *l, cu
                 (void)cudaGetLastError();
                 drop_graph(t);
                 t->direct = 1;
+                t->why = e;
         }
         int ret = epd__k_cuda_status(cudaEventRecord(t0, stream));
         if (ret == 0)

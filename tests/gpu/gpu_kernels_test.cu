@@ -895,7 +895,8 @@ static void timed_check(struct ctx *x, int k, const char *what)
         timed.launches[k]++;
         if (!epd_k_timed_uses_graph(timed.obj[k])) {
                 timed.direct[k]++;
-                failf(x, "%s: the timed launch fell back to a direct launch", what);
+                failf(x, "%s: the timed launch fell back to a direct launch (%s)", what,
+                      cudaGetErrorString(epd_k_timed_fallback_error(timed.obj[k])));
         }
 }
 
