@@ -114,7 +114,6 @@ struct fp_copy_args {
         uint8_t *recv_scales;  /* [rows][scale_bytes] */
         int64_t *recv_topk;    /* [rows][K] */
         float *recv_weights;   /* [rows][K] */
-        const uint32_t *base;  /* [R]: first global row of each destination */
         uint32_t tokens, ranks, local_experts, slices;
         uint32_t row_bytes, scale_bytes;
 };
@@ -774,7 +773,6 @@ int main(int argc, char **argv)
         ca.topk = dev_copy(h.topk, (size_t)h.N * FP_TOPK);
         ca.weights = dev_copy(h.weights, (size_t)h.N * FP_TOPK);
         ca.plan = dev_copy(h.plan, (size_t)h.N * h.R);
-        ca.base = dev_copy(h.base, h.R);
         ca.recv_x = dev_copy<uint8_t>(NULL, (size_t)h.rows * FP_HIDDEN);
         ca.recv_scales = dev_copy<uint8_t>(NULL, (size_t)h.rows * h.scale_bytes);
         ca.recv_topk = dev_copy<int64_t>(NULL, (size_t)h.rows * FP_TOPK);

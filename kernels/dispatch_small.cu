@@ -559,24 +559,6 @@ static const void *ds_kernel(uint32_t num_topk)
                                        : (const void *)dispatch_small_kernel<0>;
 }
 
-static cudaLaunchConfig_t ds_config(const ds_launch *p, cudaLaunchAttribute *attr,
-                                    cudaStream_t stream)
-{
-        cudaLaunchConfig_t cfg = {};
-
-        attr->id = cudaLaunchAttributeClusterDimension;
-        attr->val.clusterDim.x = p->cluster;
-        attr->val.clusterDim.y = 1;
-        attr->val.clusterDim.z = 1;
-        cfg.gridDim = dim3(p->blocks);
-        cfg.blockDim = dim3(DS_THREADS);
-        cfg.dynamicSmemBytes = p->smem;
-        cfg.stream = stream;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        return cfg;
-}
-
 /* Clusters of each size (1, 2, 4, 8) resident at once on each device, for each kernel, asked of
  * the runtime once: with DS_THREADS threads of 64 registers a block fills a multiprocessor
  * whatever its shared memory, so the answer depends on the device and the cluster size only.
@@ -595,10 +577,14 @@ static int ds_resident_clusters(const ds_launch *p, int regs_kernel, const void 
         int v = slot->load(std::memory_order_relaxed);
         if (v != 0)
                 return v;
+        struct epd__k_launch one = {};
+        one.func = kernel;
+        one.grid = dim3(p->cluster);
+        one.block = dim3(DS_THREADS);
+        one.smem = p->smem;
+        one.cluster = p->cluster;
         cudaLaunchAttribute attr;
-        ds_launch one = *p;
-        one.blocks = p->cluster;
-        cudaLaunchConfig_t cfg = ds_config(&one, &attr, 0);
+        cudaLaunchConfig_t cfg = epd__k_launch_config(&one, &attr, 0);
         int clusters = 0;
         if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
                 (void)cudaGetLastError();

@@ -58,10 +58,14 @@ struct epd__k_launch {
         const void *func;
         dim3 grid, block;
         size_t smem;
-        unsigned cluster; /* blocks per cluster; 0 or 1: no cluster */
+        unsigned cluster; /* blocks per cluster; 0: no cluster dimension */
         const void *params[EPD_K_LAUNCH_MAX_PARAMS];
 };
-/* Launches l on stream (timed.cu). */
+/* l's configuration for cudaLaunchKernelExC or an occupancy query, on stream; *attr holds its
+ * cluster dimension (launch.cu). */
+cudaLaunchConfig_t epd__k_launch_config(const struct epd__k_launch *l, cudaLaunchAttribute *attr,
+                                        cudaStream_t stream);
+/* Launches l on stream (launch.cu). */
 int epd__k_launch_direct(const struct epd__k_launch *l, cudaStream_t stream);
 /* Launches l between events t0 and t1 on stream, as one graph when t allows (timed.cu). */
 int epd__k_launch_timed(struct epd_k_timed *t, const struct epd__k_launch *l, cudaEvent_t t0,

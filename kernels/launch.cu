@@ -54,6 +54,34 @@ int epd__k_launch_status(void)
         return epd__k_cuda_status(cudaGetLastError());
 }
 
+cudaLaunchConfig_t epd__k_launch_config(const struct epd__k_launch *l, cudaLaunchAttribute *attr,
+                                        cudaStream_t stream)
+{
+        cudaLaunchConfig_t cfg = {};
+
+        cfg.gridDim = l->grid;
+        cfg.blockDim = l->block;
+        cfg.dynamicSmemBytes = l->smem;
+        cfg.stream = stream;
+        if (l->cluster != 0) {
+                attr->id = cudaLaunchAttributeClusterDimension;
+                attr->val.clusterDim.x = l->cluster;
+                attr->val.clusterDim.y = 1;
+                attr->val.clusterDim.z = 1;
+                cfg.attrs = attr;
+                cfg.numAttrs = 1;
+        }
+        return cfg;
+}
+
+int epd__k_launch_direct(const struct epd__k_launch *l, cudaStream_t stream)
+{
+        cudaLaunchAttribute attr;
+        cudaLaunchConfig_t cfg = epd__k_launch_config(l, &attr, stream);
+
+        return epd__k_cuda_status(cudaLaunchKernelExC(&cfg, l->func, (void **)l->params));
+}
+
 /* SEMANTICS.md section 1 limits of the group dims. */
 static int dims_ok(uint32_t world_size, uint32_t num_experts, uint32_t max_tokens,
                    uint32_t max_topk)

@@ -99,7 +99,7 @@ static cudaError_t build_graph(struct epd_k_timed *t, const struct epd__k_launch
         if ((e = cudaGraphAddEventRecordNode(&n0, t->graph, NULL, 0, t0)) != cudaSuccess ||
             (e = cudaGraphAddKernelNode(&t->kernel, t->graph, &n0, 1, &kp)) != cudaSuccess)
                 return e;
-        if (l->cluster > 1) {
+        if (l->cluster != 0) {
                 cudaLaunchAttributeValue v = {};
                 v.clusterDim.x = l->cluster;
                 v.clusterDim.y = 1;
@@ -111,26 +111,6 @@ static cudaError_t build_graph(struct epd_k_timed *t, const struct epd__k_launch
         if ((e = cudaGraphAddEventRecordNode(&n1, t->graph, &t->kernel, 1, t1)) != cudaSuccess)
                 return e;
         return cudaGraphInstantiate(&t->exec, t->graph, 0);
-}
-
-int epd__k_launch_direct(const struct epd__k_launch *l, cudaStream_t stream)
-{
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr;
-
-        cfg.gridDim = l->grid;
-        cfg.blockDim = l->block;
-        cfg.dynamicSmemBytes = l->smem;
-        cfg.stream = stream;
-        if (l->cluster > 1) {
-                attr.id = cudaLaunchAttributeClusterDimension;
-                attr.val.clusterDim.x = l->cluster;
-                attr.val.clusterDim.y = 1;
-                attr.val.clusterDim.z = 1;
-                cfg.attrs = &attr;
-                cfg.numAttrs = 1;
-        }
-        return epd__k_cuda_status(cudaLaunchKernelExC(&cfg, l->func, (void **)l->params));
 }
 
 int epd__k_launch_timed(struct epd_k_timed *t, const struct epd__k_launch *l, cudaEvent_t t0,
