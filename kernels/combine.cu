@@ -168,6 +168,7 @@ struct combine_geometry {
         uint32_t slices, slice_values;
         struct epd__k_inline<struct epd_k_combine_rank> in;
         struct epd__k_combine_bulk bulk;
+        int bulk_used; /* the launch is the bulk-copy kernel's */
 };
 
 static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws_layout *l,
@@ -186,8 +187,10 @@ static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws
         if (ret < 0)
                 return ret;
         g->slice_values = (uint32_t)slice_values;
+        g->bulk_used = 0;
         if (g->slices > 1 && COMBINE_BULK) {
                 ret = epd__k_combine_bulk_describe(args, l, &g->bulk, d);
+                g->bulk_used = ret == 0;
                 if (ret <= 0)
                         return ret;
         }
@@ -219,6 +222,16 @@ extern "C" int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t
         int ret = combine_describe(args, &l, &g, &d);
 
         return ret != 0 ? (ret > 0 ? 0 : ret) : epd__k_launch_direct(&d, stream);
+}
+
+extern "C" int epd_k_combine_uses_bulk(const struct epd_k_combine_args *args)
+{
+        struct epd_ws_layout l;
+        struct combine_geometry g;
+        struct epd__k_launch d;
+        int ret = combine_describe(args, &l, &g, &d);
+
+        return ret < 0 ? ret : ret == 0 && g.bulk_used;
 }
 
 /* With nothing to launch, the two events still bound an (empty) kernel time. */

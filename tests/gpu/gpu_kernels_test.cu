@@ -220,6 +220,9 @@ struct tcase {
         int invalid;                /* 1: an id out of range (and a later duplicate); 2: a duplicate */
         int worst_case_capacity;    /* outputs sized for the worst case instead of exact + slack */
         int strided;                /* padded row strides for inputs and outputs */
+        int combine_bulk;           /* 1: combine must take the bulk-copy kernel, -1: must not */
+        uint32_t y_pad;             /* bytes added to y's row stride (2: most rows of y off
+                                     * 16-byte alignment) */
         int skew;                   /* 1: every token prefers rank 0's experts */
         int empty_rank;             /* a rank with no tokens */
         uint32_t empty_mask;        /* more ranks without tokens: bit s for rank s */
@@ -395,6 +398,24 @@ static void build_cases(void)
                 c->dtype = EPD_DTYPE_FP8_E4M3; c->has_weights = 1; c->big = 1; c->spread = 1;
                 c->seed = 0x5003;
         }
+
+        /* Small ops with rows long enough to be cut into slices: combine takes the bulk-copy
+         * kernel (combine_bulk.cu) when a token's contributions fit its stages, the register
+         * kernel with evict-first loads otherwise. */
+        c = add_case("small op, bulk combine: expand, apply_weights, two biases, -1 entries");
+        c->R = 4; c->E = 32; c->T = 40; c->K = 8; c->KO = 8; c->H = 2048; c->has_weights = 1;
+        c->layout = EPD_LAYOUT_EXPAND; c->align = 4; c->apply_weights = 1; c->num_bias = 2;
+        c->neg_frac = 0.25; c->seed = 0x6001; c->combine_bulk = 1;
+        c = add_case("small op, bulk combine: y rows off 16-byte alignment (scalar items), bias");
+        c->R = 8; c->E = 64; c->T = 30; c->K = 8; c->KO = 7; c->H = 1536; c->has_weights = 1;
+        c->num_bias = 1; c->y_pad = 2; c->strided = 1; c->cached = 1; c->seed = 0x6002; c->combine_bulk = 1;
+        c = add_case("small op, bulk combine: top-10 over 8 ranks, H not a multiple of a chunk");
+        c->R = 8; c->E = 64; c->T = 24; c->K = 10; c->KO = 10; c->H = 1920; c->has_weights = 1;
+        c->dtype = EPD_DTYPE_FP8_E4M3; c->seed = 0x6003; c->combine_bulk = 1;
+        c = add_case("small op, register combine: top-12 expand (more contributions than stages)");
+        c->R = 4; c->E = 48; c->T = 40; c->K = 12; c->KO = 12; c->H = 1024; c->has_weights = 1;
+        c->layout = EPD_LAYOUT_EXPAND; c->align = 2; c->apply_weights = 1; c->num_bias = 1;
+        c->seed = 0x6004; c->combine_bulk = -1;
 }
 
 /* ---- per-case state ---- */
@@ -1065,7 +1086,7 @@ static int setup_combine(struct ctx *x, struct rng *g)
         for (uint32_t d = 0; d < x->R; d++) {
                 struct rank_data *r = &x->rk[d];
                 r->y_rows = r->rows;
-                r->y_stride = hb + (c->strided ? 32 : 0);
+                r->y_stride = hb + (c->strided ? 32 : 0) + c->y_pad;
                 /* One guard row of NaN past the y_rows that combine is told of, so that a read
                  * past them shows (combine_row_bound). */
                 r->y = (uint8_t *)halloc(x, (r->y_rows + 1) * r->y_stride);
@@ -1179,6 +1200,16 @@ static int gpu_combine(struct ctx *x, int use_timed)
                 CK(cudaSetDevice(dev));
                 dev_combine_args(x, dev, &a);
                 launched_tokens += a.local_tokens;
+                if (x->c->combine_bulk != 0 && a.local_tokens > 0) {
+                        /* The case is there to drive one kernel: make sure it does. */
+                        const int bulk = epd_k_combine_uses_bulk(&a);
+                        if (bulk != (x->c->combine_bulk > 0)) {
+                                printf("    FAIL: combine %s the bulk-copy kernel (%d)\n",
+                                       x->c->combine_bulk > 0 ? "does not take" : "takes",
+                                       bulk);
+                                return -1;
+                        }
+                }
                 if (use_timed) {
                         a.ranks_host = x->cr_host; /* as the daemon: see gpu_dispatch_fused */
                         a.local_host = x->local_host[dev];
