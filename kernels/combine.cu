@@ -7,12 +7,17 @@
  * operation. The loads of up to 8 contributions of a step are issued before the first is added
  * (combine_vec).
  *
- * The arithmetic and the per-token preamble are reduce.cuh's; small ops whose tokens have at most
- * EPD_K_BULK_SLOTS contributions take the bulk-copy kernel instead (combine_bulk.cu).
+ * Floating point: __fmul_rn and __fadd_rn are never contracted into an FMA, and the library is
+ * built with --fmad=false -ftz=false as well; bf16 -> fp32 is a shift; fp32 -> bf16 is
+ * __float2bfloat16_rn (cvt.rn.bf16.f32: round to nearest even, subnormals kept, and a NaN input
+ * gives the canonical 0x7FFF), and NaN is mapped to 0x7FFF explicitly as well, so the bits match
+ * common/bf16.h's epd__float_to_bf16 whatever the conversion does with NaN payloads.
  */
 #include <stdint.h>
 
-#include "reduce.cuh"
+#include <cuda_bf16.h>
+
+#include "internal.cuh"
 
 /* Tunables; overridable with -D for experiments. */
 #ifndef COMBINE_THREADS
@@ -25,6 +30,48 @@
  * so every slice starts on a step boundary. */
 #define COMBINE_SLICE_UNIT (8 * 32 * COMBINE_VEC)
 
+static __device__ __forceinline__ float bf16_lo(uint32_t word)
+{
+        return __uint_as_float(word << 16);
+}
+
+static __device__ __forceinline__ float bf16_hi(uint32_t word)
+{
+        return __uint_as_float(word & 0xffff0000u);
+}
+
+static __device__ __forceinline__ uint32_t to_bf16(float v)
+{
+        if (v != v)
+                return 0x7fffu;
+        return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+static __device__ __forceinline__ void add_word(float *acc, uint32_t word, int weighted, float w)
+{
+        float lo = bf16_lo(word), hi = bf16_hi(word);
+        if (weighted) {
+                lo = __fmul_rn(lo, w);
+                hi = __fmul_rn(hi, w);
+        }
+        acc[0] = __fadd_rn(acc[0], lo);
+        acc[1] = __fadd_rn(acc[1], hi);
+}
+
+static __device__ __forceinline__ void add_vec(float *acc, int4 v, int weighted, float w)
+{
+        add_word(acc + 0, (uint32_t)v.x, weighted, w);
+        add_word(acc + 2, (uint32_t)v.y, weighted, w);
+        add_word(acc + 4, (uint32_t)v.z, weighted, w);
+        add_word(acc + 6, (uint32_t)v.w, weighted, w);
+}
+
+/* A 16-byte load of a contribution or bias row; STREAM: with the L2 evict-first hint. */
+template <bool STREAM> static __device__ __forceinline__ int4 comb_ld(const int4 *p)
+{
+        return STREAM ? epd__k_ldg_evict_first(p) : epd__k_ldg(p);
+}
+
 /* Items per multiprocessor that a small op is cut for (epd__k_slicing), against 16 resident
  * warps (121 registers). Below 16, a decode op (1024 tokens on 132 multiprocessors) is cut in
  * two slices of 7 steps, one item per warp; 24 cut it in four of 4, 4, 4 and 2 steps, so that
@@ -34,12 +81,6 @@
  * against 27.6-27.8 us after a read-only flush. 24 had beaten 48 and 96 (sixth session). */
 #ifndef COMBINE_SLICE_WARPS
 #define COMBINE_SLICE_WARPS 14
-#endif
-
-/* Small ops (those cut into slices) take the bulk-copy kernel when they qualify; 0 keeps them
- * on this file's kernel (experiments). */
-#ifndef COMBINE_BULK
-#define COMBINE_BULK 1
 #endif
 
 #ifndef COMBINE_AHEAD
@@ -105,9 +146,52 @@ static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float m
                         if (bias1 != NULL)
                                 add_vec(acc + 8 * u, comb_ld<STREAM>((const int4 *)bias1 + i), 0,
                                         0.0f);
-                        ((int4 *)out)[i] = pack_vec(acc + 8 * u);
+                        const float *a = acc + 8 * u;
+                        int4 o;
+                        o.x = (int)(to_bf16(a[0]) | to_bf16(a[1]) << 16);
+                        o.y = (int)(to_bf16(a[2]) | to_bf16(a[3]) << 16);
+                        o.z = (int)(to_bf16(a[4]) | to_bf16(a[5]) << 16);
+                        o.w = (int)(to_bf16(a[6]) | to_bf16(a[7]) << 16);
+                        ((int4 *)out)[i] = o;
                 }
         }
+}
+
+/* Any alignment: one bf16 value per lane per step, same order of operations. */
+static __device__ void combine_scalar(const uint8_t *my_row, uint32_t mask, float my_weight,
+                                      int weighted, const uint8_t *bias0, const uint8_t *bias1,
+                                      uint8_t *out, uint32_t h0, uint32_t hidden, uint32_t lane)
+{
+        for (uint32_t base = h0; base < hidden; base += 32) {
+                uint32_t h = base + lane;
+                float acc = 0.0f;
+                for (uint32_t m = mask; m != 0; m &= m - 1) {
+                        int j = __ffs(m) - 1;
+                        const uint16_t *p = (const uint16_t *)__shfl_sync(
+                                EPD_K_FULL_MASK, (unsigned long long)my_row, j);
+                        float w = __shfl_sync(EPD_K_FULL_MASK, my_weight, j);
+                        if (h < hidden) {
+                                float v = __uint_as_float((uint32_t)p[h] << 16);
+                                if (weighted)
+                                        v = __fmul_rn(v, w);
+                                acc = __fadd_rn(acc, v);
+                        }
+                }
+                if (h >= hidden)
+                        continue;
+                if (bias0 != NULL)
+                        acc = __fadd_rn(acc, __uint_as_float((uint32_t)((const uint16_t *)bias0)[h]
+                                                             << 16));
+                if (bias1 != NULL)
+                        acc = __fadd_rn(acc, __uint_as_float((uint32_t)((const uint16_t *)bias1)[h]
+                                                             << 16));
+                ((uint16_t *)out)[h] = (uint16_t)to_bf16(acc);
+        }
+}
+
+static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_k_mat *m, uint64_t row)
+{
+        return m->ptr == NULL ? NULL : m->ptr + row * m->stride;
 }
 
 /* Grid-stride over work items, a warp per item: item = (token, slice), where a slice is
@@ -135,10 +219,12 @@ static __global__ void __launch_bounds__(COMBINE_THREADS)
                        uint32_t slice_values,
                        const __grid_constant__ struct epd__k_inline<struct epd_k_combine_rank> in)
 {
+        const uint32_t L = l.num_local_experts, K = a.num_topk;
         const uint32_t lane = threadIdx.x % 32;
         const uint64_t warp = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
         const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
         const uint64_t items = (uint64_t)a.local_tokens * slices;
+        void *ws = (void *)a.workspace;
         /* The descriptors: in the parameters when the launcher had host copies (no load from
          * device memory in front of each warp's first contribution), else device memory. */
         const struct epd_k_combine_rank *ranks = epd__k_ranks(in, a.ranks);
@@ -149,16 +235,50 @@ static __global__ void __launch_bounds__(COMBINE_THREADS)
                 const uint32_t slice = (uint32_t)(item % slices);
                 const uint32_t h0 = slice * slice_values;
                 const uint32_t h1 = min(a.hidden, h0 + slice_values);
-                const struct comb_token ct =
-                        comb_token_load(a, l, ranks, local, (uint32_t)g, slice == 0, lane);
-                if (ct.out == NULL)
+                const uint32_t i = epd__k_find_local(local, a.num_local, (uint32_t)g);
+                const uint32_t s = local[i].rank, t = (uint32_t)g - local[i].token_offset;
+                const struct epd_k_combine_rank *me = &ranks[s];
+                const uint64_t ent = epd_ws_entry(&l, s, t, K, 0);
+                int32_t expert = -1, row = -1;
+                float weight = 0.0f;
+
+                if (lane < K) {
+                        expert = epd_ws_i32(ws, l.topk)[ent + lane];
+                        row = epd_ws_i32(ws, l.row)[ent + lane];
+                        if (a.has_weights)
+                                weight = epd_ws_f32(ws, l.weights)[ent + lane];
+                        /* The dispatch's weights, masked to 0.0f where topk_idx held -1;
+                         * nothing to route back when the dispatch carried none. */
+                        if (slice == 0 && a.has_weights && me->combined_topk_weights.ptr != NULL)
+                                ((float *)mat_row(&me->combined_topk_weights, t))[lane] =
+                                        expert >= 0 ? weight : 0.0f;
+                }
+                /* NON_EXPAND rows are set only at each destination's first position, EXPAND rows
+                 * at every selection: a row >= 0 is exactly a contribution. */
+                const uint8_t *my_row = NULL;
+                if (row >= 0) {
+                        const struct epd_k_combine_rank *d =
+                                &ranks[epd_route_expert_rank(expert, L)];
+                        if ((uint64_t)row < d->y_rows)
+                                my_row = d->y.ptr + (uint64_t)row * d->y.stride;
+                        else
+                                row = -1;
+                }
+                const uint32_t mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
+                const uint8_t *bias0 = mat_row(&me->bias[0], t);
+                const uint8_t *bias1 = mat_row(&me->bias[1], t);
+                uint8_t *out = (uint8_t *)mat_row(&me->combined, t);
+                if (out == NULL)
                         continue;
-                if ((ct.align_bits & 15) == 0)
-                        combine_vec<STREAM>(ct.my_row, ct.mask, ct.weight, a.apply_weights,
-                                            ct.bias0, ct.bias1, ct.out, h0 / 8, h1 / 8, lane);
+                uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)my_row) |
+                                (uint32_t)(uintptr_t)bias0 | (uint32_t)(uintptr_t)bias1 |
+                                (uint32_t)(uintptr_t)out | (a.hidden * 2u);
+                if ((bits & 15) == 0)
+                        combine_vec<STREAM>(my_row, mask, weight, a.apply_weights, bias0,
+                                            bias1, out, h0 / 8, h1 / 8, lane);
                 else
-                        combine_scalar(ct.my_row, ct.mask, ct.weight, a.apply_weights, ct.bias0,
-                                       ct.bias1, ct.out, h0, h1, lane);
+                        combine_scalar(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
+                                       h0, h1, lane);
         }
 }
 
@@ -167,8 +287,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS)
 struct combine_geometry {
         uint32_t slices, slice_values;
         struct epd__k_inline<struct epd_k_combine_rank> in;
-        struct epd__k_combine_bulk bulk;
-        int bulk_used; /* the launch is the bulk-copy kernel's */
 };
 
 static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws_layout *l,
@@ -187,13 +305,6 @@ static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws
         if (ret < 0)
                 return ret;
         g->slice_values = (uint32_t)slice_values;
-        g->bulk_used = 0;
-        if (g->slices > 1 && COMBINE_BULK) {
-                ret = epd__k_combine_bulk_describe(args, l, &g->bulk, d);
-                g->bulk_used = ret == 0;
-                if (ret <= 0)
-                        return ret;
-        }
         const uint64_t items = (uint64_t)args->local_tokens * g->slices;
         const void *kernel = g->slices > 1 ? (const void *)combine_kernel<true>
                                            : (const void *)combine_kernel<false>;
@@ -222,16 +333,6 @@ extern "C" int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t
         int ret = combine_describe(args, &l, &g, &d);
 
         return ret != 0 ? (ret > 0 ? 0 : ret) : epd__k_launch_direct(&d, stream);
-}
-
-extern "C" int epd_k_combine_uses_bulk(const struct epd_k_combine_args *args)
-{
-        struct epd_ws_layout l;
-        struct combine_geometry g;
-        struct epd__k_launch d;
-        int ret = combine_describe(args, &l, &g, &d);
-
-        return ret < 0 ? ret : ret == 0 && g.bulk_used;
 }
 
 /* With nothing to launch, the two events still bound an (empty) kernel time. */

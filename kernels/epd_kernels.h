@@ -179,9 +179,6 @@ int epd_k_dispatch_copy(const struct epd_k_dispatch_args *args, cudaStream_t str
 int epd_k_dispatch_recheck(const struct epd_k_dispatch_args *args, cudaStream_t stream);
 
 int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t stream);
-/* Whether epd_k_combine would run args through the bulk-copy kernel of small ops
- * (combine_bulk.cu): 1 or 0, or a negative status for arguments it would refuse. */
-int epd_k_combine_uses_bulk(const struct epd_k_combine_args *args);
 
 /* Routing for small ops in one launch (route_small.cu): count, prefix and place for a
  * NON_EXPAND op whose ranks all live on the launching device (num_local == world_size <= 64,

@@ -107,24 +107,10 @@ epd__k_locals(const struct epd__k_inline<Rank> &in, const struct epd_k_local *gl
         return in.used ? in.local : global;
 }
 
-/* The bulk-copy combine of small ops (combine_bulk.cu): the most contributions per token it
- * stages, and the launch of one op. describe returns 1 when the op does not qualify (more
- * possible contributions per token than EPD_K_BULK_SLOTS, or too little shared memory). The
- * launch's parameters point at *args, *l and *g. */
-#define EPD_K_BULK_SLOTS 8
-struct epd__k_combine_bulk {
-        uint32_t slots, chunks;
-        struct epd__k_inline<struct epd_k_combine_rank> in;
-};
-int epd__k_combine_bulk_describe(const struct epd_k_combine_args *args,
-                                 const struct epd_ws_layout *l, struct epd__k_combine_bulk *g,
-                                 struct epd__k_launch *d);
-
 /* Loads each file's kernels into the current device's context (epd_k_preload). */
 int epd__k_preload_route(void);
 int epd__k_preload_dispatch(void);
 int epd__k_preload_combine(void);
-int epd__k_preload_combine_bulk(void);
 int epd__k_preload_route_small(void);
 int epd__k_preload_dispatch_small(void);
 

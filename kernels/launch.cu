@@ -22,8 +22,6 @@ extern "C" int epd_k_preload(void)
         if (ret == 0)
                 ret = epd__k_preload_combine();
         if (ret == 0)
-                ret = epd__k_preload_combine_bulk();
-        if (ret == 0)
                 ret = epd__k_preload_route_small();
         if (ret == 0)
                 ret = epd__k_preload_dispatch_small();
