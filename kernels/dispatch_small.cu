@@ -40,16 +40,11 @@
  *      cached dispatch follow unchanged (tests/gpu compares every array they read). chunk_count,
  *      chunk_base, `local` and the error records of chunks without an error are not written:
  *      nothing after place reads them.
- *   4. If the op is valid and fits, the block's warps copy its items, a (token, slice) item per
- *      warp (copy_token_rows, as the copy step does). The items are dealt by rows: laid end to
- *      end in routing order, the items of the tokens that block cr routes (a token with n rows
- *      weighs n) are cut into equal spans, one per copying cluster, and block cr of that
- *      cluster copies them, so every copying block stores about the same bytes. (Dealing whole
- *      tokens in turn, as before the thirteenth session, left blocks ending 19.7 to 25.5 us
- *      into a decode op for a mean of 23.2: a block's 8 tokens have 1 to 8 destinations.) A
- *      token's workspace entries are written by the cluster of its slice 0. With
- *      DS_SKIP0_CLUSTERS clusters or more, cluster 0 does not copy: its blocks finish phase 3
- *      last.
+ *   4. If the op is valid and fits, the block's warps copy the tokens it owns, a (token, slice)
+ *      item per warp (copy_token_rows, as the copy step does). Token (group q, lane l) is copied
+ *      by the block that routed q in copying cluster ((q / C) * 32 + l) % (number of copying
+ *      clusters). With DS_SKIP0_CLUSTERS clusters or more, cluster 0 does not copy: its blocks
+ *      finish phase 3 last.
  *
  * Memory ordering. Every rank's descriptor is copied into the block's shared memory (sranks) by the
  * whole block before the setup's __syncthreads(); the copy reads it from there. Inside a cluster,
@@ -62,11 +57,8 @@
  * routing's loads start without waiting for the cluster's slowest block. Barrier 2 also guarantees,
  * in every cluster, that each block is running before a peer reads its shared memory. wbal never
  * leaves its block: lane 0 of the routing warp writes it in phase 1, the same warp's lanes read it
- * in phase 3, after barrier 2 (and 3); wrows likewise (each warp's lane 31 in phase 1, every
- * thread of the block after barrier 2). The copy's lists (sexp, srow, stok, items, and the
- * counters nslots and nitems, zeroed before the setup's __syncthreads()) are filled by the
- * block's routing threads and read after the __syncthreads() before the copy. No block touches
- * another's shared memory after barrier 3, so a block may return after it. Across clusters nothing is shared: the inputs (topk_idx, x, scales,
+ * in phase 3, after barrier 2 (and 3). No block touches another's shared memory after barrier 3, so
+ * a block may return after it. Across clusters nothing is shared: the inputs (topk_idx, x, scales,
  * weights, descriptors) are read-only for the whole op, and every workspace word and output byte
  * has exactly one writer in the grid. Block 0's rank_prefix stores precede the __syncthreads()
  * before write_verdict, which reads them back (same block). The verdict's status is stored last
@@ -114,19 +106,13 @@ namespace cg = cooperative_groups;
  *                                (destination cr + C x) from each source
  *   algn  [L]                    their aligned totals
  *   sexp  [slots][K_op]          tokens this block copies: normalised experts
- *   srow  [slots][K_op]          their rows of first positions, -1 elsewhere
- *   stok  [slots]                their flat token indices
- *   items [slots * slices]       the (token slot, slice) items this block copies, slot << 8 |
- *                                slice
- * slots: the most tokens a block may copy, the tokens it routes (the copy is balanced by rows,
- * so a block of a cluster may copy any number of them). */
+ *   srow  [slots][K_op]          their rows of first positions, -1 elsewhere */
 struct ds_smem {
-        uint32_t nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, stok, items, words;
+        uint32_t nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, words;
 };
 
 static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E, uint32_t K,
-                                                         uint32_t G, uint32_t C, uint32_t slots,
-                                                         uint32_t slices)
+                                                         uint32_t G, uint32_t C, uint32_t slots)
 {
         struct ds_smem m;
         uint32_t w = 0;
@@ -151,10 +137,6 @@ static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E,
         w += slots * K;
         m.srow = w;
         w += slots * K;
-        m.stok = w;
-        w += slots;
-        m.items = w;
-        w += slots * slices;
         m.words = w;
         return m;
 }
@@ -198,6 +180,19 @@ static __device__ __forceinline__ uint32_t ds_source_of(const struct ds_src *src
                         hi = mid;
         }
         return lo;
+}
+
+/* Copy item `it` of block cr of the copying cluster cc (of ncc): slice it % slices of the token
+ * in slot it / slices, whose index among the tokens this block routes is slot * ncc + cc: group
+ * (index / 32) * C + cr, lane index % 32. Returns its flat token, or UINT32_MAX when the slot is
+ * past the op. */
+static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t slices,
+                                                        uint32_t ncc, uint32_t cc, uint32_t C,
+                                                        uint32_t cr, uint32_t G, uint32_t n)
+{
+        const uint32_t cb = it / slices * ncc + cc;
+        const uint32_t q = cb / 32 * C + cr, g = q * 32 + cb % 32;
+        return q < G && g < n ? g : UINT32_MAX;
 }
 
 /* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
@@ -286,6 +281,48 @@ static __device__ void ds_expert_counts(const struct epd_k_dispatch_args &a,
         __syncthreads(); /* algn is reused for the next destination */
 }
 
+/* Experiments (DS_XPREFETCH 1: before the setup, 2: after the routing): each warp asks the L2
+ * for the x slice (and scales) of its first copy item, whose token is known before the routing
+ * (ds_item_token), so that the copy's loads find it there. Only tokens of a valid source. */
+#ifndef DS_XPREFETCH
+#define DS_XPREFETCH 0
+#endif
+static __device__ __forceinline__ void ds_prefetch_item(const struct epd_k_dispatch_args &a,
+                                                        const struct epd_k_dispatch_rank *ranks,
+                                                        const struct epd_k_local *local,
+                                                        uint32_t it, uint32_t slices,
+                                                        uint64_t slice_bytes, uint32_t ncc,
+                                                        uint32_t cc, uint32_t C, uint32_t cr,
+                                                        uint32_t G, uint32_t n, uint32_t lane)
+{
+        const uint32_t cg_ = ds_item_token(it, slices, ncc, cc, C, cr, G, n);
+        if (cg_ == UINT32_MAX)
+                return;
+        const uint32_t ci = epd__k_find_local(local, a.num_local, cg_);
+        const struct epd_k_dispatch_rank *r = &ranks[ci];
+        const uint32_t ct = cg_ - local[ci].token_offset;
+        if (r->num_tokens > a.max_tokens || r->x.ptr == NULL)
+                return;
+        const uint32_t sl = it % slices;
+        const uint64_t off = (uint64_t)sl * slice_bytes;
+        if (off >= a.row_bytes)
+                return;
+        const uint64_t len = min(slice_bytes, a.row_bytes - off);
+        const uint8_t *p = r->x.ptr + (uint64_t)ct * r->x.stride + off;
+        for (uint64_t o = (uint64_t)lane * 128; o < len; o += 32 * 128)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+        if (sl == 0 && a.scale_bytes != 0 && r->scales.ptr != NULL && lane * 128 < a.scale_bytes)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(r->scales.ptr +
+                                                            (uint64_t)ct * r->scales.stride +
+                                                            lane * 128));
+}
+#define DS_XPREFETCH_AT(when)                                                                    \
+        do {                                                                                     \
+                if (DS_XPREFETCH == (when) && warp < slots * slices && (c != 0 || !skip0))       \
+                        ds_prefetch_item(a, ranks, local, warp, slices, slice_bytes, ncc, cc, C, \
+                                         cr, G, n, lane);                                        \
+        } while (0)
+
 template <uint32_t KMAX>
 static __global__ void __launch_bounds__(DS_THREADS, 1)
         dispatch_small_kernel(const __grid_constant__ struct epd_k_dispatch_args a,
@@ -302,8 +339,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         __shared__ unsigned long long bad_key; /* source << 32 | t * K_op + k; lowest wins */
         __shared__ unsigned long long bad_all; /* the minimum over the cluster */
         __shared__ uint32_t num_short, first_short;
-        __shared__ uint32_t wrows[DS_WARPS]; /* rows of each warp's tokens (phase 1) */
-        __shared__ uint32_t nslots, nitems;  /* tokens and items this block copies */
         cg::cluster_group cluster = cg::this_cluster();
         const uint32_t C = cluster.num_blocks(), cr = cluster.block_rank();
         const uint32_t ncl = gridDim.x / C, c = blockIdx.x / C;
@@ -316,12 +351,11 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         const uint32_t below = (1u << lane) - 1;
         const uint32_t G = (n + 31) / 32, nd = (R + C - 1) / C;
         const uint64_t lmagic = epd_udiv_magic(L);
-        const struct ds_smem m = ds_smem_layout(R, E, K, G, C, slots, slices);
+        const struct ds_smem m = ds_smem_layout(R, E, K, G, C, slots);
         int32_t *wcnt = smem + m.wcnt, *wpre = smem + m.wpre, *total = smem + m.total;
         uint32_t *wbal = (uint32_t *)smem + m.wbal;
         int32_t *pfx = smem + m.pfx, *hist = smem + m.hist, *algn = smem + m.algn;
         int32_t *sexp = smem + m.sexp, *srow = smem + m.srow;
-        uint32_t *stok = (uint32_t *)smem + m.stok, *items = (uint32_t *)smem + m.items;
         int32_t *nsm = smem + m.nrow + threadIdx.x * small_row_stride(K);
         int32_t nreg[KMAX ? KMAX : 1];
         void *ws = a.workspace;
@@ -330,6 +364,28 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         const struct epd_k_dispatch_rank *ranks = epd__k_ranks(in, a.ranks);
         const struct epd_k_local *local = epd__k_locals(in, a.local);
         DS_STAMP(0);
+
+        /* 1, early: this thread's token (group q = warp * C + cr, flat token g) and, for
+         * K_op <= KMAX, its topk_idx loads, issued before the setup so that their latency
+         * (a DRAM round trip after an L2 flush) covers it. The descriptors come from the
+         * parameters or device memory, as the setup's do; local index i is rank i. */
+        const uint32_t q = warp * C + cr, g = q * 32 + lane;
+        uint32_t i = 0, t = 0;
+        int valid = 0;
+        int64_t raw[KMAX ? KMAX : 1];
+        if (q < G && g < n) {
+                i = epd__k_find_local(local, nl, g); /* = ds_source_of(srcs, nl, g) */
+                t = g - local[i].token_offset;
+                const struct epd_k_dispatch_rank *r = &ranks[i];
+                valid = r->num_tokens <= T;
+                if constexpr (KMAX != 0)
+                        if (valid)
+                                route_load_regs<KMAX>(
+                                        r->topk_idx, a.topk_dtype,
+                                        (uint64_t)t * (r->topk_stride != 0 ? r->topk_stride : K),
+                                        K, raw);
+        }
+        DS_XPREFETCH_AT(1);
 
         if (threadIdx.x < nl) {
                 /* Local index s is rank s (small_op_check: every rank is local, ascending),
@@ -344,8 +400,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 bad_key = ~0ull;
                 num_short = 0;
                 first_short = UINT32_MAX;
-                nslots = 0;
-                nitems = 0;
         }
         ds_copy_ranks(sranks, ranks, R);
         for (uint32_t x = threadIdx.x; x < nd * E; x += blockDim.x)
@@ -357,26 +411,19 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         if (threadIdx.x < nl && srcs[threadIdx.x].num_tokens > T)
                 atomicMin(&bad_key, (unsigned long long)threadIdx.x << 32);
 
-        /* 1: this thread's token: group q = warp * C + cr, flat token g. Until barrier 1 (or
-         * barrier 2 outside cluster 0) a block touches only its own shared memory, so the
-         * routing's loads do not wait for the cluster's other blocks. */
-        const uint32_t q = warp * C + cr, g = q * 32 + lane;
+        /* 1: this thread's token. Until barrier 1 (or barrier 2 outside cluster 0) a block
+         * touches only its own shared memory, so the routing does not wait for the cluster's
+         * other blocks. */
         uint64_t dmask = 0;
-        uint32_t first = 0, i = 0, t = 0;
-        int valid = 0;
+        uint32_t first = 0;
         if (q < G) { /* warp-uniform */
-                if (g < n) {
-                        i = ds_source_of(srcs, nl, g);
-                        t = g - srcs[i].offset;
-                        valid = srcs[i].num_tokens <= T;
-                }
                 if (valid) {
                         const uint64_t row0 = (uint64_t)t * srcs[i].topk_stride;
                         uint32_t bad;
                         if constexpr (KMAX != 0) {
-                                dmask = route_token_regs<KMAX>(srcs[i].topk_idx, a.topk_dtype,
-                                                               row0, K, E, lmagic, nreg, &first,
-                                                               &bad);
+                                (void)row0;
+                                dmask = route_token_raw<KMAX>(raw, K, E, lmagic, nreg, &first,
+                                                              &bad);
 #pragma unroll
                                 for (uint32_t k = 0; k < KMAX; k++)
                                         if (k < K)
@@ -389,6 +436,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                                 atomicMin(&bad_key, (unsigned long long)i << 32 | (t * K + bad));
                 }
                 DS_STAMP(12);
+                DS_XPREFETCH_AT(2);
                 for (uint32_t d = 0; d < R; d++) {
                         const uint32_t bl = __ballot_sync(EPD_K_FULL_MASK, (dmask >> d) & 1);
                         if (lane == 0) {
@@ -397,12 +445,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         }
                 }
         }
-        /* The rows of this thread's token, and their running sum over the block's tokens in
-         * routing order (jb below): the copy is dealt out by it. */
-        const uint32_t trows = valid ? (uint32_t)__popcll(dmask) : 0;
-        const uint32_t trows_incl = (uint32_t)warp_inclusive_scan((int32_t)trows);
-        if (lane == 31)
-                wrows[warp] = trows_incl;
         DS_STAMP(1);
         if (c == 0) { /* cluster-uniform */
                 cluster.sync(); /* 1: every block's histogram is zero before a peer adds to it */
@@ -468,62 +510,29 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                          * blocks after this */
         DS_STAMP(3);
 
-        /* The copy, balanced by rows. Item (token, slice) of a token with n rows weighs n rows
-         * of a slice; laid end to end in this block's routing order (jb), the items of the
-         * block's tokens span btotal * slices slice-rows, and copying cluster cc takes those
-         * whose start falls in its 1/ncc of that span. Every cluster computes the same
-         * routing, so the block of the same rank in each copying cluster agrees on the deal
-         * without talking to it. A token's workspace entries go with the item of its slice 0
-         * (also dealt to tokens without rows, which copy_token_rows still visits for the
-         * weights kept for combine). */
-        uint32_t before = 0, btotal = 0;
-        for (uint32_t w = 0; w < DS_WARPS; w++) {
-                const uint32_t r = wrows[w];
-                btotal += r;
-                before += w < warp ? r : 0;
-        }
-        uint32_t smask = 0; /* the slices of this token that this cluster copies */
-        int ws_mine = 0;
-        if (valid && (c != 0 || !skip0)) {
-                const uint64_t span = (uint64_t)btotal * slices;
-                const uint64_t p0 = (uint64_t)(before + trows_incl - trows) * slices;
-                const auto deal = [&](uint64_t x) {
-                        /* A token without rows may start at the very end. */
-                        return span == 0 ? 0u : min(ncc - 1, (uint32_t)(x * ncc / span));
-                };
-                ws_mine = deal(p0) == cc;
-                for (uint32_t sl = 0; sl < slices; sl++)
-                        if ((sl == 0 || trows != 0) && deal(p0 + (uint64_t)sl * trows) == cc)
-                                smask |= 1u << sl;
-        }
-        if (smask != 0 || ws_mine) {
-                const uint32_t slot = smask != 0 ? atomicAdd(&nslots, 1u) : 0;
-                const uint64_t ent = epd_ws_entry(&l, srcs[i].rank, t, K, 0);
+        /* This thread's token, when this cluster copies it: its rows, slot and workspace
+         * entries. */
+        const uint32_t jb = warp * 32 + lane; /* the token's index among this block's */
+        const int mine = valid && (c != 0 || !skip0) && jb % ncc == cc;
+        const uint32_t slot = jb / ncc;
+        if (mine) {
+                /* A first position's row: the destination's rows before group q, plus the
+                 * group's earlier lanes going there (the phase-1 ballot, this block's own). */
                 for (uint32_t k = 0; k < K; k++) {
-                        /* A first position's row: the destination's rows before group q, plus
-                         * the group's earlier lanes going there (the phase-1 ballot, this
-                         * block's own). */
                         const int32_t v = nsm[k];
                         const uint32_t d = (uint32_t)v >> 16;
-                        const int32_t e = v >= 0 ? v & 0xffff : -1;
-                        const int32_t r = (first >> k) & 1 ? wpre[q * R + d] +
-                                                                     __popc(wbal[q * R + d] & below)
-                                                           : -1;
-                        if (ws_mine) {
-                                epd_ws_i32(ws, l.topk)[ent + k] = e;
-                                epd_ws_i32(ws, l.row)[ent + k] = r;
-                        }
-                        if (smask != 0) {
-                                sexp[slot * K + k] = e;
-                                srow[slot * K + k] = r;
-                        }
+                        sexp[slot * K + k] = v >= 0 ? v & 0xffff : -1;
+                        srow[slot * K + k] = (first >> k) & 1 ? wpre[q * R + d] +
+                                                                        __popc(wbal[q * R + d] &
+                                                                               below)
+                                                              : -1;
                 }
-                if (smask != 0) {
-                        stok[slot] = g;
-                        const uint32_t n = __popc(smask);
-                        uint32_t x = atomicAdd(&nitems, n);
-                        for (uint32_t m_ = smask; m_ != 0; m_ &= m_ - 1)
-                                items[x++] = slot << 8 | (__ffs(m_) - 1);
+        }
+        if (mine) {
+                const uint64_t ent = epd_ws_entry(&l, srcs[i].rank, t, K, 0);
+                for (uint32_t k = 0; k < K; k++) {
+                        epd_ws_i32(ws, l.topk)[ent + k] = sexp[slot * K + k];
+                        epd_ws_i32(ws, l.row)[ent + k] = srow[slot * K + k];
                 }
         }
 
@@ -578,11 +587,12 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         if (c == 0 && skip0)
                 return;
 
-        /* 4: the items this block copies. */
-        const uint32_t nit = nitems;
-        for (uint32_t it = warp; it < nit; it += DS_WARPS) {
-                const uint32_t j = items[it] >> 8, sl = items[it] & 0xff;
-                const uint32_t cg_ = stok[j];
+        /* 4: the tokens this block copies. */
+        for (uint32_t it = warp; it < slots * slices; it += DS_WARPS) {
+                const uint32_t j = it / slices;
+                const uint32_t cg_ = ds_item_token(it, slices, ncc, cc, C, cr, G, n);
+                if (cg_ == UINT32_MAX) /* warp-uniform */
+                        continue;
                 const uint32_t ci = ds_source_of(srcs, nl, cg_), ct = cg_ - srcs[ci].offset;
                 const uint32_t s = srcs[ci].rank;
                 int32_t expert = -1, row = -1;
@@ -591,7 +601,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         row = srow[j * K + lane];
                 }
                 copy_token_rows(&a, sranks, &l, s, ct, epd_ws_entry(&l, s, ct, K, 0), expert,
-                                row, sl, slice_bytes, lane);
+                                row, it % slices, slice_bytes, lane);
         }
 #ifdef DS_TRACE
         __syncthreads();
@@ -653,13 +663,10 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
         const uint32_t gpb = (G + p->cluster - 1) / p->cluster; /* groups per block */
         if (gpb > DS_WARPS)
                 return 2; /* smaller clusters have more */
-        /* Slots: a block may copy any of the tokens it routes (the copy is balanced by
-         * rows). The items' array depends on the slicing, known only with the number of
-         * clusters; the occupancy does not depend on the shared memory (below), so one
-         * slice is assumed until then. */
+        /* Slots for the largest cluster count; fewer clusters only get more. */
         p->slots = gpb * 32;
         p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                        args->num_topk, G, p->cluster, p->slots, 1)
+                                        args->num_topk, G, p->cluster, p->slots)
                                  .words;
         /* Also raises the kernel's limit when needed: this is the launch's plan. */
         int ret = epd__k_dynamic_smem(kernel, p->smem);
@@ -681,17 +688,20 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
         if (getenv("DS_SKIP0") != NULL)
                 p->skip0 = clusters > 1 && atoi(getenv("DS_SKIP0")) != 0;
 #endif
-        /* Each block copies about its share of gpb * 32 tokens, spread over the copying
+        /* Each block copies its share of gpb * 32 tokens, spread over the copying
          * clusters. */
         const uint32_t ncc = (uint32_t)clusters - p->skip0;
-        const uint32_t share = (gpb * 32 + ncc - 1) / ncc;
-        /* Slices: about as many (token, slice) items as the block has warps, not more (a
+        p->slots = (gpb * 32 + ncc - 1) / ncc;
+        p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
+                                        args->num_topk, G, p->cluster, p->slots)
+                                 .words;
+        /* Slices: as many (token, slice) items as the block has warps, not more (a
          * warp with two items doubles the block's copy time), each slice a multiple of
          * 16 bytes so that every slice starts where the widest access may. */
         p->slices = 1;
         p->slice_bytes = args->row_bytes;
-        if (share != 0 && share < DS_WARPS && args->row_bytes > 32 * 16) {
-                uint64_t want = DS_WARPS / share;
+        if (p->slots != 0 && p->slots < DS_WARPS && args->row_bytes > 32 * 16) {
+                uint64_t want = DS_WARPS / p->slots;
 #ifdef DS_TRACE
                 if (getenv("DS_SLICES") != NULL)
                         want = (uint64_t)atoi(getenv("DS_SLICES"));
@@ -700,13 +710,7 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
                 p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
                                        p->slice_bytes);
         }
-        p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                        args->num_topk, G, p->cluster, p->slots, p->slices)
-                                 .words;
-        ret = epd__k_dynamic_smem(kernel, p->smem);
-        if (ret == EPD_INVALID_ARGUMENT)
-                return 1;
-        return ret < 0 ? ret : 0;
+        return 0;
 }
 
 /* Whether an op qualifies, and its launch: the cluster size whose clusters, as many as are
