@@ -196,7 +196,10 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
 }
 
 /* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
- * device array, 16 stamps per block, which epd_k_ds_trace copies out. */
+ * device array, 16 stamps per block, which epd_k_ds_trace copies out. Stamps: 0 entry, 11 setup
+ * done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 6 counts gathered, 7 scan done,
+ * 3 barrier 3, 4 copy start, 5 copy end; cluster 0: 8 rank_prefix stored, 9 verdict, 10 expert
+ * counts. */
 #ifdef DS_TRACE
 #define DS_TRACE_BLOCKS 1024
 static __device__ uint64_t ds_trace[DS_TRACE_BLOCKS * 16];
@@ -281,48 +284,6 @@ static __device__ void ds_expert_counts(const struct epd_k_dispatch_args &a,
         __syncthreads(); /* algn is reused for the next destination */
 }
 
-/* Experiments (DS_XPREFETCH 1: before the setup, 2: after the routing): each warp asks the L2
- * for the x slice (and scales) of its first copy item, whose token is known before the routing
- * (ds_item_token), so that the copy's loads find it there. Only tokens of a valid source. */
-#ifndef DS_XPREFETCH
-#define DS_XPREFETCH 0
-#endif
-static __device__ __forceinline__ void ds_prefetch_item(const struct epd_k_dispatch_args &a,
-                                                        const struct epd_k_dispatch_rank *ranks,
-                                                        const struct epd_k_local *local,
-                                                        uint32_t it, uint32_t slices,
-                                                        uint64_t slice_bytes, uint32_t ncc,
-                                                        uint32_t cc, uint32_t C, uint32_t cr,
-                                                        uint32_t G, uint32_t n, uint32_t lane)
-{
-        const uint32_t cg_ = ds_item_token(it, slices, ncc, cc, C, cr, G, n);
-        if (cg_ == UINT32_MAX)
-                return;
-        const uint32_t ci = epd__k_find_local(local, a.num_local, cg_);
-        const struct epd_k_dispatch_rank *r = &ranks[ci];
-        const uint32_t ct = cg_ - local[ci].token_offset;
-        if (r->num_tokens > a.max_tokens || r->x.ptr == NULL)
-                return;
-        const uint32_t sl = it % slices;
-        const uint64_t off = (uint64_t)sl * slice_bytes;
-        if (off >= a.row_bytes)
-                return;
-        const uint64_t len = min(slice_bytes, a.row_bytes - off);
-        const uint8_t *p = r->x.ptr + (uint64_t)ct * r->x.stride + off;
-        for (uint64_t o = (uint64_t)lane * 128; o < len; o += 32 * 128)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-        if (sl == 0 && a.scale_bytes != 0 && r->scales.ptr != NULL && lane * 128 < a.scale_bytes)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(r->scales.ptr +
-                                                            (uint64_t)ct * r->scales.stride +
-                                                            lane * 128));
-}
-#define DS_XPREFETCH_AT(when)                                                                    \
-        do {                                                                                     \
-                if (DS_XPREFETCH == (when) && warp < slots * slices && (c != 0 || !skip0))       \
-                        ds_prefetch_item(a, ranks, local, warp, slices, slice_bytes, ncc, cc, C, \
-                                         cr, G, n, lane);                                        \
-        } while (0)
-
 template <uint32_t KMAX>
 static __global__ void __launch_bounds__(DS_THREADS, 1)
         dispatch_small_kernel(const __grid_constant__ struct epd_k_dispatch_args a,
@@ -365,28 +326,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         const struct epd_k_local *local = epd__k_locals(in, a.local);
         DS_STAMP(0);
 
-        /* 1, early: this thread's token (group q = warp * C + cr, flat token g) and, for
-         * K_op <= KMAX, its topk_idx loads, issued before the setup so that their latency
-         * (a DRAM round trip after an L2 flush) covers it. The descriptors come from the
-         * parameters or device memory, as the setup's do; local index i is rank i. */
-        const uint32_t q = warp * C + cr, g = q * 32 + lane;
-        uint32_t i = 0, t = 0;
-        int valid = 0;
-        int64_t raw[KMAX ? KMAX : 1];
-        if (q < G && g < n) {
-                i = epd__k_find_local(local, nl, g); /* = ds_source_of(srcs, nl, g) */
-                t = g - local[i].token_offset;
-                const struct epd_k_dispatch_rank *r = &ranks[i];
-                valid = r->num_tokens <= T;
-                if constexpr (KMAX != 0)
-                        if (valid)
-                                route_load_regs<KMAX>(
-                                        r->topk_idx, a.topk_dtype,
-                                        (uint64_t)t * (r->topk_stride != 0 ? r->topk_stride : K),
-                                        K, raw);
-        }
-        DS_XPREFETCH_AT(1);
-
         if (threadIdx.x < nl) {
                 /* Local index s is rank s (small_op_check: every rank is local, ascending),
                  * so the descriptor's load does not wait for local[]'s. */
@@ -411,19 +350,26 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         if (threadIdx.x < nl && srcs[threadIdx.x].num_tokens > T)
                 atomicMin(&bad_key, (unsigned long long)threadIdx.x << 32);
 
-        /* 1: this thread's token. Until barrier 1 (or barrier 2 outside cluster 0) a block
-         * touches only its own shared memory, so the routing does not wait for the cluster's
-         * other blocks. */
+        /* 1: this thread's token: group q = warp * C + cr, flat token g. Until barrier 1 (or
+         * barrier 2 outside cluster 0) a block touches only its own shared memory, so the
+         * routing's loads do not wait for the cluster's other blocks. */
+        const uint32_t q = warp * C + cr, g = q * 32 + lane;
         uint64_t dmask = 0;
-        uint32_t first = 0;
+        uint32_t first = 0, i = 0, t = 0;
+        int valid = 0;
         if (q < G) { /* warp-uniform */
+                if (g < n) {
+                        i = ds_source_of(srcs, nl, g);
+                        t = g - srcs[i].offset;
+                        valid = srcs[i].num_tokens <= T;
+                }
                 if (valid) {
                         const uint64_t row0 = (uint64_t)t * srcs[i].topk_stride;
                         uint32_t bad;
                         if constexpr (KMAX != 0) {
-                                (void)row0;
-                                dmask = route_token_raw<KMAX>(raw, K, E, lmagic, nreg, &first,
-                                                              &bad);
+                                dmask = route_token_regs<KMAX>(srcs[i].topk_idx, a.topk_dtype,
+                                                               row0, K, E, lmagic, nreg, &first,
+                                                               &bad);
 #pragma unroll
                                 for (uint32_t k = 0; k < KMAX; k++)
                                         if (k < K)
@@ -436,7 +382,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                                 atomicMin(&bad_key, (unsigned long long)i << 32 | (t * K + bad));
                 }
                 DS_STAMP(12);
-                DS_XPREFETCH_AT(2);
                 for (uint32_t d = 0; d < R; d++) {
                         const uint32_t bl = __ballot_sync(EPD_K_FULL_MASK, (dmask >> d) & 1);
                         if (lane == 0) {

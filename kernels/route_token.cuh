@@ -102,47 +102,24 @@ static __device__ __forceinline__ uint64_t route_normalize(uint32_t K, uint64_t 
         return dmask;
 }
 
-/* One token's raw row from element row0 of topk_idx into registers (K_op <= KMAX; the loads
- * are predicated, not branched around, so they are all in flight together). A caller may issue
- * them early and classify later (route_token_raw). */
-template <uint32_t KMAX>
-static __device__ __forceinline__ void route_load_regs(const void *topk_idx, enum epd_dtype dtype,
-                                                       uint64_t row0, uint32_t K,
-                                                       int64_t (&raw)[KMAX])
-{
-#pragma unroll
-        for (uint32_t k = 0; k < KMAX; k++) {
-                raw[k] = -1;
-                if (k < K)
-                        raw[k] = epd__k_load_topk(topk_idx, dtype, row0 + k);
-        }
-}
-
-/* A raw row classified, then route_normalize in registers: nrow gets the normalised row. */
-template <uint32_t KMAX>
-static __device__ __forceinline__ uint64_t route_token_raw(const int64_t (&raw)[KMAX], uint32_t K,
-                                                           uint32_t E, uint64_t lmagic,
-                                                           int32_t (&nrow)[KMAX],
-                                                           uint32_t *first, uint32_t *bad)
-{
-#pragma unroll
-        for (uint32_t k = 0; k < KMAX; k++)
-                nrow[k] = k < K ? route_classify(raw[k], E) : -1;
-        return route_normalize<KMAX>(K, lmagic, nrow, first, bad);
-}
-
-/* Both at once. */
+/* One token's row loaded from element row0 of topk_idx into registers (K_op <= KMAX; the loads
+ * are predicated, not branched around, so they are all in flight together), classified, then
+ * route_normalize in registers: nrow gets the normalised row. */
 template <uint32_t KMAX>
 static __device__ __forceinline__ uint64_t route_token_regs(const void *topk_idx,
-                                                            enum epd_dtype dtype,
-                                                            uint64_t row0, uint32_t K,
-                                                            uint32_t E, uint64_t lmagic,
+                                                            enum epd_dtype dtype, uint64_t row0,
+                                                            uint32_t K, uint32_t E,
+                                                            uint64_t lmagic,
                                                             int32_t (&nrow)[KMAX],
                                                             uint32_t *first, uint32_t *bad)
 {
-        int64_t raw[KMAX];
-        route_load_regs<KMAX>(topk_idx, dtype, row0, K, raw);
-        return route_token_raw<KMAX>(raw, K, E, lmagic, nrow, first, bad);
+#pragma unroll
+        for (uint32_t k = 0; k < KMAX; k++) {
+                nrow[k] = -1;
+                if (k < K)
+                        nrow[k] = route_classify(epd__k_load_topk(topk_idx, dtype, row0 + k), E);
+        }
+        return route_normalize<KMAX>(K, lmagic, nrow, first, bad);
 }
 
 /* One token's row loaded from element row0 of topk_idx into shared memory (the loads first, all
