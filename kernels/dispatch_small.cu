@@ -41,14 +41,12 @@
  *      chunk_base, `local` and the error records of chunks without an error are not written:
  *      nothing after place reads them.
  *   4. If the op is valid and fits, the block's warps copy the tokens it owns, a (token, slice)
- *      item per warp (copy_token_rows, as the copy step does). Block cr of every cluster deals
- *      the tokens it routed to the copying clusters' blocks of rank cr (ds_deal): sorted by
- *      their number of destinations, heaviest first, in turn forth and back, so that each gets
- *      the same number of tokens and about the same number of rows. (Dealt in routing order, a
- *      block's 8 decode tokens had 1 to 8 destinations each, and the blocks' copies ended 19.7
- *      to 25.5 us into the op for a mean of 23.2; dealt by rows instead, blocks got more items
- *      than warps and the op took 4 us longer.) With DS_SKIP0_CLUSTERS clusters or more,
- *      cluster 0 does not copy: its blocks finish phase 3 last.
+ *      item per warp (copy_token_rows, as the copy step does). Token (group q, lane l) is copied
+ *      by the block that routed q in copying cluster ((q / C) * 32 + l) % (number of copying
+ *      clusters). With DS_SKIP0_CLUSTERS clusters or more, cluster 0 does not copy: its blocks
+ *      finish phase 3 last. The blocks' copies end about 5 us apart in a decode op whichever
+ *      way the tokens are dealt: dealt by rows or sorted by destinations, the op was slower
+ *      (docs/performance.md, thirteenth session).
  *
  * Memory ordering. Every rank's descriptor is copied into the block's shared memory (sranks) by the
  * whole block before the setup's __syncthreads(); the copy reads it from there. Inside a cluster,
@@ -61,10 +59,7 @@
  * routing's loads start without waiting for the cluster's slowest block. Barrier 2 also guarantees,
  * in every cluster, that each block is running before a peer reads its shared memory. wbal never
  * leaves its block: lane 0 of the routing warp writes it in phase 1, the same warp's lanes read it
- * in phase 3, after barrier 2 (and 3); wsort likewise (lane 0 of each warp in phase 1; the deal's
- * scan after barrier 2, then heavier[] by thread 0, each behind a __syncthreads()), and stok
- * (cleared before the setup's __syncthreads(), written in phase 3 by the thread whose token
- * takes the slot, read in the copy after the __syncthreads() before it). No block touches another's shared memory after barrier 3, so
+ * in phase 3, after barrier 2 (and 3). No block touches another's shared memory after barrier 3, so
  * a block may return after it. Across clusters nothing is shared: the inputs (topk_idx, x, scales,
  * weights, descriptors) are read-only for the whole op, and every workspace word and output byte
  * has exactly one writer in the grid. Block 0's rank_prefix stores precede the __syncthreads()
@@ -113,12 +108,9 @@ namespace cg = cooperative_groups;
  *                                (destination cr + C x) from each source
  *   algn  [L]                    their aligned totals
  *   sexp  [slots][K_op]          tokens this block copies: normalised experts
- *   srow  [slots][K_op]          their rows of first positions, -1 elsewhere
- *   stok  [slots]                their flat tokens (UINT32_MAX: none)
- *   wsort [DS_WARPS][V]          tokens of each warp with v destinations, v < V =
- *                                min(K_op, R) + 1; after the scan, those of earlier warps */
+ *   srow  [slots][K_op]          their rows of first positions, -1 elsewhere */
 struct ds_smem {
-        uint32_t nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, stok, wsort, words;
+        uint32_t nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, words;
 };
 
 static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E, uint32_t K,
@@ -147,10 +139,6 @@ static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E,
         w += slots * K;
         m.srow = w;
         w += slots * K;
-        m.stok = w;
-        w += slots;
-        m.wsort = w;
-        w += DS_WARPS * (min(K, R) + 1);
         m.words = w;
         return m;
 }
@@ -196,23 +184,24 @@ static __device__ __forceinline__ uint32_t ds_source_of(const struct ds_src *src
         return lo;
 }
 
-/* The copying cluster and slot of the token at position p of a block's tokens sorted by
- * destinations, heaviest first: dealt in turn to the ncc copying clusters, forth and back
- * ("snake" order), so that each cluster's block gets the same number of tokens and about the
- * same number of rows. */
-static __device__ __forceinline__ void ds_deal(uint32_t p, uint32_t ncc, uint32_t *cluster,
-                                               uint32_t *slot)
+/* Copy item `it` of block cr of the copying cluster cc (of ncc): slice it % slices of the token
+ * in slot it / slices, whose index among the tokens this block routes is slot * ncc + cc: group
+ * (index / 32) * C + cr, lane index % 32. Returns its flat token, or UINT32_MAX when the slot is
+ * past the op. */
+static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t slices,
+                                                        uint32_t ncc, uint32_t cc, uint32_t C,
+                                                        uint32_t cr, uint32_t G, uint32_t n)
 {
-        const uint32_t r = p / ncc, x = p % ncc;
-        *cluster = r & 1 ? ncc - 1 - x : x;
-        *slot = r;
+        const uint32_t cb = it / slices * ncc + cc;
+        const uint32_t q = cb / 32 * C + cr, g = q * 32 + cb % 32;
+        return q < G && g < n ? g : UINT32_MAX;
 }
 
 /* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
  * device array, 16 stamps per block, which epd_k_ds_trace copies out. Stamps: 0 entry, 11 setup
  * done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 6 counts gathered, 7 scan done,
  * 3 barrier 3, 4 copy start, 5 copy end; cluster 0: 8 rank_prefix stored, 9 verdict, 10 expert
- * counts. */
+ * counts. Slots 13 and 14 hold counts, not times: the rows and the items the block copied. */
 #ifdef DS_TRACE
 #define DS_TRACE_BLOCKS 1024
 static __device__ uint64_t ds_trace[DS_TRACE_BLOCKS * 16];
@@ -313,9 +302,10 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         __shared__ unsigned long long bad_key; /* source << 32 | t * K_op + k; lowest wins */
         __shared__ unsigned long long bad_all; /* the minimum over the cluster */
         __shared__ uint32_t num_short, first_short;
-        __shared__ uint32_t heavier[SMALL_MAX_RANKS + 2]; /* tokens with more destinations */
 #ifdef DS_TRACE
-        __shared__ uint32_t trace_rows, trace_items;
+        __shared__ uint32_t trace_rows, trace_items; /* this block's copy: stamps 13 and 14 */
+        if (threadIdx.x == 0)
+                trace_rows = trace_items = 0; /* before the setup's __syncthreads() */
 #endif
         cg::cluster_group cluster = cg::this_cluster();
         const uint32_t C = cluster.num_blocks(), cr = cluster.block_rank();
@@ -334,8 +324,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         uint32_t *wbal = (uint32_t *)smem + m.wbal;
         int32_t *pfx = smem + m.pfx, *hist = smem + m.hist, *algn = smem + m.algn;
         int32_t *sexp = smem + m.sexp, *srow = smem + m.srow;
-        uint32_t *stok = (uint32_t *)smem + m.stok, *wsort = (uint32_t *)smem + m.wsort;
-        const uint32_t V = min(K, R) + 1; /* a token has 0 .. min(K_op, R) destinations */
         int32_t *nsm = smem + m.nrow + threadIdx.x * small_row_stride(K);
         int32_t nreg[KMAX ? KMAX : 1];
         void *ws = a.workspace;
@@ -364,12 +352,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 hist[x] = 0;
         for (uint32_t x = threadIdx.x; x < (R + 1) * R; x += blockDim.x)
                 pfx[x] = 0;
-        for (uint32_t x = threadIdx.x; x < slots; x += blockDim.x)
-                stok[x] = UINT32_MAX;
-#ifdef DS_TRACE
-        if (threadIdx.x == 0)
-                trace_rows = trace_items = 0;
-#endif
         __syncthreads();
         DS_STAMP(11);
         if (threadIdx.x < nl && srcs[threadIdx.x].num_tokens > T)
@@ -415,17 +397,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         }
                 }
         }
-        /* The copy's deal: this token's destinations (-1: no token to copy), its rank among
-         * the warp's tokens with as many, and the warp's count of each. */
-        const int32_t tw = valid ? (int32_t)__popcll(dmask) : -1;
-        uint32_t tw_below = 0;
-        for (uint32_t v = 0; v < V; v++) {
-                const uint32_t bl = __ballot_sync(EPD_K_FULL_MASK, tw == (int32_t)v);
-                if (tw == (int32_t)v)
-                        tw_below = __popc(bl & below);
-                if (lane == 0)
-                        wsort[warp * V + v] = __popc(bl);
-        }
         DS_STAMP(1);
         if (c == 0) { /* cluster-uniform */
                 cluster.sync(); /* 1: every block's histogram is zero before a peer adds to it */
@@ -468,23 +439,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 if (lane == 0)
                         total[d] = carry;
         }
-        /* The deal's scan, in the warps after the destinations': wsort[w][v] becomes the
-         * tokens of earlier warps with v destinations, heavier[v] the block's tokens with
-         * more than v. */
-        for (uint32_t v = (warp + DS_WARPS - R % DS_WARPS) % DS_WARPS; v < V; v += DS_WARPS) {
-                const uint32_t cnt = wsort[lane * V + v]; /* DS_WARPS == 32 lanes */
-                const uint32_t incl = (uint32_t)warp_inclusive_scan((int32_t)cnt);
-                wsort[lane * V + v] = incl - cnt;
-                if (lane == 31)
-                        heavier[v] = incl; /* the total, for now */
-        }
-        __syncthreads();
-        if (threadIdx.x == 0)
-                for (uint32_t v = V, run = 0; v-- > 0;) {
-                        const uint32_t tot = heavier[v];
-                        heavier[v] = run;
-                        run += tot;
-                }
         __syncthreads();
         DS_STAMP(7);
         for (uint32_t d = threadIdx.x; d < R; d += blockDim.x) {
@@ -509,14 +463,11 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         DS_STAMP(3);
 
         /* This thread's token, when this cluster copies it: its rows, slot and workspace
-         * entries. Its position among the block's tokens sorted by destinations, heaviest
-         * first (ties in routing order), deals it (ds_deal). */
-        uint32_t dealt = UINT32_MAX, slot = 0;
-        if (tw >= 0)
-                ds_deal(heavier[tw] + wsort[warp * V + tw] + tw_below, ncc, &dealt, &slot);
-        const int mine = valid && (c != 0 || !skip0) && dealt == cc;
+         * entries. */
+        const uint32_t jb = warp * 32 + lane; /* the token's index among this block's */
+        const int mine = valid && (c != 0 || !skip0) && jb % ncc == cc;
+        const uint32_t slot = jb / ncc;
         if (mine) {
-                stok[slot] = g;
                 /* A first position's row: the destination's rows before group q, plus the
                  * group's earlier lanes going there (the phase-1 ballot, this block's own). */
                 for (uint32_t k = 0; k < K; k++) {
@@ -591,7 +542,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         /* 4: the tokens this block copies. */
         for (uint32_t it = warp; it < slots * slices; it += DS_WARPS) {
                 const uint32_t j = it / slices;
-                const uint32_t cg_ = stok[j];
+                const uint32_t cg_ = ds_item_token(it, slices, ncc, cc, C, cr, G, n);
                 if (cg_ == UINT32_MAX) /* warp-uniform */
                         continue;
                 const uint32_t ci = ds_source_of(srcs, nl, cg_), ct = cg_ - srcs[ci].offset;
