@@ -122,7 +122,8 @@ for l in sys.stdin:
                 ;;
         ncu-writeback)
                 # time_fresh runs last: for dispatch then combine, 21 launches after a write
-                # flush, then 21 after a read flush (read_flush_kernel before each).
+                # flush, then 21 after a read flush (read_flush_kernel before each); then 21 of
+                # each as the daemon runs them (write flush, idle GPU, one graph).
                 step ncu-writeback "$ncu" --clock-control none --cache-control none --csv \
                         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
                         -k regex:'dispatch_small_kernel|combine_kernel' \
@@ -141,10 +142,14 @@ for r in csv.DictReader(lines):
 seq = [(k[1], m) for k, m in sorted(rows.items(), key=lambda kv: int(kv[0][0]))]
 for name in ("dispatch_small_kernel", "combine_kernel"):
     ks = [m for n, m in seq if n.endswith(name)]
-    if len(ks) < 42:
+    # time_fresh's last three runs of each kernel, 21 launches each: events around the launch
+    # after a write flush, the same after a read flush, then as the daemon (write flush, GPU
+    # idle, events and kernel as one graph).
+    if len(ks) < 63:
         print("   ncu-writeback: only %d launches of %s" % (len(ks), name))
         continue
-    for label, part in (("after a write flush", ks[-42:-21]), ("after a read flush", ks[-21:])):
+    for label, part in (("after a write flush", ks[-63:-42]), ("after a read flush", ks[-42:-21]),
+                        ("as the daemon", ks[-21:])):
         med = lambda m: statistics.median(x[m] for x in part)
         print("   %-22s %-20s %6.1f us  DRAM read %6.1f MB  written %6.1f MB" % (
             name, label, med("gpu__time_duration.sum"), med("dram__bytes_read.sum") / 1e6,

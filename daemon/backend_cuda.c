@@ -545,7 +545,9 @@ static void op_end(struct cuda_backend *cb, const int *used, int W)
  * since the kernel times then hold the host's launch call again. */
 static void timed_note(struct cuda_backend *cb, int d, int kind)
 {
-        if (epd_k_timed_uses_graph(cb->dev[d].timed[kind]) || cb->dev[d].timed_warned[kind])
+        /* cudaSuccess: graphs are off by configuration (said at start). */
+        if (epd_k_timed_uses_graph(cb->dev[d].timed[kind]) || cb->dev[d].timed_warned[kind] ||
+            epd_k_timed_fallback_error(cb->dev[d].timed[kind]) == cudaSuccess)
                 return;
         cb->dev[d].timed_warned[kind] = 1;
         log_warning("device %d: %s launched without a CUDA graph (%s); its kernel times include "
@@ -955,11 +957,13 @@ static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *
                     (ce = cudaEventCreateWithFlags(&cb->dev[d].done, cudaEventDisableTiming)) ||
                     (ce = cudaEventCreate(&cb->dev[d].t0)) || (ce = cudaEventCreate(&cb->dev[d].t1)))
                         return cuda_fail(err, err_len, "stream/event creation", ce);
-                for (int k = 0; k < TIMED_KINDS; k++)
+                for (int k = 0; k < TIMED_KINDS; k++) {
                         if (epd_k_timed_create(&cb->dev[d].timed[k]) < 0) {
                                 snprintf(err, err_len, "out of memory");
                                 return EPD_INTERNAL;
                         }
+                        epd_k_timed_set_graphs(cb->dev[d].timed[k], cfg->cuda_graphs);
+                }
                 if (epd_k_preload() < 0)
                         return cuda_fail(err, err_len, "kernel preload", epd_k_last_cuda_error());
                 /* Peer access to every device that allows it; a group spanning devices without
@@ -999,7 +1003,11 @@ static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *
                 snprintf(err, err_len, "cannot start the executor thread");
                 return EPD_INTERNAL;
         }
-        log_info("cuda backend devices=%d", cb->num_devices);
+        log_info("cuda backend devices=%d cuda_graphs=%s", cb->num_devices,
+                 cfg->cuda_graphs ? "on" : "off");
+        if (!cfg->cuda_graphs)
+                log_notice("cuda_graphs = off: one-kernel ops are sent as record, launch, record; "
+                           "their kernel times include the host's launch call");
         return 0;
 }
 

@@ -11,6 +11,7 @@
 
 #include "config.h"
 #include "log.h"
+#include "util.h"
 
 void epd_config_defaults(struct epd_config *cfg)
 {
@@ -21,6 +22,7 @@ void epd_config_defaults(struct epd_config *cfg)
         cfg->socket_mode = 0660;
         cfg->log_level = LOG_INFO;
         cfg->poll_us = EPD_POLL_AUTO;
+        cfg->cuda_graphs = 1;
         cfg->op_timeout_ms = 10000;
         cfg->peer_lost_ms = 100;
         cfg->arena_bytes = 64ull << 20;
@@ -71,6 +73,25 @@ static int parse_u64(const char *value, uint64_t max, uint64_t *out)
                 return -ERANGE;
         *out = v * mult;
         return 0;
+}
+
+/* on/off, true/false, yes/no, 1/0, any case. */
+static int parse_bool(const char *value, int *out)
+{
+        static const char *const on[] = { "on", "true", "yes", "1" };
+        static const char *const off[] = { "off", "false", "no", "0" };
+
+        for (unsigned i = 0; i < EPD_ARRAY_SIZE(on); i++) {
+                if (strcasecmp(value, on[i]) == 0) {
+                        *out = 1;
+                        return 0;
+                }
+                if (strcasecmp(value, off[i]) == 0) {
+                        *out = 0;
+                        return 0;
+                }
+        }
+        return -EINVAL;
 }
 
 /* ids and count are written only on success: a bad list leaves the previous one in place. */
@@ -161,6 +182,14 @@ int epd_config_set(struct epd_config *cfg, const char *section, const char *name
                         return -EINVAL;
                 }
                 cfg->log_level = level;
+                return 0;
+        }
+        if (strcmp(section, "daemon") == 0 && strcmp(name, "cuda_graphs") == 0) {
+                if (parse_bool(value, &cfg->cuda_graphs) < 0) {
+                        snprintf(err, err_len, "[daemon] cuda_graphs must be on or off, not '%s'",
+                                 value);
+                        return -EINVAL;
+                }
                 return 0;
         }
         if (strcmp(section, "daemon") == 0 && strcmp(name, "allow_uids") == 0) {

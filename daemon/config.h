@@ -35,6 +35,9 @@ struct epd_config {
         uint32_t max_arena_segments;  /* segments per arena: a grow adds one */
         uint32_t poll_us;             /* the executor and the loop thread poll this long after
                                        * an op before sleeping (0: never; AUTO: see above) */
+        int cuda_graphs;              /* read at start; 1 (default): an op of one kernel on one
+                                       * device is sent as one CUDA graph (event, kernel, event);
+                                       * 0: record, launch, record, as when a graph fails */
         /* [limits], hot (apply to new requests) except max_frame_bytes and max_fds_per_frame:
          * those size the receive buffer at start and are announced to clients at hello. */
         uint32_t max_clients;

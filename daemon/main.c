@@ -34,6 +34,7 @@ static void usage(FILE *f)
                 "      --metrics-listen A:P serve Prometheus metrics on this address\n"
                 "      --log-level LEVEL    error, warning, notice, info or debug\n"
                 "      --poll-us US         poll this long after an op before sleeping\n"
+                "      --cuda-graphs on|off send one-kernel ops as CUDA graphs (default on)\n"
                 "  -h, --help               this text\n"
                 "  -V, --version            print the version\n",
                 EPD_CONFIG_PATH_DEFAULT, EPD_SOCKET_PATH_DEFAULT);
@@ -41,6 +42,7 @@ static void usage(FILE *f)
 
 struct flag_override {
         const char *section, *name, *value;
+        const char *flag; /* as given, for messages */
 };
 
 static void on_drain_tick(uv_timer_t *timer)
@@ -137,6 +139,7 @@ int main(int argc, char **argv)
                 { "metrics-listen", required_argument, NULL, 6 },
                 { "log-level", required_argument, NULL, 7 },
                 { "poll-us", required_argument, NULL, 8 },
+                { "cuda-graphs", required_argument, NULL, 9 },
                 { "help", no_argument, NULL, 'h' },
                 { "version", no_argument, NULL, 'V' },
                 { NULL, 0, NULL, 0 },
@@ -153,8 +156,11 @@ int main(int argc, char **argv)
 
         epd_log_init();
         epd_config_defaults(&d->cfg);
-        while ((opt = getopt_long(argc, argv, "c:s:b:hV", options, NULL)) != -1) {
+        int li = -1;
+        while ((opt = getopt_long(argc, argv, "c:s:b:hV", options, &li)) != -1) {
                 struct flag_override *o = &overrides[num_overrides];
+                const char *flag = li >= 0 ? options[li].name : opt == 's' ? "socket" : "backend";
+                li = -1;
                 if (num_overrides >= EPD_ARRAY_SIZE(overrides)) {
                         fprintf(stderr, "epd: too many options\n");
                         return 2;
@@ -164,16 +170,17 @@ int main(int argc, char **argv)
                         snprintf(d->cfg.config_path, sizeof(d->cfg.config_path), "%s", optarg);
                         d->cfg.config_path_set = 1;
                         continue;
-                case 's': *o = (struct flag_override){ "daemon", "socket", optarg }; break;
-                case 'b': *o = (struct flag_override){ "daemon", "backend", optarg }; break;
-                case 1: *o = (struct flag_override){ "daemon", "socket_mode", optarg }; break;
-                case 2: *o = (struct flag_override){ "daemon", "op_timeout_ms", optarg }; break;
-                case 3: *o = (struct flag_override){ "daemon", "arena_bytes", optarg }; break;
-                case 4: *o = (struct flag_override){ "host", "devices", optarg }; break;
-                case 5: *o = (struct flag_override){ "host", "threads", optarg }; break;
-                case 6: *o = (struct flag_override){ "daemon", "metrics_listen", optarg }; break;
-                case 7: *o = (struct flag_override){ "daemon", "log_level", optarg }; break;
-                case 8: *o = (struct flag_override){ "daemon", "poll_us", optarg }; break;
+                case 's': *o = (struct flag_override){ "daemon", "socket", optarg, NULL }; break;
+                case 'b': *o = (struct flag_override){ "daemon", "backend", optarg, NULL }; break;
+                case 1: *o = (struct flag_override){ "daemon", "socket_mode", optarg, NULL }; break;
+                case 2: *o = (struct flag_override){ "daemon", "op_timeout_ms", optarg, NULL }; break;
+                case 3: *o = (struct flag_override){ "daemon", "arena_bytes", optarg, NULL }; break;
+                case 4: *o = (struct flag_override){ "host", "devices", optarg, NULL }; break;
+                case 5: *o = (struct flag_override){ "host", "threads", optarg, NULL }; break;
+                case 6: *o = (struct flag_override){ "daemon", "metrics_listen", optarg, NULL }; break;
+                case 7: *o = (struct flag_override){ "daemon", "log_level", optarg, NULL }; break;
+                case 8: *o = (struct flag_override){ "daemon", "poll_us", optarg, NULL }; break;
+                case 9: *o = (struct flag_override){ "daemon", "cuda_graphs", optarg, NULL }; break;
                 case 'h':
                         usage(stdout);
                         return 0;
@@ -184,6 +191,7 @@ int main(int argc, char **argv)
                         usage(stderr);
                         return 2;
                 }
+                o->flag = flag;
                 num_overrides++;
         }
         if (optind < argc) {
@@ -198,7 +206,7 @@ int main(int argc, char **argv)
         for (unsigned i = 0; i < num_overrides; i++) {
                 if (epd_config_set(&d->cfg, overrides[i].section, overrides[i].name,
                                    overrides[i].value, err, sizeof(err)) < 0) {
-                        fprintf(stderr, "epd: option --%s: %s\n", overrides[i].name, err);
+                        fprintf(stderr, "epd: option --%s: %s\n", overrides[i].flag, err);
                         return 2;
                 }
         }

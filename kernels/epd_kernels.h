@@ -227,6 +227,10 @@ int epd_k_dispatch_small_launch(const struct epd_k_dispatch_args *args,
 struct epd_k_timed;
 int epd_k_timed_create(struct epd_k_timed **out);
 void epd_k_timed_destroy(struct epd_k_timed *t); /* on the device it launched on; NULL is a no-op */
+/* Graphs off: every later launch of t is record, launch, record (a daemon configured with
+ * cuda_graphs = off); on again: t tries a graph at its next launch. epd_k_timed_fallback_error
+ * then says cudaSuccess: off by request, not by failure. */
+void epd_k_timed_set_graphs(struct epd_k_timed *t, int on);
 /* 1 when t's last launch went through a graph, 0 after a fallback or before any launch. */
 int epd_k_timed_uses_graph(const struct epd_k_timed *t);
 /* The CUDA error that made t fall back to direct launches; cudaSuccess when it has not. */

@@ -63,6 +63,14 @@ extern "C" void epd_k_timed_destroy(struct epd_k_timed *t)
         free(t);
 }
 
+extern "C" void epd_k_timed_set_graphs(struct epd_k_timed *t, int on)
+{
+        if (!on)
+                drop_graph(t);
+        t->direct = !on;
+        t->why = cudaSuccess;
+}
+
 extern "C" int epd_k_timed_uses_graph(const struct epd_k_timed *t)
 {
         return t != NULL && !t->direct && t->exec != NULL;

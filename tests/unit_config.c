@@ -125,6 +125,7 @@ static void assert_cfg_eq(const struct epd_config *a, const struct epd_config *b
         ck_assert_uint_eq(a->max_output_queue_bytes, b->max_output_queue_bytes);
         ck_assert_uint_eq(a->host_devices, b->host_devices);
         ck_assert_uint_eq(a->host_threads, b->host_threads);
+        ck_assert_int_eq(a->cuda_graphs, b->cuda_graphs);
 }
 
 /* ---- defaults ---- */
@@ -346,6 +347,34 @@ START_TEST(test_backend)
         ck_assert_int_eq(set(&cfg, "daemon", "backend", "HOST", err, sizeof(err)), -EINVAL);
         ck_assert_int_eq(set(&cfg, "daemon", "backend", "", err, sizeof(err)), -EINVAL);
         ck_assert_str_eq(cfg.backend, "auto");
+}
+END_TEST
+
+START_TEST(test_cuda_graphs)
+{
+        static const char *const on[] = { "on", "ON", "true", "yes", "1" };
+        static const char *const off[] = { "off", "Off", "false", "no", "0" };
+        struct epd_config cfg;
+        char err[256];
+
+        epd_config_defaults(&cfg);
+        ck_assert_int_eq(cfg.cuda_graphs, 1);
+        for (unsigned i = 0; i < 5; i++) {
+                ck_assert_int_eq(set(&cfg, "daemon", "cuda_graphs", off[i], err, sizeof(err)), 0);
+                ck_assert_int_eq(cfg.cuda_graphs, 0);
+                ck_assert_int_eq(set(&cfg, "daemon", "cuda_graphs", on[i], err, sizeof(err)), 0);
+                ck_assert_int_eq(cfg.cuda_graphs, 1);
+        }
+        /* A refused value names itself and leaves the setting as it was. */
+        ck_assert_int_eq(set(&cfg, "daemon", "cuda_graphs", "off", err, sizeof(err)), 0);
+        ck_assert_int_eq(set(&cfg, "daemon", "cuda_graphs", "maybe", err, sizeof(err)), -EINVAL);
+        ck_assert_msg(strstr(err, "maybe") != NULL && strstr(err, "cuda_graphs") != NULL,
+                      "err: %s", err);
+        ck_assert_int_eq(cfg.cuda_graphs, 0);
+        ck_assert_int_eq(set(&cfg, "daemon", "cuda_graphs", "", err, sizeof(err)), -EINVAL);
+        ck_assert_int_eq(set(&cfg, "daemon", "cuda_graphs", "2", err, sizeof(err)), -EINVAL);
+        ck_assert_int_eq(set(&cfg, "daemon", "cuda_graphs", " on", err, sizeof(err)), -EINVAL);
+        ck_assert_int_eq(cfg.cuda_graphs, 0);
 }
 END_TEST
 
@@ -720,6 +749,7 @@ START_TEST(test_apply_hot_copies_exactly_the_hot_keys)
         ck_assert_int_eq(set(&src, "daemon", "admin_group", "wheel", err, sizeof(err)), 0);
         ck_assert_int_eq(set(&src, "daemon", "allow_uids", "10,11", err, sizeof(err)), 0);
         ck_assert_int_eq(set(&src, "daemon", "allow_gids", "20,21,22", err, sizeof(err)), 0);
+        ck_assert_int_eq(set(&src, "daemon", "cuda_graphs", "off", err, sizeof(err)), 0);
         for (unsigned i = 0; i < NUM_KEYS; i++)
                 ck_assert_int_eq(set(&src, num_keys[i].section, num_keys[i].name, "3", err,
                                      sizeof(err)), 0);
@@ -759,6 +789,7 @@ START_TEST(test_apply_hot_copies_exactly_the_hot_keys)
         ck_assert_uint_eq(dst.max_fds_per_frame, orig.max_fds_per_frame);
         ck_assert_uint_eq(dst.host_devices, orig.host_devices);
         ck_assert_uint_eq(dst.host_threads, orig.host_threads);
+        ck_assert_int_eq(dst.cuda_graphs, 1); /* read when the backend starts */
 
         /* Applying the original back restores everything (nothing else was touched). */
         epd_config_apply_hot(&dst, &orig);
@@ -784,6 +815,7 @@ static Suite *config_suite(void)
         tcase_add_test(tc, test_size_suffixes);
         tcase_add_test(tc, test_string_keys);
         tcase_add_test(tc, test_backend);
+        tcase_add_test(tc, test_cuda_graphs);
         tcase_add_test(tc, test_log_level);
         tcase_add_test(tc, test_socket_mode);
         tcase_add_test(tc, test_unknown_keys_and_sections);

@@ -1275,11 +1275,16 @@ static void announce(const struct gcase *gc, const char *what)
         fflush(stdout);
 }
 
+static const char *const cuda_args[] = { "--backend", "cuda", NULL };
+
+static void daemon_start_with(struct h_daemon *d, const char *const *args)
+{
+        ck_assert_msg(h_daemon_start(d, args) == 0, "epd --backend cuda did not start");
+}
+
 static void daemon_start(struct h_daemon *d)
 {
-        static const char *const args[] = { "--backend", "cuda", NULL };
-
-        ck_assert_msg(h_daemon_start(d, args) == 0, "epd --backend cuda did not start");
+        daemon_start_with(d, cuda_args);
 }
 
 static int spawn_and_wait(struct shared *sh, int (*fn)(void *, int), int n)
@@ -1324,23 +1329,51 @@ static void daemon_stop_clean(struct h_daemon *d)
         ck_assert_msg(rc == 0, "epd exited with %d", rc);
 }
 
-/* One case from start to clean stop: a daemon, `workers` processes running `worker`, every
- * worker passing, and a small op that proves the daemon's context still works. */
-static void run_case(const struct gcase *gc, const char *what, const char *label,
-                     int (*worker)(void *, int), int workers)
+/* Whether the daemon's log holds text. */
+static int log_contains(const struct h_daemon *d, const char *text)
+{
+        char line[1024];
+        int found = 0;
+        FILE *f = fopen(d->log, "r");
+
+        if (!f)
+                return 0;
+        while (!found && fgets(line, sizeof(line), f))
+                found = strstr(line, text) != NULL;
+        fclose(f);
+        return found;
+}
+
+/* One case from start to clean stop: a daemon started with args, `workers` processes running
+ * `worker`, every worker passing, and a small op that proves the daemon's context still
+ * works; expect_log (or NULL): a text the daemon's log must hold. */
+static void run_case_with(const struct gcase *gc, const char *what, const char *label,
+                          int (*worker)(void *, int), int workers, const char *const *args,
+                          const char *expect_log)
 {
         struct h_daemon d;
         struct shared *sh;
         int failures;
 
         announce(gc, what);
-        daemon_start(&d);
+        daemon_start_with(&d, args);
         sh = shared_new(&d, gc);
         failures = spawn_and_wait(sh, worker, workers);
         munmap(sh, sizeof(*sh));
         expect_ok(&d, failures, label, gc->c.seed);
         probe_daemon(&d, label);
+        if (expect_log && !log_contains(&d, expect_log)) {
+                h_daemon_dump_log(&d);
+                (void)h_daemon_stop(&d, 5000);
+                ck_abort_msg("%s: the daemon's log does not say '%s'", label, expect_log);
+        }
         daemon_stop_clean(&d);
+}
+
+static void run_case(const struct gcase *gc, const char *what, const char *label,
+                     int (*worker)(void *, int), int workers)
+{
+        run_case_with(gc, what, label, worker, workers, cuda_args, NULL);
 }
 
 START_TEST(test_matrix)
@@ -1348,6 +1381,24 @@ START_TEST(test_matrix)
         const struct gcase *gc = &matrix[_i];
 
         run_case(gc, "matrix", gc->c.name, matrix_worker, (int)gc->c.world_size);
+}
+END_TEST
+
+/* A daemon configured with cuda_graphs = off sends its one-kernel ops (the one-launch dispatch
+ * of a small NON_EXPAND op, a one-device combine) as record, launch, record: the outputs are
+ * the same bits. Two matrix cases: 8 ranks NON_EXPAND at H 7168 (one launch, sliced combine),
+ * 8 ranks EXPAND (combine). */
+static const int no_graph_cases[] = { 4, 3 };
+
+START_TEST(test_no_graphs)
+{
+        static const char *const args[] = { "--backend", "cuda", "--cuda-graphs", "off", NULL };
+        const struct gcase *gc = &matrix[no_graph_cases[_i]];
+        char label[96];
+
+        snprintf(label, sizeof(label), "%s, cuda_graphs off", gc->c.name);
+        run_case_with(gc, "cuda_graphs off", label, matrix_worker, (int)gc->c.world_size, args,
+                      "cuda_graphs = off");
 }
 END_TEST
 
@@ -1557,6 +1608,8 @@ int main(void)
         tcase_set_timeout(tc, 600);
         tcase_add_test(tc, test_register_api);
         tcase_add_loop_test(tc, test_matrix, 0, (int)(sizeof(matrix) / sizeof(matrix[0])));
+        tcase_add_loop_test(tc, test_no_graphs, 0,
+                            (int)(sizeof(no_graph_cases) / sizeof(no_graph_cases[0])));
         tcase_add_test(tc, test_capacity);
         tcase_add_test(tc, test_peer_lost);
         tcase_add_test(tc, test_stream_order);

@@ -892,25 +892,54 @@ static int gpu_dispatch_small(struct ctx *x)
  * buffers and leave this one's poisoned. */
 static struct {
         struct epd_k_timed *obj[2]; /* 0: one-launch dispatch, 1: combine */
+        struct epd_k_timed *off[2]; /* the same with graphs off (cuda_graphs = off) */
         cudaEvent_t t0, t1;
-        int launches[2], direct[2];
+        int launches[2], direct[2], off_launches[2];
 } timed;
+
+/* How a one-device kernel is launched: directly, through the timed launch (one graph, as the
+ * daemon does), or through the timed launch with graphs off (record, launch, record: a daemon
+ * with cuda_graphs = off, or after a graph failed). */
+enum { LAUNCH_DIRECT, LAUNCH_TIMED, LAUNCH_TIMED_NO_GRAPH };
 
 static int timed_init(void)
 {
         CK(cudaSetDevice(0));
         CK(cudaEventCreate(&timed.t0));
         CK(cudaEventCreate(&timed.t1));
-        for (int k = 0; k < 2; k++)
-                if (epd_k_timed_create(&timed.obj[k]) < 0)
+        for (int k = 0; k < 2; k++) {
+                if (epd_k_timed_create(&timed.obj[k]) < 0 ||
+                    epd_k_timed_create(&timed.off[k]) < 0)
                         return -1;
+                epd_k_timed_set_graphs(timed.off[k], 0);
+        }
         return 0;
+}
+
+static struct epd_k_timed *timed_obj(int k, int mode)
+{
+        return mode == LAUNCH_TIMED_NO_GRAPH ? timed.off[k] : timed.obj[k];
 }
 
 /* After a timed launch of kind k has completed: whether it went through a graph. The graph is
  * what the daemon's kernel time relies on, so a silent fallback on this device is a failure. */
-static void timed_check(struct ctx *x, int k, const char *what)
+static void timed_check(struct ctx *x, int k, int mode, const char *what)
 {
+        if (mode == LAUNCH_TIMED_NO_GRAPH) {
+                /* No graph, by request (not a failure), and the two events still bound the
+                 * kernel. */
+                float ms = -1.0f;
+                timed.off_launches[k]++;
+                if (epd_k_timed_uses_graph(timed.off[k]) ||
+                    epd_k_timed_fallback_error(timed.off[k]) != cudaSuccess)
+                        failf(x, "%s with graphs off: uses a graph %d, error %s", what,
+                              epd_k_timed_uses_graph(timed.off[k]),
+                              cudaGetErrorString(epd_k_timed_fallback_error(timed.off[k])));
+                if (cudaEventElapsedTime(&ms, timed.t0, timed.t1) != cudaSuccess || !(ms > 0.0f))
+                        failf(x, "%s with graphs off: no time between its events (%g ms)", what,
+                              (double)ms);
+                return;
+        }
         timed.launches[k]++;
         if (!epd_k_timed_uses_graph(timed.obj[k])) {
                 timed.direct[k]++;
@@ -921,8 +950,9 @@ static void timed_check(struct ctx *x, int k, const char *what)
 
 /* The same dispatch in one launch (kernels/dispatch_small.cu), as the daemon runs a small op
  * whose outputs are in client memory, with the reply block written by the kernel into the pinned
- * host copy (no copy after it); use_timed: through the timed launch (graph), as the daemon does. */
-static int gpu_dispatch_fused(struct ctx *x, int use_timed)
+ * host copy (no copy after it); mode: LAUNCH_TIMED through the timed launch (graph), as the
+ * daemon does. */
+static int gpu_dispatch_fused(struct ctx *x, int mode)
 {
         struct epd_k_dispatch_args a;
 
@@ -932,17 +962,17 @@ static int gpu_dispatch_fused(struct ctx *x, int use_timed)
          * that a value it does not write shows. */
         memset(x->reply, 0xA5, x->lay.reply_bytes);
         a.reply_copy = x->reply;
-        if (use_timed) {
+        if (mode != LAUNCH_DIRECT) {
                 /* As the daemon: host copies of the descriptors too, which the launcher passes
                  * in the kernel's parameters when the group is small enough. */
                 struct epd_k_small_plan p;
                 a.ranks_host = x->dr_host;
                 a.local_host = x->local_host[0];
                 CKS(epd_k_dispatch_small_plan(&a, &p));
-                CKS(epd_k_dispatch_small_timed(&a, &p, timed.obj[0], timed.t0, timed.t1,
+                CKS(epd_k_dispatch_small_timed(&a, &p, timed_obj(0, mode), timed.t0, timed.t1,
                                                x->stream[0]));
                 CK(cudaStreamSynchronize(x->stream[0]));
-                timed_check(x, 0, "one-launch small dispatch");
+                timed_check(x, 0, mode, "one-launch small dispatch");
                 return 0;
         }
         CKS(epd_k_dispatch_small(&a, x->stream[0]));
@@ -1176,8 +1206,9 @@ static void dev_combine_args(const struct ctx *x, int dev, struct epd_k_combine_
         a->local_tokens = x->local_tokens[dev];
 }
 
-/* use_timed: a one-device combine through the timed launch (a graph), as the daemon runs it. */
-static int gpu_combine(struct ctx *x, int use_timed)
+/* mode LAUNCH_TIMED: a one-device combine through the timed launch (a graph), as the daemon
+ * runs it; LAUNCH_TIMED_NO_GRAPH: the same with graphs off. */
+static int gpu_combine(struct ctx *x, int mode)
 {
         struct epd_k_combine_args a;
 
@@ -1193,7 +1224,7 @@ static int gpu_combine(struct ctx *x, int use_timed)
                 CK(cudaDeviceSynchronize());
         }
         uint32_t launched_tokens = 0;
-        use_timed = use_timed && x->ndev == 1;
+        const int use_timed = mode != LAUNCH_DIRECT && x->ndev == 1;
         for (int dev = 0; dev < x->ndev; dev++) {
                 CK(cudaSetDevice(dev));
                 dev_combine_args(x, dev, &a);
@@ -1201,7 +1232,7 @@ static int gpu_combine(struct ctx *x, int use_timed)
                 if (use_timed) {
                         a.ranks_host = x->cr_host; /* as the daemon: see gpu_dispatch_fused */
                         a.local_host = x->local_host[dev];
-                        CKS(epd_k_combine_timed(&a, timed.obj[1], timed.t0, timed.t1,
+                        CKS(epd_k_combine_timed(&a, timed_obj(1, mode), timed.t0, timed.t1,
                                                 x->stream[dev]));
                 }
                 else
@@ -1212,7 +1243,7 @@ static int gpu_combine(struct ctx *x, int use_timed)
                 CK(cudaStreamSynchronize(x->stream[dev]));
         }
         if (use_timed && launched_tokens != 0) /* else there was no kernel to launch */
-                timed_check(x, 1, "combine");
+                timed_check(x, 1, mode, "combine");
         for (uint32_t s = 0; s < x->R; s++) {
                 struct rank_data *r = &x->rk[s];
                 CK(cudaMemcpy(r->comb.got, r->comb.dev, r->comb.bytes, cudaMemcpyDeviceToHost));
@@ -1286,7 +1317,7 @@ static int combine_row_bound(struct ctx *x)
                         *prow = keep;
                         CK(cudaSetDevice(0));
                         CK(cudaMemcpy(wrow, &past, 4, cudaMemcpyHostToDevice));
-                        int rc = gpu_combine(x, 0);
+                        int rc = gpu_combine(x, LAUNCH_DIRECT);
                         CK(cudaSetDevice(0));
                         CK(cudaMemcpy(wrow, &keep, 4, cudaMemcpyHostToDevice));
                         if (rc < 0)
@@ -1932,10 +1963,11 @@ static int run_case(struct ctx *x, int ndev_avail, int timing, double *ceiling)
         /* Runs 5 and 6: the one-launch small dispatch, from garbage (it needs no zeroed
          * counters), then again on what run 5 left, through the timed launch with the
          * descriptors in the parameters (as the daemon launches it); it must give the same
-         * verdict, outputs and workspace. Combine and cached dispatch below run on what run 6
-         * left, so they check the workspace arrays this kernel writes for them. */
+         * verdict, outputs and workspace. Run 7 repeats run 6 with graphs off (record, launch,
+         * record). Combine and cached dispatch below run on what run 7 left, so they check the
+         * workspace arrays this kernel writes for them. */
         const int small = small_ok(x, 0), fused = small && small_ok(x, 1);
-        for (int run = 3; run <= 6; run++) {
+        for (int run = 3; run <= 7; run++) {
                 const int one_launch = run >= 5;
                 const char *name = one_launch ? "one-launch small dispatch" : "small-op routing";
                 char what[64];
@@ -1949,7 +1981,10 @@ static int run_case(struct ctx *x, int ndev_avail, int timing, double *ceiling)
                 if (reset_outputs(x) < 0)
                         return -1;
                 CK(cudaDeviceSynchronize());
-                if ((one_launch ? gpu_dispatch_fused(x, run == 6) : gpu_dispatch_small(x)) < 0)
+                const int mode = run == 6   ? LAUNCH_TIMED
+                                 : run == 7 ? LAUNCH_TIMED_NO_GRAPH
+                                            : LAUNCH_DIRECT;
+                if ((one_launch ? gpu_dispatch_fused(x, mode) : gpu_dispatch_small(x)) < 0)
                         return -1;
                 check_verdict(x, &want);
                 if (readback_outputs(x) < 0)
@@ -1974,15 +2009,18 @@ static int run_case(struct ctx *x, int ndev_avail, int timing, double *ceiling)
                 return 0;
         }
 
-        /* Combine, twice: the second time through the timed launch (one device). */
+        /* Combine, three times: the second time through the timed launch (one device), the
+         * third with graphs off. */
         if (setup_combine(x, &g) < 0)
                 return -1;
         t0 = now_s();
         host_combine(x, 0);
         double t_hcomb = now_s() - t0;
-        for (int run = 0; run < 2; run++) {
+        for (int run = 0; run < 3; run++) {
                 char what[64];
-                if (gpu_combine(x, run == 1) < 0)
+                if (gpu_combine(x, run == 1   ? LAUNCH_TIMED
+                                   : run == 2 ? LAUNCH_TIMED_NO_GRAPH
+                                              : LAUNCH_DIRECT) < 0)
                         return -1;
                 for (uint32_t s = 0; s < x->R; s++) {
                         struct rank_data *r = &x->rk[s];
@@ -2033,7 +2071,7 @@ static int run_case(struct ctx *x, int ndev_avail, int timing, double *ceiling)
                                 memset(x->rk[s].comb_w.ref, SENTINEL, x->rk[s].comb_w.bytes);
                 }
                 host_combine(x, 1);
-                if (gpu_combine(x, 0) < 0)
+                if (gpu_combine(x, LAUNCH_DIRECT) < 0)
                         return -1;
                 for (uint32_t s = 0; s < x->R; s++) {
                         struct rank_data *r = &x->rk[s];
@@ -2354,8 +2392,9 @@ int main(int argc, char **argv)
                 return 0;
         if (!list)
                 printf("timed launches (graphs): %d one-launch dispatches, %d combines, %d and %d "
-                       "of them direct\n",
-                       timed.launches[0], timed.launches[1], timed.direct[0], timed.direct[1]);
+                       "of them direct; with graphs off: %d and %d\n",
+                       timed.launches[0], timed.launches[1], timed.direct[0], timed.direct[1],
+                       timed.off_launches[0], timed.off_launches[1]);
         printf("%d of %d cases passed\n", ran - failed, ran);
         fflush(stdout);
         return failed ? 1 : 0;
