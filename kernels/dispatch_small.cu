@@ -201,7 +201,8 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
  * device array, 16 stamps per block, which epd_k_ds_trace copies out. Stamps: 0 entry, 11 setup
  * done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 6 counts gathered, 7 scan done,
  * 3 barrier 3, 4 copy start, 5 copy end; cluster 0: 8 rank_prefix stored, 9 verdict, 10 expert
- * counts. Slots 13 and 14 hold counts, not times: the rows and the items the block copied. */
+ * counts. Slots 13 to 15 hold numbers, not times: the rows and the items the block copied, and
+ * the multiprocessor it ran on. */
 #ifdef DS_TRACE
 #define DS_TRACE_BLOCKS 1024
 static __device__ uint64_t ds_trace[DS_TRACE_BLOCKS * 16];
@@ -565,8 +566,11 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
 #ifdef DS_TRACE
         __syncthreads();
         if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS) {
+                uint32_t smid;
+                asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
                 ds_trace[blockIdx.x * 16 + 13] = trace_rows;
                 ds_trace[blockIdx.x * 16 + 14] = trace_items;
+                ds_trace[blockIdx.x * 16 + 15] = smid;
         }
 #endif
         DS_STAMP(5);

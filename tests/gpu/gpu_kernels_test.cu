@@ -1700,16 +1700,18 @@ static int report_timing(struct ctx *x, double ceiling)
                                cnt, (unsigned long long)lo, cnt ? sum / cnt : 0.0,
                                (unsigned long long)hi);
                 }
-                /* Per copying block: copy start and end (stamps 4 and 5), rows and items
-                 * (slots 13 and 14 hold counts, not times). */
+                /* Per copying block: copy start and end (stamps 4 and 5), rows, items and
+                 * multiprocessor (slots 13 to 15 hold numbers, not times). */
                 for (int b = 0; b < nb; b++) {
                         const uint64_t s4 = st[b * 16 + 4], s5 = st[b * 16 + 5];
                         if (s4 < t0 || s5 < t0 || s5 - t0 > 1000000)
                                 continue;
-                        printf("    trace block %d: copy %llu .. %llu ns, %llu rows, %llu items\n", b,
-                               (unsigned long long)(s4 - t0), (unsigned long long)(s5 - t0),
+                        printf("    trace block %d: copy %llu .. %llu ns, %llu rows, %llu items, "
+                               "SM %llu\n", b, (unsigned long long)(s4 - t0),
+                               (unsigned long long)(s5 - t0),
                                (unsigned long long)st[b * 16 + 13],
-                               (unsigned long long)st[b * 16 + 14]);
+                               (unsigned long long)st[b * 16 + 14],
+                               (unsigned long long)st[b * 16 + 15]);
                 }
         }
 #endif
