@@ -72,6 +72,20 @@ void h_daemon_dump_log(const struct h_daemon *d)
         fclose(f);
 }
 
+int h_daemon_log_contains(const struct h_daemon *d, const char *text)
+{
+        char line[1024];
+        FILE *f = fopen(d->log, "re");
+        int found = 0;
+
+        if (!f)
+                return 0;
+        while (!found && fgets(line, sizeof(line), f))
+                found = strstr(line, text) != NULL;
+        fclose(f);
+        return found;
+}
+
 int h_daemon_start(struct h_daemon *d, const char *const *extra_args)
 {
         char epd[PATH_MAX];

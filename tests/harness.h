@@ -28,6 +28,8 @@ int h_daemon_start(struct h_daemon *d, const char *const *extra_args);
 int h_daemon_stop(struct h_daemon *d, int timeout_ms);
 /* Prints the daemon's log to stderr (for failing tests). */
 void h_daemon_dump_log(const struct h_daemon *d);
+/* Whether a line of the daemon's log contains text. */
+int h_daemon_log_contains(const struct h_daemon *d, const char *text);
 /* Connects with a default name; NULL on failure (message on stderr). */
 struct epd_client *h_connect(const struct h_daemon *d, const char *name);
 

@@ -191,21 +191,6 @@ static int daemon_draining(const struct h_daemon *d)
         return draining;
 }
 
-/* Whether the daemon's log has a line containing needle. */
-static int log_contains(const struct h_daemon *d, const char *needle)
-{
-        char line[1024];
-        FILE *f = fopen(d->log, "re");
-        int found = 0;
-
-        if (!f)
-                return 0;
-        while (!found && fgets(line, sizeof(line), f))
-                found = strstr(line, needle) != NULL;
-        fclose(f);
-        return found;
-}
-
 /* ---- groups and ops ---- */
 
 static struct epd_group *enter_ok(struct epd_client *c, int create, const char *name,
@@ -409,7 +394,7 @@ START_TEST(test_evict_peer_lost)
         /* The victim's connection is gone; the survivor's works. */
         ck_assert_int_ne(size_hint(b), EPD_OK);
         ck_assert_int_eq(size_hint(a), EPD_OK);
-        ck_assert_msg(log_contains(&d, "evicted by admin"),
+        ck_assert_msg(h_daemon_log_contains(&d, "evicted by admin"),
                       "the daemon log does not name the eviction");
 
         /* Evicting a client that is not there is NOT_FOUND. */
@@ -486,7 +471,7 @@ START_TEST(test_non_admin_denied)
         ck_assert_int_eq(size_hint(a), EPD_OK);
         ck_assert_str_eq(group_state(&d, "guarded"), "READY");
         ck_assert_int_eq(daemon_draining(&d), 0);
-        ck_assert_msg(log_contains(&d, "admin request refused"),
+        ck_assert_msg(h_daemon_log_contains(&d, "admin request refused"),
                       "the daemon log does not name the refusal");
         if (root)
                 unlink(copy);

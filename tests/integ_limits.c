@@ -84,21 +84,6 @@ static void daemon_stop_clean(struct limits_daemon *ld)
         ck_assert_int_eq(rc, 0);
 }
 
-/* Whether the daemon's log contains text. */
-static int log_contains(const struct h_daemon *d, const char *text)
-{
-        static char buf[1 << 20];
-        FILE *f = fopen(d->log, "r");
-        size_t n;
-
-        if (!f)
-                return 0;
-        n = fread(buf, 1, sizeof(buf) - 1, f);
-        fclose(f);
-        buf[n] = '\0';
-        return strstr(buf, text) != NULL;
-}
-
 static struct epd_group_config group_config(uint32_t world_size)
 {
         struct epd_group_config cfg = {
@@ -738,7 +723,7 @@ START_TEST(test_output_queue_limit)
         printf("flood: %d requests sent, %d replies read back, then the daemon closed it\n", sent,
                replies);
         ck_assert_int_lt(replies, sent);
-        ck_assert_msg(log_contains(&ld.d, "output queue limit exceeded"),
+        ck_assert_msg(h_daemon_log_contains(&ld.d, "output queue limit exceeded"),
                       "the daemon's log does not say why it closed the connection");
         h_assert_daemon_alive(&ld.d, NULL);
         ck_assert_int_eq(size_hint(other), EPD_OK);

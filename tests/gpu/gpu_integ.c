@@ -1329,21 +1329,6 @@ static void daemon_stop_clean(struct h_daemon *d)
         ck_assert_msg(rc == 0, "epd exited with %d", rc);
 }
 
-/* Whether the daemon's log holds text. */
-static int log_contains(const struct h_daemon *d, const char *text)
-{
-        char line[1024];
-        int found = 0;
-        FILE *f = fopen(d->log, "r");
-
-        if (!f)
-                return 0;
-        while (!found && fgets(line, sizeof(line), f))
-                found = strstr(line, text) != NULL;
-        fclose(f);
-        return found;
-}
-
 /* One case from start to clean stop: a daemon started with args, `workers` processes running
  * `worker`, every worker passing, and a small op that proves the daemon's context still
  * works; expect_log (or NULL): a text the daemon's log must hold. */
@@ -1362,7 +1347,7 @@ static void run_case_with(const struct gcase *gc, const char *what, const char *
         munmap(sh, sizeof(*sh));
         expect_ok(&d, failures, label, gc->c.seed);
         probe_daemon(&d, label);
-        if (expect_log && !log_contains(&d, expect_log)) {
+        if (expect_log && !h_daemon_log_contains(&d, expect_log)) {
                 h_daemon_dump_log(&d);
                 (void)h_daemon_stop(&d, 5000);
                 ck_abort_msg("%s: the daemon's log does not say '%s'", label, expect_log);
