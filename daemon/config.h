@@ -9,7 +9,7 @@
 #define EPD_SOCKET_PATH_DEFAULT "/run/epd/epd.sock"
 #define EPD_MAX_ALLOW 32
 
-/* poll_us when the config does not set it: 100 us on machines with at least 8 CPUs, else 0
+/* poll_us when the config does not set it: 1000 us on machines with at least 8 CPUs, else 0
  * (polling threads would take the cores of a small machine's clients). */
 #define EPD_POLL_AUTO UINT32_MAX
 
