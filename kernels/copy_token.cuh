@@ -76,6 +76,52 @@ static __device__ __noinline__ void copy_row_any(const uint8_t *src, uint8_t *my
         }
 }
 
+/* The common case of an item, on the 16-byte path: its x bytes and, for slice 0, the scales
+ * (svec 16-byte vectors, at most 32; ss NULL when there are none). The scales are loaded with the
+ * first step's x loads and stored after them, so an item whose slice is one step waits one load
+ * latency before its stores, not two, as it did when the scales were copied after the x bytes.
+ * my_ds: this lane's destination scales row (NULL: that destination has none). */
+static __device__ __forceinline__ void copy_row_scales16(const uint8_t *src, uint8_t *my_dst,
+                                                         uint64_t nbytes, const uint8_t *ss,
+                                                         uint8_t *my_ds, uint32_t svec,
+                                                         uint32_t dst_mask, uint32_t lane)
+{
+        const uint64_t nvec = nbytes / 16;
+        const int4 *s = (const int4 *)src;
+        int4 sv = make_int4(0, 0, 0, 0);
+
+        if (ss != NULL && lane < svec)
+                sv = epd__k_ldg((const int4 *)ss + lane);
+        /* base 0 always runs when there are scales, even for an empty x slice. */
+        for (uint64_t base = 0; base < nvec || (base == 0 && ss != NULL);
+             base += 32 * COPY_UNROLL) {
+                int4 v[COPY_UNROLL];
+#pragma unroll
+                for (int u = 0; u < COPY_UNROLL; u++) {
+                        uint64_t i = base + (uint64_t)u * 32 + lane;
+                        v[u] = i < nvec ? epd__k_ldg(s + i) : make_int4(0, 0, 0, 0);
+                }
+                for (uint32_t m = dst_mask; m != 0; m &= m - 1) {
+                        int j = __ffs(m) - 1;
+                        int4 *d = (int4 *)__shfl_sync(EPD_K_FULL_MASK, (unsigned long long)my_dst, j);
+#pragma unroll
+                        for (int u = 0; u < COPY_UNROLL; u++) {
+                                uint64_t i = base + (uint64_t)u * 32 + lane;
+                                if (i < nvec)
+                                        d[i] = v[u];
+                        }
+                }
+                if (base != 0 || ss == NULL)
+                        continue;
+                for (uint32_t m = dst_mask; m != 0; m &= m - 1) {
+                        int j = __ffs(m) - 1;
+                        int4 *e = (int4 *)__shfl_sync(EPD_K_FULL_MASK, (unsigned long long)my_ds, j);
+                        if (e != NULL && lane < svec)
+                                e[lane] = sv;
+                }
+        }
+}
+
 static __device__ __forceinline__ uint8_t *mat_row(const struct epd_k_mat *m, int64_t row)
 {
         return m->ptr + (uint64_t)row * m->stride;
@@ -98,44 +144,56 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
         const struct epd_k_dispatch_rank *src = &ranks[s];
         float weight = 0.0f;
 
-        if (lane < K && a->has_weights) {
+        /* The weight is loaded first and stored into the workspace (kept for combine:
+         * apply_weights, combined_topk_weights) only after the rows' stores, so that its load
+         * overlaps the x loads instead of preceding them. */
+        if (lane < K && a->has_weights)
                 weight = ((const float *)mat_row(&src->weights, t))[lane];
-                /* Kept for combine (apply_weights, combined_topk_weights). */
-                if (slice == 0)
-                        epd_ws_f32(a->workspace, l->weights)[ent + lane] = weight;
-        }
         const uint32_t dst_mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
-        if (dst_mask == 0)
-                return;
+        if (dst_mask != 0) {
+                const uint32_t d = row >= 0 ? epd_route_expert_rank(expert, L) : 0;
+                const struct epd_k_dispatch_rank *dst = &ranks[d];
 
-        const uint32_t d = row >= 0 ? epd_route_expert_rank(expert, L) : 0;
-        const struct epd_k_dispatch_rank *dst = &ranks[d];
-
-        /* x: this item's slice. The access width depends on the whole row (addresses and
-         * row_bytes), and slices start at multiples of every width, so the accesses are the
-         * same with or without slicing. */
-        const uint64_t off = (uint64_t)slice * slice_bytes;
-        const uint8_t *sx = mat_row(&src->x, t);
-        uint8_t *dx = row >= 0 ? mat_row(&dst->recv_x, row) : NULL;
-        uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)dx) |
-                        (uint32_t)(uintptr_t)sx | (uint32_t)a->row_bytes;
-        if (off < a->row_bytes)
-                copy_row_any(sx + off, dx + (dx != NULL ? off : 0), dst_mask,
-                             min(slice_bytes, a->row_bytes - off), lane, bits);
-        if (slice != 0)
-                return;
-
-        /* scales (fp8). A destination without a recv_scales tensor is skipped, not faulted. */
-        if (a->scale_bytes != 0 && src->scales.ptr != NULL) {
-                const uint8_t *ss = mat_row(&src->scales, t);
-                uint8_t *ds = row >= 0 && dst->recv_scales.ptr != NULL
+                /* x: this item's slice. The access width depends on the whole row (addresses
+                 * and row_bytes), and slices start at multiples of every width, so the accesses
+                 * are the same with or without slicing. */
+                const uint64_t off = (uint64_t)slice * slice_bytes;
+                const uint8_t *sx = mat_row(&src->x, t);
+                uint8_t *dx = row >= 0 ? mat_row(&dst->recv_x, row) : NULL;
+                const uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)dx) |
+                                      (uint32_t)(uintptr_t)sx | (uint32_t)a->row_bytes;
+                const uint64_t nbytes = off < a->row_bytes ? min(slice_bytes, a->row_bytes - off)
+                                                           : 0;
+                /* The scales (fp8) go with slice 0. A destination without a recv_scales tensor
+                 * is skipped, not faulted. */
+                const int scaled = slice == 0 && a->scale_bytes != 0 && src->scales.ptr != NULL;
+                const uint8_t *ss = scaled ? mat_row(&src->scales, t) : NULL;
+                uint8_t *ds = scaled && row >= 0 && dst->recv_scales.ptr != NULL
                                       ? mat_row(&dst->recv_scales, row)
                                       : NULL;
-                uint32_t smask = __ballot_sync(EPD_K_FULL_MASK, ds != NULL);
-                bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)ds) |
-                       (uint32_t)(uintptr_t)ss | (uint32_t)a->scale_bytes;
-                copy_row_any(ss, ds, smask, a->scale_bytes, lane, bits);
+                const uint32_t sbits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)ds) |
+                                       (uint32_t)(uintptr_t)ss | (uint32_t)a->scale_bytes;
+                if ((bits & 15) == 0 && (!scaled || ((sbits & 15) == 0 &&
+                                                     a->scale_bytes <= 32 * 16))) {
+                        copy_row_scales16(sx + off, dx + (dx != NULL ? off : 0), nbytes, ss, ds,
+                                          (uint32_t)(a->scale_bytes / 16), dst_mask, lane);
+                } else {
+                        if (nbytes != 0)
+                                copy_row_any(sx + off, dx + (dx != NULL ? off : 0), dst_mask,
+                                             nbytes, lane, bits);
+                        if (scaled)
+                                copy_row_any(ss, ds, __ballot_sync(EPD_K_FULL_MASK, ds != NULL),
+                                             a->scale_bytes, lane, sbits);
+                }
         }
+        if (slice != 0)
+                return;
+        if (lane < K && a->has_weights)
+                epd_ws_f32(a->workspace, l->weights)[ent + lane] = weight;
+        if (dst_mask == 0)
+                return;
+        const uint32_t d = row >= 0 ? epd_route_expert_rank(expert, L) : 0;
+        const struct epd_k_dispatch_rank *dst = &ranks[d];
 
         /* Metadata. */
         const int64_t global_src = epd_route_global_src(s, a->max_tokens, t);
