@@ -162,8 +162,25 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                 uint8_t *dx = row >= 0 ? mat_row(&dst->recv_x, row) : NULL;
                 const uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)dx) |
                                       (uint32_t)(uintptr_t)sx | (uint32_t)a->row_bytes;
+#ifndef COPY_LEAD
                 const uint64_t nbytes = off < a->row_bytes ? min(slice_bytes, a->row_bytes - off)
                                                            : 0;
+#else
+                /* Experiment: slice 0, which also moves the scales and the metadata, takes
+                 * COPY_LEAD fewer x bytes; the other slices share them, in 128-byte units. */
+                uint64_t off2 = off, nbytes = off < a->row_bytes ? min(slice_bytes, a->row_bytes - off)
+                                                                  : 0;
+                if (slice_bytes < a->row_bytes && slice_bytes > COPY_LEAD) {
+                        const uint64_t nsl = (a->row_bytes + slice_bytes - 1) / slice_bytes;
+                        const uint64_t b0 = slice_bytes - COPY_LEAD;
+                        const uint64_t sb1 = ((a->row_bytes - b0) / (nsl - 1) + 127) / 128 * 128;
+                        off2 = slice == 0 ? 0 : b0 + (slice - 1) * sb1;
+                        nbytes = slice == 0 ? b0
+                                            : (off2 < a->row_bytes ? min(sb1, a->row_bytes - off2)
+                                                                   : 0);
+                }
+#define off off2
+#endif
                 /* The scales (fp8) go with slice 0. A destination without a recv_scales tensor
                  * is skipped, not faulted. */
                 const int scaled = slice == 0 && a->scale_bytes != 0 && src->scales.ptr != NULL;
@@ -185,6 +202,9 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                                 copy_row_any(ss, ds, __ballot_sync(EPD_K_FULL_MASK, ds != NULL),
                                              a->scale_bytes, lane, sbits);
                 }
+#ifdef COPY_LEAD
+#undef off
+#endif
         }
         if (slice != 0)
                 return;

@@ -212,6 +212,20 @@ static __device__ uint64_t ds_trace[DS_TRACE_BLOCKS * 16];
                         ds_trace[blockIdx.x * 16 + (i)] = epd_globaltimer_ns();                  \
         } while (0)
 
+/* Each warp's copy end and what it copied last (slice | destinations << 8 | items << 16). */
+static __device__ uint64_t ds_trace_wend[DS_TRACE_BLOCKS * 32];
+static __device__ uint32_t ds_trace_winfo[DS_TRACE_BLOCKS * 32];
+
+extern "C" int epd_k_ds_trace_warps(uint64_t *end, uint32_t *info, size_t warps)
+{
+        if (warps > DS_TRACE_BLOCKS * 32)
+                warps = DS_TRACE_BLOCKS * 32;
+        cudaError_t e = cudaMemcpyFromSymbol(end, ds_trace_wend, warps * 8);
+        if (e == cudaSuccess)
+                e = cudaMemcpyFromSymbol(info, ds_trace_winfo, warps * 4);
+        return epd__k_cuda_status(e);
+}
+
 extern "C" int epd_k_ds_trace(uint64_t *dst, size_t bytes)
 {
         if (bytes > sizeof(ds_trace))
@@ -541,6 +555,9 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 return;
 
         /* 4: the tokens this block copies. */
+#ifdef DS_TRACE
+        uint32_t wslice = 0, wrows = 0, witems = 0;
+#endif
         for (uint32_t it = warp; it < slots * slices; it += DS_WARPS) {
                 const uint32_t j = it / slices;
                 const uint32_t cg_ = ds_item_token(it, slices, ncc, cc, C, cr, G, n);
@@ -560,9 +577,18 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 if (lane == 0) {
                         atomicAdd(&trace_rows, nrows);
                         atomicAdd(&trace_items, 1u);
+                        wslice = it % slices;
+                        wrows = nrows;
+                        witems++;
                 }
 #endif
         }
+#ifdef DS_TRACE
+        if (lane == 0 && blockIdx.x < DS_TRACE_BLOCKS) {
+                ds_trace_wend[blockIdx.x * 32 + warp] = epd_globaltimer_ns();
+                ds_trace_winfo[blockIdx.x * 32 + warp] = wslice | wrows << 8 | witems << 16;
+        }
+#endif
 #ifdef DS_TRACE
         __syncthreads();
         if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS) {

@@ -1376,6 +1376,7 @@ static void host_dispatch(struct ctx *x, int use_w2)
 #ifdef DS_TRACE
 /* Trace builds: the one-launch dispatch's phase stamps (kernels/dispatch_small.cu). */
 extern "C" int epd_k_ds_trace(uint64_t *dst, size_t bytes);
+extern "C" int epd_k_ds_trace_warps(uint64_t *end, uint32_t *info, size_t warps);
 #endif
 
 static int time_ceiling(double *gbps)
@@ -1713,6 +1714,50 @@ static int report_timing(struct ctx *x, double ceiling)
                                (unsigned long long)st[b * 16 + 14],
                                (unsigned long long)st[b * 16 + 15]);
                 }
+                /* Per warp: its copy's end after its block's copy start, by the slice and the
+                 * destinations of its last item; and which warp ends each block. */
+                static uint64_t we[1024 * 32];
+                static uint32_t wi[1024 * 32];
+                CKS(epd_k_ds_trace_warps(we, wi, 32ull * nb));
+                double ssum[8] = { 0 }, rsum[9] = { 0 };
+                int scnt[8] = { 0 }, rcnt[9] = { 0 }, slast[8] = { 0 }, rlast[9] = { 0 };
+                uint64_t smax[8] = { 0 };
+                for (int b = 0; b < nb; b++) {
+                        const uint64_t s4 = st[b * 16 + 4], s5 = st[b * 16 + 5];
+                        if (s4 < t0 || s5 < t0 || s5 - t0 > 1000000)
+                                continue;
+                        uint64_t lastv = 0;
+                        int lw = -1;
+                        for (int w = 0; w < 32; w++) {
+                                const uint64_t e = we[b * 32 + w];
+                                const uint32_t info = wi[b * 32 + w];
+                                if ((info >> 16) == 0 || e < s4 || e - s4 > 1000000)
+                                        continue;
+                                const uint32_t sl = (info & 0xff) % 8, r = ((info >> 8) & 0xff) % 9;
+                                ssum[sl] += (double)(e - s4);
+                                scnt[sl]++;
+                                smax[sl] = e - s4 > smax[sl] ? e - s4 : smax[sl];
+                                rsum[r] += (double)(e - s4);
+                                rcnt[r]++;
+                                if (e > lastv) {
+                                        lastv = e;
+                                        lw = w;
+                                }
+                        }
+                        if (lw >= 0) {
+                                slast[(wi[b * 32 + lw] & 0xff) % 8]++;
+                                rlast[((wi[b * 32 + lw] >> 8) & 0xff) % 9]++;
+                        }
+                }
+                for (int sl = 0; sl < 8; sl++)
+                        if (scnt[sl] > 0)
+                                printf("    trace warps slice %d: %d warps, copy mean %.0f max %llu ns "
+                                       "after the block's start, last in %d blocks\n", sl, scnt[sl],
+                                       ssum[sl] / scnt[sl], (unsigned long long)smax[sl], slast[sl]);
+                for (int r = 0; r < 9; r++)
+                        if (rcnt[r] > 0)
+                                printf("    trace warps %d destinations: %d warps, copy mean %.0f ns, "
+                                       "last in %d blocks\n", r, rcnt[r], rsum[r] / rcnt[r], rlast[r]);
         }
 #endif
         double disp_floor = 2.0 * rows * (x->row_bytes + x->scale_bytes);
