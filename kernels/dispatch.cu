@@ -18,6 +18,12 @@
 #ifndef COPY_THREADS
 #define COPY_THREADS 256
 #endif
+/* Blocks per multiprocessor the copy kernel is compiled for: 4 keeps it at 64 registers, 32
+ * warps per multiprocessor, as before the scales' load moved ahead of the x loads (80
+ * registers without the bound). */
+#ifndef COPY_MIN_BLOCKS
+#define COPY_MIN_BLOCKS 4
+#endif
 #define PAD_ROWS_PER_ITEM 8
 
 template <typename V>
@@ -54,7 +60,7 @@ static __device__ __noinline__ void zero_row_any(uint8_t *dst, uint64_t nbytes, 
  * (place step or small routing), then copy_token_rows. */
 static __device__ void copy_token(const struct epd_k_dispatch_args *a,
                                   const struct epd_ws_layout *l, uint32_t g, uint32_t slice,
-                                  uint64_t slice_bytes, uint32_t lane)
+                                  uint32_t slices, uint64_t slice_bytes, uint32_t lane)
 {
         const uint32_t i = epd__k_find_local(a->local, a->num_local, g);
         const uint32_t s = a->local[i].rank, t = g - a->local[i].token_offset;
@@ -65,7 +71,7 @@ static __device__ void copy_token(const struct epd_k_dispatch_args *a,
                 expert = epd_ws_i32(a->workspace, l->topk)[ent + lane];
                 row = epd_ws_i32(a->workspace, l->row)[ent + lane];
         }
-        copy_token_rows(a, a->ranks, l, s, t, ent, expert, row, slice, slice_bytes, lane);
+        copy_token_rows(a, a->ranks, l, s, t, ent, expert, row, slice, slices, slice_bytes, lane);
 }
 
 /* Up to PAD_ROWS_PER_ITEM padding rows of one local expert of one local destination
@@ -158,7 +164,7 @@ static __device__ void prefetch_first_item(const struct epd_k_dispatch_args &a, 
  * The rows, topk and counts it reads were written by earlier kernels ordered by events. Its
  * stores to peer outputs are made visible to the destination's later work by the kernel
  * boundary and the event the host records after it; nothing inside this kernel reads them. */
-static __global__ void __launch_bounds__(COPY_THREADS)
+static __global__ void __launch_bounds__(COPY_THREADS, COPY_MIN_BLOCKS)
         copy_kernel(const __grid_constant__ struct epd_k_dispatch_args a,
                      const __grid_constant__ struct epd_ws_layout l, uint32_t pad_chunks,
                      uint32_t slices, uint64_t slice_bytes)
@@ -184,7 +190,7 @@ static __global__ void __launch_bounds__(COPY_THREADS)
         for (uint64_t item = warp; item < token_items + pad_items; item += warps) {
                 if (item < token_items)
                         copy_token(&a, &l, (uint32_t)(item / slices),
-                                          (uint32_t)(item % slices), slice_bytes, lane);
+                                          (uint32_t)(item % slices), slices, slice_bytes, lane);
                 else
                         pad_item(&a, &l, item - token_items, pad_chunks, lane);
         }

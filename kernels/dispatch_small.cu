@@ -571,7 +571,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         row = srow[j * K + lane];
                 }
                 copy_token_rows(&a, sranks, &l, s, ct, epd_ws_entry(&l, s, ct, K, 0), expert,
-                                row, it % slices, slice_bytes, lane);
+                                row, it % slices, slices, slice_bytes, lane);
 #ifdef DS_TRACE
                 const uint32_t nrows = __popc(__ballot_sync(EPD_K_FULL_MASK, row >= 0));
                 if (lane == 0) {
