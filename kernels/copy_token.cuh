@@ -5,7 +5,7 @@
  * A warp owns one source token, or one slice of its x row when an op has too few tokens to
  * fill the GPU (epd__k_slicing): it reads the bytes once, COPY_UNROLL accesses of 16 bytes in
  * flight per lane, and stores them to each destination that receives the token; the scales and
- * the rows' metadata go with two of the token's slices (copy_token_rows). Every output byte has
+ * the rows' metadata are spread over the token's slices (copy_token_rows). Every output byte has
  * exactly one writer: the entry's row names the row, the slice the bytes within it.
  */
 #ifndef EPD_KERNELS_COPY_TOKEN_CUH
@@ -122,18 +122,27 @@ static __device__ __forceinline__ void copy_scales_store(int4 sv, uint64_t scale
         }
 }
 
+/* A token's parts besides its x bytes, each moved by slice (part % slices) of the token. */
+enum copy_part {
+        COPY_PART_SCALES = 0,  /* the scales (fp8) */
+        COPY_PART_TOPK = 1,    /* NON_EXPAND: the rows' top-k indices; EXPAND: recv_topk_slot */
+        COPY_PART_WEIGHTS = 2, /* the rows' weights, and the weights kept for combine */
+        COPY_PART_SRC = 3,     /* recv_src */
+        COPY_PARTS = 4
+};
+
 /* One slice of token t of source s: bytes [slice * slice_bytes, + slice_bytes) of its x row (the
- * whole row when there is one slice), of `slices`. ranks: a->ranks, or its copy in shared memory.
- * Lane k < K_op holds the entry's normalised expert and its row (the destination row of a first
- * position, -1 for every other entry and lane). Every lane of the warp calls it.
+ * whole row when there is one slice), of `slices`, and the parts whose number is slice modulo
+ * slices. ranks: a->ranks, or its copy in shared memory. Lane k < K_op holds the entry's
+ * normalised expert and its row (the destination row of a first position, -1 for every other
+ * entry and lane). Every lane of the warp calls it.
  *
- * Besides the x slices a token has two smaller parts, each moved by one of its slices: slice 0
- * the scales and recv_src, slice 1 (slice 0 when there is one) the rows' top-k indices and
- * weights and the weights kept for combine (entry `ent` onwards in the workspace). Measured on
- * an H200 (decode, fourteenth session, DS_TRACE per warp): with all of it in slice 0, slice 0's
- * warps took 15.5 us against 10.4 us for the others and ended all 130 copying blocks. The store
- * instructions count, not only the bytes: the top-k and weight rows go out for 32 / K_op
- * destinations per instruction, the scales (up to 256 bytes) for two, instead of one each. */
+ * Why the parts are spread: measured on an H200 (decode, 4 slices, fourteenth session, DS_TRACE
+ * per warp), a slice-0 warp that also moved the scales and all the metadata took 15.5 us against
+ * 10.4 us for the others and ended every copying block; with the parts on two slices those two
+ * took 13.1-13.3 us. A destination's small part costs a warp about as much time as its share of
+ * x, so each part gets its own slice, and its stores serve several destinations per instruction
+ * where the lanes allow: the top-k and weight rows 32 / K_op, the scales (up to 256 bytes) two. */
 static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispatch_args *a,
                                                        const struct epd_k_dispatch_rank *ranks,
                                                        const struct epd_ws_layout *l, uint32_t s,
@@ -144,72 +153,77 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
 {
         const uint32_t L = l->num_local_experts, K = a->num_topk;
         const struct epd_k_dispatch_rank *src = &ranks[s];
-        const int head = slice == 0, meta = slice == (slices > 1 ? 1u : 0u);
+        /* Does this slice move part p? */
+#define COPY_MINE(p) (slice == (p) % slices)
+        const int weights = COPY_MINE(COPY_PART_WEIGHTS) && a->has_weights;
         float weight = 0.0f;
 
         /* The weights' load overlaps the x loads; they are stored after the rows. */
-        if (meta && lane < K && a->has_weights)
+        if (weights && lane < K)
                 weight = ((const float *)mat_row(&src->weights, t))[lane];
         const uint32_t dst_mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
         const uint32_t d = row >= 0 ? epd_route_expert_rank(expert, L) : 0;
         const struct epd_k_dispatch_rank *dst = &ranks[d];
 
-        if (dst_mask != 0) {
-                /* The scales (fp8). A destination without a recv_scales tensor is skipped, not
-                 * faulted. */
-                const int scaled = head && a->scale_bytes != 0 && src->scales.ptr != NULL;
-                const uint8_t *ss = scaled ? mat_row(&src->scales, t) : NULL;
-                uint8_t *ds = scaled && row >= 0 && dst->recv_scales.ptr != NULL
-                                      ? mat_row(&dst->recv_scales, row)
-                                      : NULL;
-                const uint32_t sbits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)ds) |
-                                       (uint32_t)(uintptr_t)ss | (uint32_t)a->scale_bytes;
-                const int sfast = scaled && (sbits & 15) == 0 && a->scale_bytes <= 32 * 16;
-                int4 sv = make_int4(0, 0, 0, 0);
-                if (sfast)
-                        sv = copy_scales_load(ss, a->scale_bytes, lane);
-
-                /* x: this item's slice. The access width depends on the whole row (addresses
-                 * and row_bytes), and slices start at multiples of every width, so the accesses
-                 * are the same with or without slicing. */
-                const uint64_t off = (uint64_t)slice * slice_bytes;
-                const uint8_t *sx = mat_row(&src->x, t);
-                uint8_t *dx = row >= 0 ? mat_row(&dst->recv_x, row) : NULL;
-                const uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)dx) |
-                                      (uint32_t)(uintptr_t)sx | (uint32_t)a->row_bytes;
-                if (off < a->row_bytes) {
-                        const uint64_t nbytes = min(slice_bytes, a->row_bytes - off);
-                        uint8_t *my_dst = dx + (dx != NULL ? off : 0);
-                        if ((bits & 15) == 0) /* inline: the scales' load stays in flight */
-                                copy_row_multi<int4>(sx + off, my_dst, dst_mask, nbytes, lane);
-                        else
-                                copy_row_any(sx + off, my_dst, dst_mask, nbytes, lane, bits);
-                }
-                if (sfast)
-                        copy_scales_store(sv, a->scale_bytes, ds, dst_mask, lane);
-                else if (scaled)
-                        copy_row_any(ss, ds, __ballot_sync(EPD_K_FULL_MASK, ds != NULL),
-                                     a->scale_bytes, lane, sbits);
-                if (head && row >= 0 && dst->recv_src.ptr != NULL)
-                        *(int64_t *)mat_row(&dst->recv_src, row) =
-                                epd_route_global_src(s, a->max_tokens, t);
-        }
-        if (!meta)
-                return;
-        /* Kept for combine (apply_weights, combined_topk_weights). */
-        if (lane < K && a->has_weights)
+        /* Kept for combine (apply_weights, combined_topk_weights), whether or not the token goes
+         * anywhere. */
+        if (weights && lane < K)
                 epd_ws_f32(a->workspace, l->weights)[ent + lane] = weight;
         if (dst_mask == 0)
                 return;
+
+        /* The scales (fp8). A destination without a recv_scales tensor is skipped, not
+         * faulted. */
+        const int scaled =
+                COPY_MINE(COPY_PART_SCALES) && a->scale_bytes != 0 && src->scales.ptr != NULL;
+        const uint8_t *ss = scaled ? mat_row(&src->scales, t) : NULL;
+        uint8_t *ds = scaled && row >= 0 && dst->recv_scales.ptr != NULL
+                              ? mat_row(&dst->recv_scales, row)
+                              : NULL;
+        const uint32_t sbits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)ds) |
+                               (uint32_t)(uintptr_t)ss | (uint32_t)a->scale_bytes;
+        const int sfast = scaled && (sbits & 15) == 0 && a->scale_bytes <= 32 * 16;
+        int4 sv = make_int4(0, 0, 0, 0);
+        if (sfast)
+                sv = copy_scales_load(ss, a->scale_bytes, lane);
+
+        /* x: this item's slice. The access width depends on the whole row (addresses and
+         * row_bytes), and slices start at multiples of every width, so the accesses are the
+         * same with or without slicing. */
+        const uint64_t off = (uint64_t)slice * slice_bytes;
+        const uint8_t *sx = mat_row(&src->x, t);
+        uint8_t *dx = row >= 0 ? mat_row(&dst->recv_x, row) : NULL;
+        const uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)dx) |
+                              (uint32_t)(uintptr_t)sx | (uint32_t)a->row_bytes;
+        if (off < a->row_bytes) {
+                const uint64_t nbytes = min(slice_bytes, a->row_bytes - off);
+                uint8_t *my_dst = dx + (dx != NULL ? off : 0);
+                if ((bits & 15) == 0) /* inline: the scales' load stays in flight */
+                        copy_row_multi<int4>(sx + off, my_dst, dst_mask, nbytes, lane);
+                else
+                        copy_row_any(sx + off, my_dst, dst_mask, nbytes, lane, bits);
+        }
+        if (sfast)
+                copy_scales_store(sv, a->scale_bytes, ds, dst_mask, lane);
+        else if (scaled)
+                copy_row_any(ss, ds, __ballot_sync(EPD_K_FULL_MASK, ds != NULL),
+                             a->scale_bytes, lane, sbits);
+
+        if (COPY_MINE(COPY_PART_SRC) && row >= 0 && dst->recv_src.ptr != NULL)
+                *(int64_t *)mat_row(&dst->recv_src, row) =
+                        epd_route_global_src(s, a->max_tokens, t);
+        const int topk = COPY_MINE(COPY_PART_TOPK);
         if (a->layout == EPD_LAYOUT_EXPAND) {
                 if (row >= 0) {
-                        if (dst->recv_topk_slot.ptr != NULL)
+                        if (topk && dst->recv_topk_slot.ptr != NULL)
                                 *(int32_t *)mat_row(&dst->recv_topk_slot, row) = (int32_t)lane;
-                        if (a->has_weights && dst->recv_weights.ptr != NULL)
+                        if (weights && dst->recv_weights.ptr != NULL)
                                 *(float *)mat_row(&dst->recv_weights, row) = weight;
                 }
                 return;
         }
+        if (!topk && !weights)
+                return;
         /* NON_EXPAND: each receiving destination gets the token's whole top-k row, localised to
          * it. Lane g * K + k writes column k of the row of destination base + g, 32 / K
          * destinations per store instruction. */
@@ -226,7 +240,7 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                         continue;
                 const struct epd_k_dispatch_rank *dd = &ranks[dj];
                 const int on = ek >= 0 && epd_route_expert_rank(ek, L) == dj;
-                if (dd->recv_topk_idx.ptr != NULL) {
+                if (topk && dd->recv_topk_idx.ptr != NULL) {
                         uint8_t *p = mat_row(&dd->recv_topk_idx, rj);
                         const int64_t v = on ? (int64_t)ek - (int64_t)dj * L : -1;
                         if (a->topk_dtype == EPD_DTYPE_INT64)
@@ -234,9 +248,10 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                         else
                                 ((int32_t *)p)[k] = (int32_t)v;
                 }
-                if (a->has_weights && dd->recv_weights.ptr != NULL)
+                if (weights && dd->recv_weights.ptr != NULL)
                         ((float *)mat_row(&dd->recv_weights, rj))[k] = on ? wk : 0.0f;
         }
+#undef COPY_MINE
 }
 
 #endif

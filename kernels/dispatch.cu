@@ -18,11 +18,12 @@
 #ifndef COPY_THREADS
 #define COPY_THREADS 256
 #endif
-/* Blocks per multiprocessor the copy kernel is compiled for: 4 keeps it at 64 registers, 32
- * warps per multiprocessor, as before the scales' load moved ahead of the x loads (80
- * registers without the bound). */
+/* Blocks per multiprocessor the copy kernel is compiled for (__launch_bounds__). With the
+ * scales' load ahead of the x loads it takes 80 registers, 24 warps per multiprocessor; bound to
+ * 64 (4 blocks) it spills, and prefill fp8's copy took 516 us against 485 us unbound (H200,
+ * fourteenth session, gpu_kernels_test case 46; 496 us before the change). */
 #ifndef COPY_MIN_BLOCKS
-#define COPY_MIN_BLOCKS 4
+#define COPY_MIN_BLOCKS 1
 #endif
 #define PAD_ROWS_PER_ITEM 8
 
