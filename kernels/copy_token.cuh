@@ -137,14 +137,12 @@ enum copy_part {
  * normalised expert and its row (the destination row of a first position, -1 for every other
  * entry and lane). Every lane of the warp calls it.
  *
- * Why the parts are spread: measured on an H200 (decode, 4 slices of 1792 bytes, fourteenth
- * session, DS_TRACE per warp), a slice-0 warp that also moved the scales and all the metadata
- * took 15.5 us against 10.4 us for the others and ended every copying block; with the parts on
- * two slices those took 12.0-13.3 us, and with one part per slice 11.2-12.8 us, about 0.5 us per
- * store instruction of the warp (21 to 24 of them), whatever its bytes. So the parts go where the
- * x bytes leave room (the short last slice, when the planner made one), and their stores serve
- * several destinations per instruction where the lanes allow: the top-k and weight rows 32 /
- * K_op, the scales (up to 256 bytes) two. */
+ * Why the parts are spread: measured on an H200 (decode, 4 slices, fourteenth session, DS_TRACE
+ * per warp), a slice-0 warp that also moved the scales and all the metadata took 15.5 us against
+ * 10.4 us for the others and ended every copying block; with the parts on two slices those two
+ * took 13.1-13.3 us. A destination's small part costs a warp about as much time as its share of
+ * x, so each part gets its own slice, and its stores serve several destinations per instruction
+ * where the lanes allow: the top-k and weight rows 32 / K_op, the scales (up to 256 bytes) two. */
 static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispatch_args *a,
                                                        const struct epd_k_dispatch_rank *ranks,
                                                        const struct epd_ws_layout *l, uint32_t s,
@@ -155,12 +153,8 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
 {
         const uint32_t L = l->num_local_experts, K = a->num_topk;
         const struct epd_k_dispatch_rank *src = &ranks[s];
-        /* Does this slice move part p? When the last slice has at most half a slice of x,
-         * all of them, else part p goes to slice p modulo slices. */
-        const int short_last = slices > 1 && 2 * (a->row_bytes - (uint64_t)(slices - 1) *
-                                                                     slice_bytes) <=
-                                                     slice_bytes;
-#define COPY_MINE(p) (short_last ? slice == slices - 1 : slice == (p) % slices)
+        /* Does this slice move part p? */
+#define COPY_MINE(p) (slice == (p) % slices)
         const int weights = COPY_MINE(COPY_PART_WEIGHTS) && a->has_weights;
         float weight = 0.0f;
 

@@ -690,13 +690,7 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
                                  .words;
         /* Slices: as many (token, slice) items as the block has warps, not more (a
          * warp with two items doubles the block's copy time), each slice a multiple of
-         * one store instruction of a warp on the 16-byte path (512 bytes), so that
-         * every slice starts where the widest access may and no instruction of a full
-         * slice is part-empty. A warp's copy time follows its store instructions more
-         * than its bytes (copy_token_rows); the short last slice, if any, takes the
-         * token's small parts. Decode (7168-byte rows, 4 slices): 2048 x 3 + 1024
-         * rather than 1792 x 4, whose fourth instruction per destination was half
-         * empty. */
+         * 16 bytes so that every slice starts where the widest access may. */
         p->slices = 1;
         p->slice_bytes = args->row_bytes;
         if (p->slots != 0 && p->slots < DS_WARPS && args->row_bytes > 32 * 16) {
@@ -705,7 +699,7 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
                 if (getenv("DS_SLICES") != NULL)
                         want = (uint64_t)atoi(getenv("DS_SLICES"));
 #endif
-                p->slice_bytes = ((args->row_bytes + want - 1) / want + 511) / 512 * 512;
+                p->slice_bytes = ((args->row_bytes + want - 1) / want + 15) / 16 * 16;
                 p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
                                        p->slice_bytes);
         }
