@@ -23,6 +23,10 @@
 #ifndef COMBINE_THREADS
 #define COMBINE_THREADS 256
 #endif
+/* DS_TRACE builds keep the kernel at 16 warps per multiprocessor despite the stamps. */
+#if defined(DS_TRACE) && !defined(COMBINE_MIN_BLOCKS)
+#define COMBINE_MIN_BLOCKS 2
+#endif
 #ifndef COMBINE_MIN_BLOCKS
 #define COMBINE_MIN_BLOCKS 1
 #endif
@@ -265,6 +269,21 @@ static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_k_mat 
         return m->ptr == NULL ? NULL : m->ptr + row * m->stride;
 }
 
+#ifdef DS_TRACE
+/* Experiments: per warp of the last combine (up to CB_TRACE_WARPS), the global-timer stamps at
+ * entry, after its first item's workspace loads and after its last item, and what it did
+ * (contributions of its last item | slice << 8 | items << 16 | multiprocessor << 24). */
+#define CB_TRACE_WARPS 8192
+static __device__ uint64_t cb_trace[CB_TRACE_WARPS * 4];
+
+extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
+{
+        if (warps > CB_TRACE_WARPS)
+                warps = CB_TRACE_WARPS;
+        return epd__k_cuda_status(cudaMemcpyFromSymbol(dst, cb_trace, warps * 32));
+}
+#endif
+
 /* Grid-stride over work items, a warp per item: item = (token, slice), where a slice is
  * slice_values consecutive hidden values (the last one shorter) and a token has `slices` of
  * them (1 for large ops; more when the op has too few tokens to fill the GPU, so that small ops
@@ -301,6 +320,10 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
         const struct epd_k_combine_rank *ranks = epd__k_ranks(in, a.ranks);
         const struct epd_k_local *local = epd__k_locals(in, a.local);
 
+#ifdef DS_TRACE
+        uint64_t tr_entry = epd_globaltimer_ns(), tr_ws = 0;
+        uint32_t tr_info = 0, tr_items = 0;
+#endif
         for (uint64_t item = warp; item < items; item += warps) {
                 const uint64_t g = item / slices;
                 const uint32_t slice = (uint32_t)(item % slices);
@@ -336,6 +359,12 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                                 row = -1;
                 }
                 const uint32_t mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
+#ifdef DS_TRACE
+                if (tr_ws == 0)
+                        tr_ws = epd_globaltimer_ns();
+                tr_items++;
+                tr_info = __popc(mask) | slice << 8;
+#endif
                 const uint8_t *bias0 = mat_row(&me->bias[0], t);
                 const uint8_t *bias1 = mat_row(&me->bias[1], t);
                 uint8_t *out = (uint8_t *)mat_row(&me->combined, t);
@@ -368,7 +397,19 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         combine_scalar(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
                                        h0, h1, lane);
         }
+#ifdef DS_TRACE
+        if (lane == 0 && warp < CB_TRACE_WARPS) {
+                uint32_t smid;
+                asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+                cb_trace[warp * 4 + 0] = tr_entry;
+                cb_trace[warp * 4 + 1] = tr_ws;
+                cb_trace[warp * 4 + 2] = epd_globaltimer_ns();
+                cb_trace[warp * 4 + 3] = tr_info | (uint64_t)min(tr_items, 255u) << 16 |
+                                         (uint64_t)smid << 24;
+        }
+#endif
 }
+
 
 /* The launch of a combine, described; its parameters point at *args, *l and *g (which it
  * fills). An op without local tokens has nothing to launch: 1. */

@@ -1377,6 +1377,7 @@ static void host_dispatch(struct ctx *x, int use_w2)
 /* Trace builds: the one-launch dispatch's phase stamps (kernels/dispatch_small.cu). */
 extern "C" int epd_k_ds_trace(uint64_t *dst, size_t bytes);
 extern "C" int epd_k_ds_trace_warps(uint64_t *end, uint32_t *info, size_t warps);
+extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps);
 #endif
 
 static int time_ceiling(double *gbps)
@@ -1758,6 +1759,46 @@ static int report_timing(struct ctx *x, double ceiling)
                         if (rcnt[r] > 0)
                                 printf("    trace warps %d destinations: %d warps, copy mean %.0f ns, "
                                        "last in %d blocks\n", r, rcnt[r], rsum[r] / rcnt[r], rlast[r]);
+                /* The last combine (Fresh mode): per warp, entry, workspace loads done and
+                 * end, from the first warp's entry; the end by contributions. */
+                static uint64_t cw[8192 * 4];
+                CKS(epd_k_cb_trace(cw, 8192));
+                uint64_t c0 = UINT64_MAX, ctop = 0;
+                for (int w = 0; w < 8192; w++)
+                        ctop = cw[w * 4] > ctop && cw[w * 4] < (1ull << 62) ? cw[w * 4] : ctop;
+                for (int w = 0; w < 8192; w++)
+                        if (cw[w * 4] != 0 && cw[w * 4] + 1000000 > ctop && cw[w * 4] <= ctop)
+                                c0 = cw[w * 4] < c0 ? cw[w * 4] : c0;
+                double csum[3] = { 0 }, bsum[10] = { 0 };
+                uint64_t cmin[3] = { UINT64_MAX, UINT64_MAX, UINT64_MAX }, cmax[3] = { 0 };
+                int cn = 0, bn[10] = { 0 };
+                uint64_t bmax[10] = { 0 };
+                for (int w = 0; w < 8192; w++) {
+                        const uint64_t *e = &cw[w * 4];
+                        if (e[0] < c0 || e[0] - c0 > 1000000 || e[1] < e[0] || e[2] < e[1])
+                                continue;
+                        for (int q = 0; q < 3; q++) {
+                                const uint64_t v = e[q] - c0;
+                                csum[q] += (double)v;
+                                cmin[q] = v < cmin[q] ? v : cmin[q];
+                                cmax[q] = v > cmax[q] ? v : cmax[q];
+                        }
+                        const int nc = (int)(e[3] & 0xff) % 10;
+                        bsum[nc] += (double)(e[2] - c0);
+                        bmax[nc] = e[2] - c0 > bmax[nc] ? e[2] - c0 : bmax[nc];
+                        bn[nc]++;
+                        cn++;
+                }
+                const char *cname[3] = { "entry", "workspace loaded", "end" };
+                for (int q = 0; cn > 0 && q < 3; q++)
+                        printf("    trace combine %s: %d warps, min %llu mean %.0f max %llu ns\n",
+                               cname[q], cn, (unsigned long long)cmin[q], csum[q] / cn,
+                               (unsigned long long)cmax[q]);
+                for (int nc = 0; nc < 10; nc++)
+                        if (bn[nc] > 0)
+                                printf("    trace combine %d contributions: %d warps, end mean %.0f "
+                                       "max %llu ns\n", nc, bn[nc], bsum[nc] / bn[nc],
+                                       (unsigned long long)bmax[nc]);
         }
 #endif
         double disp_floor = 2.0 * rows * (x->row_bytes + x->scale_bytes);
