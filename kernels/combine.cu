@@ -107,10 +107,9 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld(const int4
 template <bool STREAM>
 static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float my_weight,
                                    int weighted, const uint8_t *bias0, const uint8_t *bias1,
-                                   uint8_t *out, uint32_t v0, uint32_t nvec, uint32_t stride,
-                                   uint32_t lane)
+                                   uint8_t *out, uint32_t v0, uint32_t nvec, uint32_t lane)
 {
-        for (uint32_t base = v0; base < nvec; base += stride) {
+        for (uint32_t base = v0; base < nvec; base += 32 * COMBINE_VEC) {
                 float acc[8 * COMBINE_VEC];
 #pragma unroll
                 for (int i = 0; i < 8 * COMBINE_VEC; i++)
@@ -164,73 +163,6 @@ static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float m
                 }
         }
 }
-
-#ifdef COMBINE_PIPE
-#ifndef COMBINE_PIPE_N
-#define COMBINE_PIPE_N 8
-#endif
-/* Experiment: up to 8 contributions, one 16-byte vector per lane per step, the next step's loads
- * issued before this step's additions (two register stages), so a warp's additions and stores
- * overlap its next loads. Same operations in the same order as combine_vec. */
-template <bool STREAM>
-static __device__ void combine_pipe(const uint8_t *my_row, uint32_t mask, float my_weight,
-                                    int weighted, const uint8_t *bias0, const uint8_t *bias1,
-                                    uint8_t *out, uint32_t v0, uint32_t nvec, uint32_t stride,
-                                    uint32_t lane)
-{
-        const int4 *p[COMBINE_PIPE_N];
-        float w[COMBINE_PIPE_N];
-        int n = 0;
-#pragma unroll
-        for (int c = 0; c < COMBINE_PIPE_N; c++) {
-                p[c] = NULL;
-                w[c] = 0.0f;
-                if (mask == 0)
-                        continue;
-                const int j = __ffs(mask) - 1;
-                mask &= mask - 1;
-                p[c] = (const int4 *)__shfl_sync(EPD_K_FULL_MASK, (unsigned long long)my_row, j);
-                w[c] = __shfl_sync(EPD_K_FULL_MASK, my_weight, j);
-                n++;
-        }
-        int4 cur[COMBINE_PIPE_N], nxt[COMBINE_PIPE_N];
-        uint32_t i = v0 + lane;
-#pragma unroll
-        for (int c = 0; c < COMBINE_PIPE_N; c++)
-                cur[c] = c < n && i < nvec ? comb_ld<STREAM>(p[c] + i) : make_int4(0, 0, 0, 0);
-        for (uint32_t base = v0; base < nvec; base += stride) {
-                i = base + lane;
-                const uint32_t inext = i + stride;
-#pragma unroll
-                for (int c = 0; c < COMBINE_PIPE_N; c++)
-                        nxt[c] = c < n && inext < nvec ? comb_ld<STREAM>(p[c] + inext)
-                                                       : make_int4(0, 0, 0, 0);
-                float acc[8];
-#pragma unroll
-                for (int x = 0; x < 8; x++)
-                        acc[x] = 0.0f;
-#pragma unroll
-                for (int c = 0; c < COMBINE_PIPE_N; c++)
-                        if (c < n)
-                                add_vec(acc, cur[c], weighted, w[c]);
-                if (i < nvec) {
-                        if (bias0 != NULL)
-                                add_vec(acc, comb_ld<STREAM>((const int4 *)bias0 + i), 0, 0.0f);
-                        if (bias1 != NULL)
-                                add_vec(acc, comb_ld<STREAM>((const int4 *)bias1 + i), 0, 0.0f);
-                        int4 o;
-                        o.x = (int)(to_bf16(acc[0]) | to_bf16(acc[1]) << 16);
-                        o.y = (int)(to_bf16(acc[2]) | to_bf16(acc[3]) << 16);
-                        o.z = (int)(to_bf16(acc[4]) | to_bf16(acc[5]) << 16);
-                        o.w = (int)(to_bf16(acc[6]) | to_bf16(acc[7]) << 16);
-                        ((int4 *)out)[i] = o;
-                }
-#pragma unroll
-                for (int c = 0; c < COMBINE_PIPE_N; c++)
-                        cur[c] = nxt[c];
-        }
-}
-#endif
 
 /* Any alignment: one bf16 value per lane per step, same order of operations. */
 static __device__ void combine_scalar(const uint8_t *my_row, uint32_t mask, float my_weight,
@@ -373,26 +305,9 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)my_row) |
                                 (uint32_t)(uintptr_t)bias0 | (uint32_t)(uintptr_t)bias1 |
                                 (uint32_t)(uintptr_t)out | (a.hidden * 2u);
-#ifdef COMBINE_INTERLEAVE
-                /* Experiment: slice j takes steps j, j + slices, ... of the whole row, so that
-                 * a token's warps read adjacent chunks of each contribution at about the same
-                 * time. slice_values is a whole number of steps on this path. */
                 if ((bits & 15) == 0)
                         combine_vec<STREAM>(my_row, mask, weight, a.apply_weights, bias0,
-                                            bias1, out, slice * 32 * COMBINE_VEC, a.hidden / 8,
-                                            slices * 32 * COMBINE_VEC, lane);
-#elif defined(COMBINE_PIPE)
-                if ((bits & 15) == 0 && __popc(mask) <= COMBINE_PIPE_N)
-                        combine_pipe<STREAM>(my_row, mask, weight, a.apply_weights, bias0,
-                                             bias1, out, h0 / 8, h1 / 8, 32, lane);
-                else if ((bits & 15) == 0)
-                        combine_vec<STREAM>(my_row, mask, weight, a.apply_weights, bias0,
-                                            bias1, out, h0 / 8, h1 / 8, 32 * COMBINE_VEC, lane);
-#else
-                if ((bits & 15) == 0)
-                        combine_vec<STREAM>(my_row, mask, weight, a.apply_weights, bias0,
-                                            bias1, out, h0 / 8, h1 / 8, 32 * COMBINE_VEC, lane);
-#endif
+                                            bias1, out, h0 / 8, h1 / 8, lane);
                 else
                         combine_scalar(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
                                        h0, h1, lane);
@@ -409,7 +324,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
         }
 #endif
 }
-
 
 /* The launch of a combine, described; its parameters point at *args, *l and *g (which it
  * fills). An op without local tokens has nothing to launch: 1. */

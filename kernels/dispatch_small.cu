@@ -44,9 +44,10 @@
  *      item per warp (copy_token_rows, as the copy step does). Token (group q, lane l) is copied
  *      by the block that routed q in copying cluster ((q / C) * 32 + l) % (number of copying
  *      clusters). With DS_SKIP0_CLUSTERS clusters or more, cluster 0 does not copy: its blocks
- *      finish phase 3 last. The blocks' copies end about 5 us apart in a decode op whichever
- *      way the tokens are dealt: dealt by rows or sorted by destinations, the op was slower
- *      (docs/performance.md, thirteenth session).
+ *      finish phase 3 last. Dealing the tokens by rows or sorted by destinations made the op
+ *      slower (docs/performance.md, thirteenth session); what ended each block was the warp of
+ *      the slice that also moved the token's scales and metadata, now spread over the slices
+ *      (copy_token_rows; fourteenth session).
  *
  * Memory ordering. Every rank's descriptor is copied into the block's shared memory (sranks) by the
  * whole block before the setup's __syncthreads(); the copy reads it from there. Inside a cluster,
