@@ -414,6 +414,14 @@ static void build_cases(void)
         c->R = 4; c->E = 48; c->T = 40; c->K = 12; c->KO = 12; c->H = 1024; c->has_weights = 1;
         c->layout = EPD_LAYOUT_EXPAND; c->align = 2; c->apply_weights = 1; c->num_bias = 1;
         c->seed = 0x6004;
+        /* The copy's scale stores (copy_token_rows): rows of up to 256 bytes go out two
+         * destinations per instruction, 272 to 512 one, longer ones after the x bytes. */
+        c = add_case("small op, fp8 scale rows of 288 bytes (one destination per scale store)");
+        c->R = 4; c->E = 32; c->T = 40; c->K = 8; c->KO = 8; c->H = 9216; c->has_weights = 1;
+        c->dtype = EPD_DTYPE_FP8_E4M3; c->seed = 0x6005;
+        c = add_case("small op, fp8 scale rows of 576 bytes (copied after the x bytes)");
+        c->R = 4; c->E = 32; c->T = 40; c->K = 8; c->KO = 8; c->H = 4608; c->has_weights = 1;
+        c->dtype = EPD_DTYPE_FP8_E4M3; c->scale_block = 32; c->seed = 0x6006;
 }
 
 /* ---- per-case state ---- */
