@@ -1386,6 +1386,23 @@ static void host_dispatch(struct ctx *x, int use_w2)
 extern "C" int epd_k_ds_trace(uint64_t *dst, size_t bytes);
 extern "C" int epd_k_ds_trace_warps(uint64_t *end, uint32_t *info, size_t warps);
 extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps);
+
+/* Trace slots past the last launch's grid hold older launches' stamps (or garbage): a stamp
+ * counts when it lies within TRACE_WINDOW_NS after the origin, the earliest first stamp within
+ * that window of the latest one. v[i * stride] are the first stamps of n blocks or warps. */
+#define TRACE_WINDOW_NS 1000000ull
+static uint64_t trace_origin(const uint64_t *v, int n, int stride)
+{
+        uint64_t t0 = UINT64_MAX, top = 0;
+
+        for (int i = 0; i < n; i++)
+                top = v[i * stride] > top && v[i * stride] < (1ull << 62) ? v[i * stride] : top;
+        for (int i = 0; i < n; i++)
+                if (v[i * stride] != 0 && v[i * stride] + TRACE_WINDOW_NS > top &&
+                    v[i * stride] <= top)
+                        t0 = v[i * stride] < t0 ? v[i * stride] : t0;
+        return t0;
+}
 #endif
 
 static int time_ceiling(double *gbps)
@@ -1683,21 +1700,14 @@ static int report_timing(struct ctx *x, double ceiling)
                 if (nb < (int)x->R)
                         nb = (int)x->R;
                 CKS(epd_k_ds_trace(st, 128ull * nb));
-                /* Blocks beyond the grid hold garbage: keep the stamps within 1 ms of the
-                 * largest first stamp. */
-                uint64_t t0 = UINT64_MAX, top = 0;
-                for (int b = 0; b < nb; b++)
-                        top = st[b * 16] > top && st[b * 16] < (1ull << 62) ? st[b * 16] : top;
-                for (int b = 0; b < nb; b++)
-                        if (st[b * 16] + 1000000 > top && st[b * 16] <= top)
-                                t0 = st[b * 16] < t0 ? st[b * 16] : t0;
+                const uint64_t t0 = trace_origin(st, nb, 16);
                 for (int p = 0; p < 16; p++) {
                         uint64_t lo = UINT64_MAX, hi = 0;
                         double sum = 0;
                         int cnt = 0;
                         for (int b = 0; b < nb; b++) {
                                 uint64_t v = st[b * 16 + p];
-                                if (v < t0 || v - t0 > 1000000)
+                                if (v < t0 || v - t0 > TRACE_WINDOW_NS)
                                         continue;
                                 v -= t0;
                                 lo = v < lo ? v : lo;
@@ -1711,20 +1721,9 @@ static int report_timing(struct ctx *x, double ceiling)
                                (unsigned long long)hi);
                 }
                 /* Per copying block: copy start and end (stamps 4 and 5), rows, items and
-                 * multiprocessor (slots 13 to 15 hold numbers, not times). */
-                for (int b = 0; b < nb; b++) {
-                        const uint64_t s4 = st[b * 16 + 4], s5 = st[b * 16 + 5];
-                        if (s4 < t0 || s5 < t0 || s5 - t0 > 1000000)
-                                continue;
-                        printf("    trace block %d: copy %llu .. %llu ns, %llu rows, %llu items, "
-                               "SM %llu\n", b, (unsigned long long)(s4 - t0),
-                               (unsigned long long)(s5 - t0),
-                               (unsigned long long)st[b * 16 + 13],
-                               (unsigned long long)st[b * 16 + 14],
-                               (unsigned long long)st[b * 16 + 15]);
-                }
-                /* Per warp: its copy's end after its block's copy start, by the slice and the
-                 * destinations of its last item; and which warp ends each block. */
+                 * multiprocessor (slots 13 to 15 hold numbers, not times). Per warp: its copy's
+                 * end after its block's copy start, by the slice and the destinations of its
+                 * last item; and which warp ends each block. */
                 static uint64_t we[1024 * 32];
                 static uint32_t wi[1024 * 32];
                 CKS(epd_k_ds_trace_warps(we, wi, 32ull * nb));
@@ -1733,14 +1732,20 @@ static int report_timing(struct ctx *x, double ceiling)
                 uint64_t smax[8] = { 0 };
                 for (int b = 0; b < nb; b++) {
                         const uint64_t s4 = st[b * 16 + 4], s5 = st[b * 16 + 5];
-                        if (s4 < t0 || s5 < t0 || s5 - t0 > 1000000)
+                        if (s4 < t0 || s5 < t0 || s5 - t0 > TRACE_WINDOW_NS)
                                 continue;
+                        printf("    trace block %d: copy %llu .. %llu ns, %llu rows, %llu items, "
+                               "SM %llu\n", b, (unsigned long long)(s4 - t0),
+                               (unsigned long long)(s5 - t0),
+                               (unsigned long long)st[b * 16 + 13],
+                               (unsigned long long)st[b * 16 + 14],
+                               (unsigned long long)st[b * 16 + 15]);
                         uint64_t lastv = 0;
                         int lw = -1;
                         for (int w = 0; w < 32; w++) {
                                 const uint64_t e = we[b * 32 + w];
                                 const uint32_t info = wi[b * 32 + w];
-                                if ((info >> 16) == 0 || e < s4 || e - s4 > 1000000)
+                                if ((info >> 16) == 0 || e < s4 || e - s4 > TRACE_WINDOW_NS)
                                         continue;
                                 const uint32_t sl = (info & 0xff) % 8, r = ((info >> 8) & 0xff) % 9;
                                 ssum[sl] += (double)(e - s4);
@@ -1760,30 +1765,28 @@ static int report_timing(struct ctx *x, double ceiling)
                 }
                 for (int sl = 0; sl < 8; sl++)
                         if (scnt[sl] > 0)
-                                printf("    trace warps slice %d: %d warps, copy mean %.0f max %llu ns "
-                                       "after the block's start, last in %d blocks\n", sl, scnt[sl],
-                                       ssum[sl] / scnt[sl], (unsigned long long)smax[sl], slast[sl]);
+                                printf("    trace warps slice %d: %d warps, copy mean %.0f max "
+                                       "%llu ns after the block's start, last in %d blocks\n",
+                                       sl, scnt[sl], ssum[sl] / scnt[sl],
+                                       (unsigned long long)smax[sl], slast[sl]);
                 for (int r = 0; r < 9; r++)
                         if (rcnt[r] > 0)
-                                printf("    trace warps %d destinations: %d warps, copy mean %.0f ns, "
-                                       "last in %d blocks\n", r, rcnt[r], rsum[r] / rcnt[r], rlast[r]);
+                                printf("    trace warps %d destinations: %d warps, copy mean "
+                                       "%.0f ns, last in %d blocks\n",
+                                       r, rcnt[r], rsum[r] / rcnt[r], rlast[r]);
                 /* The last combine (Fresh mode): per warp, entry, workspace loads done and
                  * end, from the first warp's entry; the end by contributions. */
                 static uint64_t cw[8192 * 4];
                 CKS(epd_k_cb_trace(cw, 8192));
-                uint64_t c0 = UINT64_MAX, ctop = 0;
-                for (int w = 0; w < 8192; w++)
-                        ctop = cw[w * 4] > ctop && cw[w * 4] < (1ull << 62) ? cw[w * 4] : ctop;
-                for (int w = 0; w < 8192; w++)
-                        if (cw[w * 4] != 0 && cw[w * 4] + 1000000 > ctop && cw[w * 4] <= ctop)
-                                c0 = cw[w * 4] < c0 ? cw[w * 4] : c0;
+                const uint64_t c0 = trace_origin(cw, 8192, 4);
                 double csum[3] = { 0 }, bsum[10] = { 0 };
                 uint64_t cmin[3] = { UINT64_MAX, UINT64_MAX, UINT64_MAX }, cmax[3] = { 0 };
                 int cn = 0, bn[10] = { 0 };
                 uint64_t bmax[10] = { 0 };
                 for (int w = 0; w < 8192; w++) {
                         const uint64_t *e = &cw[w * 4];
-                        if (e[0] < c0 || e[0] - c0 > 1000000 || e[1] < e[0] || e[2] < e[1])
+                        if (e[0] < c0 || e[0] - c0 > TRACE_WINDOW_NS || e[1] < e[0] ||
+                            e[2] < e[1])
                                 continue;
                         for (int q = 0; q < 3; q++) {
                                 const uint64_t v = e[q] - c0;
@@ -1804,8 +1807,8 @@ static int report_timing(struct ctx *x, double ceiling)
                                (unsigned long long)cmax[q]);
                 for (int nc = 0; nc < 10; nc++)
                         if (bn[nc] > 0)
-                                printf("    trace combine %d contributions: %d warps, end mean %.0f "
-                                       "max %llu ns\n", nc, bn[nc], bsum[nc] / bn[nc],
+                                printf("    trace combine %d contributions: %d warps, end mean "
+                                       "%.0f max %llu ns\n", nc, bn[nc], bsum[nc] / bn[nc],
                                        (unsigned long long)bmax[nc]);
         }
 #endif
