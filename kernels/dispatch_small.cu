@@ -27,12 +27,11 @@
  *      cluster 0 alone, after barrier 1, counts the selections of each (source, expert) into
  *      the histogram of the block that writes that expert's destination (block d % C holds
  *      destination d), with atomics on that block's shared memory.
- *   2. Each block copies the other groups' counts from the blocks that own them, takes the
- *      minimum of their bad keys, and scans the counts per destination: the row of (g, d) is the
- *      number of earlier flat tokens going to d (SEMANTICS.md 2.1: ascending source, then
- *      token), the totals are each destination's rows. Each thread then knows its token's rows;
- *      in cluster 0 the first token of each source stores the prefixes (rank_prefix) into
- *      block 0.
+ *   2. Each block scans the counts per destination, reading each group's from the block that
+ *      owns it, and takes the minimum of the blocks' bad keys: the row of (g, d) is the number
+ *      of earlier flat tokens going to d (SEMANTICS.md 2.1: ascending source, then token), the
+ *      totals are each destination's rows. Each thread then knows its token's rows; in cluster
+ *      0 the first token of each source stores the prefixes (rank_prefix) into block 0.
  *   3. The workspace: each copied token's topk and rows (by the thread that routed it, in the
  *      cluster that copies it); rank_prefix, tok_count and the verdict (block 0 of cluster 0);
  *      destination d's expert counts, aligned counts, bases and per-source prefixes (block d % C
@@ -60,8 +59,11 @@
  * routing's loads start without waiting for the cluster's slowest block. Barrier 2 also guarantees,
  * in every cluster, that each block is running before a peer reads its shared memory. wbal never
  * leaves its block: lane 0 of the routing warp writes it in phase 1, the same warp's lanes read it
- * in phase 3, after barrier 2 (and 3). No block touches another's shared memory after barrier 3, so
- * a block may return after it. Across clusters nothing is shared: the inputs (topk_idx, x, scales,
+ * in phase 3, after barrier 2 (and 3). Barrier 3 is split: every thread arrives (release) after
+ * its block's last access to a peer's shared memory (the scan's loads, the bad keys, cluster 0's
+ * prefix stores); cluster 0 waits (acquire) at once, since block 0 reads the prefixes next, and
+ * the copying clusters wait only before they return, so that no block's shared memory goes away
+ * while a peer may still read it, and no copy waits for the slower block of its cluster. Across clusters nothing is shared: the inputs (topk_idx, x, scales,
  * weights, descriptors) are read-only for the whole op, and every workspace word and output byte
  * has exactly one writer in the grid. Block 0's rank_prefix stores precede the __syncthreads()
  * before write_verdict, which reads them back (same block). The verdict's status is stored last
@@ -109,13 +111,16 @@ namespace cg = cooperative_groups;
  *                                (destination cr + C x) from each source
  *   algn  [L]                    their aligned totals
  *   sexp  [slots][K_op]          tokens this block copies: normalised experts
- *   srow  [slots][K_op]          their rows of first positions, -1 elsewhere */
+ *   srow  [slots][K_op]          their rows of first positions, -1 elsewhere
+ *   stage [DS_WARPS][stage]      16-byte aligned, when the plan stages: each warp's first
+ *                                item, its x slice, then (the scales' slice) the scales */
 struct ds_smem {
-        uint32_t nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, words;
+        uint32_t nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, stage, words;
 };
 
 static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E, uint32_t K,
-                                                         uint32_t G, uint32_t C, uint32_t slots)
+                                                         uint32_t G, uint32_t C, uint32_t slots,
+                                                         uint32_t stage)
 {
         struct ds_smem m;
         uint32_t w = 0;
@@ -140,8 +145,17 @@ static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E,
         w += slots * K;
         m.srow = w;
         w += slots * K;
+        w = (w + 3) / 4 * 4;
+        m.stage = w;
+        w += DS_WARPS * stage;
         m.words = w;
         return m;
+}
+
+/* Words of a warp's stage: an x slice and the scales, each rounded up to 16 bytes. */
+static __host__ __device__ uint32_t ds_stage_words(uint64_t slice_bytes, uint64_t scale_bytes)
+{
+        return (uint32_t)(((slice_bytes + 15) / 16 * 16 + (scale_bytes + 15) / 16 * 16) / 4);
 }
 
 /* A local source as the block needs it, in shared memory so that no load waits on a descriptor
@@ -198,10 +212,52 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
         return q < G && g < n ? g : UINT32_MAX;
 }
 
+/* Where the one-launch dispatch stages each warp's first copy item (DS_STAGE): 0 never, 1 when
+ * the warp has routed its tokens (phase 1), 2 after barrier 2. */
+#ifndef DS_STAGE
+#define DS_STAGE 0
+#endif
+
+/* Staging: the warp's first copy item (it = warp, flat token g or UINT32_MAX) loaded into its
+ * stage, buf: the item's x slice, and the scales when the slice moves them. Returns what it
+ * staged: bit 0 the x slice, bit 1 the scales. Only inputs are read, and only rows of a source
+ * whose token count is valid. Warp-uniform. */
+static __device__ uint32_t ds_stage_item(const struct epd_k_dispatch_args &a,
+                                         const struct epd_k_dispatch_rank *sranks,
+                                         const struct ds_src *srcs, uint32_t nl, uint32_t g,
+                                         uint32_t it, uint32_t slices, uint64_t slice_bytes,
+                                         uint8_t *buf, uint32_t lane)
+{
+        if (g == UINT32_MAX)
+                return 0;
+        const uint32_t si = ds_source_of(srcs, nl, g);
+        if (srcs[si].num_tokens > a.max_tokens)
+                return 0;
+        const uint32_t t = g - srcs[si].offset, slice = it % slices;
+        const struct epd_k_dispatch_rank *sr = &sranks[srcs[si].rank];
+        const uint64_t off = (uint64_t)slice * slice_bytes;
+        uint32_t staged = 0;
+        if (off < a.row_bytes && sr->x.ptr != NULL) {
+                const uint8_t *sx = mat_row(&sr->x, t) + off;
+                const uint64_t nb = min(slice_bytes, a.row_bytes - off);
+                if (copy_stage_ok(sx, nb)) {
+                        copy_stage_row(buf, sx, nb, lane);
+                        staged |= 1;
+                }
+        }
+        if (slice == COPY_PART_SCALES % slices && a.scale_bytes != 0 && a.scale_bytes <= 512 &&
+            sr->scales.ptr != NULL && copy_stage_ok(mat_row(&sr->scales, t), a.scale_bytes)) {
+                copy_stage_row(buf + (slice_bytes + 15) / 16 * 16, mat_row(&sr->scales, t),
+                               a.scale_bytes, lane);
+                staged |= 2;
+        }
+        return staged;
+}
+
 /* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
  * device array, 16 stamps per block, which epd_k_ds_trace copies out. Stamps: 0 entry, 11 setup
- * done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 6 counts gathered, 7 scan done,
- * 3 barrier 3, 4 copy start, 5 copy end; cluster 0: 8 rank_prefix stored, 9 verdict, 10 expert
+ * done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 7 scan done, 3 barrier 3
+ * (arrived, or in cluster 0 passed), 4 copy start, 5 copy end; cluster 0: 8 rank_prefix stored, 9 verdict, 10 expert
  * counts. Slots 13 to 15 hold numbers, not times: the rows and the items the block copied, and
  * the multiprocessor it ran on. */
 #ifdef DS_TRACE
@@ -307,6 +363,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         dispatch_small_kernel(const __grid_constant__ struct epd_k_dispatch_args a,
                               const __grid_constant__ struct epd_ws_layout l, uint32_t slots,
                               uint32_t slices, uint64_t slice_bytes, uint32_t skip0,
+                              uint32_t stage,
                               const __grid_constant__ struct epd__k_inline<struct epd_k_dispatch_rank> in)
 {
         extern __shared__ int32_t smem[];
@@ -335,7 +392,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         const uint32_t below = (1u << lane) - 1;
         const uint32_t G = (n + 31) / 32, nd = (R + C - 1) / C;
         const uint64_t lmagic = epd_udiv_magic(L);
-        const struct ds_smem m = ds_smem_layout(R, E, K, G, C, slots);
+        const struct ds_smem m = ds_smem_layout(R, E, K, G, C, slots, stage);
         int32_t *wcnt = smem + m.wcnt, *wpre = smem + m.wpre, *total = smem + m.total;
         uint32_t *wbal = (uint32_t *)smem + m.wbal;
         int32_t *pfx = smem + m.pfx, *hist = smem + m.hist, *algn = smem + m.algn;
@@ -364,9 +421,10 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 first_short = UINT32_MAX;
         }
         ds_copy_ranks(sranks, ranks, R);
-        for (uint32_t x = threadIdx.x; x < nd * E; x += blockDim.x)
+        /* The histogram and the prefixes: cluster 0's only. */
+        for (uint32_t x = threadIdx.x; c == 0 && x < nd * E; x += blockDim.x)
                 hist[x] = 0;
-        for (uint32_t x = threadIdx.x; x < (R + 1) * R; x += blockDim.x)
+        for (uint32_t x = threadIdx.x; c == 0 && x < (R + 1) * R; x += blockDim.x)
                 pfx[x] = 0;
         __syncthreads();
         DS_STAMP(11);
@@ -414,6 +472,14 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
         DS_STAMP(1);
+        /* Staging: the warp's first copy item, loaded while the op is routed (ds_stage_item). */
+        uint32_t staged = 0;
+        uint8_t *stage_buf = (uint8_t *)(smem + m.stage + warp * stage);
+        const int stages = stage != 0 && (c != 0 || !skip0) && warp < slots * slices;
+        if (DS_STAGE == 1 && stages) /* warp-uniform */
+                staged = ds_stage_item(a, sranks, srcs, nl,
+                                       ds_item_token(warp, slices, ncc, cc, C, cr, G, n), warp,
+                                       slices, slice_bytes, stage_buf, lane);
         if (c == 0) { /* cluster-uniform */
                 cluster.sync(); /* 1: every block's histogram is zero before a peer adds to it */
                 /* Cluster 0's expert histogram, in the block of each entry's destination. */
@@ -428,41 +494,50 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         }
         cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in place */
         DS_STAMP(2);
+        if (DS_STAGE == 2 && stages) /* warp-uniform */
+                staged = ds_stage_item(a, sranks, srcs, nl,
+                                       ds_item_token(warp, slices, ncc, cc, C, cr, G, n), warp,
+                                       slices, slice_bytes, stage_buf, lane);
 
-        /* 2: the other groups' counts from their blocks, the cluster's bad key, the scan. */
-        for (uint32_t x = threadIdx.x; x < G * R; x += blockDim.x) {
-                const uint32_t owner = x / R % C;
-                if (owner != cr)
-                        wcnt[x] = cluster.map_shared_rank(wcnt, owner)[x];
+        /* 2: the scan, reading each group's counts from the block that owns it, and the
+         * cluster's bad key. Warp d scans destination d's column over every group (a lane per
+         * group, for 32 groups at a time) and checks its total against the capacity; a warp
+         * past the destinations (the last one, which scans too only when R >= DS_WARPS) takes
+         * the minimum of the blocks' bad keys. */
+        if (warp == DS_WARPS - 1) {
+                unsigned long long k = ~0ull;
+                if (lane < C)
+                        k = *cluster.map_shared_rank(&bad_key, lane);
+                for (uint32_t o = 16; o != 0; o >>= 1) {
+                        const unsigned long long v = __shfl_xor_sync(EPD_K_FULL_MASK, k, o);
+                        k = v < k ? v : k;
+                }
+                if (lane == 0)
+                        bad_all = k;
         }
-        if (threadIdx.x == 0)
-                bad_all = bad_key;
-        __syncthreads();
-        if (threadIdx.x < C && threadIdx.x != cr)
-                atomicMin(&bad_all, *cluster.map_shared_rank(&bad_key, threadIdx.x));
-        __syncthreads();
-        DS_STAMP(6);
         for (uint32_t d = warp; d < R; d += DS_WARPS) {
                 int32_t carry = 0;
                 for (uint32_t q0 = 0; q0 < G; q0 += 32) {
-                        const uint32_t qq = q0 + lane;
-                        const int32_t v = qq < G ? wcnt[qq * R + d] : 0;
+                        const uint32_t qq = q0 + lane, owner = qq % C;
+                        int32_t v = 0;
+                        if (qq < G)
+                                v = (owner == cr ? wcnt : cluster.map_shared_rank(wcnt, owner))
+                                        [qq * R + d];
                         const int32_t incl = warp_inclusive_scan(v);
                         if (qq < G)
                                 wpre[qq * R + d] = carry + incl - v;
                         carry += __shfl_sync(EPD_K_FULL_MASK, incl, 31);
                 }
-                if (lane == 0)
+                if (lane == 0) {
                         total[d] = carry;
+                        if ((uint64_t)carry > cap[d]) {
+                                atomicAdd(&num_short, 1u);
+                                atomicMin(&first_short, d);
+                        }
+                }
         }
         __syncthreads();
         DS_STAMP(7);
-        for (uint32_t d = threadIdx.x; d < R; d += blockDim.x) {
-                if ((uint64_t)total[d] > cap[d]) {
-                        atomicAdd(&num_short, 1u);
-                        atomicMin(&first_short, d);
-                }
-        }
         /* The prefixes: in cluster 0, the first token of each source stores them into block 0
          * (the exclusive count at that token, whether or not it goes to d). */
         if (c == 0 && q < G) { /* warp-uniform */
@@ -474,8 +549,14 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                                 pfx0[i * R + d] = wpre[q * R + d] + __popc(bl & below);
                 }
         }
-        cluster.sync(); /* 3: the prefixes are in block 0; no shared memory is touched across
-                         * blocks after this */
+        /* 3: this block is done with its peers' shared memory (and, in cluster 0, has stored
+         * the prefixes into block 0). Cluster 0 waits here: block 0 reads the prefixes next.
+         * The copying clusters wait only before they return, so that no block leaves while a
+         * peer may still read its counts or bad key; the copy does not wait for the slower
+         * block of the cluster. */
+        cluster.barrier_arrive();
+        if (c == 0)
+                cluster.barrier_wait();
         DS_STAMP(3);
 
         /* This thread's token, when this cluster copies it: its rows, slot and workspace
@@ -547,8 +628,13 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         ds_expert_counts(a, l, cr + C * x, hist + x * E, algn);
                 DS_STAMP(10);
         }
-        if (!ok)
+        if (!ok) {
+                if (staged != 0)
+                        copy_stage_wait(); /* the stage is written no more once the block ends */
+                if (c != 0)
+                        cluster.barrier_wait(); /* 3, see above */
                 return;
+        }
         __syncthreads(); /* every slot's rows are in place (ds_expert_counts syncs only in
                           * cluster 0) */
         DS_STAMP(4);
@@ -571,8 +657,14 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         expert = sexp[j * K + lane];
                         row = srow[j * K + lane];
                 }
+                const uint8_t *sx = NULL, *ss = NULL;
+                if (it == warp && staged != 0) { /* warp-uniform: this warp's staged item */
+                        copy_stage_wait();
+                        sx = staged & 1 ? stage_buf : NULL;
+                        ss = staged & 2 ? stage_buf + (slice_bytes + 15) / 16 * 16 : NULL;
+                }
                 copy_token_rows(&a, sranks, &l, s, ct, epd_ws_entry(&l, s, ct, K, 0), expert,
-                                row, it % slices, slices, slice_bytes, lane);
+                                row, it % slices, slices, slice_bytes, lane, sx, ss);
 #ifdef DS_TRACE
                 const uint32_t nrows = __popc(__ballot_sync(EPD_K_FULL_MASK, row >= 0));
                 if (lane == 0) {
@@ -601,6 +693,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         }
 #endif
         DS_STAMP(5);
+        if (c != 0)
+                cluster.barrier_wait(); /* 3, see above */
 }
 
 /* A launch (struct epd_k_small_plan, epd_kernels.h): cluster size, grid, copied-token slots per
@@ -660,7 +754,7 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
         /* Slots for the largest cluster count; fewer clusters only get more. */
         p->slots = gpb * 32;
         p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                        args->num_topk, G, p->cluster, p->slots)
+                                        args->num_topk, G, p->cluster, p->slots, 0)
                                  .words;
         /* Also raises the kernel's limit when needed: this is the launch's plan. */
         int ret = epd__k_dynamic_smem(kernel, p->smem);
@@ -687,7 +781,7 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
         const uint32_t ncc = (uint32_t)clusters - p->skip0;
         p->slots = (gpb * 32 + ncc - 1) / ncc;
         p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                        args->num_topk, G, p->cluster, p->slots)
+                                        args->num_topk, G, p->cluster, p->slots, 0)
                                  .words;
         /* Slices: as many (token, slice) items as the block has warps, not more (a
          * warp with two items doubles the block's copy time), each slice a multiple of
@@ -703,6 +797,23 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
                 p->slice_bytes = ((args->row_bytes + want - 1) / want + 15) / 16 * 16;
                 p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
                                        p->slice_bytes);
+        }
+        /* Staging (DS_STAGE): when every copy item is some warp's first, and the stages fit. */
+        p->stage = 0;
+        if (DS_STAGE != 0 && p->slots != 0 && (uint64_t)p->slots * p->slices <= DS_WARPS) {
+                const uint32_t st = ds_stage_words(
+                        p->slice_bytes, args->scale_bytes <= 512 ? args->scale_bytes : 0);
+                const uint64_t smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
+                                                            args->num_topk, G, p->cluster,
+                                                            p->slots, st)
+                                                     .words;
+                ret = epd__k_dynamic_smem(kernel, smem);
+                if (ret < 0 && ret != EPD_INVALID_ARGUMENT)
+                        return ret;
+                if (ret == 0) {
+                        p->stage = st;
+                        p->smem = smem;
+                }
         }
         return 0;
 }
@@ -746,8 +857,9 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
                 return EPD_INVALID_ARGUMENT;
         *p = best;
 #ifdef DS_TRACE
-        fprintf(stderr, "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u\n",
-                p->cluster, p->blocks, p->slots, p->slices, p->skip0);
+        fprintf(stderr,
+                "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u, stage %u\n",
+                p->cluster, p->blocks, p->slots, p->slices, p->skip0, p->stage);
 #endif
         return 0;
 }
@@ -793,8 +905,9 @@ static int ds_describe(const struct epd_k_dispatch_args *args, const struct epd_
         d->params[3] = &p->slices;
         d->params[4] = &p->slice_bytes;
         d->params[5] = &p->skip0;
+        d->params[6] = &p->stage;
         epd__k_inline_fill(in, args);
-        d->params[6] = in;
+        d->params[7] = in;
         return 0;
 }
 
