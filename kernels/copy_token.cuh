@@ -25,7 +25,7 @@
 /* Copies nbytes from src to the row address each lane of dst_mask holds in my_dst, with
  * accesses of sizeof(V) bytes; every lane of the warp calls it with the same src, mask and size.
  * The source chunk is loaded once into registers and stored to every destination. STAGED: src is
- * the warp's staged copy of the bytes in shared memory (copy_stage_row). */
+ * a copy of the bytes in shared memory (the one-launch dispatch's stage). */
 template <typename V, bool STAGED = false>
 static __device__ __forceinline__ void copy_row_multi(const uint8_t *src, uint8_t *my_dst,
                                                       uint32_t dst_mask, uint64_t nbytes,
@@ -53,33 +53,6 @@ static __device__ __forceinline__ void copy_row_multi(const uint8_t *src, uint8_
                         }
                 }
         }
-}
-
-/* Staging (the one-launch dispatch): a warp loads bytes it will copy into shared memory with
- * cp.async while the op is still being routed, so that its copy only stores. src, dst and nbytes
- * are multiples of 16 (copy_stage_ok). Lane l copies the vectors i = l (mod 32); the warp reads
- * them back only after copy_stage_wait, whose cp.async.wait_all completes each lane's own copies
- * and whose __syncwarp orders them before every lane's reads. */
-static __device__ __forceinline__ int copy_stage_ok(const void *src, uint64_t nbytes)
-{
-        return src != NULL && (((uintptr_t)src | nbytes) & 15) == 0;
-}
-
-static __device__ __forceinline__ void copy_stage_row(uint8_t *dst, const uint8_t *src,
-                                                      uint64_t nbytes, uint32_t lane)
-{
-        const uint32_t base = (uint32_t)__cvta_generic_to_shared(dst);
-
-        for (uint64_t i = lane; i < nbytes / 16; i += 32)
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + (uint32_t)i * 16),
-                             "l"(src + i * 16)
-                             : "memory");
-}
-
-static __device__ __forceinline__ void copy_stage_wait(void)
-{
-        asm volatile("cp.async.wait_all;" ::: "memory");
-        __syncwarp();
 }
 
 /* align_bits: every address and size involved ORed together (low 32 bits suffice). */

@@ -212,46 +212,98 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
         return q < G && g < n ? g : UINT32_MAX;
 }
 
-/* Where the one-launch dispatch stages each warp's first copy item (DS_STAGE): 0 never, 1 when
- * the warp has routed its tokens (phase 1), 2 after barrier 2. */
+/* Staging: each copy item is some warp's first (the plan's stage != 0), and its bytes are moved
+ * into the block's shared memory by the bulk-copy engine (cp.async.bulk, completed on one
+ * mbarrier per item) while the op is routed, so that the copy only stores. DS_STAGE says when an
+ * item's copy is issued: 0 never (no stage), 3 by its warp right after the warp's topk loads
+ * (before the routing uses them; warps without tokens to route at once), 4 by its warp after the
+ * warp's routing, 5 after barrier 2. */
 #ifndef DS_STAGE
 #define DS_STAGE 0
 #endif
 
-/* Staging: the warp's first copy item (it = warp, flat token g or UINT32_MAX) loaded into its
- * stage, buf: the item's x slice, and the scales when the slice moves them. Returns what it
- * staged: bit 0 the x slice, bit 1 the scales. Only inputs are read, and only rows of a source
- * whose token count is valid. Warp-uniform. */
-static __device__ uint32_t ds_stage_item(const struct epd_k_dispatch_args &a,
-                                         const struct epd_k_dispatch_rank *sranks,
-                                         const struct ds_src *srcs, uint32_t nl, uint32_t g,
-                                         uint32_t it, uint32_t slices, uint64_t slice_bytes,
-                                         uint8_t *buf, uint32_t lane)
+static __device__ __forceinline__ uint32_t ds_smem_addr(const void *p)
 {
-        if (g == UINT32_MAX)
-                return 0;
-        const uint32_t si = ds_source_of(srcs, nl, g);
-        if (srcs[si].num_tokens > a.max_tokens)
-                return 0;
-        const uint32_t t = g - srcs[si].offset, slice = it % slices;
-        const struct epd_k_dispatch_rank *sr = &sranks[srcs[si].rank];
-        const uint64_t off = (uint64_t)slice * slice_bytes;
-        uint32_t staged = 0;
-        if (off < a.row_bytes && sr->x.ptr != NULL) {
-                const uint8_t *sx = mat_row(&sr->x, t) + off;
-                const uint64_t nb = min(slice_bytes, a.row_bytes - off);
-                if (copy_stage_ok(sx, nb)) {
-                        copy_stage_row(buf, sx, nb, lane);
-                        staged |= 1;
+        return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* The item's mbarrier, initialised by one thread before the setup's __syncthreads(); the fence
+ * makes the initialisation visible to the bulk-copy engine (the async proxy). */
+static __device__ __forceinline__ void ds_stage_init(uint64_t *bar)
+{
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(ds_smem_addr(bar)) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+/* Waits for the item's bulk copies (phase 0 of its mbarrier). Their bytes are then visible to the
+ * waiting threads. */
+static __device__ __forceinline__ void ds_stage_wait(uint64_t *bar)
+{
+        asm volatile("{\n\t.reg .pred p;\n"
+                     "DS_STAGE_WAIT:\n\t"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n\t"
+                     "@!p bra DS_STAGE_WAIT;\n}" ::"r"(ds_smem_addr(bar))
+                     : "memory");
+}
+
+/* Issues the bulk copies of copy item `it` (flat token g, or UINT32_MAX past the op) into buf: its
+ * x slice, and the scales when the slice moves them (up to 512 bytes). Lane 0 does it, and
+ * records in *what what the stage holds (bit 0 the x slice, bit 1 the scales; 0: nothing is
+ * coming, and nobody waits). Only inputs are read, only rows of a source whose token count is
+ * valid, and only 16-byte aligned runs of a multiple of 16 bytes, as cp.async.bulk needs. */
+static __device__ void ds_stage_issue(const struct epd_k_dispatch_args &a,
+                                      const struct epd_k_dispatch_rank *sranks,
+                                      const struct ds_src *srcs, uint32_t nl, uint32_t g,
+                                      uint32_t it, uint32_t slices, uint64_t slice_bytes,
+                                      uint8_t *buf, uint64_t *bar, uint32_t *what, uint32_t lane)
+{
+        if (lane != 0)
+                return;
+        uint32_t staged = 0, bytes = 0;
+        const uint8_t *sx = NULL, *ss = NULL;
+        uint64_t nb = 0;
+        if (g != UINT32_MAX) {
+                const uint32_t si = ds_source_of(srcs, nl, g);
+                if (srcs[si].num_tokens <= a.max_tokens) {
+                        const uint32_t t = g - srcs[si].offset, slice = it % slices;
+                        const struct epd_k_dispatch_rank *sr = &sranks[srcs[si].rank];
+                        const uint64_t off = (uint64_t)slice * slice_bytes;
+                        if (off < a.row_bytes && sr->x.ptr != NULL) {
+                                sx = mat_row(&sr->x, t) + off;
+                                nb = min(slice_bytes, a.row_bytes - off);
+                                if ((((uintptr_t)sx | nb) & 15) == 0) {
+                                        staged |= 1;
+                                        bytes += (uint32_t)nb;
+                                }
+                        }
+                        if (slice == COPY_PART_SCALES % slices && a.scale_bytes != 0 &&
+                            a.scale_bytes <= 512 && sr->scales.ptr != NULL) {
+                                ss = mat_row(&sr->scales, t);
+                                if ((((uintptr_t)ss | a.scale_bytes) & 15) == 0) {
+                                        staged |= 2;
+                                        bytes += (uint32_t)a.scale_bytes;
+                                }
+                        }
                 }
         }
-        if (slice == COPY_PART_SCALES % slices && a.scale_bytes != 0 && a.scale_bytes <= 512 &&
-            sr->scales.ptr != NULL && copy_stage_ok(mat_row(&sr->scales, t), a.scale_bytes)) {
-                copy_stage_row(buf + (slice_bytes + 15) / 16 * 16, mat_row(&sr->scales, t),
-                               a.scale_bytes, lane);
-                staged |= 2;
-        }
-        return staged;
+        *what = staged;
+        if (staged == 0)
+                return;
+        const uint32_t b = ds_smem_addr(bar);
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes)
+                     : "memory");
+        if (staged & 1)
+                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                             "[%0], [%1], %2, [%3];" ::"r"(ds_smem_addr(buf)),
+                             "l"(sx), "r"((uint32_t)nb), "r"(b)
+                             : "memory");
+        if (staged & 2)
+                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                             "[%0], [%1], %2, [%3];" ::"r"(ds_smem_addr(buf + (slice_bytes + 15) /
+                                                                                   16 * 16)),
+                             "l"(ss), "r"((uint32_t)a.scale_bytes), "r"(b)
+                             : "memory");
 }
 
 /* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
@@ -375,6 +427,9 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         __shared__ unsigned long long bad_key; /* source << 32 | t * K_op + k; lowest wins */
         __shared__ unsigned long long bad_all; /* the minimum over the cluster */
         __shared__ uint32_t num_short, first_short;
+        /* Staging: each copy item's mbarrier, and what its stage holds (ds_stage_issue). */
+        __shared__ uint64_t stage_bar[DS_WARPS];
+        __shared__ uint32_t stage_what[DS_WARPS];
 #ifdef DS_TRACE
         __shared__ uint32_t trace_rows, trace_items; /* this block's copy: stamps 13 and 14 */
         if (threadIdx.x == 0)
@@ -420,6 +475,10 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 num_short = 0;
                 first_short = UINT32_MAX;
         }
+        if (stage != 0 && threadIdx.x < DS_WARPS) {
+                ds_stage_init(&stage_bar[threadIdx.x]);
+                stage_what[threadIdx.x] = 0;
+        }
         ds_copy_ranks(sranks, ranks, R);
         /* The histogram and the prefixes: cluster 0's only. */
         for (uint32_t x = threadIdx.x; c == 0 && x < nd * E; x += blockDim.x)
@@ -431,10 +490,22 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         if (threadIdx.x < nl && srcs[threadIdx.x].num_tokens > T)
                 atomicMin(&bad_key, (unsigned long long)threadIdx.x << 32);
 
+        /* Staging (DS_STAGE): this warp's copy item, issued at the point DS_STAGE names. */
+        uint8_t *stage_buf = (uint8_t *)(smem + m.stage + warp * stage);
+        const int stages = stage != 0 && (c != 0 || !skip0) && warp < slots * slices;
+        auto stage_issue = [&]() {
+                ds_stage_issue(a, sranks, srcs, nl,
+                               ds_item_token(warp, slices, ncc, cc, C, cr, G, n), warp, slices,
+                               slice_bytes, stage_buf, &stage_bar[warp], &stage_what[warp],
+                               lane);
+        };
+
         /* 1: this thread's token: group q = warp * C + cr, flat token g. Until barrier 1 (or
          * barrier 2 outside cluster 0) a block touches only its own shared memory, so the
          * routing's loads do not wait for the cluster's other blocks. */
         const uint32_t q = warp * C + cr, g = q * 32 + lane;
+        if (DS_STAGE == 3 && stages && q >= G) /* warp-uniform: nothing to route */
+                stage_issue();
         uint64_t dmask = 0;
         uint32_t first = 0, i = 0, t = 0;
         int valid = 0;
@@ -448,9 +519,13 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         const uint64_t row0 = (uint64_t)t * srcs[i].topk_stride;
                         uint32_t bad;
                         if constexpr (KMAX != 0) {
+                                auto hook = [&]() {
+                                        if (DS_STAGE == 3 && stages)
+                                                stage_issue();
+                                };
                                 dmask = route_token_regs<KMAX>(srcs[i].topk_idx, a.topk_dtype,
                                                                row0, K, E, lmagic, nreg, &first,
-                                                               &bad);
+                                                               &bad, hook);
 #pragma unroll
                                 for (uint32_t k = 0; k < KMAX; k++)
                                         if (k < K)
@@ -472,14 +547,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
         DS_STAMP(1);
-        /* Staging: the warp's first copy item, loaded while the op is routed (ds_stage_item). */
-        uint32_t staged = 0;
-        uint8_t *stage_buf = (uint8_t *)(smem + m.stage + warp * stage);
-        const int stages = stage != 0 && (c != 0 || !skip0) && warp < slots * slices;
-        if (DS_STAGE == 1 && stages) /* warp-uniform */
-                staged = ds_stage_item(a, sranks, srcs, nl,
-                                       ds_item_token(warp, slices, ncc, cc, C, cr, G, n), warp,
-                                       slices, slice_bytes, stage_buf, lane);
+        if (DS_STAGE == 4 && stages) /* warp-uniform */
+                stage_issue();
         if (c == 0) { /* cluster-uniform */
                 cluster.sync(); /* 1: every block's histogram is zero before a peer adds to it */
                 /* Cluster 0's expert histogram, in the block of each entry's destination. */
@@ -494,10 +563,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         }
         cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in place */
         DS_STAMP(2);
-        if (DS_STAGE == 2 && stages) /* warp-uniform */
-                staged = ds_stage_item(a, sranks, srcs, nl,
-                                       ds_item_token(warp, slices, ncc, cc, C, cr, G, n), warp,
-                                       slices, slice_bytes, stage_buf, lane);
+        if (DS_STAGE == 5 && stages) /* warp-uniform */
+                stage_issue();
 
         /* 2: the scan, reading each group's counts from the block that owns it, and the
          * cluster's bad key. Warp d scans destination d's column over every group (a lane per
@@ -551,12 +618,16 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         }
         /* 3: this block is done with its peers' shared memory (and, in cluster 0, has stored
          * the prefixes into block 0). Cluster 0 waits here: block 0 reads the prefixes next.
-         * The copying clusters wait only before they return, so that no block leaves while a
-         * peer may still read its counts or bad key; the copy does not wait for the slower
-         * block of the cluster. */
-        cluster.barrier_arrive();
-        if (c == 0)
-                cluster.barrier_wait();
+         * The copying clusters arrive now and wait only before they return, so that no block
+         * leaves while a peer may still read its counts or bad key; the copy does not wait for
+         * the slower block of the cluster. */
+        if (c == 0) {
+                cluster.sync();
+        } else {
+                /* Relaxed: the loads from the peers have returned their values, and this block
+                 * has written nothing a peer reads after barrier 2. */
+                asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+        }
         DS_STAMP(3);
 
         /* This thread's token, when this cluster copies it: its rows, slot and workspace
@@ -566,22 +637,26 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         const uint32_t slot = jb / ncc;
         if (mine) {
                 /* A first position's row: the destination's rows before group q, plus the
-                 * group's earlier lanes going there (the phase-1 ballot, this block's own). */
-                for (uint32_t k = 0; k < K; k++) {
+                 * group's earlier lanes going there (the phase-1 ballot, this block's own).
+                 * Unrolled for K_op <= KMAX, so that the positions' shared-memory loads are in
+                 * flight together. */
+                const uint64_t ent = epd_ws_entry(&l, srcs[i].rank, t, K, 0);
+                int32_t *wtopk = epd_ws_i32(ws, l.topk) + ent, *wrow = epd_ws_i32(ws, l.row) + ent;
+#pragma unroll
+                for (uint32_t k = 0; k < (KMAX ? KMAX : K); k++) {
+                        if (KMAX && k >= K)
+                                break;
                         const int32_t v = nsm[k];
                         const uint32_t d = (uint32_t)v >> 16;
-                        sexp[slot * K + k] = v >= 0 ? v & 0xffff : -1;
-                        srow[slot * K + k] = (first >> k) & 1 ? wpre[q * R + d] +
-                                                                        __popc(wbal[q * R + d] &
-                                                                               below)
-                                                              : -1;
-                }
-        }
-        if (mine) {
-                const uint64_t ent = epd_ws_entry(&l, srcs[i].rank, t, K, 0);
-                for (uint32_t k = 0; k < K; k++) {
-                        epd_ws_i32(ws, l.topk)[ent + k] = sexp[slot * K + k];
-                        epd_ws_i32(ws, l.row)[ent + k] = srow[slot * K + k];
+                        const int32_t e = v >= 0 ? v & 0xffff : -1;
+                        const int32_t r = (first >> k) & 1 ? wpre[q * R + d] +
+                                                                     __popc(wbal[q * R + d] &
+                                                                            below)
+                                                           : -1;
+                        sexp[slot * K + k] = e;
+                        srow[slot * K + k] = r;
+                        wtopk[k] = e;
+                        wrow[k] = r;
                 }
         }
 
@@ -629,8 +704,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 DS_STAMP(10);
         }
         if (!ok) {
-                if (staged != 0)
-                        copy_stage_wait(); /* the stage is written no more once the block ends */
+                if (stages && stage_what[warp] != 0) /* no bulk copy outlives the block */
+                        ds_stage_wait(&stage_bar[warp]);
                 if (c != 0)
                         cluster.barrier_wait(); /* 3, see above */
                 return;
@@ -658,10 +733,11 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         row = srow[j * K + lane];
                 }
                 const uint8_t *sx = NULL, *ss = NULL;
-                if (it == warp && staged != 0) { /* warp-uniform: this warp's staged item */
-                        copy_stage_wait();
-                        sx = staged & 1 ? stage_buf : NULL;
-                        ss = staged & 2 ? stage_buf + (slice_bytes + 15) / 16 * 16 : NULL;
+                const uint32_t what = it == warp && stages ? stage_what[warp] : 0;
+                if (what != 0) { /* warp-uniform: this warp's staged item */
+                        ds_stage_wait(&stage_bar[warp]);
+                        sx = what & 1 ? stage_buf : NULL;
+                        ss = what & 2 ? stage_buf + (slice_bytes + 15) / 16 * 16 : NULL;
                 }
                 copy_token_rows(&a, sranks, &l, s, ct, epd_ws_entry(&l, s, ct, K, 0), expert,
                                 row, it % slices, slices, slice_bytes, lane, sx, ss);
