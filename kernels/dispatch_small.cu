@@ -214,26 +214,20 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
 
 /* Staging: each copy item is some warp's first (the plan's stage != 0), and its bytes are moved
  * into the block's shared memory by the bulk-copy engine (cp.async.bulk, completed on one
- * mbarrier per item) while the op is routed, so that the copy only stores. DS_STAGE says when an
- * item's copy is issued: 0 never (no stage), 3 by its warp right after the warp's topk loads
- * (before the routing uses them; warps without tokens to route at once), 4 by its warp after the
- * warp's routing, 5 after barrier 2. */
+ * mbarrier per item) while the op is routed, so that the copy only stores. The last warp issues
+ * every item's copies, a lane per item: DS_STAGE 1 once the block's routing warps have routed
+ * (they arrive on a named barrier that it waits on, so that the x rows' reads queue behind the
+ * topk rows' rather than in front of them), or right after the setup when the block routes
+ * nothing; DS_STAGE 2 after barrier 2; 0 never. */
 #ifndef DS_STAGE
 #define DS_STAGE 0
 #endif
+/* The named barrier (bar.sync / bar.arrive id) between the routing warps and the issuing warp. */
+#define DS_STAGE_BARRIER 1
 
 static __device__ __forceinline__ uint32_t ds_smem_addr(const void *p)
 {
         return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-/* The item's mbarrier, initialised by one thread before the setup's __syncthreads(); the fence
- * makes the initialisation visible to the bulk-copy engine (the async proxy). */
-static __device__ __forceinline__ void ds_stage_init(uint64_t *bar)
-{
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(ds_smem_addr(bar)) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 /* Waits for the item's bulk copies (phase 0 of its mbarrier). Their bytes are then visible to the
@@ -248,7 +242,7 @@ static __device__ __forceinline__ void ds_stage_wait(uint64_t *bar)
 }
 
 /* Issues the bulk copies of copy item `it` (flat token g, or UINT32_MAX past the op) into buf: its
- * x slice, and the scales when the slice moves them (up to 512 bytes). Lane 0 does it, and
+ * x slice, and the scales when the slice moves them (up to 512 bytes). One thread does it, and
  * records in *what what the stage holds (bit 0 the x slice, bit 1 the scales; 0: nothing is
  * coming, and nobody waits). Only inputs are read, only rows of a source whose token count is
  * valid, and only 16-byte aligned runs of a multiple of 16 bytes, as cp.async.bulk needs. */
@@ -256,10 +250,8 @@ static __device__ void ds_stage_issue(const struct epd_k_dispatch_args &a,
                                       const struct epd_k_dispatch_rank *sranks,
                                       const struct ds_src *srcs, uint32_t nl, uint32_t g,
                                       uint32_t it, uint32_t slices, uint64_t slice_bytes,
-                                      uint8_t *buf, uint64_t *bar, uint32_t *what, uint32_t lane)
+                                      uint8_t *buf, uint64_t *bar, uint32_t *what)
 {
-        if (lane != 0)
-                return;
         uint32_t staged = 0, bytes = 0;
         const uint8_t *sx = NULL, *ss = NULL;
         uint64_t nb = 0;
@@ -290,7 +282,12 @@ static __device__ void ds_stage_issue(const struct epd_k_dispatch_args &a,
         *what = staged;
         if (staged == 0)
                 return;
+        /* The mbarrier is initialised by this thread, and the proxy fence makes the
+         * initialisation visible to the bulk-copy engine (the async proxy) before the copies;
+         * the waiting warps see it after the block's barrier before the copy. */
         const uint32_t b = ds_smem_addr(bar);
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes)
                      : "memory");
         if (staged & 1)
@@ -307,18 +304,25 @@ static __device__ void ds_stage_issue(const struct epd_k_dispatch_args &a,
 }
 
 /* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
- * device array, 16 stamps per block, which epd_k_ds_trace copies out. Stamps: 0 entry, 11 setup
+ * device array, DS_TRACE_STAMPS per block, which epd_k_ds_trace copies out. Stamps: 0 entry, 11 setup
  * done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 7 scan done, 3 barrier 3
  * (arrived, or in cluster 0 passed), 4 copy start, 5 copy end; cluster 0: 8 rank_prefix stored, 9 verdict, 10 expert
  * counts. Slots 13 to 15 hold numbers, not times: the rows and the items the block copied, and
  * the multiprocessor it ran on. */
 #ifdef DS_TRACE
 #define DS_TRACE_BLOCKS 1024
-static __device__ uint64_t ds_trace[DS_TRACE_BLOCKS * 16];
+#define DS_TRACE_STAMPS 32
+static __device__ uint64_t ds_trace[DS_TRACE_BLOCKS * DS_TRACE_STAMPS];
 #define DS_STAMP(i)                                                                              \
         do {                                                                                     \
                 if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS)                            \
-                        ds_trace[blockIdx.x * 16 + (i)] = epd_globaltimer_ns();                  \
+                        ds_trace[blockIdx.x * DS_TRACE_STAMPS + (i)] = epd_globaltimer_ns();     \
+        } while (0)
+/* The same by lane 0 of the calling warp. */
+#define DS_STAMP_W(i)                                                                            \
+        do {                                                                                     \
+                if (threadIdx.x % 32 == 0 && blockIdx.x < DS_TRACE_BLOCKS)                       \
+                        ds_trace[blockIdx.x * DS_TRACE_STAMPS + (i)] = epd_globaltimer_ns();     \
         } while (0)
 
 /* Each warp's copy end and what it copied last (slice | destinations << 8 | items << 16). */
@@ -343,6 +347,7 @@ extern "C" int epd_k_ds_trace(uint64_t *dst, size_t bytes)
 }
 #else
 #define DS_STAMP(i) ((void)0)
+#define DS_STAMP_W(i) ((void)0)
 #endif
 
 /* An int32 of the reply block at byte offset off + 4 * i: into the workspace, and into the host's
@@ -475,10 +480,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 num_short = 0;
                 first_short = UINT32_MAX;
         }
-        if (stage != 0 && threadIdx.x < DS_WARPS) {
-                ds_stage_init(&stage_bar[threadIdx.x]);
+        if (stage != 0 && threadIdx.x < DS_WARPS)
                 stage_what[threadIdx.x] = 0;
-        }
         ds_copy_ranks(sranks, ranks, R);
         /* The histogram and the prefixes: cluster 0's only. */
         for (uint32_t x = threadIdx.x; c == 0 && x < nd * E; x += blockDim.x)
@@ -490,22 +493,33 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         if (threadIdx.x < nl && srcs[threadIdx.x].num_tokens > T)
                 atomicMin(&bad_key, (unsigned long long)threadIdx.x << 32);
 
-        /* Staging (DS_STAGE): this warp's copy item, issued at the point DS_STAGE names. */
+        /* Staging (DS_STAGE): the last warp issues the copies of every item, lane it issuing item
+         * it, once the block's routing warps (nr of them) have routed. */
         uint8_t *stage_buf = (uint8_t *)(smem + m.stage + warp * stage);
-        const int stages = stage != 0 && (c != 0 || !skip0) && warp < slots * slices;
+        const int stages = stage != 0 && (c != 0 || !skip0); /* block-uniform */
+        const uint32_t nr = G > cr ? min((G - cr + C - 1) / C, (uint32_t)DS_WARPS) : 0;
+        const int issuer = stages && warp == DS_WARPS - 1;
         auto stage_issue = [&]() {
-                ds_stage_issue(a, sranks, srcs, nl,
-                               ds_item_token(warp, slices, ncc, cc, C, cr, G, n), warp, slices,
-                               slice_bytes, stage_buf, &stage_bar[warp], &stage_what[warp],
-                               lane);
+                if (lane < slots * slices)
+                        ds_stage_issue(a, sranks, srcs, nl,
+                                       ds_item_token(lane, slices, ncc, cc, C, cr, G, n), lane,
+                                       slices, slice_bytes,
+                                       (uint8_t *)(smem + m.stage + lane * stage),
+                                       &stage_bar[lane], &stage_what[lane]);
         };
+        if (DS_STAGE == 1 && issuer && nr < DS_WARPS) { /* warp-uniform: it routes nothing */
+                if (nr != 0)
+                        asm volatile("bar.sync %0, %1;" ::"n"(DS_STAGE_BARRIER),
+                                     "r"(32 * (nr + 1))
+                                     : "memory");
+                stage_issue();
+                DS_STAMP_W(16);
+        }
 
         /* 1: this thread's token: group q = warp * C + cr, flat token g. Until barrier 1 (or
          * barrier 2 outside cluster 0) a block touches only its own shared memory, so the
          * routing's loads do not wait for the cluster's other blocks. */
         const uint32_t q = warp * C + cr, g = q * 32 + lane;
-        if (DS_STAGE == 3 && stages && q >= G) /* warp-uniform: nothing to route */
-                stage_issue();
         uint64_t dmask = 0;
         uint32_t first = 0, i = 0, t = 0;
         int valid = 0;
@@ -519,13 +533,9 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         const uint64_t row0 = (uint64_t)t * srcs[i].topk_stride;
                         uint32_t bad;
                         if constexpr (KMAX != 0) {
-                                auto hook = [&]() {
-                                        if (DS_STAGE == 3 && stages)
-                                                stage_issue();
-                                };
                                 dmask = route_token_regs<KMAX>(srcs[i].topk_idx, a.topk_dtype,
                                                                row0, K, E, lmagic, nreg, &first,
-                                                               &bad, hook);
+                                                               &bad);
 #pragma unroll
                                 for (uint32_t k = 0; k < KMAX; k++)
                                         if (k < K)
@@ -547,8 +557,9 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
         DS_STAMP(1);
-        if (DS_STAGE == 4 && stages) /* warp-uniform */
-                stage_issue();
+        if (DS_STAGE == 1 && stages && q < G && nr < DS_WARPS) /* warp-uniform */
+                asm volatile("bar.arrive %0, %1;" ::"n"(DS_STAGE_BARRIER), "r"(32 * (nr + 1))
+                             : "memory");
         if (c == 0) { /* cluster-uniform */
                 cluster.sync(); /* 1: every block's histogram is zero before a peer adds to it */
                 /* Cluster 0's expert histogram, in the block of each entry's destination. */
@@ -563,8 +574,10 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         }
         cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in place */
         DS_STAMP(2);
-        if (DS_STAGE == 5 && stages) /* warp-uniform */
+        if ((DS_STAGE == 2 || (DS_STAGE == 1 && nr == DS_WARPS)) && issuer) { /* warp-uniform */
                 stage_issue();
+                DS_STAMP_W(16);
+        }
 
         /* 2: the scan, reading each group's counts from the block that owns it, and the
          * cluster's bad key. Warp d scans destination d's column over every group (a lane per
@@ -704,7 +717,9 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 DS_STAMP(10);
         }
         if (!ok) {
-                if (stages && stage_what[warp] != 0) /* no bulk copy outlives the block */
+                if (stages && warp < slots * slices && stage_what[warp] != 0) /* no bulk copy
+                                                                                 * outlives the
+                                                                                 * block */
                         ds_stage_wait(&stage_bar[warp]);
                 if (c != 0)
                         cluster.barrier_wait(); /* 3, see above */
@@ -733,9 +748,10 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         row = srow[j * K + lane];
                 }
                 const uint8_t *sx = NULL, *ss = NULL;
-                const uint32_t what = it == warp && stages ? stage_what[warp] : 0;
+                const uint32_t what = it == warp && stages ? stage_what[it] : 0;
                 if (what != 0) { /* warp-uniform: this warp's staged item */
                         ds_stage_wait(&stage_bar[warp]);
+                        DS_STAMP(17);
                         sx = what & 1 ? stage_buf : NULL;
                         ss = what & 2 ? stage_buf + (slice_bytes + 15) / 16 * 16 : NULL;
                 }
@@ -763,9 +779,9 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS) {
                 uint32_t smid;
                 asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-                ds_trace[blockIdx.x * 16 + 13] = trace_rows;
-                ds_trace[blockIdx.x * 16 + 14] = trace_items;
-                ds_trace[blockIdx.x * 16 + 15] = smid;
+                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 13] = trace_rows;
+                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 14] = trace_items;
+                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 15] = smid;
         }
 #endif
         DS_STAMP(5);

@@ -1694,19 +1694,20 @@ static int report_timing(struct ctx *x, double ceiling)
         if (ms_fused > 0) {
                 /* Experiments: the phase stamps of the last one-launch small dispatch (Fresh
                  * mode, the loop above). */
-                uint64_t st[1024 * 16];
+                enum { TS = 32 }; /* stamps per block: DS_TRACE_STAMPS in dispatch_small.cu */
+                static uint64_t st[1024 * TS];
                 int nb = 0;
                 CK(cudaDeviceGetAttribute(&nb, cudaDevAttrMultiProcessorCount, 0));
                 if (nb < (int)x->R)
                         nb = (int)x->R;
-                CKS(epd_k_ds_trace(st, 128ull * nb));
-                const uint64_t t0 = trace_origin(st, nb, 16);
-                for (int p = 0; p < 16; p++) {
+                CKS(epd_k_ds_trace(st, 8ull * TS * nb));
+                const uint64_t t0 = trace_origin(st, nb, TS);
+                for (int p = 0; p < TS; p++) {
                         uint64_t lo = UINT64_MAX, hi = 0;
                         double sum = 0;
                         int cnt = 0;
                         for (int b = 0; b < nb; b++) {
-                                uint64_t v = st[b * 16 + p];
+                                uint64_t v = st[b * TS + p];
                                 if (v < t0 || v - t0 > TRACE_WINDOW_NS)
                                         continue;
                                 v -= t0;
@@ -1731,15 +1732,15 @@ static int report_timing(struct ctx *x, double ceiling)
                 int scnt[8] = { 0 }, rcnt[9] = { 0 }, slast[8] = { 0 }, rlast[9] = { 0 };
                 uint64_t smax[8] = { 0 };
                 for (int b = 0; b < nb; b++) {
-                        const uint64_t s4 = st[b * 16 + 4], s5 = st[b * 16 + 5];
+                        const uint64_t s4 = st[b * TS + 4], s5 = st[b * TS + 5];
                         if (s4 < t0 || s5 < t0 || s5 - t0 > TRACE_WINDOW_NS)
                                 continue;
                         printf("    trace block %d: copy %llu .. %llu ns, %llu rows, %llu items, "
                                "SM %llu\n", b, (unsigned long long)(s4 - t0),
                                (unsigned long long)(s5 - t0),
-                               (unsigned long long)st[b * 16 + 13],
-                               (unsigned long long)st[b * 16 + 14],
-                               (unsigned long long)st[b * 16 + 15]);
+                               (unsigned long long)st[b * TS + 13],
+                               (unsigned long long)st[b * TS + 14],
+                               (unsigned long long)st[b * TS + 15]);
                         uint64_t lastv = 0;
                         int lw = -1;
                         for (int w = 0; w < 32; w++) {
