@@ -24,9 +24,8 @@
 
 /* Copies nbytes from src to the row address each lane of dst_mask holds in my_dst, with
  * accesses of sizeof(V) bytes; every lane of the warp calls it with the same src, mask and size.
- * The source chunk is loaded once into registers and stored to every destination. STAGED: src is
- * a copy of the bytes in shared memory (the one-launch dispatch's stage). */
-template <typename V, bool STAGED = false>
+ * The source chunk is loaded once into registers and stored to every destination. */
+template <typename V>
 static __device__ __forceinline__ void copy_row_multi(const uint8_t *src, uint8_t *my_dst,
                                                       uint32_t dst_mask, uint64_t nbytes,
                                                       uint32_t lane)
@@ -39,8 +38,7 @@ static __device__ __forceinline__ void copy_row_multi(const uint8_t *src, uint8_
 #pragma unroll
                 for (int u = 0; u < COPY_UNROLL; u++) {
                         uint64_t i = base + (uint64_t)u * 32 + lane;
-                        v[u] = i < nvec ? (STAGED ? s[i] : epd__k_ldg(s + i))
-                                        : epd__k_zero<V>();
+                        v[u] = i < nvec ? epd__k_ldg(s + i) : epd__k_zero<V>();
                 }
                 for (uint32_t m = dst_mask; m != 0; m &= m - 1) {
                         int j = __ffs(m) - 1;
@@ -154,9 +152,7 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                                                        uint32_t t, uint64_t ent, int32_t expert,
                                                        int32_t row, uint32_t slice,
                                                        uint32_t slices, uint64_t slice_bytes,
-                                                       uint32_t lane,
-                                                       const uint8_t *staged_x = NULL,
-                                                       const uint8_t *staged_scales = NULL)
+                                                       uint32_t lane)
 {
         const uint32_t L = l->num_local_experts, K = a->num_topk;
         const struct epd_k_dispatch_rank *src = &ranks[s];
@@ -191,13 +187,8 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                                (uint32_t)(uintptr_t)ss | (uint32_t)a->scale_bytes;
         const int sfast = scaled && (sbits & 15) == 0 && a->scale_bytes <= 32 * 16;
         int4 sv = make_int4(0, 0, 0, 0);
-        if (sfast && staged_scales != NULL) {
-                const uint32_t v = lane % copy_scales_lanes(a->scale_bytes);
-                if (v < a->scale_bytes / 16)
-                        sv = ((const int4 *)staged_scales)[v];
-        } else if (sfast) {
+        if (sfast)
                 sv = copy_scales_load(ss, a->scale_bytes, lane);
-        }
 
         /* x: this item's slice. The access width depends on the whole row (addresses and
          * row_bytes), and slices start at multiples of every width, so the accesses are the
@@ -210,9 +201,7 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
         if (off < a->row_bytes) {
                 const uint64_t nbytes = min(slice_bytes, a->row_bytes - off);
                 uint8_t *my_dst = dx + (dx != NULL ? off : 0);
-                if ((bits & 15) == 0 && staged_x != NULL)
-                        copy_row_multi<int4, true>(staged_x, my_dst, dst_mask, nbytes, lane);
-                else if ((bits & 15) == 0) /* inline: the scales' load stays in flight */
+                if ((bits & 15) == 0) /* inline: the scales' load stays in flight */
                         copy_row_multi<int4>(sx + off, my_dst, dst_mask, nbytes, lane);
                 else
                         copy_row_any(sx + off, my_dst, dst_mask, nbytes, lane, bits);

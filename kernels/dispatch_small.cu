@@ -59,11 +59,13 @@
  * routing's loads start without waiting for the cluster's slowest block. Barrier 2 also guarantees,
  * in every cluster, that each block is running before a peer reads its shared memory. wbal never
  * leaves its block: lane 0 of the routing warp writes it in phase 1, the same warp's lanes read it
- * in phase 3, after barrier 2 (and 3). Barrier 3 is split: every thread arrives (release) after
- * its block's last access to a peer's shared memory (the scan's loads, the bad keys, cluster 0's
- * prefix stores); cluster 0 waits (acquire) at once, since block 0 reads the prefixes next, and
- * the copying clusters wait only before they return, so that no block's shared memory goes away
- * while a peer may still read it, and no copy waits for the slower block of its cluster. Across clusters nothing is shared: the inputs (topk_idx, x, scales,
+ * in phase 3, after barrier 2 (and 3). Barrier 3: cluster 0 passes it whole (cluster.sync()), after
+ * its prefix stores into block 0, which reads them next. The copying clusters split it: every
+ * thread arrives after its block's last access to a peer's shared memory (the scan's loads and
+ * the bad keys, whose values it has used: a relaxed arrival, as nothing it wrote is read across
+ * blocks after barrier 2), and waits only before it returns, so that no block's shared memory
+ * goes away while a peer may still read it and no copy waits for the slower block of its
+ * cluster. Across clusters nothing is shared: the inputs (topk_idx, x, scales,
  * weights, descriptors) are read-only for the whole op, and every workspace word and output byte
  * has exactly one writer in the grid. Block 0's rank_prefix stores precede the __syncthreads()
  * before write_verdict, which reads them back (same block). The verdict's status is stored last
@@ -111,16 +113,13 @@ namespace cg = cooperative_groups;
  *                                (destination cr + C x) from each source
  *   algn  [L]                    their aligned totals
  *   sexp  [slots][K_op]          tokens this block copies: normalised experts
- *   srow  [slots][K_op]          their rows of first positions, -1 elsewhere
- *   stage [DS_WARPS][stage]      16-byte aligned, when the plan stages: each warp's first
- *                                item, its x slice, then (the scales' slice) the scales */
+ *   srow  [slots][K_op]          their rows of first positions, -1 elsewhere */
 struct ds_smem {
-        uint32_t nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, stage, words;
+        uint32_t nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, words;
 };
 
 static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E, uint32_t K,
-                                                         uint32_t G, uint32_t C, uint32_t slots,
-                                                         uint32_t stage)
+                                                         uint32_t G, uint32_t C, uint32_t slots)
 {
         struct ds_smem m;
         uint32_t w = 0;
@@ -145,17 +144,8 @@ static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E,
         w += slots * K;
         m.srow = w;
         w += slots * K;
-        w = (w + 3) / 4 * 4;
-        m.stage = w;
-        w += DS_WARPS * stage;
         m.words = w;
         return m;
-}
-
-/* Words of a warp's stage: an x slice and the scales, each rounded up to 16 bytes. */
-static __host__ __device__ uint32_t ds_stage_words(uint64_t slice_bytes, uint64_t scale_bytes)
-{
-        return (uint32_t)(((slice_bytes + 15) / 16 * 16 + (scale_bytes + 15) / 16 * 16) / 4);
 }
 
 /* A local source as the block needs it, in shared memory so that no load waits on a descriptor
@@ -212,102 +202,11 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
         return q < G && g < n ? g : UINT32_MAX;
 }
 
-/* Staging: each copy item is some warp's first (the plan's stage != 0), and its bytes are moved
- * into the block's shared memory by the bulk-copy engine (cp.async.bulk, completed on one
- * mbarrier per item) while the op is routed, so that the copy only stores. The last warp issues
- * every item's copies, a lane per item: DS_STAGE 1 once the block's routing warps have routed
- * (they arrive on a named barrier that it waits on, so that the x rows' reads queue behind the
- * topk rows' rather than in front of them), or right after the setup when the block routes
- * nothing; DS_STAGE 2 after barrier 2; 0 never. */
-#ifndef DS_STAGE
-#define DS_STAGE 0
-#endif
-/* The named barrier (bar.sync / bar.arrive id) between the routing warps and the issuing warp. */
-#define DS_STAGE_BARRIER 1
-
-static __device__ __forceinline__ uint32_t ds_smem_addr(const void *p)
-{
-        return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-/* Waits for the item's bulk copies (phase 0 of its mbarrier). Their bytes are then visible to the
- * waiting threads. */
-static __device__ __forceinline__ void ds_stage_wait(uint64_t *bar)
-{
-        asm volatile("{\n\t.reg .pred p;\n"
-                     "DS_STAGE_WAIT:\n\t"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n\t"
-                     "@!p bra DS_STAGE_WAIT;\n}" ::"r"(ds_smem_addr(bar))
-                     : "memory");
-}
-
-/* Issues the bulk copies of copy item `it` (flat token g, or UINT32_MAX past the op) into buf: its
- * x slice, and the scales when the slice moves them (up to 512 bytes). One thread does it, and
- * records in *what what the stage holds (bit 0 the x slice, bit 1 the scales; 0: nothing is
- * coming, and nobody waits). Only inputs are read, only rows of a source whose token count is
- * valid, and only 16-byte aligned runs of a multiple of 16 bytes, as cp.async.bulk needs. */
-static __device__ void ds_stage_issue(const struct epd_k_dispatch_args &a,
-                                      const struct epd_k_dispatch_rank *sranks,
-                                      const struct ds_src *srcs, uint32_t nl, uint32_t g,
-                                      uint32_t it, uint32_t slices, uint64_t slice_bytes,
-                                      uint8_t *buf, uint64_t *bar, uint32_t *what)
-{
-        uint32_t staged = 0, bytes = 0;
-        const uint8_t *sx = NULL, *ss = NULL;
-        uint64_t nb = 0;
-        if (g != UINT32_MAX) {
-                const uint32_t si = ds_source_of(srcs, nl, g);
-                if (srcs[si].num_tokens <= a.max_tokens) {
-                        const uint32_t t = g - srcs[si].offset, slice = it % slices;
-                        const struct epd_k_dispatch_rank *sr = &sranks[srcs[si].rank];
-                        const uint64_t off = (uint64_t)slice * slice_bytes;
-                        if (off < a.row_bytes && sr->x.ptr != NULL) {
-                                sx = mat_row(&sr->x, t) + off;
-                                nb = min(slice_bytes, a.row_bytes - off);
-                                if ((((uintptr_t)sx | nb) & 15) == 0) {
-                                        staged |= 1;
-                                        bytes += (uint32_t)nb;
-                                }
-                        }
-                        if (slice == COPY_PART_SCALES % slices && a.scale_bytes != 0 &&
-                            a.scale_bytes <= 512 && sr->scales.ptr != NULL) {
-                                ss = mat_row(&sr->scales, t);
-                                if ((((uintptr_t)ss | a.scale_bytes) & 15) == 0) {
-                                        staged |= 2;
-                                        bytes += (uint32_t)a.scale_bytes;
-                                }
-                        }
-                }
-        }
-        *what = staged;
-        if (staged == 0)
-                return;
-        /* The mbarrier is initialised by this thread, and the proxy fence makes the
-         * initialisation visible to the bulk-copy engine (the async proxy) before the copies;
-         * the waiting warps see it after the block's barrier before the copy. */
-        const uint32_t b = ds_smem_addr(bar);
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes)
-                     : "memory");
-        if (staged & 1)
-                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                             "[%0], [%1], %2, [%3];" ::"r"(ds_smem_addr(buf)),
-                             "l"(sx), "r"((uint32_t)nb), "r"(b)
-                             : "memory");
-        if (staged & 2)
-                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                             "[%0], [%1], %2, [%3];" ::"r"(ds_smem_addr(buf + (slice_bytes + 15) /
-                                                                                   16 * 16)),
-                             "l"(ss), "r"((uint32_t)a.scale_bytes), "r"(b)
-                             : "memory");
-}
-
 /* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
- * device array, DS_TRACE_STAMPS per block, which epd_k_ds_trace copies out. Stamps: 0 entry, 11 setup
- * done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 7 scan done, 3 barrier 3
- * (arrived, or in cluster 0 passed), 4 copy start, 5 copy end; cluster 0: 8 rank_prefix stored, 9 verdict, 10 expert
- * counts. Slots 13 to 15 hold numbers, not times: the rows and the items the block copied, and
+ * device array, DS_TRACE_STAMPS per block, which epd_k_ds_trace copies out. Stamps: 0 entry,
+ * 11 setup done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 7 scan done, 3 barrier
+ * 3 (arrived, or in cluster 0 passed), 4 copy start, 5 copy end; cluster 0: 8 rank_prefix
+ * stored, 9 verdict, 10 expert counts. Slots 13 to 15 hold numbers, not times: the rows and the items the block copied, and
  * the multiprocessor it ran on. */
 #ifdef DS_TRACE
 #define DS_TRACE_BLOCKS 1024
@@ -316,12 +215,6 @@ static __device__ uint64_t ds_trace[DS_TRACE_BLOCKS * DS_TRACE_STAMPS];
 #define DS_STAMP(i)                                                                              \
         do {                                                                                     \
                 if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS)                            \
-                        ds_trace[blockIdx.x * DS_TRACE_STAMPS + (i)] = epd_globaltimer_ns();     \
-        } while (0)
-/* The same by lane 0 of the calling warp. */
-#define DS_STAMP_W(i)                                                                            \
-        do {                                                                                     \
-                if (threadIdx.x % 32 == 0 && blockIdx.x < DS_TRACE_BLOCKS)                       \
                         ds_trace[blockIdx.x * DS_TRACE_STAMPS + (i)] = epd_globaltimer_ns();     \
         } while (0)
 
@@ -347,7 +240,6 @@ extern "C" int epd_k_ds_trace(uint64_t *dst, size_t bytes)
 }
 #else
 #define DS_STAMP(i) ((void)0)
-#define DS_STAMP_W(i) ((void)0)
 #endif
 
 /* An int32 of the reply block at byte offset off + 4 * i: into the workspace, and into the host's
@@ -420,7 +312,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         dispatch_small_kernel(const __grid_constant__ struct epd_k_dispatch_args a,
                               const __grid_constant__ struct epd_ws_layout l, uint32_t slots,
                               uint32_t slices, uint64_t slice_bytes, uint32_t skip0,
-                              uint32_t stage,
                               const __grid_constant__ struct epd__k_inline<struct epd_k_dispatch_rank> in)
 {
         extern __shared__ int32_t smem[];
@@ -432,9 +323,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         __shared__ unsigned long long bad_key; /* source << 32 | t * K_op + k; lowest wins */
         __shared__ unsigned long long bad_all; /* the minimum over the cluster */
         __shared__ uint32_t num_short, first_short;
-        /* Staging: each copy item's mbarrier, and what its stage holds (ds_stage_issue). */
-        __shared__ uint64_t stage_bar[DS_WARPS];
-        __shared__ uint32_t stage_what[DS_WARPS];
 #ifdef DS_TRACE
         __shared__ uint32_t trace_rows, trace_items; /* this block's copy: stamps 13 and 14 */
         if (threadIdx.x == 0)
@@ -452,7 +340,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         const uint32_t below = (1u << lane) - 1;
         const uint32_t G = (n + 31) / 32, nd = (R + C - 1) / C;
         const uint64_t lmagic = epd_udiv_magic(L);
-        const struct ds_smem m = ds_smem_layout(R, E, K, G, C, slots, stage);
+        const struct ds_smem m = ds_smem_layout(R, E, K, G, C, slots);
         int32_t *wcnt = smem + m.wcnt, *wpre = smem + m.wpre, *total = smem + m.total;
         uint32_t *wbal = (uint32_t *)smem + m.wbal;
         int32_t *pfx = smem + m.pfx, *hist = smem + m.hist, *algn = smem + m.algn;
@@ -480,8 +368,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 num_short = 0;
                 first_short = UINT32_MAX;
         }
-        if (stage != 0 && threadIdx.x < DS_WARPS)
-                stage_what[threadIdx.x] = 0;
         ds_copy_ranks(sranks, ranks, R);
         /* The histogram and the prefixes: cluster 0's only. */
         for (uint32_t x = threadIdx.x; c == 0 && x < nd * E; x += blockDim.x)
@@ -492,29 +378,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         DS_STAMP(11);
         if (threadIdx.x < nl && srcs[threadIdx.x].num_tokens > T)
                 atomicMin(&bad_key, (unsigned long long)threadIdx.x << 32);
-
-        /* Staging (DS_STAGE): the last warp issues the copies of every item, lane it issuing item
-         * it, once the block's routing warps (nr of them) have routed. */
-        uint8_t *stage_buf = (uint8_t *)(smem + m.stage + warp * stage);
-        const int stages = stage != 0 && (c != 0 || !skip0); /* block-uniform */
-        const uint32_t nr = G > cr ? min((G - cr + C - 1) / C, (uint32_t)DS_WARPS) : 0;
-        const int issuer = stages && warp == DS_WARPS - 1;
-        auto stage_issue = [&]() {
-                if (lane < slots * slices)
-                        ds_stage_issue(a, sranks, srcs, nl,
-                                       ds_item_token(lane, slices, ncc, cc, C, cr, G, n), lane,
-                                       slices, slice_bytes,
-                                       (uint8_t *)(smem + m.stage + lane * stage),
-                                       &stage_bar[lane], &stage_what[lane]);
-        };
-        if (DS_STAGE == 1 && issuer && nr < DS_WARPS) { /* warp-uniform: it routes nothing */
-                if (nr != 0)
-                        asm volatile("bar.sync %0, %1;" ::"n"(DS_STAGE_BARRIER),
-                                     "r"(32 * (nr + 1))
-                                     : "memory");
-                stage_issue();
-                DS_STAMP_W(16);
-        }
 
         /* 1: this thread's token: group q = warp * C + cr, flat token g. Until barrier 1 (or
          * barrier 2 outside cluster 0) a block touches only its own shared memory, so the
@@ -557,9 +420,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
         DS_STAMP(1);
-        if (DS_STAGE == 1 && stages && q < G && nr < DS_WARPS) /* warp-uniform */
-                asm volatile("bar.arrive %0, %1;" ::"n"(DS_STAGE_BARRIER), "r"(32 * (nr + 1))
-                             : "memory");
         if (c == 0) { /* cluster-uniform */
                 cluster.sync(); /* 1: every block's histogram is zero before a peer adds to it */
                 /* Cluster 0's expert histogram, in the block of each entry's destination. */
@@ -574,10 +434,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         }
         cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in place */
         DS_STAMP(2);
-        if ((DS_STAGE == 2 || (DS_STAGE == 1 && nr == DS_WARPS)) && issuer) { /* warp-uniform */
-                stage_issue();
-                DS_STAMP_W(16);
-        }
 
         /* 2: the scan, reading each group's counts from the block that owns it, and the
          * cluster's bad key. Warp d scans destination d's column over every group (a lane per
@@ -717,10 +573,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 DS_STAMP(10);
         }
         if (!ok) {
-                if (stages && warp < slots * slices && stage_what[warp] != 0) /* no bulk copy
-                                                                                 * outlives the
-                                                                                 * block */
-                        ds_stage_wait(&stage_bar[warp]);
                 if (c != 0)
                         cluster.barrier_wait(); /* 3, see above */
                 return;
@@ -747,16 +599,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         expert = sexp[j * K + lane];
                         row = srow[j * K + lane];
                 }
-                const uint8_t *sx = NULL, *ss = NULL;
-                const uint32_t what = it == warp && stages ? stage_what[it] : 0;
-                if (what != 0) { /* warp-uniform: this warp's staged item */
-                        ds_stage_wait(&stage_bar[warp]);
-                        DS_STAMP(17);
-                        sx = what & 1 ? stage_buf : NULL;
-                        ss = what & 2 ? stage_buf + (slice_bytes + 15) / 16 * 16 : NULL;
-                }
                 copy_token_rows(&a, sranks, &l, s, ct, epd_ws_entry(&l, s, ct, K, 0), expert,
-                                row, it % slices, slices, slice_bytes, lane, sx, ss);
+                                row, it % slices, slices, slice_bytes, lane);
 #ifdef DS_TRACE
                 const uint32_t nrows = __popc(__ballot_sync(EPD_K_FULL_MASK, row >= 0));
                 if (lane == 0) {
@@ -846,7 +690,7 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
         /* Slots for the largest cluster count; fewer clusters only get more. */
         p->slots = gpb * 32;
         p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                        args->num_topk, G, p->cluster, p->slots, 0)
+                                        args->num_topk, G, p->cluster, p->slots)
                                  .words;
         /* Also raises the kernel's limit when needed: this is the launch's plan. */
         int ret = epd__k_dynamic_smem(kernel, p->smem);
@@ -873,7 +717,7 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
         const uint32_t ncc = (uint32_t)clusters - p->skip0;
         p->slots = (gpb * 32 + ncc - 1) / ncc;
         p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                        args->num_topk, G, p->cluster, p->slots, 0)
+                                        args->num_topk, G, p->cluster, p->slots)
                                  .words;
         /* Slices: as many (token, slice) items as the block has warps, not more (a
          * warp with two items doubles the block's copy time), each slice a multiple of
@@ -889,23 +733,6 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
                 p->slice_bytes = ((args->row_bytes + want - 1) / want + 15) / 16 * 16;
                 p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
                                        p->slice_bytes);
-        }
-        /* Staging (DS_STAGE): when every copy item is some warp's first, and the stages fit. */
-        p->stage = 0;
-        if (DS_STAGE != 0 && p->slots != 0 && (uint64_t)p->slots * p->slices <= DS_WARPS) {
-                const uint32_t st = ds_stage_words(
-                        p->slice_bytes, args->scale_bytes <= 512 ? args->scale_bytes : 0);
-                const uint64_t smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                                            args->num_topk, G, p->cluster,
-                                                            p->slots, st)
-                                                     .words;
-                ret = epd__k_dynamic_smem(kernel, smem);
-                if (ret < 0 && ret != EPD_INVALID_ARGUMENT)
-                        return ret;
-                if (ret == 0) {
-                        p->stage = st;
-                        p->smem = smem;
-                }
         }
         return 0;
 }
@@ -949,9 +776,8 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
                 return EPD_INVALID_ARGUMENT;
         *p = best;
 #ifdef DS_TRACE
-        fprintf(stderr,
-                "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u, stage %u\n",
-                p->cluster, p->blocks, p->slots, p->slices, p->skip0, p->stage);
+        fprintf(stderr, "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u\n",
+                p->cluster, p->blocks, p->slots, p->slices, p->skip0);
 #endif
         return 0;
 }
@@ -997,9 +823,8 @@ static int ds_describe(const struct epd_k_dispatch_args *args, const struct epd_
         d->params[3] = &p->slices;
         d->params[4] = &p->slice_bytes;
         d->params[5] = &p->skip0;
-        d->params[6] = &p->stage;
         epd__k_inline_fill(in, args);
-        d->params[7] = in;
+        d->params[6] = in;
         return 0;
 }
 

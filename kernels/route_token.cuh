@@ -102,35 +102,23 @@ static __device__ __forceinline__ uint64_t route_normalize(uint32_t K, uint64_t 
         return dmask;
 }
 
-/* What route_token_regs calls between issuing its loads and using them: nothing. */
-struct route_no_hook {
-        __device__ __forceinline__ void operator()() const {}
-};
-
 /* One token's row loaded from element row0 of topk_idx into registers (K_op <= KMAX; the loads
  * are predicated, not branched around, so they are all in flight together), classified, then
- * route_normalize in registers: nrow gets the normalised row. hook() runs once the loads are
- * issued, before their values are used: work that should queue behind them. */
-template <uint32_t KMAX, typename Hook = route_no_hook>
+ * route_normalize in registers: nrow gets the normalised row. */
+template <uint32_t KMAX>
 static __device__ __forceinline__ uint64_t route_token_regs(const void *topk_idx,
                                                             enum epd_dtype dtype, uint64_t row0,
                                                             uint32_t K, uint32_t E,
                                                             uint64_t lmagic,
                                                             int32_t (&nrow)[KMAX],
-                                                            uint32_t *first, uint32_t *bad,
-                                                            const Hook &hook = Hook())
+                                                            uint32_t *first, uint32_t *bad)
 {
-        int64_t raw[KMAX];
 #pragma unroll
         for (uint32_t k = 0; k < KMAX; k++) {
-                raw[k] = -1;
+                nrow[k] = -1;
                 if (k < K)
-                        raw[k] = epd__k_load_topk(topk_idx, dtype, row0 + k);
+                        nrow[k] = route_classify(epd__k_load_topk(topk_idx, dtype, row0 + k), E);
         }
-        hook();
-#pragma unroll
-        for (uint32_t k = 0; k < KMAX; k++)
-                nrow[k] = k < K ? route_classify(raw[k], E) : -1;
         return route_normalize<KMAX>(K, lmagic, nrow, first, bad);
 }
 
