@@ -13,7 +13,6 @@
  * gives the canonical 0x7FFF), and NaN is mapped to 0x7FFF explicitly as well, so the bits match
  * common/bf16.h's epd__float_to_bf16 whatever the conversion does with NaN payloads.
  */
-#include <algorithm>
 #include <stdint.h>
 
 #include <cuda_bf16.h>
@@ -24,10 +23,12 @@
 #ifndef COMBINE_THREADS
 #define COMBINE_THREADS 256
 #endif
-/* Two blocks (16 warps) per multiprocessor: at most 128 registers (125 with the balanced path,
- * which unbounded takes 131 and would halve the warps; DS_TRACE builds too, despite the stamps). */
-#ifndef COMBINE_MIN_BLOCKS
+/* DS_TRACE builds keep the kernel at 16 warps per multiprocessor despite the stamps. */
+#if defined(DS_TRACE) && !defined(COMBINE_MIN_BLOCKS)
 #define COMBINE_MIN_BLOCKS 2
+#endif
+#ifndef COMBINE_MIN_BLOCKS
+#define COMBINE_MIN_BLOCKS 1
 #endif
 #ifndef COMBINE_VEC
 #define COMBINE_VEC 2 /* 16-byte vectors per lane per step: 16 bf16 values */
@@ -215,144 +216,6 @@ extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
 }
 #endif
 
-/* Balanced combine (small ops): a block's warps share the work of its tpb tokens by weight
- * instead of taking a (token, slice) item each. Measured on an H200 (decode, DS_TRACE, fourteenth
- * and fifteenth sessions), a warp's end grows by about 1 us per contribution of its token (3
- * contributions 21 us, 8 contributions 26 us), so the warps of the heaviest tokens ended the
- * kernel 3-5 us after the mean. A unit of work is one step of COMBINE_SLICE_UNIT hidden values of
- * one token, of weight (contributions + COMBINE_STEP_FIXED): the step's loads cost about one
- * load latency whatever their number, plus a share of the bandwidth per contribution. The
- * block's units, in token order, are cut into equal weights, one run per warp; a run covers
- * parts of one or more tokens. Lane gl * K_op + k holds position k of the block's token gl (so
- * tpb * K_op <= 32), read from the workspace once per warp, and a part of token gl uses the
- * lanes of gl as the sliced kernel uses lanes 0..K_op-1: the same operations in the same order
- * per output value, so the bits do not change. */
-#ifndef COMBINE_STEP_FIXED
-#define COMBINE_STEP_FIXED 16
-#endif
-#ifndef COMBINE_BALANCED
-#define COMBINE_BALANCED 1
-#endif
-
-/* The weight of one unit of the block's token gl: its contributions (bits of ball, K_op per
- * token) plus COMBINE_STEP_FIXED. */
-static __device__ __forceinline__ uint32_t comb_unit_weight(uint32_t ball, uint32_t gl, uint32_t K,
-                                                            uint32_t kmask)
-{
-        return __popc((ball >> (gl * K)) & kmask) + COMBINE_STEP_FIXED;
-}
-
-/* The unit that weight x of the block falls in, as a linear index (token gl, step s) -> gl * S +
- * s, rounded up to a unit boundary: every warp computes its run's ends with it, so neighbouring
- * runs meet exactly. n tokens of S units. */
-static __device__ __forceinline__ uint32_t comb_unit_at(uint64_t x, uint32_t ball, uint32_t K,
-                                                        uint32_t kmask, uint32_t n, uint32_t S)
-{
-        uint64_t p = 0;
-
-        for (uint32_t gl = 0; gl < n; gl++) {
-                const uint32_t w = comb_unit_weight(ball, gl, K, kmask);
-                if (x < p + (uint64_t)w * S)
-                        return gl * S + (uint32_t)((x - p + w - 1) / w);
-                p += (uint64_t)w * S;
-        }
-        return n * S;
-}
-
-template <bool STREAM>
-static __device__ void combine_balanced(const struct epd_k_combine_args &a,
-                                        const struct epd_ws_layout &l,
-                                        const struct epd_k_combine_rank *ranks,
-                                        const struct epd_k_local *local, uint32_t tpb)
-{
-        const uint32_t L = l.num_local_experts, K = a.num_topk;
-        const uint32_t lane = threadIdx.x % 32, wib = threadIdx.x / 32, nw = blockDim.x / 32;
-        const uint64_t gbase = (uint64_t)blockIdx.x * tpb;
-        const uint32_t n = (uint32_t)min((uint64_t)tpb, a.local_tokens - gbase); /* live tokens */
-        const uint32_t gl = lane / K, k = lane % K;
-        void *ws = (void *)a.workspace;
-        int32_t expert = -1, row = -1;
-        float weight = 0.0f;
-        uint32_t s = 0, t = 0;
-
-        if (gl < n) {
-                const uint32_t g = (uint32_t)(gbase + gl);
-                const uint32_t i = epd__k_find_local(local, a.num_local, g);
-                s = local[i].rank;
-                t = g - local[i].token_offset;
-                const uint64_t ent = epd_ws_entry(&l, s, t, K, 0);
-                expert = epd_ws_i32(ws, l.topk)[ent + k];
-                row = epd_ws_i32(ws, l.row)[ent + k];
-                if (a.has_weights)
-                        weight = epd_ws_f32(ws, l.weights)[ent + k];
-        }
-        const uint8_t *my_row = NULL;
-        if (row >= 0) {
-                const struct epd_k_combine_rank *d = &ranks[epd_route_expert_rank(expert, L)];
-                if ((uint64_t)row < d->y_rows)
-                        my_row = d->y.ptr + (uint64_t)row * d->y.stride;
-                else
-                        row = -1;
-        }
-        const uint32_t ball = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
-        const uint32_t kmask = K >= 32 ? ~0u : (1u << K) - 1;
-        const uint32_t S = (a.hidden + COMBINE_SLICE_UNIT - 1) / COMBINE_SLICE_UNIT;
-        uint64_t total = 0;
-        for (uint32_t x = 0; x < n; x++)
-                total += (uint64_t)comb_unit_weight(ball, x, K, kmask) * S;
-        const uint32_t u0 = comb_unit_at(total * wib / nw, ball, K, kmask, n, S);
-        const uint32_t u1 = comb_unit_at(total * (wib + 1) / nw, ball, K, kmask, n, S);
-        const uint32_t bits_rows = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)my_row);
-#ifdef DS_TRACE
-        uint64_t tr_entry = epd_globaltimer_ns(), tr_ws = epd_globaltimer_ns();
-        uint32_t tr_info = 0, tr_items = 0;
-#endif
-        for (uint32_t u = u0; u < u1;) {
-                const uint32_t tg = u / S, sa = u % S, sb = min(S, sa + (u1 - u));
-                u += sb - sa;
-                /* Token tg's source and token, from its first lane. */
-                const uint32_t ts = __shfl_sync(EPD_K_FULL_MASK, s, tg * K);
-                const uint32_t tt = __shfl_sync(EPD_K_FULL_MASK, t, tg * K);
-                const struct epd_k_combine_rank *me = &ranks[ts];
-                if (sa == 0 && gl == tg && a.has_weights && me->combined_topk_weights.ptr != NULL)
-                        ((float *)mat_row(&me->combined_topk_weights, tt))[k] =
-                                expert >= 0 ? weight : 0.0f;
-                const uint32_t mask = ball & (kmask << (tg * K));
-#ifdef DS_TRACE
-                tr_items++;
-                tr_info = __popc(mask) | sa << 8;
-#endif
-                const uint8_t *bias0 = mat_row(&me->bias[0], tt);
-                const uint8_t *bias1 = mat_row(&me->bias[1], tt);
-                uint8_t *out = (uint8_t *)mat_row(&me->combined, tt);
-                if (out == NULL)
-                        continue;
-                const uint32_t h0 = sa * COMBINE_SLICE_UNIT;
-                const uint32_t h1 = min(a.hidden, sb * COMBINE_SLICE_UNIT);
-                const uint32_t bits = bits_rows | (uint32_t)(uintptr_t)bias0 |
-                                      (uint32_t)(uintptr_t)bias1 | (uint32_t)(uintptr_t)out |
-                                      (a.hidden * 2u);
-                if ((bits & 15) == 0)
-                        combine_vec<STREAM>(my_row, mask, weight, a.apply_weights, bias0, bias1,
-                                            out, h0 / 8, h1 / 8, lane);
-                else
-                        combine_scalar(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
-                                       h0, h1, lane);
-        }
-#ifdef DS_TRACE
-        const uint64_t warp = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-        if (lane == 0 && warp < CB_TRACE_WARPS) {
-                uint32_t smid;
-                asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-                cb_trace[warp * 4 + 0] = tr_entry;
-                cb_trace[warp * 4 + 1] = tr_ws;
-                cb_trace[warp * 4 + 2] = epd_globaltimer_ns();
-                cb_trace[warp * 4 + 3] = tr_info | (uint64_t)min(tr_items, 255u) << 16 |
-                                         (uint64_t)smid << 24;
-        }
-#endif
-}
-
 /* Grid-stride over work items, a warp per item: item = (token, slice), where a slice is
  * slice_values consecutive hidden values (the last one shorter) and a token has `slices` of
  * them (1 for large ops; more when the op has too few tokens to fill the GPU, so that small ops
@@ -375,7 +238,7 @@ template <bool STREAM>
 static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
         combine_kernel(const __grid_constant__ struct epd_k_combine_args a,
                        const __grid_constant__ struct epd_ws_layout l, uint32_t slices,
-                       uint32_t slice_values, uint32_t tpb,
+                       uint32_t slice_values,
                        const __grid_constant__ struct epd__k_inline<struct epd_k_combine_rank> in)
 {
         const uint32_t L = l.num_local_experts, K = a.num_topk;
@@ -389,10 +252,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
         const struct epd_k_combine_rank *ranks = epd__k_ranks(in, a.ranks);
         const struct epd_k_local *local = epd__k_locals(in, a.local);
 
-        if (tpb != 0) { /* grid-uniform */
-                combine_balanced<STREAM>(a, l, ranks, local, tpb);
-                return;
-        }
 #ifdef DS_TRACE
         uint64_t tr_entry = epd_globaltimer_ns(), tr_ws = 0;
         uint32_t tr_info = 0, tr_items = 0;
@@ -469,7 +328,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
 /* The launch of a combine, described; its parameters point at *args, *l and *g (which it
  * fills). An op without local tokens has nothing to launch: 1. */
 struct combine_geometry {
-        uint32_t slices, slice_values, tpb;
+        uint32_t slices, slice_values;
         struct epd__k_inline<struct epd_k_combine_rank> in;
 };
 
@@ -496,18 +355,6 @@ static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws
                                  (items + warps_per_block - 1) / warps_per_block, &blocks);
         if (ret < 0)
                 return ret;
-        /* Balanced (combine_balanced): a small op whose blocks, of tpb tokens each, are all
-         * resident at once. */
-        g->tpb = 0;
-        if (COMBINE_BALANCED && g->slices > 1 && args->num_topk <= 32) {
-                const uint64_t tpb = std::min<uint64_t>(warps_per_block / g->slices,
-                                                        32 / args->num_topk);
-                const uint64_t need = tpb ? (args->local_tokens + tpb - 1) / tpb : 0;
-                if (tpb != 0 && need <= (uint64_t)blocks) {
-                        g->tpb = (uint32_t)tpb;
-                        blocks = (int)need;
-                }
-        }
         *d = (struct epd__k_launch){};
         d->func = kernel;
         d->grid = dim3((unsigned)blocks);
@@ -516,9 +363,8 @@ static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws
         d->params[1] = l;
         d->params[2] = &g->slices;
         d->params[3] = &g->slice_values;
-        d->params[4] = &g->tpb;
         epd__k_inline_fill(&g->in, args);
-        d->params[5] = &g->in;
+        d->params[4] = &g->in;
         return 0;
 }
 

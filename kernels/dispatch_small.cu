@@ -202,63 +202,6 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
         return q < G && g < n ? g : UINT32_MAX;
 }
 
-/* Whether a routing warp loads its 32 top-k rows with 16-byte coalesced accesses when they are one
- * contiguous run (ds_load_run). */
-#ifndef DS_COALESCE
-#define DS_COALESCE 1
-#endif
-
-/* The routing warp's 32 top-k rows, lane l's at element row0 (lane 0's: row0_0) of topk, when
- * they are one contiguous, 16-byte aligned run (run: every lane valid, in one source whose
- * stride is K_op): loaded with 16-byte accesses, each lane its share of the run, classified
- * (route_classify) and scattered into each lane's row of shared memory (wrows: the warp's first
- * row, rows srs words apart), then read back by their lanes into nrow. One K_op-element row per
- * lane read as K_op separate accesses touches each line of the run K_op times from every warp
- * of the block, in front of every other load of the routing. Returns 0, having done nothing,
- * when the run does not qualify. Warp-uniform. */
-template <uint32_t KMAX>
-static __device__ __forceinline__ int ds_load_run(const void *topk, enum epd_dtype dtype,
-                                                  uint64_t row0_0, int run, uint32_t K,
-                                                  uint32_t E, int32_t *wrows, uint32_t srs,
-                                                  uint32_t lane, int32_t (&nrow)[KMAX])
-{
-        const uint32_t es = dtype == EPD_DTYPE_INT64 ? 8 : 4;
-        const uint8_t *base = (const uint8_t *)topk + row0_0 * es;
-        const uint32_t nvec = 2 * K * es; /* 32 rows of K_op elements, in 16-byte vectors */
-        constexpr uint32_t VMAX = KMAX * 8 * 32 / 16 / 32; /* vectors per lane, at most */
-
-        if (!__all_sync(EPD_K_FULL_MASK, run) || ((uintptr_t)base & 15) != 0)
-                return 0;
-        int4 v[VMAX];
-#pragma unroll
-        for (uint32_t j = 0; j < VMAX; j++)
-                if (j * 32 + lane < nvec)
-                        v[j] = epd__k_ldg((const int4 *)base + j * 32 + lane);
-#pragma unroll
-        for (uint32_t j = 0; j < VMAX; j++) {
-                const uint32_t x = j * 32 + lane;
-                if (x >= nvec)
-                        continue;
-                const int32_t w[4] = { v[j].x, v[j].y, v[j].z, v[j].w };
-                const uint32_t per = 16 / es; /* elements in the vector */
-#pragma unroll
-                for (uint32_t h = 0; h < 4; h++) {
-                        if (h >= per)
-                                break;
-                        const int64_t val = es == 8 ? (int64_t)((uint64_t)(uint32_t)w[2 * h] |
-                                                                (uint64_t)w[2 * h + 1] << 32)
-                                                    : (int64_t)w[h];
-                        const uint32_t e = x * per + h, tok = e / K;
-                        wrows[tok * srs + e - tok * K] = route_classify(val, E);
-                }
-        }
-        __syncwarp();
-#pragma unroll
-        for (uint32_t k = 0; k < KMAX; k++)
-                nrow[k] = k < K ? wrows[lane * srs + k] : -1;
-        return 1;
-}
-
 /* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
  * device array, DS_TRACE_STAMPS per block, which epd_k_ds_trace copies out. Stamps: 0 entry,
  * 11 setup done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 7 scan done, 3 barrier
@@ -449,31 +392,13 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         t = g - srcs[i].offset;
                         valid = srcs[i].num_tokens <= T;
                 }
-                /* One contiguous run of 32 rows: every lane valid, in lane 0's source, whose
-                 * stride is K_op; then loaded by the whole warp (ds_load_run). */
-                const uint32_t i0 = __shfl_sync(EPD_K_FULL_MASK, i, 0);
-                const int run = DS_COALESCE && KMAX != 0 && valid && i == i0 &&
-                                srcs[i].topk_stride == K;
-                int loaded = 0;
-                if constexpr (KMAX != 0) {
-                        const uint64_t row0_0 = (uint64_t)__shfl_sync(EPD_K_FULL_MASK, t, 0) * K;
-                        loaded = ds_load_run<KMAX>(srcs[i0].topk_idx, a.topk_dtype, row0_0, run,
-                                                   K, E,
-                                                   smem + m.nrow +
-                                                           warp * 32 * small_row_stride(K),
-                                                   small_row_stride(K), lane, nreg);
-                }
                 if (valid) {
                         const uint64_t row0 = (uint64_t)t * srcs[i].topk_stride;
                         uint32_t bad;
                         if constexpr (KMAX != 0) {
-                                if (loaded)
-                                        dmask = route_normalize<KMAX>(K, lmagic, nreg, &first,
-                                                                      &bad);
-                                else
-                                        dmask = route_token_regs<KMAX>(
-                                                srcs[i].topk_idx, a.topk_dtype, row0, K, E,
-                                                lmagic, nreg, &first, &bad);
+                                dmask = route_token_regs<KMAX>(srcs[i].topk_idx, a.topk_dtype,
+                                                               row0, K, E, lmagic, nreg, &first,
+                                                               &bad);
 #pragma unroll
                                 for (uint32_t k = 0; k < KMAX; k++)
                                         if (k < K)
