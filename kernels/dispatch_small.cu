@@ -760,6 +760,9 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
         if (getenv("DS_CLUSTER") != NULL)
                 first_cluster = last_cluster = (uint32_t)atoi(getenv("DS_CLUSTER"));
 #endif
+#ifdef DS_FORCE_CLUSTER /* experiments: one cluster size (1, 2, 4 or 8) */
+        first_cluster = last_cluster = DS_FORCE_CLUSTER;
+#endif
         ds_launch best = {}, cand;
         for (uint32_t c = first_cluster; c >= last_cluster && c >= 1; c /= 2) {
                 cand = (ds_launch){};
