@@ -90,10 +90,6 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld(const int4
 #define COMBINE_SLICE_WARPS 14
 #endif
 
-#ifndef COMBINE_TOUCH_PARAMS
-#define COMBINE_TOUCH_PARAMS 1
-#endif
-
 #ifndef COMBINE_AHEAD
 #define COMBINE_AHEAD 8 /* contributions whose loads are issued together */
 #endif
@@ -255,11 +251,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
          * device memory in front of each warp's first contribution), else device memory. */
         const struct epd_k_combine_rank *ranks = epd__k_ranks(in, a.ranks);
         const struct epd_k_local *local = epd__k_locals(in, a.local);
-#if COMBINE_TOUCH_PARAMS
-        /* The descriptors' lines (each warp reads its destinations' after its workspace loads),
-         * by the block's last threads, which reach their own work last. */
-        epd__k_touch_param(in, blockDim.x - (sizeof(in) + 31) / 32);
-#endif
 
 #ifdef DS_TRACE
         uint64_t tr_entry = epd_globaltimer_ns(), tr_ws = 0;

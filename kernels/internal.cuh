@@ -116,22 +116,6 @@ int epd__k_preload_dispatch_small(void);
 
 /* ---- device side ---- */
 
-/* Touches every 32-byte line of a kernel parameter (a __grid_constant__ object, read through its
- * address) from threads first .. first + lines - 1 of the block, one load each, whose values
- * nobody waits for: the lines a warp first reads deep in its work (a destination's descriptor in
- * combine, known only after the workspace's loads) are then fetched at the kernel's start, in
- * parallel with the loads the work begins with, rather than one miss at a time. */
-template <typename T>
-static __device__ __forceinline__ void epd__k_touch_param(const T &p, uint32_t first)
-{
-        const uint32_t x = threadIdx.x - first, lines = (sizeof(T) + 31) / 32;
-
-        if (x < lines) {
-                const uint32_t v = *((const uint32_t *)&p + x * 8);
-                asm volatile("" ::"r"(v));
-        }
-}
-
 /* The local index of flat token g of a device: the i with local[i].token_offset <= g <
  * local[i + 1].token_offset. Binary search; every lane of a warp asks for the same g, so the
  * loads are broadcasts. Empty ranks (equal offsets) are skipped because the search finds the
