@@ -59,7 +59,7 @@
  * routing's loads start without waiting for the cluster's slowest block. Barrier 2 also guarantees,
  * in every cluster, that each block is running before a peer reads its shared memory. wbal never
  * leaves its block: lane 0 of the routing warp writes it in phase 1, the same warp's lanes read it
- * in phase 3, after barrier 2 (and 3). Barrier 3: cluster 0 passes it whole (cluster.sync()), after
+ * in phase 3, after barrier 2 (and, in cluster 0, 3). Barrier 3: cluster 0 passes it whole (cluster.sync()), after
  * its prefix stores into block 0, which reads them next. The copying clusters split it: every
  * thread arrives after its block's last access to a peer's shared memory (the scan's loads and
  * the bad keys, whose values it has used: a relaxed arrival, as nothing it wrote is read across
@@ -206,8 +206,8 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
  * device array, DS_TRACE_STAMPS per block, which epd_k_ds_trace copies out. Stamps: 0 entry,
  * 11 setup done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 7 scan done, 3 barrier
  * 3 (arrived, or in cluster 0 passed), 4 copy start, 5 copy end; cluster 0: 8 rank_prefix
- * stored, 9 verdict, 10 expert counts. Slots 13 to 15 hold numbers, not times: the rows and the items the block copied, and
- * the multiprocessor it ran on. */
+ * stored, 9 verdict, 10 expert counts. Slots 13 to 15 hold numbers, not times: the rows and the
+ * items the block copied, and the multiprocessor it ran on. */
 #ifdef DS_TRACE
 #define DS_TRACE_BLOCKS 1024
 #define DS_TRACE_STAMPS 32
