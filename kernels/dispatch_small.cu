@@ -59,14 +59,14 @@
  * routing's loads start without waiting for the cluster's slowest block. Barrier 2 also guarantees,
  * in every cluster, that each block is running before a peer reads its shared memory. wbal never
  * leaves its block: lane 0 of the routing warp writes it in phase 1, the same warp's lanes read it
- * in phase 3, after barrier 2 (and, in cluster 0, 3). Barrier 3: cluster 0 passes it whole (cluster.sync()), after
- * its prefix stores into block 0, which reads them next. The copying clusters split it: every
- * thread arrives after its block's last access to a peer's shared memory (the scan's loads and
- * the bad keys, whose values it has used: a relaxed arrival, as nothing it wrote is read across
- * blocks after barrier 2), and waits only before it returns, so that no block's shared memory
- * goes away while a peer may still read it and no copy waits for the slower block of its
- * cluster. Across clusters nothing is shared: the inputs (topk_idx, x, scales,
- * weights, descriptors) are read-only for the whole op, and every workspace word and output byte
+ * in phase 3, after barrier 2 (and, in cluster 0, 3). Barrier 3: cluster 0 passes it whole
+ * (cluster.sync()), after its prefix stores into block 0, which reads them next. The copying
+ * clusters split it: every thread arrives after its block's last access to a peer's shared
+ * memory (the scan's loads and the bad keys, whose values it has used: a relaxed arrival, as
+ * nothing it wrote is read across blocks after barrier 2), and waits only before it returns, so
+ * that no block's shared memory goes away while a peer may still read it and no copy waits for
+ * the slower block of its cluster. Across clusters nothing is shared: the inputs (topk_idx, x,
+ * scales, weights, descriptors) are read-only for the whole op, and every workspace word and output byte
  * has exactly one writer in the grid. Block 0's rank_prefix stores precede the __syncthreads()
  * before write_verdict, which reads them back (same block). The verdict's status is stored last
  * with a .sys release (write_verdict), for the host, which copies the reply block after the kernel
