@@ -52,29 +52,29 @@
  * whole block before the setup's __syncthreads(); the copy reads it from there. Inside a cluster,
  * shared memory written before a cluster.sync() (barrier.cluster arrive.release / wait.acquire,
  * cluster scope) is visible to every block of the cluster after it: the zeroed histogram before a
- * peer adds to it (barrier 1), the group counts, bad keys and histogram before they are gathered or
- * read (barrier 2), the prefixes stored into block 0 before it reads them (barrier 3). Only cluster
- * 0 writes into a peer before barrier 2, so only cluster 0 has barrier 1 (a cluster-uniform
- * branch), after its routing: until then every block touches only its own shared memory, and the
- * routing's loads start without waiting for the cluster's slowest block. Barrier 2 also guarantees,
- * in every cluster, that each block is running before a peer reads its shared memory. wbal never
- * leaves its block: lane 0 of the routing warp writes it in phase 1, the same warp's lanes read it
- * in phase 3, after barrier 2 (and, in cluster 0, 3). Barrier 3: cluster 0 passes it whole
- * (cluster.sync()), after its prefix stores into block 0, which reads them next. The copying
- * clusters split it: every thread arrives after its block's last access to a peer's shared
- * memory (the scan's loads and the bad keys, whose values it has used: a relaxed arrival, as
- * nothing it wrote is read across blocks after barrier 2), and waits only before it returns, so
- * that no block's shared memory goes away while a peer may still read it and no copy waits for
- * the slower block of its cluster. Across clusters nothing is shared: the inputs (topk_idx, x,
- * scales, weights, descriptors) are read-only for the whole op, and every workspace word and output byte
- * has exactly one writer in the grid. Block 0's rank_prefix stores precede the __syncthreads()
- * before write_verdict, which reads them back (same block). The verdict's status is stored last
- * with a .sys release (write_verdict), for the host, which copies the reply block after the kernel
- * completes on the stream, or, given reply_copy, reads the copy this kernel writes into its pinned
- * memory (each value by the thread that writes the workspace's, the status last with a .sys
- * release; the host reads after the stream completes, which makes every store of the kernel visible
- * to it); combine and cached dispatch read the workspace after a kernel boundary, and the stream
- * order (or event) after the kernel publishes the outputs.
+ * peer adds to it (barrier 1), the group counts, bad keys and histogram before they are read
+ * (barrier 2), the prefixes stored into block 0 before it reads them (barrier 3). Only cluster 0
+ * writes into a peer before barrier 2, so only cluster 0 has barrier 1 (a cluster-uniform branch),
+ * after its routing: until then every block touches only its own shared memory, and the routing's
+ * loads start without waiting for the cluster's slowest block. Barrier 2 also guarantees, in every
+ * cluster, that each block is running before a peer reads its shared memory. wbal never leaves its
+ * block: lane 0 of the routing warp writes it in phase 1, the same warp's lanes read it in phase 3,
+ * after barrier 2 (and, in cluster 0, 3). Barrier 3: cluster 0 passes it whole (cluster.sync()),
+ * after its prefix stores into block 0, which reads them next. The copying clusters split it: every
+ * thread arrives after its block's last access to a peer's shared memory (the scan's loads and the
+ * bad keys, whose values it has used: a relaxed arrival, as nothing it wrote is read across blocks
+ * after barrier 2), and waits only before it returns, so that no block's shared memory goes away
+ * while a peer may still read it and no copy waits for the slower block of its cluster. Across
+ * clusters nothing is shared: the inputs (topk_idx, x, scales, weights, descriptors) are read-only
+ * for the whole op, and every workspace word and output byte has exactly one writer in the grid.
+ * Block 0's rank_prefix stores precede the __syncthreads() before write_verdict, which reads them
+ * back (same block). The verdict's status is stored last with a .sys release (write_verdict), for
+ * the host, which copies the reply block after the kernel completes on the stream, or, given
+ * reply_copy, reads the copy this kernel writes into its pinned memory (each value by the thread
+ * that writes the workspace's, the status last with a .sys release; the host reads after the stream
+ * completes, which makes every store of the kernel visible to it); combine and cached dispatch read
+ * the workspace after a kernel boundary, and the stream order (or event) after the kernel publishes
+ * the outputs.
  */
 #include <atomic>
 #include <cooperative_groups.h>
