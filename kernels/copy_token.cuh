@@ -53,6 +53,34 @@ static __device__ __forceinline__ void copy_row_multi(const uint8_t *src, uint8_
         }
 }
 
+/* copy_row_multi<int4> for a chunk of at most one step (nbytes <= COPY_SLICE_UNIT) whose vectors
+ * this lane has already brought into shared memory: vector u * 32 + lane at staged[u * 32 + lane]
+ * (dispatch_small.cu's staging; the lane waited for its own copies, so it reads only what it
+ * staged itself). */
+static __device__ __forceinline__ void copy_row_staged(const int4 *staged, uint8_t *my_dst,
+                                                       uint32_t dst_mask, uint64_t nbytes,
+                                                       uint32_t lane)
+{
+        const uint32_t nvec = (uint32_t)(nbytes / 16);
+        int4 v[COPY_UNROLL];
+
+#pragma unroll
+        for (int u = 0; u < COPY_UNROLL; u++) {
+                const uint32_t i = (uint32_t)u * 32 + lane;
+                v[u] = i < nvec ? staged[i] : make_int4(0, 0, 0, 0);
+        }
+        for (uint32_t m = dst_mask; m != 0; m &= m - 1) {
+                int j = __ffs(m) - 1;
+                int4 *d = (int4 *)__shfl_sync(EPD_K_FULL_MASK, (unsigned long long)my_dst, j);
+#pragma unroll
+                for (int u = 0; u < COPY_UNROLL; u++) {
+                        const uint32_t i = (uint32_t)u * 32 + lane;
+                        if (i < nvec)
+                                d[i] = v[u];
+                }
+        }
+}
+
 /* align_bits: every address and size involved ORed together (low 32 bits suffice). */
 static __device__ __noinline__ void copy_row_any(const uint8_t *src, uint8_t *my_dst,
                                                  uint32_t dst_mask, uint64_t nbytes,
@@ -135,7 +163,9 @@ enum copy_part {
  * whole row when there is one slice), of `slices`, and the parts whose number is slice modulo
  * slices. ranks: a->ranks, or its copy in shared memory. Lane k < K_op holds the entry's
  * normalised expert and its row (the destination row of a first position, -1 for every other
- * entry and lane). Every lane of the warp calls it.
+ * entry and lane). Every lane of the warp calls it. staged (or NULL): the slice's x bytes,
+ * already in shared memory as copy_row_staged reads them (a slice of at most COPY_SLICE_UNIT
+ * bytes, 16-byte aligned); used when the 16-byte path applies, else x is read again.
  *
  * Why the parts are spread: measured on an H200 (decode, 4 slices of 1792 bytes, fourteenth
  * session, DS_TRACE per warp), a slice-0 warp that also moved the scales and all the metadata
@@ -152,7 +182,7 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                                                        uint32_t t, uint64_t ent, int32_t expert,
                                                        int32_t row, uint32_t slice,
                                                        uint32_t slices, uint64_t slice_bytes,
-                                                       uint32_t lane)
+                                                       uint32_t lane, const int4 *staged = NULL)
 {
         const uint32_t L = l->num_local_experts, K = a->num_topk;
         const struct epd_k_dispatch_rank *src = &ranks[s];
@@ -201,7 +231,9 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
         if (off < a->row_bytes) {
                 const uint64_t nbytes = min(slice_bytes, a->row_bytes - off);
                 uint8_t *my_dst = dx + (dx != NULL ? off : 0);
-                if ((bits & 15) == 0) /* inline: the scales' load stays in flight */
+                if ((bits & 15) == 0 && staged != NULL)
+                        copy_row_staged(staged, my_dst, dst_mask, nbytes, lane);
+                else if ((bits & 15) == 0) /* inline: the scales' load stays in flight */
                         copy_row_multi<int4>(sx + off, my_dst, dst_mask, nbytes, lane);
                 else
                         copy_row_any(sx + off, my_dst, dst_mask, nbytes, lane, bits);

@@ -101,6 +101,8 @@ namespace cg = cooperative_groups;
 
 /* Dynamic shared memory, int32 words, one definition for the launcher and the kernel; G groups
  * of 32 tokens, nd = ceil(R / C) destinations per block:
+ *   stage [DS_WARPS][32 * COPY_UNROLL] int4, when the plan stages (first, so 16-byte aligned):
+ *                                each warp's first copy item's x slice (ds_stage)
  *   nrow  [DS_THREADS][stride]   each thread's normalised row (route_token's scratch, or a copy
  *                                of route_token_regs' registers for indexing by a variable k)
  *   wcnt  [G][R]                 tokens of group q going to each destination
@@ -115,15 +117,18 @@ namespace cg = cooperative_groups;
  *   sexp  [slots][K_op]          tokens this block copies: normalised experts
  *   srow  [slots][K_op]          their rows of first positions, -1 elsewhere */
 struct ds_smem {
-        uint32_t nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, words;
+        uint32_t stage, nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, words;
 };
 
 static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E, uint32_t K,
-                                                         uint32_t G, uint32_t C, uint32_t slots)
+                                                         uint32_t G, uint32_t C, uint32_t slots,
+                                                         uint32_t stage)
 {
         struct ds_smem m;
         uint32_t w = 0;
 
+        m.stage = w;
+        w += stage ? DS_WARPS * 32 * COPY_UNROLL * 4 : 0;
         m.nrow = w;
         w += DS_THREADS * small_row_stride(K);
         m.wcnt = w;
@@ -200,6 +205,45 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
         const uint32_t cb = it / slices * ncc + cc;
         const uint32_t q = cb / 32 * C + cr, g = q * 32 + cb % 32;
         return q < G && g < n ? g : UINT32_MAX;
+}
+
+/* Staging (the plan's stage): in a copying cluster other than cluster 0, once its block has
+ * routed, each warp brings its first copy item's x slice into shared memory with cp.async, lane
+ * `lane` vectors u * 32 + lane at stage[u * 32 + lane] as copy_row_staged reads them, so that the
+ * copy starts with stores: the reads go out while the block meets its peer, scans and writes the
+ * workspace. Only a slice of at most one step (COPY_SLICE_UNIT bytes) of a 16-byte aligned row
+ * of a valid source is staged; it returns whether it issued the copies (warp-uniform: every
+ * condition is the warp's token's). x is read-only for the whole op, and the copy would read the
+ * same bytes. */
+static __device__ __forceinline__ int ds_stage(int4 *stage, const struct epd_k_dispatch_args &a,
+                                               const struct ds_src *srcs,
+                                               const struct epd_k_dispatch_rank *sranks,
+                                               uint32_t nl, uint32_t token, uint32_t slice,
+                                               uint64_t slice_bytes, uint32_t lane)
+{
+        if (token == UINT32_MAX)
+                return 0;
+        const uint32_t ci = ds_source_of(srcs, nl, token);
+        const struct epd_k_dispatch_rank *r = &sranks[srcs[ci].rank];
+        const uint64_t off = (uint64_t)slice * slice_bytes;
+        if (srcs[ci].num_tokens > a.max_tokens || r->x.ptr == NULL || off >= a.row_bytes)
+                return 0;
+        const uint8_t *sx = mat_row(&r->x, token - srcs[ci].offset);
+        if ((((uintptr_t)sx | a.row_bytes) & 15) != 0)
+                return 0;
+        const uint32_t nvec = (uint32_t)(min(slice_bytes, a.row_bytes - off) / 16);
+        const int4 *src = (const int4 *)(sx + off);
+#pragma unroll
+        for (uint32_t u = 0; u < COPY_UNROLL; u++) {
+                const uint32_t i = u * 32 + lane;
+                if (i < nvec)
+                        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                                             (uint32_t)__cvta_generic_to_shared(stage + i)),
+                                     "l"(src + i)
+                                     : "memory");
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        return 1;
 }
 
 /* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
@@ -312,6 +356,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         dispatch_small_kernel(const __grid_constant__ struct epd_k_dispatch_args a,
                               const __grid_constant__ struct epd_ws_layout l, uint32_t slots,
                               uint32_t slices, uint64_t slice_bytes, uint32_t skip0,
+                              uint32_t stage,
                               const __grid_constant__ struct epd__k_inline<struct epd_k_dispatch_rank> in)
 {
         extern __shared__ int32_t smem[];
@@ -340,7 +385,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         const uint32_t below = (1u << lane) - 1;
         const uint32_t G = (n + 31) / 32, nd = (R + C - 1) / C;
         const uint64_t lmagic = epd_udiv_magic(L);
-        const struct ds_smem m = ds_smem_layout(R, E, K, G, C, slots);
+        const struct ds_smem m = ds_smem_layout(R, E, K, G, C, slots, stage);
         int32_t *wcnt = smem + m.wcnt, *wpre = smem + m.wpre, *total = smem + m.total;
         uint32_t *wbal = (uint32_t *)smem + m.wbal;
         int32_t *pfx = smem + m.pfx, *hist = smem + m.hist, *algn = smem + m.algn;
@@ -420,6 +465,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
         DS_STAMP(1);
+        int4 *wstage = (int4 *)(smem + m.stage) + warp * 32 * COPY_UNROLL;
+        int staged = 0;
         if (c == 0) { /* cluster-uniform */
                 cluster.sync(); /* 1: every block's histogram is zero before a peer adds to it */
                 /* Cluster 0's expert histogram, in the block of each entry's destination. */
@@ -431,8 +478,25 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         int32_t *h = cluster.map_shared_rank(hist, d % C);
                         atomicAdd(&h[((d / C) * R + i) * L + (v & 0xffff) - d * L], 1);
                 }
+                cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in
+                                 * place */
+        } else if (stage) {
+                /* Barrier 2 with the staging between its arrival and its wait. The block's
+                 * routing is done first, so that the staging's reads do not queue in front of
+                 * its top-k loads; the arrival (release) precedes them, so that it does not wait
+                 * for them (a release arrival waits for every outstanding access of the thread,
+                 * cp.async included). */
+                __syncthreads();
+                asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
+                staged = warp < slots * slices &&
+                         ds_stage(wstage, a, srcs, sranks, nl,
+                                  ds_item_token(warp, slices, ncc, cc, C, cr, G, n),
+                                  warp % slices, slice_bytes, lane);
+                DS_STAMP(16);
+                asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+        } else {
+                cluster.sync(); /* 2 */
         }
-        cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in place */
         DS_STAMP(2);
 
         /* 2: the scan, reading each group's counts from the block that owns it, and the
@@ -576,6 +640,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 DS_STAMP(10);
         }
         if (!ok) {
+                if (staged) /* no block leaves with its copies in flight */
+                        asm volatile("cp.async.wait_all;" ::: "memory");
                 if (c != 0)
                         cluster.barrier_wait(); /* 3, see above */
                 return;
@@ -602,8 +668,14 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         expert = sexp[j * K + lane];
                         row = srow[j * K + lane];
                 }
+                const int4 *st = NULL;
+                if (staged && it == warp) { /* warp-uniform */
+                        /* This lane's own copies: it reads only what it staged. */
+                        asm volatile("cp.async.wait_all;" ::: "memory");
+                        st = wstage;
+                }
                 copy_token_rows(&a, sranks, &l, s, ct, epd_ws_entry(&l, s, ct, K, 0), expert,
-                                row, it % slices, slices, slice_bytes, lane);
+                                row, it % slices, slices, slice_bytes, lane, st);
 #ifdef DS_TRACE
                 const uint32_t nrows = __popc(__ballot_sync(EPD_K_FULL_MASK, row >= 0));
                 if (lane == 0) {
@@ -693,7 +765,7 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
         /* Slots for the largest cluster count; fewer clusters only get more. */
         p->slots = gpb * 32;
         p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                        args->num_topk, G, p->cluster, p->slots)
+                                        args->num_topk, G, p->cluster, p->slots, 0)
                                  .words;
         /* Also raises the kernel's limit when needed: this is the launch's plan. */
         int ret = epd__k_dynamic_smem(kernel, p->smem);
@@ -719,9 +791,6 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
          * clusters. */
         const uint32_t ncc = (uint32_t)clusters - p->skip0;
         p->slots = (gpb * 32 + ncc - 1) / ncc;
-        p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                        args->num_topk, G, p->cluster, p->slots)
-                                 .words;
         /* Slices: as many (token, slice) items as the block has warps, not more (a
          * warp with two items doubles the block's copy time), each slice a multiple of
          * 16 bytes so that every slice starts where the widest access may. */
@@ -736,6 +805,24 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
                 p->slice_bytes = ((args->row_bytes + want - 1) / want + 15) / 16 * 16;
                 p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
                                        p->slice_bytes);
+        }
+        /* Staging (ds_stage) when a slice is at most one step of the copy and the shared memory
+         * allows it. */
+        p->stage = p->slots != 0 && p->slice_bytes <= COPY_SLICE_UNIT;
+#ifdef DS_STAGE /* experiments: 0 turns the staging off */
+        p->stage = p->stage && DS_STAGE;
+#endif
+        for (;;) {
+                p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
+                                                args->num_topk, G, p->cluster, p->slots,
+                                                p->stage)
+                                         .words;
+                if (!p->stage)
+                        break; /* at most what the check above allowed */
+                ret = epd__k_dynamic_smem(kernel, p->smem);
+                if (ret != EPD_INVALID_ARGUMENT)
+                        return ret < 0 ? ret : 0;
+                p->stage = 0;
         }
         return 0;
 }
@@ -782,8 +869,10 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
                 return EPD_INVALID_ARGUMENT;
         *p = best;
 #ifdef DS_TRACE
-        fprintf(stderr, "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u\n",
-                p->cluster, p->blocks, p->slots, p->slices, p->skip0);
+        fprintf(stderr,
+                "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u, stage "
+                "%u\n",
+                p->cluster, p->blocks, p->slots, p->slices, p->skip0, p->stage);
 #endif
         return 0;
 }
@@ -829,8 +918,9 @@ static int ds_describe(const struct epd_k_dispatch_args *args, const struct epd_
         d->params[3] = &p->slices;
         d->params[4] = &p->slice_bytes;
         d->params[5] = &p->skip0;
+        d->params[6] = &p->stage;
         epd__k_inline_fill(in, args);
-        d->params[6] = in;
+        d->params[7] = in;
         return 0;
 }
 
