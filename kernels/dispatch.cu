@@ -72,7 +72,9 @@ static __device__ void copy_token(const struct epd_k_dispatch_args *a,
                 expert = epd_ws_i32(a->workspace, l->topk)[ent + lane];
                 row = epd_ws_i32(a->workspace, l->row)[ent + lane];
         }
-        copy_token_rows(a, a->ranks, l, s, t, ent, expert, row, slice, slices, slice_bytes, lane);
+        const int4 none[COPY_STAGED] = {};
+        copy_token_rows(a, a->ranks, l, s, t, ent, expert, row, slice, slices, slice_bytes, lane,
+                        false, none);
 }
 
 /* Up to PAD_ROWS_PER_ITEM padding rows of one local expert of one local destination

@@ -101,8 +101,6 @@ namespace cg = cooperative_groups;
 
 /* Dynamic shared memory, int32 words, one definition for the launcher and the kernel; G groups
  * of 32 tokens, nd = ceil(R / C) destinations per block:
- *   stage [DS_WARPS][32 * COPY_UNROLL] int4, when the plan stages (first, so 16-byte aligned):
- *                                each warp's first copy item's x slice (ds_stage)
  *   nrow  [DS_THREADS][stride]   each thread's normalised row (route_token's scratch, or a copy
  *                                of route_token_regs' registers for indexing by a variable k)
  *   wcnt  [G][R]                 tokens of group q going to each destination
@@ -117,18 +115,15 @@ namespace cg = cooperative_groups;
  *   sexp  [slots][K_op]          tokens this block copies: normalised experts
  *   srow  [slots][K_op]          their rows of first positions, -1 elsewhere */
 struct ds_smem {
-        uint32_t stage, nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, words;
+        uint32_t nrow, wcnt, wbal, wpre, total, pfx, hist, algn, sexp, srow, words;
 };
 
 static __host__ __device__ struct ds_smem ds_smem_layout(uint32_t R, uint32_t E, uint32_t K,
-                                                         uint32_t G, uint32_t C, uint32_t slots,
-                                                         uint32_t stage)
+                                                         uint32_t G, uint32_t C, uint32_t slots)
 {
         struct ds_smem m;
         uint32_t w = 0;
 
-        m.stage = w;
-        w += stage ? DS_WARPS * 32 * COPY_UNROLL * 4 : 0;
         m.nrow = w;
         w += DS_THREADS * small_row_stride(K);
         m.wcnt = w;
@@ -208,14 +203,24 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
 }
 
 /* Staging (the plan's stage): in a copying cluster other than cluster 0, once its block has
- * routed, each warp brings its first copy item's x slice into shared memory with cp.async, lane
- * `lane` vectors u * 32 + lane at stage[u * 32 + lane] as copy_row_staged reads them, so that the
- * copy starts with stores: the reads go out while the block meets its peer, scans and writes the
- * workspace. Only a slice of at most one step (COPY_SLICE_UNIT bytes) of a 16-byte aligned row
- * of a valid source is staged; it returns whether it issued the copies (warp-uniform: every
- * condition is the warp's token's). x is read-only for the whole op, and the copy would read the
- * same bytes. */
-static __device__ __forceinline__ int ds_stage(int4 *stage, const struct epd_k_dispatch_args &a,
+ * routed, each warp loads its first copy item's x slice into registers, lane `lane` vector
+ * u * 32 + lane into pv[u] as copy_row_staged takes them, so that the copy starts with stores:
+ * the reads go out while the block meets its peer, scans and writes the workspace. Only a slice
+ * of at most one step (COPY_SLICE_UNIT bytes) of a 16-byte aligned row of a valid source is
+ * staged; it returns whether it issued the loads (warp-uniform: every condition is the warp's
+ * token's). x is read-only for the whole op, and the copy would read the same bytes. The loads
+ * are volatile so that they stay where they are issued, ahead of the barrier's wait. */
+static __device__ __forceinline__ int4 ds_ld_early(const int4 *p)
+{
+        int4 v;
+        asm volatile("ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p));
+        return v;
+}
+
+static __device__ __forceinline__ int ds_stage(int4 (&pv)[COPY_STAGED],
+                                               const struct epd_k_dispatch_args &a,
                                                const struct ds_src *srcs,
                                                const struct epd_k_dispatch_rank *sranks,
                                                uint32_t nl, uint32_t token, uint32_t slice,
@@ -234,15 +239,11 @@ static __device__ __forceinline__ int ds_stage(int4 *stage, const struct epd_k_d
         const uint32_t nvec = (uint32_t)(min(slice_bytes, a.row_bytes - off) / 16);
         const int4 *src = (const int4 *)(sx + off);
 #pragma unroll
-        for (uint32_t u = 0; u < COPY_UNROLL; u++) {
+        for (uint32_t u = 0; u < COPY_STAGED; u++) {
                 const uint32_t i = u * 32 + lane;
                 if (i < nvec)
-                        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                                             (uint32_t)__cvta_generic_to_shared(stage + i)),
-                                     "l"(src + i)
-                                     : "memory");
+                        pv[u] = ds_ld_early(src + i);
         }
-        asm volatile("cp.async.commit_group;" ::: "memory");
         return 1;
 }
 
@@ -385,7 +386,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         const uint32_t below = (1u << lane) - 1;
         const uint32_t G = (n + 31) / 32, nd = (R + C - 1) / C;
         const uint64_t lmagic = epd_udiv_magic(L);
-        const struct ds_smem m = ds_smem_layout(R, E, K, G, C, slots, stage);
+        const struct ds_smem m = ds_smem_layout(R, E, K, G, C, slots);
         int32_t *wcnt = smem + m.wcnt, *wpre = smem + m.wpre, *total = smem + m.total;
         uint32_t *wbal = (uint32_t *)smem + m.wbal;
         int32_t *pfx = smem + m.pfx, *hist = smem + m.hist, *algn = smem + m.algn;
@@ -465,7 +466,10 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
         DS_STAMP(1);
-        int4 *wstage = (int4 *)(smem + m.stage) + warp * 32 * COPY_UNROLL;
+        int4 pv[COPY_STAGED];
+#pragma unroll
+        for (uint32_t u = 0; u < COPY_STAGED; u++)
+                pv[u] = make_int4(0, 0, 0, 0);
         int staged = 0;
         if (c == 0) { /* cluster-uniform */
                 cluster.sync(); /* 1: every block's histogram is zero before a peer adds to it */
@@ -484,12 +488,12 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 /* Barrier 2 with the staging between its arrival and its wait. The block's
                  * routing is done first, so that the staging's reads do not queue in front of
                  * its top-k loads; the arrival (release) precedes them, so that it does not wait
-                 * for them (a release arrival waits for every outstanding access of the thread,
-                 * cp.async included). */
+                 * for them. Staged into shared memory with cp.async instead, the scan's loads
+                 * after barrier 2 waited for the copies (sixteenth session). */
                 __syncthreads();
                 asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
                 staged = warp < slots * slices &&
-                         ds_stage(wstage, a, srcs, sranks, nl,
+                         ds_stage(pv, a, srcs, sranks, nl,
                                   ds_item_token(warp, slices, ncc, cc, C, cr, G, n),
                                   warp % slices, slice_bytes, lane);
                 DS_STAMP(16);
@@ -640,8 +644,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 DS_STAMP(10);
         }
         if (!ok) {
-                if (staged) /* no block leaves with its copies in flight */
-                        asm volatile("cp.async.wait_all;" ::: "memory");
                 if (c != 0)
                         cluster.barrier_wait(); /* 3, see above */
                 return;
@@ -656,11 +658,12 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
 #ifdef DS_TRACE
         uint32_t wslice = 0, wrows = 0, witems = 0;
 #endif
-        for (uint32_t it = warp; it < slots * slices; it += DS_WARPS) {
+        /* Item it; pre: its x slice is in pv (the warp's first item, staged). */
+        auto copy_item = [&](uint32_t it, bool pre) {
                 const uint32_t j = it / slices;
                 const uint32_t cg_ = ds_item_token(it, slices, ncc, cc, C, cr, G, n);
                 if (cg_ == UINT32_MAX) /* warp-uniform */
-                        continue;
+                        return;
                 const uint32_t ci = ds_source_of(srcs, nl, cg_), ct = cg_ - srcs[ci].offset;
                 const uint32_t s = srcs[ci].rank;
                 int32_t expert = -1, row = -1;
@@ -668,14 +671,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         expert = sexp[j * K + lane];
                         row = srow[j * K + lane];
                 }
-                const int4 *st = NULL;
-                if (staged && it == warp) { /* warp-uniform */
-                        /* This lane's own copies: it reads only what it staged. */
-                        asm volatile("cp.async.wait_all;" ::: "memory");
-                        st = wstage;
-                }
                 copy_token_rows(&a, sranks, &l, s, ct, epd_ws_entry(&l, s, ct, K, 0), expert,
-                                row, it % slices, slices, slice_bytes, lane, st);
+                                row, it % slices, slices, slice_bytes, lane, pre, pv);
 #ifdef DS_TRACE
                 const uint32_t nrows = __popc(__ballot_sync(EPD_K_FULL_MASK, row >= 0));
                 if (lane == 0) {
@@ -686,7 +683,15 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         witems++;
                 }
 #endif
+        };
+        /* The staged item first, on its own, so that pv is dead in the loop. */
+        uint32_t it0 = warp;
+        if (staged) { /* warp-uniform */
+                copy_item(warp, true);
+                it0 += DS_WARPS;
         }
+        for (uint32_t it = it0; it < slots * slices; it += DS_WARPS)
+                copy_item(it, false);
 #ifdef DS_TRACE
         if (lane == 0 && blockIdx.x < DS_TRACE_BLOCKS) {
                 ds_trace_wend[blockIdx.x * 32 + warp] = epd_globaltimer_ns();
@@ -765,7 +770,7 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
         /* Slots for the largest cluster count; fewer clusters only get more. */
         p->slots = gpb * 32;
         p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                        args->num_topk, G, p->cluster, p->slots, 0)
+                                        args->num_topk, G, p->cluster, p->slots)
                                  .words;
         /* Also raises the kernel's limit when needed: this is the launch's plan. */
         int ret = epd__k_dynamic_smem(kernel, p->smem);
@@ -791,6 +796,9 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
          * clusters. */
         const uint32_t ncc = (uint32_t)clusters - p->skip0;
         p->slots = (gpb * 32 + ncc - 1) / ncc;
+        p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
+                                        args->num_topk, G, p->cluster, p->slots)
+                                 .words;
         /* Slices: as many (token, slice) items as the block has warps, not more (a
          * warp with two items doubles the block's copy time), each slice a multiple of
          * 16 bytes so that every slice starts where the widest access may. */
@@ -806,24 +814,11 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
                 p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
                                        p->slice_bytes);
         }
-        /* Staging (ds_stage) when a slice is at most one step of the copy and the shared memory
-         * allows it. */
+        /* Staging (ds_stage) when a slice is at most one step of the copy. */
         p->stage = p->slots != 0 && p->slice_bytes <= COPY_SLICE_UNIT;
 #ifdef DS_STAGE /* experiments: 0 turns the staging off */
         p->stage = p->stage && DS_STAGE;
 #endif
-        for (;;) {
-                p->smem = 4ull * ds_smem_layout(args->world_size, args->num_experts,
-                                                args->num_topk, G, p->cluster, p->slots,
-                                                p->stage)
-                                         .words;
-                if (!p->stage)
-                        break; /* at most what the check above allowed */
-                ret = epd__k_dynamic_smem(kernel, p->smem);
-                if (ret != EPD_INVALID_ARGUMENT)
-                        return ret < 0 ? ret : 0;
-                p->stage = 0;
-        }
         return 0;
 }
 
