@@ -90,7 +90,9 @@
 
 namespace cg = cooperative_groups;
 
+#ifndef DS_THREADS
 #define DS_THREADS 1024
+#endif
 #define DS_WARPS (DS_THREADS / 32)
 /* Cluster sizes tried, largest first (8 is the portable maximum). */
 #define DS_MAX_CLUSTER 8
@@ -205,9 +207,9 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
 /* Staging (the plan's stage): in a copying cluster other than cluster 0, once its block has
  * routed, each warp loads its first copy item's x slice into registers, lane `lane` vector
  * u * 32 + lane into pv[u] as copy_row_staged takes them, so that the copy starts with stores:
- * the reads go out while the block meets its peer, scans and writes the workspace. Only a slice
- * of at most one step (COPY_SLICE_UNIT bytes) of a 16-byte aligned row of a valid source is
- * staged; it returns whether it issued the loads (warp-uniform: every condition is the warp's
+ * the reads go out while the block meets its peer, scans and writes the workspace. The first
+ * COPY_STAGED vectors of the slice's first step are staged, from a 16-byte aligned row of a valid
+ * source; it returns whether it issued the loads (warp-uniform: every condition is the warp's
  * token's). x is read-only for the whole op, and the copy would read the same bytes. The loads
  * are volatile so that they stay where they are issued, ahead of the barrier's wait. */
 static __device__ __forceinline__ int4 ds_ld_early(const int4 *p)
@@ -814,8 +816,8 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
                 p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
                                        p->slice_bytes);
         }
-        /* Staging (ds_stage) when a slice is at most one step of the copy. */
-        p->stage = p->slots != 0 && p->slice_bytes <= COPY_SLICE_UNIT;
+        /* Staging (ds_stage): the first step of each warp's first item. */
+        p->stage = p->slots != 0;
 #ifdef DS_STAGE /* experiments: 0 turns the staging off */
         p->stage = p->stage && DS_STAGE;
 #endif
