@@ -98,6 +98,10 @@ namespace cg = cooperative_groups;
 #define DS_MAX_CLUSTER 8
 /* From this many clusters on, cluster 0 leaves the copy to the others. */
 #define DS_SKIP0_CLUSTERS 4
+/* Staging (ds_stage): 0 compiles it out (experiments). */
+#ifndef DS_STAGE
+#define DS_STAGE 1
+#endif
 /* K_op up to this routes in registers (route_token_regs), larger ones in shared memory. */
 #define DS_REG_TOPK 8
 
@@ -247,6 +251,30 @@ static __device__ __forceinline__ int ds_stage(int4 (&pv)[COPY_STAGED],
                         pv[u] = ds_ld_early(src + i);
         }
         return 1;
+}
+
+/* A 4- or 8-byte word of block `rank`'s shared memory, at the place of p in this block's
+ * (distributed shared memory, ld.shared::cluster). Not a generic load through
+ * cluster.map_shared_rank: with the staging's global loads outstanding, the scan's generic loads
+ * waited for them (sixteenth session: barrier 2 to the scan's end 2.7 us against 0.7), as if
+ * they shared their queue. Volatile, so that it stays after the barrier it follows. */
+static __device__ __forceinline__ int32_t ds_ld_peer(const int32_t *p, uint32_t rank)
+{
+        uint32_t a = (uint32_t)__cvta_generic_to_shared(p), r;
+        int32_t v;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+        asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(r) : "memory");
+        return v;
+}
+
+static __device__ __forceinline__ unsigned long long ds_ld_peer(const unsigned long long *p,
+                                                                uint32_t rank)
+{
+        uint32_t a = (uint32_t)__cvta_generic_to_shared(p), r;
+        unsigned long long v;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+        asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(r) : "memory");
+        return v;
 }
 
 /* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
@@ -486,7 +514,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
                 cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in
                                  * place */
-        } else if (stage) {
+        } else if (DS_STAGE && stage) {
                 /* Barrier 2 with the staging between its arrival and its wait. The block's
                  * routing is done first, so that the staging's reads do not queue in front of
                  * its top-k loads; the arrival (release) precedes them, so that it does not wait
@@ -516,7 +544,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         if (warp == DS_WARPS - 1) {
                 unsigned long long k = ~0ull;
                 if (lane < C)
-                        k = *cluster.map_shared_rank(&bad_key, lane);
+                        k = ds_ld_peer(&bad_key, lane);
                 for (uint32_t o = 16; o != 0; o >>= 1) {
                         const unsigned long long v = __shfl_xor_sync(EPD_K_FULL_MASK, k, o);
                         k = v < k ? v : k;
@@ -530,8 +558,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         const uint32_t qq = q0 + lane, owner = qq % C;
                         int32_t v = 0;
                         if (qq < G)
-                                v = (owner == cr ? wcnt : cluster.map_shared_rank(wcnt, owner))
-                                        [qq * R + d];
+                                v = ds_ld_peer(&wcnt[qq * R + d], owner);
                         const int32_t incl = warp_inclusive_scan(v);
                         if (qq < G)
                                 wpre[qq * R + d] = carry + incl - v;
@@ -817,10 +844,7 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
                                        p->slice_bytes);
         }
         /* Staging (ds_stage): the first step of each warp's first item. */
-        p->stage = p->slots != 0;
-#ifdef DS_STAGE /* experiments: 0 turns the staging off */
-        p->stage = p->stage && DS_STAGE;
-#endif
+        p->stage = DS_STAGE && p->slots != 0;
         return 0;
 }
 
