@@ -102,6 +102,14 @@ namespace cg = cooperative_groups;
 #ifndef DS_STAGE
 #define DS_STAGE 1
 #endif
+/* Experiments: where the staging is issued (0: between barrier 2's arrival and its wait; 1:
+ * after the scan), and whether the scanning warps skip it. */
+#ifndef DS_STAGE_AT
+#define DS_STAGE_AT 0
+#endif
+#ifndef DS_STAGE_SKIP_SCAN
+#define DS_STAGE_SKIP_SCAN 0
+#endif
 /* K_op up to this routes in registers (route_token_regs), larger ones in shared memory. */
 #define DS_REG_TOPK 8
 
@@ -514,7 +522,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
                 cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in
                                  * place */
-        } else if (DS_STAGE && stage) {
+        } else if (DS_STAGE && DS_STAGE_AT == 0 && stage) {
                 /* Barrier 2 with the staging between its arrival and its wait. The block's
                  * routing is done first, so that the staging's reads do not queue in front of
                  * its top-k loads; the arrival (release) precedes them, so that it does not wait
@@ -522,7 +530,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                  * after barrier 2 waited for the copies (sixteenth session). */
                 __syncthreads();
                 asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
-                staged = warp < slots * slices &&
+                staged = warp < slots * slices && (!DS_STAGE_SKIP_SCAN || warp >= R) &&
+                         warp != DS_WARPS - 1 &&
                          ds_stage(pv, a, srcs, sranks, nl,
                                   ds_item_token(warp, slices, ncc, cc, C, cr, G, n),
                                   warp % slices, slice_bytes, lane);
@@ -574,6 +583,13 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         }
         __syncthreads();
         DS_STAMP(7);
+        if (DS_STAGE && DS_STAGE_AT == 1 && stage && c != 0) { /* cluster-uniform */
+                staged = warp < slots * slices &&
+                         ds_stage(pv, a, srcs, sranks, nl,
+                                  ds_item_token(warp, slices, ncc, cc, C, cr, G, n),
+                                  warp % slices, slice_bytes, lane);
+                DS_STAMP(16);
+        }
         /* The prefixes: in cluster 0, the first token of each source stores them into block 0
          * (the exclusive count at that token, whether or not it goes to d). */
         if (c == 0 && q < G) { /* warp-uniform */
