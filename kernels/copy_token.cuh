@@ -53,47 +53,6 @@ static __device__ __forceinline__ void copy_row_multi(const uint8_t *src, uint8_
         }
 }
 
-/* Vectors per lane that a staged item holds in registers (dispatch_small.cu's staging): the
- * first COPY_STAGED of its COPY_UNROLL. */
-#ifndef COPY_STAGED
-#define COPY_STAGED COPY_UNROLL
-#endif
-
-/* copy_row_multi<int4> for a chunk of src whose first step's first COPY_STAGED vectors this lane
- * has already loaded: vector u * 32 + lane in pre[u]. The rest of the chunk is loaded as
- * copy_row_multi loads it. */
-static __device__ __forceinline__ void copy_row_staged(const int4 (&pre)[COPY_STAGED],
-                                                       const uint8_t *src, uint8_t *my_dst,
-                                                       uint32_t dst_mask, uint64_t nbytes,
-                                                       uint32_t lane)
-{
-        const uint64_t nvec = nbytes / 16;
-        const int4 *s = (const int4 *)src;
-        int4 v[COPY_UNROLL];
-
-#pragma unroll
-        for (int u = 0; u < COPY_UNROLL; u++) {
-                const uint32_t i = (uint32_t)u * 32 + lane;
-                if (u < COPY_STAGED)
-                        v[u] = pre[u < COPY_STAGED ? u : 0];
-                else
-                        v[u] = i < nvec ? epd__k_ldg(s + i) : make_int4(0, 0, 0, 0);
-        }
-        for (uint32_t m = dst_mask; m != 0; m &= m - 1) {
-                int j = __ffs(m) - 1;
-                int4 *d = (int4 *)__shfl_sync(EPD_K_FULL_MASK, (unsigned long long)my_dst, j);
-#pragma unroll
-                for (int u = 0; u < COPY_UNROLL; u++) {
-                        const uint32_t i = (uint32_t)u * 32 + lane;
-                        if (i < nvec)
-                                d[i] = v[u];
-                }
-        }
-        if (nbytes > COPY_SLICE_UNIT)
-                copy_row_multi<int4>(src + COPY_SLICE_UNIT, my_dst + COPY_SLICE_UNIT, dst_mask,
-                                     nbytes - COPY_SLICE_UNIT, lane);
-}
-
 /* align_bits: every address and size involved ORed together (low 32 bits suffice). */
 static __device__ __noinline__ void copy_row_any(const uint8_t *src, uint8_t *my_dst,
                                                  uint32_t dst_mask, uint64_t nbytes,
@@ -176,9 +135,7 @@ enum copy_part {
  * whole row when there is one slice), of `slices`, and the parts whose number is slice modulo
  * slices. ranks: a->ranks, or its copy in shared memory. Lane k < K_op holds the entry's
  * normalised expert and its row (the destination row of a first position, -1 for every other
- * entry and lane). Every lane of the warp calls it. staged: pre holds the first vectors of the
- * slice's x bytes, already loaded as copy_row_staged takes them (from a 16-byte aligned row);
- * used when the 16-byte path applies, else x is read again.
+ * entry and lane). Every lane of the warp calls it.
  *
  * Why the parts are spread: measured on an H200 (decode, 4 slices of 1792 bytes, fourteenth
  * session, DS_TRACE per warp), a slice-0 warp that also moved the scales and all the metadata
@@ -195,8 +152,7 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                                                        uint32_t t, uint64_t ent, int32_t expert,
                                                        int32_t row, uint32_t slice,
                                                        uint32_t slices, uint64_t slice_bytes,
-                                                       uint32_t lane, bool staged,
-                                                       const int4 (&pre)[COPY_STAGED])
+                                                       uint32_t lane)
 {
         const uint32_t L = l->num_local_experts, K = a->num_topk;
         const struct epd_k_dispatch_rank *src = &ranks[s];
@@ -245,9 +201,7 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
         if (off < a->row_bytes) {
                 const uint64_t nbytes = min(slice_bytes, a->row_bytes - off);
                 uint8_t *my_dst = dx + (dx != NULL ? off : 0);
-                if ((bits & 15) == 0 && staged)
-                        copy_row_staged(pre, sx + off, my_dst, dst_mask, nbytes, lane);
-                else if ((bits & 15) == 0) /* inline: the scales' load stays in flight */
+                if ((bits & 15) == 0) /* inline: the scales' load stays in flight */
                         copy_row_multi<int4>(sx + off, my_dst, dst_mask, nbytes, lane);
                 else
                         copy_row_any(sx + off, my_dst, dst_mask, nbytes, lane, bits);

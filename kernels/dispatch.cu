@@ -72,9 +72,7 @@ static __device__ void copy_token(const struct epd_k_dispatch_args *a,
                 expert = epd_ws_i32(a->workspace, l->topk)[ent + lane];
                 row = epd_ws_i32(a->workspace, l->row)[ent + lane];
         }
-        const int4 none[COPY_STAGED] = {};
-        copy_token_rows(a, a->ranks, l, s, t, ent, expert, row, slice, slices, slice_bytes, lane,
-                        false, none);
+        copy_token_rows(a, a->ranks, l, s, t, ent, expert, row, slice, slices, slice_bytes, lane);
 }
 
 /* Up to PAD_ROWS_PER_ITEM padding rows of one local expert of one local destination

@@ -90,26 +90,12 @@
 
 namespace cg = cooperative_groups;
 
-#ifndef DS_THREADS
 #define DS_THREADS 1024
-#endif
 #define DS_WARPS (DS_THREADS / 32)
 /* Cluster sizes tried, largest first (8 is the portable maximum). */
 #define DS_MAX_CLUSTER 8
 /* From this many clusters on, cluster 0 leaves the copy to the others. */
 #define DS_SKIP0_CLUSTERS 4
-/* Staging (ds_stage): 0 compiles it out (experiments). */
-#ifndef DS_STAGE
-#define DS_STAGE 1
-#endif
-/* Experiments: where the staging is issued (0: between barrier 2's arrival and its wait; 1:
- * after the scan), and whether the scanning warps skip it. */
-#ifndef DS_STAGE_AT
-#define DS_STAGE_AT 0
-#endif
-#ifndef DS_STAGE_SKIP_SCAN
-#define DS_STAGE_SKIP_SCAN 0
-#endif
 /* K_op up to this routes in registers (route_token_regs), larger ones in shared memory. */
 #define DS_REG_TOPK 8
 
@@ -214,75 +200,6 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
         const uint32_t cb = it / slices * ncc + cc;
         const uint32_t q = cb / 32 * C + cr, g = q * 32 + cb % 32;
         return q < G && g < n ? g : UINT32_MAX;
-}
-
-/* Staging (the plan's stage): in a copying cluster other than cluster 0, once its block has
- * routed, each warp loads its first copy item's x slice into registers, lane `lane` vector
- * u * 32 + lane into pv[u] as copy_row_staged takes them, so that the copy starts with stores:
- * the reads go out while the block meets its peer, scans and writes the workspace. The first
- * COPY_STAGED vectors of the slice's first step are staged, from a 16-byte aligned row of a valid
- * source; it returns whether it issued the loads (warp-uniform: every condition is the warp's
- * token's). x is read-only for the whole op, and the copy would read the same bytes. The loads
- * are volatile so that they stay where they are issued, ahead of the barrier's wait. */
-static __device__ __forceinline__ int4 ds_ld_early(const int4 *p)
-{
-        int4 v;
-        asm volatile("ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "l"(p));
-        return v;
-}
-
-static __device__ __forceinline__ int ds_stage(int4 (&pv)[COPY_STAGED],
-                                               const struct epd_k_dispatch_args &a,
-                                               const struct ds_src *srcs,
-                                               const struct epd_k_dispatch_rank *sranks,
-                                               uint32_t nl, uint32_t token, uint32_t slice,
-                                               uint64_t slice_bytes, uint32_t lane)
-{
-        if (token == UINT32_MAX)
-                return 0;
-        const uint32_t ci = ds_source_of(srcs, nl, token);
-        const struct epd_k_dispatch_rank *r = &sranks[srcs[ci].rank];
-        const uint64_t off = (uint64_t)slice * slice_bytes;
-        if (srcs[ci].num_tokens > a.max_tokens || r->x.ptr == NULL || off >= a.row_bytes)
-                return 0;
-        const uint8_t *sx = mat_row(&r->x, token - srcs[ci].offset);
-        if ((((uintptr_t)sx | a.row_bytes) & 15) != 0)
-                return 0;
-        const uint32_t nvec = (uint32_t)(min(slice_bytes, a.row_bytes - off) / 16);
-        const int4 *src = (const int4 *)(sx + off);
-#pragma unroll
-        for (uint32_t u = 0; u < COPY_STAGED; u++) {
-                const uint32_t i = u * 32 + lane;
-                if (i < nvec)
-                        pv[u] = ds_ld_early(src + i);
-        }
-        return 1;
-}
-
-/* A 4- or 8-byte word of block `rank`'s shared memory, at the place of p in this block's
- * (distributed shared memory, ld.shared::cluster). Not a generic load through
- * cluster.map_shared_rank: with the staging's global loads outstanding, the scan's generic loads
- * waited for them (sixteenth session: barrier 2 to the scan's end 2.7 us against 0.7), as if
- * they shared their queue. Volatile, so that it stays after the barrier it follows. */
-static __device__ __forceinline__ int32_t ds_ld_peer(const int32_t *p, uint32_t rank)
-{
-        uint32_t a = (uint32_t)__cvta_generic_to_shared(p), r;
-        int32_t v;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-        asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(r) : "memory");
-        return v;
-}
-
-static __device__ __forceinline__ unsigned long long ds_ld_peer(const unsigned long long *p,
-                                                                uint32_t rank)
-{
-        uint32_t a = (uint32_t)__cvta_generic_to_shared(p), r;
-        unsigned long long v;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-        asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(r) : "memory");
-        return v;
 }
 
 /* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
@@ -395,7 +312,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         dispatch_small_kernel(const __grid_constant__ struct epd_k_dispatch_args a,
                               const __grid_constant__ struct epd_ws_layout l, uint32_t slots,
                               uint32_t slices, uint64_t slice_bytes, uint32_t skip0,
-                              uint32_t stage,
                               const __grid_constant__ struct epd__k_inline<struct epd_k_dispatch_rank> in)
 {
         extern __shared__ int32_t smem[];
@@ -504,11 +420,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
         DS_STAMP(1);
-        int4 pv[COPY_STAGED];
-#pragma unroll
-        for (uint32_t u = 0; u < COPY_STAGED; u++)
-                pv[u] = make_int4(0, 0, 0, 0);
-        int staged = 0;
         if (c == 0) { /* cluster-uniform */
                 cluster.sync(); /* 1: every block's histogram is zero before a peer adds to it */
                 /* Cluster 0's expert histogram, in the block of each entry's destination. */
@@ -520,26 +431,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         int32_t *h = cluster.map_shared_rank(hist, d % C);
                         atomicAdd(&h[((d / C) * R + i) * L + (v & 0xffff) - d * L], 1);
                 }
-                cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in
-                                 * place */
-        } else if (DS_STAGE && DS_STAGE_AT == 0 && stage) {
-                /* Barrier 2 with the staging between its arrival and its wait. The block's
-                 * routing is done first, so that the staging's reads do not queue in front of
-                 * its top-k loads; the arrival (release) precedes them, so that it does not wait
-                 * for them. Staged into shared memory with cp.async instead, the scan's loads
-                 * after barrier 2 waited for the copies (sixteenth session). */
-                __syncthreads();
-                asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
-                staged = warp < slots * slices && (!DS_STAGE_SKIP_SCAN || warp >= R) &&
-                         warp != DS_WARPS - 1 &&
-                         ds_stage(pv, a, srcs, sranks, nl,
-                                  ds_item_token(warp, slices, ncc, cc, C, cr, G, n),
-                                  warp % slices, slice_bytes, lane);
-                DS_STAMP(16);
-                asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-        } else {
-                cluster.sync(); /* 2 */
         }
+        cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in place */
         DS_STAMP(2);
 
         /* 2: the scan, reading each group's counts from the block that owns it, and the
@@ -553,7 +446,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         if (warp == DS_WARPS - 1) {
                 unsigned long long k = ~0ull;
                 if (lane < C)
-                        k = ds_ld_peer(&bad_key, lane);
+                        k = *cluster.map_shared_rank(&bad_key, lane);
                 for (uint32_t o = 16; o != 0; o >>= 1) {
                         const unsigned long long v = __shfl_xor_sync(EPD_K_FULL_MASK, k, o);
                         k = v < k ? v : k;
@@ -567,7 +460,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         const uint32_t qq = q0 + lane, owner = qq % C;
                         int32_t v = 0;
                         if (qq < G)
-                                v = ds_ld_peer(&wcnt[qq * R + d], owner);
+                                v = (owner == cr ? wcnt : cluster.map_shared_rank(wcnt, owner))
+                                        [qq * R + d];
                         const int32_t incl = warp_inclusive_scan(v);
                         if (qq < G)
                                 wpre[qq * R + d] = carry + incl - v;
@@ -583,13 +477,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         }
         __syncthreads();
         DS_STAMP(7);
-        if (DS_STAGE && DS_STAGE_AT == 1 && stage && c != 0) { /* cluster-uniform */
-                staged = warp < slots * slices &&
-                         ds_stage(pv, a, srcs, sranks, nl,
-                                  ds_item_token(warp, slices, ncc, cc, C, cr, G, n),
-                                  warp % slices, slice_bytes, lane);
-                DS_STAMP(16);
-        }
         /* The prefixes: in cluster 0, the first token of each source stores them into block 0
          * (the exclusive count at that token, whether or not it goes to d). */
         if (c == 0 && q < G) { /* warp-uniform */
@@ -703,12 +590,11 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
 #ifdef DS_TRACE
         uint32_t wslice = 0, wrows = 0, witems = 0;
 #endif
-        /* Item it; pre: its x slice is in pv (the warp's first item, staged). */
-        auto copy_item = [&](uint32_t it, bool pre) {
+        for (uint32_t it = warp; it < slots * slices; it += DS_WARPS) {
                 const uint32_t j = it / slices;
                 const uint32_t cg_ = ds_item_token(it, slices, ncc, cc, C, cr, G, n);
                 if (cg_ == UINT32_MAX) /* warp-uniform */
-                        return;
+                        continue;
                 const uint32_t ci = ds_source_of(srcs, nl, cg_), ct = cg_ - srcs[ci].offset;
                 const uint32_t s = srcs[ci].rank;
                 int32_t expert = -1, row = -1;
@@ -717,7 +603,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         row = srow[j * K + lane];
                 }
                 copy_token_rows(&a, sranks, &l, s, ct, epd_ws_entry(&l, s, ct, K, 0), expert,
-                                row, it % slices, slices, slice_bytes, lane, pre, pv);
+                                row, it % slices, slices, slice_bytes, lane);
 #ifdef DS_TRACE
                 const uint32_t nrows = __popc(__ballot_sync(EPD_K_FULL_MASK, row >= 0));
                 if (lane == 0) {
@@ -728,15 +614,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         witems++;
                 }
 #endif
-        };
-        /* The staged item first, on its own, so that pv is dead in the loop. */
-        uint32_t it0 = warp;
-        if (staged) { /* warp-uniform */
-                copy_item(warp, true);
-                it0 += DS_WARPS;
         }
-        for (uint32_t it = it0; it < slots * slices; it += DS_WARPS)
-                copy_item(it, false);
 #ifdef DS_TRACE
         if (lane == 0 && blockIdx.x < DS_TRACE_BLOCKS) {
                 ds_trace_wend[blockIdx.x * 32 + warp] = epd_globaltimer_ns();
@@ -859,8 +737,6 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
                 p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
                                        p->slice_bytes);
         }
-        /* Staging (ds_stage): the first step of each warp's first item. */
-        p->stage = DS_STAGE && p->slots != 0;
         return 0;
 }
 
@@ -906,10 +782,8 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
                 return EPD_INVALID_ARGUMENT;
         *p = best;
 #ifdef DS_TRACE
-        fprintf(stderr,
-                "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u, stage "
-                "%u\n",
-                p->cluster, p->blocks, p->slots, p->slices, p->skip0, p->stage);
+        fprintf(stderr, "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u\n",
+                p->cluster, p->blocks, p->slots, p->slices, p->skip0);
 #endif
         return 0;
 }
@@ -955,9 +829,8 @@ static int ds_describe(const struct epd_k_dispatch_args *args, const struct epd_
         d->params[3] = &p->slices;
         d->params[4] = &p->slice_bytes;
         d->params[5] = &p->skip0;
-        d->params[6] = &p->stage;
         epd__k_inline_fill(in, args);
-        d->params[7] = in;
+        d->params[6] = in;
         return 0;
 }
 

@@ -209,7 +209,7 @@ int epd_k_dispatch_small(const struct epd_k_dispatch_args *args, cudaStream_t st
  * returns EPD_INVALID_ARGUMENT for an op that does not qualify; _launch takes a plan that _plan
  * made for the same args on the same device. The fields belong to dispatch_small.cu. */
 struct epd_k_small_plan {
-        uint32_t cluster, blocks, slots, slices, skip0, stage;
+        uint32_t cluster, blocks, slots, slices, skip0, reserved;
         uint64_t slice_bytes;
         uint64_t smem;
 };
