@@ -96,11 +96,6 @@ namespace cg = cooperative_groups;
 #define DS_MAX_CLUSTER 8
 /* From this many clusters on, cluster 0 leaves the copy to the others. */
 #define DS_SKIP0_CLUSTERS 4
-/* Barriers 2 and 3 of the copying clusters as counting signals (ds_signal) instead of cluster
- * barriers (experiments: 0 keeps the barriers). */
-#ifndef DS_FLAGS
-#define DS_FLAGS 1
-#endif
 /* K_op up to this routes in registers (route_token_regs), larger ones in shared memory. */
 #define DS_REG_TOPK 8
 
@@ -205,29 +200,6 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
         const uint32_t cb = it / slices * ncc + cc;
         const uint32_t q = cb / 32 * C + cr, g = q * 32 + cb % 32;
         return q < G && g < n ? g : UINT32_MAX;
-}
-
-/* Counting signals between the blocks of a cluster (DS_FLAGS): block `rank` gets one more
- * on its counter `cnt` (a release at cluster scope: what this thread wrote, and what it observed
- * through a block barrier before, is visible to whoever acquires the count); ds_await spins
- * until its own counter reaches n (acquire). */
-static __device__ __forceinline__ void ds_signal(uint32_t *cnt, uint32_t rank)
-{
-        uint32_t a = (uint32_t)__cvta_generic_to_shared(cnt), r;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-        asm volatile("red.release.cluster.shared::cluster.add.u32 [%0], 1;" ::"r"(r) : "memory");
-}
-
-static __device__ __forceinline__ void ds_await(const uint32_t *cnt, uint32_t n)
-{
-        const uint32_t a = (uint32_t)__cvta_generic_to_shared(cnt);
-        uint32_t v;
-        do {
-                asm volatile("ld.acquire.cluster.shared::cta.u32 %0, [%1];"
-                             : "=r"(v)
-                             : "r"(a)
-                             : "memory");
-        } while (v < n);
 }
 
 /* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
@@ -351,9 +323,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         __shared__ unsigned long long bad_key; /* source << 32 | t * K_op + k; lowest wins */
         __shared__ unsigned long long bad_all; /* the minimum over the cluster */
         __shared__ uint32_t num_short, first_short;
-        /* DS_FLAGS: the peers that have their counts in place (2), that are done reading this
-         * block's shared memory (3). */
-        __shared__ uint32_t peers_ready, peers_done;
 #ifdef DS_TRACE
         __shared__ uint32_t trace_rows, trace_items; /* this block's copy: stamps 13 and 14 */
         if (threadIdx.x == 0)
@@ -398,7 +367,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 bad_key = ~0ull;
                 num_short = 0;
                 first_short = UINT32_MAX;
-                peers_ready = peers_done = 0;
         }
         ds_copy_ranks(sranks, ranks, R);
         /* The histogram and the prefixes: cluster 0's only. */
@@ -407,11 +375,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         for (uint32_t x = threadIdx.x; c == 0 && x < (R + 1) * R; x += blockDim.x)
                 pfx[x] = 0;
         __syncthreads();
-        /* The copying clusters' counters are zero before a peer signals them: a cluster barrier
-         * whose arrival is here and whose wait comes before the first signal. */
-        const int flags = DS_FLAGS && c != 0; /* cluster-uniform */
-        if (flags)
-                asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
         DS_STAMP(11);
         if (threadIdx.x < nl && srcs[threadIdx.x].num_tokens > T)
                 atomicMin(&bad_key, (unsigned long long)threadIdx.x << 32);
@@ -469,24 +432,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         atomicAdd(&h[((d / C) * R + i) * L + (v & 0xffff) - d * L], 1);
                 }
         }
-        if (flags) {
-                /* 2, as signals: the block's counts and bad key are in place (the block
-                 * barrier), then thread p < C tells block p, and each block waits for C - 1
-                 * peers. The signal's release and the wait's acquire at cluster scope order them
-                 * before the peers' reads, and the block barrier after the wait passes that on
-                 * to every thread. The start barrier's wait: every block is running and has
-                 * zeroed its counters. */
-                __syncthreads();
-                asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-                if (threadIdx.x < C && threadIdx.x != cr)
-                        ds_signal(&peers_ready, threadIdx.x);
-                if (threadIdx.x == 0)
-                        ds_await(&peers_ready, C - 1);
-                __syncthreads();
-        } else {
-                cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in
-                                 * place */
-        }
+        cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in place */
         DS_STAMP(2);
 
         /* 2: the scan, reading each group's counts from the block that owns it, and the
@@ -549,11 +495,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
          * the slower block of the cluster. */
         if (c == 0) {
                 cluster.sync();
-        } else if (flags) {
-                /* 3, as signals: the scan's block barrier above follows every load from a
-                 * peer, which has returned its value; thread p < C tells block p. */
-                if (threadIdx.x < C && threadIdx.x != cr)
-                        ds_signal(&peers_done, threadIdx.x);
         } else {
                 /* Relaxed: the loads from the peers have returned their values, and this block
                  * has written nothing a peer reads after barrier 2. */
@@ -635,12 +576,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 DS_STAMP(10);
         }
         if (!ok) {
-                if (flags) {
-                        if (threadIdx.x == 0) /* the block lives until its peers are done */
-                                ds_await(&peers_done, C - 1);
-                } else if (c != 0) {
+                if (c != 0)
                         cluster.barrier_wait(); /* 3, see above */
-                }
                 return;
         }
         __syncthreads(); /* every slot's rows are in place (ds_expert_counts syncs only in
@@ -695,12 +632,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         }
 #endif
         DS_STAMP(5);
-        if (flags) {
-                if (threadIdx.x == 0) /* the block lives until its peers are done */
-                        ds_await(&peers_done, C - 1);
-        } else if (c != 0) {
+        if (c != 0)
                 cluster.barrier_wait(); /* 3, see above */
-        }
 }
 
 /* A launch (struct epd_k_small_plan, epd_kernels.h): cluster size, grid, copied-token slots per
