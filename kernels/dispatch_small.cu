@@ -206,8 +206,10 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
  * device array, DS_TRACE_STAMPS per block, which epd_k_ds_trace copies out. Stamps: 0 entry,
  * 11 setup done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 7 scan done, 3 barrier
  * 3 (arrived, or in cluster 0 passed), 4 copy start, 5 copy end; cluster 0: 8 rank_prefix
- * stored, 9 verdict, 10 expert counts. Slots 13 to 15 hold numbers, not times: the rows and the
- * items the block copied, and the multiprocessor it ran on. */
+ * stored, 9 verdict, 10 expert counts; 16 the last warp past barrier 3's arrival, 17 the last
+ * warp at the block barrier before the copy (both the latest over the block's warps). Slots 13
+ * to 15 hold numbers, not times: the rows and the items the block copied, and the
+ * multiprocessor it ran on. */
 #ifdef DS_TRACE
 #define DS_TRACE_BLOCKS 1024
 #define DS_TRACE_STAMPS 32
@@ -325,8 +327,11 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         __shared__ uint32_t num_short, first_short;
 #ifdef DS_TRACE
         __shared__ uint32_t trace_rows, trace_items; /* this block's copy: stamps 13 and 14 */
-        if (threadIdx.x == 0)
-                trace_rows = trace_items = 0; /* before the setup's __syncthreads() */
+        __shared__ unsigned long long trace_arrived, trace_synced; /* stamps 16 and 17 */
+        if (threadIdx.x == 0) { /* before the setup's __syncthreads() */
+                trace_rows = trace_items = 0;
+                trace_arrived = trace_synced = 0;
+        }
 #endif
         cg::cluster_group cluster = cg::this_cluster();
         const uint32_t C = cluster.num_blocks(), cr = cluster.block_rank();
@@ -501,6 +506,10 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
         }
         DS_STAMP(3);
+#ifdef DS_TRACE
+        if (lane == 0)
+                atomicMax(&trace_arrived, (unsigned long long)epd_globaltimer_ns());
+#endif
 
         /* This thread's token, when this cluster copies it: its rows, slot and workspace
          * entries. */
@@ -580,9 +589,19 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         cluster.barrier_wait(); /* 3, see above */
                 return;
         }
+#ifdef DS_TRACE
+        if (lane == 0)
+                atomicMax(&trace_synced, (unsigned long long)epd_globaltimer_ns());
+#endif
         __syncthreads(); /* every slot's rows are in place (ds_expert_counts syncs only in
                           * cluster 0) */
         DS_STAMP(4);
+#ifdef DS_TRACE
+        if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS) {
+                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 16] = trace_arrived;
+                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 17] = trace_synced;
+        }
+#endif
         if (c == 0 && skip0)
                 return;
 
