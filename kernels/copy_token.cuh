@@ -127,8 +127,7 @@ enum copy_part {
         COPY_PART_SCALES = 0,  /* the scales (fp8) */
         COPY_PART_TOPK = 1,    /* NON_EXPAND: the rows' top-k indices; EXPAND: recv_topk_slot */
         COPY_PART_WEIGHTS = 2, /* the rows' weights, and the weights kept for combine */
-        COPY_PART_SRC = 3,     /* recv_src */
-        COPY_PARTS = 4
+        COPY_PART_SRC = 3      /* recv_src */
 };
 
 /* One slice of token t of source s: bytes [slice * slice_bytes, + slice_bytes) of its x row (the
