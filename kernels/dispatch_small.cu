@@ -39,6 +39,8 @@
  *      cached dispatch follow unchanged (tests/gpu compares every array they read). chunk_count,
  *      chunk_base, `local` and the error records of chunks without an error are not written:
  *      nothing after place reads them.
+ *      Meanwhile the warps that do not scan ask the L2 for the source rows this block copies
+ *      (ds_prefetch_rows).
  *   4. If the op is valid and fits, the block's warps copy the tokens it owns, a (token, slice)
  *      item per warp (copy_token_rows, as the copy step does). Token (group q, lane l) is copied
  *      by the block that routed q in copying cluster ((q / C) * 32 + l) % (number of copying
@@ -67,6 +69,9 @@
  * while a peer may still read it and no copy waits for the slower block of its cluster. Across
  * clusters nothing is shared: the inputs (topk_idx, x, scales, weights, descriptors) are read-only
  * for the whole op, and every workspace word and output byte has exactly one writer in the grid.
+ * The L2 prefetch of the source rows after barrier 2 (ds_prefetch_rows) reads only those
+ * read-only inputs and writes nothing, so it needs no ordering. Whatever it changes is what the
+ * L2 holds.
  * Block 0's rank_prefix stores precede the __syncthreads() before write_verdict, which reads them
  * back (same block). The verdict's status is stored last with a .sys release (write_verdict), for
  * the host, which copies the reply block after the kernel completes on the stream, or, given
@@ -200,6 +205,49 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
         const uint32_t cb = it / slices * ncc + cc;
         const uint32_t q = cb / 32 * C + cr, g = q * 32 + cb % 32;
         return q < G && g < n ? g : UINT32_MAX;
+}
+
+/* The L2 prefetch of the copy's source rows (DS_PREFETCH, 0 to leave it out in experiments).
+ * After barrier 2, while the scan, barrier 3 and the workspace entries run (about 2 us in which
+ * the DRAM is otherwise idle), the warps that take no part in the scan (R <= warp < DS_WARPS - 1)
+ * ask the L2 for the x row and the scales of each token this block will copy: one bulk prefetch
+ * per row (epd__k_prefetch_l2_bulk), slot j by warp R + j modulo those warps. The copy's loads
+ * then hit the L2. Issued by the bulk-copy engine, the prefetches sit in no warp's queue of
+ * global accesses, so the scan's reads of its peers' shared memory do not wait behind them (loads
+ * or cp.async issued there did, sixteenth session), and issued after barrier 2 they no longer
+ * compete with any block's top-k loads. Measured on an H200, decode through the daemon
+ * (seventeenth session, docs/performance.md): 25.4-25.5 against 26.0-26.1 us; issued by the
+ * same warps right after their own routing, 26.3-26.4 us. A hint: nothing reads what it does,
+ * and it reads only bytes the copy reads. */
+#ifndef DS_PREFETCH
+#define DS_PREFETCH 1
+#endif
+static __device__ __forceinline__ void ds_prefetch_rows(const struct epd_k_dispatch_args &a,
+                                                        const struct epd_k_dispatch_rank *sranks,
+                                                        const struct ds_src *srcs, uint32_t nl,
+                                                        uint32_t slots, uint32_t slices,
+                                                        uint32_t ncc, uint32_t cc, uint32_t C,
+                                                        uint32_t cr, uint32_t G, uint32_t n,
+                                                        uint32_t warp, uint32_t lane)
+{
+        const uint32_t R = a.world_size;
+        if (warp < R || warp >= DS_WARPS - 1 || lane > 1)
+                return;
+        for (uint32_t j = warp - R; j < slots; j += DS_WARPS - 1 - R) {
+                const uint32_t g = ds_item_token(j * slices, slices, ncc, cc, C, cr, G, n);
+                if (g == UINT32_MAX)
+                        continue;
+                const uint32_t i = ds_source_of(srcs, nl, g), t = g - srcs[i].offset;
+                if (srcs[i].num_tokens > a.max_tokens)
+                        continue;
+                const struct epd_k_dispatch_rank *src = &sranks[srcs[i].rank];
+                if (lane == 0)
+                        epd__k_prefetch_l2_bulk(src->x.ptr + (uint64_t)t * src->x.stride,
+                                                a.row_bytes);
+                else if (a.scale_bytes != 0 && src->scales.ptr != NULL)
+                        epd__k_prefetch_l2_bulk(src->scales.ptr + (uint64_t)t * src->scales.stride,
+                                                a.scale_bytes);
+        }
 }
 
 /* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
@@ -439,6 +487,9 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         }
         cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in place */
         DS_STAMP(2);
+        if (DS_PREFETCH && (c != 0 || !skip0))
+                ds_prefetch_rows(a, sranks, srcs, nl, slots, slices, ncc, cc, C, cr, G, n, warp,
+                                 lane);
 
         /* 2: the scan, reading each group's counts from the block that owns it, and the
          * cluster's bad key. Warp d scans destination d's column over every group (a lane per

@@ -187,6 +187,20 @@ static __device__ __forceinline__ int4 epd__k_ldg_evict_first(const int4 *p)
             : "l"(p), "l"(policy));
         return v;
 }
+/* Asks the L2 to fetch [p, p + bytes) from memory, through the bulk-copy engine: one instruction
+ * for the whole range, no register or shared memory written, nothing to wait for. The range is
+ * shrunk to 16-byte boundaries inside it (the instruction's rule), so it never touches a byte
+ * outside [p, p + bytes). A hint: it changes what the L2 holds, never what anything reads. */
+static __device__ __forceinline__ void epd__k_prefetch_l2_bulk(const void *p, uint64_t bytes)
+{
+        const uint64_t a0 = ((uint64_t)(uintptr_t)p + 15) & ~15ull;
+        const uint64_t a1 = ((uint64_t)(uintptr_t)p + bytes) & ~15ull;
+        if (a1 > a0)
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
+                             :
+                             : "l"(a0), "r"((uint32_t)min(a1 - a0, (uint64_t)1 << 30))
+                             : "memory");
+}
 static __device__ __forceinline__ unsigned short epd__k_ldg(const unsigned short *p)
 {
         return __ldg(p);
