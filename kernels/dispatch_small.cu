@@ -216,9 +216,9 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
  * global accesses, so the scan's reads of its peers' shared memory do not wait behind them (loads
  * or cp.async issued there did, sixteenth session), and issued after barrier 2 they no longer
  * compete with any block's top-k loads. Measured on an H200, decode through the daemon
- * (seventeenth session, docs/performance.md): 25.4-25.5 against 26.0-26.1 us; issued by the
- * same warps right after their own routing, 26.3-26.4 us. A hint: nothing reads what it does,
- * and it reads only bytes the copy reads. */
+ * (seventeenth session, docs/performance.md): 25.1-25.6 us in five calls against 26.0-26.1 us
+ * without it; issued by the same warps right after their own routing, 26.3-26.4 us. A hint:
+ * nothing reads what it does, and it reads only bytes the copy reads. */
 #ifndef DS_PREFETCH
 #define DS_PREFETCH 1
 #endif
