@@ -190,7 +190,8 @@ static __device__ __forceinline__ int4 epd__k_ldg_evict_first(const int4 *p)
 /* Asks the L2 to fetch [p, p + bytes) from memory, through the bulk-copy engine: one instruction
  * for the whole range, no register or shared memory written, nothing to wait for. The range is
  * shrunk to 16-byte boundaries inside it (the instruction's rule), so it never touches a byte
- * outside [p, p + bytes). A hint: it changes what the L2 holds, never what anything reads. */
+ * outside [p, p + bytes), and to its first GiB. A hint: it changes what the L2 holds, never what
+ * anything reads. */
 static __device__ __forceinline__ void epd__k_prefetch_l2_bulk(const void *p, uint64_t bytes)
 {
         const uint64_t a0 = ((uint64_t)(uintptr_t)p + 15) & ~15ull;
