@@ -216,6 +216,62 @@ extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
 }
 #endif
 
+/* Work sharing inside a block (COMBINE_STEAL, small ops on the 16-byte path). A token's warp
+ * ends about 1 us later per contribution (3 contributions 21 us, 8 contributions 26-28.6 us in
+ * Fresh mode on an H200), so the warps of the heaviest tokens ran alone at the end of the
+ * kernel, with far fewer loads in flight than the DRAM can serve. Here a step (one pass of a warp
+ * over 32 * COMBINE_VEC vectors of an item, every contribution of it) is the unit of work:
+ * each warp publishes its item (its lanes' rows and weights, the mask, the outputs and the step
+ * range) in the block's shared memory, claims its own steps one at a time with a shared-memory
+ * atomic, and once its item has none left claims steps of the item of the block with the most
+ * left. A step is still computed by one warp, each output value by one lane with the same
+ * operations in the same order, so the bits do not depend on which warp took it.
+ *
+ * Memory ordering: the item's fields are written by its warp before its ready flag, with
+ * __threadfence_block() between (a block-scope release); a warp reads the flag (volatile) and
+ * then __threadfence_block() before the fields (acquire): block scope, since only warps of the
+ * block read them. The claims are atomicAdd on shared memory, so each step has one owner, and
+ * each output element one writer. The block barrier at the end of a round keeps a round's
+ * fields in place until no warp of the block can still be reading them. */
+#ifndef COMBINE_STEAL
+#define COMBINE_STEAL 0
+#endif
+#if COMBINE_STEAL
+#define COMBINE_STEAL_WARPS (COMBINE_THREADS / 32)
+struct comb_item {
+        const uint8_t *row[32];
+        float weight[32];
+        const uint8_t *bias0, *bias1;
+        uint8_t *out;
+        uint32_t mask, v0, v1, steps;
+        int next;     /* the next unclaimed step (claims may run past steps) */
+        int ready;    /* 1 once the fields above are in place for this round */
+};
+
+/* Step `step` of an item on the 16-byte path: vectors [v0 + step * U, min(v1, ... + U)). */
+template <bool STREAM>
+static __device__ __forceinline__ void comb_step(const uint8_t *my_row, uint32_t mask,
+                                                 float my_weight, int weighted,
+                                                 const uint8_t *bias0, const uint8_t *bias1,
+                                                 uint8_t *out, uint32_t v0, uint32_t v1,
+                                                 uint32_t step, uint32_t lane)
+{
+        const uint32_t a = v0 + step * 32 * COMBINE_VEC;
+        combine_vec<STREAM>(my_row, mask, my_weight, weighted, bias0, bias1, out, a,
+                            min(v1, a + 32 * COMBINE_VEC), lane);
+}
+
+/* Claims one step of item it for the calling warp: the step, or -1 when none is left. */
+static __device__ __forceinline__ int comb_claim(struct comb_item *it, uint32_t lane)
+{
+        int s = 0;
+        if (lane == 0)
+                s = atomicAdd(&it->next, 1);
+        s = __shfl_sync(EPD_K_FULL_MASK, s, 0);
+        return (uint32_t)s < it->steps ? s : -1;
+}
+#endif
+
 /* Grid-stride over work items, a warp per item: item = (token, slice), where a slice is
  * slice_values consecutive hidden values (the last one shorter) and a token has `slices` of
  * them (1 for large ops; more when the op has too few tokens to fill the GPU, so that small ops
@@ -255,6 +311,146 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
 #ifdef DS_TRACE
         uint64_t tr_entry = epd_globaltimer_ns(), tr_ws = 0;
         uint32_t tr_info = 0, tr_items = 0;
+#endif
+#if COMBINE_STEAL
+        __shared__ struct comb_item sitem[COMBINE_STEAL_WARPS];
+        const uint32_t wib = threadIdx.x / 32;
+        const int steal = STREAM && blockDim.x == COMBINE_THREADS; /* grid-uniform */
+        /* Rounds: each warp takes at most one item per round, as in the plain grid-stride loop;
+         * the block's warps share the round's steps. */
+        const uint64_t first = (uint64_t)blockIdx.x * (blockDim.x / 32);
+        struct comb_item *mine = &sitem[wib];
+        if (steal) {
+                if (lane == 0) {
+                        mine->ready = 0;
+                        mine->steps = 0;
+                        mine->next = 0;
+                }
+                __syncthreads();
+        }
+        for (uint64_t round = 0; steal && first + round * warps < items; round++) {
+                const uint64_t item = warp + round * warps;
+                if (item < items) {
+                        const uint64_t g = item / slices;
+                        const uint32_t slice = (uint32_t)(item % slices);
+                        const uint32_t h0 = slice * slice_values;
+                        const uint32_t h1 = min(a.hidden, h0 + slice_values);
+                        const uint32_t i = epd__k_find_local(local, a.num_local, (uint32_t)g);
+                        const uint32_t s = local[i].rank, t = (uint32_t)g - local[i].token_offset;
+                        const struct epd_k_combine_rank *me = &ranks[s];
+                        const uint64_t ent = epd_ws_entry(&l, s, t, K, 0);
+                        int32_t expert = -1, row = -1;
+                        float weight = 0.0f;
+                        if (lane < K) {
+                                expert = epd_ws_i32(ws, l.topk)[ent + lane];
+                                row = epd_ws_i32(ws, l.row)[ent + lane];
+                                if (a.has_weights)
+                                        weight = epd_ws_f32(ws, l.weights)[ent + lane];
+                                if (slice == 0 && a.has_weights &&
+                                    me->combined_topk_weights.ptr != NULL)
+                                        ((float *)mat_row(&me->combined_topk_weights, t))[lane] =
+                                                expert >= 0 ? weight : 0.0f;
+                        }
+                        const uint8_t *my_row = NULL;
+                        if (row >= 0) {
+                                const struct epd_k_combine_rank *d =
+                                        &ranks[epd_route_expert_rank(expert, L)];
+                                if ((uint64_t)row < d->y_rows)
+                                        my_row = d->y.ptr + (uint64_t)row * d->y.stride;
+                                else
+                                        row = -1;
+                        }
+                        const uint32_t mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
+#ifdef DS_TRACE
+                        if (tr_ws == 0)
+                                tr_ws = epd_globaltimer_ns();
+                        tr_items++;
+                        tr_info = __popc(mask) | slice << 8;
+#endif
+                        const uint8_t *bias0 = mat_row(&me->bias[0], t);
+                        const uint8_t *bias1 = mat_row(&me->bias[1], t);
+                        uint8_t *out = (uint8_t *)mat_row(&me->combined, t);
+                        const uint32_t bits =
+                                __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)my_row) |
+                                (uint32_t)(uintptr_t)bias0 | (uint32_t)(uintptr_t)bias1 |
+                                (uint32_t)(uintptr_t)out | (a.hidden * 2u);
+                        if (out != NULL && (bits & 15) != 0) {
+                                /* Not on the 16-byte path: this warp does the item alone. */
+                                combine_scalar(my_row, mask, weight, a.apply_weights, bias0,
+                                               bias1, out, h0, h1, lane);
+                        } else if (out != NULL) {
+                                /* Published: the fields, each lane's fence, the warp's
+                                 * barrier, then the flag (a block-scope release). */
+                                mine->row[lane] = my_row;
+                                mine->weight[lane] = weight;
+                                if (lane == 0) {
+                                        mine->bias0 = bias0;
+                                        mine->bias1 = bias1;
+                                        mine->out = out;
+                                        mine->mask = mask;
+                                        mine->v0 = h0 / 8;
+                                        mine->v1 = h1 / 8;
+                                        mine->steps = (h1 / 8 - h0 / 8 + 32 * COMBINE_VEC - 1) /
+                                                      (32 * COMBINE_VEC);
+                                }
+                                __threadfence_block();
+                                __syncwarp();
+                                if (lane == 0)
+                                        *(volatile int *)&mine->ready = 1;
+                                __syncwarp();
+                        }
+                }
+                /* Steps: this warp's item first, then the block's item with the most left. */
+                for (;;) {
+                        int left = -1;
+                        if (lane < COMBINE_STEAL_WARPS) {
+                                struct comb_item *o = &sitem[lane];
+                                if (*(volatile int *)&o->ready) {
+                                        __threadfence_block(); /* acquire: the flag, then the
+                                                                * fields */
+                                        left = (int)o->steps - *(volatile int *)&o->next;
+                                }
+                        }
+                        const int own = __shfl_sync(EPD_K_FULL_MASK, left, wib);
+                        const int most = __reduce_max_sync(EPD_K_FULL_MASK, left);
+                        if (most <= 0)
+                                break;
+                        const uint32_t from =
+                                own > 0 ? wib
+                                        : __ffs(__ballot_sync(EPD_K_FULL_MASK, left == most)) - 1;
+                        struct comb_item *o = &sitem[from];
+                        const uint8_t *orow = o->row[lane];
+                        const float ow = o->weight[lane];
+                        const uint32_t omask = o->mask, ov0 = o->v0, ov1 = o->v1;
+                        for (int st; (st = comb_claim(o, lane)) >= 0;)
+                                comb_step<STREAM>(orow, omask, ow, a.apply_weights, o->bias0,
+                                                  o->bias1, o->out, ov0, ov1, (uint32_t)st,
+                                                  lane);
+                }
+                if (first + (round + 1) * warps >= items) /* block-uniform: the last round */
+                        break;
+                __syncthreads(); /* no warp reads this round's fields any more */
+                if (lane == 0) {
+                        mine->ready = 0;
+                        mine->steps = 0;
+                        mine->next = 0;
+                }
+                __syncthreads(); /* cleared before any warp publishes or looks */
+        }
+        if (steal) {
+#ifdef DS_TRACE
+                if (lane == 0 && warp < CB_TRACE_WARPS) {
+                        uint32_t smid;
+                        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+                        cb_trace[warp * 4 + 0] = tr_entry;
+                        cb_trace[warp * 4 + 1] = tr_ws;
+                        cb_trace[warp * 4 + 2] = epd_globaltimer_ns();
+                        cb_trace[warp * 4 + 3] = tr_info | (uint64_t)min(tr_items, 255u) << 16 |
+                                                 (uint64_t)smid << 24;
+                }
+#endif
+                return;
+        }
 #endif
         for (uint64_t item = warp; item < items; item += warps) {
                 const uint64_t g = item / slices;

@@ -254,10 +254,10 @@ static __device__ __forceinline__ void ds_prefetch_rows(const struct epd_k_dispa
  * device array, DS_TRACE_STAMPS per block, which epd_k_ds_trace copies out. Stamps: 0 entry,
  * 11 setup done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 7 scan done, 3 barrier
  * 3 (arrived, or in cluster 0 passed), 4 copy start, 5 copy end; cluster 0: 8 rank_prefix
- * stored, 9 verdict, 10 expert counts; 16 the last warp past barrier 3's arrival, 17 the last
- * warp at the block barrier before the copy (both the latest over the block's warps). Slots 13
- * to 15 hold numbers, not times: the rows and the items the block copied, and the
- * multiprocessor it ran on. */
+ * stored, 9 verdict, 10 expert counts; 16 the last warp past barrier 3's arrival, 18 the last
+ * warp past the workspace entries, 17 the last warp at the block barrier before the copy (each
+ * the latest over the block's warps). Slots 13 to 15 hold numbers, not times: the rows and the
+ * items the block copied, and the multiprocessor it ran on. */
 #ifdef DS_TRACE
 #define DS_TRACE_BLOCKS 1024
 #define DS_TRACE_STAMPS 32
@@ -376,9 +376,10 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
 #ifdef DS_TRACE
         __shared__ uint32_t trace_rows, trace_items; /* this block's copy: stamps 13 and 14 */
         __shared__ unsigned long long trace_arrived, trace_synced; /* stamps 16 and 17 */
+        __shared__ unsigned long long trace_entries; /* stamp 18 */
         if (threadIdx.x == 0) { /* before the setup's __syncthreads() */
                 trace_rows = trace_items = 0;
-                trace_arrived = trace_synced = 0;
+                trace_arrived = trace_synced = trace_entries = 0;
         }
 #endif
         cg::cluster_group cluster = cg::this_cluster();
@@ -592,6 +593,11 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
 
+#ifdef DS_TRACE
+        if (lane == 0)
+                atomicMax(&trace_entries, (unsigned long long)epd_globaltimer_ns());
+#endif
+
         /* 3: the workspace's counts and the verdict, by cluster 0. */
         const int ok = bad_all == ~0ull && num_short == 0;
         if (c == 0 && cr == 0) {
@@ -651,6 +657,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS) {
                 ds_trace[blockIdx.x * DS_TRACE_STAMPS + 16] = trace_arrived;
                 ds_trace[blockIdx.x * DS_TRACE_STAMPS + 17] = trace_synced;
+                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 18] = trace_entries;
         }
 #endif
         if (c == 0 && skip0)

@@ -1735,8 +1735,14 @@ static int report_timing(struct ctx *x, double ceiling)
                         const uint64_t s4 = st[b * TS + 4], s5 = st[b * TS + 5];
                         if (s4 < t0 || s5 < t0 || s5 - t0 > TRACE_WINDOW_NS)
                                 continue;
-                        printf("    trace block %d: copy %llu .. %llu ns, %llu rows, %llu items, "
-                               "SM %llu\n", b, (unsigned long long)(s4 - t0),
+                        const uint64_t s3 = st[b * TS + 3], s16 = st[b * TS + 16],
+                                       s17 = st[b * TS + 17], s18 = st[b * TS + 18];
+                        printf("    trace block %d: arrived %lld, last warp arrived %lld, "
+                               "entries %lld, at the copy's barrier %lld, copy %llu .. %llu ns, "
+                               "%llu rows, %llu items, SM %llu\n",
+                               b, (long long)(s3 - t0), (long long)(s16 - t0),
+                               (long long)(s18 - t0), (long long)(s17 - t0),
+                               (unsigned long long)(s4 - t0),
                                (unsigned long long)(s5 - t0),
                                (unsigned long long)st[b * TS + 13],
                                (unsigned long long)st[b * TS + 14],
