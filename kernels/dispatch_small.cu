@@ -575,44 +575,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                  * flight together. */
                 const uint64_t ent = epd_ws_entry(&l, srcs[i].rank, t, K, 0);
                 int32_t *wtopk = epd_ws_i32(ws, l.topk) + ent, *wrow = epd_ws_i32(ws, l.row) + ent;
-#ifndef DS_ILP
-#define DS_ILP 0
-#endif
-                if constexpr (KMAX != 0 && DS_ILP != 0) {
-                        int32_t ev[KMAX ? KMAX : 1], rv[KMAX ? KMAX : 1];
-#pragma unroll
-                        for (uint32_t k = 0; k < KMAX; k++) {
-                                const int32_t v = k < K ? nsm[k] : -1;
-                                const uint32_t d = (uint32_t)v >> 16;
-                                ev[k] = v >= 0 ? v & 0xffff : -1;
-                                rv[k] = k < K && ((first >> k) & 1)
-                                                ? wpre[q * R + d] + __popc(wbal[q * R + d] & below)
-                                                : -1;
-                        }
-#pragma unroll
-                        for (uint32_t k = 0; k < KMAX; k++)
-                                if (k < K) {
-                                        sexp[slot * K + k] = ev[k];
-                                        srow[slot * K + k] = rv[k];
-                                }
-                        if (DS_ILP == 2 && K == KMAX && KMAX % 4 == 0 &&
-                            (((uintptr_t)wtopk | (uintptr_t)wrow) & 15) == 0) {
-#pragma unroll
-                                for (uint32_t k = 0; k < KMAX; k += 4) {
-                                        *(int4 *)(wtopk + k) =
-                                                make_int4(ev[k], ev[k + 1], ev[k + 2], ev[k + 3]);
-                                        *(int4 *)(wrow + k) =
-                                                make_int4(rv[k], rv[k + 1], rv[k + 2], rv[k + 3]);
-                                }
-                        } else {
-#pragma unroll
-                                for (uint32_t k = 0; k < KMAX; k++)
-                                        if (k < K) {
-                                                wtopk[k] = ev[k];
-                                                wrow[k] = rv[k];
-                                        }
-                        }
-                } else {
 #pragma unroll
                 for (uint32_t k = 0; k < (KMAX ? KMAX : K); k++) {
                         if (KMAX && k >= K)
@@ -628,7 +590,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         srow[slot * K + k] = r;
                         wtopk[k] = e;
                         wrow[k] = r;
-                }
                 }
         }
 
