@@ -32,8 +32,8 @@
  *      of earlier flat tokens going to d (SEMANTICS.md 2.1: ascending source, then token), the
  *      totals are each destination's rows. Each thread then knows its token's rows; in cluster
  *      0 the first token of each source stores the prefixes (rank_prefix) into block 0.
- *   3. The workspace: each copied token's topk and rows (by the thread that routed it, in the
- *      cluster that copies it); rank_prefix, tok_count and the verdict (block 0 of cluster 0);
+ *   3. The workspace: each copied token's topk and rows (by the lanes of the warp that routed
+ *      it, a position each, in the cluster that copies it); rank_prefix, tok_count and the verdict (block 0 of cluster 0);
  *      destination d's expert counts, aligned counts, bases and per-source prefixes (block d % C
  *      of cluster 0). So the workspace ends up as after count + prefix + place, and combine and
  *      cached dispatch follow unchanged (tests/gpu compares every array they read). chunk_count,
@@ -51,7 +51,10 @@
  *      (copy_token_rows; fourteenth session).
  *
  * Memory ordering. Every rank's descriptor is copied into the block's shared memory (sranks) by the
- * whole block before the setup's __syncthreads(); the copy reads it from there. Inside a cluster,
+ * whole block before the setup's __syncthreads(); the copy reads it from there. In phase 3 a lane
+ * reads the routing row (nsm) that another lane of its warp wrote in phase 1, and the prefixes
+ * (wpre) the scanning warps wrote in phase 2: both were written before the __syncthreads() that
+ * ends the scan, and read after it. Inside a cluster,
  * shared memory written before a cluster.sync() (barrier.cluster arrive.release / wait.acquire,
  * cluster scope) is visible to every block of the cluster after it: the zeroed histogram before a
  * peer adds to it (barrier 1), the group counts, bad keys and histogram before they are read
@@ -563,33 +566,38 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 atomicMax(&trace_arrived, (unsigned long long)epd_globaltimer_ns());
 #endif
 
-        /* This thread's token, when this cluster copies it: its rows, slot and workspace
-         * entries. */
+        /* The workspace entries and the slot rows of the tokens this cluster copies, a warp per
+         * token of its own (those of its lanes whose token this cluster copies: mine), lane k
+         * taking position k. A first position's row: the destination's rows before group q,
+         * plus the group's earlier lanes going there (the phase-1 ballot, this block's own).
+         * One lane per token, looping over its positions, kept a warp about 1.1 us here (the
+         * last warp of a block past barrier 3's arrival at 5.8-6.0 us, past this pass at
+         * 6.9-7.2 us, Fresh-mode trace on an H200) for a few dozen instructions in one dependent
+         * chain, whatever the order of its loads and stores; spread over the lanes, 0.7 us,
+         * and decode dispatch through the daemon took 24.67-24.83 us against 25.22-25.86 us
+         * (eighteenth session, docs/performance.md). */
         const uint32_t jb = warp * 32 + lane; /* the token's index among this block's */
         const int mine = valid && (c != 0 || !skip0) && jb % ncc == cc;
-        const uint32_t slot = jb / ncc;
-        if (mine) {
-                /* A first position's row: the destination's rows before group q, plus the
-                 * group's earlier lanes going there (the phase-1 ballot, this block's own).
-                 * Unrolled for K_op <= KMAX, so that the positions' shared-memory loads are in
-                 * flight together. */
-                const uint64_t ent = epd_ws_entry(&l, srcs[i].rank, t, K, 0);
-                int32_t *wtopk = epd_ws_i32(ws, l.topk) + ent, *wrow = epd_ws_i32(ws, l.row) + ent;
-#pragma unroll
-                for (uint32_t k = 0; k < (KMAX ? KMAX : K); k++) {
-                        if (KMAX && k >= K)
-                                break;
-                        const int32_t v = nsm[k];
+        for (uint32_t mm = __ballot_sync(EPD_K_FULL_MASK, mine); mm != 0; mm &= mm - 1) {
+                const uint32_t o = __ffs(mm) - 1; /* the token's lane */
+                const uint32_t oi = __shfl_sync(EPD_K_FULL_MASK, i, o);
+                const uint32_t ot = __shfl_sync(EPD_K_FULL_MASK, t, o);
+                const uint32_t ofirst = __shfl_sync(EPD_K_FULL_MASK, first, o);
+                const uint32_t oslot = (warp * 32 + o) / ncc, obelow = (1u << o) - 1;
+                const int32_t *onsm = smem + m.nrow + (warp * 32 + o) * small_row_stride(K);
+                const uint64_t ent = epd_ws_entry(&l, srcs[oi].rank, ot, K, 0);
+                for (uint32_t k = lane; k < K; k += 32) {
+                        const int32_t v = onsm[k];
                         const uint32_t d = (uint32_t)v >> 16;
                         const int32_t e = v >= 0 ? v & 0xffff : -1;
-                        const int32_t r = (first >> k) & 1 ? wpre[q * R + d] +
-                                                                     __popc(wbal[q * R + d] &
-                                                                            below)
-                                                           : -1;
-                        sexp[slot * K + k] = e;
-                        srow[slot * K + k] = r;
-                        wtopk[k] = e;
-                        wrow[k] = r;
+                        const int32_t r = (ofirst >> k) & 1 ? wpre[q * R + d] +
+                                                                      __popc(wbal[q * R + d] &
+                                                                             obelow)
+                                                            : -1;
+                        sexp[oslot * K + k] = e;
+                        srow[oslot * K + k] = r;
+                        epd_ws_i32(ws, l.topk)[ent + k] = e;
+                        epd_ws_i32(ws, l.row)[ent + k] = r;
                 }
         }
 
