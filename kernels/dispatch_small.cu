@@ -33,12 +33,12 @@
  *      totals are each destination's rows. Each thread then knows its token's rows; in cluster
  *      0 the first token of each source stores the prefixes (rank_prefix) into block 0.
  *   3. The workspace: each copied token's topk and rows (by the lanes of the warp that routed
- *      it, a position each, in the cluster that copies it); rank_prefix, tok_count and the verdict (block 0 of cluster 0);
- *      destination d's expert counts, aligned counts, bases and per-source prefixes (block d % C
- *      of cluster 0). So the workspace ends up as after count + prefix + place, and combine and
- *      cached dispatch follow unchanged (tests/gpu compares every array they read). chunk_count,
- *      chunk_base, `local` and the error records of chunks without an error are not written:
- *      nothing after place reads them.
+ *      it, a position each, in the cluster that copies it); rank_prefix, tok_count and the
+ *      verdict (block 0 of cluster 0); destination d's expert counts, aligned counts, bases and
+ *      per-source prefixes (block d % C of cluster 0). So the workspace ends up as after count +
+ *      prefix + place, and combine and cached dispatch follow unchanged (tests/gpu compares
+ *      every array they read). chunk_count, chunk_base, `local` and the error records of chunks
+ *      without an error are not written: nothing after place reads them.
  *      Meanwhile the warps that do not scan ask the L2 for the source rows this block copies
  *      (ds_prefetch_rows).
  *   4. If the op is valid and fits, the block's warps copy the tokens it owns, a (token, slice)
