@@ -216,64 +216,6 @@ extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
 }
 #endif
 
-#ifndef COMBINE_PF_STEPS
-#define COMBINE_PF_STEPS 0
-#endif
-#ifndef COMBINE_PF_AT
-#define COMBINE_PF_AT 0
-#endif
-/* Experiment: L2 prefetch of the first COMBINE_PF_STEPS steps of every slice of every y row,
- * issued before the workspace entries return (the rows of a one-device small op are exactly
- * rows [0, y_rows) of each rank). */
-template <bool STREAM>
-static __device__ __forceinline__ void combine_prefetch(const struct epd_k_combine_args &a,
-                                                        const struct epd_k_combine_rank *ranks,
-                                                        uint32_t slices, uint32_t slice_values,
-                                                        uint64_t warp, uint64_t warps,
-                                                        uint32_t lane)
-{
-        if (!STREAM || COMBINE_PF_STEPS == 0 || a.num_local != a.world_size)
-                return;
-        const uint32_t R = a.world_size;
-        uint64_t total = 0;
-#ifndef COMBINE_PF_ROWS
-#define COMBINE_PF_ROWS 0xffffffffu
-#endif
-#ifndef COMBINE_PF_LINES
-#define COMBINE_PF_LINES 0
-#endif
-        const uint64_t per_row = COMBINE_PF_LINES
-                                         ? (uint64_t)slices * (COMBINE_PF_STEPS * COMBINE_SLICE_UNIT * 2 / 128)
-                                         : slices;
-        for (uint32_t d = 0; d < R; d++)
-                total += min(ranks[d].y_rows, (uint64_t)COMBINE_PF_ROWS) * per_row;
-        for (uint64_t j = warp + (uint64_t)lane * warps; j < total; j += 32 * warps) {
-                uint64_t x = j;
-                uint32_t d = 0;
-                while (x >= min(ranks[d].y_rows, (uint64_t)COMBINE_PF_ROWS) * per_row) {
-                        x -= min(ranks[d].y_rows, (uint64_t)COMBINE_PF_ROWS) * per_row;
-                        d++;
-                }
-#if COMBINE_PF_LINES
-                /* x counts 128-byte lines: PF_STEPS steps of 8 lines per slice */
-                const uint32_t lps = COMBINE_PF_STEPS * COMBINE_SLICE_UNIT * 2 / 128;
-                const uint64_t row = x / (slices * lps);
-                const uint32_t sl = (uint32_t)(x / lps % slices), ln = (uint32_t)(x % lps);
-                const uint32_t off = sl * slice_values * 2 + ln * 128;
-                if (off < a.hidden * 2)
-                        asm volatile("prefetch.global.L2 [%0];" ::"l"(ranks[d].y.ptr +
-                                                                      row * ranks[d].y.stride +
-                                                                      off));
-#else
-                const uint64_t row = x / slices;
-                const uint32_t off = (uint32_t)(x % slices) * slice_values * 2;
-                const uint32_t len = min(COMBINE_PF_STEPS * COMBINE_SLICE_UNIT * 2,
-                                         a.hidden * 2 - off);
-                epd__k_prefetch_l2_bulk(ranks[d].y.ptr + row * ranks[d].y.stride + off, len);
-#endif
-        }
-}
-
 /* Grid-stride over work items, a warp per item: item = (token, slice), where a slice is
  * slice_values consecutive hidden values (the last one shorter) and a token has `slices` of
  * them (1 for large ops; more when the op has too few tokens to fill the GPU, so that small ops
@@ -314,8 +256,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
         uint64_t tr_entry = epd_globaltimer_ns(), tr_ws = 0;
         uint32_t tr_info = 0, tr_items = 0;
 #endif
-        if (COMBINE_PF_AT == 0)
-                combine_prefetch<STREAM>(a, ranks, slices, slice_values, warp, warps, lane);
         for (uint64_t item = warp; item < items; item += warps) {
                 const uint64_t g = item / slices;
                 const uint32_t slice = (uint32_t)(item % slices);
@@ -333,11 +273,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         row = epd_ws_i32(ws, l.row)[ent + lane];
                         if (a.has_weights)
                                 weight = epd_ws_f32(ws, l.weights)[ent + lane];
-                }
-                if (COMBINE_PF_AT == 1 && item == warp)
-                        combine_prefetch<STREAM>(a, ranks, slices, slice_values, warp, warps,
-                                                 lane);
-                if (lane < K) {
                         /* The dispatch's weights, masked to 0.0f where topk_idx held -1;
                          * nothing to route back when the dispatch carried none. */
                         if (slice == 0 && a.has_weights && me->combined_topk_weights.ptr != NULL)
@@ -414,12 +349,8 @@ static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws
                 return ret;
         g->slice_values = (uint32_t)slice_values;
         const uint64_t items = (uint64_t)args->local_tokens * g->slices;
-#ifndef COMBINE_STREAM_TOKENS
-#define COMBINE_STREAM_TOKENS 0
-#endif
-        const void *kernel = g->slices > 1 || args->local_tokens <= COMBINE_STREAM_TOKENS
-                                     ? (const void *)combine_kernel<true>
-                                     : (const void *)combine_kernel<false>;
+        const void *kernel = g->slices > 1 ? (const void *)combine_kernel<true>
+                                           : (const void *)combine_kernel<false>;
         ret = epd__k_grid_blocks(kernel, COMBINE_THREADS, 0,
                                  (items + warps_per_block - 1) / warps_per_block, &blocks);
         if (ret < 0)
