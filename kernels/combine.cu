@@ -204,7 +204,8 @@ static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_k_mat 
 #ifdef DS_TRACE
 /* Experiments: per warp of the last combine (up to CB_TRACE_WARPS), the global-timer stamps at
  * entry, after its first item's workspace loads and after its last item, and what it did
- * (contributions of its last item | slice << 8 | items << 16 | multiprocessor << 24). */
+ * (contributions of its last item | slice << 8 | items << 16 | multiprocessor << 24 | the ns
+ * from its entry until it had read the parameters its first workspace load depends on << 32). */
 #define CB_TRACE_WARPS 8192
 static __device__ uint64_t cb_trace[CB_TRACE_WARPS * 4];
 
@@ -254,7 +255,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
 
 #ifdef DS_TRACE
         uint64_t tr_entry = epd_globaltimer_ns(), tr_ws = 0;
-        uint32_t tr_info = 0, tr_items = 0;
+        uint32_t tr_info = 0, tr_items = 0, tr_pre = 0;
 #endif
         for (uint64_t item = warp; item < items; item += warps) {
                 const uint64_t g = item / slices;
@@ -265,6 +266,11 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 const uint32_t s = local[i].rank, t = (uint32_t)g - local[i].token_offset;
                 const struct epd_k_combine_rank *me = &ranks[s];
                 const uint64_t ent = epd_ws_entry(&l, s, t, K, 0);
+#ifdef DS_TRACE
+                /* after every parameter the first workspace load depends on */
+                if (tr_pre == 0 && ent != ~0ull)
+                        tr_pre = (uint32_t)(epd_globaltimer_ns() - tr_entry);
+#endif
                 int32_t expert = -1, row = -1;
                 float weight = 0.0f;
 
@@ -320,7 +326,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 cb_trace[warp * 4 + 1] = tr_ws;
                 cb_trace[warp * 4 + 2] = epd_globaltimer_ns();
                 cb_trace[warp * 4 + 3] = tr_info | (uint64_t)min(tr_items, 255u) << 16 |
-                                         (uint64_t)smid << 24;
+                                         (uint64_t)smid << 24 | (uint64_t)tr_pre << 32;
         }
 #endif
 }

@@ -1789,6 +1789,8 @@ static int report_timing(struct ctx *x, double ceiling)
                 double csum[3] = { 0 }, bsum[10] = { 0 };
                 uint64_t cmin[3] = { UINT64_MAX, UINT64_MAX, UINT64_MAX }, cmax[3] = { 0 };
                 int cn = 0, bn[10] = { 0 };
+                double psum = 0;
+                uint64_t pmax = 0;
                 uint64_t bmax[10] = { 0 };
                 for (int w = 0; w < 8192; w++) {
                         const uint64_t *e = &cw[w * 4];
@@ -1801,12 +1803,17 @@ static int report_timing(struct ctx *x, double ceiling)
                                 cmin[q] = v < cmin[q] ? v : cmin[q];
                                 cmax[q] = v > cmax[q] ? v : cmax[q];
                         }
+                        psum += (double)(e[3] >> 32);
+                        pmax = (e[3] >> 32) > pmax ? (e[3] >> 32) : pmax;
                         const int nc = (int)(e[3] & 0xff) % 10;
                         bsum[nc] += (double)(e[2] - c0);
                         bmax[nc] = e[2] - c0 > bmax[nc] ? e[2] - c0 : bmax[nc];
                         bn[nc]++;
                         cn++;
                 }
+                if (cn > 0)
+                        printf("    trace combine parameters read (from the warp's entry): "
+                               "mean %.0f max %llu ns\n", psum / cn, (unsigned long long)pmax);
                 const char *cname[3] = { "entry", "workspace loaded", "end" };
                 for (int q = 0; cn > 0 && q < 3; q++)
                         printf("    trace combine %s: %d warps, min %llu mean %.0f max %llu ns\n",
