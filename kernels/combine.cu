@@ -267,7 +267,8 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 const struct epd_k_combine_rank *me = &ranks[s];
                 const uint64_t ent = epd_ws_entry(&l, s, t, K, 0);
 #ifdef DS_TRACE
-                /* after every parameter the first workspace load depends on */
+                /* after every parameter the first workspace load depends on: the test on
+                 * ent keeps the timer read behind its computation */
                 if (tr_pre == 0 && ent != ~0ull)
                         tr_pre = (uint32_t)(epd_globaltimer_ns() - tr_entry);
 #endif
