@@ -23,11 +23,12 @@
 #ifndef COMBINE_THREADS
 #define COMBINE_THREADS 256
 #endif
-/* Two blocks of 256 threads per multiprocessor (16 warps, at most 128 registers): the next
- * item's workspace entries held across an item (COMBINE_DYN) would take the kernel to 136
- * registers and one block; bound, it needs 124 and spills nothing (trace builds too). */
-#ifndef COMBINE_MIN_BLOCKS
+/* DS_TRACE builds keep the kernel at 16 warps per multiprocessor despite the stamps. */
+#if defined(DS_TRACE) && !defined(COMBINE_MIN_BLOCKS)
 #define COMBINE_MIN_BLOCKS 2
+#endif
+#ifndef COMBINE_MIN_BLOCKS
+#define COMBINE_MIN_BLOCKS 1
 #endif
 #ifndef COMBINE_VEC
 #define COMBINE_VEC 2 /* 16-byte vectors per lane per step: 16 bf16 values */
@@ -216,175 +217,11 @@ extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
 }
 #endif
 
-/* The dynamic schedule of small ops (COMBINE_DYN): the device's work counter ([0]: items claimed
- * past each warp's first, [1]: warps done). A module variable is per device and starts at zero;
- * every kernel that uses it leaves it zero again (its last warp resets it), and the kernels that
- * use it on one device never overlap in time: the daemon issues every kernel of a device on that
- * device's one stream, and so do the tests.
- *
- * Why: a decode combine's DRAM traffic runs at about 90% of the DRAM's peak from its first
- * microseconds to its last ones, then falls over the last 3-4 us while the warps of the heaviest
- * tokens finish alone (Nsight Compute PM sampling, twentieth session). With one warp per
- * (token, half) the warps end 21 to 28 us into the op by their token's contributions. Claiming
- * small items from a counter, each warp works until the whole op has no item left, so the
- * warps end within about one item of each other. */
-/* Measured on an H200 (twentieth session, docs/benchmarks/h200-s20-ab.txt), decode through the
- * daemon: 1 (16 ranges) 42.0-42.1 us, 64 ranges 59.7-59.8, one counter 39.9-41.4, 2-step items
- * 35.9-36.5, 2 (1-step items dealt statically, no claims) 33.6-34.0, against 31.0-31.7 for 0 (the
- * session-start kernel). Every variant is bitwise right (49 of 49 kernel cases) and slower: the
- * tail it removes costs about 2 us, and small items cost more (the DRAM idles between waves of
- * items that start together, and each item re-reads its token's entries). Kept at 0; the
- * experiment is committed for reproduction and taken out in the next commit. */
-#ifndef COMBINE_DYN
-#define COMBINE_DYN 0
-#endif
-/* Steps (32 * COMBINE_VEC vectors of a warp) per item under the dynamic schedule. */
-#ifndef COMBINE_DYN_STEPS
-#define COMBINE_DYN_STEPS 1
-#endif
-/* Counters of the dynamic schedule: the items past the first two of each warp are cut into
- * COMBINE_DYN_RANGES ranges, each with its own counter on its own 256-byte line (so in its own
- * L2 slice, most likely), since the claims on one word from every warp at once were served too
- * slowly: a single counter took decode combine to 40 us with the DRAM idle between waves. A warp
- * claims from range warp % RANGES and moves to the next range once its own is used up. */
-#ifndef COMBINE_DYN_RANGES
-#define COMBINE_DYN_RANGES 16
-#endif
-#define CB_LINE_WORDS 64
-static __device__ uint32_t cb_ctr[COMBINE_DYN_RANGES + 1][CB_LINE_WORDS]; /* [RANGES]: done */
-
-
-/* What an item's warp reads from the workspace before its rows: lane k's top-k position k
- * (expert -1 and row -1 past K). Loaded one item ahead (comb_fetch), so that under the dynamic
- * schedule the next item's entries come back with this item's rows. */
-struct comb_ent {
-        int32_t expert, row;
-        float weight;
-};
-
-static __device__ __forceinline__ void comb_locate(const struct epd_k_combine_args &a,
-                                                   const struct epd_k_local *local, uint64_t g,
-                                                   uint32_t *s, uint32_t *t)
-{
-        const uint32_t i = epd__k_find_local(local, a.num_local, (uint32_t)g);
-        *s = local[i].rank;
-        *t = (uint32_t)g - local[i].token_offset;
-}
-
-static __device__ __forceinline__ struct comb_ent comb_fetch(const struct epd_k_combine_args &a,
-                                                             const struct epd_ws_layout &l,
-                                                             const struct epd_k_local *local,
-                                                             uint64_t g, uint32_t lane,
-                                                             uint32_t *tr_pre, uint64_t tr_entry)
-{
-        const uint32_t K = a.num_topk;
-        const void *ws = (const void *)a.workspace;
-        uint32_t s, t;
-        struct comb_ent e = { -1, -1, 0.0f };
-
-        comb_locate(a, local, g, &s, &t);
-        const uint64_t ent = epd_ws_entry(&l, s, t, K, 0);
-#ifdef DS_TRACE
-        /* after every parameter the first workspace load depends on: the test on ent keeps the
-         * timer read behind its computation */
-        if (*tr_pre == 0 && ent != ~0ull)
-                *tr_pre = (uint32_t)(epd_globaltimer_ns() - tr_entry);
-#endif
-        if (lane < K) {
-                e.expert = epd_ws_i32((void *)ws, l.topk)[ent + lane];
-                e.row = epd_ws_i32((void *)ws, l.row)[ent + lane];
-                if (a.has_weights)
-                        e.weight = epd_ws_f32((void *)ws, l.weights)[ent + lane];
-        }
-        return e;
-}
-
-/* One item (token g, slice) by the calling warp, with its entries e. */
-template <bool STREAM>
-static __device__ __forceinline__ void combine_item(const struct epd_k_combine_args &a,
-                                                    const struct epd_ws_layout &l,
-                                                    const struct epd_k_combine_rank *ranks,
-                                                    const struct epd_k_local *local, uint64_t g,
-                                                    uint32_t slice, uint32_t slice_values,
-                                                    struct comb_ent e, uint32_t lane,
-                                                    uint64_t *tr_ws, uint32_t *tr_info,
-                                                    uint32_t *tr_items)
-{
-        const uint32_t L = l.num_local_experts, K = a.num_topk;
-        const uint32_t h0 = slice * slice_values;
-        const uint32_t h1 = min(a.hidden, h0 + slice_values);
-        uint32_t s, t;
-
-        comb_locate(a, local, g, &s, &t);
-        const struct epd_k_combine_rank *me = &ranks[s];
-        int32_t row = e.row;
-        /* The dispatch's weights, masked to 0.0f where topk_idx held -1; nothing to route back
-         * when the dispatch carried none. */
-        if (lane < K && slice == 0 && a.has_weights && me->combined_topk_weights.ptr != NULL)
-                ((float *)mat_row(&me->combined_topk_weights, t))[lane] =
-                        e.expert >= 0 ? e.weight : 0.0f;
-        /* NON_EXPAND rows are set only at each destination's first position, EXPAND rows at
-         * every selection: a row >= 0 is exactly a contribution. */
-        const uint8_t *my_row = NULL;
-        if (row >= 0) {
-                const struct epd_k_combine_rank *d = &ranks[epd_route_expert_rank(e.expert, L)];
-                if ((uint64_t)row < d->y_rows)
-                        my_row = d->y.ptr + (uint64_t)row * d->y.stride;
-                else
-                        row = -1;
-        }
-        const uint32_t mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
-#ifdef DS_TRACE
-        if (*tr_ws == 0)
-                *tr_ws = epd_globaltimer_ns();
-        (*tr_items)++;
-        *tr_info = __popc(mask) | slice << 8;
-#endif
-        const uint8_t *bias0 = mat_row(&me->bias[0], t);
-        const uint8_t *bias1 = mat_row(&me->bias[1], t);
-        uint8_t *out = (uint8_t *)mat_row(&me->combined, t);
-        if (out == NULL)
-                return;
-        uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)my_row) |
-                        (uint32_t)(uintptr_t)bias0 | (uint32_t)(uintptr_t)bias1 |
-                        (uint32_t)(uintptr_t)out | (a.hidden * 2u);
-        if ((bits & 15) == 0)
-                combine_vec<STREAM>(my_row, mask, e.weight, a.apply_weights, bias0, bias1, out,
-                                    h0 / 8, h1 / 8, lane);
-        else
-                combine_scalar(my_row, mask, e.weight, a.apply_weights, bias0, bias1, out, h0,
-                               h1, lane);
-}
-
-/* Lane 0's claim under the dynamic schedule: the next unclaimed item of range *r, or of the
- * ranges after it once *r is used up (*r moves along); items when every range is used up. The
- * dynamic items are [first, items); range q holds [first + q * len, first + (q + 1) * len). */
-static __device__ __forceinline__ uint64_t comb_claim(uint32_t *r, uint64_t first, uint64_t items)
-{
-        const uint64_t len = (items - first + COMBINE_DYN_RANGES - 1) / COMBINE_DYN_RANGES;
-        for (uint32_t tried = 0; tried < COMBINE_DYN_RANGES; tried++) {
-                const uint64_t lo = first + *r * len;
-                const uint64_t hi = min(items, lo + len);
-                if (lo < hi) {
-                        const uint32_t c = epd_atom_add_relaxed_gpu_u32(&cb_ctr[*r][0], 1u);
-                        if (lo + c < hi)
-                                return lo + c;
-                }
-                *r = (*r + 1) % COMBINE_DYN_RANGES;
-        }
-        return items;
-}
-
-/* Work items, a warp per item: item = (token, slice), where a slice is slice_values consecutive
- * hidden values (the last one shorter) and a token has `slices` of them (1 for large ops; more
- * when the op has too few tokens to fill the GPU, so that small ops keep enough loads in
- * flight). Each output value is still computed by one lane with the same operations in the
- * same order, so the bits do not depend on the slicing or on which warp takes an item.
- *
- * Which warp takes which item: warp w takes item w first. Then, when `dyn` (small ops with more
- * items than warps; COMBINE_DYN), each warp claims its next item from the device's counter
- * (items warps + claim), one claim ahead so that the claim's round trip overlaps the item before
- * it; otherwise items w + warps, w + 2 * warps, ... (grid-stride).
+/* Grid-stride over work items, a warp per item: item = (token, slice), where a slice is
+ * slice_values consecutive hidden values (the last one shorter) and a token has `slices` of
+ * them (1 for large ops; more when the op has too few tokens to fill the GPU, so that small ops
+ * keep enough loads in flight). Each output value is still computed by one lane
+ * with the same operations in the same order, so the bits do not depend on the slicing.
  *
  * STREAM (small ops, those cut into slices): the rows are loaded with the L2 evict-first hint.
  * A small op's rows are read once and are few against the L2, whose other lines (someone's
@@ -397,12 +234,7 @@ static __device__ __forceinline__ uint64_t comb_claim(uint32_t *r, uint64_t firs
  * Memory ordering: everything it reads (the handle's rows, topk and weights; every rank's y;
  * the biases) was written before the launch by kernels or copies that the host orders before it
  * with events, so plain and read-only (epd__k_ldg) loads are correct: nothing written during this
- * kernel is read by it. Each output element has one writer: each item index is handed out once
- * (the counter's claims are atomic; relaxed, since the index is all a claim orders). The counter
- * is put back to zero by the warp whose completion is counted last: every warp's lane 0 makes
- * its last claim, then counts itself done with an acq_rel increment, so the warp that sees the
- * final count acts after every claim of the kernel (.gpu: all of them run on this GPU); the
- * kernel's end publishes the zeros to the next kernel on the stream. */
+ * kernel is read by it. Each output element has one writer. */
 template <bool STREAM>
 static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
         combine_kernel(const __grid_constant__ struct epd_k_combine_args a,
@@ -410,52 +242,82 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                        uint32_t slice_values,
                        const __grid_constant__ struct epd__k_inline<struct epd_k_combine_rank> in)
 {
+        const uint32_t L = l.num_local_experts, K = a.num_topk;
         const uint32_t lane = threadIdx.x % 32;
         const uint64_t warp = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
         const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
         const uint64_t items = (uint64_t)a.local_tokens * slices;
-        /* grid-uniform */
-        const bool dyn = COMBINE_DYN == 1 && STREAM && items > 2 * warps && items < (1ull << 31);
+        void *ws = (void *)a.workspace;
         /* The descriptors: in the parameters when the launcher had host copies (no load from
          * device memory in front of each warp's first contribution), else device memory. */
         const struct epd_k_combine_rank *ranks = epd__k_ranks(in, a.ranks);
         const struct epd_k_local *local = epd__k_locals(in, a.local);
-        uint64_t tr_entry = 0, tr_ws = 0;
-        uint32_t tr_info = 0, tr_items = 0, tr_pre = 0;
+
 #ifdef DS_TRACE
-        tr_entry = epd_globaltimer_ns();
+        uint64_t tr_entry = epd_globaltimer_ns(), tr_ws = 0;
+        uint32_t tr_info = 0, tr_items = 0, tr_pre = 0;
 #endif
-        uint32_t range = (uint32_t)(warp % COMBINE_DYN_RANGES);
-        uint64_t claim = 0; /* lane 0: the item after `next` (claimed ahead) */
-        if (dyn && lane == 0)
-                claim = comb_claim(&range, 2 * warps, items);
-        uint64_t item = warp, next = warp + warps;
-        struct comb_ent cur = { -1, -1, 0.0f }, nx = cur;
-        if (item < items)
-                cur = comb_fetch(a, l, local, item / slices, lane, &tr_pre, tr_entry);
-        while (item < items) {
-                /* the next item's entries, in flight with this item's rows */
-                if (next < items)
-                        nx = comb_fetch(a, l, local, next / slices, lane, &tr_pre, tr_entry);
-                combine_item<STREAM>(a, l, ranks, local, item / slices,
-                                     (uint32_t)(item % slices), slice_values, cur, lane, &tr_ws,
-                                     &tr_info, &tr_items);
-                item = next;
-                cur = nx;
-                if (!dyn) {
-                        next = item + warps;
-                } else if (item < items) {
-                        /* a claim is in flight for the item after this one */
-                        next = __shfl_sync(EPD_K_FULL_MASK, claim, 0);
-                        if (next < items && lane == 0)
-                                claim = comb_claim(&range, 2 * warps, items);
+        for (uint64_t item = warp; item < items; item += warps) {
+                const uint64_t g = item / slices;
+                const uint32_t slice = (uint32_t)(item % slices);
+                const uint32_t h0 = slice * slice_values;
+                const uint32_t h1 = min(a.hidden, h0 + slice_values);
+                const uint32_t i = epd__k_find_local(local, a.num_local, (uint32_t)g);
+                const uint32_t s = local[i].rank, t = (uint32_t)g - local[i].token_offset;
+                const struct epd_k_combine_rank *me = &ranks[s];
+                const uint64_t ent = epd_ws_entry(&l, s, t, K, 0);
+#ifdef DS_TRACE
+                /* after every parameter the first workspace load depends on: the test on
+                 * ent keeps the timer read behind its computation */
+                if (tr_pre == 0 && ent != ~0ull)
+                        tr_pre = (uint32_t)(epd_globaltimer_ns() - tr_entry);
+#endif
+                int32_t expert = -1, row = -1;
+                float weight = 0.0f;
+
+                if (lane < K) {
+                        expert = epd_ws_i32(ws, l.topk)[ent + lane];
+                        row = epd_ws_i32(ws, l.row)[ent + lane];
+                        if (a.has_weights)
+                                weight = epd_ws_f32(ws, l.weights)[ent + lane];
+                        /* The dispatch's weights, masked to 0.0f where topk_idx held -1;
+                         * nothing to route back when the dispatch carried none. */
+                        if (slice == 0 && a.has_weights && me->combined_topk_weights.ptr != NULL)
+                                ((float *)mat_row(&me->combined_topk_weights, t))[lane] =
+                                        expert >= 0 ? weight : 0.0f;
                 }
-        }
-        if (dyn && lane == 0 &&
-            epd_atom_add_acq_rel_gpu_u32(&cb_ctr[COMBINE_DYN_RANGES][0], 1u) ==
-                    (uint32_t)warps - 1) {
-                for (int q = 0; q <= COMBINE_DYN_RANGES; q++)
-                        cb_ctr[q][0] = 0;
+                /* NON_EXPAND rows are set only at each destination's first position, EXPAND rows
+                 * at every selection: a row >= 0 is exactly a contribution. */
+                const uint8_t *my_row = NULL;
+                if (row >= 0) {
+                        const struct epd_k_combine_rank *d =
+                                &ranks[epd_route_expert_rank(expert, L)];
+                        if ((uint64_t)row < d->y_rows)
+                                my_row = d->y.ptr + (uint64_t)row * d->y.stride;
+                        else
+                                row = -1;
+                }
+                const uint32_t mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
+#ifdef DS_TRACE
+                if (tr_ws == 0)
+                        tr_ws = epd_globaltimer_ns();
+                tr_items++;
+                tr_info = __popc(mask) | slice << 8;
+#endif
+                const uint8_t *bias0 = mat_row(&me->bias[0], t);
+                const uint8_t *bias1 = mat_row(&me->bias[1], t);
+                uint8_t *out = (uint8_t *)mat_row(&me->combined, t);
+                if (out == NULL)
+                        continue;
+                uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)my_row) |
+                                (uint32_t)(uintptr_t)bias0 | (uint32_t)(uintptr_t)bias1 |
+                                (uint32_t)(uintptr_t)out | (a.hidden * 2u);
+                if ((bits & 15) == 0)
+                        combine_vec<STREAM>(my_row, mask, weight, a.apply_weights, bias0,
+                                            bias1, out, h0 / 8, h1 / 8, lane);
+                else
+                        combine_scalar(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
+                                       h0, h1, lane);
         }
 #ifdef DS_TRACE
         if (lane == 0 && warp < CB_TRACE_WARPS) {
@@ -467,8 +329,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 cb_trace[warp * 4 + 3] = tr_info | (uint64_t)min(tr_items, 255u) << 16 |
                                          (uint64_t)smid << 24 | (uint64_t)tr_pre << 32;
         }
-#else
-        (void)tr_entry;
 #endif
 }
 
@@ -494,11 +354,6 @@ static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws
                              COMBINE_SLICE_WARPS, &slice_values, &g->slices);
         if (ret < 0)
                 return ret;
-        if (COMBINE_DYN && g->slices > 1 && args->hidden > COMBINE_DYN_STEPS * COMBINE_SLICE_UNIT) {
-                /* A small op under the dynamic schedule: items of COMBINE_DYN_STEPS steps. */
-                slice_values = COMBINE_DYN_STEPS * COMBINE_SLICE_UNIT;
-                g->slices = (uint32_t)((args->hidden + slice_values - 1) / slice_values);
-        }
         g->slice_values = (uint32_t)slice_values;
         const uint64_t items = (uint64_t)args->local_tokens * g->slices;
         const void *kernel = g->slices > 1 ? (const void *)combine_kernel<true>

@@ -124,33 +124,6 @@ static __device__ __forceinline__ void epd_fence_acq_rel_gpu(void)
         asm volatile("fence.acq_rel.gpu;" : : : "memory");
 }
 
-/* ---- counters ---- */
-
-/* A work counter's claim: which index the caller gets is all it orders, so relaxed; .gpu, since
- * every thread that claims from it runs on this GPU (a module variable of this device). */
-static __device__ __forceinline__ uint32_t epd_atom_add_relaxed_gpu_u32(uint32_t *p, uint32_t v)
-{
-        uint32_t old;
-        asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;"
-                     : "=r"(old)
-                     : "l"(p), "r"(v)
-                     : "memory");
-        return old;
-}
-
-/* A completion count: the release half orders the caller's earlier accesses before its
- * increment, the acquire half lets the caller that sees the final count act after everyone's
- * (the increments form one release sequence). */
-static __device__ __forceinline__ uint32_t epd_atom_add_acq_rel_gpu_u32(uint32_t *p, uint32_t v)
-{
-        uint32_t old;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
-                     : "=r"(old)
-                     : "l"(p), "r"(v)
-                     : "memory");
-        return old;
-}
-
 /* ---- bounded waits ---- */
 
 /* Nanoseconds of the GPU's global timer. It ticks coarsely (about a microsecond) but is the same
