@@ -6,8 +6,8 @@
 # Usage: bench/profile-h200.sh OUT_DIR [BUILD_DIR] [STEP...]
 #   OUT_DIR    gets one NAME.log per step and summary.txt
 #   BUILD_DIR  a CUDA build (cmake -DEPD_CUDA=ON -DEPD_STATIC_DEPS=ON); default build-gpu
-#   STEP       any of: inproc alloc ncu-inproc ncu-prefill ncu-decode ncu-writeback
-#              (default: all)
+#   STEP       any of: inproc alloc ncu-inproc ncu-prefill ncu-decode ncu-writeback pm-decode
+#              pm-prefill (default: all)
 #
 # Steps:
 #   inproc       gpu_kernels_test's realistic prefill, decode and prefill-bf16 cases: the kernels on the
@@ -22,6 +22,13 @@
 #                (gpu_kernels_test's time_fresh: 256 MB written before each launch, then the
 #                same after a flush that only reads), with ncu leaving the cache alone
 #                (--cache-control none): what the write-back of the flush's dirty lines adds
+#   pm-decode    Nsight Compute's PM sampling (the PmSampling section: DRAM, L2 and SM activity
+#                per sample, one sample per 1.5 us on an H200) of the decode case's one-launch
+#                dispatch and combine in Fresh mode, as the daemon runs them (the last 21 launches
+#                of each, application replay so that every launch sees the flush before it), printed
+#                by bench/pm_timeline.py: where the DRAM works, and where it waits
+#   pm-prefill   the same for a few launches of the prefill case's copy and combine kernels
+#                (their steady state, against which the decode kernels' body can be read)
 # Each step is bounded by STEP_TIMEOUT seconds (default 120).
 set -u
 
@@ -30,7 +37,7 @@ repo=$(cd "$here/.." && pwd)
 out=${1:?usage: profile-h200.sh OUT_DIR [BUILD_DIR] [STEP...]}
 build=${2:-$repo/build-gpu}
 shift $(( $# >= 2 ? 2 : $# ))
-steps=${*:-inproc alloc ncu-inproc ncu-prefill ncu-decode ncu-writeback}
+steps=${*:-inproc alloc ncu-inproc ncu-prefill ncu-decode ncu-writeback pm-decode pm-prefill}
 iters=${ITERS:-30}
 step_timeout=${STEP_TIMEOUT:-120}
 mkdir -p "$out"
@@ -155,6 +162,25 @@ for name in ("dispatch_small_kernel", "combine_kernel"):
             name, label, med("gpu__time_duration.sum"), med("dram__bytes_read.sum") / 1e6,
             med("dram__bytes_write.sum") / 1e6))
 PY
+                ;;
+        pm-decode|pm-prefill)
+                if [ "$s" = pm-decode ]; then
+                        c=$decode sel=(-k regex:'dispatch_small_kernel|combine_kernel')
+                        kernels="dispatch_small_kernel combine_kernel" last=21
+                else
+                        c=$prefill sel=(-k regex:'copy_kernel|combine_kernel' --launch-count 6)
+                        kernels="copy_kernel combine_kernel" last=0
+                fi
+                step "$s" "$ncu" --clock-control none --cache-control none \
+                        --replay-mode application --section PmSampling "${sel[@]}" \
+                        -o "$out/$s" -f "$bin/gpu_kernels_test" --case "$c"
+                "$ncu" --import "$out/$s.ncu-rep" --page raw --csv --print-metric-instances values \
+                        > "$out/$s-raw.csv" 2> "$out/$s-import.log"
+                for k in $kernels; do
+                        python3 "$here/pm_timeline.py" "$out/$s-raw.csv" "$k" "$last" \
+                                "$s $k$([ "$last" = 0 ] || echo ", the last $last launches")" \
+                                | tee -a "$out/summary.txt"
+                done
                 ;;
         *)
                 echo "profile-h200: unknown step $s" >&2
