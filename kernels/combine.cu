@@ -164,132 +164,6 @@ static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float m
         }
 }
 
-/* Small ops' loads staged in shared memory (COMBINE_ASYNC): each lane copies its own 16-byte
- * pieces of every contribution of a step into its warp's stage with cp.async (LDGSTS, the L2
- * evict-first hint, around L1), COMBINE_ASYNC_STAGES steps in flight, and adds a step once its
- * own copies of it have landed. A step's bytes in flight are then bounded by shared memory, not
- * by registers: the register kernel holds one step (up to 8 contributions of 2 vectors per lane,
- * 121 registers, about 85 KB per multiprocessor at 5.3 contributions), this one STAGES steps of up
- * to 8 contributions of COMBINE_ASYNC_VEC vectors per lane.
- *
- * Memory ordering: a lane reads back only the pieces it copied itself, after cp.async.wait_group
- * has seen its copies of that step complete (the copies of one thread are visible to that thread
- * after its wait), so no barrier is needed between lanes; a stage is rewritten only by the lane
- * that read it, after it read it (program order). */
-/* Measured on an H200 (twentieth session, docs/benchmarks/h200-s20-ab.txt, call 6), decode
- * through the daemon: 3 stages of one vector per lane (12 KB a warp, 16 warps per
- * multiprocessor) 33.5-33.8 us, 2 stages 32.8-32.9 us, against 30.9-31.1 us for the register
- * kernel; bitwise right on all 49 kernel cases. PM sampling shows the same body (72% read + 16%
- * write of the HBM's peak) as the register kernel: more bytes in flight do not raise the DRAM's
- * rate, and the per-step shuffles and shared-memory reads lengthen the start and the tail. Kept
- * at 0; the experiment is committed for reproduction and taken out in the next commit. */
-#ifndef COMBINE_ASYNC
-#define COMBINE_ASYNC 0
-#endif
-#ifndef COMBINE_ASYNC_STAGES
-#define COMBINE_ASYNC_STAGES 3
-#endif
-#ifndef COMBINE_ASYNC_VEC
-#define COMBINE_ASYNC_VEC 1
-#endif
-#define COMBINE_ASYNC_SLOTS 8 /* contributions a stage holds; more fall back to combine_vec */
-/* Dynamic shared memory of one warp. */
-#define COMBINE_ASYNC_WARP_BYTES                                                               \
-        (COMBINE_ASYNC_STAGES * COMBINE_ASYNC_SLOTS * 32 * COMBINE_ASYNC_VEC * 16)
-
-static __device__ __forceinline__ void cb_cp_async16(void *smem, const void *gmem, uint64_t policy)
-{
-        const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
-                     :
-                     : "r"(s), "l"(gmem), "l"(policy)
-                     : "memory");
-}
-
-static __device__ __forceinline__ void cb_cp_commit(void)
-{
-        asm volatile("cp.async.commit_group;" : : : "memory");
-}
-
-static __device__ __forceinline__ void cb_cp_wait_stages(void)
-{
-        asm volatile("cp.async.wait_group %0;" : : "n"(COMBINE_ASYNC_STAGES - 1) : "memory");
-}
-
-/* combine_vec's contract and order of operations, for at most COMBINE_ASYNC_SLOTS
- * contributions; stage is this warp's [STAGES][SLOTS][32 * VEC] int4. */
-static __device__ void combine_async(const uint8_t *my_row, uint32_t mask, float my_weight,
-                                     int weighted, const uint8_t *bias0, const uint8_t *bias1,
-                                     uint8_t *out, uint32_t v0, uint32_t nvec, uint32_t lane,
-                                     int4 *stage)
-{
-        const uint32_t per_step = 32 * COMBINE_ASYNC_VEC;
-        const uint32_t steps = (nvec - v0 + per_step - 1) / per_step;
-        const int n = __popc(mask);
-        uint64_t policy;
-        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-
-        /* Issues step st's copies into its stage (nothing past the last step), then commits a
-         * group either way, so that the wait below always counts STAGES - 1 later groups. */
-        auto issue = [&](uint32_t st) {
-                if (st < steps) {
-                        int4 *dst = stage + (st % COMBINE_ASYNC_STAGES) * COMBINE_ASYNC_SLOTS *
-                                                    per_step;
-                        uint32_t m = mask;
-                        for (int c = 0; c < n; c++) {
-                                const int j = __ffs(m) - 1;
-                                m &= m - 1;
-                                const int4 *p = (const int4 *)__shfl_sync(
-                                        EPD_K_FULL_MASK, (unsigned long long)my_row, j);
-#pragma unroll
-                                for (int u = 0; u < COMBINE_ASYNC_VEC; u++) {
-                                        const uint32_t i = v0 + st * per_step + u * 32 + lane;
-                                        if (i < nvec)
-                                                cb_cp_async16(dst + c * per_step + u * 32 + lane,
-                                                              p + i, policy);
-                                }
-                        }
-                }
-                cb_cp_commit();
-        };
-        for (uint32_t st = 0; st + 1 < COMBINE_ASYNC_STAGES; st++)
-                issue(st);
-        for (uint32_t st = 0; st < steps; st++) {
-                issue(st + COMBINE_ASYNC_STAGES - 1);
-                cb_cp_wait_stages();
-                const int4 *src = stage + (st % COMBINE_ASYNC_STAGES) * COMBINE_ASYNC_SLOTS * per_step;
-#pragma unroll
-                for (int u = 0; u < COMBINE_ASYNC_VEC; u++) {
-                        const uint32_t i = v0 + st * per_step + u * 32 + lane;
-                        float acc[8];
-#pragma unroll
-                        for (int q = 0; q < 8; q++)
-                                acc[q] = 0.0f;
-                        uint32_t m = mask;
-                        for (int c = 0; c < n; c++) {
-                                const int j = __ffs(m) - 1;
-                                m &= m - 1;
-                                const float w = __shfl_sync(EPD_K_FULL_MASK, my_weight, j);
-                                if (i < nvec)
-                                        add_vec(acc, src[c * per_step + u * 32 + lane], weighted, w);
-                        }
-                        if (i >= nvec)
-                                continue;
-                        if (bias0 != NULL)
-                                add_vec(acc, comb_ld<true>((const int4 *)bias0 + i), 0, 0.0f);
-                        if (bias1 != NULL)
-                                add_vec(acc, comb_ld<true>((const int4 *)bias1 + i), 0, 0.0f);
-                        int4 o;
-                        o.x = (int)(to_bf16(acc[0]) | to_bf16(acc[1]) << 16);
-                        o.y = (int)(to_bf16(acc[2]) | to_bf16(acc[3]) << 16);
-                        o.z = (int)(to_bf16(acc[4]) | to_bf16(acc[5]) << 16);
-                        o.w = (int)(to_bf16(acc[6]) | to_bf16(acc[7]) << 16);
-                        ((int4 *)out)[i] = o;
-                }
-        }
-        asm volatile("cp.async.wait_all;" : : : "memory");
-}
-
 /* Any alignment: one bf16 value per lane per step, same order of operations. */
 static __device__ void combine_scalar(const uint8_t *my_row, uint32_t mask, float my_weight,
                                       int weighted, const uint8_t *bias0, const uint8_t *bias1,
@@ -438,14 +312,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)my_row) |
                                 (uint32_t)(uintptr_t)bias0 | (uint32_t)(uintptr_t)bias1 |
                                 (uint32_t)(uintptr_t)out | (a.hidden * 2u);
-                if ((bits & 15) == 0 && COMBINE_ASYNC && STREAM &&
-                    __popc(mask) <= COMBINE_ASYNC_SLOTS) {
-                        extern __shared__ int4 cb_stage[];
-                        combine_async(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
-                                      h0 / 8, h1 / 8, lane,
-                                      cb_stage + threadIdx.x / 32 *
-                                                         (COMBINE_ASYNC_WARP_BYTES / 16));
-                } else if ((bits & 15) == 0)
+                if ((bits & 15) == 0)
                         combine_vec<STREAM>(my_row, mask, weight, a.apply_weights, bias0,
                                             bias1, out, h0 / 8, h1 / 8, lane);
                 else
@@ -491,17 +358,11 @@ static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws
         const uint64_t items = (uint64_t)args->local_tokens * g->slices;
         const void *kernel = g->slices > 1 ? (const void *)combine_kernel<true>
                                            : (const void *)combine_kernel<false>;
-        const size_t smem = COMBINE_ASYNC && g->slices > 1
-                                    ? warps_per_block * (size_t)COMBINE_ASYNC_WARP_BYTES
-                                    : 0;
-        if (smem > 0 && (ret = epd__k_dynamic_smem(kernel, smem)) < 0)
-                return ret;
-        ret = epd__k_grid_blocks(kernel, COMBINE_THREADS, smem,
+        ret = epd__k_grid_blocks(kernel, COMBINE_THREADS, 0,
                                  (items + warps_per_block - 1) / warps_per_block, &blocks);
         if (ret < 0)
                 return ret;
         *d = (struct epd__k_launch){};
-        d->smem = smem;
         d->func = kernel;
         d->grid = dim3((unsigned)blocks);
         d->block = dim3(COMBINE_THREADS);
