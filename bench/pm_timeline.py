@@ -13,7 +13,8 @@ to two samples after its last. Then, for that launch, the body: the samples betw
 the last sample whose DRAM traffic (read + write) reaches 80% of the launch's highest, with their
 mean read and write percentages, and how many samples before the body showed SM activity.
 
-Exit 1 when no launch matches or the file has no PM samples.
+Exit 1 when no launch matches or the file is not such an export or has no PM samples; 2 on bad
+arguments.
 """
 import csv
 import statistics
@@ -27,17 +28,23 @@ METRICS = (
 )
 
 
+def num(cell):
+    """A plain value as ncu prints it (thousands separated by commas)."""
+    return float(cell.replace(",", ""))
+
+
 def samples(cell):
     """The values between the parentheses of an instanced cell, or None."""
     if "(" not in cell:
         return None
     body = cell[cell.index("(") + 1:cell.rindex(")")]
-    return [float(x.replace(",", "")) for x in body.split(";") if x.strip()]
+    return [num(x) for x in body.split(";") if x.strip()]
 
 
 def main(argv):
-    if len(argv) < 3:
-        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+    if len(argv) < 3 or len(argv) > 5 or (len(argv) > 3 and not argv[3].isdigit()):
+        usage = [l for l in __doc__.splitlines() if l.startswith("Usage:")]
+        print(usage[0], file=sys.stderr)
         return 2
     path, want = argv[1], argv[2]
     last = int(argv[3]) if len(argv) > 3 else 0
@@ -48,6 +55,11 @@ def main(argv):
         print("pm_timeline: %s holds no launches" % path, file=sys.stderr)
         return 1
     head = rows[0]
+    for need in ("Kernel Name", "gpu__time_duration.sum"):
+        if need not in head:
+            print("pm_timeline: %s has no %s column (an `ncu --page raw --csv` export?)"
+                  % (path, need), file=sys.stderr)
+            return 1
     col = {}
     for key, suffix in METRICS:
         hits = [i for i, h in enumerate(head) if h.endswith(suffix)]
@@ -65,9 +77,9 @@ def main(argv):
     if not runs:
         print("pm_timeline: no launch of a kernel named like %s" % want, file=sys.stderr)
         return 1
-    times = [float(r[dur].replace(",", "")) for r in runs]
+    times = [num(r[dur]) for r in runs]
     med = statistics.median(times)
-    pick = min(runs, key=lambda r: abs(float(r[dur].replace(",", "")) - med))
+    pick = min(runs, key=lambda r: abs(num(r[dur]) - med))
     step = pick[interval].split()[0] if interval is not None else "?"
     print("%s: %d launches, duration median %.1f us (min %.1f, max %.1f); PM sample every %s us"
           % (label, len(runs), med, min(times), max(times), step))
@@ -81,7 +93,7 @@ def main(argv):
         print("pm_timeline: no SM activity in the median launch", file=sys.stderr)
         return 1
     lo, hi = max(0, active[0] - 1), min(len(sm), active[-1] + 3)
-    print("  the median launch (%.1f us), %% of peak per sample:" % float(pick[dur].replace(",", "")))
+    print("  the median launch (%.1f us), %% of peak per sample:" % num(pick[dur]))
     for key, _ in METRICS:
         print("    %-10s %s" % (key, " ".join("%3d" % round(v) for v in series[key][lo:hi])))
     traffic = [r + w for r, w in zip(series["DRAM read"], series["DRAM write"])]
@@ -89,8 +101,8 @@ def main(argv):
     body = [i for i in range(lo, hi) if traffic[i] >= 0.8 * top]
     b0, b1 = body[0], body[-1]
     inner = range(b0, b1 + 1)
-    print("  body: samples %d-%d of the window (%d samples), DRAM read %.0f%% + write %.0f%% of peak"
-          " on average; %d sample(s) of SM activity before it, %d after it"
+    print("  body: samples %d-%d of the window (%d samples), DRAM read %.0f%% + write %.0f%% of"
+          " peak on average; %d sample(s) of SM activity before it, %d after it"
           % (b0 - lo, b1 - lo, len(inner),
              statistics.mean(series["DRAM read"][i] for i in inner),
              statistics.mean(series["DRAM write"][i] for i in inner),

@@ -67,6 +67,17 @@ def main():
             f.write(",".join(COLS) + "\n")
         rc3, out3 = run(tool, [empty, "combine_kernel"])
         expect.append((rc3 == 1 and "no launches" in out3, "exit 1 on a file without launches"))
+        rc4, out4 = run(tool, [])
+        expect.append((rc4 == 2 and "Usage: pm_timeline.py" in out4,
+                       "exit 2 and the usage without arguments"))
+        rc5, out5 = run(tool, [path, "combine_kernel", "three"])
+        expect.append((rc5 == 2, "exit 2 on a LAST_N that is not a number"))
+        other = os.path.join(d, "other.csv")
+        with open(other, "w") as f:
+            f.write("a,b\n1,2\n3,4\n")
+        rc6, out6 = run(tool, [other, "combine_kernel"])
+        expect.append((rc6 == 1 and "no Kernel Name column" in out6,
+                       "exit 1 on a CSV that is not an ncu export"))
         for ok, what in expect:
             print("%s: %s" % ("ok" if ok else "FAIL", what))
             fails += not ok
