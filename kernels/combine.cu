@@ -90,19 +90,6 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld(const int4
 #define COMBINE_SLICE_WARPS 14
 #endif
 
-/* Small ops zero their outputs before their rows' loads (experiment; see combine_kernel).
- * Measured on an H200 (twentieth session, docs/benchmarks/h200-s20-ab.txt, call 7), decode
- * through the daemon: 31.6-31.8 us against 31.1-31.2 us; bitwise right on all 49 kernel cases.
- * PM sampling: the flush's write-backs did move to the start (writes at 87% of the HBM's peak for
- * a sample), and the body then read at 80-86% with 5-8% of writes; but the workspace entries,
- * read from DRAM behind those write-backs, came back at 4.2 us instead of 1.7, which cost what
- * the body gained. With the entries kept in the L2 as well (DS_L2KEEP, call 8) they still came
- * back at 4.1 us, and the op took 31.4-31.7 us against 30.9-31.1 (31.1-31.2 with DS_L2KEEP
- * alone). Kept at 0; committed for reproduction, taken out in the next commit. */
-#ifndef COMBINE_PRESTORE
-#define COMBINE_PRESTORE 0
-#endif
-
 #ifndef COMBINE_AHEAD
 #define COMBINE_AHEAD 8 /* contributions whose loads are issued together */
 #endif
@@ -293,24 +280,12 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         row = epd_ws_i32(ws, l.row)[ent + lane];
                         if (a.has_weights)
                                 weight = epd_ws_f32(ws, l.weights)[ent + lane];
+                        /* The dispatch's weights, masked to 0.0f where topk_idx held -1;
+                         * nothing to route back when the dispatch carried none. */
+                        if (slice == 0 && a.has_weights && me->combined_topk_weights.ptr != NULL)
+                                ((float *)mat_row(&me->combined_topk_weights, t))[lane] =
+                                        expert >= 0 ? weight : 0.0f;
                 }
-#if COMBINE_PRESTORE
-                /* While the entries come back: this item's outputs, zeroed, so that their L2
-                 * lines are allocated (and the dirty lines they replace written back) now, while
-                 * the DRAM has nothing else to do, rather than among the rows' loads. */
-                if (STREAM) {
-                        int4 *o = (int4 *)mat_row(&me->combined, t);
-                        if (o != NULL && (((uintptr_t)o | (a.hidden * 2u)) & 15) == 0)
-                                for (uint32_t v = h0 / 8 + lane; v < h1 / 8; v += 32)
-                                        o[v] = make_int4(0, 0, 0, 0);
-                }
-#endif
-                /* The dispatch's weights, masked to 0.0f where topk_idx held -1; nothing to
-                 * route back when the dispatch carried none. */
-                if (lane < K && slice == 0 && a.has_weights &&
-                    me->combined_topk_weights.ptr != NULL)
-                        ((float *)mat_row(&me->combined_topk_weights, t))[lane] =
-                                expert >= 0 ? weight : 0.0f;
                 /* NON_EXPAND rows are set only at each destination's first position, EXPAND rows
                  * at every selection: a row >= 0 is exactly a contribution. */
                 const uint8_t *my_row = NULL;

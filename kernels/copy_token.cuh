@@ -170,8 +170,7 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
         /* Kept for combine (apply_weights, combined_topk_weights), whether or not the token goes
          * anywhere. */
         if (weights && lane < K)
-                epd__k_st_keep_u32(epd_ws_f32(a->workspace, l->weights) + ent + lane,
-                                   __float_as_uint(weight));
+                epd_ws_f32(a->workspace, l->weights)[ent + lane] = weight;
         if (dst_mask == 0)
                 return;
 

@@ -596,8 +596,8 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                                                             : -1;
                         sexp[oslot * K + k] = e;
                         srow[oslot * K + k] = r;
-                        epd__k_st_keep_u32(epd_ws_i32(ws, l.topk) + ent + k, (uint32_t)e);
-                        epd__k_st_keep_u32(epd_ws_i32(ws, l.row) + ent + k, (uint32_t)r);
+                        epd_ws_i32(ws, l.topk)[ent + k] = e;
+                        epd_ws_i32(ws, l.row)[ent + k] = r;
                 }
         }
 

@@ -187,23 +187,6 @@ static __device__ __forceinline__ int4 epd__k_ldg_evict_first(const int4 *p)
             : "l"(p), "l"(policy));
         return v;
 }
-/* Experiment (DS_L2KEEP): the workspace entries that combine reads first, stored with the L2
- * evict-last hint so that, with a persisting set-aside (epd_k_preload), they outlive a flush and
- * combine's first loads need no DRAM. Plain stores otherwise. */
-#ifndef DS_L2KEEP
-#define DS_L2KEEP 0
-#endif
-static __device__ __forceinline__ void epd__k_st_keep_u32(void *p, uint32_t v)
-{
-#if DS_L2KEEP
-        uint64_t policy;
-        asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-        asm volatile("st.global.L2::cache_hint.u32 [%0], %1, %2;" : : "l"(p), "r"(v), "l"(policy)
-                     : "memory");
-#else
-        *(uint32_t *)p = v;
-#endif
-}
 /* Asks the L2 to fetch [p, p + bytes) from memory, through the bulk-copy engine: one instruction
  * for the whole range, no register or shared memory written, nothing to wait for. The range is
  * shrunk to 16-byte boundaries inside it (the instruction's rule), so it never touches a byte

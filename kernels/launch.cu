@@ -16,10 +16,6 @@ extern "C" cudaError_t epd_k_last_cuda_error(void)
 
 extern "C" int epd_k_preload(void)
 {
-#if DS_L2KEEP
-        cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, (size_t)4 << 20);
-        cudaGetLastError();
-#endif
         int ret = epd__k_preload_route();
         if (ret == 0)
                 ret = epd__k_preload_dispatch();
