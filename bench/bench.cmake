@@ -42,6 +42,17 @@ if(EPD_HAVE_CUDA)
     CUDA_RUNTIME_LIBRARY Static)
   target_link_libraries(epd-memop-probe PRIVATE CUDA::cudart_static)
 endif()
+# epd-touch-probe: one thread's first loads after the benchmark's L2 flush, each timed: a page's
+# first touch, another line of it, an L2 hit (what a combine's first workspace loads wait for).
+if(EPD_HAVE_CUDA)
+  add_executable(epd-touch-probe ${CMAKE_CURRENT_LIST_DIR}/touch_probe.cu)
+  epd_cuda_filter_options(epd-touch-probe)
+  set_target_properties(epd-touch-probe PROPERTIES
+    CUDA_STANDARD 17
+    CUDA_STANDARD_REQUIRED ON
+    CUDA_RUNTIME_LIBRARY Static)
+  target_link_libraries(epd-touch-probe PRIVATE CUDA::cudart_static)
+endif()
 # epd-floor-probe: the decode workload's bytes with the routing known in advance (empty, store,
 # copy, memset and reduce kernels), in Fresh, clean and warm L2 states: the floors against which
 # docs/performance.md sets the decode targets. Same data as epd-bench (epd_testlib's generators).
