@@ -171,9 +171,13 @@ PY
                         c=$prefill sel=(-k regex:'copy_kernel|combine_kernel' --launch-count 6)
                         kernels="copy_kernel combine_kernel" last=0
                 fi
+                # each profiled launch sets the PM sampler up and reads it back: at least 300 s
+                saved=$step_timeout
+                step_timeout=$(( step_timeout > 300 ? step_timeout : 300 ))
                 step "$s" "$ncu" --clock-control none --cache-control none \
                         --replay-mode application --section PmSampling "${sel[@]}" \
                         -o "$out/$s" -f "$bin/gpu_kernels_test" --case "$c"
+                step_timeout=$saved
                 "$ncu" --import "$out/$s.ncu-rep" --page raw --csv --print-metric-instances values \
                         > "$out/$s-raw.csv" 2> "$out/$s-import.log"
                 for k in $kernels; do
