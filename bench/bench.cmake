@@ -28,46 +28,42 @@ if(EPD_HAVE_CUDA)
 endif()
 # Without --socket the benchmark starts build/bin/epd next to itself.
 add_dependencies(epd-bench epd)
-# epd-memop-probe: the GPU cost of the stream memory operations (doorbell writes and waits) the
-# daemon queues around an op, one call each against one cuStreamBatchMemOp.
 if(EPD_HAVE_CUDA)
-  add_executable(epd-memop-probe ${CMAKE_CURRENT_LIST_DIR}/memop_probe.cu
+  # A GPU probe: C++17 CUDA, the static runtime, the bench directory's headers
+  # (probe_check.cuh).
+  function(epd_add_cuda_probe target)
+    add_executable(${target} ${ARGN})
+    target_include_directories(${target} PRIVATE ${CMAKE_CURRENT_FUNCTION_LIST_DIR})
+    epd_cuda_filter_options(${target})
+    set_target_properties(${target} PROPERTIES
+      CUDA_STANDARD 17
+      CUDA_STANDARD_REQUIRED ON
+      CUDA_RUNTIME_LIBRARY Static)
+    target_link_libraries(${target} PRIVATE CUDA::cudart_static)
+  endfunction()
+
+  # epd-memop-probe: the GPU cost of the stream memory operations (doorbell writes and waits)
+  # the daemon queues around an op, one call each against one cuStreamBatchMemOp.
+  epd_add_cuda_probe(epd-memop-probe ${CMAKE_CURRENT_LIST_DIR}/memop_probe.cu
     ${CMAKE_CURRENT_LIST_DIR}/../common/cudrv.c)
   target_include_directories(epd-memop-probe PRIVATE ${CMAKE_CURRENT_LIST_DIR}/../common
     ${CUDAToolkit_INCLUDE_DIRS})
-  epd_cuda_filter_options(epd-memop-probe)
-  set_target_properties(epd-memop-probe PROPERTIES
-    CUDA_STANDARD 17
-    CUDA_STANDARD_REQUIRED ON
-    CUDA_RUNTIME_LIBRARY Static)
-  target_link_libraries(epd-memop-probe PRIVATE CUDA::cudart_static)
-endif()
-# epd-touch-probe: one thread's first loads after the benchmark's L2 flush, each timed: a page's
-# first touch, another line of it, an L2 hit (what a combine's first workspace loads wait for).
-if(EPD_HAVE_CUDA)
-  add_executable(epd-touch-probe ${CMAKE_CURRENT_LIST_DIR}/touch_probe.cu)
-  epd_cuda_filter_options(epd-touch-probe)
-  set_target_properties(epd-touch-probe PROPERTIES
-    CUDA_STANDARD 17
-    CUDA_STANDARD_REQUIRED ON
-    CUDA_RUNTIME_LIBRARY Static)
-  target_link_libraries(epd-touch-probe PRIVATE CUDA::cudart_static)
-endif()
-# epd-floor-probe: the decode workload's bytes with the routing known in advance (empty, store,
-# copy, memset and reduce kernels), in Fresh, clean and warm L2 states: the floors against which
-# docs/performance.md sets the decode targets. Same data as epd-bench (epd_testlib's generators).
-if(EPD_HAVE_CUDA)
-  add_executable(epd-floor-probe ${CMAKE_CURRENT_LIST_DIR}/floor_probe.cu
+
+  # epd-touch-probe: one thread's first loads after the benchmark's L2 flush, each timed: a
+  # page's first touch, another line of it, an L2 hit (what a combine's first workspace loads
+  # wait for).
+  epd_add_cuda_probe(epd-touch-probe ${CMAKE_CURRENT_LIST_DIR}/touch_probe.cu)
+
+  # epd-floor-probe: the decode workload's bytes with the routing known in advance (empty,
+  # store, copy, memset and reduce kernels), in Fresh, clean and warm L2 states: the floors
+  # against which docs/performance.md sets the decode targets. Same data as epd-bench
+  # (epd_testlib's generators).
+  epd_add_cuda_probe(epd-floor-probe ${CMAKE_CURRENT_LIST_DIR}/floor_probe.cu
     ${CMAKE_CURRENT_LIST_DIR}/mps_state.c)
   target_include_directories(epd-floor-probe PRIVATE ${JANSSON_INCLUDE}
     ${CMAKE_CURRENT_LIST_DIR}/../kernels ${CMAKE_CURRENT_LIST_DIR}/../tests
     ${CUDAToolkit_INCLUDE_DIRS})
-  epd_cuda_filter_options(epd-floor-probe)
   target_compile_options(epd-floor-probe PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo -Xcompiler=-Wall,-Wextra>)
-  set_target_properties(epd-floor-probe PROPERTIES
-    CUDA_STANDARD 17
-    CUDA_STANDARD_REQUIRED ON
-    CUDA_RUNTIME_LIBRARY Static)
-  target_link_libraries(epd-floor-probe PRIVATE epd_testlib ${JANSSON_LIB} CUDA::cudart_static)
+  target_link_libraries(epd-floor-probe PRIVATE epd_testlib ${JANSSON_LIB})
 endif()

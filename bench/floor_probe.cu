@@ -64,15 +64,8 @@ extern "C" {
 #define FP_THREADS 256
 #define FP_MAX_RANKS 32 /* a plan row is read by one lane per rank */
 
-#define CK(x)                                                                                 \
-        do {                                                                                  \
-                cudaError_t e_ = (x);                                                         \
-                if (e_ != cudaSuccess) {                                                      \
-                        fprintf(stderr, "epd-floor-probe: %s:%d: %s: %s\n", __FILE__, __LINE__, \
-                                #x, cudaGetErrorString(e_));                                  \
-                        exit(1);                                                              \
-                }                                                                             \
-        } while (0)
+#define PROBE_NAME "epd-floor-probe"
+#include "probe_check.cuh"
 
 /* ---- kernels ------------------------------------------------------------------------------ */
 

@@ -24,15 +24,8 @@ extern "C" {
 #include "cudrv.h"
 }
 
-#define CK(x)                                                                                 \
-        do {                                                                                  \
-                cudaError_t e_ = (x);                                                         \
-                if (e_ != cudaSuccess) {                                                      \
-                        fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x,            \
-                                cudaGetErrorString(e_));                                      \
-                        exit(1);                                                              \
-                }                                                                             \
-        } while (0)
+#define PROBE_NAME "epd-memop-probe"
+#include "probe_check.cuh"
 #define CU(x)                                                                                 \
         do {                                                                                  \
                 CUresult r_ = (x);                                                            \

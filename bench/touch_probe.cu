@@ -23,15 +23,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define CK(x)                                                                                 \
-        do {                                                                                  \
-                cudaError_t e_ = (x);                                                         \
-                if (e_ != cudaSuccess) {                                                      \
-                        fprintf(stderr, "epd-touch-probe: %s:%d: %s: %s\n", __FILE__, __LINE__, \
-                                #x, cudaGetErrorString(e_));                                  \
-                        exit(1);                                                              \
-                }                                                                             \
-        } while (0)
+#define PROBE_NAME "epd-touch-probe"
+#include "probe_check.cuh"
 
 #define TP_FLUSH_BYTES (256ull << 20)
 #define TP_PAGE (2ull << 20)
@@ -89,8 +82,13 @@ static int cmp_ll(const void *a, const void *b)
 int main(int argc, char **argv)
 {
         int reps = 200, ndev = 0, clock_khz = 0;
+        char *end = NULL;
 
-        if (argc > 2 || (argc == 2 && (reps = atoi(argv[1])) < 1)) {
+        if (argc == 2) {
+                const long v = strtol(argv[1], &end, 10);
+                reps = *argv[1] && *end == '\0' && v >= 1 && v <= 1000000 ? (int)v : 0;
+        }
+        if (argc > 2 || reps < 1) {
                 fprintf(stderr, "usage: epd-touch-probe [REPS]\n");
                 return 2;
         }
