@@ -19,7 +19,11 @@
  *   memset    cudaMemsetAsync of the dispatch's output bytes, and of 1 GiB (the write ceiling);
  *   reduce    the combine with its routing known: a warp per (token, slice) adds the token's bf16
  *             rows from the received buffer in fp32 and stores the bf16 sum, loads plain or with
- *             the L2 evict-first hint (combine.cu's small-op loads).
+ *             the L2 evict-first hint (combine.cu's small-op loads);
+ *   stream    the reduce's bytes with neither routing nor imbalance: every warp sums the same
+ *             number of 1 KB chunks of 5 or 6 input chunks each, optionally after one dependent
+ *             load (the combine's workspace round trip): what the combine's traffic costs when
+ *             every warp ends together.
  *
  * Each is timed three ways around the GPU's state before it: Fresh (BENCHMARKS.md: 256 MB written,
  * which leaves the L2 full of dirty lines, then the stream synchronised so the GPU is idle), clean
@@ -280,6 +284,68 @@ template <bool EF, int VEC> __global__ void __launch_bounds__(FP_THREADS) fp_red
         }
 }
 
+/* The reduce's bytes with no routing and no imbalance: the combine's reads and writes cut into
+ * 1 KB output chunks (a warp's step: 2 vectors per lane), chunk j the bf16 sum in fp32 of input
+ * chunks [j * in / out, (j + 1) * in / out) of y (5 or 6 of them for decode), every warp the same
+ * number of chunks, dealt as chunk w + s * warps so that each step's loads spread over y as the
+ * combine's do. Loads with the evict-first hint, all of a step's issued before the first is added
+ * (combine.cu's small-op loop). FIRST: each warp first loads its base from a table in device
+ * memory (all zeros), one dependent round trip as the combine's workspace entries are. */
+struct fp_stream_args {
+        const uint8_t *y;     /* in_chunks KB */
+        uint8_t *out;         /* out_chunks KB */
+        const int32_t *first; /* [warps], zeros; NULL: no first load */
+        uint64_t in_chunks, out_chunks;
+};
+
+__global__ void __launch_bounds__(FP_THREADS, 2) fp_stream(struct fp_stream_args a)
+{
+        const uint32_t lane = threadIdx.x % 32;
+        const uint64_t w = (blockIdx.x * (uint64_t)FP_THREADS + threadIdx.x) / 32;
+        const uint64_t warps = (uint64_t)gridDim.x * FP_THREADS / 32;
+        const int64_t base = a.first != NULL ? a.first[w] : 0;
+
+        for (uint64_t j = w; j < a.out_chunks; j += warps) {
+                const uint64_t k0 = j * a.in_chunks / a.out_chunks + base;
+                const uint32_t n = (uint32_t)((j + 1) * a.in_chunks / a.out_chunks + base - k0);
+                int4 buf[8][2];
+#pragma unroll
+                for (int c = 0; c < 8; c++)
+#pragma unroll
+                        for (int u = 0; u < 2; u++)
+                                buf[c][u] = (uint32_t)c < n
+                                                    ? epd__k_ldg_evict_first((const int4 *)(a.y + (k0 + c) * 1024) + u * 32 + lane)
+                                                    : make_int4(0, 0, 0, 0);
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                        float acc[8];
+#pragma unroll
+                        for (int q = 0; q < 8; q++)
+                                acc[q] = 0.0f;
+#pragma unroll
+                        for (int c = 0; c < 8; c++) {
+                                if ((uint32_t)c >= n)
+                                        break;
+                                const uint32_t wv[4] = { (uint32_t)buf[c][u].x, (uint32_t)buf[c][u].y,
+                                                         (uint32_t)buf[c][u].z, (uint32_t)buf[c][u].w };
+#pragma unroll
+                                for (int q = 0; q < 4; q++) {
+                                        acc[2 * q] = __fadd_rn(acc[2 * q], __uint_as_float(wv[q] << 16));
+                                        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1],
+                                                                   __uint_as_float(wv[q] & 0xffff0000u));
+                                }
+                        }
+                        uint32_t o[4];
+#pragma unroll
+                        for (int q = 0; q < 4; q++)
+                                o[q] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q])) |
+                                       (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q + 1])) << 16;
+                        ((int4 *)(a.out + j * 1024))[u * 32 + lane] =
+                                make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
+                }
+        }
+}
+
 /* ---- host --------------------------------------------------------------------------------- */
 
 struct fp_options {
@@ -497,6 +563,17 @@ static void launch_reduce(const struct fp_probe *p, cudaStream_t s)
                 fp_reduce<false, 2><<<blocks, FP_THREADS, 0, s>>>(c->a);
 }
 
+struct fp_stream_ctx {
+        struct fp_stream_args a;
+        unsigned blocks;
+};
+
+static void launch_stream(const struct fp_probe *p, cudaStream_t s)
+{
+        const struct fp_stream_ctx *c = (const struct fp_stream_ctx *)p->ctx;
+        fp_stream<<<c->blocks, FP_THREADS, 0, s>>>(c->a);
+}
+
 /* ---- data --------------------------------------------------------------------------------- */
 
 struct fp_host {
@@ -650,6 +727,34 @@ static int check_reduce(const struct fp_host *h, const uint8_t *out_dev)
                                 return -1;
                         }
                 }
+        free(out);
+        return 0;
+}
+
+/* The stream's output against the host: chunk j, value v, the fp32 sum of value v of its input
+ * chunks in ascending order, rounded once. */
+static int check_stream(const struct fp_host *h, const struct fp_stream_args *a)
+{
+        const size_t ob = a->out_chunks * 1024;
+        uint16_t *out = (uint16_t *)xmalloc(ob);
+        const uint16_t *y = (const uint16_t *)h->y;
+
+        CK(cudaMemcpy(out, a->out, ob, cudaMemcpyDeviceToHost));
+        for (uint64_t j = 0; j < a->out_chunks; j++) {
+                const uint64_t k0 = j * a->in_chunks / a->out_chunks, k1 = (j + 1) * a->in_chunks / a->out_chunks;
+                for (uint32_t v = 0; v < 512; v++) {
+                        float acc = 0.0f;
+                        for (uint64_t k = k0; k < k1; k++)
+                                acc = acc + epd__bf16_to_float(y[k * 512 + v]);
+                        const uint16_t want = epd__float_to_bf16(acc), got = out[j * 512 + v];
+                        if (want != got && !(acc != acc && (got & 0x7fc0) == 0x7fc0)) {
+                                fprintf(stderr, "epd-floor-probe: stream output wrong at chunk %llu, value %u: 0x%04x, want 0x%04x\n",
+                                        (unsigned long long)j, v, got, want);
+                                free(out);
+                                return -1;
+                        }
+                }
+        }
         free(out);
         return 0;
 }
@@ -835,6 +940,26 @@ int main(int argc, char **argv)
         r7p.a.slices = 7;
         r4.a.slices = 4;
         r14.a.slices = 14;
+        /* The balanced stream: a step per 1 KB output chunk, as few steps per warp as 16 warps
+         * per multiprocessor allow, then as few warps as those steps need. */
+        struct fp_stream_ctx sb = {}, sf = {};
+        sb.a.y = ra.y;
+        sb.a.out = ra.out;
+        sb.a.in_chunks = (uint64_t)h.rows * FP_HIDDEN * 2 / 1024;
+        sb.a.out_chunks = (uint64_t)h.N * FP_HIDDEN * 2 / 1024;
+        {
+                const uint64_t slots = 16ull * prop.multiProcessorCount;
+                const uint64_t steps = (sb.a.out_chunks + slots - 1) / slots;
+                const uint64_t warps = (sb.a.out_chunks + steps - 1) / steps;
+                sb.blocks = (unsigned)((warps * 32 + FP_THREADS - 1) / FP_THREADS);
+        }
+        sf = sb;
+        sf.a.first = dev_copy<int32_t>(NULL, (size_t)sb.blocks * FP_THREADS / 32);
+        CK(cudaMemset((void *)sf.a.first, 0, (size_t)sb.blocks * FP_THREADS / 32 * 4));
+        const uint64_t stream_read = sb.a.in_chunks * 1024, stream_written = sb.a.out_chunks * 1024;
+        char sbname[64], sfname[64];
+        snprintf(sbname, sizeof(sbname), "balanced, %u warps", sb.blocks * FP_THREADS / 32);
+        snprintf(sfname, sizeof(sfname), "balanced, a load first");
         char e8name[64];
         snprintf(e8name, sizeof(e8name), "%d clusters of 8x1024", clusters);
         const struct fp_probe probes[] = {
@@ -853,11 +978,26 @@ int main(int argc, char **argv)
                 { "reduce", "7 slices, plain", comb_read, comb_written, launch_reduce, &r7p },
                 { "reduce", "4 slices, evict-first", comb_read, comb_written, launch_reduce, &r4 },
                 { "reduce", "14 slices, evict-first", comb_read, comb_written, launch_reduce, &r14 },
+                { "stream", sbname, stream_read, stream_written, launch_stream, &sb },
+                { "stream", sfname, stream_read + sb.blocks * FP_THREADS / 32 * 4, stream_written,
+                  launch_stream, &sf },
         };
         const size_t nprobes = sizeof(probes) / sizeof(probes[0]);
 
         /* Correctness first: a floor from a kernel that skipped work would be worthless. */
         for (size_t i = 0; i < nprobes; i++) {
+                if (probes[i].launch == launch_stream) {
+                        CK(cudaMemset(ra.out, 0xee, stream_written));
+                        probes[i].launch(&probes[i], st.stream);
+                        CK(cudaGetLastError());
+                        CK(cudaStreamSynchronize(st.stream));
+                        if (check_stream(&h, &((const struct fp_stream_ctx *)probes[i].ctx)->a)) {
+                                fprintf(stderr, "epd-floor-probe: stream (%s) is wrong; no figures\n",
+                                        probes[i].variant);
+                                return 1;
+                        }
+                        continue;
+                }
                 if (strcmp(probes[i].name, "copy") && strcmp(probes[i].name, "reduce"))
                         continue;
                 CK(cudaMemset(probes[i].name[0] == 'c' ? ca.recv_x : ra.out, 0xee,
@@ -871,7 +1011,7 @@ int main(int argc, char **argv)
                         return 1;
                 }
         }
-        fprintf(tf, "  copy and reduce outputs match the host bitwise\n");
+        fprintf(tf, "  copy, reduce and stream outputs match the host bitwise\n");
 
         json_t *rows = json_array();
         for (size_t i = 0; i < nprobes; i++) {
