@@ -935,7 +935,9 @@ int main(int argc, char **argv)
         char w132name[64];
         snprintf(w132name, sizeof(w132name), "3 slices, %ux1024", w132.wide_blocks);
         struct fp_memset_ctx mo = { ceiling, disp_written }, mc = { ceiling, FP_WRITE_CEILING_BYTES };
-        struct fp_reduce_ctx r7 = { ra, 1 }, r7p = { ra, 0 }, r4 = { ra, 1 }, r14 = { ra, 1 };
+        struct fp_reduce_ctx r7 = { ra, 1 }, r7p = { ra, 0 }, r4 = { ra, 1 }, r14 = { ra, 1 },
+                             r2 = { ra, 1 };
+        r2.a.slices = 2;
         r7.a.slices = 7;
         r7p.a.slices = 7;
         r4.a.slices = 4;
@@ -977,6 +979,7 @@ int main(int argc, char **argv)
                 { "reduce", "7 slices, evict-first", comb_read, comb_written, launch_reduce, &r7 },
                 { "reduce", "7 slices, plain", comb_read, comb_written, launch_reduce, &r7p },
                 { "reduce", "4 slices, evict-first", comb_read, comb_written, launch_reduce, &r4 },
+                { "reduce", "2 slices, evict-first", comb_read, comb_written, launch_reduce, &r2 },
                 { "reduce", "14 slices, evict-first", comb_read, comb_written, launch_reduce, &r14 },
                 { "stream", sbname, stream_read, stream_written, launch_stream, &sb },
                 { "stream", sfname, stream_read + sb.blocks * FP_THREADS / 32 * 4, stream_written,

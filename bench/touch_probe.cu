@@ -61,13 +61,18 @@ static __device__ __forceinline__ long long tp_clock(void)
 /* One thread: load i's cycles into cycles[i]. */
 __global__ void tp_chase(const uint8_t *base, struct tp_chain c, long long *cycles)
 {
+        /* The loaded value is stored to shared memory before the second clock read: issue is in
+         * order, and the store cannot issue before the load has returned. (A register move alone
+         * is folded away by ptxas, and the clock was then read 2 cycles after the load issued.) */
+        __shared__ volatile uint32_t seen[TP_LOADS];
         uint64_t carry = 0;
         for (int i = 0; i < TP_LOADS; i++) {
                 const uint8_t *p;
                 asm volatile("add.u64 %0, %1, %2;" : "=l"(p) : "l"(base + c.off[i]), "l"(carry));
                 const long long t0 = tp_clock();
                 const uint32_t v = tp_ld_cg(p);
-                asm volatile("cvt.u64.u32 %0, %1;" : "=l"(carry) : "r"(v));
+                seen[i] = v;
+                carry = v;
                 const long long t1 = tp_clock();
                 cycles[i] = t1 - t0;
         }
