@@ -21,8 +21,10 @@
  *             rows from the received buffer in fp32 and stores the bf16 sum, loads plain or with
  *             the L2 evict-first hint (combine.cu's small-op loads);
  *   stream    the reduce's bytes with neither routing nor imbalance: every warp sums the same
- *             number of 1 KB chunks of 5 or 6 input chunks each, optionally after one dependent
- *             load (the combine's workspace round trip): what the combine's traffic costs when
+ *             number of output chunks of 5 or 6 input chunks each, optionally after one
+ *             dependent load (the combine's workspace round trip), with the combine's weights
+ *             (a multiply before each addition), in 512-byte chunks at 32 warps per
+ *             multiprocessor, or two chunks in flight: what the combine's traffic costs when
  *             every warp ends together.
  *
  * Each is timed three ways around the GPU's state before it: Fresh (BENCHMARKS.md: 256 MB written,
@@ -285,64 +287,119 @@ template <bool EF, int VEC> __global__ void __launch_bounds__(FP_THREADS) fp_red
 }
 
 /* The reduce's bytes with no routing and no imbalance: the combine's reads and writes cut into
- * 1 KB output chunks (a warp's step: 2 vectors per lane), chunk j the bf16 sum in fp32 of input
- * chunks [j * in / out, (j + 1) * in / out) of y (5 or 6 of them for decode), every warp the same
- * number of chunks, dealt as chunk w + s * warps so that each step's loads spread over y as the
- * combine's do. Loads with the evict-first hint, all of a step's issued before the first is added
- * (combine.cu's small-op loop). FIRST: each warp first loads its base from a table in device
- * memory (all zeros), one dependent round trip as the combine's workspace entries are. */
+ * output chunks of one warp step (VEC 16-byte vectors per lane: VEC * 512 bytes), chunk j the sum
+ * in fp32 of input chunks [j * in / out, (j + 1) * in / out) of y (5 or 6 of them for decode),
+ * every warp the same number of chunks, dealt as chunk w + s * warps so that each step's loads
+ * spread over y as the combine's do. Loads with the evict-first hint, all of a step's issued
+ * before the first is added (combine.cu's small-op loop).
+ *   WEIGHTED  each input multiplied by a weight first (__fmul_rn, then __fadd_rn), as the
+ *             combine does: the weight of input c of any chunk is fp_stream_weight(c);
+ *   PIPE      two steps in flight: the next chunk's loads are issued before this one's additions;
+ *   first     each warp first loads its base from a table in device memory (all zeros), one
+ *             dependent round trip as the combine's workspace entries are. */
 struct fp_stream_args {
-        const uint8_t *y;     /* in_chunks KB */
-        uint8_t *out;         /* out_chunks KB */
+        const uint8_t *y;     /* in_chunks chunks */
+        uint8_t *out;         /* out_chunks chunks */
         const int32_t *first; /* [warps], zeros; NULL: no first load */
         uint64_t in_chunks, out_chunks;
 };
 
-__global__ void __launch_bounds__(FP_THREADS, 2) fp_stream(struct fp_stream_args a)
+static __host__ __device__ __forceinline__ float fp_stream_weight(uint32_t c)
+{
+        return 0.5f + 0.0625f * (float)c;
+}
+
+template <int VEC> struct fp_step {
+        int4 v[8][VEC];
+        uint32_t n;
+};
+
+template <int VEC>
+static __device__ __forceinline__ void fp_stream_load(const struct fp_stream_args &a, int64_t base,
+                                                      uint64_t j, uint32_t lane, fp_step<VEC> &st)
+{
+        const uint64_t k0 = j * a.in_chunks / a.out_chunks + base;
+        st.n = (uint32_t)((j + 1) * a.in_chunks / a.out_chunks + base - k0);
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+#pragma unroll
+                for (int u = 0; u < VEC; u++)
+                        st.v[c][u] = (uint32_t)c < st.n
+                                             ? epd__k_ldg_evict_first((const int4 *)(a.y + (k0 + c) * (512 * VEC)) +
+                                                                      u * 32 + lane)
+                                             : make_int4(0, 0, 0, 0);
+}
+
+template <int VEC, bool WEIGHTED>
+static __device__ __forceinline__ void fp_stream_store(const struct fp_stream_args &a, uint64_t j,
+                                                       uint32_t lane, const fp_step<VEC> &st)
+{
+#pragma unroll
+        for (int u = 0; u < VEC; u++) {
+                float acc[8];
+#pragma unroll
+                for (int q = 0; q < 8; q++)
+                        acc[q] = 0.0f;
+#pragma unroll
+                for (int c = 0; c < 8; c++) {
+                        if ((uint32_t)c >= st.n)
+                                break;
+                        const uint32_t wv[4] = { (uint32_t)st.v[c][u].x, (uint32_t)st.v[c][u].y,
+                                                 (uint32_t)st.v[c][u].z, (uint32_t)st.v[c][u].w };
+#pragma unroll
+                        for (int q = 0; q < 4; q++) {
+                                float lo = __uint_as_float(wv[q] << 16), hi = __uint_as_float(wv[q] & 0xffff0000u);
+                                if (WEIGHTED) {
+                                        lo = __fmul_rn(lo, fp_stream_weight(c));
+                                        hi = __fmul_rn(hi, fp_stream_weight(c));
+                                }
+                                acc[2 * q] = __fadd_rn(acc[2 * q], lo);
+                                acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], hi);
+                        }
+                }
+                uint32_t o[4];
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                        o[q] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q])) |
+                               (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q + 1])) << 16;
+                ((int4 *)(a.out + j * (512 * VEC)))[u * 32 + lane] =
+                        make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
+        }
+}
+
+template <int VEC, bool WEIGHTED, bool PIPE>
+__global__ void __launch_bounds__(FP_THREADS, VEC == 2 || PIPE ? 2 : 3) fp_stream(struct fp_stream_args a)
 {
         const uint32_t lane = threadIdx.x % 32;
         const uint64_t w = (blockIdx.x * (uint64_t)FP_THREADS + threadIdx.x) / 32;
         const uint64_t warps = (uint64_t)gridDim.x * FP_THREADS / 32;
         const int64_t base = a.first != NULL ? a.first[w] : 0;
+        fp_step<VEC> s0, s1;
 
-        for (uint64_t j = w; j < a.out_chunks; j += warps) {
-                const uint64_t k0 = j * a.in_chunks / a.out_chunks + base;
-                const uint32_t n = (uint32_t)((j + 1) * a.in_chunks / a.out_chunks + base - k0);
-                int4 buf[8][2];
-#pragma unroll
-                for (int c = 0; c < 8; c++)
-#pragma unroll
-                        for (int u = 0; u < 2; u++)
-                                buf[c][u] = (uint32_t)c < n
-                                                    ? epd__k_ldg_evict_first((const int4 *)(a.y + (k0 + c) * 1024) + u * 32 + lane)
-                                                    : make_int4(0, 0, 0, 0);
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                        float acc[8];
-#pragma unroll
-                        for (int q = 0; q < 8; q++)
-                                acc[q] = 0.0f;
-#pragma unroll
-                        for (int c = 0; c < 8; c++) {
-                                if ((uint32_t)c >= n)
-                                        break;
-                                const uint32_t wv[4] = { (uint32_t)buf[c][u].x, (uint32_t)buf[c][u].y,
-                                                         (uint32_t)buf[c][u].z, (uint32_t)buf[c][u].w };
-#pragma unroll
-                                for (int q = 0; q < 4; q++) {
-                                        acc[2 * q] = __fadd_rn(acc[2 * q], __uint_as_float(wv[q] << 16));
-                                        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1],
-                                                                   __uint_as_float(wv[q] & 0xffff0000u));
-                                }
-                        }
-                        uint32_t o[4];
-#pragma unroll
-                        for (int q = 0; q < 4; q++)
-                                o[q] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q])) |
-                                       (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q + 1])) << 16;
-                        ((int4 *)(a.out + j * 1024))[u * 32 + lane] =
-                                make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
+        if (!PIPE) {
+                for (uint64_t j = w; j < a.out_chunks; j += warps) {
+                        fp_stream_load<VEC>(a, base, j, lane, s0);
+                        fp_stream_store<VEC, WEIGHTED>(a, j, lane, s0);
                 }
+                return;
+        }
+        uint64_t j = w;
+        if (j >= a.out_chunks)
+                return;
+        fp_stream_load<VEC>(a, base, j, lane, s0);
+        for (;;) {
+                const uint64_t j1 = j + warps;
+                if (j1 < a.out_chunks)
+                        fp_stream_load<VEC>(a, base, j1, lane, s1);
+                fp_stream_store<VEC, WEIGHTED>(a, j, lane, s0);
+                if (j1 >= a.out_chunks)
+                        break;
+                j = j1 + warps;
+                if (j < a.out_chunks)
+                        fp_stream_load<VEC>(a, base, j, lane, s0);
+                fp_stream_store<VEC, WEIGHTED>(a, j1, lane, s1);
+                if (j >= a.out_chunks)
+                        break;
         }
 }
 
@@ -566,12 +623,23 @@ static void launch_reduce(const struct fp_probe *p, cudaStream_t s)
 struct fp_stream_ctx {
         struct fp_stream_args a;
         unsigned blocks;
+        int vec, weighted, pipe;
 };
+
+static const void *stream_kernel(const struct fp_stream_ctx *c)
+{
+        if (c->vec == 2)
+                return c->weighted ? (const void *)fp_stream<2, true, false> : (const void *)fp_stream<2, false, false>;
+        if (c->pipe)
+                return c->weighted ? (const void *)fp_stream<1, true, true> : (const void *)fp_stream<1, false, true>;
+        return c->weighted ? (const void *)fp_stream<1, true, false> : (const void *)fp_stream<1, false, false>;
+}
 
 static void launch_stream(const struct fp_probe *p, cudaStream_t s)
 {
         const struct fp_stream_ctx *c = (const struct fp_stream_ctx *)p->ctx;
-        fp_stream<<<c->blocks, FP_THREADS, 0, s>>>(c->a);
+        void *args[] = { (void *)&c->a };
+        CK(cudaLaunchKernel(stream_kernel(c), dim3(c->blocks), dim3(FP_THREADS), args, 0, s));
 }
 
 /* ---- data --------------------------------------------------------------------------------- */
@@ -732,24 +800,30 @@ static int check_reduce(const struct fp_host *h, const uint8_t *out_dev)
 }
 
 /* The stream's output against the host: chunk j, value v, the fp32 sum of value v of its input
- * chunks in ascending order, rounded once. */
-static int check_stream(const struct fp_host *h, const struct fp_stream_args *a)
+ * chunks in ascending order (each first multiplied by its weight when weighted), rounded once. */
+static int check_stream(const struct fp_host *h, const struct fp_stream_ctx *c)
 {
-        const size_t ob = a->out_chunks * 1024;
+        const struct fp_stream_args *a = &c->a;
+        const uint64_t values = 256u * c->vec; /* bf16 values per chunk */
+        const size_t ob = a->out_chunks * values * 2;
         uint16_t *out = (uint16_t *)xmalloc(ob);
         const uint16_t *y = (const uint16_t *)h->y;
 
         CK(cudaMemcpy(out, a->out, ob, cudaMemcpyDeviceToHost));
         for (uint64_t j = 0; j < a->out_chunks; j++) {
                 const uint64_t k0 = j * a->in_chunks / a->out_chunks, k1 = (j + 1) * a->in_chunks / a->out_chunks;
-                for (uint32_t v = 0; v < 512; v++) {
+                for (uint64_t v = 0; v < values; v++) {
                         float acc = 0.0f;
-                        for (uint64_t k = k0; k < k1; k++)
-                                acc = acc + epd__bf16_to_float(y[k * 512 + v]);
-                        const uint16_t want = epd__float_to_bf16(acc), got = out[j * 512 + v];
+                        for (uint64_t k = k0; k < k1; k++) {
+                                float x = epd__bf16_to_float(y[k * values + v]);
+                                if (c->weighted)
+                                        x = x * fp_stream_weight((uint32_t)(k - k0));
+                                acc = acc + x;
+                        }
+                        const uint16_t want = epd__float_to_bf16(acc), got = out[j * values + v];
                         if (want != got && !(acc != acc && (got & 0x7fc0) == 0x7fc0)) {
-                                fprintf(stderr, "epd-floor-probe: stream output wrong at chunk %llu, value %u: 0x%04x, want 0x%04x\n",
-                                        (unsigned long long)j, v, got, want);
+                                fprintf(stderr, "epd-floor-probe: stream output wrong at chunk %llu, value %llu: 0x%04x, want 0x%04x\n",
+                                        (unsigned long long)j, (unsigned long long)v, got, want);
                                 free(out);
                                 return -1;
                         }
@@ -757,6 +831,38 @@ static int check_stream(const struct fp_host *h, const struct fp_stream_args *a)
         }
         free(out);
         return 0;
+}
+
+/* A stream of the op's bytes in one wave: chunks of vec steps, as few steps per warp as the
+ * kernel's resident warps allow, then as few warps as those steps need. */
+static struct fp_stream_ctx stream_ctx(const uint8_t *y, uint8_t *out, uint64_t in_bytes,
+                                       uint64_t out_bytes, int vec, int weighted, int pipe, int first,
+                                       int sms, char *name, size_t name_len)
+{
+        struct fp_stream_ctx c = {};
+        int per_sm = 0;
+        c.a.y = y;
+        c.a.out = out;
+        c.a.in_chunks = in_bytes / (512u * vec);
+        c.a.out_chunks = out_bytes / (512u * vec);
+        c.vec = vec;
+        c.weighted = weighted;
+        c.pipe = pipe;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, stream_kernel(&c), FP_THREADS, 0));
+        const uint64_t slots = (uint64_t)per_sm * sms * (FP_THREADS / 32);
+        const uint64_t steps = (c.a.out_chunks + slots - 1) / slots;
+        const uint64_t warps = (c.a.out_chunks + steps - 1) / steps;
+        c.blocks = (unsigned)((warps * 32 + FP_THREADS - 1) / FP_THREADS);
+        if (first) {
+                const size_t n = (size_t)c.blocks * FP_THREADS / 32;
+                c.a.first = dev_copy<int32_t>(NULL, n);
+                CK(cudaMemset((void *)c.a.first, 0, n * 4));
+        }
+        snprintf(name, name_len, "%s%s%s, %llu warps", weighted ? "weighted" : "balanced",
+                 vec == 2 ? "" : " 512B", pipe ? " 2-deep" : "", (unsigned long long)warps);
+        if (first)
+                snprintf(name + strlen(name), name_len - strlen(name), ", load first");
+        return c;
 }
 
 static void usage(FILE *f)
@@ -942,26 +1048,18 @@ int main(int argc, char **argv)
         r7p.a.slices = 7;
         r4.a.slices = 4;
         r14.a.slices = 14;
-        /* The balanced stream: a step per 1 KB output chunk, as few steps per warp as 16 warps
-         * per multiprocessor allow, then as few warps as those steps need. */
-        struct fp_stream_ctx sb = {}, sf = {};
-        sb.a.y = ra.y;
-        sb.a.out = ra.out;
-        sb.a.in_chunks = (uint64_t)h.rows * FP_HIDDEN * 2 / 1024;
-        sb.a.out_chunks = (uint64_t)h.N * FP_HIDDEN * 2 / 1024;
-        {
-                const uint64_t slots = 16ull * prop.multiProcessorCount;
-                const uint64_t steps = (sb.a.out_chunks + slots - 1) / slots;
-                const uint64_t warps = (sb.a.out_chunks + steps - 1) / steps;
-                sb.blocks = (unsigned)((warps * 32 + FP_THREADS - 1) / FP_THREADS);
-        }
-        sf = sb;
-        sf.a.first = dev_copy<int32_t>(NULL, (size_t)sb.blocks * FP_THREADS / 32);
-        CK(cudaMemset((void *)sf.a.first, 0, (size_t)sb.blocks * FP_THREADS / 32 * 4));
-        const uint64_t stream_read = sb.a.in_chunks * 1024, stream_written = sb.a.out_chunks * 1024;
-        char sbname[64], sfname[64];
-        snprintf(sbname, sizeof(sbname), "balanced, %u warps", sb.blocks * FP_THREADS / 32);
-        snprintf(sfname, sizeof(sfname), "balanced, a load first");
+        /* The streams: the combine's bytes, balanced, with no routing (stream_ctx). */
+        const uint64_t stream_read = (uint64_t)h.rows * FP_HIDDEN * 2, stream_written = (uint64_t)h.N * FP_HIDDEN * 2;
+        const int sms = prop.multiProcessorCount;
+        char sn[6][96];
+        struct fp_stream_ctx st_ctx[6] = {
+                stream_ctx(ra.y, ra.out, stream_read, stream_written, 2, 0, 0, 0, sms, sn[0], sizeof(sn[0])),
+                stream_ctx(ra.y, ra.out, stream_read, stream_written, 2, 0, 0, 1, sms, sn[1], sizeof(sn[1])),
+                stream_ctx(ra.y, ra.out, stream_read, stream_written, 2, 1, 0, 1, sms, sn[2], sizeof(sn[2])),
+                stream_ctx(ra.y, ra.out, stream_read, stream_written, 1, 1, 0, 1, sms, sn[3], sizeof(sn[3])),
+                stream_ctx(ra.y, ra.out, stream_read, stream_written, 1, 1, 1, 1, sms, sn[4], sizeof(sn[4])),
+                stream_ctx(ra.y, ra.out, stream_read, stream_written, 1, 0, 1, 1, sms, sn[5], sizeof(sn[5])),
+        };
         char e8name[64];
         snprintf(e8name, sizeof(e8name), "%d clusters of 8x1024", clusters);
         const struct fp_probe probes[] = {
@@ -981,9 +1079,12 @@ int main(int argc, char **argv)
                 { "reduce", "4 slices, evict-first", comb_read, comb_written, launch_reduce, &r4 },
                 { "reduce", "2 slices, evict-first", comb_read, comb_written, launch_reduce, &r2 },
                 { "reduce", "14 slices, evict-first", comb_read, comb_written, launch_reduce, &r14 },
-                { "stream", sbname, stream_read, stream_written, launch_stream, &sb },
-                { "stream", sfname, stream_read + sb.blocks * FP_THREADS / 32 * 4, stream_written,
-                  launch_stream, &sf },
+                { "stream", sn[0], stream_read, stream_written, launch_stream, &st_ctx[0] },
+                { "stream", sn[1], stream_read, stream_written, launch_stream, &st_ctx[1] },
+                { "stream", sn[2], stream_read, stream_written, launch_stream, &st_ctx[2] },
+                { "stream", sn[3], stream_read, stream_written, launch_stream, &st_ctx[3] },
+                { "stream", sn[4], stream_read, stream_written, launch_stream, &st_ctx[4] },
+                { "stream", sn[5], stream_read, stream_written, launch_stream, &st_ctx[5] },
         };
         const size_t nprobes = sizeof(probes) / sizeof(probes[0]);
 
@@ -994,7 +1095,7 @@ int main(int argc, char **argv)
                         probes[i].launch(&probes[i], st.stream);
                         CK(cudaGetLastError());
                         CK(cudaStreamSynchronize(st.stream));
-                        if (check_stream(&h, &((const struct fp_stream_ctx *)probes[i].ctx)->a)) {
+                        if (check_stream(&h, (const struct fp_stream_ctx *)probes[i].ctx)) {
                                 fprintf(stderr, "epd-floor-probe: stream (%s) is wrong; no figures\n",
                                         probes[i].variant);
                                 return 1;
