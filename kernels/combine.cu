@@ -164,72 +164,6 @@ static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float m
         }
 }
 
-#ifndef COMBINE_PRE
-#define COMBINE_PRE 0
-#endif
-/* Experiment (COMBINE_PRE): the same operations in the same order, with the contributions' row
- * pointers and weights moved to every lane once per item rather than once per step, and each
- * 16-byte vector's sum finished and stored before the next one's additions (8 accumulators, not
- * 16). Up to 8 contributions; more take combine_vec. Needs COMBINE_MIN_BLOCKS=2 (136 registers
- * otherwise). */
-template <bool STREAM>
-static __device__ void combine_vec8(const uint8_t *my_row, uint32_t mask, float my_weight,
-                                    int weighted, const uint8_t *bias0, const uint8_t *bias1,
-                                    uint8_t *out, uint32_t v0, uint32_t nvec, uint32_t lane)
-{
-        const int4 *rows[8];
-        float w[8];
-        const uint32_t n = __popc(mask);
-        {
-                uint32_t m = mask;
-#pragma unroll
-                for (int c = 0; c < 8; c++) {
-                        const int j = m != 0 ? __ffs(m) - 1 : 0;
-                        rows[c] = (const int4 *)__shfl_sync(EPD_K_FULL_MASK,
-                                                            (unsigned long long)my_row, j);
-                        w[c] = __shfl_sync(EPD_K_FULL_MASK, my_weight, j);
-                        if (m != 0)
-                                m &= m - 1;
-                }
-        }
-        for (uint32_t base = v0; base < nvec; base += 32 * COMBINE_VEC) {
-                int4 buf[8][COMBINE_VEC];
-#pragma unroll
-                for (int c = 0; c < 8; c++)
-#pragma unroll
-                        for (int u = 0; u < COMBINE_VEC; u++) {
-                                const uint32_t i = base + u * 32 + lane;
-                                buf[c][u] = (uint32_t)c < n && i < nvec
-                                                    ? comb_ld<STREAM>(rows[c] + i)
-                                                    : make_int4(0, 0, 0, 0);
-                        }
-#pragma unroll
-                for (int u = 0; u < COMBINE_VEC; u++) {
-                        const uint32_t i = base + u * 32 + lane;
-                        float acc[8];
-#pragma unroll
-                        for (int q = 0; q < 8; q++)
-                                acc[q] = 0.0f;
-#pragma unroll
-                        for (int c = 0; c < 8; c++)
-                                if ((uint32_t)c < n)
-                                        add_vec(acc, buf[c][u], weighted, w[c]);
-                        if (i >= nvec)
-                                continue;
-                        if (bias0 != NULL)
-                                add_vec(acc, comb_ld<STREAM>((const int4 *)bias0 + i), 0, 0.0f);
-                        if (bias1 != NULL)
-                                add_vec(acc, comb_ld<STREAM>((const int4 *)bias1 + i), 0, 0.0f);
-                        int4 o;
-                        o.x = (int)(to_bf16(acc[0]) | to_bf16(acc[1]) << 16);
-                        o.y = (int)(to_bf16(acc[2]) | to_bf16(acc[3]) << 16);
-                        o.z = (int)(to_bf16(acc[4]) | to_bf16(acc[5]) << 16);
-                        o.w = (int)(to_bf16(acc[6]) | to_bf16(acc[7]) << 16);
-                        ((int4 *)out)[i] = o;
-                }
-        }
-}
-
 /* Any alignment: one bf16 value per lane per step, same order of operations. */
 static __device__ void combine_scalar(const uint8_t *my_row, uint32_t mask, float my_weight,
                                       int weighted, const uint8_t *bias0, const uint8_t *bias1,
@@ -378,10 +312,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)my_row) |
                                 (uint32_t)(uintptr_t)bias0 | (uint32_t)(uintptr_t)bias1 |
                                 (uint32_t)(uintptr_t)out | (a.hidden * 2u);
-                if ((bits & 15) == 0 && COMBINE_PRE && __popc(mask) <= 8)
-                        combine_vec8<STREAM>(my_row, mask, weight, a.apply_weights, bias0,
-                                             bias1, out, h0 / 8, h1 / 8, lane);
-                else if ((bits & 15) == 0)
+                if ((bits & 15) == 0)
                         combine_vec<STREAM>(my_row, mask, weight, a.apply_weights, bias0,
                                             bias1, out, h0 / 8, h1 / 8, lane);
                 else
@@ -431,11 +362,6 @@ static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws
                                  (items + warps_per_block - 1) / warps_per_block, &blocks);
         if (ret < 0)
                 return ret;
-#ifdef COMBINE_WAVES
-        /* Experiment: a warp per item, the hardware deals the blocks in waves. */
-        if (g->slices > 1)
-                blocks = (int)((items + warps_per_block - 1) / warps_per_block);
-#endif
         *d = (struct epd__k_launch){};
         d->func = kernel;
         d->grid = dim3((unsigned)blocks);
