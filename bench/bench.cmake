@@ -55,9 +55,9 @@ if(EPD_HAVE_CUDA)
   epd_add_cuda_probe(epd-touch-probe ${CMAKE_CURRENT_LIST_DIR}/touch_probe.cu)
 
   # epd-floor-probe: the decode workload's bytes with the routing known in advance (empty,
-  # store, copy, memset and reduce kernels), in Fresh, clean and warm L2 states: the floors
-  # against which docs/performance.md sets the decode targets. Same data as epd-bench
-  # (epd_testlib's generators).
+  # store, copy, memset, reduce and stream kernels, and epd's own combine kernel on the same
+  # data), in Fresh, clean and warm L2 states: the floors against which docs/performance.md
+  # sets the decode targets. Same data as epd-bench (epd_testlib's generators).
   epd_add_cuda_probe(epd-floor-probe ${CMAKE_CURRENT_LIST_DIR}/floor_probe.cu
     ${CMAKE_CURRENT_LIST_DIR}/mps_state.c)
   target_include_directories(epd-floor-probe PRIVATE ${JANSSON_INCLUDE}
@@ -65,5 +65,5 @@ if(EPD_HAVE_CUDA)
     ${CUDAToolkit_INCLUDE_DIRS})
   target_compile_options(epd-floor-probe PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo -Xcompiler=-Wall,-Wextra>)
-  target_link_libraries(epd-floor-probe PRIVATE epd_testlib ${JANSSON_LIB})
+  target_link_libraries(epd-floor-probe PRIVATE epd_kernels epd_testlib ${JANSSON_LIB})
 endif()

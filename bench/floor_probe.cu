@@ -25,7 +25,9 @@
  *             dependent load (the combine's workspace round trip), with the combine's weights
  *             (a multiply before each addition), in 512-byte chunks at 32 warps per
  *             multiprocessor, or two chunks in flight: what the combine's traffic costs when
- *             every warp ends together.
+ *             every warp ends together;
+ *   epd       epd's own combine kernel (epd_k_combine) on the same routing, its workspace filled
+ *             by the host as the dispatch leaves it: the kernel without the daemon around it.
  *
  * Each is timed three ways around the GPU's state before it: Fresh (BENCHMARKS.md: 256 MB written,
  * which leaves the L2 full of dirty lines, then the stream synchronised so the GPU is idle), clean
@@ -642,6 +644,23 @@ static void launch_stream(const struct fp_probe *p, cudaStream_t s)
         CK(cudaLaunchKernel(stream_kernel(c), dim3(c->blocks), dim3(FP_THREADS), args, 0, s));
 }
 
+/* epd's own combine (kernels/combine.cu, epd_k_combine), fed the same routing through a
+ * workspace the host fills as the dispatch leaves it, one rank descriptor per destination over
+ * the same y, and the descriptors in the parameters as the daemon passes them. */
+struct fp_epd_ctx {
+        struct epd_k_combine_args a;
+};
+
+static void launch_epd(const struct fp_probe *p, cudaStream_t s)
+{
+        const struct fp_epd_ctx *c = (const struct fp_epd_ctx *)p->ctx;
+        const int ret = epd_k_combine(&c->a, s);
+        if (ret != 0) {
+                fprintf(stderr, "epd-floor-probe: epd_k_combine: %d\n", ret);
+                exit(1);
+        }
+}
+
 /* ---- data --------------------------------------------------------------------------------- */
 
 struct fp_host {
@@ -865,6 +884,125 @@ static struct fp_stream_ctx stream_ctx(const uint8_t *y, uint8_t *out, uint64_t 
         return c;
 }
 
+/* epd's combine set up over the probe's data: the workspace entries as the dispatch writes them
+ * for a NON_EXPAND op (each token's expert, its row in the destination's y at the first position
+ * that goes there and -1 at the others, its weight), the outputs and the combined weights. */
+struct fp_epd_bufs {
+        struct epd_k_combine_rank ranks[FP_MAX_RANKS];
+        struct epd_k_local local[FP_MAX_RANKS + 1];
+        uint8_t *out;
+        float *ctw;
+};
+
+static struct fp_epd_ctx epd_ctx(const struct fp_host *h, const uint8_t *y_dev, struct fp_epd_bufs *b)
+{
+        struct fp_epd_ctx c = {};
+        struct epd_ws_layout l;
+        const uint32_t K = FP_TOPK;
+        const uint64_t ws_bytes = epd_k_workspace_bytes(h->R, FP_EXPERTS, h->T, K);
+
+        epd_ws_layout_init(&l, h->R, FP_EXPERTS, h->T, K);
+        uint8_t *ws = (uint8_t *)xmalloc(ws_bytes);
+        memset(ws, 0, ws_bytes);
+        for (uint32_t s = 0; s < h->R; s++)
+                for (uint32_t t = 0; t < h->T; t++) {
+                        const uint64_t g = (uint64_t)s * h->T + t;
+                        uint32_t seen = 0;
+                        for (uint32_t k = 0; k < K; k++) {
+                                const uint64_t ent = epd_ws_entry(&l, s, t, K, k);
+                                const int32_t e = (int32_t)h->topk[g * K + k];
+                                int32_t row = -1;
+                                if (e >= 0) {
+                                        const uint32_t d = epd_route_expert_rank(e, h->L);
+                                        if (!(seen & 1u << d))
+                                                row = h->plan[g * h->R + d] - (int32_t)h->base[d];
+                                        seen |= 1u << d;
+                                }
+                                epd_ws_i32(ws, l.topk)[ent] = e;
+                                epd_ws_i32(ws, l.row)[ent] = row;
+                                epd_ws_f32(ws, l.weights)[ent] = h->weights[g * K + k];
+                        }
+                }
+        b->out = dev_copy<uint8_t>(NULL, (size_t)h->N * FP_HIDDEN * 2);
+        b->ctw = dev_copy<float>(NULL, (size_t)h->N * K);
+        for (uint32_t d = 0; d < h->R; d++) {
+                struct epd_k_combine_rank *r = &b->ranks[d];
+                memset(r, 0, sizeof(*r));
+                r->num_tokens = h->T;
+                r->y.ptr = (uint8_t *)y_dev + (uint64_t)h->base[d] * FP_HIDDEN * 2;
+                r->y.stride = FP_HIDDEN * 2;
+                r->y_rows = (d + 1 < h->R ? h->base[d + 1] : h->rows) - h->base[d];
+                r->combined.ptr = b->out + (uint64_t)d * h->T * FP_HIDDEN * 2;
+                r->combined.stride = FP_HIDDEN * 2;
+                r->combined_topk_weights.ptr = (uint8_t *)(b->ctw + (uint64_t)d * h->T * K);
+                r->combined_topk_weights.stride = K * 4;
+                b->local[d].rank = d;
+                b->local[d].token_offset = d * h->T;
+        }
+        b->local[h->R].rank = 0;
+        b->local[h->R].token_offset = h->N;
+        c.a.world_size = h->R;
+        c.a.num_experts = FP_EXPERTS;
+        c.a.max_tokens = h->T;
+        c.a.max_topk = K;
+        c.a.num_topk = K;
+        c.a.layout = EPD_LAYOUT_NON_EXPAND;
+        c.a.hidden = FP_HIDDEN;
+        c.a.apply_weights = 0;
+        c.a.has_weights = 1;
+        c.a.workspace = dev_copy(ws, ws_bytes);
+        c.a.ranks = dev_copy(b->ranks, h->R);
+        c.a.local = dev_copy(b->local, h->R + 1);
+        c.a.ranks_host = b->ranks;
+        c.a.local_host = b->local;
+        c.a.num_local = h->R;
+        c.a.local_tokens = h->N;
+        free(ws);
+        return c;
+}
+
+/* epd's combine against the host: each token's rows in ascending top-k position (SEMANTICS.md
+ * 3), the fp32 sum rounded once, and the combined weights. */
+static int check_epd(const struct fp_host *h, const struct fp_epd_bufs *b)
+{
+        const uint32_t K = FP_TOPK;
+        const size_t ob = (size_t)h->N * FP_HIDDEN * 2;
+        uint16_t *out = (uint16_t *)xmalloc(ob);
+        float *ctw = (float *)xmalloc((size_t)h->N * K * 4);
+        const uint16_t *y = (const uint16_t *)h->y;
+        int bad = 0;
+
+        CK(cudaMemcpy(out, b->out, ob, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(ctw, b->ctw, (size_t)h->N * K * 4, cudaMemcpyDeviceToHost));
+        for (uint32_t g = 0; g < h->N && !bad; g++) {
+                int32_t rows[FP_TOPK];
+                uint32_t n = 0, seen = 0;
+                for (uint32_t k = 0; k < K; k++) {
+                        const int32_t e = (int32_t)h->topk[(uint64_t)g * K + k];
+                        if (ctw[(uint64_t)g * K + k] != (e >= 0 ? h->weights[(uint64_t)g * K + k] : 0.0f))
+                                bad = fprintf(stderr, "epd-floor-probe: epd combine's weights wrong at token %u\n", g);
+                        if (e < 0)
+                                continue;
+                        const uint32_t d = epd_route_expert_rank(e, h->L);
+                        if (!(seen & 1u << d))
+                                rows[n++] = h->plan[(uint64_t)g * h->R + d];
+                        seen |= 1u << d;
+                }
+                for (uint32_t c = 0; c < FP_HIDDEN && !bad; c++) {
+                        float acc = 0.0f;
+                        for (uint32_t i = 0; i < n; i++)
+                                acc = acc + epd__bf16_to_float(y[(size_t)rows[i] * FP_HIDDEN + c]);
+                        const uint16_t want = epd__float_to_bf16(acc), got = out[(size_t)g * FP_HIDDEN + c];
+                        if (want != got && !(acc != acc && (got & 0x7fc0) == 0x7fc0))
+                                bad = fprintf(stderr, "epd-floor-probe: epd combine wrong at token %u, column %u: 0x%04x, want 0x%04x\n",
+                                              g, c, got, want);
+                }
+        }
+        free(out);
+        free(ctw);
+        return bad ? -1 : 0;
+}
+
 static void usage(FILE *f)
 {
         fprintf(f, "Usage: epd-floor-probe [--ranks R] [--tokens T] [--reps N] [--seed S] [--device D] [--json]\n"
@@ -1052,6 +1190,8 @@ int main(int argc, char **argv)
         const uint64_t stream_read = (uint64_t)h.rows * FP_HIDDEN * 2, stream_written = (uint64_t)h.N * FP_HIDDEN * 2;
         const int sms = prop.multiProcessorCount;
         char sn[6][96];
+        struct fp_epd_bufs eb;
+        const struct fp_epd_ctx ec = epd_ctx(&h, ra.y, &eb);
         struct fp_stream_ctx st_ctx[6] = {
                 stream_ctx(ra.y, ra.out, stream_read, stream_written, 2, 0, 0, 0, sms, sn[0], sizeof(sn[0])),
                 stream_ctx(ra.y, ra.out, stream_read, stream_written, 2, 0, 0, 1, sms, sn[1], sizeof(sn[1])),
@@ -1079,6 +1219,7 @@ int main(int argc, char **argv)
                 { "reduce", "4 slices, evict-first", comb_read, comb_written, launch_reduce, &r4 },
                 { "reduce", "2 slices, evict-first", comb_read, comb_written, launch_reduce, &r2 },
                 { "reduce", "14 slices, evict-first", comb_read, comb_written, launch_reduce, &r14 },
+                { "epd", "combine", comb_read, comb_written, launch_epd, &ec },
                 { "stream", sn[0], stream_read, stream_written, launch_stream, &st_ctx[0] },
                 { "stream", sn[1], stream_read, stream_written, launch_stream, &st_ctx[1] },
                 { "stream", sn[2], stream_read, stream_written, launch_stream, &st_ctx[2] },
@@ -1090,6 +1231,18 @@ int main(int argc, char **argv)
 
         /* Correctness first: a floor from a kernel that skipped work would be worthless. */
         for (size_t i = 0; i < nprobes; i++) {
+                if (probes[i].launch == launch_epd) {
+                        CK(cudaMemset(eb.out, 0xee, (size_t)h.N * FP_HIDDEN * 2));
+                        CK(cudaMemset(eb.ctw, 0xee, (size_t)h.N * FP_TOPK * 4));
+                        probes[i].launch(&probes[i], st.stream);
+                        CK(cudaGetLastError());
+                        CK(cudaStreamSynchronize(st.stream));
+                        if (check_epd(&h, &eb)) {
+                                fprintf(stderr, "epd-floor-probe: epd combine is wrong; no figures\n");
+                                return 1;
+                        }
+                        continue;
+                }
                 if (probes[i].launch == launch_stream) {
                         CK(cudaMemset(ra.out, 0xee, stream_written));
                         probes[i].launch(&probes[i], st.stream);
@@ -1115,7 +1268,7 @@ int main(int argc, char **argv)
                         return 1;
                 }
         }
-        fprintf(tf, "  copy, reduce and stream outputs match the host bitwise\n");
+        fprintf(tf, "  copy, reduce, stream and epd combine outputs match the host bitwise\n");
 
         json_t *rows = json_array();
         for (size_t i = 0; i < nprobes; i++) {
