@@ -23,10 +23,12 @@
 #ifndef COMBINE_THREADS
 #define COMBINE_THREADS 256
 #endif
-/* Two blocks of 8 warps per multiprocessor: at most 128 registers, 16 warps. Without the bound
- * ptxas takes 132 since the NON_EXPAND and EXPAND sums are separate copies, and only 8 warps fit. */
-#ifndef COMBINE_MIN_BLOCKS
+/* DS_TRACE builds keep the kernel at 16 warps per multiprocessor despite the stamps. */
+#if defined(DS_TRACE) && !defined(COMBINE_MIN_BLOCKS)
 #define COMBINE_MIN_BLOCKS 2
+#endif
+#ifndef COMBINE_MIN_BLOCKS
+#define COMBINE_MIN_BLOCKS 1
 #endif
 #ifndef COMBINE_VEC
 #define COMBINE_VEC 2 /* 16-byte vectors per lane per step: 16 bf16 values */
@@ -102,10 +104,10 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld(const int4
  * 34.2-34.4, prefill fp8 0.725 against 0.772 ms, prefill bf16 expand 0.980 against 0.993 ms,
  * with 121 registers (16 warps per multiprocessor) against 63; 4 ahead (80 registers) and
  * 16-byte vectors of 1 per lane (59 and 75 registers) fell between. */
-template <bool STREAM, bool WEIGHTED>
+template <bool STREAM>
 static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float my_weight,
-                                   const uint8_t *bias0, const uint8_t *bias1, uint8_t *out,
-                                   uint32_t v0, uint32_t nvec, uint32_t lane)
+                                   int weighted, const uint8_t *bias0, const uint8_t *bias1,
+                                   uint8_t *out, uint32_t v0, uint32_t nvec, uint32_t lane)
 {
         for (uint32_t base = v0; base < nvec; base += 32 * COMBINE_VEC) {
                 float acc[8 * COMBINE_VEC];
@@ -124,8 +126,7 @@ static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float m
                                 m &= m - 1;
                                 const int4 *p = (const int4 *)__shfl_sync(
                                         EPD_K_FULL_MASK, (unsigned long long)my_row, j);
-                                w[c] = WEIGHTED ? __shfl_sync(EPD_K_FULL_MASK, my_weight, j)
-                                                : 0.0f;
+                                w[c] = __shfl_sync(EPD_K_FULL_MASK, my_weight, j);
 #pragma unroll
                                 for (int u = 0; u < COMBINE_VEC; u++) {
                                         uint32_t i = base + u * 32 + lane;
@@ -139,7 +140,7 @@ static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float m
                                 if (c < n)
 #pragma unroll
                                         for (int u = 0; u < COMBINE_VEC; u++)
-                                                add_vec(acc + 8 * u, buf[c][u], WEIGHTED, w[c]);
+                                                add_vec(acc + 8 * u, buf[c][u], weighted, w[c]);
                 }
 #pragma unroll
                 for (int u = 0; u < COMBINE_VEC; u++) {
@@ -158,71 +159,6 @@ static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float m
                         o.y = (int)(to_bf16(a[2]) | to_bf16(a[3]) << 16);
                         o.z = (int)(to_bf16(a[4]) | to_bf16(a[5]) << 16);
                         o.w = (int)(to_bf16(a[6]) | to_bf16(a[7]) << 16);
-                        ((int4 *)out)[i] = o;
-                }
-        }
-}
-
-#ifndef COMBINE_PRE
-#define COMBINE_PRE 0
-#endif
-/* COMBINE_PRE: the same operations in the same order, with the contributions' row pointers (and
- * weights) moved to every lane once per item rather than once per step, and each 16-byte vector's
- * sum finished and stored before the next one's additions (8 accumulators, not 16). Up to 8
- * contributions; more take combine_vec. */
-template <bool STREAM, bool WEIGHTED>
-static __device__ void combine_vec8(const uint8_t *my_row, uint32_t mask, float my_weight,
-                                    const uint8_t *bias0, const uint8_t *bias1, uint8_t *out,
-                                    uint32_t v0, uint32_t nvec, uint32_t lane)
-{
-        const int4 *rows[8];
-        float w[8];
-        const uint32_t n = __popc(mask);
-        {
-                uint32_t m = mask;
-#pragma unroll
-                for (int c = 0; c < 8; c++) {
-                        const int j = m != 0 ? __ffs(m) - 1 : 0;
-                        rows[c] = (const int4 *)__shfl_sync(EPD_K_FULL_MASK,
-                                                            (unsigned long long)my_row, j);
-                        w[c] = WEIGHTED ? __shfl_sync(EPD_K_FULL_MASK, my_weight, j) : 0.0f;
-                        if (m != 0)
-                                m &= m - 1;
-                }
-        }
-        for (uint32_t base = v0; base < nvec; base += 32 * COMBINE_VEC) {
-                int4 buf[8][COMBINE_VEC];
-#pragma unroll
-                for (int c = 0; c < 8; c++)
-#pragma unroll
-                        for (int u = 0; u < COMBINE_VEC; u++) {
-                                const uint32_t i = base + u * 32 + lane;
-                                buf[c][u] = (uint32_t)c < n && i < nvec
-                                                    ? comb_ld<STREAM>(rows[c] + i)
-                                                    : make_int4(0, 0, 0, 0);
-                        }
-#pragma unroll
-                for (int u = 0; u < COMBINE_VEC; u++) {
-                        const uint32_t i = base + u * 32 + lane;
-                        float acc[8];
-#pragma unroll
-                        for (int q = 0; q < 8; q++)
-                                acc[q] = 0.0f;
-#pragma unroll
-                        for (int c = 0; c < 8; c++)
-                                if ((uint32_t)c < n)
-                                        add_vec(acc, buf[c][u], WEIGHTED, w[c]);
-                        if (i >= nvec)
-                                continue;
-                        if (bias0 != NULL)
-                                add_vec(acc, comb_ld<STREAM>((const int4 *)bias0 + i), 0, 0.0f);
-                        if (bias1 != NULL)
-                                add_vec(acc, comb_ld<STREAM>((const int4 *)bias1 + i), 0, 0.0f);
-                        int4 o;
-                        o.x = (int)(to_bf16(acc[0]) | to_bf16(acc[1]) << 16);
-                        o.y = (int)(to_bf16(acc[2]) | to_bf16(acc[3]) << 16);
-                        o.z = (int)(to_bf16(acc[4]) | to_bf16(acc[5]) << 16);
-                        o.w = (int)(to_bf16(acc[6]) | to_bf16(acc[7]) << 16);
                         ((int4 *)out)[i] = o;
                 }
         }
@@ -344,6 +280,11 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         row = epd_ws_i32(ws, l.row)[ent + lane];
                         if (a.has_weights)
                                 weight = epd_ws_f32(ws, l.weights)[ent + lane];
+                        /* The dispatch's weights, masked to 0.0f where topk_idx held -1;
+                         * nothing to route back when the dispatch carried none. */
+                        if (slice == 0 && a.has_weights && me->combined_topk_weights.ptr != NULL)
+                                ((float *)mat_row(&me->combined_topk_weights, t))[lane] =
+                                        expert >= 0 ? weight : 0.0f;
                 }
                 /* NON_EXPAND rows are set only at each destination's first position, EXPAND rows
                  * at every selection: a row >= 0 is exactly a contribution. */
@@ -366,36 +307,17 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 const uint8_t *bias0 = mat_row(&me->bias[0], t);
                 const uint8_t *bias1 = mat_row(&me->bias[1], t);
                 uint8_t *out = (uint8_t *)mat_row(&me->combined, t);
+                if (out == NULL)
+                        continue;
                 uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)my_row) |
                                 (uint32_t)(uintptr_t)bias0 | (uint32_t)(uintptr_t)bias1 |
                                 (uint32_t)(uintptr_t)out | (a.hidden * 2u);
-                /* Only the weighted sums (EXPAND) wait for the weights' load: NON_EXPAND's first
-                 * row loads issue as soon as the rows are known. */
-                if (out == NULL)
-                        ;
-                else if ((bits & 15) != 0)
+                if ((bits & 15) == 0)
+                        combine_vec<STREAM>(my_row, mask, weight, a.apply_weights, bias0,
+                                            bias1, out, h0 / 8, h1 / 8, lane);
+                else
                         combine_scalar(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
                                        h0, h1, lane);
-                else if (COMBINE_PRE && __popc(mask) <= 8 && a.apply_weights)
-                        combine_vec8<STREAM, true>(my_row, mask, weight, bias0, bias1, out,
-                                                   h0 / 8, h1 / 8, lane);
-                else if (COMBINE_PRE && __popc(mask) <= 8)
-                        combine_vec8<STREAM, false>(my_row, mask, 0.0f, bias0, bias1, out,
-                                                    h0 / 8, h1 / 8, lane);
-                else if (a.apply_weights)
-                        combine_vec<STREAM, true>(my_row, mask, weight, bias0, bias1, out, h0 / 8,
-                                                  h1 / 8, lane);
-                else
-                        combine_vec<STREAM, false>(my_row, mask, 0.0f, bias0, bias1, out, h0 / 8,
-                                                   h1 / 8, lane);
-                /* The dispatch's weights, masked to 0.0f where topk_idx held -1; nothing to
-                 * route back when the dispatch carried none. Stored after the sums: a store in
-                 * front of them held the warp's first row loads until the weights' load had
-                 * returned (0.5 us of the decode combine on an H100, twenty-first session). */
-                if (lane < K && slice == 0 && a.has_weights &&
-                    me->combined_topk_weights.ptr != NULL)
-                        ((float *)mat_row(&me->combined_topk_weights, t))[lane] =
-                                expert >= 0 ? weight : 0.0f;
         }
 #ifdef DS_TRACE
         if (lane == 0 && warp < CB_TRACE_WARPS) {
