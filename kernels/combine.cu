@@ -90,10 +90,6 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld(const int4
 #define COMBINE_SLICE_WARPS 14
 #endif
 
-#ifndef COMBINE_LEAN
-#define COMBINE_LEAN 0
-#endif
-
 #ifndef COMBINE_AHEAD
 #define COMBINE_AHEAD 8 /* contributions whose loads are issued together */
 #endif
@@ -262,26 +258,11 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
         uint32_t tr_info = 0, tr_items = 0, tr_pre = 0;
 #endif
         for (uint64_t item = warp; item < items; item += warps) {
-#if COMBINE_LEAN
-                /* 32-bit division whenever the item number fits (always, in practice) */
-                const uint64_t g = item >> 32 ? item / slices : (uint32_t)item / slices;
-                const uint32_t slice = (uint32_t)(item - g * slices);
-                /* inline locals: independent comparisons rather than a chain of dependent loads */
-                uint32_t i = 0;
-                if (in.used) {
-#pragma unroll
-                        for (uint32_t j = 1; j < EPD_K_INLINE_RANKS; j++)
-                                i += j < a.num_local && local[j].token_offset <= (uint32_t)g;
-                } else {
-                        i = epd__k_find_local(local, a.num_local, (uint32_t)g);
-                }
-#else
                 const uint64_t g = item / slices;
                 const uint32_t slice = (uint32_t)(item % slices);
-                const uint32_t i = epd__k_find_local(local, a.num_local, (uint32_t)g);
-#endif
                 const uint32_t h0 = slice * slice_values;
                 const uint32_t h1 = min(a.hidden, h0 + slice_values);
+                const uint32_t i = epd__k_find_local(local, a.num_local, (uint32_t)g);
                 const uint32_t s = local[i].rank, t = (uint32_t)g - local[i].token_offset;
                 const struct epd_k_combine_rank *me = &ranks[s];
                 const uint64_t ent = epd_ws_entry(&l, s, t, K, 0);
@@ -299,20 +280,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         row = epd_ws_i32(ws, l.row)[ent + lane];
                         if (a.has_weights)
                                 weight = epd_ws_f32(ws, l.weights)[ent + lane];
-                }
-#if COMBINE_LEAN
-                /* While the entries come back, lane r reads rank r's y descriptor; each lane then
-                 * takes its contribution's from the owner lane (no divergent descriptor loads
-                 * behind the entries). */
-                const uint8_t *lane_y = NULL;
-                uint64_t lane_stride = 0, lane_rows = 0;
-                if (a.world_size <= 32 && lane < a.world_size) {
-                        lane_y = ranks[lane].y.ptr;
-                        lane_stride = ranks[lane].y.stride;
-                        lane_rows = ranks[lane].y_rows;
-                }
-#endif
-                if (lane < K) {
                         /* The dispatch's weights, masked to 0.0f where topk_idx held -1;
                          * nothing to route back when the dispatch carried none. */
                         if (slice == 0 && a.has_weights && me->combined_topk_weights.ptr != NULL)
@@ -322,19 +289,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 /* NON_EXPAND rows are set only at each destination's first position, EXPAND rows
                  * at every selection: a row >= 0 is exactly a contribution. */
                 const uint8_t *my_row = NULL;
-#if COMBINE_LEAN
-                if (a.world_size <= 32) {
-                        const uint32_t dr = row >= 0 ? epd_route_expert_rank(expert, L) : 0;
-                        const uint8_t *dy = (const uint8_t *)__shfl_sync(
-                                EPD_K_FULL_MASK, (unsigned long long)lane_y, dr);
-                        const uint64_t ds = __shfl_sync(EPD_K_FULL_MASK, lane_stride, dr);
-                        const uint64_t dn = __shfl_sync(EPD_K_FULL_MASK, lane_rows, dr);
-                        if (row >= 0 && (uint64_t)row < dn)
-                                my_row = dy + (uint64_t)row * ds;
-                        else
-                                row = -1;
-                } else
-#endif
                 if (row >= 0) {
                         const struct epd_k_combine_rank *d =
                                 &ranks[epd_route_expert_rank(expert, L)];
