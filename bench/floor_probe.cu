@@ -222,6 +222,47 @@ struct fp_reduce_args {
 /* Item = (token, slice) per warp; each step loads VEC 16-byte vectors of every contribution
  * (up to 8, ascending rank) before adding them in fp32, then stores the bf16 sum. EF: loads with
  * the L2 evict-first hint. */
+/* The stream's weight of input c of a chunk (WEIGHTED streams only). */
+static __host__ __device__ __forceinline__ float fp_stream_weight(uint32_t c)
+{
+        return 0.5f + 0.0625f * (float)c;
+}
+
+/* Vector u of the first n contributions of a step, summed in fp32 in ascending order (each first
+ * multiplied by fp_stream_weight(c) when WEIGHTED) and rounded once to bf16: the reduce's and the
+ * stream's one addition. */
+template <int VEC, bool WEIGHTED>
+static __device__ __forceinline__ int4 fp_sum(const int4 (&buf)[8][VEC], uint32_t n, int u)
+{
+        float acc[8];
+#pragma unroll
+        for (int q = 0; q < 8; q++)
+                acc[q] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+                if ((uint32_t)c >= n)
+                        break;
+                const uint32_t wv[4] = { (uint32_t)buf[c][u].x, (uint32_t)buf[c][u].y,
+                                         (uint32_t)buf[c][u].z, (uint32_t)buf[c][u].w };
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                        float lo = __uint_as_float(wv[q] << 16), hi = __uint_as_float(wv[q] & 0xffff0000u);
+                        if (WEIGHTED) {
+                                lo = __fmul_rn(lo, fp_stream_weight(c));
+                                hi = __fmul_rn(hi, fp_stream_weight(c));
+                        }
+                        acc[2 * q] = __fadd_rn(acc[2 * q], lo);
+                        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], hi);
+                }
+        }
+        uint32_t o[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+                o[q] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q])) |
+                       (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q + 1])) << 16;
+        return make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
+}
+
 template <bool EF, int VEC> static __device__ __forceinline__ void fp_reduce_body(const struct fp_reduce_args &a)
 {
         const uint32_t lane = threadIdx.x % 32;
@@ -262,33 +303,9 @@ template <bool EF, int VEC> static __device__ __forceinline__ void fp_reduce_bod
 #pragma unroll
                 for (int u = 0; u < VEC; u++) {
                         const uint32_t i = base + u * 32 + lane;
-                        float acc[8];
-#pragma unroll
-                        for (int q = 0; q < 8; q++)
-                                acc[q] = 0.0f;
-#pragma unroll
-                        for (int c = 0; c < 8; c++) {
-                                if ((uint32_t)c >= n)
-                                        break;
-                                const uint32_t wv[4] = { (uint32_t)buf[c][u].x, (uint32_t)buf[c][u].y,
-                                                         (uint32_t)buf[c][u].z, (uint32_t)buf[c][u].w };
-#pragma unroll
-                                for (int q = 0; q < 4; q++) {
-                                        acc[2 * q] = __fadd_rn(acc[2 * q], __uint_as_float(wv[q] << 16));
-                                        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1],
-                                                                   __uint_as_float(wv[q] & 0xffff0000u));
-                                }
-                        }
-                        uint32_t o[4];
-#pragma unroll
-                        for (int q = 0; q < 4; q++) {
-                                const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q]));
-                                const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q + 1]));
-                                o[q] = lo | hi << 16;
-                        }
+                        const int4 o = fp_sum<VEC, false>(buf, n, u);
                         if (i < v1)
-                                ((int4 *)(a.out + (uint64_t)g * a.row_bytes))[i] =
-                                        make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
+                                ((int4 *)(a.out + (uint64_t)g * a.row_bytes))[i] = o;
                 }
         }
 }
@@ -334,11 +351,6 @@ struct fp_stream_args {
         uint64_t in_chunks, out_chunks;
 };
 
-static __host__ __device__ __forceinline__ float fp_stream_weight(uint32_t c)
-{
-        return 0.5f + 0.0625f * (float)c;
-}
-
 template <int VEC> struct fp_step {
         int4 v[8][VEC];
         uint32_t n;
@@ -365,36 +377,8 @@ static __device__ __forceinline__ void fp_stream_store(const struct fp_stream_ar
                                                        uint32_t lane, const fp_step<VEC> &st)
 {
 #pragma unroll
-        for (int u = 0; u < VEC; u++) {
-                float acc[8];
-#pragma unroll
-                for (int q = 0; q < 8; q++)
-                        acc[q] = 0.0f;
-#pragma unroll
-                for (int c = 0; c < 8; c++) {
-                        if ((uint32_t)c >= st.n)
-                                break;
-                        const uint32_t wv[4] = { (uint32_t)st.v[c][u].x, (uint32_t)st.v[c][u].y,
-                                                 (uint32_t)st.v[c][u].z, (uint32_t)st.v[c][u].w };
-#pragma unroll
-                        for (int q = 0; q < 4; q++) {
-                                float lo = __uint_as_float(wv[q] << 16), hi = __uint_as_float(wv[q] & 0xffff0000u);
-                                if (WEIGHTED) {
-                                        lo = __fmul_rn(lo, fp_stream_weight(c));
-                                        hi = __fmul_rn(hi, fp_stream_weight(c));
-                                }
-                                acc[2 * q] = __fadd_rn(acc[2 * q], lo);
-                                acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], hi);
-                        }
-                }
-                uint32_t o[4];
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                        o[q] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q])) |
-                               (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * q + 1])) << 16;
-                ((int4 *)(a.out + j * (512 * VEC)))[u * 32 + lane] =
-                        make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
-        }
+        for (int u = 0; u < VEC; u++)
+                ((int4 *)(a.out + j * (512 * VEC)))[u * 32 + lane] = fp_sum<VEC, WEIGHTED>(st.v, st.n, u);
 }
 
 template <int VEC, bool WEIGHTED, bool PIPE>
