@@ -999,8 +999,10 @@ static int check_epd(const struct fp_host *h, const struct fp_epd_bufs *b, int h
                 uint32_t n = 0, seen = 0;
                 for (uint32_t k = 0; k < K; k++) {
                         const int32_t e = (int32_t)h->topk[(uint64_t)g * K + k];
-                        if (has_weights && ctw[(uint64_t)g * K + k] != (e >= 0 ? h->weights[(uint64_t)g * K + k] : 0.0f))
-                                bad = fprintf(stderr, "epd-floor-probe: epd combine's weights wrong at token %u\n", g);
+                        if (has_weights && ctw[(uint64_t)g * K + k] != (e >= 0 ? h->weights[(uint64_t)g * K + k] : 0.0f)) {
+                                fprintf(stderr, "epd-floor-probe: epd combine's weights wrong at token %u\n", g);
+                                bad = 1;
+                        }
                         if (e < 0)
                                 continue;
                         const uint32_t d = epd_route_expert_rank(e, h->L);
@@ -1013,9 +1015,11 @@ static int check_epd(const struct fp_host *h, const struct fp_epd_bufs *b, int h
                         for (uint32_t i = 0; i < n; i++)
                                 acc = acc + epd__bf16_to_float(y[(size_t)rows[i] * FP_HIDDEN + c]);
                         const uint16_t want = epd__float_to_bf16(acc), got = out[(size_t)g * FP_HIDDEN + c];
-                        if (want != got && !(acc != acc && (got & 0x7fc0) == 0x7fc0))
-                                bad = fprintf(stderr, "epd-floor-probe: epd combine wrong at token %u, column %u: 0x%04x, want 0x%04x\n",
-                                              g, c, got, want);
+                        if (want != got && !(acc != acc && (got & 0x7fc0) == 0x7fc0)) {
+                                fprintf(stderr, "epd-floor-probe: epd combine wrong at token %u, column %u: 0x%04x, want 0x%04x\n",
+                                        g, c, got, want);
+                                bad = 1;
+                        }
                 }
         }
         free(out);
