@@ -44,7 +44,8 @@
  * never taken from a kernel that skipped its work. FP_EPD_NOCHECK=1 in the environment skips the
  * epd combine's check only, for builds of the kernels with parts knowingly left out (timing only).
  *
- * Usage: epd-floor-probe [--ranks R] [--tokens T] [--reps N] [--seed S] [--device D] [--json]
+ * Usage: epd-floor-probe [--ranks R] [--tokens T] [--reps N] [--seed S] [--device D] [--idle-us U]
+ *        [--json]
  * (--json: one JSON object per figure on stdout, the table on stderr, as epd-bench does.)
  * Exit 77 without a usable GPU, 1 on a failure or a mismatch, 2 on bad arguments.
  */
@@ -421,6 +422,7 @@ __global__ void __launch_bounds__(FP_THREADS, VEC == 2 || PIPE ? 2 : 3) fp_strea
 
 struct fp_options {
         uint32_t ranks, tokens, reps, device;
+        uint32_t idle_us; /* the GPU left idle this long after each preparation, before the launch */
         uint64_t seed;
         int json;
 };
@@ -466,6 +468,13 @@ static void prepare(struct fp_state *st, enum fp_mode mode, uint32_t salt)
                                                             FP_FLUSH_BYTES / 16, st->sink);
         CK(cudaGetLastError());
         CK(cudaStreamSynchronize(st->stream));
+        /* Through the daemon the GPU idles about 200 us between a client's flush and the op
+         * (MPS off); here only for the launch, unless --idle-us asks for longer. */
+        if (st->o.idle_us) {
+                const uint64_t until = epd__now_ns() + (uint64_t)st->o.idle_us * 1000;
+                while (epd__now_ns() < until)
+                        ;
+        }
 }
 
 enum fp_launch { LAUNCH_EVENT, LAUNCH_GATED, LAUNCH_GRAPH };
@@ -1029,11 +1038,12 @@ static int check_epd(const struct fp_host *h, const struct fp_epd_bufs *b, int h
 
 static void usage(FILE *f)
 {
-        fprintf(f, "Usage: epd-floor-probe [--ranks R] [--tokens T] [--reps N] [--seed S] [--device D] [--json]\n"
+        fprintf(f, "Usage: epd-floor-probe [--ranks R] [--tokens T] [--reps N] [--seed S] [--device D] [--idle-us U] [--json]\n"
                    "  Times the decode workload's bytes with the routing known in advance (empty,\n"
                    "  store, copy, memset, reduce kernels), in Fresh, clean and warm L2 states, with\n"
                    "  the launch inside the events, gated and as a graph. Defaults: 8 ranks, 128 tokens (decode),\n"
-                   "  200 repetitions, seed 1 (epd-bench's), device 0.\n");
+                   "  200 repetitions, seed 1 (epd-bench's), device 0. --idle-us: the GPU left idle U us after\n"
+                   "  each flush before the launch (default 0).\n");
 }
 
 static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
@@ -1052,6 +1062,7 @@ int main(int argc, char **argv)
                 { "ranks", required_argument, NULL, 'r' }, { "tokens", required_argument, NULL, 't' },
                 { "reps", required_argument, NULL, 'n' },  { "seed", required_argument, NULL, 's' },
                 { "device", required_argument, NULL, 'd' }, { "json", no_argument, NULL, 'j' },
+                { "idle-us", required_argument, NULL, 'i' },
                 { "help", no_argument, NULL, 'h' },        { NULL, 0, NULL, 0 },
         };
         struct fp_state st = {};
@@ -1084,6 +1095,9 @@ int main(int argc, char **argv)
                         bad = !*optarg || *end;
                         break;
                 }
+                case 'i':
+                        bad = parse_u32(optarg, 0, 1000000, &o->idle_us) < 0;
+                        break;
                 case 'j':
                         o->json = 1;
                         break;
@@ -1095,9 +1109,11 @@ int main(int argc, char **argv)
                         return 2;
                 }
                 if (bad) {
-                        fprintf(stderr, "epd-floor-probe: bad value for --%s: '%s' (ranks divide %u and are at most %u)\n",
-                                longopts[c == 'r' ? 0 : c == 't' ? 1 : c == 'n' ? 2 : c == 's' ? 3 : 4].name,
-                                optarg, FP_EXPERTS, FP_MAX_RANKS);
+                        size_t k = 0;
+                        while (longopts[k].val != c)
+                                k++;
+                        fprintf(stderr, "epd-floor-probe: bad value for --%s: '%s' (ranks divide %u and are at most %u; idle at most 1000000 us)\n",
+                                longopts[k].name, optarg, FP_EXPERTS, FP_MAX_RANKS);
                         return 2;
                 }
         }
@@ -1185,9 +1201,9 @@ int main(int argc, char **argv)
 
         FILE *tf = o->json ? stderr : stdout; /* the table; JSON lines go to stdout */
         fprintf(tf, "epd-floor-probe on %s (%d SMs, %.0f MiB L2), git %s, MPS %s (%s): %u ranks x %u "
-               "tokens, %u received rows, median and p99 of %u launches\n",
+               "tokens, %u received rows, median and p99 of %u launches, GPU idle %u us before each\n",
                st.device_name, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0, epd_git_rev,
-               st.mps, st.mps_detail, h.R, h.T, h.rows, o->reps);
+               st.mps, st.mps_detail, h.R, h.T, h.rows, o->reps, o->idle_us);
 
         struct fp_empty_ctx e1 = { 0, 1 }, e8 = { 8, (uint32_t)clusters * 8 }, ep = { -1, 1 };
         struct fp_copy_ctx cs = { ca, 0, 0 }, c1 = { ca, 1, 0 }, c2 = { ca, 1, 0 },
@@ -1330,6 +1346,7 @@ int main(int argc, char **argv)
                         json_object_set_new(row, "rows", json_integer(h.rows));
                         json_object_set_new(row, "reps", json_integer(o->reps));
                         json_object_set_new(row, "seed", json_integer((json_int_t)o->seed));
+                        json_object_set_new(row, "idle_us", json_integer(o->idle_us));
                         json_object_set_new(row, "git_rev", json_string(epd_git_rev));
                         char *s = json_dumps(row, JSON_COMPACT);
                         if (s)
