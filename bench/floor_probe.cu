@@ -565,20 +565,21 @@ static void run_probe(struct fp_state *st, const struct fp_probe *p, json_t *row
 /* ---- the probes' launches ----------------------------------------------------------------- */
 
 struct fp_empty_ctx {
-        int cluster; /* 0: one warp; -1: one warp with an unused parameter block of FP_PAD_BYTES */
+        int cluster; /* 0: one warp */
         uint32_t blocks;
+        int pad; /* one warp with an unused parameter block of FP_PAD_BYTES */
 };
 
 static void launch_empty(const struct fp_probe *p, cudaStream_t s)
 {
         const struct fp_empty_ctx *c = (const struct fp_empty_ctx *)p->ctx;
-        if (!c->cluster) {
-                fp_empty<<<1, 32, 0, s>>>();
-                return;
-        }
-        if (c->cluster < 0) {
+        if (c->pad) {
                 static struct fp_pad pad;
                 fp_empty_pad<<<1, 32, 0, s>>>(pad);
+                return;
+        }
+        if (!c->cluster) {
+                fp_empty<<<1, 32, 0, s>>>();
                 return;
         }
         cudaLaunchConfig_t cfg = {};
@@ -1205,7 +1206,7 @@ int main(int argc, char **argv)
                st.device_name, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0, epd_git_rev,
                st.mps, st.mps_detail, h.R, h.T, h.rows, o->reps, o->idle_us);
 
-        struct fp_empty_ctx e1 = { 0, 1 }, e8 = { 8, (uint32_t)clusters * 8 }, ep = { -1, 1 };
+        struct fp_empty_ctx e1 = { 0, 1, 0 }, e8 = { 8, (uint32_t)clusters * 8, 0 }, ep = { 0, 1, 1 };
         struct fp_copy_ctx cs = { ca, 0, 0 }, c1 = { ca, 1, 0 }, c2 = { ca, 1, 0 },
                            c3 = { ca, 1, 0 }, c4 = { ca, 1, 0 }, w120 = { ca, 1, 120 },
                            w132 = { ca, 1, (unsigned)prop.multiProcessorCount };

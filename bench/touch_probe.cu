@@ -12,7 +12,8 @@
  *   page B far        a line 1 MiB further into page B
  *
  * Each load's address is the previous address plus the loaded value (always 0), so no load
- * issues before the one before it has returned, and the clock is read after that sum. Printed: the
+ * issues before the one before it has returned, and the clock is read after the value has been
+ * stored to shared memory (a store cannot issue before its value has arrived). Printed: the
  * median and p90 cycles of each load over REPS flushes, and the SM clock, so that cycles read as
  * nanoseconds. The same chain without the flush (everything warm) is the reference.
  *
