@@ -54,6 +54,11 @@ if(EPD_HAVE_CUDA)
   # wait for).
   epd_add_cuda_probe(epd-touch-probe ${CMAKE_CURRENT_LIST_DIR}/touch_probe.cu)
 
+  # epd-param-probe: what a kernel's first reads of its own parameters cost, by how many 64-byte
+  # lines of the block they touch and whether they are constant-bank, dependent, generic or
+  # divergent reads, after the benchmark's L2 flush and warm.
+  epd_add_cuda_probe(epd-param-probe ${CMAKE_CURRENT_LIST_DIR}/param_probe.cu)
+
   # epd-floor-probe: the decode workload's bytes with the routing known in advance (empty,
   # store, copy, memset, reduce and stream kernels, and epd's own combine kernel on the same
   # data), in Fresh, clean and warm L2 states: the floors against which docs/performance.md

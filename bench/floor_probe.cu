@@ -264,17 +264,26 @@ static __device__ __forceinline__ int4 fp_sum(const int4 (&buf)[8][VEC], uint32_
         return make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
 }
 
-template <bool EF, int VEC> static __device__ __forceinline__ void fp_reduce_body(const struct fp_reduce_args &a)
+/* The traced reduce's stamps, per warp: entry, plan row back, end (global timer, ns) and its
+ * contributions; the same four words as epd's combine stamps in DS_TRACE builds
+ * (kernels/combine.cu), so that one report reads both. */
+#define FP_TRACE_WARPS 8192
+static __device__ uint64_t fp_rtrace[FP_TRACE_WARPS * 4];
+
+template <bool EF, int VEC, bool TR = false>
+static __device__ __forceinline__ void fp_reduce_body(const struct fp_reduce_args &a)
 {
         const uint32_t lane = threadIdx.x % 32;
         const uint32_t item = (blockIdx.x * FP_THREADS + threadIdx.x) / 32;
         const uint32_t g = item / a.slices, slice = item % a.slices;
+        const uint64_t tr_entry = TR ? epd_globaltimer_ns() : 0;
 
         if (g >= a.tokens)
                 return;
         const int32_t r = lane < a.ranks ? a.plan[(uint64_t)g * a.ranks + lane] : -1;
         const uint32_t mask = __ballot_sync(0xffffffffu, r >= 0);
         const uint32_t n = __popc(mask);
+        const uint64_t tr_plan = TR ? epd_globaltimer_ns() : 0;
         const uint32_t nvec = a.row_bytes / 16, svec = nvec / a.slices;
         const uint32_t v0 = slice * svec, v1 = slice + 1 == a.slices ? nvec : v0 + svec;
         const int4 *rows[8];
@@ -309,6 +318,17 @@ template <bool EF, int VEC> static __device__ __forceinline__ void fp_reduce_bod
                                 ((int4 *)(a.out + (uint64_t)g * a.row_bytes))[i] = o;
                 }
         }
+        if (TR && lane == 0 && item < FP_TRACE_WARPS) {
+                fp_rtrace[item * 4 + 0] = tr_entry;
+                fp_rtrace[item * 4 + 1] = tr_plan;
+                fp_rtrace[item * 4 + 2] = epd_globaltimer_ns();
+                fp_rtrace[item * 4 + 3] = n;
+        }
+}
+
+__global__ void __launch_bounds__(FP_THREADS) fp_reduce_traced(struct fp_reduce_args a)
+{
+        fp_reduce_body<true, 2, true>(a);
 }
 
 template <bool EF, int VEC> __global__ void __launch_bounds__(FP_THREADS) fp_reduce(struct fp_reduce_args a)
@@ -527,6 +547,95 @@ static double time_once(struct fp_state *st, const struct fp_probe *p, enum fp_m
         return ms * 1e3;
 }
 
+#ifdef DS_TRACE
+extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps);
+#endif
+
+/* FP_TRACE_LAUNCHES Fresh-mode graph launches of p, each followed by its per-warp stamps (the
+ * traced reduce's, or with epd != 0 epd's combine's, which DS_TRACE builds of the kernels keep):
+ * where in the launch its warps entered, had their routing and ended, and the ends by the
+ * token's contributions, each averaged over the launches. epd's stamps also give the ns from a
+ * warp's entry until it had the parameters its first workspace load needs. */
+#define FP_TRACE_LAUNCHES 20
+static void trace_report(struct fp_state *st, const struct fp_probe *p, int epd, uint32_t warps,
+                         FILE *tf)
+{
+        static uint64_t w[FP_TRACE_WARPS * 4];
+        cudaGraphExec_t exec = capture(st, p);
+        /* per launch: the means and maxima of entry, routing and end, the parameters' mean */
+        double sum[3] = { 0, 0, 0 }, max[3] = { 0, 0, 0 }, pre = 0, us = 0;
+        double nsum[33] = { 0 }, nmax[33] = { 0 };
+        uint32_t nl[33] = { 0 }, nw[33] = { 0 }, launches = 0;
+
+        if (warps > FP_TRACE_WARPS)
+                warps = FP_TRACE_WARPS;
+        time_once(st, p, MODE_FRESH, LAUNCH_GRAPH, exec, 0);
+        for (uint32_t r = 0; r < FP_TRACE_LAUNCHES; r++) {
+                const double t = time_once(st, p, MODE_FRESH, LAUNCH_GRAPH, exec, r + 1);
+                if (epd) {
+#ifdef DS_TRACE
+                        if (epd_k_cb_trace(w, warps) != 0)
+                                break;
+#else
+                        break;
+#endif
+                } else {
+                        CK(cudaMemcpyFromSymbol(w, fp_rtrace, (size_t)warps * 32));
+                }
+                uint64_t t0 = UINT64_MAX;
+                for (uint32_t i = 0; i < warps; i++)
+                        t0 = w[i * 4] != 0 && w[i * 4] < t0 ? w[i * 4] : t0;
+                double s[3] = { 0, 0, 0 }, m[3] = { 0, 0, 0 }, ps = 0, ns[33] = { 0 }, nm[33] = { 0 };
+                uint32_t cnt = 0, nc[33] = { 0 };
+                for (uint32_t i = 0; i < warps; i++) {
+                        const uint64_t *e = &w[i * 4];
+                        if (e[0] < t0 || e[1] < e[0] || e[2] < e[1] || e[2] - t0 > 1000000)
+                                continue; /* not stamped by this launch */
+                        for (int q = 0; q < 3; q++) {
+                                s[q] += (double)(e[q] - t0);
+                                m[q] = (double)(e[q] - t0) > m[q] ? (double)(e[q] - t0) : m[q];
+                        }
+                        ps += epd ? (double)(e[3] >> 32) : 0.0;
+                        const uint32_t n = (uint32_t)(e[3] & 0xff) % 33;
+                        ns[n] += (double)(e[2] - t0);
+                        nm[n] = (double)(e[2] - t0) > nm[n] ? (double)(e[2] - t0) : nm[n];
+                        nc[n]++;
+                        cnt++;
+                }
+                if (cnt == 0)
+                        continue;
+                for (int q = 0; q < 3; q++) {
+                        sum[q] += s[q] / cnt;
+                        max[q] += m[q];
+                }
+                pre += ps / cnt;
+                us += t;
+                for (uint32_t n = 0; n < 33; n++)
+                        if (nc[n]) {
+                                nsum[n] += ns[n] / nc[n];
+                                nmax[n] += nm[n];
+                                nl[n]++;
+                                nw[n] = nc[n];
+                        }
+                launches++;
+        }
+        CK(cudaGraphExecDestroy(exec));
+        if (launches == 0) {
+                fprintf(tf, "  trace %s %s: no stamps\n", p->name, p->variant);
+                return;
+        }
+        fprintf(tf, "  trace %s %s (%u fresh graph launches, %.2f us on average; ns from the first "
+                    "warp's entry): entry mean %.0f max %.0f, parameters read %.0f, routing back mean "
+                    "%.0f max %.0f, end mean %.0f max %.0f\n",
+                p->name, p->variant, launches, us / launches, sum[0] / launches, max[0] / launches,
+                pre / launches, sum[1] / launches, max[1] / launches, sum[2] / launches,
+                max[2] / launches);
+        for (uint32_t n = 0; n < 33; n++)
+                if (nl[n])
+                        fprintf(tf, "  trace %s %s: %u contributions, %u warps, end mean %.0f max %.0f\n",
+                                p->name, p->variant, n, nw[n], nsum[n] / nl[n], nmax[n] / nl[n]);
+}
+
 static void run_probe(struct fp_state *st, const struct fp_probe *p, json_t *rows, FILE *tf)
 {
         cudaGraphExec_t exec = capture(st, p);
@@ -634,7 +743,7 @@ static void launch_memset(const struct fp_probe *p, cudaStream_t s)
 
 struct fp_reduce_ctx {
         struct fp_reduce_args a;
-        int evict_first; /* 2: evict-first, with the unused parameter block */
+        int evict_first; /* 2: evict-first, with the unused parameter block; 3: traced */
 };
 
 static void launch_reduce(const struct fp_probe *p, cudaStream_t s)
@@ -643,7 +752,9 @@ static void launch_reduce(const struct fp_probe *p, cudaStream_t s)
         const uint64_t warps = (uint64_t)c->a.tokens * c->a.slices;
         const unsigned blocks = (unsigned)((warps * 32 + FP_THREADS - 1) / FP_THREADS);
 
-        if (c->evict_first == 2) {
+        if (c->evict_first == 3) {
+                fp_reduce_traced<<<blocks, FP_THREADS, 0, s>>>(c->a);
+        } else if (c->evict_first == 2) {
                 static struct fp_pad pad;
                 fp_reduce_pad<<<blocks, FP_THREADS, 0, s>>>(c->a, pad);
         } else if (c->evict_first)
@@ -1223,8 +1334,9 @@ int main(int argc, char **argv)
         struct fp_reduce_ctx r7 = { ra, 1 }, r7p = { ra, 0 }, r4 = { ra, 1 }, r14 = { ra, 1 },
                              r2 = { ra, 1 };
         r2.a.slices = 2;
-        struct fp_reduce_ctx r2p = r2;
+        struct fp_reduce_ctx r2p = r2, r2t = r2;
         r2p.evict_first = 2;
+        r2t.evict_first = 3;
         r7.a.slices = 7;
         r7p.a.slices = 7;
         r4.a.slices = 4;
@@ -1272,6 +1384,7 @@ int main(int argc, char **argv)
                 { "reduce", "2 slices, evict-first", comb_read, comb_written, launch_reduce, &r2 },
                 { "reduce", "2 slices, 1280 B params", comb_read, comb_written, launch_reduce, &r2p },
                 { "reduce", "14 slices, evict-first", comb_read, comb_written, launch_reduce, &r14 },
+                { "reduce", "2 slices, traced", comb_read, comb_written, launch_reduce, &r2t },
                 { "epd", "combine", comb_read, comb_written, launch_epd, &ec },
                 { "epd", "combine, descs in memory", comb_read, comb_written, launch_epd, &ecd },
                 { "epd", "combine, no weights", comb_read, comb_written, launch_epd, &ecw },
@@ -1334,6 +1447,15 @@ int main(int argc, char **argv)
                         continue;
                 }
                 run_probe(&st, &probes[i], rows, tf);
+        }
+        for (size_t i = 0; i < nprobes; i++) {
+                if (probes[i].launch == launch_reduce &&
+                    ((const struct fp_reduce_ctx *)probes[i].ctx)->evict_first == 3)
+                        trace_report(&st, &probes[i], 0, h.N * 2, tf);
+#ifdef DS_TRACE
+                if (probes[i].launch == launch_epd)
+                        trace_report(&st, &probes[i], 1, h.N * 2, tf);
+#endif
         }
         if (o->json) {
                 size_t i;

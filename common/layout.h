@@ -183,11 +183,25 @@ EPD_HD void epd_ws_layout_init(struct epd_ws_layout *l, uint32_t world_size,
         l->total_bytes = off;
 }
 
-/* Index of entry (s, t, k) in the per-entry arrays (topk, local, row, weights). */
+/* Entries per source rank in the per-entry arrays (topk, local, row, weights). */
+EPD_HD uint64_t epd_ws_src_entries(const struct epd_ws_layout *l)
+{
+        return (uint64_t)l->max_tokens * l->max_topk;
+}
+
+/* Index of entry (s, t, k) in those arrays, given epd_ws_src_entries (for kernels that carry
+ * that one number rather than the layout). */
+EPD_HD uint64_t epd_ws_entry_at(uint64_t src_entries, uint32_t src_rank, uint32_t token,
+                                uint32_t num_topk, uint32_t k)
+{
+        return (uint64_t)src_rank * src_entries + (uint64_t)token * num_topk + k;
+}
+
+/* Index of entry (s, t, k) in the per-entry arrays. */
 EPD_HD uint64_t epd_ws_entry(const struct epd_ws_layout *l, uint32_t src_rank, uint32_t token,
                              uint32_t num_topk, uint32_t k)
 {
-        return (uint64_t)src_rank * l->max_tokens * l->max_topk + (uint64_t)token * num_topk + k;
+        return epd_ws_entry_at(epd_ws_src_entries(l), src_rank, token, num_topk, k);
 }
 
 /* Typed views of one field. base is the workspace base (device or host copy). */

@@ -217,6 +217,35 @@ extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
 }
 #endif
 
+/* The parameters a warp reads before its first row load, adjacent and first in the launch's
+ * parameters: 112 bytes, which from the sm_90 parameter base (constant bank offset 0x210) lie
+ * in two 64-byte lines of the constant cache. A warp's reads of different parameter lines are
+ * served one line after the other, about 75 ns each, whether or not they depend on each other
+ * (epd-param-probe on an H200, twenty-second session), and the combine's first workspace load
+ * used to wait for six lines of the arguments, the layout and the inline descriptors. */
+#ifndef COMBINE_MAGIC
+#define COMBINE_MAGIC 0
+#endif
+#if COMBINE_MAGIC
+typedef uint8_t combine_rank_t;
+#else
+typedef uint16_t combine_rank_t;
+#endif
+struct combine_hot {
+        const int32_t *topk, *row;  /* the workspace's topk and row fields */
+        const float *weights;       /* its weights field; NULL when the dispatch carried none */
+        uint32_t src_entries;       /* epd_ws_src_entries of the layout */
+        uint32_t num_topk, slices, slice_values, local_tokens, num_local;
+        uint32_t num_local_experts, world_size, hidden, apply_weights;
+        /* INL launches: the local ranks (args.local[i].token_offset and .rank) */
+        uint32_t token_offset[EPD_K_INLINE_RANKS];
+        combine_rank_t rank[EPD_K_INLINE_RANKS];
+#if COMBINE_MAGIC
+        uint64_t lmagic;
+#endif
+};
+static_assert(sizeof(struct combine_hot) == 112, "combine_hot fills two constant-cache lines");
+
 /* Grid-stride over work items, a warp per item: item = (token, slice), where a slice is
  * slice_values consecutive hidden values (the last one shorter) and a token has `slices` of
  * them (1 for large ops; more when the op has too few tokens to fill the GPU, so that small ops
@@ -231,27 +260,28 @@ extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
  * than the L2 holds whatever the hint, and prefill combine took 4-5% longer with it, so large
  * ops load plainly.
  *
+ * INL (the launcher had host copies of the descriptors, at most EPD_K_INLINE_RANKS ranks): the
+ * local ranks come from hot and the rank descriptors from the parameters (in), as constant-bank
+ * loads; INL is a template argument rather than in.used so that the compiler knows their address
+ * space (through a pointer of unknown space they would be generic loads that travel the memory
+ * path). Otherwise both come from device memory (args.local, args.ranks).
+ *
  * Memory ordering: everything it reads (the handle's rows, topk and weights; every rank's y;
  * the biases) was written before the launch by kernels or copies that the host orders before it
  * with events, so plain and read-only (epd__k_ldg) loads are correct: nothing written during this
  * kernel is read by it. Each output element has one writer. */
-template <bool STREAM>
+template <bool STREAM, bool INL>
 static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
-        combine_kernel(const __grid_constant__ struct epd_k_combine_args a,
-                       const __grid_constant__ struct epd_ws_layout l, uint32_t slices,
-                       uint32_t slice_values,
+        combine_kernel(const __grid_constant__ struct combine_hot hot,
+                       const __grid_constant__ struct epd_k_combine_args a,
                        const __grid_constant__ struct epd__k_inline<struct epd_k_combine_rank> in)
 {
-        const uint32_t L = l.num_local_experts, K = a.num_topk;
+        const uint32_t L = hot.num_local_experts, K = hot.num_topk, slices = hot.slices;
         const uint32_t lane = threadIdx.x % 32;
         const uint64_t warp = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
         const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
-        const uint64_t items = (uint64_t)a.local_tokens * slices;
-        void *ws = (void *)a.workspace;
-        /* The descriptors: in the parameters when the launcher had host copies (no load from
-         * device memory in front of each warp's first contribution), else device memory. */
-        const struct epd_k_combine_rank *ranks = epd__k_ranks(in, a.ranks);
-        const struct epd_k_local *local = epd__k_locals(in, a.local);
+        const uint64_t items = (uint64_t)hot.local_tokens * slices;
+        const struct epd_k_combine_rank *ranks = INL ? in.ranks : a.ranks;
 
 #ifdef DS_TRACE
         uint64_t tr_entry = epd_globaltimer_ns(), tr_ws = 0;
@@ -260,12 +290,25 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
         for (uint64_t item = warp; item < items; item += warps) {
                 const uint64_t g = item / slices;
                 const uint32_t slice = (uint32_t)(item % slices);
-                const uint32_t h0 = slice * slice_values;
-                const uint32_t h1 = min(a.hidden, h0 + slice_values);
-                const uint32_t i = epd__k_find_local(local, a.num_local, (uint32_t)g);
-                const uint32_t s = local[i].rank, t = (uint32_t)g - local[i].token_offset;
+                const uint32_t h0 = slice * hot.slice_values;
+                const uint32_t h1 = min(hot.hidden, h0 + hot.slice_values);
+                uint32_t s, t;
+                if constexpr (INL) {
+                        /* independent comparisons instead of a binary search whose every step
+                         * waits for the previous one's load */
+                        uint32_t i = 0;
+#pragma unroll
+                        for (uint32_t j = 1; j < EPD_K_INLINE_RANKS; j++)
+                                i += (j < hot.num_local) & (hot.token_offset[j] <= (uint32_t)g);
+                        s = hot.rank[i];
+                        t = (uint32_t)g - hot.token_offset[i];
+                } else {
+                        const uint32_t i = epd__k_find_local(a.local, hot.num_local, (uint32_t)g);
+                        s = a.local[i].rank;
+                        t = (uint32_t)g - a.local[i].token_offset;
+                }
                 const struct epd_k_combine_rank *me = &ranks[s];
-                const uint64_t ent = epd_ws_entry(&l, s, t, K, 0);
+                const uint64_t ent = epd_ws_entry_at(hot.src_entries, s, t, K, 0);
 #ifdef DS_TRACE
                 /* after every parameter the first workspace load depends on: the test on
                  * ent keeps the timer read behind its computation */
@@ -276,20 +319,58 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 float weight = 0.0f;
 
                 if (lane < K) {
-                        expert = epd_ws_i32(ws, l.topk)[ent + lane];
-                        row = epd_ws_i32(ws, l.row)[ent + lane];
-                        if (a.has_weights)
-                                weight = epd_ws_f32(ws, l.weights)[ent + lane];
+                        expert = hot.topk[ent + lane];
+                        row = hot.row[ent + lane];
+                        if (hot.weights != NULL)
+                                weight = hot.weights[ent + lane];
+                }
+                /* INL: while the entries come back, lane r reads rank r's y descriptor, and each
+                 * lane takes its contribution's from the owner lane below, so no descriptor load
+                 * waits behind the entries (world_size <= EPD_K_INLINE_RANKS here). */
+                const uint8_t *lane_y = NULL;
+                uint64_t lane_stride = 0, lane_rows = 0;
+                if (INL && lane < hot.world_size) {
+#ifndef COMBINE_YGEN
+#define COMBINE_YGEN 0
+#endif
+#if COMBINE_YGEN == 1 /* experiment: generic loads of the inline copy */
+                        const struct epd_k_combine_rank *yr = epd__k_ranks(in, a.ranks);
+#elif COMBINE_YGEN == 2 /* experiment: device memory */
+                        const struct epd_k_combine_rank *yr = a.ranks;
+#else
+                        const struct epd_k_combine_rank *yr = ranks;
+#endif
+                        lane_y = yr[lane].y.ptr;
+                        lane_stride = yr[lane].y.stride;
+                        lane_rows = yr[lane].y_rows;
+                }
+                if (lane < K) {
                         /* The dispatch's weights, masked to 0.0f where topk_idx held -1;
                          * nothing to route back when the dispatch carried none. */
-                        if (slice == 0 && a.has_weights && me->combined_topk_weights.ptr != NULL)
+                        if (slice == 0 && hot.weights != NULL &&
+                            me->combined_topk_weights.ptr != NULL)
                                 ((float *)mat_row(&me->combined_topk_weights, t))[lane] =
                                         expert >= 0 ? weight : 0.0f;
                 }
                 /* NON_EXPAND rows are set only at each destination's first position, EXPAND rows
                  * at every selection: a row >= 0 is exactly a contribution. */
                 const uint8_t *my_row = NULL;
-                if (row >= 0) {
+                if constexpr (INL) {
+#if COMBINE_MAGIC
+                        const uint32_t dr =
+                                row >= 0 ? epd_route_expert_rank_magic(expert, hot.lmagic) : 0;
+#else
+                        const uint32_t dr = row >= 0 ? epd_route_expert_rank(expert, L) : 0;
+#endif
+                        const uint8_t *dy = (const uint8_t *)__shfl_sync(
+                                EPD_K_FULL_MASK, (unsigned long long)lane_y, dr);
+                        const uint64_t ds = __shfl_sync(EPD_K_FULL_MASK, lane_stride, dr);
+                        const uint64_t dn = __shfl_sync(EPD_K_FULL_MASK, lane_rows, dr);
+                        if (row >= 0 && (uint64_t)row < dn)
+                                my_row = dy + (uint64_t)row * ds;
+                        else
+                                row = -1;
+                } else if (row >= 0) {
                         const struct epd_k_combine_rank *d =
                                 &ranks[epd_route_expert_rank(expert, L)];
                         if ((uint64_t)row < d->y_rows)
@@ -311,13 +392,13 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         continue;
                 uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)my_row) |
                                 (uint32_t)(uintptr_t)bias0 | (uint32_t)(uintptr_t)bias1 |
-                                (uint32_t)(uintptr_t)out | (a.hidden * 2u);
+                                (uint32_t)(uintptr_t)out | (hot.hidden * 2u);
                 if ((bits & 15) == 0)
-                        combine_vec<STREAM>(my_row, mask, weight, a.apply_weights, bias0,
+                        combine_vec<STREAM>(my_row, mask, weight, hot.apply_weights, bias0,
                                             bias1, out, h0 / 8, h1 / 8, lane);
                 else
-                        combine_scalar(my_row, mask, weight, a.apply_weights, bias0, bias1, out,
-                                       h0, h1, lane);
+                        combine_scalar(my_row, mask, weight, hot.apply_weights, bias0, bias1,
+                                       out, h0, h1, lane);
         }
 #ifdef DS_TRACE
         if (lane == 0 && warp < CB_TRACE_WARPS) {
@@ -332,17 +413,18 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
 #endif
 }
 
-/* The launch of a combine, described; its parameters point at *args, *l and *g (which it
- * fills). An op without local tokens has nothing to launch: 1. */
+/* The launch of a combine, described; its parameters point at *args and *g (which it fills).
+ * An op without local tokens has nothing to launch: 1. */
 struct combine_geometry {
-        uint32_t slices, slice_values;
+        struct combine_hot hot;
         struct epd__k_inline<struct epd_k_combine_rank> in;
 };
 
-static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws_layout *l,
-                            struct combine_geometry *g, struct epd__k_launch *d)
+static int combine_describe(const struct epd_k_combine_args *args, struct combine_geometry *g,
+                            struct epd__k_launch *d)
 {
-        int blocks, ret = epd__k_check_combine(args, l);
+        struct epd_ws_layout l;
+        int blocks, ret = epd__k_check_combine(args, &l);
 
         if (ret < 0)
                 return ret;
@@ -350,14 +432,42 @@ static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws
                 return 1;
         const uint64_t warps_per_block = COMBINE_THREADS / 32;
         uint64_t slice_values;
+        uint32_t slices;
         ret = epd__k_slicing(args->local_tokens, args->hidden, COMBINE_SLICE_UNIT,
-                             COMBINE_SLICE_WARPS, &slice_values, &g->slices);
+                             COMBINE_SLICE_WARPS, &slice_values, &slices);
         if (ret < 0)
                 return ret;
-        g->slice_values = (uint32_t)slice_values;
-        const uint64_t items = (uint64_t)args->local_tokens * g->slices;
-        const void *kernel = g->slices > 1 ? (const void *)combine_kernel<true>
-                                           : (const void *)combine_kernel<false>;
+        struct combine_hot *h = &g->hot;
+        memset(h, 0, sizeof(*h));
+        void *ws = (void *)args->workspace; /* only read */
+        h->topk = epd_ws_i32(ws, l.topk);
+        h->row = epd_ws_i32(ws, l.row);
+        h->weights = args->has_weights ? epd_ws_f32(ws, l.weights) : NULL;
+        h->src_entries = (uint32_t)epd_ws_src_entries(&l); /* < 2^31: epd__k_check_combine */
+        h->num_topk = args->num_topk;
+        h->slices = slices;
+        h->slice_values = (uint32_t)slice_values;
+        h->local_tokens = args->local_tokens;
+        h->num_local = args->num_local;
+        h->num_local_experts = l.num_local_experts;
+        h->world_size = args->world_size;
+        h->hidden = args->hidden;
+        h->apply_weights = args->apply_weights != 0;
+        epd__k_inline_fill(&g->in, args);
+        if (g->in.used)
+                for (uint32_t i = 0; i < args->num_local; i++) {
+                        h->token_offset[i] = g->in.local[i].token_offset;
+                        h->rank[i] = (combine_rank_t)g->in.local[i].rank;
+                }
+#if COMBINE_MAGIC
+        h->lmagic = epd_udiv_magic(l.num_local_experts);
+#endif
+        const uint64_t items = (uint64_t)args->local_tokens * slices;
+        const void *kernel =
+                slices > 1 ? (g->in.used ? (const void *)combine_kernel<true, true>
+                                         : (const void *)combine_kernel<true, false>)
+                           : (g->in.used ? (const void *)combine_kernel<false, true>
+                                         : (const void *)combine_kernel<false, false>);
         ret = epd__k_grid_blocks(kernel, COMBINE_THREADS, 0,
                                  (items + warps_per_block - 1) / warps_per_block, &blocks);
         if (ret < 0)
@@ -366,21 +476,17 @@ static int combine_describe(const struct epd_k_combine_args *args, struct epd_ws
         d->func = kernel;
         d->grid = dim3((unsigned)blocks);
         d->block = dim3(COMBINE_THREADS);
-        d->params[0] = args;
-        d->params[1] = l;
-        d->params[2] = &g->slices;
-        d->params[3] = &g->slice_values;
-        epd__k_inline_fill(&g->in, args);
-        d->params[4] = &g->in;
+        d->params[0] = &g->hot;
+        d->params[1] = args;
+        d->params[2] = &g->in;
         return 0;
 }
 
 extern "C" int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t stream)
 {
-        struct epd_ws_layout l;
         struct combine_geometry g;
         struct epd__k_launch d;
-        int ret = combine_describe(args, &l, &g, &d);
+        int ret = combine_describe(args, &g, &d);
 
         return ret != 0 ? (ret > 0 ? 0 : ret) : epd__k_launch_direct(&d, stream);
 }
@@ -389,10 +495,9 @@ extern "C" int epd_k_combine(const struct epd_k_combine_args *args, cudaStream_t
 extern "C" int epd_k_combine_timed(const struct epd_k_combine_args *args, struct epd_k_timed *t,
                                    cudaEvent_t t0, cudaEvent_t t1, cudaStream_t stream)
 {
-        struct epd_ws_layout l;
         struct combine_geometry g;
         struct epd__k_launch d;
-        int ret = combine_describe(args, &l, &g, &d);
+        int ret = combine_describe(args, &g, &d);
 
         if (ret < 0)
                 return ret;
@@ -406,8 +511,12 @@ extern "C" int epd_k_combine_timed(const struct epd_k_combine_args *args, struct
 int epd__k_preload_combine(void)
 {
         struct cudaFuncAttributes attr;
-        int ret = epd__k_cuda_status(cudaFuncGetAttributes(&attr, combine_kernel<false>));
-        if (ret == 0)
-                ret = epd__k_cuda_status(cudaFuncGetAttributes(&attr, combine_kernel<true>));
+        const void *kernels[] = { (const void *)combine_kernel<false, false>,
+                                  (const void *)combine_kernel<false, true>,
+                                  (const void *)combine_kernel<true, false>,
+                                  (const void *)combine_kernel<true, true> };
+        int ret = 0;
+        for (size_t k = 0; ret == 0 && k < sizeof(kernels) / sizeof(kernels[0]); k++)
+                ret = epd__k_cuda_status(cudaFuncGetAttributes(&attr, kernels[k]));
         return ret;
 }
