@@ -223,6 +223,9 @@ extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
  * served one line after the other, about 75 ns each, whether or not they depend on each other
  * (epd-param-probe on an H200, twenty-second session), and the combine's first workspace load
  * used to wait for six lines of the arguments, the layout and the inline descriptors. */
+#ifndef COMBINE_MEGEN
+#define COMBINE_MEGEN 0
+#endif
 #ifndef COMBINE_MAGIC
 #define COMBINE_MAGIC 0
 #endif
@@ -307,7 +310,11 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         s = a.local[i].rank;
                         t = (uint32_t)g - a.local[i].token_offset;
                 }
+#if COMBINE_MEGEN /* experiment: the source's descriptor through a generic pointer */
+                const struct epd_k_combine_rank *me = &epd__k_ranks(in, a.ranks)[s];
+#else
                 const struct epd_k_combine_rank *me = &ranks[s];
+#endif
                 const uint64_t ent = epd_ws_entry_at(hot.src_entries, s, t, K, 0);
 #ifdef DS_TRACE
                 /* after every parameter the first workspace load depends on: the test on
