@@ -1,6 +1,7 @@
 /* probe_check.cuh - how the GPU probes under bench/ (epd-floor-probe, epd-memop-probe,
- * epd-touch-probe) stop on a CUDA runtime error: CK(call) prints the probe's name (PROBE_NAME,
- * defined before this header is included), the place, the call and CUDA's message, then exits 1.
+ * epd-param-probe, epd-touch-probe) stop on a CUDA runtime error: CK(call) prints the probe's
+ * name (PROBE_NAME, defined before this header is included), the place, the call and CUDA's
+ * message, then exits 1.
  * A probe has nothing to clean up or recover: a failed call makes every later figure meaningless.
  */
 #ifndef EPD_BENCH_PROBE_CHECK_CUH
