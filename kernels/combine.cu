@@ -223,17 +223,6 @@ extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
  * served one line after the other, about 75 ns each, whether or not they depend on each other
  * (epd-param-probe on an H200, twenty-second session), and the combine's first workspace load
  * used to wait for six lines of the arguments, the layout and the inline descriptors. */
-#ifndef COMBINE_MEGEN
-#define COMBINE_MEGEN 0
-#endif
-#ifndef COMBINE_MAGIC
-#define COMBINE_MAGIC 0
-#endif
-#if COMBINE_MAGIC
-typedef uint8_t combine_rank_t;
-#else
-typedef uint16_t combine_rank_t;
-#endif
 struct combine_hot {
         const int32_t *topk, *row;  /* the workspace's topk and row fields */
         const float *weights;       /* its weights field; NULL when the dispatch carried none */
@@ -242,10 +231,7 @@ struct combine_hot {
         uint32_t num_local_experts, world_size, hidden, apply_weights;
         /* INL launches: the local ranks (args.local[i].token_offset and .rank) */
         uint32_t token_offset[EPD_K_INLINE_RANKS];
-        combine_rank_t rank[EPD_K_INLINE_RANKS];
-#if COMBINE_MAGIC
-        uint64_t lmagic;
-#endif
+        uint16_t rank[EPD_K_INLINE_RANKS];
 };
 static_assert(sizeof(struct combine_hot) == 112, "combine_hot fills two constant-cache lines");
 
@@ -310,11 +296,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         s = a.local[i].rank;
                         t = (uint32_t)g - a.local[i].token_offset;
                 }
-#if COMBINE_MEGEN /* experiment: the source's descriptor through a generic pointer */
-                const struct epd_k_combine_rank *me = &epd__k_ranks(in, a.ranks)[s];
-#else
                 const struct epd_k_combine_rank *me = &ranks[s];
-#endif
                 const uint64_t ent = epd_ws_entry_at(hot.src_entries, s, t, K, 0);
 #ifdef DS_TRACE
                 /* after every parameter the first workspace load depends on: the test on
@@ -337,19 +319,9 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 const uint8_t *lane_y = NULL;
                 uint64_t lane_stride = 0, lane_rows = 0;
                 if (INL && lane < hot.world_size) {
-#ifndef COMBINE_YGEN
-#define COMBINE_YGEN 0
-#endif
-#if COMBINE_YGEN == 1 /* experiment: generic loads of the inline copy */
-                        const struct epd_k_combine_rank *yr = epd__k_ranks(in, a.ranks);
-#elif COMBINE_YGEN == 2 /* experiment: device memory */
-                        const struct epd_k_combine_rank *yr = a.ranks;
-#else
-                        const struct epd_k_combine_rank *yr = ranks;
-#endif
-                        lane_y = yr[lane].y.ptr;
-                        lane_stride = yr[lane].y.stride;
-                        lane_rows = yr[lane].y_rows;
+                        lane_y = ranks[lane].y.ptr;
+                        lane_stride = ranks[lane].y.stride;
+                        lane_rows = ranks[lane].y_rows;
                 }
                 if (lane < K) {
                         /* The dispatch's weights, masked to 0.0f where topk_idx held -1;
@@ -363,12 +335,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                  * at every selection: a row >= 0 is exactly a contribution. */
                 const uint8_t *my_row = NULL;
                 if constexpr (INL) {
-#if COMBINE_MAGIC
-                        const uint32_t dr =
-                                row >= 0 ? epd_route_expert_rank_magic(expert, hot.lmagic) : 0;
-#else
                         const uint32_t dr = row >= 0 ? epd_route_expert_rank(expert, L) : 0;
-#endif
                         const uint8_t *dy = (const uint8_t *)__shfl_sync(
                                 EPD_K_FULL_MASK, (unsigned long long)lane_y, dr);
                         const uint64_t ds = __shfl_sync(EPD_K_FULL_MASK, lane_stride, dr);
@@ -464,11 +431,8 @@ static int combine_describe(const struct epd_k_combine_args *args, struct combin
         if (g->in.used)
                 for (uint32_t i = 0; i < args->num_local; i++) {
                         h->token_offset[i] = g->in.local[i].token_offset;
-                        h->rank[i] = (combine_rank_t)g->in.local[i].rank;
+                        h->rank[i] = (uint16_t)g->in.local[i].rank;
                 }
-#if COMBINE_MAGIC
-        h->lmagic = epd_udiv_magic(l.num_local_experts);
-#endif
         const uint64_t items = (uint64_t)args->local_tokens * slices;
         const void *kernel =
                 slices > 1 ? (g->in.used ? (const void *)combine_kernel<true, true>
