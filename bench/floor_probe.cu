@@ -595,7 +595,8 @@ static void trace_report(struct fp_state *st, const struct fp_probe *p, int epd,
                                 s[q] += (double)(e[q] - t0);
                                 m[q] = (double)(e[q] - t0) > m[q] ? (double)(e[q] - t0) : m[q];
                         }
-                        ps += epd ? (double)(e[3] >> 32) : 0.0;
+                        if (epd)
+                                ps += (double)(e[3] >> 32);
                         const uint32_t n = (uint32_t)(e[3] & 0xff) % 33;
                         ns[n] += (double)(e[2] - t0);
                         nm[n] = (double)(e[2] - t0) > nm[n] ? (double)(e[2] - t0) : nm[n];
@@ -624,12 +625,14 @@ static void trace_report(struct fp_state *st, const struct fp_probe *p, int epd,
                 fprintf(tf, "  trace %s %s: no stamps\n", p->name, p->variant);
                 return;
         }
+        char params[64] = "";
+        if (epd) /* only epd's stamps carry it */
+                snprintf(params, sizeof(params), ", parameters read %.0f", pre / launches);
         fprintf(tf, "  trace %s %s (%u fresh graph launches, %.2f us on average; ns from the first "
-                    "warp's entry): entry mean %.0f max %.0f, parameters read %.0f, routing back mean "
-                    "%.0f max %.0f, end mean %.0f max %.0f\n",
+                    "warp's entry): entry mean %.0f max %.0f%s, routing back mean %.0f max %.0f, "
+                    "end mean %.0f max %.0f\n",
                 p->name, p->variant, launches, us / launches, sum[0] / launches, max[0] / launches,
-                pre / launches, sum[1] / launches, max[1] / launches, sum[2] / launches,
-                max[2] / launches);
+                params, sum[1] / launches, max[1] / launches, sum[2] / launches, max[2] / launches);
         for (uint32_t n = 0; n < 33; n++)
                 if (nl[n])
                         fprintf(tf, "  trace %s %s: %u contributions, %u warps, end mean %.0f max %.0f\n",

@@ -15,7 +15,9 @@
  *   per lane     lane l reads line l % N with a register offset: one divergent constant load
  *
  * after the benchmark's L2 flush (256 MB written, the GPU then idle) and warm (no flush). Printed:
- * the median over launches of the warps' median and maximum nanoseconds.
+ * the median over launches of the warps' median and maximum nanoseconds. The first read may be
+ * issued before the first stamp (one line reads 0 ns in every mode), so a row's figure is what
+ * the lines after the first add.
  *
  * Usage: epd-param-probe [REPS]   (default 100). Exit 77 without a usable GPU, 1 on a CUDA error.
  */
@@ -117,7 +119,12 @@ int main(int argc, char **argv)
         uint64_t *out, *host = (uint64_t *)calloc(warps, sizeof(uint64_t));
         uint64_t *med = (uint64_t *)calloc((size_t)reps, sizeof(uint64_t));
         uint64_t *mx = (uint64_t *)calloc((size_t)reps, sizeof(uint64_t));
-        if (host == NULL || med == NULL || mx == NULL || warps > PP_MAX_WARPS) {
+        if (warps > PP_MAX_WARPS) {
+                fprintf(stderr, PROBE_NAME ": %u warps, more than the %d this probe records\n",
+                        warps, PP_MAX_WARPS);
+                return 1;
+        }
+        if (host == NULL || med == NULL || mx == NULL) {
                 fprintf(stderr, PROBE_NAME ": out of memory\n");
                 return 1;
         }
