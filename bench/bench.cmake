@@ -54,9 +54,10 @@ if(EPD_HAVE_CUDA)
   # wait for).
   epd_add_cuda_probe(epd-touch-probe ${CMAKE_CURRENT_LIST_DIR}/touch_probe.cu)
 
-  # epd-param-probe: what a kernel's first reads of its own parameters cost, by how many 64-byte
-  # lines of the block they touch and whether they are constant-bank, dependent, generic or
-  # divergent reads, after the benchmark's L2 flush and warm.
+  # epd-param-probe: what the start of a kernel costs after the benchmark's L2 flush and warm:
+  # its first reads of its own parameters, by how many 64-byte lines of the block they touch and
+  # whether they are constant-bank, dependent, generic or divergent reads; the event-timed launch
+  # window by parameter bytes and grid shape; a warp's first pass through 1-32 KiB of code.
   epd_add_cuda_probe(epd-param-probe ${CMAKE_CURRENT_LIST_DIR}/param_probe.cu)
 
   # epd-floor-probe: the decode workload's bytes with the routing known in advance (empty,

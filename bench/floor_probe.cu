@@ -65,6 +65,7 @@ extern "C" {
 #include "testdata.h"
 #include "util.h"
 }
+#include "cb_trace.h"
 #include "internal.cuh"
 
 /* The BENCHMARKS.md model shape (bench/epd_bench.c keeps the same numbers). */
@@ -563,7 +564,7 @@ static void trace_report(struct fp_state *st, const struct fp_probe *p, int epd,
         static uint64_t w[FP_TRACE_WARPS * 4];
         cudaGraphExec_t exec = capture(st, p);
         /* per launch: the means and maxima of entry, routing and end, the parameters' mean */
-        double sum[3] = { 0, 0, 0 }, max[3] = { 0, 0, 0 }, pre = 0, us = 0;
+        double sum[3] = { 0, 0, 0 }, max[3] = { 0, 0, 0 }, pre = 0, back = 0, desc = 0, us = 0;
         double nsum[33] = { 0 }, nmax[33] = { 0 };
         uint32_t nl[33] = { 0 }, nw[33] = { 0 }, launches = 0;
 
@@ -585,7 +586,8 @@ static void trace_report(struct fp_state *st, const struct fp_probe *p, int epd,
                 uint64_t t0 = UINT64_MAX;
                 for (uint32_t i = 0; i < warps; i++)
                         t0 = w[i * 4] != 0 && w[i * 4] < t0 ? w[i * 4] : t0;
-                double s[3] = { 0, 0, 0 }, m[3] = { 0, 0, 0 }, ps = 0, ns[33] = { 0 }, nm[33] = { 0 };
+                double s[3] = { 0, 0, 0 }, m[3] = { 0, 0, 0 }, ps = 0, bs = 0, ds = 0;
+                double ns[33] = { 0 }, nm[33] = { 0 };
                 uint32_t cnt = 0, nc[33] = { 0 };
                 for (uint32_t i = 0; i < warps; i++) {
                         const uint64_t *e = &w[i * 4];
@@ -595,9 +597,12 @@ static void trace_report(struct fp_state *st, const struct fp_probe *p, int epd,
                                 s[q] += (double)(e[q] - t0);
                                 m[q] = (double)(e[q] - t0) > m[q] ? (double)(e[q] - t0) : m[q];
                         }
-                        if (epd)
-                                ps += (double)(e[3] >> 32);
-                        const uint32_t n = (uint32_t)(e[3] & 0xff) % 33;
+                        if (epd) {
+                                ps += (double)epd_cb_trace_pre_ns(e[3]);
+                                bs += (double)epd_cb_trace_back_ns(e[3]);
+                                ds += (double)epd_cb_trace_desc_ns(e[3]);
+                        }
+                        const uint32_t n = epd_cb_trace_contributions(e[3]) % 33;
                         ns[n] += (double)(e[2] - t0);
                         nm[n] = (double)(e[2] - t0) > nm[n] ? (double)(e[2] - t0) : nm[n];
                         nc[n]++;
@@ -610,6 +615,8 @@ static void trace_report(struct fp_state *st, const struct fp_probe *p, int epd,
                         max[q] += m[q];
                 }
                 pre += ps / cnt;
+                back += bs / cnt;
+                desc += ds / cnt;
                 us += t;
                 for (uint32_t n = 0; n < 33; n++)
                         if (nc[n]) {
@@ -625,9 +632,12 @@ static void trace_report(struct fp_state *st, const struct fp_probe *p, int epd,
                 fprintf(tf, "  trace %s %s: no stamps\n", p->name, p->variant);
                 return;
         }
-        char params[64] = "";
-        if (epd) /* only epd's stamps carry it */
-                snprintf(params, sizeof(params), ", parameters read %.0f", pre / launches);
+        char params[128] = "";
+        if (epd) /* only epd's stamps carry these */
+                snprintf(params, sizeof(params),
+                         ", parameters read %.0f, entries back %.0f, y descriptor %.0f (from "
+                         "the warp's entry)",
+                         pre / launches, back / launches, desc / launches);
         fprintf(tf, "  trace %s %s (%u fresh graph launches, %.2f us on average; ns from the first "
                     "warp's entry): entry mean %.0f max %.0f%s, routing back mean %.0f max %.0f, "
                     "end mean %.0f max %.0f\n",

@@ -18,6 +18,9 @@
 #include <cuda_bf16.h>
 
 #include "internal.cuh"
+#ifdef DS_TRACE
+#include "cb_trace.h"
+#endif
 
 /* Tunables; overridable with -D for experiments. */
 #ifndef COMBINE_THREADS
@@ -79,6 +82,12 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld(const int4
         return STREAM ? epd__k_ldg_evict_first(p) : epd__k_ldg(p);
 }
 
+/* comb_ld when on != 0, zeros otherwise, as one predicated load. */
+template <bool STREAM> static __device__ __forceinline__ int4 comb_ld_if(uint32_t on, const int4 *p)
+{
+        return STREAM ? epd__k_ldg_evict_first_if(on, p) : epd__k_ldg_if(on, p);
+}
+
 /* Items per multiprocessor that a small op is cut for (epd__k_slicing), against 16 resident
  * warps (121 registers). Below 16, a decode op (1024 tokens on 132 multiprocessors) is cut in
  * two slices of 7 steps, one item per warp; 24 cut it in four of 4, 4, 4 and 2 steps, so that
@@ -94,53 +103,59 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld(const int4
 #define COMBINE_AHEAD 8 /* contributions whose loads are issued together */
 #endif
 
-/* The 16-byte path: every row address and 2H are multiples of 16. my_row is this lane's
- * contribution row (NULL when position `lane` does not contribute); mask the contributing
- * positions; my_weight the weight of position `lane`. The loads of up to COMBINE_AHEAD
- * contributions of a step are issued together before any is added, so a step waits about one
- * load latency rather than one per contribution; the additions keep the ascending order.
+/* A token's contributions, in ascending top-k position: rows[c] is the c-th contribution's row
+ * and weights[c] its weight, c < n. They sit in the warp's slots of shared memory
+ * (combine_slots), written once per item, so that a step reads its row addresses with
+ * broadcast loads at fixed offsets that do not wait for each other. The AHEAD slots after the
+ * last are never dereferenced: a step reads them and predicates their loads off. */
+struct combine_slots {
+        const uint8_t *rows[32 + COMBINE_AHEAD];
+        float weights[32 + COMBINE_AHEAD];
+};
+
+/* The 16-byte path: every row address and 2H are multiples of 16. The loads of up to
+ * COMBINE_AHEAD contributions of a step are issued together before any is added, so a step
+ * waits about one load latency rather than one per contribution; the additions keep the
+ * ascending order. The step's row addresses come from the slots and its loads are predicated
+ * (comb_ld_if), so the warp issues them back to back: with the addresses shuffled from the
+ * owner lanes and a branch per contribution, each load waited for its own shuffle, about 40
+ * cycles a contribution, and warps of 8 contributions ended about 1 us later than a reduce
+ * with its row addresses in registers (epd-floor-probe's traces, twenty-third session).
  * Measured on an H200 in process against loading one contribution ahead (sixth session,
  * docs/benchmarks/h200-s6-combine-variants.txt): decode in Fresh mode 32.6-32.8 us against
  * 34.2-34.4, prefill fp8 0.725 against 0.772 ms, prefill bf16 expand 0.980 against 0.993 ms,
  * with 121 registers (16 warps per multiprocessor) against 63; 4 ahead (80 registers) and
  * 16-byte vectors of 1 per lane (59 and 75 registers) fell between. */
 template <bool STREAM>
-static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float my_weight,
-                                   int weighted, const uint8_t *bias0, const uint8_t *bias1,
-                                   uint8_t *out, uint32_t v0, uint32_t nvec, uint32_t lane)
+static __device__ void combine_vec(const struct combine_slots *sl, uint32_t n, int weighted,
+                                   const uint8_t *bias0, const uint8_t *bias1, uint8_t *out,
+                                   uint32_t v0, uint32_t nvec, uint32_t lane)
 {
         for (uint32_t base = v0; base < nvec; base += 32 * COMBINE_VEC) {
                 float acc[8 * COMBINE_VEC];
 #pragma unroll
                 for (int i = 0; i < 8 * COMBINE_VEC; i++)
                         acc[i] = 0.0f;
-                for (uint32_t m = mask; m != 0;) {
+                for (uint32_t c0 = 0; c0 < n; c0 += COMBINE_AHEAD) {
                         int4 buf[COMBINE_AHEAD][COMBINE_VEC];
-                        float w[COMBINE_AHEAD];
-                        int n = 0;
 #pragma unroll
                         for (int c = 0; c < COMBINE_AHEAD; c++) {
-                                if (m == 0)
-                                        break;
-                                const int j = __ffs(m) - 1;
-                                m &= m - 1;
-                                const int4 *p = (const int4 *)__shfl_sync(
-                                        EPD_K_FULL_MASK, (unsigned long long)my_row, j);
-                                w[c] = __shfl_sync(EPD_K_FULL_MASK, my_weight, j);
+                                const int4 *p = (const int4 *)sl->rows[c0 + c];
 #pragma unroll
                                 for (int u = 0; u < COMBINE_VEC; u++) {
-                                        uint32_t i = base + u * 32 + lane;
-                                        buf[c][u] = i < nvec ? comb_ld<STREAM>(p + i)
-                                                             : make_int4(0, 0, 0, 0);
+                                        const uint32_t i = base + u * 32 + lane;
+                                        buf[c][u] = comb_ld_if<STREAM>(c0 + c < n && i < nvec,
+                                                                       p + i);
                                 }
-                                n++;
                         }
 #pragma unroll
                         for (int c = 0; c < COMBINE_AHEAD; c++)
-                                if (c < n)
+                                if (c0 + c < n) {
+                                        const float w = sl->weights[c0 + c];
 #pragma unroll
                                         for (int u = 0; u < COMBINE_VEC; u++)
-                                                add_vec(acc + 8 * u, buf[c][u], weighted, w[c]);
+                                                add_vec(acc + 8 * u, buf[c][u], weighted, w);
+                                }
                 }
 #pragma unroll
                 for (int u = 0; u < COMBINE_VEC; u++) {
@@ -165,22 +180,19 @@ static __device__ void combine_vec(const uint8_t *my_row, uint32_t mask, float m
 }
 
 /* Any alignment: one bf16 value per lane per step, same order of operations. */
-static __device__ void combine_scalar(const uint8_t *my_row, uint32_t mask, float my_weight,
-                                      int weighted, const uint8_t *bias0, const uint8_t *bias1,
-                                      uint8_t *out, uint32_t h0, uint32_t hidden, uint32_t lane)
+static __device__ void combine_scalar(const struct combine_slots *sl, uint32_t n, int weighted,
+                                      const uint8_t *bias0, const uint8_t *bias1, uint8_t *out,
+                                      uint32_t h0, uint32_t hidden, uint32_t lane)
 {
         for (uint32_t base = h0; base < hidden; base += 32) {
                 uint32_t h = base + lane;
                 float acc = 0.0f;
-                for (uint32_t m = mask; m != 0; m &= m - 1) {
-                        int j = __ffs(m) - 1;
-                        const uint16_t *p = (const uint16_t *)__shfl_sync(
-                                EPD_K_FULL_MASK, (unsigned long long)my_row, j);
-                        float w = __shfl_sync(EPD_K_FULL_MASK, my_weight, j);
+                for (uint32_t c = 0; c < n; c++) {
+                        const uint16_t *p = (const uint16_t *)sl->rows[c];
                         if (h < hidden) {
                                 float v = __uint_as_float((uint32_t)p[h] << 16);
                                 if (weighted)
-                                        v = __fmul_rn(v, w);
+                                        v = __fmul_rn(v, sl->weights[c]);
                                 acc = __fadd_rn(acc, v);
                         }
                 }
@@ -202,10 +214,9 @@ static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_k_mat 
 }
 
 #ifdef DS_TRACE
-/* Experiments: per warp of the last combine (up to CB_TRACE_WARPS), the global-timer stamps at
- * entry, after its first item's workspace loads and after its last item, and what it did
- * (contributions of its last item | slice << 8 | items << 16 | multiprocessor << 24 | the ns
- * from its entry until it had read the parameters its first workspace load depends on << 32). */
+/* Experiments: per warp of the last combine (up to CB_TRACE_WARPS), the stamps of cb_trace.h.
+ * Each stamp after a load is taken in a branch on the loaded value, so the warp reads the timer
+ * only once the value has arrived. */
 #define CB_TRACE_WARPS 8192
 static __device__ uint64_t cb_trace[CB_TRACE_WARPS * 4];
 
@@ -223,12 +234,20 @@ extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
  * served one line after the other, about 75 ns each, whether or not they depend on each other
  * (epd-param-probe on an H200, twenty-second session), and the combine's first workspace load
  * used to wait for six lines of the arguments, the layout and the inline descriptors. */
+/* combine_hot.flags */
+#define COMBINE_WEIGHTED 1u /* multiply each contribution by its weight (apply_weights) */
+/* INL launches only: every row the op reads or writes (every rank's y, the local ranks' biases
+ * and outputs) is 16-byte aligned with a 16-byte stride, 2H is a multiple of 16, and every local
+ * rank with tokens has an output, as the launcher checked on its host copies; the warps then
+ * skip the per-item check, whose output and bias descriptors the first loads would wait for. */
+#define COMBINE_ALIGNED 2u
+
 struct combine_hot {
         const int32_t *topk, *row;  /* the workspace's topk and row fields */
         const float *weights;       /* its weights field; NULL when the dispatch carried none */
         uint32_t src_entries;       /* epd_ws_src_entries of the layout */
         uint32_t num_topk, slices, slice_values, local_tokens, num_local;
-        uint32_t num_local_experts, world_size, hidden, apply_weights;
+        uint32_t num_local_experts, world_size, hidden, flags; /* COMBINE_* */
         /* INL launches: the local ranks (args.local[i].token_offset and .rank) */
         uint32_t token_offset[EPD_K_INLINE_RANKS];
         uint16_t rank[EPD_K_INLINE_RANKS];
@@ -267,14 +286,20 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
 {
         const uint32_t L = hot.num_local_experts, K = hot.num_topk, slices = hot.slices;
         const uint32_t lane = threadIdx.x % 32;
-        const uint64_t warp = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-        const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
+        /* launched with COMBINE_THREADS threads a block (combine_describe): the constant saves
+         * the first row load waiting for the constant line that holds blockDim */
+        const uint64_t warp = ((uint64_t)blockIdx.x * COMBINE_THREADS + threadIdx.x) / 32;
+        const uint64_t warps = (uint64_t)gridDim.x * COMBINE_THREADS / 32;
+        const int weighted = (hot.flags & COMBINE_WEIGHTED) != 0;
+        const bool aligned = INL && (hot.flags & COMBINE_ALIGNED) != 0;
         const uint64_t items = (uint64_t)hot.local_tokens * slices;
         const struct epd_k_combine_rank *ranks = INL ? in.ranks : a.ranks;
+        __shared__ struct combine_slots slots[COMBINE_THREADS / 32];
+        struct combine_slots *sl = &slots[threadIdx.x / 32];
 
 #ifdef DS_TRACE
         uint64_t tr_entry = epd_globaltimer_ns(), tr_ws = 0;
-        uint32_t tr_info = 0, tr_items = 0, tr_pre = 0;
+        uint32_t tr_n = 0, tr_items = 0, tr_pre = 0, tr_back = 0, tr_desc = 0;
 #endif
         for (uint64_t item = warp; item < items; item += warps) {
                 const uint64_t g = item / slices;
@@ -323,6 +348,13 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         lane_stride = ranks[lane].y.stride;
                         lane_rows = ranks[lane].y_rows;
                 }
+#ifdef DS_TRACE
+                /* topk ids are -1 or in [0, E), and no y descriptor lies at address 1 */
+                if (tr_back == 0 && expert != INT32_MIN)
+                        tr_back = (uint32_t)(epd_globaltimer_ns() - tr_entry);
+                if (tr_desc == 0 && (uintptr_t)lane_y != 1)
+                        tr_desc = (uint32_t)(epd_globaltimer_ns() - tr_entry);
+#endif
                 if (lane < K) {
                         /* The dispatch's weights, masked to 0.0f where topk_idx held -1;
                          * nothing to route back when the dispatch carried none. */
@@ -353,36 +385,49 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                                 row = -1;
                 }
                 const uint32_t mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
+                const uint32_t n = __popc(mask);
+                /* the previous item's reads of the slots are done before they are rewritten, and
+                 * these writes are visible to the warp's reads below (__syncwarp orders the
+                 * warp's shared memory accesses) */
+                __syncwarp();
+                if (row >= 0) {
+                        const uint32_t c = __popc(mask & ((1u << lane) - 1u));
+                        sl->rows[c] = my_row;
+                        sl->weights[c] = weight;
+                }
+                __syncwarp();
 #ifdef DS_TRACE
                 if (tr_ws == 0)
                         tr_ws = epd_globaltimer_ns();
                 tr_items++;
-                tr_info = __popc(mask) | slice << 8;
+                tr_n = n;
 #endif
                 const uint8_t *bias0 = mat_row(&me->bias[0], t);
                 const uint8_t *bias1 = mat_row(&me->bias[1], t);
                 uint8_t *out = (uint8_t *)mat_row(&me->combined, t);
+                if (aligned) {
+                        combine_vec<STREAM>(sl, n, weighted, bias0, bias1, out, h0 / 8, h1 / 8,
+                                            lane);
+                        continue;
+                }
                 if (out == NULL)
                         continue;
                 uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)my_row) |
                                 (uint32_t)(uintptr_t)bias0 | (uint32_t)(uintptr_t)bias1 |
                                 (uint32_t)(uintptr_t)out | (hot.hidden * 2u);
                 if ((bits & 15) == 0)
-                        combine_vec<STREAM>(my_row, mask, weight, hot.apply_weights, bias0,
-                                            bias1, out, h0 / 8, h1 / 8, lane);
+                        combine_vec<STREAM>(sl, n, weighted, bias0, bias1, out, h0 / 8, h1 / 8,
+                                            lane);
                 else
-                        combine_scalar(my_row, mask, weight, hot.apply_weights, bias0, bias1,
-                                       out, h0, h1, lane);
+                        combine_scalar(sl, n, weighted, bias0, bias1, out, h0, h1, lane);
         }
 #ifdef DS_TRACE
         if (lane == 0 && warp < CB_TRACE_WARPS) {
-                uint32_t smid;
-                asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
                 cb_trace[warp * 4 + 0] = tr_entry;
                 cb_trace[warp * 4 + 1] = tr_ws;
                 cb_trace[warp * 4 + 2] = epd_globaltimer_ns();
-                cb_trace[warp * 4 + 3] = tr_info | (uint64_t)min(tr_items, 255u) << 16 |
-                                         (uint64_t)smid << 24 | (uint64_t)tr_pre << 32;
+                cb_trace[warp * 4 + 3] = epd_cb_trace_pack(tr_n, tr_items, tr_pre, tr_back,
+                                                           tr_desc);
         }
 #endif
 }
@@ -393,6 +438,31 @@ struct combine_geometry {
         struct combine_hot hot;
         struct epd__k_inline<struct epd_k_combine_rank> in;
 };
+
+static int mat_aligned(const struct epd_k_mat *m)
+{
+        return ((uintptr_t)m->ptr | m->stride) % 16 == 0;
+}
+
+/* COMBINE_ALIGNED's conditions, on the inline copies of the descriptors. */
+static int combine_all_aligned(const struct epd_k_combine_args *args,
+                               const struct epd__k_inline<struct epd_k_combine_rank> *in)
+{
+        if ((uint64_t)args->hidden * 2 % 16 != 0)
+                return 0;
+        for (uint32_t r = 0; r < args->world_size; r++)
+                if (!mat_aligned(&in->ranks[r].y))
+                        return 0;
+        for (uint32_t i = 0; i < args->num_local; i++) {
+                const struct epd_k_combine_rank *me = &in->ranks[in->local[i].rank];
+                if (me->num_tokens > 0 && me->combined.ptr == NULL)
+                        return 0;
+                if (!mat_aligned(&me->combined) || !mat_aligned(&me->bias[0]) ||
+                    !mat_aligned(&me->bias[1]))
+                        return 0;
+        }
+        return 1;
+}
 
 static int combine_describe(const struct epd_k_combine_args *args, struct combine_geometry *g,
                             struct epd__k_launch *d)
@@ -426,13 +496,16 @@ static int combine_describe(const struct epd_k_combine_args *args, struct combin
         h->num_local_experts = l.num_local_experts;
         h->world_size = args->world_size;
         h->hidden = args->hidden;
-        h->apply_weights = args->apply_weights != 0;
+        h->flags = args->apply_weights != 0 ? COMBINE_WEIGHTED : 0;
         epd__k_inline_fill(&g->in, args);
-        if (g->in.used)
+        if (g->in.used) {
                 for (uint32_t i = 0; i < args->num_local; i++) {
                         h->token_offset[i] = g->in.local[i].token_offset;
                         h->rank[i] = (uint16_t)g->in.local[i].rank;
                 }
+                if (combine_all_aligned(args, &g->in))
+                        h->flags |= COMBINE_ALIGNED;
+        }
         const uint64_t items = (uint64_t)args->local_tokens * slices;
         const void *kernel =
                 slices > 1 ? (g->in.used ? (const void *)combine_kernel<true, true>

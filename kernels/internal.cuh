@@ -187,6 +187,34 @@ static __device__ __forceinline__ int4 epd__k_ldg_evict_first(const int4 *p)
             : "l"(p), "l"(policy));
         return v;
 }
+/* The two loads above as one predicated instruction each: *p when on != 0, zeros otherwise (p is
+ * not read then). A loop of loads guarded by a warp-uniform count compiles to a branch around
+ * each load, and the loads after a branch issue only once everything before it has; predicated,
+ * a warp issues them back to back. */
+static __device__ __forceinline__ int4 epd__k_ldg_if(uint32_t on, const int4 *p)
+{
+        int4 v;
+        asm("{\n\t.reg .pred q;\n\t"
+            "setp.ne.u32 q, %4, 0;\n\t"
+            "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+            "@q ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%5];\n\t}"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+            : "r"(on), "l"(p));
+        return v;
+}
+static __device__ __forceinline__ int4 epd__k_ldg_evict_first_if(uint32_t on, const int4 *p)
+{
+        uint64_t policy;
+        int4 v;
+        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+        asm("{\n\t.reg .pred q;\n\t"
+            "setp.ne.u32 q, %4, 0;\n\t"
+            "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+            "@q ld.global.nc.L2::cache_hint.v4.s32 {%0, %1, %2, %3}, [%5], %6;\n\t}"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+            : "r"(on), "l"(p), "l"(policy));
+        return v;
+}
 /* Asks the L2 to fetch [p, p + bytes) from memory, through the bulk-copy engine: one instruction
  * for the whole range, no register or shared memory written, nothing to wait for. The range is
  * shrunk to 16-byte boundaries inside it (the instruction's rule), so it never touches a byte

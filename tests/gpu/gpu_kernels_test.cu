@@ -30,6 +30,7 @@ extern "C" {
 #include "host_exec.h"
 #include "plan.h"
 }
+#include "cb_trace.h"
 #include "epd_kernels.h"
 #include "layout.h"
 #include "ordering.cuh"
@@ -1803,9 +1804,10 @@ static int report_timing(struct ctx *x, double ceiling)
                                 cmin[q] = v < cmin[q] ? v : cmin[q];
                                 cmax[q] = v > cmax[q] ? v : cmax[q];
                         }
-                        psum += (double)(e[3] >> 32);
-                        pmax = (e[3] >> 32) > pmax ? (e[3] >> 32) : pmax;
-                        const int nc = (int)(e[3] & 0xff) % 10;
+                        const uint64_t pre = epd_cb_trace_pre_ns(e[3]);
+                        psum += (double)pre;
+                        pmax = pre > pmax ? pre : pmax;
+                        const int nc = (int)(epd_cb_trace_contributions(e[3]) % 10);
                         bsum[nc] += (double)(e[2] - c0);
                         bmax[nc] = e[2] - c0 > bmax[nc] ? e[2] - c0 : bmax[nc];
                         bn[nc]++;
