@@ -228,12 +228,6 @@ extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
 }
 #endif
 
-/* The parameters a warp reads before its first row load, adjacent and first in the launch's
- * parameters: 112 bytes, which from the sm_90 parameter base (constant bank offset 0x210) lie
- * in two 64-byte lines of the constant cache. A warp's reads of different parameter lines are
- * served one line after the other, about 75 ns each, whether or not they depend on each other
- * (epd-param-probe on an H200, twenty-second session), and the combine's first workspace load
- * used to wait for six lines of the arguments, the layout and the inline descriptors. */
 /* combine_hot.flags */
 #define COMBINE_WEIGHTED 1u /* multiply each contribution by its weight (apply_weights) */
 /* INL launches only: every row the op reads or writes (every rank's y, the local ranks' biases
@@ -242,6 +236,12 @@ extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
  * skip the per-item check, whose output and bias descriptors the first loads would wait for. */
 #define COMBINE_ALIGNED 2u
 
+/* The parameters a warp reads before its first row load, adjacent and first in the launch's
+ * parameters: 112 bytes, which from the sm_90 parameter base (constant bank offset 0x210) lie
+ * in two 64-byte lines of the constant cache. A warp's reads of different parameter lines are
+ * served one line after the other, about 75 ns each, whether or not they depend on each other
+ * (epd-param-probe on an H200, twenty-second session), and the combine's first workspace load
+ * used to wait for six lines of the arguments, the layout and the inline descriptors. */
 struct combine_hot {
         const int32_t *topk, *row;  /* the workspace's topk and row fields */
         const float *weights;       /* its weights field; NULL when the dispatch carried none */
