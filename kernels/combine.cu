@@ -13,6 +13,7 @@
  * gives the canonical 0x7FFF), and NaN is mapped to 0x7FFF explicitly as well, so the bits match
  * common/bf16.h's epd__float_to_bf16 whatever the conversion does with NaN payloads.
  */
+#include <stddef.h>
 #include <stdint.h>
 
 #include <cuda_bf16.h>
@@ -102,6 +103,9 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld_if(uint32_
 #ifndef COMBINE_AHEAD
 #define COMBINE_AHEAD 8 /* contributions whose loads are issued together */
 #endif
+#ifndef COMBINE_ROLL
+#define COMBINE_ROLL 0
+#endif
 
 /* A token's contributions, in ascending top-k position: rows[c] is the c-th contribution's row
  * and weights[c] its weight, c < n. They sit in the warp's slots of shared memory
@@ -126,11 +130,81 @@ struct combine_slots {
  * 34.2-34.4, prefill fp8 0.725 against 0.772 ms, prefill bf16 expand 0.980 against 0.993 ms,
  * with 121 registers (16 warps per multiprocessor) against 63; 4 ahead (80 registers) and
  * 16-byte vectors of 1 per lane (59 and 75 registers) fell between. */
+/* A step's epilogue: the biases, then the sums rounded to bf16 and stored. */
+template <bool STREAM>
+static __device__ __forceinline__ void combine_store(const float *acc, const uint8_t *bias0,
+                                                     const uint8_t *bias1, uint8_t *out,
+                                                     uint32_t base, uint32_t nvec, uint32_t lane)
+{
+#pragma unroll
+        for (int u = 0; u < COMBINE_VEC; u++) {
+                uint32_t i = base + u * 32 + lane;
+                if (i >= nvec)
+                        continue;
+                float a[8];
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                        a[j] = acc[8 * u + j];
+                if (bias0 != NULL)
+                        add_vec(a, comb_ld<STREAM>((const int4 *)bias0 + i), 0, 0.0f);
+                if (bias1 != NULL)
+                        add_vec(a, comb_ld<STREAM>((const int4 *)bias1 + i), 0, 0.0f);
+                int4 o;
+                o.x = (int)(to_bf16(a[0]) | to_bf16(a[1]) << 16);
+                o.y = (int)(to_bf16(a[2]) | to_bf16(a[3]) << 16);
+                o.z = (int)(to_bf16(a[4]) | to_bf16(a[5]) << 16);
+                o.w = (int)(to_bf16(a[6]) | to_bf16(a[7]) << 16);
+                ((int4 *)out)[i] = o;
+        }
+}
+
 template <bool STREAM>
 static __device__ void combine_vec(const struct combine_slots *sl, uint32_t n, int weighted,
                                    const uint8_t *bias0, const uint8_t *bias1, uint8_t *out,
                                    uint32_t v0, uint32_t nvec, uint32_t lane)
 {
+#if COMBINE_ROLL
+        if (n <= COMBINE_AHEAD) {
+                /* Rolling: contribution c's loads for the next step are issued as soon as its
+                 * additions for this step have read its registers, so a warp of many
+                 * contributions waits less than one load latency per step; the order of the
+                 * additions is unchanged. */
+                int4 buf[COMBINE_AHEAD][COMBINE_VEC];
+#pragma unroll
+                for (int c = 0; c < COMBINE_AHEAD; c++) {
+                        const int4 *p = (const int4 *)sl->rows[c];
+#pragma unroll
+                        for (int u = 0; u < COMBINE_VEC; u++) {
+                                const uint32_t i = v0 + u * 32 + lane;
+                                buf[c][u] = comb_ld_if<STREAM>(c < n && i < nvec, p + i);
+                        }
+                }
+                for (uint32_t base = v0; base < nvec; base += 32 * COMBINE_VEC) {
+                        const uint32_t next = base + 32 * COMBINE_VEC;
+                        float acc[8 * COMBINE_VEC];
+#pragma unroll
+                        for (int i = 0; i < 8 * COMBINE_VEC; i++)
+                                acc[i] = 0.0f;
+#pragma unroll
+                        for (int c = 0; c < COMBINE_AHEAD; c++) {
+                                if (c < n) {
+                                        const float w = sl->weights[c];
+#pragma unroll
+                                        for (int u = 0; u < COMBINE_VEC; u++)
+                                                add_vec(acc + 8 * u, buf[c][u], weighted, w);
+                                }
+                                const int4 *p = (const int4 *)sl->rows[c];
+#pragma unroll
+                                for (int u = 0; u < COMBINE_VEC; u++) {
+                                        const uint32_t i = next + u * 32 + lane;
+                                        buf[c][u] = comb_ld_if<STREAM>(c < n && i < nvec, p + i);
+                                }
+                        }
+                        combine_store<STREAM>(acc, bias0, bias1, out, base, nvec, lane);
+                }
+                return;
+        }
+#endif
         for (uint32_t base = v0; base < nvec; base += 32 * COMBINE_VEC) {
                 float acc[8 * COMBINE_VEC];
 #pragma unroll
@@ -157,25 +231,7 @@ static __device__ void combine_vec(const struct combine_slots *sl, uint32_t n, i
                                                 add_vec(acc + 8 * u, buf[c][u], weighted, w);
                                 }
                 }
-#pragma unroll
-                for (int u = 0; u < COMBINE_VEC; u++) {
-                        uint32_t i = base + u * 32 + lane;
-                        if (i >= nvec)
-                                continue;
-                        if (bias0 != NULL)
-                                add_vec(acc + 8 * u, comb_ld<STREAM>((const int4 *)bias0 + i), 0,
-                                        0.0f);
-                        if (bias1 != NULL)
-                                add_vec(acc + 8 * u, comb_ld<STREAM>((const int4 *)bias1 + i), 0,
-                                        0.0f);
-                        const float *a = acc + 8 * u;
-                        int4 o;
-                        o.x = (int)(to_bf16(a[0]) | to_bf16(a[1]) << 16);
-                        o.y = (int)(to_bf16(a[2]) | to_bf16(a[3]) << 16);
-                        o.z = (int)(to_bf16(a[4]) | to_bf16(a[5]) << 16);
-                        o.w = (int)(to_bf16(a[6]) | to_bf16(a[7]) << 16);
-                        ((int4 *)out)[i] = o;
-                }
+                combine_store<STREAM>(acc, bias0, bias1, out, base, nvec, lane);
         }
 }
 
@@ -254,6 +310,43 @@ struct combine_hot {
 };
 static_assert(sizeof(struct combine_hot) == 112, "combine_hot fills two constant-cache lines");
 
+/* What an INL launch passes of the ranks' descriptors, packed: the whole parameter block is hot
+ * and one of these, 496 or 752 bytes, where hot, the arguments and every rank's full descriptor
+ * took 1112. The parameter block's size is paid inside the kernel time: after the benchmark's
+ * flush a kernel with a 1 KiB block took about 0.2 us longer than one with 16 bytes, whether or
+ * not it read them (epd-param-probe, twenty-third session), presumably because the launch writes
+ * the block to memory before the first block starts and each new line displaces a dirty one.
+ * Through the daemon the packed block took the decode combine from 30.08 to 29.97 us (median of
+ * six runs each, same call; docs/performance.md, twenty-fifth session). */
+struct combine_y {              /* rank r's y: lane r reads it while the entries come back */
+        const uint8_t *ptr;
+        uint32_t stride, rows;      /* the launcher takes INL only when both fit */
+};
+struct combine_mine {           /* local rank i's outputs (hot.rank[i]'s descriptor) */
+        struct epd_k_mat combined, combined_topk_weights;
+};
+struct combine_inl {
+        struct combine_y y[EPD_K_INLINE_RANKS];
+        struct combine_mine mine[EPD_K_INLINE_RANKS];
+};
+struct combine_inl_bias {       /* for ops whose local ranks have biases */
+        struct combine_y y[EPD_K_INLINE_RANKS];
+        struct combine_mine mine[EPD_K_INLINE_RANKS];
+        struct epd_k_mat bias[EPD_K_INLINE_RANKS][2];
+};
+static_assert(sizeof(struct combine_inl) == 384, "combine_inl: 6 constant-cache lines");
+
+/* Which descriptors a combine_kernel<STREAM, P> reads, by its second parameter's type. */
+template <typename P> struct combine_mode {
+        static constexpr bool inl = true, bias = false;
+};
+template <> struct combine_mode<struct epd_k_combine_args> {
+        static constexpr bool inl = false, bias = true;
+};
+template <> struct combine_mode<struct combine_inl_bias> {
+        static constexpr bool inl = true, bias = true;
+};
+
 /* Grid-stride over work items, a warp per item: item = (token, slice), where a slice is
  * slice_values consecutive hidden values (the last one shorter) and a token has `slices` of
  * them (1 for large ops; more when the op has too few tokens to fill the GPU, so that small ops
@@ -268,22 +361,22 @@ static_assert(sizeof(struct combine_hot) == 112, "combine_hot fills two constant
  * than the L2 holds whatever the hint, and prefill combine took 4-5% longer with it, so large
  * ops load plainly.
  *
- * INL (the launcher had host copies of the descriptors, at most EPD_K_INLINE_RANKS ranks): the
- * local ranks come from hot and the rank descriptors from the parameters (in), as constant-bank
- * loads; INL is a template argument rather than in.used so that the compiler knows their address
- * space (through a pointer of unknown space they would be generic loads that travel the memory
- * path). Otherwise both come from device memory (args.local, args.ranks).
+ * P: the ranks' descriptors. combine_inl and combine_inl_bias (INL: the launcher had host copies
+ * of the descriptors, at most EPD_K_INLINE_RANKS ranks): the local ranks come from hot and the
+ * descriptors from p, as constant-bank loads; a type rather than a run-time flag so that the
+ * compiler knows their address space (through a pointer of unknown space they would be generic
+ * loads that travel the memory path). epd_k_combine_args: both come from device memory
+ * (args.local, args.ranks).
  *
  * Memory ordering: everything it reads (the handle's rows, topk and weights; every rank's y;
  * the biases) was written before the launch by kernels or copies that the host orders before it
  * with events, so plain and read-only (epd__k_ldg) loads are correct: nothing written during this
  * kernel is read by it. Each output element has one writer. */
-template <bool STREAM, bool INL>
+template <bool STREAM, typename P>
 static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
-        combine_kernel(const __grid_constant__ struct combine_hot hot,
-                       const __grid_constant__ struct epd_k_combine_args a,
-                       const __grid_constant__ struct epd__k_inline<struct epd_k_combine_rank> in)
+        combine_kernel(const __grid_constant__ struct combine_hot hot, const __grid_constant__ P p)
 {
+        constexpr bool INL = combine_mode<P>::inl;
         const uint32_t L = hot.num_local_experts, K = hot.num_topk, slices = hot.slices;
         const uint32_t lane = threadIdx.x % 32;
         /* launched with COMBINE_THREADS threads a block (combine_describe): the constant saves
@@ -293,7 +386,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
         const int weighted = (hot.flags & COMBINE_WEIGHTED) != 0;
         const bool aligned = INL && (hot.flags & COMBINE_ALIGNED) != 0;
         const uint64_t items = (uint64_t)hot.local_tokens * slices;
-        const struct epd_k_combine_rank *ranks = INL ? in.ranks : a.ranks;
         __shared__ struct combine_slots slots[COMBINE_THREADS / 32];
         struct combine_slots *sl = &slots[threadIdx.x / 32];
 
@@ -306,22 +398,21 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 const uint32_t slice = (uint32_t)(item % slices);
                 const uint32_t h0 = slice * hot.slice_values;
                 const uint32_t h1 = min(hot.hidden, h0 + hot.slice_values);
-                uint32_t s, t;
+                uint32_t i, s, t;
                 if constexpr (INL) {
                         /* independent comparisons instead of a binary search whose every step
                          * waits for the previous one's load */
-                        uint32_t i = 0;
+                        i = 0;
 #pragma unroll
                         for (uint32_t j = 1; j < EPD_K_INLINE_RANKS; j++)
                                 i += (j < hot.num_local) & (hot.token_offset[j] <= (uint32_t)g);
                         s = hot.rank[i];
                         t = (uint32_t)g - hot.token_offset[i];
                 } else {
-                        const uint32_t i = epd__k_find_local(a.local, hot.num_local, (uint32_t)g);
-                        s = a.local[i].rank;
-                        t = (uint32_t)g - a.local[i].token_offset;
+                        i = epd__k_find_local(p.local, hot.num_local, (uint32_t)g);
+                        s = p.local[i].rank;
+                        t = (uint32_t)g - p.local[i].token_offset;
                 }
-                const struct epd_k_combine_rank *me = &ranks[s];
                 const uint64_t ent = epd_ws_entry_at(hot.src_entries, s, t, K, 0);
 #ifdef DS_TRACE
                 /* after every parameter the first workspace load depends on: the test on
@@ -342,11 +433,13 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                  * lane takes its contribution's from the owner lane below, so no descriptor load
                  * waits behind the entries (world_size <= EPD_K_INLINE_RANKS here). */
                 const uint8_t *lane_y = NULL;
-                uint64_t lane_stride = 0, lane_rows = 0;
-                if (INL && lane < hot.world_size) {
-                        lane_y = ranks[lane].y.ptr;
-                        lane_stride = ranks[lane].y.stride;
-                        lane_rows = ranks[lane].y_rows;
+                uint32_t lane_stride = 0, lane_rows = 0;
+                if constexpr (INL) {
+                        if (lane < hot.world_size) {
+                                lane_y = p.y[lane].ptr;
+                                lane_stride = p.y[lane].stride;
+                                lane_rows = p.y[lane].rows;
+                        }
                 }
 #ifdef DS_TRACE
                 /* topk ids are -1 or in [0, E), and no y descriptor lies at address 1 */
@@ -355,13 +448,19 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 if (tr_desc == 0 && (uintptr_t)lane_y != 1)
                         tr_desc = (uint32_t)(epd_globaltimer_ns() - tr_entry);
 #endif
+                const struct epd_k_mat *ctw, *combined;
+                if constexpr (INL) {
+                        ctw = &p.mine[i].combined_topk_weights;
+                        combined = &p.mine[i].combined;
+                } else {
+                        ctw = &p.ranks[s].combined_topk_weights;
+                        combined = &p.ranks[s].combined;
+                }
                 if (lane < K) {
                         /* The dispatch's weights, masked to 0.0f where topk_idx held -1;
                          * nothing to route back when the dispatch carried none. */
-                        if (slice == 0 && hot.weights != NULL &&
-                            me->combined_topk_weights.ptr != NULL)
-                                ((float *)mat_row(&me->combined_topk_weights, t))[lane] =
-                                        expert >= 0 ? weight : 0.0f;
+                        if (slice == 0 && hot.weights != NULL && ctw->ptr != NULL)
+                                ((float *)mat_row(ctw, t))[lane] = expert >= 0 ? weight : 0.0f;
                 }
                 /* NON_EXPAND rows are set only at each destination's first position, EXPAND rows
                  * at every selection: a row >= 0 is exactly a contribution. */
@@ -370,15 +469,15 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         const uint32_t dr = row >= 0 ? epd_route_expert_rank(expert, L) : 0;
                         const uint8_t *dy = (const uint8_t *)__shfl_sync(
                                 EPD_K_FULL_MASK, (unsigned long long)lane_y, dr);
-                        const uint64_t ds = __shfl_sync(EPD_K_FULL_MASK, lane_stride, dr);
-                        const uint64_t dn = __shfl_sync(EPD_K_FULL_MASK, lane_rows, dr);
-                        if (row >= 0 && (uint64_t)row < dn)
+                        const uint32_t ds = __shfl_sync(EPD_K_FULL_MASK, lane_stride, dr);
+                        const uint32_t dn = __shfl_sync(EPD_K_FULL_MASK, lane_rows, dr);
+                        if (row >= 0 && (uint32_t)row < dn)
                                 my_row = dy + (uint64_t)row * ds;
                         else
                                 row = -1;
                 } else if (row >= 0) {
                         const struct epd_k_combine_rank *d =
-                                &ranks[epd_route_expert_rank(expert, L)];
+                                &p.ranks[epd_route_expert_rank(expert, L)];
                         if ((uint64_t)row < d->y_rows)
                                 my_row = d->y.ptr + (uint64_t)row * d->y.stride;
                         else
@@ -402,9 +501,17 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 tr_items++;
                 tr_n = n;
 #endif
-                const uint8_t *bias0 = mat_row(&me->bias[0], t);
-                const uint8_t *bias1 = mat_row(&me->bias[1], t);
-                uint8_t *out = (uint8_t *)mat_row(&me->combined, t);
+                const uint8_t *bias0 = NULL, *bias1 = NULL;
+                if constexpr (combine_mode<P>::bias) {
+                        const struct epd_k_mat *b;
+                        if constexpr (INL)
+                                b = p.bias[i];
+                        else
+                                b = p.ranks[s].bias;
+                        bias0 = mat_row(&b[0], t);
+                        bias1 = mat_row(&b[1], t);
+                }
+                uint8_t *out = (uint8_t *)mat_row(combined, t);
                 if (aligned) {
                         combine_vec<STREAM>(sl, n, weighted, bias0, bias1, out, h0 / 8, h1 / 8,
                                             lane);
@@ -436,25 +543,26 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
  * An op without local tokens has nothing to launch: 1. */
 struct combine_geometry {
         struct combine_hot hot;
-        struct epd__k_inline<struct epd_k_combine_rank> in;
+        struct combine_inl_bias inl; /* its first sizeof(combine_inl) bytes are a combine_inl */
 };
+static_assert(offsetof(struct combine_inl_bias, mine) == offsetof(struct combine_inl, mine),
+              "combine_inl is a prefix of combine_inl_bias");
 
 static int mat_aligned(const struct epd_k_mat *m)
 {
         return ((uintptr_t)m->ptr | m->stride) % 16 == 0;
 }
 
-/* COMBINE_ALIGNED's conditions, on the inline copies of the descriptors. */
-static int combine_all_aligned(const struct epd_k_combine_args *args,
-                               const struct epd__k_inline<struct epd_k_combine_rank> *in)
+/* COMBINE_ALIGNED's conditions, on the host copies of the descriptors. */
+static int combine_all_aligned(const struct epd_k_combine_args *args)
 {
         if ((uint64_t)args->hidden * 2 % 16 != 0)
                 return 0;
         for (uint32_t r = 0; r < args->world_size; r++)
-                if (!mat_aligned(&in->ranks[r].y))
+                if (!mat_aligned(&args->ranks_host[r].y))
                         return 0;
         for (uint32_t i = 0; i < args->num_local; i++) {
-                const struct epd_k_combine_rank *me = &in->ranks[in->local[i].rank];
+                const struct epd_k_combine_rank *me = &args->ranks_host[args->local_host[i].rank];
                 if (me->num_tokens > 0 && me->combined.ptr == NULL)
                         return 0;
                 if (!mat_aligned(&me->combined) || !mat_aligned(&me->bias[0]) ||
@@ -462,6 +570,43 @@ static int combine_all_aligned(const struct epd_k_combine_args *args,
                         return 0;
         }
         return 1;
+}
+
+/* Fills g->hot's local ranks and g->inl from the host copies: 0, or 1 with biases; -1 when
+ * the descriptors must come from device memory (no host copies, too many ranks, or a y stride
+ * or row count past 32 bits). */
+static int combine_fill_inl(const struct epd_k_combine_args *args, struct combine_geometry *g)
+{
+        if (args->ranks_host == NULL || args->local_host == NULL ||
+            args->world_size > EPD_K_INLINE_RANKS || args->num_local > EPD_K_INLINE_RANKS)
+                return -1;
+        memset(&g->inl, 0, sizeof(g->inl));
+        for (uint32_t r = 0; r < args->world_size; r++) {
+                const struct epd_k_combine_rank *d = &args->ranks_host[r];
+                if (d->y.stride > UINT32_MAX || d->y_rows > UINT32_MAX)
+                        return -1;
+                g->inl.y[r] = (struct combine_y){ d->y.ptr, (uint32_t)d->y.stride,
+                                                  (uint32_t)d->y_rows };
+        }
+        int bias = 0;
+        for (uint32_t i = 0; i < args->num_local; i++) {
+                const struct epd_k_combine_rank *me = &args->ranks_host[args->local_host[i].rank];
+                g->hot.token_offset[i] = args->local_host[i].token_offset;
+                g->hot.rank[i] = (uint16_t)args->local_host[i].rank;
+                g->inl.mine[i] = (struct combine_mine){ me->combined, me->combined_topk_weights };
+                g->inl.bias[i][0] = me->bias[0];
+                g->inl.bias[i][1] = me->bias[1];
+                bias |= me->bias[0].ptr != NULL || me->bias[1].ptr != NULL;
+        }
+        return bias;
+}
+
+/* combine_kernel<STREAM, P> for a mode of combine_fill_inl. */
+template <bool STREAM> static const void *combine_kernel_for(int inl)
+{
+        return inl < 0 ? (const void *)combine_kernel<STREAM, struct epd_k_combine_args>
+               : inl   ? (const void *)combine_kernel<STREAM, struct combine_inl_bias>
+                       : (const void *)combine_kernel<STREAM, struct combine_inl>;
 }
 
 static int combine_describe(const struct epd_k_combine_args *args, struct combine_geometry *g,
@@ -497,21 +642,12 @@ static int combine_describe(const struct epd_k_combine_args *args, struct combin
         h->world_size = args->world_size;
         h->hidden = args->hidden;
         h->flags = args->apply_weights != 0 ? COMBINE_WEIGHTED : 0;
-        epd__k_inline_fill(&g->in, args);
-        if (g->in.used) {
-                for (uint32_t i = 0; i < args->num_local; i++) {
-                        h->token_offset[i] = g->in.local[i].token_offset;
-                        h->rank[i] = (uint16_t)g->in.local[i].rank;
-                }
-                if (combine_all_aligned(args, &g->in))
-                        h->flags |= COMBINE_ALIGNED;
-        }
+        const int inl = combine_fill_inl(args, g);
+        if (inl >= 0 && combine_all_aligned(args))
+                h->flags |= COMBINE_ALIGNED;
         const uint64_t items = (uint64_t)args->local_tokens * slices;
-        const void *kernel =
-                slices > 1 ? (g->in.used ? (const void *)combine_kernel<true, true>
-                                         : (const void *)combine_kernel<true, false>)
-                           : (g->in.used ? (const void *)combine_kernel<false, true>
-                                         : (const void *)combine_kernel<false, false>);
+        const void *kernel = slices > 1 ? combine_kernel_for<true>(inl)
+                                        : combine_kernel_for<false>(inl);
         ret = epd__k_grid_blocks(kernel, COMBINE_THREADS, 0,
                                  (items + warps_per_block - 1) / warps_per_block, &blocks);
         if (ret < 0)
@@ -521,8 +657,7 @@ static int combine_describe(const struct epd_k_combine_args *args, struct combin
         d->grid = dim3((unsigned)blocks);
         d->block = dim3(COMBINE_THREADS);
         d->params[0] = &g->hot;
-        d->params[1] = args;
-        d->params[2] = &g->in;
+        d->params[1] = inl < 0 ? (const void *)args : (const void *)&g->inl;
         return 0;
 }
 
@@ -555,10 +690,9 @@ extern "C" int epd_k_combine_timed(const struct epd_k_combine_args *args, struct
 int epd__k_preload_combine(void)
 {
         struct cudaFuncAttributes attr;
-        const void *kernels[] = { (const void *)combine_kernel<false, false>,
-                                  (const void *)combine_kernel<false, true>,
-                                  (const void *)combine_kernel<true, false>,
-                                  (const void *)combine_kernel<true, true> };
+        const void *kernels[] = { combine_kernel_for<false>(-1), combine_kernel_for<false>(0),
+                                  combine_kernel_for<false>(1),  combine_kernel_for<true>(-1),
+                                  combine_kernel_for<true>(0),   combine_kernel_for<true>(1) };
         int ret = 0;
         for (size_t k = 0; ret == 0 && k < sizeof(kernels) / sizeof(kernels[0]); k++)
                 ret = epd__k_cuda_status(cudaFuncGetAttributes(&attr, kernels[k]));
