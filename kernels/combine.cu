@@ -119,19 +119,6 @@ struct combine_slots {
         float weights[32 + COMBINE_AHEAD];
 };
 
-/* The 16-byte path: every row address and 2H are multiples of 16. The loads of up to
- * COMBINE_AHEAD contributions of a step are issued together before any is added, so a step
- * waits about one load latency rather than one per contribution; the additions keep the
- * ascending order. The step's row addresses come from the slots and its loads are predicated
- * (comb_ld_if), so the warp issues them back to back: with the addresses shuffled from the
- * owner lanes and a branch per contribution, each load waited for its own shuffle, about 40
- * cycles a contribution, and warps of 8 contributions ended about 1 us later than a reduce
- * with its row addresses in registers (epd-floor-probe's traces, twenty-third session).
- * Measured on an H200 in process against loading one contribution ahead (sixth session,
- * docs/benchmarks/h200-s6-combine-variants.txt): decode in Fresh mode 32.6-32.8 us against
- * 34.2-34.4, prefill fp8 0.725 against 0.772 ms, prefill bf16 expand 0.980 against 0.993 ms,
- * with 121 registers (16 warps per multiprocessor) against 63; 4 ahead (80 registers) and
- * 16-byte vectors of 1 per lane (59 and 75 registers) fell between. */
 /* A step's epilogue: the biases, then the sums rounded to bf16 and stored. */
 template <bool STREAM>
 static __device__ __forceinline__ void combine_store(const float *acc, const uint8_t *bias0,
@@ -160,6 +147,19 @@ static __device__ __forceinline__ void combine_store(const float *acc, const uin
         }
 }
 
+/* The 16-byte path: every row address and 2H are multiples of 16. The loads of up to
+ * COMBINE_AHEAD contributions of a step are issued together before any is added, so a step
+ * waits about one load latency rather than one per contribution; the additions keep the
+ * ascending order. The step's row addresses come from the slots and its loads are predicated
+ * (comb_ld_if), so the warp issues them back to back: with the addresses shuffled from the
+ * owner lanes and a branch per contribution, each load waited for its own shuffle, about 40
+ * cycles a contribution, and warps of 8 contributions ended about 1 us later than a reduce
+ * with its row addresses in registers (epd-floor-probe's traces, twenty-third session).
+ * Measured on an H200 in process against loading one contribution ahead (sixth session,
+ * docs/benchmarks/h200-s6-combine-variants.txt): decode in Fresh mode 32.6-32.8 us against
+ * 34.2-34.4, prefill fp8 0.725 against 0.772 ms, prefill bf16 expand 0.980 against 0.993 ms,
+ * with 121 registers (16 warps per multiprocessor) against 63; 4 ahead (80 registers) and
+ * 16-byte vectors of 1 per lane (59 and 75 registers) fell between. */
 template <bool STREAM>
 static __device__ void combine_vec(const struct combine_slots *sl, uint32_t n, int weighted,
                                    const uint8_t *bias0, const uint8_t *bias1, uint8_t *out,
