@@ -119,9 +119,36 @@ struct combine_slots {
         float weights[32 + COMBINE_AHEAD];
 };
 
-/* A step's epilogue: the biases, then the sums rounded to bf16 and stored. */
+/* Contribution c's loads of the step at vector base (zeros where c >= n or past nvec). */
 template <bool STREAM>
-static __device__ __forceinline__ void combine_store(const float *acc, const uint8_t *bias0,
+static __device__ __forceinline__ void combine_load(int4 *buf, const struct combine_slots *sl,
+                                                    uint32_t c, uint32_t n, uint32_t base,
+                                                    uint32_t nvec, uint32_t lane)
+{
+        const int4 *p = (const int4 *)sl->rows[c];
+#pragma unroll
+        for (int u = 0; u < COMBINE_VEC; u++) {
+                const uint32_t i = base + u * 32 + lane;
+                buf[u] = comb_ld_if<STREAM>(c < n && i < nvec, p + i);
+        }
+}
+
+/* Contribution c's additions to the step's sums (none when c >= n). */
+static __device__ __forceinline__ void combine_add(float *acc, const int4 *buf,
+                                                   const struct combine_slots *sl, uint32_t c,
+                                                   uint32_t n, int weighted)
+{
+        if (c < n) {
+                const float w = sl->weights[c];
+#pragma unroll
+                for (int u = 0; u < COMBINE_VEC; u++)
+                        add_vec(acc + 8 * u, buf[u], weighted, w);
+        }
+}
+
+/* A step's epilogue: the biases added to the sums, which are then rounded to bf16 and stored. */
+template <bool STREAM>
+static __device__ __forceinline__ void combine_store(float *acc, const uint8_t *bias0,
                                                      const uint8_t *bias1, uint8_t *out,
                                                      uint32_t base, uint32_t nvec, uint32_t lane)
 {
@@ -130,10 +157,7 @@ static __device__ __forceinline__ void combine_store(const float *acc, const uin
                 uint32_t i = base + u * 32 + lane;
                 if (i >= nvec)
                         continue;
-                float a[8];
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-                        a[j] = acc[8 * u + j];
+                float *a = acc + 8 * u;
                 if (bias0 != NULL)
                         add_vec(a, comb_ld<STREAM>((const int4 *)bias0 + i), 0, 0.0f);
                 if (bias1 != NULL)
@@ -176,34 +200,18 @@ static __device__ void combine_vec(const struct combine_slots *sl, uint32_t n, i
                  * same calls): 29.80 against 29.91 us and 29.89 against 29.94 us. */
                 int4 buf[COMBINE_AHEAD][COMBINE_VEC];
 #pragma unroll
-                for (int c = 0; c < COMBINE_AHEAD; c++) {
-                        const int4 *p = (const int4 *)sl->rows[c];
-#pragma unroll
-                        for (int u = 0; u < COMBINE_VEC; u++) {
-                                const uint32_t i = v0 + u * 32 + lane;
-                                buf[c][u] = comb_ld_if<STREAM>(c < n && i < nvec, p + i);
-                        }
-                }
+                for (int c = 0; c < COMBINE_AHEAD; c++)
+                        combine_load<STREAM>(buf[c], sl, c, n, v0, nvec, lane);
                 for (uint32_t base = v0; base < nvec; base += 32 * COMBINE_VEC) {
-                        const uint32_t next = base + 32 * COMBINE_VEC;
                         float acc[8 * COMBINE_VEC];
 #pragma unroll
                         for (int i = 0; i < 8 * COMBINE_VEC; i++)
                                 acc[i] = 0.0f;
 #pragma unroll
                         for (int c = 0; c < COMBINE_AHEAD; c++) {
-                                if (c < n) {
-                                        const float w = sl->weights[c];
-#pragma unroll
-                                        for (int u = 0; u < COMBINE_VEC; u++)
-                                                add_vec(acc + 8 * u, buf[c][u], weighted, w);
-                                }
-                                const int4 *p = (const int4 *)sl->rows[c];
-#pragma unroll
-                                for (int u = 0; u < COMBINE_VEC; u++) {
-                                        const uint32_t i = next + u * 32 + lane;
-                                        buf[c][u] = comb_ld_if<STREAM>(c < n && i < nvec, p + i);
-                                }
+                                combine_add(acc, buf[c], sl, c, n, weighted);
+                                combine_load<STREAM>(buf[c], sl, c, n, base + 32 * COMBINE_VEC,
+                                                     nvec, lane);
                         }
                         combine_store<STREAM>(acc, bias0, bias1, out, base, nvec, lane);
                 }
@@ -218,23 +226,11 @@ static __device__ void combine_vec(const struct combine_slots *sl, uint32_t n, i
                 for (uint32_t c0 = 0; c0 < n; c0 += COMBINE_AHEAD) {
                         int4 buf[COMBINE_AHEAD][COMBINE_VEC];
 #pragma unroll
-                        for (int c = 0; c < COMBINE_AHEAD; c++) {
-                                const int4 *p = (const int4 *)sl->rows[c0 + c];
-#pragma unroll
-                                for (int u = 0; u < COMBINE_VEC; u++) {
-                                        const uint32_t i = base + u * 32 + lane;
-                                        buf[c][u] = comb_ld_if<STREAM>(c0 + c < n && i < nvec,
-                                                                       p + i);
-                                }
-                        }
+                        for (int c = 0; c < COMBINE_AHEAD; c++)
+                                combine_load<STREAM>(buf[c], sl, c0 + c, n, base, nvec, lane);
 #pragma unroll
                         for (int c = 0; c < COMBINE_AHEAD; c++)
-                                if (c0 + c < n) {
-                                        const float w = sl->weights[c0 + c];
-#pragma unroll
-                                        for (int u = 0; u < COMBINE_VEC; u++)
-                                                add_vec(acc + 8 * u, buf[c][u], weighted, w);
-                                }
+                                combine_add(acc, buf[c], sl, c0 + c, n, weighted);
                 }
                 combine_store<STREAM>(acc, bias0, bias1, out, base, nvec, lane);
         }
