@@ -2289,7 +2289,7 @@ static int daemon_info(const char *socket, struct run_info *ri)
         return rc < 0 ? -1 : 0;
 }
 
-/* Starts build/bin/epd as tests/harness.c does, but waits up to timeout_ms for its socket: the
+/* Starts build/bin/epd as tests/lib/harness.c does, but waits up to timeout_ms for its socket: the
  * CUDA backend creates a context on every GPU and loads the kernels before it listens. The
  * struct is h_daemon_stop's. */
 static int daemon_start(struct h_daemon *d, const char *const *extra, int timeout_ms)

@@ -34,7 +34,7 @@ EPD_HD uint32_t epd_route_expert_rank(int32_t expert, uint32_t num_local_experts
  * epd_udiv_by_magic(x, m) == x / d for every x with x * d < 2^32.
  * Why: write m = (2^32 + r) / d with 0 <= r < d, and x = q d + f with 0 <= f < d. Then
  * x m / 2^32 = q + f / d + x r / (d 2^32), and the last two terms stay below 1 because
- * f <= d - 1 and x r < x d < 2^32. tests/unit_plan.c checks it for every d <= 256. */
+ * f <= d - 1 and x r < x d < 2^32. tests/unit/unit_plan.c checks it for every d <= 256. */
 EPD_HD uint64_t epd_udiv_magic(uint32_t divisor)
 {
         return ((1ull << 32) + divisor - 1) / divisor;

@@ -1,6 +1,6 @@
 /* route.cu - the routing steps of a dispatch: count, prefix, recheck and place.
  *
- * These kernels compute, on the GPU, exactly what common/plan.c computes on the host: the same
+ * These kernels compute, on the GPU, exactly what cpu/plan.c computes on the host: the same
  * counts, prefixes, expert bases and rows, in the same index order (common/layout.h), with the
  * primitives of common/routing.h. Nothing here uses atomics whose order could change a result:
  * shared-memory atomics only add integers, OR bits or take a minimum (commutative), and the

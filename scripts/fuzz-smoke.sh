@@ -1,5 +1,5 @@
 #!/bin/sh
-# `make fuzz-smoke`: builds the libFuzzer targets (tests/fuzz/fuzz.cmake) with clang, ASan and
+# `make fuzz-smoke`: builds the libFuzzer targets (tests/fuzz/CMakeLists.txt) with clang, ASan and
 # UBSan in build-fuzz, replays the committed seeds and past crashes (CTest label fuzz), then
 # fuzzes each target for SECONDS (default 60) starting from its seeds. New inputs go to
 # build-fuzz/fuzz-corpus/<target>, never into the source tree; a crash leaves its input in

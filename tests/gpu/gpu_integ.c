@@ -4,10 +4,10 @@
  * Each worker is a separate process with its own CUDA context on GPU 0, where every rank of the
  * group lives. It allocates its inputs and outputs in device memory (cudaMalloc, cuMemCreate
  * with the POSIX-fd handle type, or libepd's epd_device_alloc), uploads the seeded inputs of
- * tests/workload.c, registers the memory with epd_region_register_device (epd_device_alloc
+ * tests/lib/workload.c, registers the memory with epd_region_register_device (epd_device_alloc
  * registers its own), dispatches and combines through the daemon with every output in its
  * device memory (client-registered capacity = the exact rows the reference expects), copies the
- * outputs back and compares them bitwise with tests/reference.h.
+ * outputs back and compares them bitwise with tests/lib/reference.h.
  *
  * Cases: ranks 1, 2, 4 and 8 on GPU 0; both layouts; bf16 and fp8; cudaMalloc, cuMem, both in
  * one worker, and epd_device_alloc; cached dispatch; a second identical run that must give

@@ -5,7 +5,7 @@
  * layouts; bf16 and fp8 with scales; alignments; zero padding; weights; -1 entries; int32/int64
  * topk_idx; strided rows; 0/1/2 biases; apply_weights; cached dispatch; capacity and validation
  * failures; one realistic prefill-sized case) it generates seeded inputs, computes the reference
- * with common/plan.c + daemon/host_exec.c, runs the kernels with the daemon-mode sequencing of
+ * with cpu/plan.c + cpu/host_exec.c, runs the kernels with the daemon-mode sequencing of
  * epd_kernels.h (count, event, prefix, event, place + copy), and compares every output buffer over
  * its whole capacity, so bytes that must stay untouched are checked too (outputs start as a
  * sentinel on both sides). Each case runs twice and the two runs must give identical bits.

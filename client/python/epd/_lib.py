@@ -1,4 +1,4 @@
-"""ctypes declarations of libepd's public API (client/epd.h) and the loader of libepd.so.
+"""ctypes declarations of libepd's public API (include/epd.h) and the loader of libepd.so.
 
 Every structure here mirrors the C declaration field for field; tests/python/test_binding.py
 checks the sizes that the layout implies. The library is loaded on first use, not at import,

@@ -5,7 +5,7 @@
  * clean exit. Every worker checks on its own rank that a failing op ends with the expected status
  * (so no rank reports a partial result as OK) and a message that names the group, the op number
  * and the numbers involved; that no output byte was written when the op failed; and that the next
- * op on the group succeeds and matches the independent reference (tests/reference.h). Covered:
+ * op on the group succeeds and matches the independent reference (tests/lib/reference.h). Covered:
  * - CAPACITY_EXCEEDED with client outputs (one rank short by one row; two ranks short through
  *   one output each, EXPAND padding included) and with an output arena that is too small;
  * - a mismatch across ranks: op kind, layout, expert_alignment, zero_padding, weights present,

@@ -4,7 +4,7 @@
  *
  * It starts epd (the binary next to it) on a temporary socket, or uses --socket, and runs one
  * group of --clients ranks, one worker process each. Every rank runs the same sequence of steps
- * (tests/randstep.h), planned from --seed so that each client does at least --ops collective ops:
+ * (tests/lib/randstep.h), planned from --seed so that each client does at least --ops collective ops:
  * within the group config every step draws N_s <= T per rank, K_op <= K, the layout, the
  * alignment, zero padding, weights, apply_weights, the routing, biases per rank, arena or client
  * outputs per rank, padded strides, y in place in the arena, and sometimes a cached dispatch.

@@ -1,6 +1,6 @@
-/* unit_host_exec.c - host dispatch/combine (daemon/host_exec.c) bitwise against the reference.
+/* unit_host_exec.c - host dispatch/combine (cpu/host_exec.c) bitwise against the reference.
  *
- * Each case builds every rank's inputs from a printed seed, plans with common/plan.c, runs every
+ * Each case builds every rank's inputs from a printed seed, plans with cpu/plan.c, runs every
  * dispatch item (forward, reverse, shuffled or from two threads), compares every destination with
  * the independent reference, then fills y on every destination, runs every combine item the same
  * way and compares every source's combined rows and weights. Outputs are poisoned beforehand, so

@@ -193,7 +193,7 @@ s.connect(sys.argv[1])' "$tmp/stream.sock"
 
 test_notify() {
         need python3
-        python3 "$src/tests/systemd_notify.py" "$bin"
+        python3 "$src/tests/integration/systemd_notify.py" "$bin"
 }
 
 # Starts epd with config $1 on socket $2, checks that epctl is served, and stops it.

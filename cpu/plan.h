@@ -9,8 +9,8 @@
  * Threading: epd_plan_count_source and epd_plan_place_source touch only source s's rows and may run
  * concurrently for different s; epd_plan_finish runs after every count and before any place.
  */
-#ifndef EPD_COMMON_PLAN_H
-#define EPD_COMMON_PLAN_H
+#ifndef EPD_CPU_PLAN_H
+#define EPD_CPU_PLAN_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -8,8 +8,8 @@
  * Floating point follows SEMANTICS.md section 3 exactly; this file is compiled with
  * -ffp-contract=off and without fast-math.
  */
-#ifndef EPD_DAEMON_HOST_EXEC_H
-#define EPD_DAEMON_HOST_EXEC_H
+#ifndef EPD_CPU_HOST_EXEC_H
+#define EPD_CPU_HOST_EXEC_H
 
 #include <stdint.h>
 

@@ -1,4 +1,4 @@
-/* unit_plan.c - the placement plan (common/plan.c) against the independent reference.
+/* unit_plan.c - the placement plan (cpu/plan.c) against the independent reference.
  *
  * Covers: dimension limits, topk validation (out-of-range ids, duplicates, -1 anywhere, int64 ids
  * that would alias a valid id if truncated), and for many seeded routings the counts, rank

@@ -4,7 +4,7 @@
  * untouched, and leak nothing.
  *
  * One daemon; group A has 8 worker processes (one per rank) running randomised MoE steps
- * (tests/randstep.h: dispatch, sometimes a cached dispatch, combine; every step checked bitwise
+ * (tests/lib/randstep.h: dispatch, sometimes a cached dispatch, combine; every step checked bitwise
  * against the reference); group B, 3 other clients, runs its own steps concurrently. The test
  * process plans everything from a seed before it forks (printed; EPD_FAULT_SEED overrides) and
  * coordinates through an anonymous shared mapping. The run is a sequence of generations; each
