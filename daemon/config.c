@@ -290,7 +290,7 @@ uint64_t epd_config_poll_ns(const struct epd_config *cfg)
 {
         /* Long enough to span the gap between a decoding model's MoE layers (a few hundred
          * microseconds), so that their requests go through the doorbell pages and the threads
-         * need no wake-up (docs/performance.md, eighth session). */
+         * need no wake-up (docs/performance.md, "Where the last rank's overhead goes"). */
         if (cfg->poll_us == EPD_POLL_AUTO)
                 return sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 1000000 : 0;
         return (uint64_t)cfg->poll_us * 1000;
