@@ -45,6 +45,25 @@ struct flag_override {
         const char *flag; /* as given, for messages */
 };
 
+/* The command line's keys, applied over the file at start and again over every reload: a flag
+ * outranks the file for the daemon's whole life. */
+static struct flag_override overrides[32];
+static unsigned num_overrides;
+
+static int apply_overrides(struct epd_config *cfg, char *err, size_t err_len)
+{
+        char why[192];
+
+        for (unsigned i = 0; i < num_overrides; i++) {
+                if (epd_config_set(cfg, overrides[i].section, overrides[i].name,
+                                   overrides[i].value, why, sizeof(why)) < 0) {
+                        snprintf(err, err_len, "option --%s: %s", overrides[i].flag, why);
+                        return -EINVAL;
+                }
+        }
+        return epd_config_validate(cfg, err, err_len);
+}
+
 static void on_drain_tick(uv_timer_t *timer)
 {
         struct epd_daemon *d = timer->data;
@@ -101,6 +120,10 @@ static void on_signal(uv_signal_t *handle, int signum)
                         log_warning("reload failed: %s, keeping the running configuration", err);
                         return;
                 }
+                if (apply_overrides(&fresh, err, sizeof(err)) < 0) {
+                        log_warning("reload refused: %s, keeping the running configuration", err);
+                        return;
+                }
                 epd_config_apply_hot(&d->cfg, &fresh);
                 epd_log_set_level(d->cfg.log_level);
                 log_info("configuration reloaded path=%s", d->cfg.config_path);
@@ -148,8 +171,6 @@ int main(int argc, char **argv)
         struct epd_daemon *d = &daemon_state;
         struct epd_metrics *metrics = NULL;
         char metrics_status[160] = "";
-        struct flag_override overrides[32];
-        unsigned num_overrides = 0;
         char err[512];
         int opt, rc;
         uint64_t watchdog_usec = 0;
@@ -203,12 +224,9 @@ int main(int argc, char **argv)
                 fprintf(stderr, "epd: %s\n", err);
                 return 2;
         }
-        for (unsigned i = 0; i < num_overrides; i++) {
-                if (epd_config_set(&d->cfg, overrides[i].section, overrides[i].name,
-                                   overrides[i].value, err, sizeof(err)) < 0) {
-                        fprintf(stderr, "epd: option --%s: %s\n", overrides[i].flag, err);
-                        return 2;
-                }
+        if (apply_overrides(&d->cfg, err, sizeof(err)) < 0) {
+                fprintf(stderr, "epd: %s\n", err);
+                return 2;
         }
         epd_log_set_level(d->cfg.log_level);
         signal(SIGPIPE, SIG_IGN);
