@@ -743,7 +743,29 @@ START_TEST(test_region_register_checks)
         rc = epd_region_register_fd(c, EPD_REGION_HOST_MEMFD, fd, REGION_BYTES, 0, NULL, &id);
         ck_assert_msg(rc == EPD_INVALID_ARGUMENT, "an unsealable memfd: %s",
                       epd_status_name(rc));
+        ck_assert_msg(strstr(epd_client_last_error(c), "MFD_ALLOW_SEALING"),
+                      "an unsealable memfd: '%s'", epd_client_last_error(c));
         close(fd);
+
+        /* A sealable memfd reopened read-only: refused for being read-only, not for sealing. */
+        {
+                char path[64];
+                int ro;
+
+                ck_assert_int_eq(epd_memfd_alloc(REGION_BYTES, &fd, &p), EPD_OK);
+                snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+                ro = open(path, O_RDONLY | O_CLOEXEC);
+                ck_assert_int_ge(ro, 0);
+                rc = epd_region_register_fd(c, EPD_REGION_HOST_MEMFD, ro, REGION_BYTES, 0, NULL,
+                                            &id);
+                ck_assert_msg(rc == EPD_INVALID_ARGUMENT, "a read-only memfd: %s",
+                              epd_status_name(rc));
+                ck_assert_msg(strstr(epd_client_last_error(c), "O_RDWR"),
+                              "a read-only memfd: '%s'", epd_client_last_error(c));
+                close(ro);
+                munmap(p, REGION_BYTES);
+                close(fd);
+        }
 
         /* Not a file at all; the daemon must still close the fd it was given. */
         ck_assert_int_eq(pipe2(pipefd, O_CLOEXEC), 0);
