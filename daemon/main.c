@@ -48,6 +48,7 @@ struct flag_override {
 /* The command line's keys, applied over the file at start and again over every reload: a flag
  * outranks the file for the daemon's whole life. */
 static struct flag_override overrides[32];
+static uv_timer_t log_flush_timer;
 static unsigned num_overrides;
 
 static int apply_overrides(struct epd_config *cfg, char *err, size_t err_len)
@@ -130,6 +131,12 @@ static void on_signal(uv_signal_t *handle, int signum)
                 return;
         }
         begin_shutdown(d, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+static void on_log_flush(uv_timer_t *timer)
+{
+        (void)timer;
+        epd_log_flush_suppressed();
 }
 
 static void on_watchdog(uv_timer_t *timer)
@@ -273,6 +280,9 @@ int main(int argc, char **argv)
         d->drain_timer.data = d;
         uv_timer_init(d->loop, &d->watchdog_timer);
         d->watchdog_timer.data = d;
+        uv_timer_init(d->loop, &log_flush_timer);
+        uv_timer_start(&log_flush_timer, on_log_flush, 1000, 1000);
+        uv_unref((uv_handle_t *)&log_flush_timer);
         if (sd_watchdog_enabled(0, &watchdog_usec) > 0 && watchdog_usec > 0) {
                 uint64_t period_ms = watchdog_usec / 2000;
                 uv_timer_start(&d->watchdog_timer, on_watchdog, 0, period_ms ? period_ms : 1);
@@ -288,6 +298,8 @@ int main(int argc, char **argv)
 
         uv_timer_stop(&d->watchdog_timer);
         uv_close((uv_handle_t *)&d->watchdog_timer, NULL);
+        uv_close((uv_handle_t *)&log_flush_timer, NULL);
+        epd_log_flush_suppressed();
         uv_close((uv_handle_t *)&d->drain_timer, NULL);
         uv_close((uv_handle_t *)&d->sig_term, NULL);
         uv_close((uv_handle_t *)&d->sig_int, NULL);
