@@ -30,6 +30,9 @@ void epd_config_defaults(struct epd_config *cfg)
         cfg->max_arena_segments = 64;
         cfg->max_op_timeout_ms = 60000;
         cfg->max_clients = 256;
+        cfg->max_clients_per_uid = 128;
+        cfg->admin_reserved_clients = 4;
+        cfg->handshake_timeout_ms = 5000;
         cfg->max_groups = 64;
         cfg->max_regions_per_client = 1024;
         cfg->max_region_bytes_per_client = 1ull << 40;
@@ -148,6 +151,9 @@ int epd_config_set(struct epd_config *cfg, const char *section, const char *name
         NUM_KEY("daemon", "poll_us", poll_us, 100000)
         NUM_KEY("limits", "max_op_timeout_ms", max_op_timeout_ms, 3600000)
         NUM_KEY("limits", "max_clients", max_clients, 65536)
+        NUM_KEY("limits", "max_clients_per_uid", max_clients_per_uid, 65536)
+        NUM_KEY("limits", "admin_reserved_clients", admin_reserved_clients, 1024)
+        NUM_KEY("limits", "handshake_timeout_ms", handshake_timeout_ms, 600000)
         NUM_KEY("limits", "max_groups", max_groups, 65536)
         NUM_KEY("limits", "max_regions_per_client", max_regions_per_client, 1u << 20)
         NUM_KEY("limits", "max_region_bytes_per_client", max_region_bytes_per_client, 1ull << 50)
@@ -300,9 +306,13 @@ int epd_config_validate(const struct epd_config *cfg, char *err, size_t err_len)
                          (unsigned)cfg->op_timeout_ms, (unsigned)cfg->max_op_timeout_ms);
                 return -EINVAL;
         }
-        if (cfg->max_clients == 0 || cfg->max_groups == 0) {
+        if (cfg->max_clients == 0 || cfg->max_groups == 0 || cfg->max_clients_per_uid == 0 ||
+            cfg->handshake_timeout_ms == 0) {
                 snprintf(err, err_len, "%s must be at least 1",
-                         cfg->max_clients ? "max_groups" : "max_clients");
+                         !cfg->max_clients       ? "max_clients"
+                         : !cfg->max_groups      ? "max_groups"
+                         : !cfg->max_clients_per_uid ? "max_clients_per_uid"
+                                                 : "handshake_timeout_ms");
                 return -EINVAL;
         }
         return 0;
@@ -325,6 +335,9 @@ void epd_config_apply_hot(struct epd_config *dst, const struct epd_config *src)
         dst->peer_lost_ms = src->peer_lost_ms;
         dst->max_op_timeout_ms = src->max_op_timeout_ms;
         dst->max_clients = src->max_clients;
+        dst->max_clients_per_uid = src->max_clients_per_uid;
+        dst->admin_reserved_clients = src->admin_reserved_clients;
+        dst->handshake_timeout_ms = src->handshake_timeout_ms;
         dst->max_groups = src->max_groups;
         dst->max_regions_per_client = src->max_regions_per_client;
         dst->max_region_bytes_per_client = src->max_region_bytes_per_client;

@@ -42,6 +42,9 @@ struct epd_config {
          * those size the receive buffer at start and are announced to clients at hello. */
         uint32_t max_op_timeout_ms;   /* bounds the daemon default and every group's timeout */
         uint32_t max_clients;
+        uint32_t max_clients_per_uid;  /* connections of one uid other than administrators' */
+        uint32_t admin_reserved_clients; /* beyond max_clients, for root and admin_group */
+        uint32_t handshake_timeout_ms; /* a connection without Hello by then is closed */
         uint32_t max_groups;
         uint32_t max_regions_per_client;
         uint64_t max_region_bytes_per_client;

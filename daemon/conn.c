@@ -16,6 +16,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "admission.h"
 #include "backend.h"
 #include "daemon.h"
 #include "frame.h"
@@ -58,6 +59,8 @@ int epd_conn_accept(struct epd_daemon *d, int fd)
         struct ucred cred;
         socklen_t len = sizeof(cred);
         struct epd_conn *c;
+        const char *why;
+        int admin, rc;
 
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
                 log_warning("SO_PEERCRED failed: %s, ignoring connection", strerror(errno));
@@ -75,11 +78,12 @@ int epd_conn_accept(struct epd_daemon *d, int fd)
                 refuse(fd, EPD_UNAVAILABLE, "daemon is shutting down");
                 return -ESHUTDOWN;
         }
-        if (d->num_conns >= d->cfg.max_clients) {
+        admin = epd_conn_is_admin(d, cred.uid, cred.gid);
+        rc = epd_admission_check(d, &cred, admin, &why);
+        if (rc != 0) {
                 d->stats.clients_refused++;
-                log_notice("refused client pid=%d: max_clients=%u reached", (int)cred.pid,
-                           d->cfg.max_clients);
-                refuse(fd, EPD_UNAVAILABLE, "too many clients (max_clients reached)");
+                log_notice("refused client pid=%d uid=%u: %s", (int)cred.pid, cred.uid, why);
+                refuse(fd, rc, why);
                 return -EMFILE;
         }
         c = calloc(1, sizeof(*c));
@@ -93,7 +97,8 @@ int epd_conn_accept(struct epd_daemon *d, int fd)
         c->pid = cred.pid;
         c->uid = cred.uid;
         c->gid = cred.gid;
-        c->admin = epd_conn_is_admin(d, cred.uid, cred.gid);
+        c->admin = admin;
+        c->accepted_ns = epd__now_ns();
         epd_list_init(&c->regions);
         epd_list_init(&c->bindings);
         epd_list_init(&c->out_queue);

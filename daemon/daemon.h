@@ -34,6 +34,10 @@ struct epd_daemon {
         uv_signal_t sig_term, sig_int, sig_hup;
         uv_timer_t watchdog_timer;
         uv_timer_t drain_timer;
+        uv_timer_t sweep_timer;       /* handshake deadlines (admission.c) */
+        uv_timer_t backoff_timer;     /* accept() paused while out of descriptors */
+        unsigned backoff_ms;
+        int accept_paused;
         int shutting_down;            /* SIGTERM seen: no new ops, exit when drained */
         int draining;                 /* operator drain: no new ops are launched */
         uint64_t drain_start_ns;
@@ -88,6 +92,7 @@ struct epd_conn {
         int cuda_capable;             /* announced CAP_CUDA_REGIONS: can map device memory */
         char name[64];
         int hello_done;
+        uint64_t accepted_ns;         /* the handshake must end within handshake_timeout_ms */
         int closing;
         /* A send failed (or the output queue overflowed) somewhere inside another object's
          * code: the close runs from close_idle on the loop's next turn (conn.c). */
@@ -359,6 +364,9 @@ int epd_daemon_init(struct epd_daemon *d, uv_loop_t *loop, char *err, size_t err
 /* server.c */
 int epd_server_listen(struct epd_daemon *d, char *err, size_t err_len);
 void epd_server_close(struct epd_daemon *d);
+/* Stops and restarts watching the listening socket (admission.c's back-off). */
+void epd_server_pause(struct epd_daemon *d);
+void epd_server_resume(struct epd_daemon *d);
 /* Requests through the doorbell pages (common/doorbell.h, request mailbox; conn.c). The loop
  * thread takes every posted request and returns how many it handled; it tells the clients'
  * pages whether it looks at them (after saying no, it looks once more); a new binding's page

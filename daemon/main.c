@@ -9,6 +9,7 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include "admission.h"
 #include "backend.h"
 #include "daemon.h"
 #include "frame.h"
@@ -280,6 +281,7 @@ int main(int argc, char **argv)
         d->drain_timer.data = d;
         uv_timer_init(d->loop, &d->watchdog_timer);
         d->watchdog_timer.data = d;
+        epd_admission_init(d);
         uv_timer_init(d->loop, &log_flush_timer);
         uv_timer_start(&log_flush_timer, on_log_flush, 1000, 1000);
         uv_unref((uv_handle_t *)&log_flush_timer);
@@ -299,6 +301,7 @@ int main(int argc, char **argv)
         uv_timer_stop(&d->watchdog_timer);
         uv_close((uv_handle_t *)&d->watchdog_timer, NULL);
         uv_close((uv_handle_t *)&log_flush_timer, NULL);
+        epd_admission_close(d);
         epd_log_flush_suppressed();
         uv_close((uv_handle_t *)&d->drain_timer, NULL);
         uv_close((uv_handle_t *)&d->sig_term, NULL);

@@ -7,6 +7,11 @@
  * a clean exit. Covered:
  * - max_clients: the connection over the limit is refused with UNAVAILABLE and a message naming
  *   the limit; a slot that frees up is usable again; refusals are counted;
+ * - admin_reserved_clients: root still connects (epctl answers) when idle connections fill
+ *   max_clients, up to the reserve;
+ * - handshake_timeout_ms: a connection that never sends Hello is closed, and its slot freed;
+ * - running out of descriptors: accept() failing with EMFILE pauses accepting (bounded CPU and
+ *   log lines, unfinished handshakes closed first) and the daemon serves again afterwards;
  * - max_groups, max_regions_per_client, max_region_bytes_per_client: the request over the limit
  *   fails with UNAVAILABLE naming the limit, nothing is left behind (a refused region's fd is
  *   closed), the limit is per client where it should be, and freeing makes room again;
@@ -33,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -188,7 +194,8 @@ START_TEST(test_max_clients)
         char err[512];
         int rc;
 
-        daemon_start_with(&ld, "[limits]\nmax_clients = 3\n");
+        /* Without a reserve: the tests run as root, an administrator. */
+        daemon_start_with(&ld, "[limits]\nmax_clients = 3\nadmin_reserved_clients = 0\n");
         args.socket_path = ld.d.socket;
         for (int i = 0; i < 3; i++)
                 c[i] = h_connect_ok(&ld.d, "slot");
@@ -223,6 +230,148 @@ START_TEST(test_max_clients)
         h_assert_daemon_alive(&ld.d, NULL);
         epd_client_free(c[1]);
         epd_client_free(c[0]);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+/* ---- admin_reserved_clients and handshake_timeout_ms ---- */
+
+/* Idle connections that never say Hello fill max_clients; root (an administrator) still gets
+ * the reserve, epctl answers, and once the handshake deadline passes the idle ones are closed
+ * and their slots are free again. */
+START_TEST(test_idle_handshakes_and_admin_reserve)
+{
+        struct limits_daemon ld;
+        struct epd_connect_args args = { .size = sizeof(args), .client_name = "reserve",
+                                         .timeout_ms = 5000 };
+        struct epd_client *admin[2], *over = NULL;
+        struct h_close_result res;
+        int idle[4];
+        char err[512];
+        long long t0;
+        json_t *st;
+        int rc;
+
+        daemon_start_with(&ld, "[limits]\nmax_clients = 4\nadmin_reserved_clients = 2\n"
+                               "handshake_timeout_ms = 700\n");
+        args.socket_path = ld.d.socket;
+        t0 = h_now_ms();
+        for (int i = 0; i < 4; i++) {
+                idle[i] = h_raw_connect(&ld.d);
+                ck_assert_int_ge(idle[i], 0);
+        }
+        /* max_clients is full of idle connections: the reserve admits two administrators. */
+        for (int i = 0; i < 2; i++) {
+                rc = epd_client_connect(&args, &admin[i], err, sizeof(err));
+                ck_assert_msg(rc == EPD_OK, "administrator %d within the reserve: %s: %s", i,
+                              epd_status_name(rc), err);
+        }
+        rc = epd_client_connect(&args, &over, err, sizeof(err));
+        ck_assert_msg(rc == EPD_UNAVAILABLE && strstr(err, "reserve"),
+                      "beyond the reserve: %s: %s", epd_status_name(rc), err);
+        ck_assert_msg(h_now_ms() - t0 < 600, "the deadline passed before the checks ran");
+        /* The idle connections are closed at their deadline, not before. */
+        for (int i = 0; i < 4; i++) {
+                h_expect_closed(idle[i], &res);
+                close(idle[i]);
+        }
+        ck_assert_msg(h_now_ms() - t0 >= 650, "idle connections closed after only %lld ms",
+                      h_now_ms() - t0);
+        ck_assert(h_daemon_log_contains(&ld.d, "no Hello within handshake_timeout_ms"));
+        /* Their slots are free: epctl and new clients get in. */
+        st = h_epctl_json(&ld.d, "status");
+        ck_assert_ptr_nonnull(st);
+        json_decref(st);
+        for (int i = 0; i < 2; i++)
+                ck_assert_int_eq(size_hint(admin[i]), EPD_OK);
+        rc = epd_client_connect(&args, &over, err, sizeof(err));
+        ck_assert_msg(rc == EPD_OK, "after the idle ones left: %s: %s", epd_status_name(rc), err);
+        epd_client_free(over);
+        for (int i = 0; i < 2; i++)
+                epd_client_free(admin[i]);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+/* CPU seconds (user + system) the process has used, from /proc/PID/stat. */
+static double proc_cpu_seconds(pid_t pid)
+{
+        char path[64], buf[1024], *p;
+        unsigned long utime = 0, stime = 0;
+        FILE *f;
+
+        snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+        f = fopen(path, "re");
+        ck_assert_ptr_nonnull(f);
+        ck_assert_ptr_nonnull(fgets(buf, sizeof(buf), f));
+        fclose(f);
+        p = strrchr(buf, ')');
+        ck_assert_ptr_nonnull(p);
+        /* Fields 14 and 15 (utime, stime); p points at the end of field 2. */
+        ck_assert_int_eq(sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu",
+                                &utime, &stime), 2);
+        return (double)(utime + stime) / (double)sysconf(_SC_CLK_TCK);
+}
+
+/* The daemon runs with few descriptors; connections that never finish their handshake use them
+ * all. accept() then fails with EMFILE: the daemon must not spin on it (the listening socket
+ * stays readable), must not flood its log, closes the unfinished handshakes and serves again. */
+START_TEST(test_out_of_descriptors)
+{
+        struct limits_daemon ld;
+        struct rlimit old, low;
+        int socks[96], n = 0;
+        double cpu0, cpu1;
+        struct epd_client *c = NULL;
+        struct epd_connect_args args = { .size = sizeof(args), .client_name = "after",
+                                         .timeout_ms = 5000 };
+        char err[512];
+        FILE *f;
+        char line[1024];
+        int lines = 0, rc;
+
+        ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
+        low = old;
+        low.rlim_cur = 48;
+        ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+        daemon_start_with(&ld, "[limits]\nhandshake_timeout_ms = 3000\n");
+        ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+        args.socket_path = ld.d.socket;
+
+        /* More connections than the daemon has descriptors; those it cannot accept wait in
+         * the listen backlog. */
+        for (n = 0; n < 96; n++) {
+                socks[n] = h_raw_connect(&ld.d);
+                ck_assert_int_ge(socks[n], 0);
+        }
+        usleep(300000);
+        cpu0 = proc_cpu_seconds(ld.d.pid);
+        usleep(1000000);
+        cpu1 = proc_cpu_seconds(ld.d.pid);
+        ck_assert_msg(cpu1 - cpu0 < 0.3, "the daemon used %.2f CPU-seconds in 1 s while out of "
+                      "descriptors", cpu1 - cpu0);
+        ck_assert(h_daemon_log_contains(&ld.d, "not accepting for"));
+        h_assert_daemon_alive(&ld.d, NULL);
+
+        /* Once the clients give up, the daemon accepts again. */
+        for (int i = 0; i < n; i++)
+                close(socks[i]);
+        for (int attempt = 0; attempt < 100 && !c; attempt++) {
+                rc = epd_client_connect(&args, &c, err, sizeof(err));
+                if (rc != EPD_OK)
+                        usleep(50000);
+        }
+        ck_assert_msg(c != NULL, "no connection after the descriptors came back: %s", err);
+        ck_assert_int_eq(size_hint(c), EPD_OK);
+        epd_client_free(c);
+
+        /* The log stayed small: a few lines per back-off, not one per failed accept. */
+        f = fopen(ld.d.log, "re");
+        ck_assert_ptr_nonnull(f);
+        while (fgets(line, sizeof(line), f))
+                lines++;
+        fclose(f);
+        ck_assert_msg(lines < 200, "%d log lines while out of descriptors", lines);
         daemon_stop_clean(&ld);
 }
 END_TEST
@@ -740,6 +889,8 @@ static Suite *limits_suite(void)
 
         tcase_set_timeout(tc, 30);
         tcase_add_test(tc, test_max_clients);
+        tcase_add_test(tc, test_idle_handshakes_and_admin_reserve);
+        tcase_add_test(tc, test_out_of_descriptors);
         tcase_add_test(tc, test_max_groups);
         tcase_add_test(tc, test_max_regions);
         tcase_add_test(tc, test_max_region_bytes);

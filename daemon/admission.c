@@ -1,0 +1,120 @@
+/* admission.c - see admission.h. */
+#include <errno.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "admission.h"
+#include "daemon.h"
+#include "log.h"
+#include "util.h"
+
+#define SWEEP_MS 100
+#define BACKOFF_MIN_MS 50
+#define BACKOFF_MAX_MS 2000
+/* Connections closed to free descriptors each time accept() runs out of them. */
+#define HANDSHAKES_CLOSED_PER_EMFILE 16
+
+static void on_sweep(uv_timer_t *timer)
+{
+        struct epd_daemon *d = timer->data;
+        uint64_t now = epd__now_ns(), limit = (uint64_t)d->cfg.handshake_timeout_ms * 1000000ull;
+        struct epd_list *pos, *tmp;
+
+        epd_list_for_each_safe(pos, tmp, &d->conns)
+        {
+                struct epd_conn *c = epd_list_entry(pos, struct epd_conn, link);
+                if (!c->hello_done && !c->closing && now - c->accepted_ns >= limit) {
+                        d->stats.handshakes_timed_out++;
+                        epd_conn_close(c, "no Hello within handshake_timeout_ms");
+                }
+        }
+}
+
+static void on_backoff_done(uv_timer_t *timer)
+{
+        struct epd_daemon *d = timer->data;
+
+        d->accept_paused = 0;
+        epd_server_resume(d);
+}
+
+void epd_admission_init(struct epd_daemon *d)
+{
+        uv_timer_init(d->loop, &d->sweep_timer);
+        d->sweep_timer.data = d;
+        uv_timer_start(&d->sweep_timer, on_sweep, SWEEP_MS, SWEEP_MS);
+        uv_unref((uv_handle_t *)&d->sweep_timer);
+        uv_timer_init(d->loop, &d->backoff_timer);
+        d->backoff_timer.data = d;
+        d->backoff_ms = BACKOFF_MIN_MS;
+}
+
+void epd_admission_close(struct epd_daemon *d)
+{
+        uv_timer_stop(&d->sweep_timer);
+        uv_timer_stop(&d->backoff_timer);
+        uv_close((uv_handle_t *)&d->sweep_timer, NULL);
+        uv_close((uv_handle_t *)&d->backoff_timer, NULL);
+}
+
+int epd_admission_check(struct epd_daemon *d, const struct ucred *cred, int admin,
+                        const char **why)
+{
+        struct epd_list *pos;
+        unsigned same_uid = 0;
+
+        if (d->num_conns >= d->cfg.max_clients + (admin ? d->cfg.admin_reserved_clients : 0)) {
+                *why = admin ? "too many clients (max_clients and the administrators' reserve reached)"
+                             : "too many clients (max_clients reached)";
+                return EPD_UNAVAILABLE;
+        }
+        /* An administrator may always use the reserve, so that epctl reaches a daemon that
+         * others have filled up. */
+        if (admin)
+                return 0;
+        epd_list_for_each(pos, &d->conns)
+        {
+                struct epd_conn *c = epd_list_entry(pos, struct epd_conn, link);
+                same_uid += c->uid == cred->uid && !c->closing;
+        }
+        if (same_uid >= d->cfg.max_clients_per_uid) {
+                *why = "too many clients of this uid (max_clients_per_uid reached)";
+                return EPD_UNAVAILABLE;
+        }
+        return 0;
+}
+
+int epd_admission_accept_failed(struct epd_daemon *d, int err)
+{
+        struct epd_list *pos, *tmp;
+        unsigned closed = 0;
+
+        if (err != EMFILE && err != ENFILE && err != ENOBUFS && err != ENOMEM) {
+                log_warning("accept failed: %s, ignoring", strerror(err));
+                return 0;
+        }
+        /* Oldest first: the list is in order of acceptance. */
+        epd_list_for_each_safe(pos, tmp, &d->conns)
+        {
+                struct epd_conn *c = epd_list_entry(pos, struct epd_conn, link);
+                if (closed == HANDSHAKES_CLOSED_PER_EMFILE)
+                        break;
+                if (!c->hello_done && !c->closing) {
+                        epd_conn_close(c, "descriptors exhausted: handshake not finished");
+                        closed++;
+                }
+        }
+        log_warning("accept failed: %s; not accepting for %u ms, closed %u unfinished handshakes",
+                    strerror(err), d->backoff_ms, closed);
+        d->stats.accept_pauses++;
+        d->accept_paused = 1;
+        epd_server_pause(d);
+        uv_timer_start(&d->backoff_timer, on_backoff_done, d->backoff_ms, 0);
+        d->backoff_ms = d->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : d->backoff_ms * 2;
+        return 1;
+}
+
+void epd_admission_accepted(struct epd_daemon *d)
+{
+        d->backoff_ms = BACKOFF_MIN_MS;
+}
