@@ -1,4 +1,5 @@
 /* executor.c - see executor.h. */
+#include <stdio.h>
 #include <sys/prctl.h>
 #include <time.h>
 
@@ -17,6 +18,43 @@ static void spin_for_work(struct epd_executor *e)
         }
 }
 
+/* The first queued exec that can go now, taken off the queue, with *run telling whether it is to
+ * run or only to be completed (aborted, or its input wait timed out); NULL when none can. An exec
+ * whose inputs are not ready stays queued and does not hold back those behind it: groups are
+ * independent, and a group has at most one op in the backend (daemon/op.c), so taking execs out
+ * of order never reorders one group's ops. Lock held. */
+static struct epd_exec *take_ready(struct epd_executor *e, int *run)
+{
+        uint64_t now = epd__now_ns();
+        struct epd_list *pos;
+
+        epd_list_for_each(pos, &e->queue)
+        {
+                struct epd_exec *ex = epd_list_entry(pos, struct epd_exec, link);
+                int aborted = atomic_load_explicit(&ex->abort_status, memory_order_relaxed);
+                int ready = 1;
+
+                ex->status = 0;
+                ex->message[0] = '\0';
+                if (aborted) {
+                        ex->status = aborted;
+                        snprintf(ex->message, sizeof(ex->message), "%s before the op ran",
+                                 aborted == EPD_ABORTED ? "the daemon is shutting down"
+                                                        : "a rank of the group was lost");
+                        ready = -1;
+                } else if (e->host_input_waits) {
+                        ready = epd_exec_inputs_ready(ex, now, ex->submit_ns + ex->timeout_ns);
+                }
+                if (ready == 0)
+                        continue;
+                epd_list_del(&ex->link);
+                atomic_fetch_sub_explicit(&e->queued, 1, memory_order_relaxed);
+                *run = ready > 0;
+                return ex;
+        }
+        return NULL;
+}
+
 static void *executor_main(void *arg)
 {
         struct epd_executor *e = arg;
@@ -26,6 +64,9 @@ static void *executor_main(void *arg)
         prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
         pthread_mutex_lock(&e->lock);
         for (;;) {
+                struct epd_exec *ex;
+                int run = 0;
+
                 while (!e->stop && !e->kicked && epd_list_empty(&e->queue)) {
                         struct timespec ts;
                         atomic_store(&e->heartbeat_ns, epd__now_ns());
@@ -43,17 +84,23 @@ static void *executor_main(void *arg)
                                 break;
                         continue;
                 }
-                struct epd_exec *ex = epd_list_entry(e->queue.next, struct epd_exec, link);
-                epd_list_del(&ex->link);
-                atomic_fetch_sub_explicit(&e->queued, 1, memory_order_relaxed);
+                ex = take_ready(e, &run);
+                if (!ex) {
+                        /* Every queued exec waits for a client's inputs: look again shortly,
+                         * without the lock, so that new execs can be queued meanwhile. */
+                        struct timespec ts = { 0, 20000 };
+                        pthread_mutex_unlock(&e->lock);
+                        atomic_store(&e->heartbeat_ns, epd__now_ns());
+                        nanosleep(&ts, NULL);
+                        pthread_mutex_lock(&e->lock);
+                        continue;
+                }
                 pthread_mutex_unlock(&e->lock);
 
                 uint64_t t0 = epd__now_ns();
                 ex->exec_start_ns = t0;
                 atomic_store(&e->heartbeat_ns, t0);
-                ex->status = 0;
-                ex->message[0] = '\0';
-                if (!e->host_input_waits || epd_exec_wait_inputs_host(ex, t0 + ex->timeout_ns) == 0)
+                if (run)
                         e->run(e->ctx, ex);
                 ex->exec_ns = epd__now_ns() - t0;
                 atomic_store(&e->heartbeat_ns, epd__now_ns());
@@ -84,6 +131,7 @@ int epd_executor_start(struct epd_executor *e)
 
 void epd_executor_submit(struct epd_executor *e, struct epd_exec *ex)
 {
+        ex->submit_ns = epd__now_ns();
         pthread_mutex_lock(&e->lock);
         epd_list_add_tail(&e->queue, &ex->link);
         atomic_fetch_add_explicit(&e->queued, 1, memory_order_release);
@@ -101,9 +149,14 @@ void epd_executor_kick(struct epd_executor *e)
 
 void epd_executor_stop(struct epd_executor *e)
 {
+        struct epd_list *pos;
+
         if (!e->started)
                 return;
         pthread_mutex_lock(&e->lock);
+        /* What still waits for a client's inputs ends now rather than at its timeout. */
+        epd_list_for_each(pos, &e->queue)
+                epd_exec_abort(epd_list_entry(pos, struct epd_exec, link), EPD_ABORTED);
         e->stop = 1;
         pthread_cond_signal(&e->cond);
         pthread_mutex_unlock(&e->lock);

@@ -100,6 +100,16 @@ static void begin_shutdown(struct epd_daemon *d, const char *why)
                 return;
         d->shutting_down = 1;
         log_info("shutting down reason=%s: draining in-flight ops", why);
+        /* Ops that wait for a client's inputs end now with ABORTED; running ones finish. */
+        {
+                struct epd_list *pos;
+                epd_list_for_each(pos, &d->groups)
+                {
+                        struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                        if (g->executing && g->executing->exec)
+                                epd_exec_abort(g->executing->exec, EPD_ABORTED);
+                }
+        }
         sd_notify(0, "STOPPING=1\nSTATUS=draining in-flight ops");
         epd_server_close(d);
         d->drain_start_ns = epd__now_ns();

@@ -142,6 +142,10 @@ void epd_op_fail_pending(struct epd_group *g, int status, const char *fmt, ...)
                 } else if (op->state == EPD_OP_FINISHED) {
                         /* Nobody will pass this op any more: the group re-forms at op 0. */
                         op_destroy(op);
+                } else if (op->state == EPD_OP_EXECUTING && op->exec) {
+                        /* Still queued in the backend (waiting for inputs or its turn): it
+                         * ends with this status instead of running. */
+                        epd_exec_abort(op->exec, status);
                 }
         }
 }
