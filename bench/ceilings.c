@@ -151,6 +151,8 @@ void ceiling_summary(const struct ceiling *c, struct run_info *ri)
         }
 }
 
+/* ---- CUDA mode: the device-to-device copy and P2P store ceilings, in a forked child ---- */
+
 #ifdef EPD_BENCH_CUDA
 /* In the child, after the copy ceiling (its buffers are freed): the P2P store ceiling of every
  * ordered pair, each alone, then every GPU storing to the next at once. */

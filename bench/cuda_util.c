@@ -1,17 +1,14 @@
 /* cuda_util.c - a worker's CUDA side: its stream and event, device memory registered with the
- * daemon, synchronous copies, the L2 flush of Fresh mode and stream-ordered completion. Without
- * CUDA (EPD_BENCH_CUDA unset) every call fails with a message: option parsing refuses
- * --backend cuda first.
+ * daemon, synchronous copies, the L2 flush of Fresh mode and stream-ordered completion.
+ *
+ * Only workers call these, after fork (and the ceiling children cu_ok): the parent never
+ * initialises CUDA. Each returns 0, or -1 with the reason in err. Without CUDA (EPD_BENCH_CUDA
+ * unset) every call fails so; option parsing refuses --backend cuda before any is made.
  */
 #include <stdio.h>
 #include <string.h>
 
 #include "bench.h"
-
-/* ---- the worker's CUDA side (CUDA mode) ----
- *
- * Only workers call these, after fork: the parent never initialises CUDA. Each returns 0, or -1
- * with the reason in err. */
 
 #ifdef EPD_BENCH_CUDA
 int cu_ok(cudaError_t e, const char *what, char *err, size_t len)
@@ -21,11 +18,6 @@ int cu_ok(cudaError_t e, const char *what, char *err, size_t len)
         snprintf(err, len, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
         return -1;
 }
-#define CU_TRY(call, what)                                      \
-        do {                                                    \
-                if (cu_ok((call), (what), err, len) < 0)        \
-                        return -1;                              \
-        } while (0)
 #endif
 
 void *wc_stream(const struct wcuda *wc)

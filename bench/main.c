@@ -50,7 +50,6 @@
 #include "layout.h"
 #include "mps_state.h"
 #include "oracle.h"
-#include "util.h"
 
 volatile pid_t g_daemon_pid;
 const struct daemon_proc *volatile g_daemon;

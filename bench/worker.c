@@ -11,8 +11,6 @@
 #include "bench.h"
 #include "oracle.h"
 
-/* ---- the worker ---- */
-
 #define WFAIL(...)                                                                      \
         do {                                                                            \
                 fprintf(stderr, "epd-bench rank %u (seed %llu): ", rank,                \
