@@ -27,7 +27,7 @@ static int enter_group(const struct bench *b, struct epd_client *client, uint32_
                 .size = sizeof(cfg), .world_size = b->R, .num_experts = b->E, .hidden = b->H,
                 .max_tokens_per_rank = b->T, .max_topk = b->K,
                 .dispatch_dtype = b->opt.wl->dtype, .scale_block = BENCH_SCALE_BLOCK,
-                .op_timeout_ms = 120000, .arena_bytes = b->arena_bytes,
+                .op_timeout_ms = 60000, .arena_bytes = b->arena_bytes,
         };
         struct epd_group_args ga = {
                 .size = sizeof(ga), .name = b->group_name, .secret = b->secret,

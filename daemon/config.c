@@ -28,6 +28,7 @@ void epd_config_defaults(struct epd_config *cfg)
         cfg->arena_bytes = 64ull << 20;
         cfg->max_arena_bytes = 64ull << 30;
         cfg->max_arena_segments = 64;
+        cfg->max_op_timeout_ms = 60000;
         cfg->max_clients = 256;
         cfg->max_groups = 64;
         cfg->max_regions_per_client = 1024;
@@ -145,6 +146,7 @@ int epd_config_set(struct epd_config *cfg, const char *section, const char *name
         NUM_KEY("daemon", "max_arena_bytes", max_arena_bytes, 1ull << 44)
         NUM_KEY("daemon", "max_arena_segments", max_arena_segments, 1024)
         NUM_KEY("daemon", "poll_us", poll_us, 100000)
+        NUM_KEY("limits", "max_op_timeout_ms", max_op_timeout_ms, 3600000)
         NUM_KEY("limits", "max_clients", max_clients, 65536)
         NUM_KEY("limits", "max_groups", max_groups, 65536)
         NUM_KEY("limits", "max_regions_per_client", max_regions_per_client, 1u << 20)
@@ -286,11 +288,31 @@ int epd_config_load(struct epd_config *cfg, const char *path, char *err, size_t 
         return -EINVAL;
 }
 
+int epd_config_validate(const struct epd_config *cfg, char *err, size_t err_len)
+{
+        if (cfg->op_timeout_ms == 0 || cfg->max_op_timeout_ms == 0) {
+                snprintf(err, err_len, "%s must be at least 1 ms",
+                         cfg->op_timeout_ms ? "max_op_timeout_ms" : "op_timeout_ms");
+                return -EINVAL;
+        }
+        if (cfg->op_timeout_ms > cfg->max_op_timeout_ms) {
+                snprintf(err, err_len, "op_timeout_ms %u exceeds max_op_timeout_ms %u",
+                         (unsigned)cfg->op_timeout_ms, (unsigned)cfg->max_op_timeout_ms);
+                return -EINVAL;
+        }
+        if (cfg->max_clients == 0 || cfg->max_groups == 0) {
+                snprintf(err, err_len, "%s must be at least 1",
+                         cfg->max_clients ? "max_groups" : "max_clients");
+                return -EINVAL;
+        }
+        return 0;
+}
+
 uint64_t epd_config_poll_ns(const struct epd_config *cfg)
 {
         /* Long enough to span the gap between a decoding model's MoE layers (a few hundred
          * microseconds), so that their requests go through the doorbell pages and the threads
-         * need no wake-up (docs/performance.md, eighth session). */
+         * need no wake-up (docs/performance.md, "Where the last rank's overhead goes"). */
         if (cfg->poll_us == EPD_POLL_AUTO)
                 return sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 1000000 : 0;
         return (uint64_t)cfg->poll_us * 1000;
@@ -301,6 +323,7 @@ void epd_config_apply_hot(struct epd_config *dst, const struct epd_config *src)
         dst->log_level = src->log_level;
         dst->op_timeout_ms = src->op_timeout_ms;
         dst->peer_lost_ms = src->peer_lost_ms;
+        dst->max_op_timeout_ms = src->max_op_timeout_ms;
         dst->max_clients = src->max_clients;
         dst->max_groups = src->max_groups;
         dst->max_regions_per_client = src->max_regions_per_client;

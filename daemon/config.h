@@ -40,6 +40,7 @@ struct epd_config {
                                        * 0: record, launch, record, as when a graph fails */
         /* [limits], hot (apply to new requests) except max_frame_bytes and max_fds_per_frame:
          * those size the receive buffer at start and are announced to clients at hello. */
+        uint32_t max_op_timeout_ms;   /* bounds the daemon default and every group's timeout */
         uint32_t max_clients;
         uint32_t max_groups;
         uint32_t max_regions_per_client;
@@ -61,9 +62,12 @@ int epd_config_load(struct epd_config *cfg, const char *path, char *err, size_t 
 /* Applies one key (section, name, value) as the INI file would. 0 or -EINVAL. */
 int epd_config_set(struct epd_config *cfg, const char *section, const char *name,
                    const char *value, char *err, size_t err_len);
-/* Copies the keys that may change at run time from src into dst (SIGHUP). */
+/* Checks the keys against each other (a configuration that parses may still never run): 0, or
+ * -EINVAL with err naming the keys. */
+int epd_config_validate(const struct epd_config *cfg, char *err, size_t err_len);
 /* poll_us in nanoseconds, with EPD_POLL_AUTO resolved for this machine. */
 uint64_t epd_config_poll_ns(const struct epd_config *cfg);
+/* Copies the keys that may change at run time from src into dst (SIGHUP). */
 void epd_config_apply_hot(struct epd_config *dst, const struct epd_config *src);
 
 #endif

@@ -86,9 +86,23 @@ int epd_group_cfg_from_wire(const struct epd_daemon *d, const Epd__V1__GroupConf
                 snprintf(err, err_len, "hidden %u outside 1..%u", w->hidden, 1u << 20);
                 return EPD_INVALID_ARGUMENT;
         }
-        if (w->max_tokens_per_rank > (1u << 24)) {
-                snprintf(err, err_len, "max_tokens_per_rank %u exceeds %u", w->max_tokens_per_rank,
-                         1u << 24);
+        if (w->max_tokens_per_rank < 1 || w->max_tokens_per_rank > (1u << 24)) {
+                snprintf(err, err_len, "max_tokens_per_rank %u outside 1..%u",
+                         w->max_tokens_per_rank, 1u << 24);
+                return EPD_INVALID_ARGUMENT;
+        }
+        /* Row indices and counts are 32-bit (docs/semantics.md §5): the worst case of
+         * rows a rank can receive must fit. */
+        if (epd_route_max_rows_expand(w->world_size, w->max_tokens_per_rank, w->max_topk,
+                                      w->num_experts / w->world_size, 1) > UINT32_MAX) {
+                snprintf(err, err_len,
+                         "world_size %u x max_tokens_per_rank %u x max_topk %u rows exceed 2^32",
+                         w->world_size, w->max_tokens_per_rank, w->max_topk);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (w->op_timeout_ms > d->cfg.max_op_timeout_ms) {
+                snprintf(err, err_len, "op_timeout_ms %u exceeds the daemon's max_op_timeout_ms %u",
+                         w->op_timeout_ms, d->cfg.max_op_timeout_ms);
                 return EPD_INVALID_ARGUMENT;
         }
         cfg->world_size = w->world_size;

@@ -45,6 +45,26 @@ struct flag_override {
         const char *flag; /* as given, for messages */
 };
 
+/* The command line's keys, applied over the file at start and again over every reload: a flag
+ * outranks the file for the daemon's whole life. */
+static struct flag_override overrides[32];
+static uv_timer_t log_flush_timer;
+static unsigned num_overrides;
+
+static int apply_overrides(struct epd_config *cfg, char *err, size_t err_len)
+{
+        char why[192];
+
+        for (unsigned i = 0; i < num_overrides; i++) {
+                if (epd_config_set(cfg, overrides[i].section, overrides[i].name,
+                                   overrides[i].value, why, sizeof(why)) < 0) {
+                        snprintf(err, err_len, "option --%s: %s", overrides[i].flag, why);
+                        return -EINVAL;
+                }
+        }
+        return epd_config_validate(cfg, err, err_len);
+}
+
 static void on_drain_tick(uv_timer_t *timer)
 {
         struct epd_daemon *d = timer->data;
@@ -101,12 +121,22 @@ static void on_signal(uv_signal_t *handle, int signum)
                         log_warning("reload failed: %s, keeping the running configuration", err);
                         return;
                 }
+                if (apply_overrides(&fresh, err, sizeof(err)) < 0) {
+                        log_warning("reload refused: %s, keeping the running configuration", err);
+                        return;
+                }
                 epd_config_apply_hot(&d->cfg, &fresh);
                 epd_log_set_level(d->cfg.log_level);
                 log_info("configuration reloaded path=%s", d->cfg.config_path);
                 return;
         }
         begin_shutdown(d, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+static void on_log_flush(uv_timer_t *timer)
+{
+        (void)timer;
+        epd_log_flush_suppressed();
 }
 
 static void on_watchdog(uv_timer_t *timer)
@@ -148,8 +178,6 @@ int main(int argc, char **argv)
         struct epd_daemon *d = &daemon_state;
         struct epd_metrics *metrics = NULL;
         char metrics_status[160] = "";
-        struct flag_override overrides[32];
-        unsigned num_overrides = 0;
         char err[512];
         int opt, rc;
         uint64_t watchdog_usec = 0;
@@ -203,12 +231,9 @@ int main(int argc, char **argv)
                 fprintf(stderr, "epd: %s\n", err);
                 return 2;
         }
-        for (unsigned i = 0; i < num_overrides; i++) {
-                if (epd_config_set(&d->cfg, overrides[i].section, overrides[i].name,
-                                   overrides[i].value, err, sizeof(err)) < 0) {
-                        fprintf(stderr, "epd: option --%s: %s\n", overrides[i].flag, err);
-                        return 2;
-                }
+        if (apply_overrides(&d->cfg, err, sizeof(err)) < 0) {
+                fprintf(stderr, "epd: %s\n", err);
+                return 2;
         }
         epd_log_set_level(d->cfg.log_level);
         signal(SIGPIPE, SIG_IGN);
@@ -255,6 +280,9 @@ int main(int argc, char **argv)
         d->drain_timer.data = d;
         uv_timer_init(d->loop, &d->watchdog_timer);
         d->watchdog_timer.data = d;
+        uv_timer_init(d->loop, &log_flush_timer);
+        uv_timer_start(&log_flush_timer, on_log_flush, 1000, 1000);
+        uv_unref((uv_handle_t *)&log_flush_timer);
         if (sd_watchdog_enabled(0, &watchdog_usec) > 0 && watchdog_usec > 0) {
                 uint64_t period_ms = watchdog_usec / 2000;
                 uv_timer_start(&d->watchdog_timer, on_watchdog, 0, period_ms ? period_ms : 1);
@@ -270,6 +298,8 @@ int main(int argc, char **argv)
 
         uv_timer_stop(&d->watchdog_timer);
         uv_close((uv_handle_t *)&d->watchdog_timer, NULL);
+        uv_close((uv_handle_t *)&log_flush_timer, NULL);
+        epd_log_flush_suppressed();
         uv_close((uv_handle_t *)&d->drain_timer, NULL);
         uv_close((uv_handle_t *)&d->sig_term, NULL);
         uv_close((uv_handle_t *)&d->sig_int, NULL);

@@ -399,8 +399,8 @@ static void build_cases(void)
                 c->seed = 0x5003;
         }
 
-        /* Small ops with rows long enough to be cut into slices (combine's evict-first kernel;
-         * these also drove the bulk-copy combine of the thirteenth session). */
+        /* Small ops with rows long enough to be cut into slices (combine's evict-first
+         * kernel and its bulk-copy path). */
         c = add_case("small op, sliced combine: expand, apply_weights, two biases, -1 entries");
         c->R = 4; c->E = 32; c->T = 40; c->K = 8; c->KO = 8; c->H = 2048; c->has_weights = 1;
         c->layout = EPD_LAYOUT_EXPAND; c->align = 4; c->apply_weights = 1; c->num_bias = 2;
