@@ -1,5 +1,5 @@
-/* daemon_proc.c - the daemon as a child process (see daemon_proc.h). Runs on the caller's thread,
- * before any worker process is forked. */
+/* daemon_proc.c - child processes: the daemon, workers, tools (see daemon_proc.h). Runs on the
+ * caller's thread. */
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -182,6 +182,43 @@ int daemon_proc_stop(struct daemon_proc *d, int timeout_ms)
         d->pid = 0;
         remove_dir(d);
         return rc;
+}
+
+int daemon_proc_wait_children(const pid_t *pids, int n, int timeout_ms)
+{
+        uint64_t deadline = now_ms() + (uint64_t)timeout_ms;
+        int failures = 0, left = n;
+        char *done = calloc((size_t)(n > 0 ? n : 1), 1);
+
+        if (!done)
+                return n;
+        while (left > 0 && now_ms() < deadline) {
+                for (int i = 0; i < n; i++) {
+                        int status;
+
+                        if (done[i] || waitpid(pids[i], &status, WNOHANG) != pids[i])
+                                continue;
+                        done[i] = 1;
+                        left--;
+                        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+                                fprintf(stderr, "process %d (index %d) failed: status %d\n",
+                                        (int)pids[i], i, status);
+                                failures++;
+                        }
+                }
+                if (left)
+                        usleep(2000);
+        }
+        for (int i = 0; i < n; i++) {
+                if (done[i])
+                        continue;
+                fprintf(stderr, "process %d (index %d) timed out; killing it\n", (int)pids[i], i);
+                kill(pids[i], SIGKILL);
+                waitpid(pids[i], NULL, 0);
+                failures++;
+        }
+        free(done);
+        return failures;
 }
 
 int daemon_proc_run_tool(const char *tool, const char *const *args, char *out, size_t out_len)

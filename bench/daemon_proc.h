@@ -1,6 +1,7 @@
-/* daemon_proc.h - the epd daemon as a child process of epd-bench or epd-demo: started on a
- * socket in a private temporary directory, its output in a log file there, stopped with SIGTERM
- * at the end; and the other epd tools (epctl) run beside the running executable. Binaries are
+/* daemon_proc.h - the child processes of epd-bench, epd-demo and the integration tests' harness:
+ * the epd daemon, started on a socket in a private temporary directory with its output in a log
+ * file there and stopped with SIGTERM at the end; worker processes waited for with a deadline;
+ * and the other epd tools (epctl) run beside the running executable. Binaries are
  * found next to the running executable (build/bin), never through paths baked in at configure
  * time. Messages go to stderr, prefixed with the program's name.
  */
@@ -30,6 +31,9 @@ int daemon_proc_start(struct daemon_proc *d, const char *prog, const char *epd,
 int daemon_proc_stop(struct daemon_proc *d, int timeout_ms);
 /* Prints the daemon's log to stderr. */
 void daemon_proc_dump_log(const struct daemon_proc *d);
+/* Waits for n child processes; any still running after timeout_ms is killed. Returns the number
+ * that did not exit with status 0 (each named on stderr). */
+int daemon_proc_wait_children(const pid_t *pids, int n, int timeout_ms);
 /* Runs TOOL beside the running executable with args (NULL-terminated, without argv[0]) and
  * captures its stdout into out (truncated to out_len - 1 bytes). Returns its exit status or -1. */
 int daemon_proc_run_tool(const char *tool, const char *const *args, char *out, size_t out_len);

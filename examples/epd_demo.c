@@ -7,7 +7,6 @@
  */
 #include <errno.h>
 #include <math.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -261,44 +260,6 @@ out:
         return rc ? 1 : 0;
 }
 
-/* Waits for n worker processes; any still running after timeout_ms is killed. Returns how many
- * did not exit with status 0. */
-static int wait_workers(const pid_t *pids, int n, int timeout_ms)
-{
-        struct timespec start, now;
-        int failures = 0, left = n, done[RANKS] = { 0 };
-
-        clock_gettime(CLOCK_MONOTONIC, &start);
-        for (;;) {
-                for (int i = 0; i < n; i++) {
-                        int status;
-
-                        if (done[i] || waitpid(pids[i], &status, WNOHANG) != pids[i])
-                                continue;
-                        done[i] = 1;
-                        left--;
-                        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-                                fprintf(stderr, "worker %d failed (status %d)\n", i, status);
-                                failures++;
-                        }
-                }
-                clock_gettime(CLOCK_MONOTONIC, &now);
-                if (!left || (now.tv_sec - start.tv_sec) * 1000 +
-                                             (now.tv_nsec - start.tv_nsec) / 1000000 > timeout_ms)
-                        break;
-                usleep(2000);
-        }
-        for (int i = 0; i < n; i++) {
-                if (done[i])
-                        continue;
-                fprintf(stderr, "worker %d did not finish in time; killing it\n", i);
-                kill(pids[i], SIGKILL);
-                waitpid(pids[i], NULL, 0);
-                failures++;
-        }
-        return failures;
-}
-
 static int cmp_double(const void *a, const void *b)
 {
         double x = *(const double *)a, y = *(const double *)b;
@@ -376,7 +337,7 @@ int main(void)
                 if (write(go[1], "g", 1) != 1)
                         break;
         close(go[1]);
-        failures = wait_workers(pids, RANKS, 120000);
+        failures = daemon_proc_wait_children(pids, RANKS, 120000);
         int stop = daemon_proc_stop(&d, 10000);
         if (failures || got != RANKS * STEPS || stop != 0) {
                 fprintf(stderr, "epd demo FAILED: %d worker(s) failed, daemon exit %d\n", failures,
