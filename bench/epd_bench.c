@@ -1312,8 +1312,6 @@ struct op_stats {
         double group_ovh_p50, group_ovh_p99;
         double replies_in_doorbell;      /* fraction of the replies that came in the page */
         double requests_in_doorbell;     /* fraction of the requests posted in the page */
-        double replies_compact;          /* fraction of the replies that came compact */
-        double requests_compact;         /* fraction of the requests posted compact */
 };
 
 /* The last submitter's overhead along the op's timeline: each step's time in us. The GPU
@@ -1360,7 +1358,7 @@ static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_
         double *lr = calloc(iters, sizeof(double));
         double *ltl = calloc((size_t)iters * TL_STEPS, sizeof(double));
         double *grp = calloc(iters, sizeof(double));
-        size_t in_page = 0, req_in_page = 0, compact = 0, req_compact = 0;
+        size_t in_page = 0, req_in_page = 0;
         size_t k = 0;
 
         memset(st, 0, sizeof(*st));
@@ -1386,8 +1384,6 @@ static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_
                         k++;
                         in_page += s->tl.reply_in_doorbell != 0;
                         req_in_page += s->tl.request_in_doorbell != 0;
-                        compact += s->tl.reply_compact != 0;
-                        req_compact += s->tl.request_compact != 0;
                         last_done = s->done_ns > last_done ? s->done_ns : last_done;
                         if (s->submit_ns >= last_submit) {
                                 last_submit = s->submit_ns;
@@ -1440,8 +1436,6 @@ static void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_
         st->group_ovh_p99 = pct(grp, iters, 99);
         st->replies_in_doorbell = ns ? (double)in_page / (double)ns : 0;
         st->requests_in_doorbell = ns ? (double)req_in_page / (double)ns : 0;
-        st->replies_compact = ns ? (double)compact / (double)ns : 0;
-        st->requests_compact = ns ? (double)req_compact / (double)ns : 0;
 out:
         free(grp);
         free(ltl);
@@ -2017,11 +2011,10 @@ static void print_table(const struct bench *b, const struct run_info *ri, FILE *
                                 fprintf(f, " %s %.1f", tl_step_names[j], st->last_tl_p50[j]);
                         fprintf(f, "\n    group overhead (last submission to last completion, "
                                    "less the op) p50 %.1f p99 %.1f us; requests / replies in "
-                                   "doorbell pages %.0f%% / %.0f%% (compact %.0f%% / %.0f%%)\n",
+                                   "doorbell pages %.0f%% / %.0f%%\n",
                                 st->group_ovh_p50, st->group_ovh_p99,
                                 100.0 * st->requests_in_doorbell,
-                                100.0 * st->replies_in_doorbell, 100.0 * st->requests_compact,
-                                100.0 * st->replies_compact);
+                                100.0 * st->replies_in_doorbell);
                 }
         }
         for (int k = 0; k < 2; k++) {
@@ -2108,17 +2101,11 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
         /* libepd's settings as the workers saw them (unset: libepd's defaults). */
         const char *reply_env = getenv("EPD_CLIENT_REPLY");
         const char *request_env = getenv("EPD_CLIENT_REQUEST");
-        const char *format_env = getenv("EPD_CLIENT_REPLY_FORMAT");
-        const char *req_format_env = getenv("EPD_CLIENT_REQUEST_FORMAT");
         const char *poll_env = getenv("EPD_CLIENT_POLL_US");
         const char *spin_env = getenv("EPD_CLIENT_SPIN_US");
         json_object_set_new(o, "client_reply", json_string(reply_env ? reply_env : "default"));
         json_object_set_new(o, "client_request",
                             json_string(request_env ? request_env : "default"));
-        json_object_set_new(o, "client_reply_format",
-                            json_string(format_env ? format_env : "default"));
-        json_object_set_new(o, "client_request_format",
-                            json_string(req_format_env ? req_format_env : "default"));
         json_object_set_new(o, "client_poll_us", json_string(poll_env ? poll_env : "default"));
         json_object_set_new(o, "client_spin_us", json_string(spin_env ? spin_env : "default"));
         json_object_set_new(o, "extra_regions", json_integer(b->opt.extra_regions));
@@ -2162,8 +2149,6 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
         json_object_set_new(o, "daemon_overhead_group_p50_us", json_real(st->group_ovh_p50));
         json_object_set_new(o, "daemon_overhead_group_p99_us", json_real(st->group_ovh_p99));
         json_object_set_new(o, "replies_in_doorbell", json_real(st->replies_in_doorbell));
-        json_object_set_new(o, "replies_compact", json_real(st->replies_compact));
-        json_object_set_new(o, "requests_compact", json_real(st->requests_compact));
         json_object_set_new(o, "requests_in_doorbell", json_real(st->requests_in_doorbell));
         json_object_set_new(o, "queue_p50_us", json_real(st->queue_p50));
         json_object_set_new(o, "last_submitter_queue_p50_us", json_real(st->last_queue_p50));
