@@ -245,8 +245,6 @@ struct op_stats {
         double group_ovh_p50, group_ovh_p99;
         double replies_in_doorbell;      /* fraction of the replies that came in the page */
         double requests_in_doorbell;     /* fraction of the requests posted in the page */
-        double replies_compact;          /* fraction of the replies that came compact */
-        double requests_compact;         /* fraction of the requests posted compact */
 };
 
 /* One P2P store figure of the run, GB/s of bytes stored (see struct run_info). */

@@ -90,17 +90,11 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
         /* libepd's settings as the workers saw them (unset: libepd's defaults). */
         const char *reply_env = getenv("EPD_CLIENT_REPLY");
         const char *request_env = getenv("EPD_CLIENT_REQUEST");
-        const char *format_env = getenv("EPD_CLIENT_REPLY_FORMAT");
-        const char *req_format_env = getenv("EPD_CLIENT_REQUEST_FORMAT");
         const char *poll_env = getenv("EPD_CLIENT_POLL_US");
         const char *spin_env = getenv("EPD_CLIENT_SPIN_US");
         json_object_set_new(o, "client_reply", json_string(reply_env ? reply_env : "default"));
         json_object_set_new(o, "client_request",
                             json_string(request_env ? request_env : "default"));
-        json_object_set_new(o, "client_reply_format",
-                            json_string(format_env ? format_env : "default"));
-        json_object_set_new(o, "client_request_format",
-                            json_string(req_format_env ? req_format_env : "default"));
         json_object_set_new(o, "client_poll_us", json_string(poll_env ? poll_env : "default"));
         json_object_set_new(o, "client_spin_us", json_string(spin_env ? spin_env : "default"));
         json_object_set_new(o, "extra_regions", json_integer(b->opt.extra_regions));
@@ -144,8 +138,6 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
         json_object_set_new(o, "daemon_overhead_group_p50_us", json_real(st->group_ovh_p50));
         json_object_set_new(o, "daemon_overhead_group_p99_us", json_real(st->group_ovh_p99));
         json_object_set_new(o, "replies_in_doorbell", json_real(st->replies_in_doorbell));
-        json_object_set_new(o, "replies_compact", json_real(st->replies_compact));
-        json_object_set_new(o, "requests_compact", json_real(st->requests_compact));
         json_object_set_new(o, "requests_in_doorbell", json_real(st->requests_in_doorbell));
         json_object_set_new(o, "queue_p50_us", json_real(st->queue_p50));
         json_object_set_new(o, "last_submitter_queue_p50_us", json_real(st->last_queue_p50));

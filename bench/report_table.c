@@ -217,11 +217,10 @@ void print_table(const struct bench *b, const struct run_info *ri, FILE *f)
                                 fprintf(f, " %s %.1f", tl_step_names[j], st->last_tl_p50[j]);
                         fprintf(f, "\n    group overhead (last submission to last completion, "
                                    "less the op) p50 %.1f p99 %.1f us; requests / replies in "
-                                   "doorbell pages %.0f%% / %.0f%% (compact %.0f%% / %.0f%%)\n",
+                                   "doorbell pages %.0f%% / %.0f%%\n",
                                 st->group_ovh_p50, st->group_ovh_p99,
                                 100.0 * st->requests_in_doorbell,
-                                100.0 * st->replies_in_doorbell, 100.0 * st->requests_compact,
-                                100.0 * st->replies_compact);
+                                100.0 * st->replies_in_doorbell);
                 }
         }
         for (int k = 0; k < 2; k++) {

@@ -78,7 +78,7 @@ void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_stats *
         double *lr = calloc(iters, sizeof(double));
         double *ltl = calloc((size_t)iters * TL_STEPS, sizeof(double));
         double *grp = calloc(iters, sizeof(double));
-        size_t in_page = 0, req_in_page = 0, compact = 0, req_compact = 0;
+        size_t in_page = 0, req_in_page = 0;
         size_t k = 0;
 
         memset(st, 0, sizeof(*st));
@@ -104,8 +104,6 @@ void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_stats *
                         k++;
                         in_page += s->tl.reply_in_doorbell != 0;
                         req_in_page += s->tl.request_in_doorbell != 0;
-                        compact += s->tl.reply_compact != 0;
-                        req_compact += s->tl.request_compact != 0;
                         last_done = s->done_ns > last_done ? s->done_ns : last_done;
                         if (s->submit_ns >= last_submit) {
                                 last_submit = s->submit_ns;
@@ -158,8 +156,6 @@ void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_stats *
         st->group_ovh_p99 = pct(grp, iters, 99);
         st->replies_in_doorbell = ns ? (double)in_page / (double)ns : 0;
         st->requests_in_doorbell = ns ? (double)req_in_page / (double)ns : 0;
-        st->replies_compact = ns ? (double)compact / (double)ns : 0;
-        st->requests_compact = ns ? (double)req_compact / (double)ns : 0;
 out:
         free(grp);
         free(ltl);

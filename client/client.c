@@ -68,19 +68,6 @@ static int env_path(const char *name, int *page, char *err, size_t err_len)
         return EPD_INVALID_ARGUMENT;
 }
 
-/* EPD_CLIENT_REPLY_FORMAT, EPD_CLIENT_REQUEST_FORMAT: compact (the default) or protobuf, for
- * replies and requests in the page. */
-static int env_format(const char *name, int *compact, char *err, size_t err_len)
-{
-        const char *v = getenv(name);
-
-        *compact = v == NULL || strcmp(v, "compact") == 0;
-        if (*compact || strcmp(v, "protobuf") == 0)
-                return 0;
-        if (err)
-                snprintf(err, err_len, "%s=%s: expected compact or protobuf", name, v);
-        return EPD_INVALID_ARGUMENT;
-}
 #define CLIENT_MAX_FRAME (16u << 20)
 
 int epd__client_fail(struct epd_client *c, int status, const char *fmt, ...)
@@ -107,7 +94,8 @@ int epd__client_send_locked(struct epd_client *c, Epd__V1__Request *req, const i
 
         if (c->broken)
                 return epd__client_fail(c, EPD_UNAVAILABLE, "connection to the daemon is lost");
-        req->id = ++c->next_id;
+        if (req->id == 0)
+                req->id = ++c->next_id;
         len = epd__v1__request__get_packed_size(req);
         if (len > c->max_frame)
                 return epd__client_fail(c, EPD_INVALID_ARGUMENT,
@@ -403,11 +391,9 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
                 return EPD_INVALID_ARGUMENT;
         /* Requests and replies of dispatch and combine: through the doorbell page (the
          * default) or the socket. */
-        int mailbox, page_requests, compact_replies, compact_requests;
+        int mailbox, page_requests;
         if (env_path("EPD_CLIENT_REPLY", &mailbox, err, err_len) < 0 ||
-            env_path("EPD_CLIENT_REQUEST", &page_requests, err, err_len) < 0 ||
-            env_format("EPD_CLIENT_REPLY_FORMAT", &compact_replies, err, err_len) < 0 ||
-            env_format("EPD_CLIENT_REQUEST_FORMAT", &compact_requests, err, err_len) < 0)
+            env_path("EPD_CLIENT_REQUEST", &page_requests, err, err_len) < 0)
                 return EPD_INVALID_ARGUMENT;
         c = calloc(1, sizeof(*c));
         if (!c)
@@ -418,8 +404,6 @@ int epd_client_connect(const struct epd_connect_args *args, struct epd_client **
         c->spin_ns = spin_ns;
         c->mailbox = mailbox;
         c->page_requests = page_requests;
-        c->compact_replies = compact_replies;
-        c->compact_requests = compact_requests;
         c->max_frame = CLIENT_MAX_FRAME;
         c->rbuf_len = EPD_FRAME_HEADER_BYTES + CLIENT_MAX_FRAME + 1;
         c->rbuf = malloc(c->rbuf_len);

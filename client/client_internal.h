@@ -51,8 +51,6 @@ struct epd_client {
         uint64_t spin_ns;             /* how long a wait in the doorbell page polls after a
                                        * wake-up (EPD_CLIENT_SPIN_US) */
         int mailbox;                  /* ask for replies in the doorbell page (EPD_CLIENT_REPLY) */
-        int compact_replies;          /* and for compact ones (EPD_CLIENT_REPLY_FORMAT) */
-        int compact_requests;         /* page requests as compact ones (EPD_CLIENT_REQUEST_FORMAT) */
         int page_requests;            /* post requests in the doorbell page when the daemon
                                        * polls (EPD_CLIENT_REQUEST) */
         uint64_t last_socket_id;      /* id of the last request sent on the socket */
@@ -103,7 +101,8 @@ struct epd_group {
 /* Records a failure on the client and returns status. */
 int epd__client_fail(struct epd_client *c, int status, const char *fmt, ...)
         __attribute__((format(printf, 3, 4)));
-/* Sends req (assigning its id) with fds. Lock held by the caller. */
+/* Sends req with fds, assigning its id unless it has one (an op record's, from the same
+ * counter). Lock held by the caller. */
 int epd__client_send_locked(struct epd_client *c, Epd__V1__Request *req, const int *fds,
                             unsigned num_fds);
 /* Waits for the response to request id. On success *resp is owned by the caller and fds it

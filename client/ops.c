@@ -10,7 +10,7 @@
 #include <unistd.h>
 
 #include "client_internal.h"
-#include "compact.h"
+#include "oprec.h"
 #include "reply.h"
 #include "tensor.h"
 #include "util.h"
@@ -19,17 +19,16 @@ struct epd_op {
         struct epd_client *client;
         struct epd_group *group;
         uint64_t request_id;
-        int kind;                     /* 1 dispatch, 2 combine */
+        int kind;                     /* EPD_OPREC_DISPATCH or EPD_OPREC_COMBINE */
         uint64_t seq;                 /* doorbell value of its completion */
         int done;
         int status;
         char message[512];
-        Epd__V1__Response *resp;
-        int resp_compact;             /* resp was built from a compact reply: one free() */
+        uint8_t *record;              /* the reply record, owned; `reply` points into it */
+        struct epd_op_reply reply;    /* valid when record is set */
         int mailbox;                  /* it asked for its reply in the doorbell page */
         int via_page;                 /* and the reply came there */
         int request_via_page;         /* the request went through the page */
-        int request_compact;          /* as a compact request (when it went through the page) */
         uint64_t sent_ns;             /* just before the request was sent */
         uint64_t read_ns;             /* when the reply was read */
 };
@@ -46,68 +45,75 @@ static struct epd_op *op_new(struct epd_group *g, int kind)
         return op;
 }
 
-/* Posts req in the rank's request box (common/doorbell.h, request mailbox; the protocol's
- * other half is in daemon/mailbox.c) when the daemon looks at it and has read every frame this
- * client sent on the socket. Returns 1 when the daemon took or will take it, 0 when it is to go
- * on the socket (it may then have been given an id it does not keep). Lock held. */
-static int page_post_locked(struct epd_client *c, struct epd_group *g, Epd__V1__Request *req,
-                            int *compact)
+/* Posts the op record rec in the rank's request box (common/doorbell.h, request mailbox; the
+ * protocol's other half is in daemon/mailbox.c) when the daemon looks at it and has read every
+ * frame this client sent on the socket. Returns 1 when the daemon took or will take it, 0 when it
+ * is to go on the socket. Lock held. */
+static int page_post_locked(struct epd_client *c, struct epd_group *g, const uint8_t *rec,
+                            size_t len)
 {
         struct epd_request_box *box;
 
-        *compact = 0;
         if (!c->page_requests || c->broken || !g->doorbell ||
             !(c->daemon_caps & EPD__V1__CAPABILITY__CAP_REQUEST_MAILBOX))
                 return 0;
         box = epd_doorbell_request_box(g->doorbell, g->doorbell_bytes);
-        if (!box || !epd_request_box_open(box, c->last_socket_id))
+        if (!box || len > EPD_REQUEST_CAPACITY || !epd_request_box_open(box, c->last_socket_id))
                 return 0;
-        req->id = ++c->next_id;
-        *compact = c->compact_requests &&
-                   (c->daemon_caps & EPD__V1__CAPABILITY__CAP_COMPACT_REQUEST) &&
-                   sizeof(struct epd_compact_request) <= EPD_REQUEST_CAPACITY &&
-                   epd__compact_request(req, (struct epd_compact_request *)box->bytes);
-        if (*compact) {
-                box->len = (uint32_t)sizeof(struct epd_compact_request) | EPD_REQUEST_COMPACT;
-                return epd_request_publish(box);
-        }
-        const size_t len = epd__v1__request__get_packed_size(req);
-        if (len > EPD_REQUEST_CAPACITY)
-                return 0;
-        epd__v1__request__pack(req, box->bytes);
+        memcpy(box->bytes, rec, len);
         box->len = (uint32_t)len;
         return epd_request_publish(box);
 }
 
-static int op_send(struct epd_op *op, Epd__V1__Request *req, struct epd_op **out)
+/* Sends the op record of req (its id and reply flag filled here) through the page or on the
+ * socket inside an OpRecord. Takes op: freed on failure. */
+static int op_send(struct epd_op *op, struct epd_op_request *req, struct epd_op **out)
 {
         struct epd_client *c = op->client;
-        int rc = 0;
+        uint8_t rec[EPD_OPREC_REQUEST_BYTES];
+        char why[160];
+        int rc = 0, len;
 
         pthread_mutex_lock(&c->lock);
+        if (c->broken) {
+                rc = epd__client_fail(c, EPD_UNAVAILABLE, "connection to the daemon is lost");
+                goto out;
+        }
         /* The reply in the doorbell page when the daemon offers it and no earlier op of this
          * rank still waits there (common/doorbell.h, reply mailbox). */
         const int mailbox = c->mailbox && op->group->doorbell &&
                             (c->daemon_caps & EPD__V1__CAPABILITY__CAP_REPLY_MAILBOX) &&
                             EPD_MAILBOX_CAPACITY(op->group->doorbell_bytes) > 0 &&
                             op->group->mailbox_id == 0;
-        if (req->body_case == EPD__V1__REQUEST__BODY_DISPATCH) {
-                req->dispatch->reply_in_doorbell = mailbox;
-                req->dispatch->compact_reply = mailbox && c->compact_replies;
-        } else {
-                req->combine->reply_in_doorbell = mailbox;
-                req->combine->compact_reply = mailbox && c->compact_replies;
+        if (mailbox)
+                req->flags |= EPD_OPREC_REPLY_IN_DOORBELL;
+        req->id = c->next_id + 1;
+        len = epd_oprec_request_encode(req, rec, sizeof(rec), why, sizeof(why));
+        if (len < 0) {
+                rc = epd__client_fail(c, EPD_INVALID_ARGUMENT, "%s: %s",
+                                      epd_oprec_kind_name(req->kind), why);
+                goto out;
         }
+        c->next_id++;
         op->sent_ns = epd__now_ns();
-        op->request_via_page = page_post_locked(c, op->group, req, &op->request_compact);
-        if (!op->request_via_page)
-                rc = epd__client_send_locked(c, req, NULL, 0);
+        op->request_via_page = page_post_locked(c, op->group, rec, (size_t)len);
+        if (!op->request_via_page) {
+                Epd__V1__Request wire = EPD__V1__REQUEST__INIT;
+                Epd__V1__OpRecord wrap = EPD__V1__OP_RECORD__INIT;
+                wrap.record.data = rec;
+                wrap.record.len = (size_t)len;
+                wire.id = req->id;
+                wire.body_case = EPD__V1__REQUEST__BODY_OP;
+                wire.op = &wrap;
+                rc = epd__client_send_locked(c, &wire, NULL, 0);
+        }
         if (rc == 0) {
                 op->seq = ++op->group->submitted;
                 op->mailbox = mailbox;
                 if (mailbox)
                         op->group->mailbox_id = req->id;
         }
+out:
         pthread_mutex_unlock(&c->lock);
         if (rc < 0) {
                 free(op);
@@ -118,18 +124,10 @@ static int op_send(struct epd_op *op, Epd__V1__Request *req, struct epd_op **out
         return 0;
 }
 
-#define TENSOR_FIELD(name)                                                              \
-        Epd__V1__TensorRef w_##name;                                                    \
-        if (epd__tensor_present(&args->name)) {                                         \
-                epd__tensor_to_wire(&args->name, &w_##name);                            \
-                m.name = &w_##name;                                                     \
-        }
-
 int epd_dispatch_submit(struct epd_group *group, const struct epd_dispatch_args *args,
                         struct epd_op **out)
 {
-        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
-        Epd__V1__Dispatch m = EPD__V1__DISPATCH__INIT;
+        struct epd_op_request req;
         struct epd_op *op;
 
         if (!group || !args || !out)
@@ -138,29 +136,31 @@ int epd_dispatch_submit(struct epd_group *group, const struct epd_dispatch_args 
                 return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
                                         "epd_dispatch_args.size %zu is smaller than %zu", args->size,
                                         sizeof(*args));
-        m.group_id = group->id;
-        m.rank = group->rank;
-        m.handle_id = args->handle_id;
-        m.num_tokens = args->num_tokens;
-        m.num_topk = args->num_topk;
-        m.layout = (Epd__V1__Layout)args->layout;
-        m.expert_alignment = args->expert_alignment;
-        m.zero_padding = args->zero_padding != 0;
-        m.use_arena = args->use_arena != 0;
-        m.wait_inputs = args->wait_inputs;
-        TENSOR_FIELD(x)
-        TENSOR_FIELD(scales)
-        TENSOR_FIELD(topk_idx)
-        TENSOR_FIELD(topk_weights)
-        TENSOR_FIELD(recv_x)
-        TENSOR_FIELD(recv_scales)
-        TENSOR_FIELD(recv_topk_idx)
-        TENSOR_FIELD(recv_weights)
-        TENSOR_FIELD(recv_src)
-        TENSOR_FIELD(recv_topk_slot)
-        req.body_case = EPD__V1__REQUEST__BODY_DISPATCH;
-        req.dispatch = &m;
-        op = op_new(group, 1);
+        memset(&req, 0, sizeof(req));
+        req.kind = EPD_OPREC_DISPATCH;
+        req.group_id = group->id;
+        req.rank = group->rank;
+        req.handle_id = args->handle_id;
+        req.num_tokens = args->num_tokens;
+        req.num_topk = args->num_topk;
+        req.layout = args->layout;
+        req.expert_alignment = args->expert_alignment;
+        req.flags = (args->zero_padding ? EPD_OPREC_ZERO_PADDING : 0) |
+                    (args->use_arena ? EPD_OPREC_USE_ARENA : 0);
+        req.wait_inputs = args->wait_inputs;
+        req.t[EPD_OPREC_X] = args->x;
+        req.t[EPD_OPREC_SCALES] = args->scales;
+        req.t[EPD_OPREC_TOPK_IDX] = args->topk_idx;
+        req.t[EPD_OPREC_TOPK_WEIGHTS] = args->topk_weights;
+        req.t[EPD_OPREC_RECV_X] = args->recv_x;
+        req.t[EPD_OPREC_RECV_SCALES] = args->recv_scales;
+        req.t[EPD_OPREC_RECV_TOPK_IDX] = args->recv_topk_idx;
+        req.t[EPD_OPREC_RECV_WEIGHTS] = args->recv_weights;
+        req.t[EPD_OPREC_RECV_SRC] = args->recv_src;
+        req.t[EPD_OPREC_RECV_TOPK_SLOT] = args->recv_topk_slot;
+        req.topk_idx_dtype = epd__tensor_present(&args->topk_idx) ? args->topk_idx.dtype
+                                                                   : EPD_DTYPE_INVALID;
+        op = op_new(group, EPD_OPREC_DISPATCH);
         if (!op)
                 return EPD_INTERNAL;
         return op_send(op, &req, out);
@@ -169,9 +169,7 @@ int epd_dispatch_submit(struct epd_group *group, const struct epd_dispatch_args 
 int epd_combine_submit(struct epd_group *group, const struct epd_combine_args *args,
                        struct epd_op **out)
 {
-        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
-        Epd__V1__Combine m = EPD__V1__COMBINE__INIT;
-        Epd__V1__TensorRef w_bias[2], *bias_ptrs[2];
+        struct epd_op_request req;
         struct epd_op *op;
 
         if (!group || !args || !out)
@@ -183,138 +181,118 @@ int epd_combine_submit(struct epd_group *group, const struct epd_combine_args *a
         if (args->num_bias > 2)
                 return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
                                         "num_bias %u; at most 2", args->num_bias);
-        m.group_id = group->id;
-        m.rank = group->rank;
-        m.handle_id = args->handle_id;
-        m.apply_weights = args->apply_weights != 0;
-        m.wait_inputs = args->wait_inputs;
-        TENSOR_FIELD(y)
-        TENSOR_FIELD(combined)
-        TENSOR_FIELD(combined_topk_weights)
-        for (uint32_t b = 0; b < args->num_bias; b++) {
-                epd__tensor_to_wire(&args->bias[b], &w_bias[b]);
-                bias_ptrs[b] = &w_bias[b];
-        }
-        m.n_bias = args->num_bias;
-        m.bias = bias_ptrs;
-        req.body_case = EPD__V1__REQUEST__BODY_COMBINE;
-        req.combine = &m;
-        op = op_new(group, 2);
+        memset(&req, 0, sizeof(req));
+        req.kind = EPD_OPREC_COMBINE;
+        req.group_id = group->id;
+        req.rank = group->rank;
+        req.handle_id = args->handle_id;
+        req.flags = args->apply_weights ? EPD_OPREC_APPLY_WEIGHTS : 0;
+        req.wait_inputs = args->wait_inputs;
+        req.t[EPD_OPREC_Y] = args->y;
+        req.t[EPD_OPREC_COMBINED] = args->combined;
+        req.t[EPD_OPREC_COMBINED_TOPK_WEIGHTS] = args->combined_topk_weights;
+        for (uint32_t b = 0; b < args->num_bias; b++)
+                req.t[EPD_OPREC_BIAS0 + b] = args->bias[b];
+        req.num_bias = args->num_bias;
+        op = op_new(group, EPD_OPREC_COMBINE);
         if (!op)
                 return EPD_INTERNAL;
         return op_send(op, &req, out);
 }
 
-/* A compact reply (common/doorbell.h) turned into the Response that the result functions read,
- * in one allocation that epd_op_free releases with free(). The daemon's bytes are copied out of
- * the page once and checked against their own sizes before use. */
-struct compact_resp {
-        Epd__V1__Response resp;
-        Epd__V1__DispatchReply dispatch;
-        Epd__V1__CombineReply combine;
-        Epd__V1__OpTimeline timeline;
-        struct epd_compact_reply rep;   /* its counts follow */
-};
-
-static Epd__V1__Response *compact_decode(const struct epd_op *op, const uint8_t *page,
-                                         uint32_t len)
+/* Keeps a copy of the reply record of len bytes and decodes it into op->reply. */
+static int op_take_record(struct epd_op *op, const void *bytes, size_t len)
 {
-        struct epd_compact_reply h;
+        struct epd_client *c = op->client;
+        char why[160];
+        uint8_t *rec = malloc(len ? len : 1);
 
-        if (len < sizeof(h))
-                return NULL;
-        memcpy(&h, page, sizeof(h));
-        const uint32_t kind = op->kind == 1 ? EPD_COMPACT_DISPATCH : EPD_COMPACT_COMBINE;
-        if (h.kind != kind || h.id != op->request_id ||
-            epd_compact_reply_bytes(kind, h.num_local_experts, h.world_size) != len)
-                return NULL;
-        struct compact_resp *m = malloc(offsetof(struct compact_resp, rep) + len);
-        if (!m)
-                return NULL;
-        memcpy(&m->rep, page, len);
-        const struct epd_compact_reply *c = &m->rep;
-        epd__v1__response__init(&m->resp);
-        epd__v1__op_timeline__init(&m->timeline);
-        m->resp.id = c->id;
-        m->resp.status = EPD__V1__STATUS_CODE__OK;
-        m->resp.message = "";
-        m->timeline.received_ns = c->received_ns;
-        m->timeline.launched_ns = c->launched_ns;
-        m->timeline.exec_start_ns = c->exec_start_ns;
-        m->timeline.completed_ns = c->completed_ns;
-        m->timeline.replied_ns = c->replied_ns;
-        if (kind == EPD_COMPACT_DISPATCH) {
-                Epd__V1__DispatchReply *d = &m->dispatch;
-                const uint32_t L = c->num_local_experts;
-                epd__v1__dispatch_reply__init(d);
-                d->op_number = c->op_number;
-                d->handle_id = c->handle_id;
-                d->num_recv_tokens = (int32_t)c->num_tokens;
-                d->num_expanded_rows = (int32_t)c->num_expanded_rows;
-                d->n_num_recv_tokens_per_expert = L;
-                d->num_recv_tokens_per_expert = m->rep.counts;
-                d->n_num_recv_tokens_per_expert_aligned = L;
-                d->num_recv_tokens_per_expert_aligned = m->rep.counts + L;
-                d->n_rank_prefix = (size_t)c->world_size + 1;
-                d->rank_prefix = m->rep.counts + 2 * (size_t)L;
-                d->exec_ns = c->exec_ns;
-                d->queue_ns = c->queue_ns;
-                d->kernel_ns = c->kernel_ns;
-                d->timeline = &m->timeline;
-                m->resp.body_case = EPD__V1__RESPONSE__BODY_DISPATCH;
-                m->resp.dispatch = d;
-        } else {
-                Epd__V1__CombineReply *cr = &m->combine;
-                epd__v1__combine_reply__init(cr);
-                cr->op_number = c->op_number;
-                cr->num_tokens = (uint32_t)c->num_tokens;
-                cr->exec_ns = c->exec_ns;
-                cr->queue_ns = c->queue_ns;
-                cr->kernel_ns = c->kernel_ns;
-                cr->timeline = &m->timeline;
-                m->resp.body_case = EPD__V1__RESPONSE__BODY_COMBINE;
-                m->resp.combine = cr;
+        if (!rec)
+                return epd__client_fail(c, EPD_INTERNAL, "out of memory");
+        memcpy(rec, bytes, len);
+        if (epd_oprec_reply_decode(rec, len, &op->reply, why, sizeof(why)) < 0) {
+                free(rec);
+                return epd__client_fail(c, EPD_INTERNAL, "undecodable reply record of %zu bytes: %s",
+                                        len, why);
         }
-        return &m->resp;
+        if (op->reply.id != op->request_id || op->reply.kind != (uint32_t)op->kind) {
+                free(rec);
+                return epd__client_fail(c, EPD_INTERNAL,
+                                        "daemon answered %s %llu with a %s reply to %llu",
+                                        epd_oprec_kind_name((uint32_t)op->kind),
+                                        (unsigned long long)op->request_id,
+                                        epd_oprec_kind_name(op->reply.kind),
+                                        (unsigned long long)op->reply.id);
+        }
+        op->record = rec;
+        return 0;
+}
+
+/* An op's answer on the socket: its reply record inside an OpRecord, or a plain status (the
+ * daemon refused the frame itself). Frees resp. */
+static int op_take_response(struct epd_op *op, Epd__V1__Response *resp)
+{
+        struct epd_client *c = op->client;
+        int rc;
+
+        if (resp->body_case == EPD__V1__RESPONSE__BODY_OP && resp->op) {
+                rc = op_take_record(op, resp->op->record.data, resp->op->record.len);
+        } else if (resp->status != EPD__V1__STATUS_CODE__OK) {
+                memset(&op->reply, 0, sizeof(op->reply));
+                rc = epd__client_fail(c, epd__status_from_wire(resp->status), "%s",
+                                      resp->message ? resp->message : "");
+                /* Not a failure to read the reply: the op's status is the daemon's. */
+                op->status = rc;
+                rc = 1;
+        } else {
+                rc = epd__client_fail(c, EPD_INTERNAL, "daemon answered %s with %s",
+                                      epd_oprec_kind_name((uint32_t)op->kind),
+                                      epd__response_body_name(resp->body_case));
+        }
+        epd__v1__response__free_unpacked(resp, NULL);
+        return rc;
+}
+
+/* Waits for an op's reply on the socket. Returns 0 with op->record set, 1 when the op got a
+ * plain status (op->status), or a negative status. Not on the client's lock. */
+static int socket_wait(struct epd_op *op, int timeout_ms)
+{
+        struct epd_client *c = op->client;
+        Epd__V1__Response *resp;
+        int fds[2], rc;
+
+        pthread_mutex_lock(&c->lock);
+        rc = epd__client_wait_locked(c, op->request_id, timeout_ms, &resp, fds);
+        if (rc == 0)
+                op->read_ns = c->last_read_ns;
+        pthread_mutex_unlock(&c->lock);
+        if (rc < 0)
+                return rc;
+        for (int i = 0; i < 2; i++)
+                if (fds[i] >= 0)
+                        close(fds[i]);
+        return op_take_response(op, resp);
 }
 
 /* The reply that an op asked for in the doorbell page (common/doorbell.h, reply mailbox), read
- * once reply_id names it. Not on the client's lock. */
-static int mailbox_take(struct epd_op *op, Epd__V1__Response **resp, int *fds, int64_t left_ms)
+ * once reply_id names it. Returns as socket_wait. Not on the client's lock. */
+static int mailbox_take(struct epd_op *op, int64_t left_ms)
 {
         struct epd_client *c = op->client;
         const struct epd_doorbell *db = op->group->doorbell;
         const uint32_t len = db->reply_len;
         int rc;
 
-        if (len == EPD_MAILBOX_ON_SOCKET) {
-                /* Too large for the page: it follows on the socket. */
-                pthread_mutex_lock(&c->lock);
-                rc = epd__client_wait_locked(c, op->request_id, (int)left_ms, resp, fds);
-                if (rc == 0)
-                        op->read_ns = c->last_read_ns;
-                pthread_mutex_unlock(&c->lock);
-                return rc;
-        }
+        if (len == EPD_MAILBOX_ON_SOCKET)
+                return socket_wait(op, (int)left_ms); /* too large for the page */
         op->read_ns = epd__now_ns();
-        const int compact = (len & EPD_MAILBOX_COMPACT) != 0;
-        const uint32_t bytes = len & ~EPD_MAILBOX_COMPACT;
-        Epd__V1__Response *r = NULL;
-        if (bytes <= EPD_MAILBOX_CAPACITY(op->group->doorbell_bytes))
-                r = compact ? compact_decode(op, (const uint8_t *)db->reply, bytes)
-                            : epd__v1__response__unpack(NULL, bytes, db->reply);
-        if (r && !compact && r->id != op->request_id) {
-                epd__v1__response__free_unpacked(r, NULL);
-                r = NULL;
-        }
-        if (!r)
+        if (len > EPD_MAILBOX_CAPACITY(op->group->doorbell_bytes))
                 return epd__client_fail(c, EPD_INTERNAL,
-                                        "undecodable %sreply of %u bytes in the doorbell page",
-                                        compact ? "compact " : "", bytes);
-        *resp = r;
-        op->resp_compact = compact;
-        op->via_page = 1;
-        return 0;
+                                        "a reply of %u bytes in the doorbell page", len);
+        rc = op_take_record(op, (const uint8_t *)db->reply, len);
+        if (rc == 0)
+                op->via_page = 1;
+        return rc;
 }
 
 /* Waits for an op's reply in the doorbell page: polls reply_id for the client's poll time, then
@@ -324,8 +302,8 @@ static int mailbox_take(struct epd_op *op, Epd__V1__Response **resp, int *fds, i
  * reply is then on its way). Between sleeps it looks at the socket, where the reply comes
  * instead when the daemon refused the request before taking it and where a lost connection
  * shows; sleeps that end by timeout grow from 1 to 64 ms, so such a reply is seen late but not
- * missed. Not on the client's lock. */
-static int mailbox_wait(struct epd_op *op, int timeout_ms, Epd__V1__Response **resp, int *fds)
+ * missed. Returns as socket_wait. Not on the client's lock. */
+static int mailbox_wait(struct epd_op *op, int timeout_ms)
 {
         struct epd_client *c = op->client;
         struct epd_doorbell *db = op->group->doorbell;
@@ -333,16 +311,16 @@ static int mailbox_wait(struct epd_op *op, int timeout_ms, Epd__V1__Response **r
         const uint64_t deadline =
                 timeout_ms < 0 ? UINT64_MAX : t0 + (uint64_t)timeout_ms * 1000000ull;
         uint64_t nap_ns = 1000000, spin_until = t0 + c->poll_ns;
-        int rc, finished = 0;
+        Epd__V1__Response *resp;
+        int fds[2], rc, finished = 0;
 
-        fds[0] = fds[1] = -1;
         for (;;) {
                 const uint64_t now = epd__now_ns();
                 if (__atomic_load_n(&db->reply_id, __ATOMIC_ACQUIRE) == id) {
                         int64_t left_ms = -1; /* for a reply that follows on the socket */
                         if (deadline != UINT64_MAX)
                                 left_ms = now >= deadline ? 0 : (int64_t)((deadline - now) / 1000000);
-                        return mailbox_take(op, resp, fds, left_ms);
+                        return mailbox_take(op, left_ms);
                 }
                 if (now < spin_until && now < deadline) {
                         epd__cpu_relax();
@@ -358,10 +336,16 @@ static int mailbox_wait(struct epd_op *op, int timeout_ms, Epd__V1__Response **r
                                 continue;
                 }
                 pthread_mutex_lock(&c->lock);
-                rc = epd__client_try_locked(c, id, resp, fds);
+                rc = epd__client_try_locked(c, id, &resp, fds);
                 if (rc == 0)
                         op->read_ns = c->last_read_ns;
                 pthread_mutex_unlock(&c->lock);
+                if (rc == 0) {
+                        for (int i = 0; i < 2; i++)
+                                if (fds[i] >= 0)
+                                        close(fds[i]);
+                        return op_take_response(op, resp);
+                }
                 if (rc != EPD_TIMEOUT)
                         return rc;
                 if (now >= deadline)
@@ -392,30 +376,21 @@ static int mailbox_wait(struct epd_op *op, int timeout_ms, Epd__V1__Response **r
 int epd_op_wait(struct epd_op *op, int timeout_ms)
 {
         struct epd_client *c;
-        Epd__V1__Response *resp = NULL;
-        int fds[2], rc, arena_rc = 0;
+        int rc, arena_rc = 0;
 
         if (!op)
                 return EPD_INVALID_ARGUMENT;
         if (op->done)
                 return op->status;
         c = op->client;
-        if (op->mailbox) {
-                rc = mailbox_wait(op, timeout_ms, &resp, fds);
-                pthread_mutex_lock(&c->lock);
-                if (rc != EPD_TIMEOUT || c->broken)
-                        op->group->mailbox_id = 0; /* the page is this rank's again */
-        } else {
-                pthread_mutex_lock(&c->lock);
-                rc = epd__client_wait_locked(c, op->request_id, timeout_ms, &resp, fds);
-                if (rc == 0)
-                        op->read_ns = c->last_read_ns;
-        }
+        rc = op->mailbox ? mailbox_wait(op, timeout_ms) : socket_wait(op, timeout_ms);
+        pthread_mutex_lock(&c->lock);
+        if (op->mailbox && (rc != EPD_TIMEOUT || c->broken))
+                op->group->mailbox_id = 0; /* the page is this rank's again */
         /* Outputs in an arena that a resize changed since this client mapped it: map its new
          * segments before anyone reads them (client_internal.h). */
-        if (rc == 0 && resp->status == EPD__V1__STATUS_CODE__OK &&
-            resp->body_case == EPD__V1__RESPONSE__BODY_DISPATCH && resp->dispatch &&
-            resp->dispatch->arena_generation > op->group->arena_generation)
+        if (rc == 0 && op->reply.status == EPD_OK && op->kind == EPD_OPREC_DISPATCH &&
+            op->reply.arena_generation > op->group->arena_generation)
                 arena_rc = epd__group_arena_sync_locked(op->group);
         pthread_mutex_unlock(&c->lock);
         if (rc == EPD_TIMEOUT && !c->broken)
@@ -426,19 +401,12 @@ int epd_op_wait(struct epd_op *op, int timeout_ms)
                 snprintf(op->message, sizeof(op->message), "%s", c->last_error);
                 return rc;
         }
-        for (int i = 0; i < 2; i++)
-                if (fds[i] >= 0)
-                        close(fds[i]);
-        op->resp = resp;
-        op->status = epd__status_from_wire(resp->status);
-        snprintf(op->message, sizeof(op->message), "%s", resp->message ? resp->message : "");
-        const Epd__V1__Request__BodyCase asked = op->kind == 1 ? EPD__V1__REQUEST__BODY_DISPATCH
-                                                               : EPD__V1__REQUEST__BODY_COMBINE;
-        if (op->status == 0 && resp->body_case != epd__reply_body(asked)) {
-                /* Another member of the reply's oneof: reading ours would read it. */
-                op->status = EPD_INTERNAL;
-                snprintf(op->message, sizeof(op->message), "daemon answered %s with %s",
-                         epd__request_body_name(asked), epd__response_body_name(resp->body_case));
+        if (rc == 0) {
+                op->status = op->reply.status;
+                snprintf(op->message, sizeof(op->message), "%s",
+                         op->reply.message ? op->reply.message : "");
+        } else {
+                snprintf(op->message, sizeof(op->message), "%s", c->last_error);
         }
         if (arena_rc < 0) {
                 /* The daemon placed the outputs where this process cannot reach them. */
@@ -465,68 +433,85 @@ const char *epd_op_error(const struct epd_op *op)
         return op->done ? op->message : "op not completed";
 }
 
-static void result_tensor(struct epd_op *op, const Epd__V1__TensorRef *ref, struct epd_tensor *t,
-                          void **ptr)
+/* An arena placement of a dispatch reply as a tensor and a local pointer. */
+static void result_tensor(struct epd_op *op, const struct epd_oprec_output *o,
+                          struct epd_tensor *t, void **ptr)
 {
-        if (epd__tensor_from_wire(ref, t) < 0 || !epd__tensor_present(t)) {
-                memset(t, 0, sizeof(*t));
-                *ptr = NULL;
+        memset(t, 0, sizeof(*t));
+        *ptr = NULL;
+        if (o->dtype == EPD_DTYPE_INVALID || op->reply.arena_region_id == 0)
                 return;
-        }
+        t->region_id = op->reply.arena_region_id;
+        t->offset = o->offset;
+        t->dtype = o->dtype;
+        t->ndim = o->cols ? 2 : 1;
+        t->sizes[0] = o->rows;
+        t->sizes[1] = o->cols;
         *ptr = epd__client_region_ptr(op->client, t->region_id, t->offset);
+}
+
+/* The reply of a completed, successful op of kind, or NULL. */
+static const struct epd_op_reply *op_result(const struct epd_op *op, int kind, int *rc)
+{
+        *rc = 0;
+        if (!op || op->kind != kind)
+                *rc = EPD_INVALID_ARGUMENT;
+        else if (!op->done)
+                *rc = EPD_UNAVAILABLE;
+        else if (op->status < 0)
+                *rc = op->status;
+        else if (!op->record)
+                *rc = EPD_INTERNAL;
+        return *rc ? NULL : &op->reply;
 }
 
 int epd_op_dispatch_result(const struct epd_op *op_c, struct epd_dispatch_result *out)
 {
         struct epd_op *op = (struct epd_op *)op_c;
-        const Epd__V1__DispatchReply *r;
+        const struct epd_op_reply *r;
+        int rc;
 
-        if (!op || !out || op->kind != 1)
+        if (!out)
                 return EPD_INVALID_ARGUMENT;
-        if (!op->done)
-                return EPD_UNAVAILABLE;
-        if (op->status < 0)
-                return op->status;
-        r = op->resp->dispatch;
-        if (!r)
-                return EPD_INTERNAL;
+        if (!(r = op_result(op, EPD_OPREC_DISPATCH, &rc)))
+                return rc;
         memset(out, 0, sizeof(*out));
         out->op_number = r->op_number;
         out->handle_id = r->handle_id;
-        out->num_recv_tokens = r->num_recv_tokens;
-        out->num_expanded_rows = r->num_expanded_rows;
-        out->num_local_experts = (uint32_t)r->n_num_recv_tokens_per_expert;
-        out->num_recv_tokens_per_expert = r->num_recv_tokens_per_expert;
-        out->num_recv_tokens_per_expert_aligned = r->num_recv_tokens_per_expert_aligned;
-        out->world_size = r->n_rank_prefix ? (uint32_t)r->n_rank_prefix - 1 : 0;
+        out->num_recv_tokens = (int32_t)r->num_tokens;
+        out->num_expanded_rows = (int32_t)r->num_expanded_rows;
+        out->num_local_experts = r->num_local_experts;
+        out->num_recv_tokens_per_expert = r->per_expert;
+        out->num_recv_tokens_per_expert_aligned = r->per_expert_aligned;
+        out->world_size = r->world_size;
         out->rank_prefix = r->rank_prefix;
         out->exec_ns = r->exec_ns;
         out->queue_ns = r->queue_ns;
         out->kernel_ns = r->kernel_ns;
-        result_tensor(op, r->recv_x, &out->recv_x, &out->recv_x_ptr);
-        result_tensor(op, r->recv_scales, &out->recv_scales, &out->recv_scales_ptr);
-        result_tensor(op, r->recv_topk_idx, &out->recv_topk_idx, &out->recv_topk_idx_ptr);
-        result_tensor(op, r->recv_weights, &out->recv_weights, &out->recv_weights_ptr);
-        result_tensor(op, r->recv_src, &out->recv_src, &out->recv_src_ptr);
-        result_tensor(op, r->recv_topk_slot, &out->recv_topk_slot, &out->recv_topk_slot_ptr);
+        result_tensor(op, &r->out[EPD_OPREC_OUT_RECV_X], &out->recv_x, &out->recv_x_ptr);
+        result_tensor(op, &r->out[EPD_OPREC_OUT_RECV_SCALES], &out->recv_scales,
+                      &out->recv_scales_ptr);
+        result_tensor(op, &r->out[EPD_OPREC_OUT_RECV_TOPK_IDX], &out->recv_topk_idx,
+                      &out->recv_topk_idx_ptr);
+        result_tensor(op, &r->out[EPD_OPREC_OUT_RECV_WEIGHTS], &out->recv_weights,
+                      &out->recv_weights_ptr);
+        result_tensor(op, &r->out[EPD_OPREC_OUT_RECV_SRC], &out->recv_src, &out->recv_src_ptr);
+        result_tensor(op, &r->out[EPD_OPREC_OUT_RECV_TOPK_SLOT], &out->recv_topk_slot,
+                      &out->recv_topk_slot_ptr);
         return 0;
 }
 
 int epd_op_combine_result(const struct epd_op *op, struct epd_combine_result *out)
 {
-        const Epd__V1__CombineReply *r;
+        const struct epd_op_reply *r;
+        int rc;
 
-        if (!op || !out || op->kind != 2)
+        if (!out)
                 return EPD_INVALID_ARGUMENT;
-        if (!op->done)
-                return EPD_UNAVAILABLE;
-        if (op->status < 0)
-                return op->status;
-        r = op->resp->combine;
-        if (!r)
-                return EPD_INTERNAL;
+        if (!(r = op_result(op, EPD_OPREC_COMBINE, &rc)))
+                return rc;
         out->op_number = r->op_number;
-        out->num_tokens = r->num_tokens;
+        out->num_tokens = (uint32_t)r->num_tokens;
         out->exec_ns = r->exec_ns;
         out->queue_ns = r->queue_ns;
         out->kernel_ns = r->kernel_ns;
@@ -535,8 +520,6 @@ int epd_op_combine_result(const struct epd_op *op, struct epd_combine_result *ou
 
 int epd_op_timeline(const struct epd_op *op, struct epd_op_timeline *out)
 {
-        const Epd__V1__OpTimeline *t = NULL;
-
         /* Callers built before a field was added pass a smaller size: each later field is
          * filled only when the size covers it. */
         const size_t v1 = offsetof(struct epd_op_timeline, reply_in_doorbell);
@@ -551,30 +534,18 @@ int epd_op_timeline(const struct epd_op *op, struct epd_op_timeline *out)
                 out->reply_in_doorbell = op->via_page;
         if (COVERS(request_in_doorbell))
                 out->request_in_doorbell = op->request_via_page;
-        if (COVERS(reply_compact))
-                out->reply_compact = op->resp_compact;
-        if (COVERS(request_compact))
-                out->request_compact = op->request_via_page && op->request_compact;
 #undef COVERS
         out->submitted_ns = op->sent_ns;
         out->reply_read_ns = op->read_ns;
-        if (op->resp && op->resp->body_case == EPD__V1__RESPONSE__BODY_DISPATCH &&
-            op->resp->dispatch) {
-                t = op->resp->dispatch->timeline;
-                out->exec_ns = op->resp->dispatch->exec_ns;
-                out->kernel_ns = op->resp->dispatch->kernel_ns;
-        } else if (op->resp && op->resp->body_case == EPD__V1__RESPONSE__BODY_COMBINE &&
-                   op->resp->combine) {
-                t = op->resp->combine->timeline;
-                out->exec_ns = op->resp->combine->exec_ns;
-                out->kernel_ns = op->resp->combine->kernel_ns;
-        }
-        if (t) {
-                out->received_ns = t->received_ns;
-                out->launched_ns = t->launched_ns;
-                out->exec_start_ns = t->exec_start_ns;
-                out->completed_ns = t->completed_ns;
-                out->replied_ns = t->replied_ns;
+        if (op->record) {
+                const struct epd_op_reply *r = &op->reply;
+                out->exec_ns = r->exec_ns;
+                out->kernel_ns = r->kernel_ns;
+                out->received_ns = r->received_ns;
+                out->launched_ns = r->launched_ns;
+                out->exec_start_ns = r->exec_start_ns;
+                out->completed_ns = r->completed_ns;
+                out->replied_ns = r->replied_ns;
         }
         return 0;
 }
@@ -585,10 +556,7 @@ void epd_op_free(struct epd_op *op)
                 return;
         if (!op->done)
                 (void)epd_op_wait(op, -1);
-        if (op->resp && op->resp_compact)
-                free(op->resp); /* the first member of its struct compact_resp */
-        else if (op->resp)
-                epd__v1__response__free_unpacked(op->resp, NULL);
+        free(op->record);
         free(op);
 }
 

@@ -14,41 +14,33 @@
  *                 When the client dies or the wait outlives the op timeout, the daemon stores
  *                 EPD_DOORBELL_RELEASED from the host so its own streams cannot hang.
  *
- *   reply mailbox (docs/design-notes.md, "Replies through the doorbell page") a request that asks
- *                 for it (Dispatch/Combine reply_in_doorbell) gets its reply here instead of on
- *                 the socket: the loop thread copies the packed Response into `reply`, stores its
- *                 length, then the request id into reply_id (release), then adds 1 to reply_seq,
- *                 and wakes reply_seq's futex when the client says it is sleeping (`waiting`).
- *                 When an op starts, the daemon also adds 1 to reply_seq and wakes a client that
- *                 asked for it (EPD_MAILBOX_WAKE_AT_START), which then polls for its reply. A
- *                 client that polls sees reply_id change without any system call on either side;
- *                 a sleeping one waits on reply_seq. A reply too large for the page is sent on
- *                 the socket, announced by reply_len = EPD_MAILBOX_ON_SOCKET. A rank has at most
- *                 one such request pending (the daemon refuses a second), so the daemon never
- *                 overwrites a reply its client has not read. The daemon reads nothing from the
- *                 page but `waiting`, and only to decide whether to wake.
+ *   reply mailbox a request whose op record asks for it (EPD_OPREC_REPLY_IN_DOORBELL) gets its
+ *                 reply record (common/oprec.h) here instead of on the socket: the loop thread
+ *                 writes the record into `reply`, stores its length, then the request id into
+ *                 reply_id (release), then adds 1 to reply_seq, and wakes reply_seq's futex when
+ *                 the client says it is sleeping (`waiting`). When an op starts, the daemon also
+ *                 adds 1 to reply_seq and wakes a client that asked for it
+ *                 (EPD_MAILBOX_WAKE_AT_START), which then polls for its reply. A client that
+ *                 polls sees reply_id change without any system call on either side; a sleeping
+ *                 one waits on reply_seq. A reply too large for the page is sent on the socket,
+ *                 announced by reply_len = EPD_MAILBOX_ON_SOCKET. A rank has at most one such
+ *                 request pending (the daemon refuses a second), so the daemon never overwrites
+ *                 a reply its client has not read. The daemon reads nothing from the page but
+ *                 `waiting`, and only to decide whether to wake.
  *
- *                 A request that also asks for a compact reply (compact_reply) may get, when
- *                 it succeeded and names no arena outputs, the fixed struct epd_compact_reply
- *                 below instead of a packed Response; reply_len then carries
- *                 EPD_MAILBOX_COMPACT (docs/design-notes.md, "Compact replies").
- *
- *   request mailbox (docs/design-notes.md, "Requests through the doorbell page") the last
- *                 EPD_REQUEST_AREA_BYTES of the page (struct epd_request_box). While the daemon's
- *                 loop thread polls (it says so in `polling`), a client may put a packed Dispatch
- *                 or Combine Request of this rank there instead of sending it on the socket: it
- *                 copies the bytes and their length, then moves `state` from EMPTY to POSTED. The
- *                 loop thread claims it (POSTED -> TAKEN, compare-and-swap), copies it out, and
- *                 empties the slot (release) before it decodes the copy. A client that then reads
- *                 `polling` as 0 takes its request back (POSTED -> EMPTY) and sends it on the
- *                 socket; the loop thread, after it stores `polling` = 0, looks at every slot once
- *                 more, so a request is either taken or taken back, never left behind. Order with
- *                 the socket: a client posts only when the daemon has read every frame it sent
- *                 (`socket_read_id`, the id of the last request the loop thread read from this
- *                 client's socket), and the loop thread takes a client's posted requests before
- *                 it handles the next frame from its socket. A request may also be posted as
- *                 the fixed struct epd_compact_request below (docs/design-notes.md, "Compact
- *                 requests"), its length or'ed with EPD_REQUEST_COMPACT.
+ *   request mailbox the last EPD_REQUEST_AREA_BYTES of the page (struct epd_request_box). While
+ *                 the daemon's loop thread polls (it says so in `polling`), a client may put the
+ *                 op record of a dispatch or combine of this rank there instead of sending it on
+ *                 the socket: it copies the bytes and their length, then moves `state` from EMPTY
+ *                 to POSTED. The loop thread claims it (POSTED -> TAKEN, compare-and-swap),
+ *                 copies it out, and empties the slot (release) before it decodes the copy. A
+ *                 client that then reads `polling` as 0 takes its request back (POSTED -> EMPTY)
+ *                 and sends it on the socket; the loop thread, after it stores `polling` = 0,
+ *                 looks at every slot once more, so a request is either taken or taken back,
+ *                 never left behind. Order with the socket: a client posts only when the daemon
+ *                 has read every frame it sent (`socket_read_id`, the id of the last request the
+ *                 loop thread read from this client's socket), and the loop thread takes a
+ *                 client's posted requests before it handles the next frame from its socket.
  *
  * The sequence words live in host memory registered with CUDA in both processes: a CPU store and
  * a GPU stream memory operation on it are ordered at system scope, which is the scope that two
@@ -85,39 +77,6 @@ struct epd_doorbell {
         uint8_t reply[];              /* up to the request box */
 };
 
-/* reply_len of a compact reply: this bit, or'ed with the struct's length in bytes. */
-#define EPD_MAILBOX_COMPACT 0x80000000u
-#define EPD_COMPACT_DISPATCH 1u
-#define EPD_COMPACT_COMBINE 2u
-
-/* A successful dispatch or combine reply as one fixed struct, the fields of DispatchReply or
- * CombineReply and of their OpTimeline (proto/epd.proto documents each). Written by the daemon's
- * loop thread, read by libepd, both on the same host and build, so native byte order. */
-struct epd_compact_reply {
-        uint64_t id;                  /* Response.id: the request's id */
-        uint32_t kind;                /* EPD_COMPACT_DISPATCH or EPD_COMPACT_COMBINE */
-        uint32_t num_local_experts;   /* dispatch: L, the length of both count arrays */
-        uint32_t world_size;          /* dispatch: R; rank_prefix holds R + 1 entries */
-        uint32_t pad;
-        int64_t num_tokens;           /* dispatch: num_recv_tokens; combine: num_tokens */
-        int64_t num_expanded_rows;    /* dispatch */
-        uint64_t op_number, handle_id, exec_ns, queue_ns, kernel_ns;
-        uint64_t received_ns, launched_ns, exec_start_ns, completed_ns, replied_ns;
-        /* dispatch: L per expert, L aligned per expert, R + 1 rank prefix; combine: none */
-        int32_t counts[];
-};
-
-/* Bytes of a compact reply with L local experts and R ranks (dispatch) or of a combine's; 0 when
- * the sizes overflow. */
-static inline uint64_t epd_compact_reply_bytes(uint32_t kind, uint64_t L, uint64_t R)
-{
-        if (kind != EPD_COMPACT_DISPATCH)
-                return sizeof(struct epd_compact_reply);
-        if (L > UINT32_MAX || R > UINT32_MAX)
-                return 0;
-        return sizeof(struct epd_compact_reply) + (2 * L + R + 1) * sizeof(int32_t);
-}
-
 /* The request mailbox at the end of the page. */
 #define EPD_REQUEST_AREA_BYTES 4096u
 #define EPD_REQUEST_EMPTY 0u
@@ -139,47 +98,6 @@ struct epd_request_box {
 };
 
 #define EPD_REQUEST_CAPACITY (EPD_REQUEST_AREA_BYTES - sizeof(struct epd_request_box))
-
-/* A compact request (docs/design-notes.md, "Compact requests"): instead of a packed Request, a
- * client of a daemon that offers it (CAP_COMPACT_REQUEST) may post this fixed struct in the box,
- * with `len` = sizeof(struct epd_compact_request) | EPD_REQUEST_COMPACT. It carries the fields
- * of a Dispatch or Combine (proto/epd.proto documents each) and the Request's id; the daemon
- * checks its length, kind, flags and tensor ranks, then turns it into the same Request. */
-#define EPD_REQUEST_COMPACT 0x80000000u
-#define EPD_COMPACT_MAX_DIMS 4u
-#define EPD_COMPACT_ZERO_PADDING 1u      /* Dispatch.zero_padding */
-#define EPD_COMPACT_USE_ARENA 2u         /* Dispatch.use_arena */
-#define EPD_COMPACT_APPLY_WEIGHTS 4u     /* Combine.apply_weights */
-#define EPD_COMPACT_REPLY_IN_DOORBELL 8u /* reply_in_doorbell */
-#define EPD_COMPACT_REPLY 16u            /* compact_reply */
-#define EPD_COMPACT_FLAGS 31u
-
-/* A TensorRef: absent when region_id is 0; n_strides is 0 (contiguous) or ndim. */
-struct epd_compact_tensor {
-        uint64_t region_id, offset;
-        uint32_t dtype, ndim, n_strides, pad;
-        uint64_t sizes[EPD_COMPACT_MAX_DIMS], strides[EPD_COMPACT_MAX_DIMS];
-};
-
-/* The tensors of a compact request, by kind. */
-enum {
-        EPD_CT_X, EPD_CT_SCALES, EPD_CT_TOPK_IDX, EPD_CT_TOPK_WEIGHTS, EPD_CT_RECV_X,
-        EPD_CT_RECV_SCALES, EPD_CT_RECV_TOPK_IDX, EPD_CT_RECV_WEIGHTS, EPD_CT_RECV_SRC,
-        EPD_CT_RECV_TOPK_SLOT, EPD_CT_DISPATCH_TENSORS
-};
-enum { EPD_CT_Y, EPD_CT_BIAS0, EPD_CT_BIAS1, EPD_CT_COMBINED, EPD_CT_COMBINED_TOPK_WEIGHTS };
-
-struct epd_compact_request {
-        uint64_t id;                  /* Request.id */
-        uint32_t kind;                /* EPD_COMPACT_DISPATCH or EPD_COMPACT_COMBINE */
-        uint32_t rank;
-        uint64_t group_id, handle_id, wait_inputs;
-        uint32_t num_tokens, num_topk;        /* dispatch */
-        uint32_t layout, expert_alignment;    /* dispatch */
-        uint32_t topk_idx_dtype, flags;       /* flags: EPD_COMPACT_* */
-        uint32_t num_bias, pad;               /* combine: bias tensors given (0 to 2) */
-        struct epd_compact_tensor t[EPD_CT_DISPATCH_TENSORS];
-};
 
 /* The request box of a page of page_bytes, or NULL when the page has no room for one. */
 static inline struct epd_request_box *epd_doorbell_request_box(void *page, uint64_t page_bytes)
@@ -224,7 +142,7 @@ static inline void epd_doorbell_advance(volatile uint64_t *word, uint64_t value)
                 ;
 }
 
-/* Bytes of a packed reply that fit in a doorbell page of page_bytes: from the header to the
+/* Bytes of a reply record that fit in a doorbell page of page_bytes: from the header to the
  * request box. */
 #define EPD_MAILBOX_CAPACITY(page_bytes)                                                 \
         ((page_bytes) > sizeof(struct epd_doorbell) + EPD_REQUEST_AREA_BYTES                \

@@ -24,10 +24,8 @@ Epd__V1__Response__BodyCase epd__reply_body(Epd__V1__Request__BodyCase request)
                 return EPD__V1__RESPONSE__BODY_GROUPS;
         case EPD__V1__REQUEST__BODY_LIST_CLIENTS:
                 return EPD__V1__RESPONSE__BODY_CLIENTS;
-        case EPD__V1__REQUEST__BODY_DISPATCH:
-                return EPD__V1__RESPONSE__BODY_DISPATCH;
-        case EPD__V1__REQUEST__BODY_COMBINE:
-                return EPD__V1__RESPONSE__BODY_COMBINE;
+        case EPD__V1__REQUEST__BODY_OP:
+                return EPD__V1__RESPONSE__BODY_OP;
         case EPD__V1__REQUEST__BODY_STATS:
                 return EPD__V1__RESPONSE__BODY_STATS;
         case EPD__V1__REQUEST__BODY_ARENA_SEGMENTS:

@@ -22,7 +22,6 @@
 #include "frame.h"
 #include "log.h"
 #include "mailbox.h"
-#include "request.h"
 #include "util.h"
 
 static void on_conn_event(uv_poll_t *handle, int status, int events);
@@ -258,31 +257,62 @@ int epd_conn_send(struct epd_conn *c, const Epd__V1__Response *resp, const int *
         return 0;
 }
 
-int epd_conn_reply(struct epd_conn *c, struct epd_doorbell *mailbox,
-                   const Epd__V1__Response *resp)
+int epd_conn_reply_op(struct epd_conn *c, struct epd_doorbell *mailbox,
+                      const struct epd_op_reply *rep)
 {
-        if (mailbox && !c->closing && !c->close_reason && epd_mailbox_post(mailbox, resp) == 0) {
+        if (c->closing || c->close_reason)
+                return -ECONNRESET;
+        if (mailbox && epd_mailbox_post(mailbox, rep) == 0) {
                 c->daemon->stats.mailbox_replies++;
                 return 0;
         }
-        return epd_conn_send(c, resp, NULL, 0);
+        /* On the socket: the same record inside an OpRecord. */
+        Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
+        Epd__V1__OpRecord wrap = EPD__V1__OP_RECORD__INIT;
+        const size_t len = epd_oprec_reply_bytes(rep);
+        uint8_t stack[EPD_OPREC_REPLY_HEADER_BYTES + EPD_OPREC_MESSAGE_MAX + 256];
+        uint8_t *buf = len <= sizeof(stack) ? stack : malloc(len);
+        int rc;
+
+        if (len == 0 || !buf)
+                return -ENOMEM;
+        (void)epd_oprec_reply_encode(rep, buf, len);
+        wrap.record.data = buf;
+        wrap.record.len = len;
+        resp.id = rep->id;
+        resp.status = (Epd__V1__StatusCode)epd__status_to_wire(rep->status);
+        resp.message = "";
+        resp.body_case = EPD__V1__RESPONSE__BODY_OP;
+        resp.op = &wrap;
+        rc = epd_conn_send(c, &resp, NULL, 0);
+        if (buf != stack)
+                free(buf);
+        return rc;
 }
 
-int epd_conn_reply_compact(struct epd_conn *c, struct epd_doorbell *mailbox,
-                           const struct epd_compact_reply *rep, size_t len)
+void epd_conn_reply_op_status(struct epd_conn *c, struct epd_doorbell *mailbox, uint32_t kind,
+                              uint64_t request_id, int status, const char *fmt, ...)
 {
-        if (c->closing || c->close_reason || epd_mailbox_post_compact(mailbox, rep, len) < 0)
-                return -1;
-        c->daemon->stats.mailbox_replies++;
-        return 0;
+        struct epd_op_reply rep;
+        char message[EPD_OPREC_MESSAGE_MAX];
+        va_list ap;
+
+        va_start(ap, fmt);
+        vsnprintf(message, sizeof(message), fmt, ap);
+        va_end(ap);
+        memset(&rep, 0, sizeof(rep));
+        rep.id = request_id;
+        rep.kind = kind;
+        rep.status = status;
+        rep.message = message;
+        (void)epd_conn_reply_op(c, mailbox, &rep);
 }
 
-static void reply_status(struct epd_conn *c, struct epd_doorbell *mailbox, uint64_t request_id,
-                         int status, const char *fmt, va_list ap)
-        __attribute__((format(printf, 5, 0)));
+static void reply_status(struct epd_conn *c, uint64_t request_id, int status, const char *fmt,
+                         va_list ap) __attribute__((format(printf, 4, 0)));
 
-static void reply_status(struct epd_conn *c, struct epd_doorbell *mailbox, uint64_t request_id,
-                         int status, const char *fmt, va_list ap)
+static void reply_status(struct epd_conn *c, uint64_t request_id, int status, const char *fmt,
+                         va_list ap)
 {
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
         Epd__V1__Empty empty = EPD__V1__EMPTY__INIT;
@@ -294,7 +324,7 @@ static void reply_status(struct epd_conn *c, struct epd_doorbell *mailbox, uint6
         resp.message = message;
         resp.body_case = EPD__V1__RESPONSE__BODY_EMPTY;
         resp.empty = &empty;
-        (void)epd_conn_reply(c, mailbox, &resp);
+        (void)epd_conn_send(c, &resp, NULL, 0);
 }
 
 void epd_conn_reply_status(struct epd_conn *c, uint64_t request_id, int status, const char *fmt,
@@ -303,17 +333,7 @@ void epd_conn_reply_status(struct epd_conn *c, uint64_t request_id, int status, 
         va_list ap;
 
         va_start(ap, fmt);
-        reply_status(c, NULL, request_id, status, fmt, ap);
-        va_end(ap);
-}
-
-void epd_conn_reply_status_to(struct epd_conn *c, struct epd_doorbell *mailbox,
-                              uint64_t request_id, int status, const char *fmt, ...)
-{
-        va_list ap;
-
-        va_start(ap, fmt);
-        reply_status(c, mailbox, request_id, status, fmt, ap);
+        reply_status(c, request_id, status, fmt, ap);
         va_end(ap);
 }
 
@@ -364,30 +384,19 @@ static int conn_take_page(struct epd_conn *c, struct epd_binding *b)
                         c, "protocol error: the request in the doorbell page of group '%s' rank %u is %zu bytes; it must be 1 to %zu",
                         g->name, b->rank, len, (size_t)EPD_REQUEST_CAPACITY);
         char why[160];
-        Epd__V1__Request *req = rc == 2 ? epd_request_from_compact(buf, len, why, sizeof(why))
-                                        : epd__v1__request__unpack(NULL, len, buf);
-        if (!req && rc == 2)
+        struct epd_op_request req;
+        if (epd_oprec_request_decode(buf, len, &req, why, sizeof(why)) < 0)
                 return conn_protocol_error(
-                        c, "protocol error: the compact request in the doorbell page of group '%s' rank %u is malformed: %s",
+                        c, "protocol error: the op record in the doorbell page of group '%s' rank %u is malformed: %s",
                         g->name, b->rank, why);
-        if (!req)
+        if (req.group_id != g->id || req.rank != b->rank)
                 return conn_protocol_error(
-                        c, "protocol error: the doorbell page of group '%s' rank %u holds no valid Request",
-                        g->name, b->rank);
-        const int ok = (req->body_case == EPD__V1__REQUEST__BODY_DISPATCH &&
-                        req->dispatch->group_id == g->id && req->dispatch->rank == b->rank) ||
-                       (req->body_case == EPD__V1__REQUEST__BODY_COMBINE &&
-                        req->combine->group_id == g->id && req->combine->rank == b->rank);
-        if (!ok) {
-                epd_request_free(req);
-                return conn_protocol_error(
-                        c, "protocol error: a request in the doorbell page of group '%s' rank %u must be a Dispatch or Combine of that rank",
-                        g->name, b->rank);
-        }
+                        c, "protocol error: an op record in the doorbell page of group '%s' rank %u must be one of that rank (it names group %llu rank %u)",
+                        g->name, b->rank, (unsigned long long)req.group_id, req.rank);
         d->stats.mailbox_requests++;
         c->stats.requests++;
-        rc = epd_handle_request(c, req, NULL, 0);
-        if (rc < 0 || c->closing || c->close_reason) {
+        epd_handle_op(c, &req);
+        if (c->closing || c->close_reason) {
                 if (!c->closing)
                         epd_conn_close(c, "request handler closed the connection");
                 return -1;

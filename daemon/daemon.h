@@ -15,6 +15,7 @@
 #include "epd.h"
 #include "epd.pb-c.h"
 #include "list.h"
+#include "oprec.h"
 #include "stats.h"
 
 struct epd_backend;
@@ -206,8 +207,8 @@ struct epd_handle {
 };
 
 enum epd_op_kind {
-        EPD_OP_DISPATCH = 1,
-        EPD_OP_COMBINE = 2,
+        EPD_OP_DISPATCH = EPD_OPREC_DISPATCH, /* the record's kinds (common/oprec.h) */
+        EPD_OP_COMBINE = EPD_OPREC_COMBINE,
 };
 
 struct epd_submission {
@@ -217,8 +218,7 @@ struct epd_submission {
         uint64_t submitted_ns;
         uint64_t seq;                 /* the rank's submission number (doorbell) */
         int mailbox;                  /* the reply goes into the rank's doorbell page */
-        int compact;                  /* there, a success may go as struct epd_compact_reply */
-        Epd__V1__Request *req;        /* owned; decoded request, freed once the op launched */
+        struct epd_op_request req;    /* the decoded request record */
 };
 
 enum epd_op_state {
@@ -281,21 +281,20 @@ int epd_conn_send(struct epd_conn *c, const Epd__V1__Response *resp, const int *
 /* Sends a Response with only a status and message. */
 void epd_conn_reply_status(struct epd_conn *c, uint64_t request_id, int status,
                            const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-/* The reply to an op's request: into `mailbox` (the rank's doorbell page) when given and the
- * reply fits, else on the socket. */
-int epd_conn_reply(struct epd_conn *c, struct epd_doorbell *mailbox,
-                   const Epd__V1__Response *resp);
-/* A compact reply (common/doorbell.h) into `mailbox`: 0 when it was posted, -1 when it must go
- * as a Response instead (the connection is closing or the struct does not fit the page). */
-int epd_conn_reply_compact(struct epd_conn *c, struct epd_doorbell *mailbox,
-                           const struct epd_compact_reply *rep, size_t len);
-void epd_conn_reply_status_to(struct epd_conn *c, struct epd_doorbell *mailbox,
+/* The reply record (common/oprec.h) of an op request: into `mailbox` (the rank's doorbell page)
+ * when given and the record fits, else on the socket inside an OpRecord. */
+int epd_conn_reply_op(struct epd_conn *c, struct epd_doorbell *mailbox,
+                      const struct epd_op_reply *rep);
+/* A reply record that carries only a status and message. */
+void epd_conn_reply_op_status(struct epd_conn *c, struct epd_doorbell *mailbox, uint32_t kind,
                               uint64_t request_id, int status, const char *fmt, ...)
-        __attribute__((format(printf, 5, 6)));
+        __attribute__((format(printf, 6, 7)));
 
 /* handlers.c: one request, decoded. Returns 0, or a negative value when the connection must be
  * closed. */
 int epd_handle_request(struct epd_conn *c, Epd__V1__Request *req, int *fds, unsigned num_fds);
+/* One op request, decoded from its record (socket or doorbell page). Refusals are replied. */
+void epd_handle_op(struct epd_conn *c, const struct epd_op_request *req);
 
 /* registry.c */
 int epd_region_register(struct epd_conn *c, const Epd__V1__RegionRegister *rr, int fd,
@@ -346,9 +345,9 @@ void epd_group_handle_free(struct epd_group *g, struct epd_handle *h);
 int epd_group_handle_all_released(const struct epd_group *g, const struct epd_handle *h);
 
 /* op.c */
-/* Files rank's submission of its next op. The request is owned by the op from here on. */
+/* Files rank's submission of its next op; the op keeps a copy of req. */
 void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c,
-                   Epd__V1__Request *req, enum epd_op_kind kind);
+                   const struct epd_op_request *req);
 /* Fails every op of the group that has not launched with status/message. */
 void epd_op_fail_pending(struct epd_group *g, int status, const char *fmt, ...)
         __attribute__((format(printf, 3, 4)));

@@ -1,8 +1,8 @@
 /* handlers.c - one function per request type: argument checks, the fd accounting of each
  * request, and the reply. Collective ops are handed to op.c. Loop thread only.
  *
- * Ownership: epd_handle_request owns `req` and frees it, except for Dispatch/Combine, whose
- * request passes to the op. fds[] entries a handler uses are taken (set to -1); the caller
+ * Ownership: epd_handle_request owns `req` and frees it; an op record is decoded into the native
+ * struct epd_op_request (common/oprec.h) here, at the edge, and the op keeps a copy. fds[] entries a handler uses are taken (set to -1); the caller
  * closes the rest.
  */
 #include <errno.h>
@@ -17,7 +17,6 @@
 #include "daemon.h"
 #include "log.h"
 #include "report.h"
-#include "request.h"
 #include "resize.h"
 #include "routing.h"
 #include "util.h"
@@ -81,7 +80,6 @@ static int handle_hello(struct epd_conn *c, const Epd__V1__Request *req)
                          EPD__V1__CAPABILITY__CAP_OUTPUT_ARENA |
                          EPD__V1__CAPABILITY__CAP_REPLY_MAILBOX |
                          EPD__V1__CAPABILITY__CAP_REQUEST_MAILBOX |
-                         EPD__V1__CAPABILITY__CAP_COMPACT_REQUEST |
                          (c->admin ? EPD__V1__CAPABILITY__CAP_ADMIN : 0);
         if (strcmp(d->backend->ops->name, "cuda") == 0)
                 w.capabilities |= EPD__V1__CAPABILITY__CAP_CUDA_REGIONS;
@@ -231,30 +229,76 @@ static void handle_group_join(struct epd_conn *c, const Epd__V1__Request *req)
         reply_joined(c, req->id, g, m->rank);
 }
 
-/* The group and rank named by a request, if this client holds that rank. */
+/* The group and rank named by a request, if this client holds that rank. op_kind: the request
+ * is an op record of that kind, whose refusal is a reply record; 0 for a control message. */
 static struct epd_group *bound_group(struct epd_conn *c, uint64_t request_id, uint64_t group_id,
-                                     uint32_t rank)
+                                     uint32_t rank, uint32_t op_kind)
 {
         struct epd_group *g = epd_group_find(c->daemon, group_id);
+        char why[160];
+        int status;
 
         if (!g) {
-                epd_conn_reply_status(c, request_id, EPD_NOT_FOUND, "group %llu does not exist",
-                                      (unsigned long long)group_id);
-                return NULL;
+                status = EPD_NOT_FOUND;
+                snprintf(why, sizeof(why), "group %llu does not exist",
+                         (unsigned long long)group_id);
+        } else if (rank >= g->cfg.world_size || g->ranks[rank].conn != c) {
+                status = EPD_PERMISSION_DENIED;
+                snprintf(why, sizeof(why), "rank %u of group '%s' is not bound to this client",
+                         rank, g->name);
+        } else {
+                return g;
         }
-        if (rank >= g->cfg.world_size || g->ranks[rank].conn != c) {
-                epd_conn_reply_status(c, request_id, EPD_PERMISSION_DENIED,
-                                      "rank %u of group '%s' is not bound to this client", rank,
-                                      g->name);
-                return NULL;
+        if (op_kind)
+                epd_conn_reply_op_status(c, NULL, op_kind, request_id, status, "%s", why);
+        else
+                epd_conn_reply_status(c, request_id, status, "%s", why);
+        return NULL;
+}
+
+void epd_handle_op(struct epd_conn *c, const struct epd_op_request *req)
+{
+        struct epd_group *g;
+
+        if (c->daemon->shutting_down) {
+                epd_conn_reply_op_status(c, NULL, req->kind, req->id, EPD_UNAVAILABLE,
+                                         "daemon is shutting down");
+                return;
         }
-        return g;
+        g = bound_group(c, req->id, req->group_id, req->rank, req->kind);
+        if (g)
+                epd_op_submit(g, req->rank, c, req);
+}
+
+/* An op record on the socket: decoded here, at the edge. A malformed record is a protocol
+ * error, as in the doorbell page. */
+static int handle_op_record(struct epd_conn *c, const Epd__V1__Request *req)
+{
+        const ProtobufCBinaryData *rec = &req->op->record;
+        struct epd_op_request q;
+        char why[160];
+
+        if (epd_oprec_request_decode(rec->data, rec->len, &q, why, sizeof(why)) < 0) {
+                c->daemon->stats.protocol_errors++;
+                epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT,
+                                      "protocol error: malformed op record: %s", why);
+                return -1;
+        }
+        if (q.id != req->id) {
+                c->daemon->stats.protocol_errors++;
+                epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT,
+                                      "protocol error: op record id %llu in request %llu",
+                                      (unsigned long long)q.id, (unsigned long long)req->id);
+                return -1;
+        }
+        epd_handle_op(c, &q);
+        return 0;
 }
 
 static void handle_group_leave(struct epd_conn *c, const Epd__V1__Request *req)
 {
         const Epd__V1__GroupLeave *m = req->group_leave;
-        struct epd_group *g = bound_group(c, req->id, m->group_id, m->rank);
+        struct epd_group *g = bound_group(c, req->id, m->group_id, m->rank, 0);
 
         if (!g)
                 return;
@@ -541,7 +585,7 @@ out:
 static void handle_handle_release(struct epd_conn *c, const Epd__V1__Request *req)
 {
         const Epd__V1__HandleRelease *m = req->handle_release;
-        struct epd_group *g = bound_group(c, req->id, m->group_id, m->rank);
+        struct epd_group *g = bound_group(c, req->id, m->group_id, m->rank, 0);
         struct epd_handle *h;
 
         if (!g)
@@ -565,20 +609,19 @@ static void handle_handle_release(struct epd_conn *c, const Epd__V1__Request *re
 
 int epd_handle_request(struct epd_conn *c, Epd__V1__Request *req, int *fds, unsigned num_fds)
 {
-        struct epd_daemon *d = c->daemon;
         int rc = 0;
 
         if (!c->hello_done && req->body_case != EPD__V1__REQUEST__BODY_HELLO) {
                 epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT,
                                       "protocol error: the first request must be Hello");
-                epd_request_free(req);
+                epd__v1__request__free_unpacked(req, NULL);
                 return -1;
         }
         if (num_fds && req->body_case != EPD__V1__REQUEST__BODY_REGION_REGISTER) {
                 epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT,
                                       "protocol error: this request carries no fds, frame has %u",
                                       num_fds);
-                epd_request_free(req);
+                epd__v1__request__free_unpacked(req, NULL);
                 return -1;
         }
         switch (req->body_case) {
@@ -627,29 +670,14 @@ int epd_handle_request(struct epd_conn *c, Epd__V1__Request *req, int *fds, unsi
         case EPD__V1__REQUEST__BODY_ARENA_SEGMENTS:
                 epd_handle_arena_segments(c, req); /* resize.c */
                 break;
-        case EPD__V1__REQUEST__BODY_DISPATCH:
-        case EPD__V1__REQUEST__BODY_COMBINE: {
-                int is_dispatch = req->body_case == EPD__V1__REQUEST__BODY_DISPATCH;
-                uint64_t group_id = is_dispatch ? req->dispatch->group_id : req->combine->group_id;
-                uint32_t rank = is_dispatch ? req->dispatch->rank : req->combine->rank;
-                struct epd_group *g;
-
-                if (d->shutting_down) {
-                        epd_conn_reply_status(c, req->id, EPD_UNAVAILABLE,
-                                              "daemon is shutting down");
-                        break;
-                }
-                g = bound_group(c, req->id, group_id, rank);
-                if (!g)
-                        break;
-                epd_op_submit(g, rank, c, req, is_dispatch ? EPD_OP_DISPATCH : EPD_OP_COMBINE);
-                return 0; /* the op owns req */
-        }
+        case EPD__V1__REQUEST__BODY_OP:
+                rc = handle_op_record(c, req);
+                break;
         default:
                 epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT, "unknown request type %d",
                                       (int)req->body_case);
                 break;
         }
-        epd_request_free(req);
+        epd__v1__request__free_unpacked(req, NULL);
         return rc;
 }

@@ -63,28 +63,20 @@ static void mailbox_ring(struct epd_doorbell *db, uint64_t id)
         mailbox_wake(db, EPD_MAILBOX_WAKE_AT_REPLY);
 }
 
-int epd_mailbox_post(struct epd_doorbell *db, const Epd__V1__Response *resp)
-{
-        const size_t len = epd__v1__response__get_packed_size(resp);
+_Static_assert(EPD_OPREC_REQUEST_BYTES <= EPD_REQUEST_CAPACITY,
+               "a request record fits the request box");
 
-        if (len > EPD_MAILBOX_CAPACITY(EPD_DOORBELL_BYTES)) {
+int epd_mailbox_post(struct epd_doorbell *db, const struct epd_op_reply *rep)
+{
+        const size_t len = epd_oprec_reply_bytes(rep);
+
+        if (len == 0 || len > EPD_MAILBOX_CAPACITY(EPD_DOORBELL_BYTES)) {
                 db->reply_len = EPD_MAILBOX_ON_SOCKET;
-                mailbox_ring(db, resp->id);
+                mailbox_ring(db, rep->id);
                 return -EMSGSIZE;
         }
-        epd__v1__response__pack(resp, (uint8_t *)db->reply);
+        (void)epd_oprec_reply_encode(rep, (uint8_t *)db->reply, len);
         db->reply_len = (uint32_t)len;
-        mailbox_ring(db, resp->id);
-        return 0;
-}
-
-int epd_mailbox_post_compact(struct epd_doorbell *db, const struct epd_compact_reply *rep,
-                             size_t len)
-{
-        if (len > EPD_MAILBOX_CAPACITY(EPD_DOORBELL_BYTES) || len >= EPD_MAILBOX_COMPACT)
-                return -EMSGSIZE;
-        memcpy((uint8_t *)db->reply, rep, len);
-        db->reply_len = (uint32_t)len | EPD_MAILBOX_COMPACT;
         mailbox_ring(db, rep->id);
         return 0;
 }
@@ -116,9 +108,8 @@ int epd_mailbox_take(struct epd_doorbell *db, uint8_t *buf, size_t buf_len, size
                 return 0; /* taken back by the client */
         /* Read the length once: the client may scribble on the slot, but what is copied is
          * bounded by what was checked. */
-        const uint32_t word = __atomic_load_n(&box->len, __ATOMIC_RELAXED);
-        const uint32_t n = word & ~EPD_REQUEST_COMPACT;
-        int rc = word & EPD_REQUEST_COMPACT ? 2 : 1;
+        const uint32_t n = __atomic_load_n(&box->len, __ATOMIC_RELAXED);
+        int rc = 1;
 
         if (n == 0 || n > EPD_REQUEST_CAPACITY || n > buf_len) {
                 *len = n;

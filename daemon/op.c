@@ -14,7 +14,6 @@
 #include "daemon.h"
 #include "log.h"
 #include "mailbox.h"
-#include "request.h"
 #include "resize.h"
 #include "tensor.h"
 #include "util.h"
@@ -55,11 +54,8 @@ static void op_destroy(struct epd_op *op)
         uint32_t R = op->group->cfg.world_size;
 
         epd_list_del(&op->link);
-        for (uint32_t r = 0; r < R; r++) {
+        for (uint32_t r = 0; r < R; r++)
                 (void)reply_mailbox(op, r); /* a rank that got no reply: its mailbox is free */
-                if (op->subs[r].req)
-                        epd_request_free(op->subs[r].req);
-        }
         free(op->subs);
         op->subs = NULL;
         if (op->timer_active)
@@ -85,8 +81,8 @@ static void reply_error(struct epd_op *op, uint32_t rank)
 
         if (sub->conn) {
                 sub->conn->outstanding_ops--;
-                epd_conn_reply_status_to(sub->conn, reply_mailbox(op, rank), sub->request_id,
-                                         op->status, "%s", op->message);
+                epd_conn_reply_op_status(sub->conn, reply_mailbox(op, rank), sub->req.kind,
+                                         sub->request_id, op->status, "%s", op->message);
         }
         sub->conn = NULL;
 }
@@ -214,44 +210,43 @@ static struct epd_op *op_get(struct epd_group *g, uint64_t number, enum epd_op_k
         return op;
 }
 
-void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__V1__Request *req,
-                   enum epd_op_kind kind)
+void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c,
+                   const struct epd_op_request *req)
 {
         struct epd_daemon *d = g->daemon;
+        const enum epd_op_kind kind = req->kind == EPD_OPREC_DISPATCH ? EPD_OP_DISPATCH
+                                                                      : EPD_OP_COMBINE;
         struct epd_op *op;
         struct epd_submission *sub;
 
         if (g->state == EPD_GROUP_BROKEN) {
                 epd_group_rank_refused(g, rank);
-                epd_conn_reply_status(c, req->id, EPD_PEER_LOST,
-                                      "group '%s' is broken: a rank was lost; it is usable again once every rank is bound",
-                                      g->name);
-                epd_request_free(req);
+                epd_conn_reply_op_status(c, NULL, req->kind, req->id, EPD_PEER_LOST,
+                                         "group '%s' is broken: a rank was lost; it is usable again once every rank is bound",
+                                         g->name);
                 return;
         }
         if (c->outstanding_ops >= d->cfg.max_outstanding_ops_per_client) {
                 epd_group_rank_refused(g, rank);
-                epd_conn_reply_status(c, req->id, EPD_UNAVAILABLE,
-                                      "client has %u outstanding ops, the limit max_outstanding_ops_per_client",
-                                      c->outstanding_ops);
-                epd_request_free(req);
+                epd_conn_reply_op_status(c, NULL, req->kind, req->id, EPD_UNAVAILABLE,
+                                         "client has %u outstanding ops, the limit max_outstanding_ops_per_client",
+                                         c->outstanding_ops);
                 return;
         }
-        const int mailbox = kind == EPD_OP_DISPATCH ? req->dispatch->reply_in_doorbell
-                                                    : req->combine->reply_in_doorbell;
+        const int mailbox = (req->flags & EPD_OPREC_REPLY_IN_DOORBELL) != 0;
         if (mailbox && g->ranks[rank].mailbox_id != 0) {
                 epd_group_rank_refused(g, rank);
-                epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT,
-                                      "group '%s' rank %u: request %llu still waits for its reply in the doorbell page; reply_in_doorbell allows one such request per rank at a time",
-                                      g->name, rank, (unsigned long long)g->ranks[rank].mailbox_id);
-                epd_request_free(req);
+                epd_conn_reply_op_status(c, NULL, req->kind, req->id, EPD_INVALID_ARGUMENT,
+                                         "group '%s' rank %u: request %llu still waits for its reply in the doorbell page; reply_in_doorbell allows one such request per rank at a time",
+                                         g->name, rank,
+                                         (unsigned long long)g->ranks[rank].mailbox_id);
                 return;
         }
         op = op_get(g, g->ranks[rank].next_op, kind);
         if (!op) {
                 epd_group_rank_refused(g, rank);
-                epd_conn_reply_status(c, req->id, EPD_INTERNAL, "out of memory");
-                epd_request_free(req);
+                epd_conn_reply_op_status(c, NULL, req->kind, req->id, EPD_INTERNAL,
+                                         "out of memory");
                 return;
         }
         g->ranks[rank].next_op++;
@@ -263,10 +258,8 @@ void epd_op_submit(struct epd_group *g, uint32_t rank, struct epd_conn *c, Epd__
         sub->conn = c;
         sub->submitted_ns = epd__now_ns();
         sub->seq = epd_group_rank_submitted(g, rank);
-        sub->req = req;
+        sub->req = *req;
         sub->mailbox = mailbox && g->ranks[rank].doorbell != NULL;
-        sub->compact = kind == EPD_OP_DISPATCH ? req->dispatch->compact_reply
-                                               : req->combine->compact_reply;
         if (sub->mailbox)
                 g->ranks[rank].mailbox_id = req->id;
         op->arrived++;
@@ -350,18 +343,18 @@ static int group_spans_devices(const struct epd_group *g)
  * exact_rows: sizes[0] must equal rows; else sizes[0] >= rows and the whole declared extent is
  * resolved (outputs: sizes[0] is the capacity). */
 static int prep_tensor(struct prep *p, uint32_t rank, const char *what,
-                       const Epd__V1__TensorRef *ref, enum epd_dtype dtype, uint64_t rows,
+                       const struct epd_tensor *ref, enum epd_dtype dtype, uint64_t rows,
                        uint64_t cols, int exact_rows, struct epd_mat *out, uint64_t *capacity)
 {
         struct epd_conn *c = p->op->subs[rank].conn;
-        struct epd_tensor t;
+        const struct epd_tensor t = *ref;
         struct epd_region *r;
         char err[256];
         int rc;
 
         memset(out, 0, sizeof(*out));
-        if (epd__tensor_from_wire(ref, &t) < 0)
-                return prep_fail(p, EPD_INVALID_ARGUMENT, rank, "%s: malformed tensor", what);
+        if (!epd__tensor_present(&t))
+                return prep_fail(p, EPD_INVALID_ARGUMENT, rank, "%s: absent", what);
         if (t.dtype != dtype)
                 return prep_fail(p, EPD_INVALID_ARGUMENT, rank, "%s: dtype %d, expected %d", what,
                                  (int)t.dtype, (int)dtype);
@@ -395,17 +388,14 @@ static int prep_tensor(struct prep *p, uint32_t rank, const char *what,
         return prep_ref(p, r);
 }
 
-static int present(const Epd__V1__TensorRef *ref)
+static uint32_t dispatch_topk(const struct epd_op_request *m)
 {
-        return ref && ref->region_id != 0;
-}
+        const struct epd_tensor *topk_idx = &m->t[EPD_OPREC_TOPK_IDX];
 
-static uint32_t dispatch_topk(const Epd__V1__Dispatch *m)
-{
         if (m->num_topk)
                 return m->num_topk;
-        return present(m->topk_idx) && m->topk_idx->n_sizes == 2 ? (uint32_t)m->topk_idx->sizes[1]
-                                                                 : 0;
+        return epd__tensor_present(topk_idx) && topk_idx->ndim == 2 ? (uint32_t)topk_idx->sizes[1]
+                                                                    : 0;
 }
 
 static int prep_dispatch(struct prep *p)
@@ -414,22 +404,22 @@ static int prep_dispatch(struct prep *p)
         struct epd_group *g = op->group;
         struct epd_exec *ex = p->ex;
         const struct epd_group_cfg *cfg = &g->cfg;
-        const Epd__V1__Dispatch *m0 = op->subs[0].req->dispatch;
+        const struct epd_op_request *m0 = &op->subs[0].req;
         struct epd_handle *h = NULL;
         uint32_t R = cfg->world_size;
 
         ex->layout = (enum epd_layout)m0->layout;
         ex->expert_alignment = m0->expert_alignment ? m0->expert_alignment : 1;
-        ex->zero_padding = m0->zero_padding;
-        ex->has_weights = present(m0->topk_weights);
+        ex->zero_padding = (m0->flags & EPD_OPREC_ZERO_PADDING) != 0;
+        ex->has_weights = epd__tensor_present(&m0->t[EPD_OPREC_TOPK_WEIGHTS]);
         ex->num_topk = dispatch_topk(m0);
         /* The top-k dtype comes from the first rank that gives topk_idx: a rank without tokens
          * may leave it out. */
         ex->topk_dtype = EPD_DTYPE_INVALID;
         for (uint32_t r = 0; r < R && ex->topk_dtype == EPD_DTYPE_INVALID; r++) {
-                const Epd__V1__Dispatch *m = op->subs[r].req->dispatch;
-                if (present(m->topk_idx))
-                        ex->topk_dtype = (enum epd_dtype)m->topk_idx->dtype;
+                const struct epd_op_request *m = &op->subs[r].req;
+                if (epd__tensor_present(&m->t[EPD_OPREC_TOPK_IDX]))
+                        ex->topk_dtype = m->t[EPD_OPREC_TOPK_IDX].dtype;
         }
         if (m0->handle_id) {
                 h = epd_group_handle_find(g, m0->handle_id);
@@ -458,7 +448,7 @@ static int prep_dispatch(struct prep *p)
         }
         /* SEMANTICS.md 1: what must match across ranks. */
         for (uint32_t r = 1; r < R; r++) {
-                const Epd__V1__Dispatch *m = op->subs[r].req->dispatch;
+                const struct epd_op_request *m = &op->subs[r].req;
                 if (m->handle_id != m0->handle_id)
                         return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                          "handle %llu differs from rank 0's %llu",
@@ -467,10 +457,10 @@ static int prep_dispatch(struct prep *p)
                 /* expert_alignment 0 means 1 (epd.h): compare what the values mean. */
                 if (m->layout != m0->layout ||
                     (m->expert_alignment ? m->expert_alignment : 1) != ex->expert_alignment ||
-                    m->zero_padding != m0->zero_padding)
+                    ((m->flags ^ m0->flags) & EPD_OPREC_ZERO_PADDING))
                         return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                          "layout/expert_alignment/zero_padding differ from rank 0's");
-                if (present(m->topk_weights) != ex->has_weights)
+                if (epd__tensor_present(&m->t[EPD_OPREC_TOPK_WEIGHTS]) != ex->has_weights)
                         return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                          "topk_weights %s but %s on rank 0",
                                          ex->has_weights ? "absent" : "present",
@@ -479,8 +469,8 @@ static int prep_dispatch(struct prep *p)
                         return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                          "top-k width %u differs from rank 0's %u",
                                          dispatch_topk(m), ex->num_topk);
-                if (!h && present(m->topk_idx) &&
-                    (enum epd_dtype)m->topk_idx->dtype != ex->topk_dtype)
+                if (!h && epd__tensor_present(&m->t[EPD_OPREC_TOPK_IDX]) &&
+                    m->t[EPD_OPREC_TOPK_IDX].dtype != ex->topk_dtype)
                         return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                          "topk_idx dtype differs from rank 0's");
         }
@@ -502,7 +492,7 @@ static int prep_dispatch(struct prep *p)
 
         int expand = ex->layout == EPD_LAYOUT_EXPAND;
         for (uint32_t r = 0; r < R; r++) {
-                const Epd__V1__Dispatch *m = op->subs[r].req->dispatch;
+                const struct epd_op_request *m = &op->subs[r].req;
                 struct epd_exec_rank *er = &ex->ranks[r];
                 uint32_t n = m->num_tokens;
                 uint64_t cap = UINT64_MAX, c;
@@ -518,48 +508,48 @@ static int prep_dispatch(struct prep *p)
                         return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                          "cached dispatch with %u tokens, the handle has %u", n,
                                          h->ranks[r].num_tokens);
-                if (n > 0 || present(m->x)) {
-                        rc = prep_tensor(p, r, "x", m->x, cfg->dtype, n, cfg->hidden, 1,
+                if (n > 0 || epd__tensor_present(&m->t[EPD_OPREC_X])) {
+                        rc = prep_tensor(p, r, "x", &m->t[EPD_OPREC_X], cfg->dtype, n, cfg->hidden, 1,
                                          &er->src.x, NULL);
                         if (rc < 0)
                                 return rc;
                 }
                 if (cfg->dtype == EPD_DTYPE_FP8_E4M3) {
-                        if (n > 0 || present(m->scales)) {
-                                rc = prep_tensor(p, r, "scales", m->scales, EPD_DTYPE_FP32, n,
+                        if (n > 0 || epd__tensor_present(&m->t[EPD_OPREC_SCALES])) {
+                                rc = prep_tensor(p, r, "scales", &m->t[EPD_OPREC_SCALES], EPD_DTYPE_FP32, n,
                                                  cfg->scale_cols, 1, &er->src.scales, NULL);
                                 if (rc < 0)
                                         return rc;
                         }
-                } else if (present(m->scales)) {
+                } else if (epd__tensor_present(&m->t[EPD_OPREC_SCALES])) {
                         return prep_fail(p, EPD_INVALID_ARGUMENT, r, "scales given for a bf16 group");
                 }
                 if (h) {
-                        if (present(m->topk_idx))
+                        if (epd__tensor_present(&m->t[EPD_OPREC_TOPK_IDX]))
                                 return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                                  "cached dispatch takes no topk_idx");
-                } else if (n > 0 || present(m->topk_idx)) {
+                } else if (n > 0 || epd__tensor_present(&m->t[EPD_OPREC_TOPK_IDX])) {
                         struct epd_mat topk;
-                        rc = prep_tensor(p, r, "topk_idx", m->topk_idx, ex->topk_dtype, n,
+                        rc = prep_tensor(p, r, "topk_idx", &m->t[EPD_OPREC_TOPK_IDX], ex->topk_dtype, n,
                                          ex->num_topk, 1, &topk, NULL);
                         if (rc < 0)
                                 return rc;
                         er->topk_idx = topk.ptr;
                         er->topk_stride = topk.stride / epd_dtype_size(ex->topk_dtype);
                 }
-                if (ex->has_weights && (n > 0 || present(m->topk_weights))) {
-                        rc = prep_tensor(p, r, "topk_weights", m->topk_weights, EPD_DTYPE_FP32, n,
+                if (ex->has_weights && (n > 0 || epd__tensor_present(&m->t[EPD_OPREC_TOPK_WEIGHTS]))) {
+                        rc = prep_tensor(p, r, "topk_weights", &m->t[EPD_OPREC_TOPK_WEIGHTS], EPD_DTYPE_FP32, n,
                                          ex->num_topk, 1, &er->src.weights, NULL);
                         if (rc < 0)
                                 return rc;
                 }
                 /* Outputs. */
-                er->use_arena = m->use_arena;
-                if (m->use_arena) {
+                er->use_arena = ((m->flags & EPD_OPREC_USE_ARENA) != 0);
+                if (((m->flags & EPD_OPREC_USE_ARENA) != 0)) {
                         if (!g->ranks[r].arena)
                                 return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                                  "use_arena but the group has no output arena (arena_bytes 0)");
-                        if (present(m->recv_x) || present(m->recv_src))
+                        if (epd__tensor_present(&m->t[EPD_OPREC_RECV_X]) || epd__tensor_present(&m->t[EPD_OPREC_RECV_SRC]))
                                 return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                                  "use_arena and output tensors are exclusive");
                         er->arena = g->ranks[r].arena;
@@ -568,53 +558,53 @@ static int prep_dispatch(struct prep *p)
                                 er->place = h->ranks[r].arena;
                         continue;
                 }
-                if (!present(m->recv_x))
+                if (!epd__tensor_present(&m->t[EPD_OPREC_RECV_X]))
                         return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                          "recv_x is required (or use_arena)");
-                rc = prep_tensor(p, r, "recv_x", m->recv_x, cfg->dtype, 0, cfg->hidden, 0,
+                rc = prep_tensor(p, r, "recv_x", &m->t[EPD_OPREC_RECV_X], cfg->dtype, 0, cfg->hidden, 0,
                                  &er->dst.recv_x, &c);
                 if (rc < 0)
                         return rc;
                 cap = c;
                 if (cfg->dtype == EPD_DTYPE_FP8_E4M3) {
-                        if (!present(m->recv_scales))
+                        if (!epd__tensor_present(&m->t[EPD_OPREC_RECV_SCALES]))
                                 return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                                  "recv_scales is required for fp8");
-                        rc = prep_tensor(p, r, "recv_scales", m->recv_scales, EPD_DTYPE_FP32, 0,
+                        rc = prep_tensor(p, r, "recv_scales", &m->t[EPD_OPREC_RECV_SCALES], EPD_DTYPE_FP32, 0,
                                          cfg->scale_cols, 0, &er->dst.recv_scales, &c);
                         if (rc < 0)
                                 return rc;
                         cap = c < cap ? c : cap;
                 }
-                if (present(m->recv_topk_idx)) {
+                if (epd__tensor_present(&m->t[EPD_OPREC_RECV_TOPK_IDX])) {
                         if (expand)
                                 return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                                  "EXPAND has no recv_topk_idx");
-                        rc = prep_tensor(p, r, "recv_topk_idx", m->recv_topk_idx, ex->topk_dtype,
+                        rc = prep_tensor(p, r, "recv_topk_idx", &m->t[EPD_OPREC_RECV_TOPK_IDX], ex->topk_dtype,
                                          0, ex->num_topk, 0, &er->dst.recv_topk_idx, &c);
                         if (rc < 0)
                                 return rc;
                         cap = c < cap ? c : cap;
                 }
-                if (present(m->recv_weights) && ex->has_weights) {
-                        rc = prep_tensor(p, r, "recv_weights", m->recv_weights, EPD_DTYPE_FP32, 0,
+                if (epd__tensor_present(&m->t[EPD_OPREC_RECV_WEIGHTS]) && ex->has_weights) {
+                        rc = prep_tensor(p, r, "recv_weights", &m->t[EPD_OPREC_RECV_WEIGHTS], EPD_DTYPE_FP32, 0,
                                          expand ? 0 : ex->num_topk, 0, &er->dst.recv_weights, &c);
                         if (rc < 0)
                                 return rc;
                         cap = c < cap ? c : cap;
                 }
-                if (present(m->recv_src)) {
-                        rc = prep_tensor(p, r, "recv_src", m->recv_src, EPD_DTYPE_INT64, 0, 0, 0,
+                if (epd__tensor_present(&m->t[EPD_OPREC_RECV_SRC])) {
+                        rc = prep_tensor(p, r, "recv_src", &m->t[EPD_OPREC_RECV_SRC], EPD_DTYPE_INT64, 0, 0, 0,
                                          &er->dst.recv_src, &c);
                         if (rc < 0)
                                 return rc;
                         cap = c < cap ? c : cap;
                 }
-                if (present(m->recv_topk_slot)) {
+                if (epd__tensor_present(&m->t[EPD_OPREC_RECV_TOPK_SLOT])) {
                         if (!expand)
                                 return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                                  "NON_EXPAND has no recv_topk_slot");
-                        rc = prep_tensor(p, r, "recv_topk_slot", m->recv_topk_slot,
+                        rc = prep_tensor(p, r, "recv_topk_slot", &m->t[EPD_OPREC_RECV_TOPK_SLOT],
                                          EPD_DTYPE_INT32, 0, 0, 0, &er->dst.recv_topk_slot, &c);
                         if (rc < 0)
                                 return rc;
@@ -635,18 +625,18 @@ static int prep_combine(struct prep *p)
         struct epd_group *g = op->group;
         struct epd_exec *ex = p->ex;
         const struct epd_group_cfg *cfg = &g->cfg;
-        const Epd__V1__Combine *m0 = op->subs[0].req->combine;
+        const struct epd_op_request *m0 = &op->subs[0].req;
         uint32_t R = cfg->world_size;
         struct epd_handle *h;
 
         for (uint32_t r = 1; r < R; r++) {
-                const Epd__V1__Combine *m = op->subs[r].req->combine;
+                const struct epd_op_request *m = &op->subs[r].req;
                 if (m->handle_id != m0->handle_id)
                         return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                          "handle %llu differs from rank 0's %llu",
                                          (unsigned long long)m->handle_id,
                                          (unsigned long long)m0->handle_id);
-                if (m->apply_weights != m0->apply_weights)
+                if (((m->flags ^ m0->flags) & EPD_OPREC_APPLY_WEIGHTS))
                         return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                          "apply_weights differs from rank 0's");
         }
@@ -663,12 +653,12 @@ static int prep_combine(struct prep *p)
         ex->num_topk = h->num_topk;
         ex->topk_dtype = h->topk_dtype;
         ex->has_weights = h->has_weights;
-        ex->apply_weights = m0->apply_weights;
+        ex->apply_weights = ((m0->flags & EPD_OPREC_APPLY_WEIGHTS) != 0);
         if (ex->apply_weights && (ex->layout != EPD_LAYOUT_EXPAND || !h->has_weights))
                 return prep_fail(p, EPD_INVALID_ARGUMENT, 0,
                                  "apply_weights needs an EXPAND dispatch that carried weights");
         for (uint32_t r = 0; r < R; r++) {
-                const Epd__V1__Combine *m = op->subs[r].req->combine;
+                const struct epd_op_request *m = &op->subs[r].req;
                 struct epd_exec_rank *er = &ex->ranks[r];
                 uint32_t n = h->ranks[r].num_tokens;
                 int rc;
@@ -676,35 +666,35 @@ static int prep_combine(struct prep *p)
                 er->num_tokens = n;
                 er->device = g->ranks[r].device;
                 er->y_rows = (uint64_t)h->ranks[r].rows;
-                if (h->ranks[r].rows > 0 || present(m->y)) {
-                        rc = prep_tensor(p, r, "y", m->y, EPD_DTYPE_BF16, (uint64_t)h->ranks[r].rows,
+                if (h->ranks[r].rows > 0 || epd__tensor_present(&m->t[EPD_OPREC_Y])) {
+                        rc = prep_tensor(p, r, "y", &m->t[EPD_OPREC_Y], EPD_DTYPE_BF16, (uint64_t)h->ranks[r].rows,
                                          cfg->hidden, 0, &er->y, NULL);
                         if (rc < 0)
                                 return rc;
                 }
-                if (m->n_bias > 2)
-                        return prep_fail(p, EPD_INVALID_ARGUMENT, r, "%zu biases; at most 2",
-                                         m->n_bias);
-                for (size_t b = 0; b < m->n_bias; b++) {
-                        if (!present(m->bias[b]) && n == 0)
+                /* (The record's decoder allows at most 2 biases.) A listed bias may be absent
+                 * on a rank without tokens. */
+                for (uint32_t b = 0; b < m->num_bias; b++) {
+                        const struct epd_tensor *bias = &m->t[EPD_OPREC_BIAS0 + b];
+                        if (!epd__tensor_present(bias) && n == 0)
                                 continue;
-                        rc = prep_tensor(p, r, b ? "bias[1]" : "bias[0]", m->bias[b],
+                        rc = prep_tensor(p, r, b ? "bias[1]" : "bias[0]", bias,
                                          EPD_DTYPE_BF16, n, cfg->hidden, 1, &er->comb.bias[b],
                                          NULL);
                         if (rc < 0)
                                 return rc;
                 }
-                if (n > 0 || present(m->combined)) {
-                        rc = prep_tensor(p, r, "combined", m->combined, EPD_DTYPE_BF16, n,
+                if (n > 0 || epd__tensor_present(&m->t[EPD_OPREC_COMBINED])) {
+                        rc = prep_tensor(p, r, "combined", &m->t[EPD_OPREC_COMBINED], EPD_DTYPE_BF16, n,
                                          cfg->hidden, 0, &er->comb.combined, NULL);
                         if (rc < 0)
                                 return rc;
                 }
-                if (present(m->combined_topk_weights)) {
+                if (epd__tensor_present(&m->t[EPD_OPREC_COMBINED_TOPK_WEIGHTS])) {
                         if (!h->has_weights)
                                 return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                                  "combined_topk_weights needs a dispatch that carried weights");
-                        rc = prep_tensor(p, r, "combined_topk_weights", m->combined_topk_weights,
+                        rc = prep_tensor(p, r, "combined_topk_weights", &m->t[EPD_OPREC_COMBINED_TOPK_WEIGHTS],
                                          EPD_DTYPE_FP32, n, ex->num_topk, 0,
                                          &er->comb.combined_topk_weights, NULL);
                         if (rc < 0)
@@ -764,9 +754,9 @@ static int op_launch(struct epd_op *op)
 
         /* Every rank must submit what rank 0 submitted. (The op took its kind from whichever
          * rank arrived first, so rank 0 is the reference the message names.) */
-        int dispatch0 = op->subs[0].req->body_case == EPD__V1__REQUEST__BODY_DISPATCH;
+        int dispatch0 = op->subs[0].req.kind == EPD_OPREC_DISPATCH;
         for (uint32_t r = 1; r < R; r++) {
-                int is_dispatch = op->subs[r].req->body_case == EPD__V1__REQUEST__BODY_DISPATCH;
+                int is_dispatch = op->subs[r].req.kind == EPD_OPREC_DISPATCH;
                 if (is_dispatch != dispatch0) {
                         char msg[256];
                         snprintf(msg, sizeof(msg),
@@ -805,13 +795,11 @@ static int op_launch(struct epd_op *op)
         }
         for (uint32_t r = 0; r < R; r++) {
                 struct epd_exec_rank *er = &p.ex->ranks[r];
-                const Epd__V1__Request *req = op->subs[r].req;
                 er->doorbell = g->ranks[r].doorbell;
                 er->doorbell_dev = g->ranks[r].doorbell_dev;
                 /* Ops of a group complete in order, so this one is the rank's next. */
                 er->completed_value = g->ranks[r].completed + 1;
-                er->wait_inputs = op->kind == EPD_OP_DISPATCH ? req->dispatch->wait_inputs
-                                                             : req->combine->wait_inputs;
+                er->wait_inputs = op->subs[r].req.wait_inputs;
         }
         p.ex->timeout_ns = (uint64_t)g->cfg.op_timeout_ms * 1000000ull;
         op->refs = p.refs;
@@ -830,13 +818,6 @@ static int op_launch(struct epd_op *op)
                 struct epd_doorbell *page = sub_page(op, r);
                 if (page)
                         epd_mailbox_nudge(page);
-        }
-        /* The exec holds what the requests said: free them while the op runs, not after its
-         * replies, where the frees (tens per request) would delay the next op's requests. */
-        for (uint32_t r = 0; r < R; r++) {
-                if (op->subs[r].req)
-                        epd_request_free(op->subs[r].req);
-                op->subs[r].req = NULL;
         }
         return 0;
 }
@@ -863,77 +844,25 @@ void epd_op_kick(struct epd_group *g)
 
 /* ---- completion ---- */
 
-static void wire_arena_tensor(Epd__V1__TensorRef *t, uint64_t *sizes, uint64_t region_id,
-                              uint64_t off, enum epd_dtype dtype, uint64_t rows, uint64_t cols)
-{
-        epd__v1__tensor_ref__init(t);
-        t->region_id = region_id;
-        t->offset = off;
-        t->dtype = (Epd__V1__DType)dtype;
-        sizes[0] = rows;
-        sizes[1] = cols;
-        t->sizes = sizes;
-        t->n_sizes = cols ? 2 : 1;
-}
-
-/* This rank's timeline of the op (proto OpTimeline); replied_ns is taken now. */
-static void fill_timeline(const struct epd_op *op, uint32_t r, Epd__V1__OpTimeline *tl)
-{
-        tl->received_ns = op->subs[r].submitted_ns;
-        tl->launched_ns = op->launch_ns;
-        tl->exec_start_ns = op->exec->exec_start_ns;
-        tl->completed_ns = op->completed_ns;
-        tl->replied_ns = epd__now_ns();
-}
-
-/* The fields that a compact reply (common/doorbell.h) shares with DispatchReply/CombineReply
- * and OpTimeline; replied_ns is taken now. */
-static void compact_common(const struct epd_op *op, uint32_t r, uint32_t kind,
-                           struct epd_compact_reply *c)
+/* The reply record of rank r's successful op: the fields both kinds share, the timeline
+ * (replied_ns taken now). */
+static void reply_common(const struct epd_op *op, uint32_t r, struct epd_op_reply *rep)
 {
         const struct epd_submission *sub = &op->subs[r];
 
-        memset(c, 0, sizeof(*c));
-        c->id = sub->request_id;
-        c->kind = kind;
-        c->op_number = op->number;
-        c->exec_ns = op->exec->exec_ns;
-        c->kernel_ns = op->exec->kernel_ns;
-        c->queue_ns = op->launch_ns - sub->submitted_ns;
-        c->received_ns = sub->submitted_ns;
-        c->launched_ns = op->launch_ns;
-        c->exec_start_ns = op->exec->exec_start_ns;
-        c->completed_ns = op->completed_ns;
-        c->replied_ns = epd__now_ns();
-}
-
-/* A dispatch reply as a compact struct into the page, when the request asked for it and the
- * outputs are the client's own tensors (arena placements need the Response's TensorRefs).
- * Returns 1 when it was posted. */
-static int reply_dispatch_compact(struct epd_op *op, uint32_t r, const struct epd_handle *h,
-                                  struct epd_doorbell *page)
-{
-        const struct epd_group *g = op->group;
-        const struct epd_exec_rank *er = &op->exec->ranks[r];
-        const uint32_t L = g->cfg.num_local_experts, R = g->cfg.world_size;
-        const uint64_t len = epd_compact_reply_bytes(EPD_COMPACT_DISPATCH, L, R);
-        union {
-                struct epd_compact_reply rep;
-                uint8_t bytes[EPD_MAILBOX_CAPACITY(EPD_DOORBELL_BYTES)];
-        } u;
-
-        if (!page || !op->subs[r].compact || er->use_arena || len == 0 || len > sizeof(u))
-                return 0;
-        compact_common(op, r, EPD_COMPACT_DISPATCH, &u.rep);
-        u.rep.num_local_experts = L;
-        u.rep.world_size = R;
-        u.rep.num_tokens = er->num_recv_tokens;
-        u.rep.num_expanded_rows = er->num_expanded_rows;
-        u.rep.handle_id = h->id;
-        memcpy(u.rep.counts, er->per_expert, L * sizeof(int32_t));
-        memcpy(u.rep.counts + L, er->per_expert_aligned, L * sizeof(int32_t));
-        memcpy(u.rep.counts + 2 * L, er->rank_prefix, (R + 1) * sizeof(int32_t));
-        return epd_conn_reply_compact(op->subs[r].conn, page, &u.rep, len) == 0;
+        memset(rep, 0, sizeof(*rep));
+        rep->id = sub->request_id;
+        rep->kind = op->kind == EPD_OP_DISPATCH ? EPD_OPREC_DISPATCH : EPD_OPREC_COMBINE;
+        rep->status = EPD_OK;
+        rep->op_number = op->number;
+        rep->exec_ns = op->exec->exec_ns;
+        rep->kernel_ns = op->exec->kernel_ns;
+        rep->queue_ns = op->launch_ns - sub->submitted_ns;
+        rep->received_ns = sub->submitted_ns;
+        rep->launched_ns = op->launch_ns;
+        rep->exec_start_ns = op->exec->exec_start_ns;
+        rep->completed_ns = op->completed_ns;
+        rep->replied_ns = epd__now_ns();
 }
 
 static void reply_dispatch(struct epd_op *op, uint32_t r, struct epd_handle *h)
@@ -941,44 +870,26 @@ static void reply_dispatch(struct epd_op *op, uint32_t r, struct epd_handle *h)
         struct epd_group *g = op->group;
         struct epd_exec *ex = op->exec;
         struct epd_exec_rank *er = &ex->ranks[r];
-        struct epd_submission *sub = &op->subs[r];
-        uint32_t L = g->cfg.num_local_experts, R = g->cfg.world_size;
-        struct epd_doorbell *page = reply_mailbox(op, r);
-        if (reply_dispatch_compact(op, r, h, page))
-                return;
-        Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
-        Epd__V1__DispatchReply dr = EPD__V1__DISPATCH_REPLY__INIT;
-        Epd__V1__TensorRef t[EPD_OUT_FIELDS];
-        uint64_t sizes[EPD_OUT_FIELDS][2];
+        struct epd_op_reply rep;
 
-        dr.op_number = op->number;
-        dr.handle_id = h->id;
-        dr.num_recv_tokens = er->num_recv_tokens;
-        dr.num_expanded_rows = er->num_expanded_rows;
-        dr.n_num_recv_tokens_per_expert = L;
-        dr.num_recv_tokens_per_expert = er->per_expert;
-        dr.n_num_recv_tokens_per_expert_aligned = L;
-        dr.num_recv_tokens_per_expert_aligned = er->per_expert_aligned;
-        dr.n_rank_prefix = R + 1;
-        dr.rank_prefix = er->rank_prefix;
-        dr.exec_ns = ex->exec_ns;
-        dr.kernel_ns = ex->kernel_ns;
-        dr.queue_ns = op->launch_ns - sub->submitted_ns;
+        reply_common(op, r, &rep);
+        rep.handle_id = h->id;
+        rep.num_tokens = er->num_recv_tokens;
+        rep.num_expanded_rows = er->num_expanded_rows;
+        rep.num_local_experts = g->cfg.num_local_experts;
+        rep.world_size = g->cfg.world_size;
+        rep.per_expert = er->per_expert;
+        rep.per_expert_aligned = er->per_expert_aligned;
+        rep.rank_prefix = er->rank_prefix;
         if (er->use_arena && g->ranks[r].arena) {
                 /* A generation newer than the client's: a resize changed the arena's segments
                  * (resize.c); the client maps them before it reads the outputs. */
-                dr.arena_generation = g->ranks[r].arena->generation;
-                dr.arena_bytes = g->ranks[r].arena->bytes;
+                rep.arena_generation = g->ranks[r].arena->generation;
+                rep.arena_bytes = g->ranks[r].arena->bytes;
         }
         if (er->use_arena) {
                 const struct epd_arena_place *pl = &h->ranks[r].arena;
-                uint64_t id = g->ranks[r].arena_region_id;
-                uint64_t rows = (uint64_t)h->ranks[r].rows;
-                int expand = ex->layout == EPD_LAYOUT_EXPAND;
-                Epd__V1__TensorRef **slots[EPD_OUT_FIELDS] = {
-                        &dr.recv_x, &dr.recv_scales, &dr.recv_topk_idx,
-                        &dr.recv_weights, &dr.recv_src, &dr.recv_topk_slot,
-                };
+                const int expand = ex->layout == EPD_LAYOUT_EXPAND;
                 const enum epd_dtype dt[EPD_OUT_FIELDS] = {
                         g->cfg.dtype, EPD_DTYPE_FP32, ex->topk_dtype,
                         EPD_DTYPE_FP32, EPD_DTYPE_INT64, EPD_DTYPE_INT32,
@@ -987,52 +898,28 @@ static void reply_dispatch(struct epd_op *op, uint32_t r, struct epd_handle *h)
                         g->cfg.hidden, g->cfg.scale_cols, ex->num_topk,
                         expand ? 0 : ex->num_topk, 0, 0,
                 };
+                _Static_assert((int)EPD_OUT_FIELDS == (int)EPD_OPREC_OUTPUTS,
+                               "one reply output per arena field");
+                rep.arena_region_id = g->ranks[r].arena_region_id;
                 for (int f = 0; f < EPD_OUT_FIELDS; f++) {
                         if (pl->off[f] == UINT64_MAX)
                                 continue;
-                        wire_arena_tensor(&t[f], sizes[f], id, pl->off[f], dt[f], rows, cols[f]);
-                        *slots[f] = &t[f];
+                        rep.out[f].dtype = dt[f];
+                        rep.out[f].offset = pl->off[f];
+                        rep.out[f].rows = (uint64_t)h->ranks[r].rows;
+                        rep.out[f].cols = cols[f];
                 }
         }
-        resp.id = sub->request_id;
-        resp.status = EPD__V1__STATUS_CODE__OK;
-        resp.message = "";
-        resp.body_case = EPD__V1__RESPONSE__BODY_DISPATCH;
-        resp.dispatch = &dr;
-        Epd__V1__OpTimeline tl = EPD__V1__OP_TIMELINE__INIT;
-        fill_timeline(op, r, &tl);
-        dr.timeline = &tl;
-        (void)epd_conn_reply(sub->conn, page, &resp);
+        (void)epd_conn_reply_op(op->subs[r].conn, reply_mailbox(op, r), &rep);
 }
 
 static void reply_combine(struct epd_op *op, uint32_t r)
 {
-        struct epd_submission *sub = &op->subs[r];
-        struct epd_doorbell *page = reply_mailbox(op, r);
-        if (page && sub->compact) {
-                struct epd_compact_reply c;
-                compact_common(op, r, EPD_COMPACT_COMBINE, &c);
-                c.num_tokens = op->exec->ranks[r].num_tokens;
-                if (epd_conn_reply_compact(sub->conn, page, &c, sizeof(c)) == 0)
-                        return;
-        }
-        Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
-        Epd__V1__CombineReply cr = EPD__V1__COMBINE_REPLY__INIT;
+        struct epd_op_reply rep;
 
-        cr.op_number = op->number;
-        cr.num_tokens = op->exec->ranks[r].num_tokens;
-        cr.exec_ns = op->exec->exec_ns;
-        cr.kernel_ns = op->exec->kernel_ns;
-        cr.queue_ns = op->launch_ns - sub->submitted_ns;
-        resp.id = sub->request_id;
-        resp.status = EPD__V1__STATUS_CODE__OK;
-        resp.message = "";
-        resp.body_case = EPD__V1__RESPONSE__BODY_COMBINE;
-        resp.combine = &cr;
-        Epd__V1__OpTimeline tl = EPD__V1__OP_TIMELINE__INIT;
-        fill_timeline(op, r, &tl);
-        cr.timeline = &tl;
-        (void)epd_conn_reply(sub->conn, page, &resp);
+        reply_common(op, r, &rep);
+        rep.num_tokens = op->exec->ranks[r].num_tokens;
+        (void)epd_conn_reply_op(op->subs[r].conn, reply_mailbox(op, r), &rep);
 }
 
 static struct epd_handle *handle_new(struct epd_group *g, struct epd_exec *ex)
@@ -1171,12 +1058,12 @@ void epd_op_complete(struct epd_exec *ex)
                 epd_group_rank_op_finished(g, r, sub->seq);
                 if (status != EPD_OK && named) {
                         sub->conn->outstanding_ops--;
-                        epd_conn_reply_status_to(sub->conn, reply_mailbox(op, r),
+                        epd_conn_reply_op_status(sub->conn, reply_mailbox(op, r), sub->req.kind,
                                                  sub->request_id, status, "%s", ex->message);
                 } else if (status != EPD_OK) {
                         /* SEMANTICS.md 4: the backend's message gets the group and op number. */
                         sub->conn->outstanding_ops--;
-                        epd_conn_reply_status_to(sub->conn, reply_mailbox(op, r),
+                        epd_conn_reply_op_status(sub->conn, reply_mailbox(op, r), sub->req.kind,
                                                  sub->request_id, status,
                                                  "group '%s' op %llu: %s", g->name,
                                                  (unsigned long long)op->number, ex->message);

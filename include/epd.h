@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define EPD_PROTOCOL_VERSION 1u
+#define EPD_PROTOCOL_VERSION 2u
 #define EPD_VERSION_STRING "0.1.0"
 
 /* SEMANTICS.md section 4. The wire code is the negated value. */
@@ -99,18 +99,12 @@ struct epd_connect_args {
 
 /* Connects and performs Hello/Welcome. On failure *out is untouched; the reason is in the
  * returned status and, when err/err_len are given, in err. The environment tunes how ops wait
- * (docs/design-notes.md, "Replies through the doorbell page"):
+ * (docs/architecture.md, "Requests and replies through the doorbell page"):
  *   EPD_CLIENT_REPLY    doorbell (default): dispatch and combine replies come through the
  *                       rank's doorbell page when the daemon offers it; socket: always the socket.
  *   EPD_CLIENT_REQUEST  doorbell (default): dispatch and combine requests go into the rank's
  *                       doorbell page while the daemon polls it ("Requests through the
  *                       doorbell page"); socket: always the socket.
- *   EPD_CLIENT_REPLY_FORMAT  compact (default): a successful reply in the page may come as a
- *                       fixed struct, which costs the daemon's loop thread a copy instead of
- *                       a protobuf pack ("Compact replies"); protobuf: always a packed Response.
- *   EPD_CLIENT_REQUEST_FORMAT  compact (default): a request in the page goes as a fixed
- *                       struct when the daemon offers it, which spares the daemon's loop thread
- *                       a protobuf decode ("Compact requests"); protobuf: always packed.
  *   EPD_CLIENT_SPIN_US  0 to 100000: how long a wait in the doorbell page polls after a wake-up
  *                       (the daemon wakes it when its op starts); default 200 on machines of 8
  *                       CPUs or more, else 0 (sleep until the reply).
@@ -400,12 +394,6 @@ struct epd_op_timeline {
         /* 1 when the request went through the rank's doorbell page (EPD_CLIENT_REQUEST,
          * README), 0 when on the socket. Filled when size covers it. */
         uint32_t request_in_doorbell;
-        /* 1 when the reply in the doorbell page was a compact one (EPD_CLIENT_REPLY_FORMAT,
-         * README). Filled when size covers it. */
-        uint32_t reply_compact;
-        /* 1 when the request went through the page as a compact request
-         * (EPD_CLIENT_REQUEST_FORMAT, README). Filled when size covers it. */
-        uint32_t request_compact;
 };
 /* EPD_UNAVAILABLE while the op is pending (epd_op_wait first). */
 int epd_op_timeline(const struct epd_op *op, struct epd_op_timeline *out);

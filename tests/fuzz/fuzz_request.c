@@ -8,8 +8,8 @@
  * records, or Requests of every type (admin verbs too: the clients run as root) whose fields
  * come from the input, with ids of groups, regions, handles and clients that the client learnt
  * from the daemon's replies, so that ops really launch and run on the host backend. Clients
- * may also post dispatch and combine requests in their doorbell pages instead of sending them
- * (with a wrong length if the script says so), ring their doorbells, stop reading their
+ * may also post dispatch and combine records (common/oprec.h) in their doorbell pages instead of
+ * sending them (with a wrong length if the script says so), send or post raw op records, ring their doorbells, stop reading their
  * replies, or disconnect mid-op. After each
  * command the loop runs until no op executes, unless the input asks for commands that overlap
  * executing ops (EPD_FUZZ_OVERLAP).
@@ -32,12 +32,12 @@
 #include <unistd.h>
 
 #include "backend.h"
-#include "compact.h"
 #include "daemon.h"
 #include "doorbell.h"
 #include "frame.h"
 #include "fuzz_script.h"
 #include "log.h"
+#include "oprec.h"
 #include "routing.h"
 #include "util.h"
 
@@ -262,7 +262,7 @@ static void on_joined(struct fz_client *cl, const Epd__V1__GroupJoined *j, int *
 }
 
 static void on_dispatched(struct fz_client *cl, const struct fz_pending *p,
-                          const Epd__V1__DispatchReply *dr)
+                          const struct epd_op_reply *dr)
 {
         struct fz_handle *h;
 
@@ -275,9 +275,32 @@ static void on_dispatched(struct fz_client *cl, const struct fz_pending *p,
         h->group_id = p->group_id;
         h->id = dr->handle_id;
         h->rank = p->rank;
-        h->rows = p->expand ? dr->num_expanded_rows : dr->num_recv_tokens;
+        h->rows = p->expand ? dr->num_expanded_rows : dr->num_tokens;
         h->num_tokens = p->num_tokens;
         h->num_topk = p->num_topk;
+}
+
+/* An op's reply record: it must decode (the daemon wrote it); a dispatch's success names its
+ * handle. */
+static void on_op_reply(struct fz_client *cl, const struct fz_pending *p,
+                        const ProtobufCBinaryData *bytes)
+{
+        uint64_t rec[(EPD_OPREC_REPLY_HEADER_BYTES + EPD_OPREC_MESSAGE_MAX) / 8 + 64];
+        struct epd_op_reply rep;
+        char why[160];
+
+        if (bytes->len > sizeof(rec))
+                return; /* a large dispatch reply: not needed */
+        memcpy(rec, bytes->data, bytes->len);
+        if (epd_oprec_reply_decode((const uint8_t *)rec, bytes->len, &rep, why, sizeof(why)) < 0) {
+                fprintf(stderr, "fuzz_request: undecodable reply record: %s\n", why);
+                abort();
+        }
+        if (verbose)
+                fprintf(stderr, "    %s reply status=%d %s\n", epd_oprec_kind_name(rep.kind),
+                        rep.status, rep.message ? rep.message : "");
+        if (p && p->is_dispatch && rep.status == EPD_OK && rep.kind == EPD_OPREC_DISPATCH)
+                on_dispatched(cl, p, &rep);
 }
 
 static void handle_reply(struct fz_client *cl, const uint8_t *body, size_t len, int *fds,
@@ -293,6 +316,8 @@ static void handle_reply(struct fz_client *cl, const uint8_t *body, size_t len, 
                         (int)(cl - clients), (unsigned long long)resp->id, (int)resp->status,
                         (int)resp->body_case, num_fds, resp->message ? resp->message : "");
         p = take_pending(cl, resp->id);
+        if (resp->body_case == EPD__V1__RESPONSE__BODY_OP && resp->op)
+                on_op_reply(cl, p, &resp->op->record);
         if (resp->status == EPD__V1__STATUS_CODE__OK) {
                 switch (resp->body_case) {
                 case EPD__V1__RESPONSE__BODY_WELCOME:
@@ -304,10 +329,6 @@ static void handle_reply(struct fz_client *cl, const uint8_t *body, size_t len, 
                 case EPD__V1__RESPONSE__BODY_REGION_REGISTERED:
                         /* The size is unknown here; tensors are checked against it anyway. */
                         add_region(cl, resp->region_registered->region_id, 0);
-                        break;
-                case EPD__V1__RESPONSE__BODY_DISPATCH:
-                        if (p && p->is_dispatch)
-                                on_dispatched(cl, p, resp->dispatch);
                         break;
                 default:
                         break;
@@ -455,36 +476,62 @@ static uint64_t send_request(struct fz_client *cl, Epd__V1__Request *req, const 
         return req->id;
 }
 
-/* Sends req, or with EPD_FUZZ_PAGE in flags posts it in b's request box (fuzz_script.h), as a
- * client may write anything there. Returns the request id. */
-static uint64_t send_or_post(struct fz_client *cl, const struct fz_binding *b,
-                             Epd__V1__Request *req, uint8_t flags)
+/* Sends the op record rec of len bytes inside an OpRecord, or with EPD_FUZZ_PAGE in flags posts
+ * it in b's request box (fuzz_script.h), as a client may write anything there. */
+static void send_or_post_record(struct fz_client *cl, const struct fz_binding *b, uint64_t id,
+                                const uint8_t *rec, size_t len, uint8_t flags)
 {
         struct epd_request_box *box =
                 b->doorbell ? epd_doorbell_request_box(b->doorbell, EPD_DOORBELL_BYTES) : NULL;
 
-        if (!(flags & EPD_FUZZ_PAGE) || !box)
-                return send_request(cl, req, NULL, 0);
-        req->id = ++cl->next_id;
-        /* Requests whose id has bit 1 set go as compact structs when they fit one. */
-        const int compact = ((req->id >> 1) & 1) &&
-                            epd__compact_request(req, (struct epd_compact_request *)box->bytes);
-        size_t len = compact ? sizeof(struct epd_compact_request)
-                             : epd__v1__request__get_packed_size(req);
-        if (len > EPD_REQUEST_CAPACITY)
-                return send_request(cl, req, NULL, 0);
-        if (!compact)
-                epd__v1__request__pack(req, box->bytes);
+        if (!(flags & EPD_FUZZ_PAGE) || !box || len > EPD_REQUEST_CAPACITY) {
+                Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+                Epd__V1__OpRecord wrap = EPD__V1__OP_RECORD__INIT;
+                uint8_t *buf;
+                size_t n;
+
+                wrap.record.data = (uint8_t *)rec;
+                wrap.record.len = len;
+                req.id = id;
+                req.body_case = EPD__V1__REQUEST__BODY_OP;
+                req.op = &wrap;
+                n = epd__v1__request__get_packed_size(&req);
+                if (!(buf = malloc(n ? n : 1)))
+                        fail("out of memory");
+                epd__v1__request__pack(&req, buf);
+                send_body(cl, buf, n, NULL, 0, EPD_PROTOCOL_VERSION);
+                free(buf);
+                return;
+        }
+        memcpy(box->bytes, rec, len);
         if (flags & 0x08) {
                 const size_t bad[4] = { len, len / 2, 0, EPD_REQUEST_CAPACITY + 1 };
-                len = bad[req->id % 4];
+                len = bad[id % 4];
         }
-        box->len = (uint32_t)len | (compact ? EPD_REQUEST_COMPACT : 0);
+        box->len = (uint32_t)len;
         __atomic_store_n(&box->state, EPD_REQUEST_POSTED, __ATOMIC_SEQ_CST);
         if (verbose)
-                fprintf(stderr, "  request id=%llu posted in the doorbell page, %zu bytes%s\n",
-                        (unsigned long long)req->id, len, compact ? " (compact)" : "");
-        return req->id;
+                fprintf(stderr, "  request id=%llu posted in the doorbell page, %zu bytes\n",
+                        (unsigned long long)id, len);
+}
+
+/* Encodes q (its id assigned here) and sends or posts it. A request the encoder refuses is
+ * not sent (raw op records reach the daemon's decoder instead). Returns the id, 0 if none. */
+static uint64_t send_or_post(struct fz_client *cl, const struct fz_binding *b,
+                             struct epd_op_request *q, uint8_t flags)
+{
+        uint8_t rec[EPD_OPREC_REQUEST_BYTES];
+        char why[160];
+
+        q->id = ++cl->next_id;
+        int len = epd_oprec_request_encode(q, rec, sizeof(rec), why, sizeof(why));
+        if (len < 0) {
+                if (verbose)
+                        fprintf(stderr, "  %s not sent: %s\n", epd_oprec_kind_name(q->kind), why);
+                return 0;
+        }
+        send_or_post_record(cl, b, q->id, rec, (size_t)len, flags);
+        return q->id;
 }
 
 static void send_hello(struct fz_client *cl, uint8_t flags, const char *name)
@@ -645,34 +692,28 @@ static uint64_t pick_handle(struct reader *r, struct fz_client *cl, uint8_t sel,
         return sel;
 }
 
-/* A TensorRef with its arrays, built from the script around a natural shape. */
-struct fz_tensor {
-        Epd__V1__TensorRef ref;
-        uint64_t sizes[4];
-        uint64_t strides[4];
-};
-
-static Epd__V1__TensorRef *read_tensor(struct reader *r, struct fz_client *cl,
-                                       struct fz_tensor *t, uint64_t rows, uint64_t cols,
-                                       enum epd_dtype dtype)
+/* A tensor built from the script around a natural shape; absent (region 0) when it says so. */
+static struct epd_tensor read_tensor(struct reader *r, struct fz_client *cl, uint64_t rows,
+                                     uint64_t cols, enum epd_dtype dtype)
 {
         uint8_t region = rd_u8(r);
         uint16_t offset;
         uint8_t shape;
         uint64_t row_elems;
+        struct epd_tensor t;
 
-        epd__v1__tensor_ref__init(&t->ref);
+        memset(&t, 0, sizeof(t));
         if (region == 0)
-                return NULL;
+                return t;
         if (region == 255)
-                t->ref.region_id = rd_u64(r);
+                t.region_id = rd_u64(r);
         else if (cl->num_regions)
-                t->ref.region_id = cl->regions[(region - 1) % cl->num_regions].id;
+                t.region_id = cl->regions[(region - 1) % cl->num_regions].id;
         else
-                t->ref.region_id = region;
+                t.region_id = region;
         offset = rd_u16(r);
         shape = rd_u8(r);
-        t->ref.offset = (shape & 0x80) ? 0 : offset;
+        t.offset = (shape & 0x80) ? 0 : offset;
         switch (shape & 3) {
         case 0: break;
         case 1: rows += rd_u8(r); break;
@@ -685,33 +726,29 @@ static Epd__V1__TensorRef *read_tensor(struct reader *r, struct fz_client *cl,
         case 2: cols = cols ? 0 : 1; break; /* the other dimensionality */
         default: cols = cols ? cols : 1; break;
         }
-        t->sizes[0] = rows;
-        t->ref.n_sizes = 1;
+        t.sizes[0] = rows;
+        t.ndim = 1;
         if (cols) {
-                t->sizes[1] = cols;
-                t->ref.n_sizes = 2;
+                t.sizes[1] = cols;
+                t.ndim = 2;
         }
         if (((shape >> 2) & 3) == 3) {
-                t->sizes[2] = 1;
-                t->ref.n_sizes = 3;
+                t.sizes[2] = 1;
+                t.ndim = 3;
         }
         row_elems = cols ? cols : 1;
         if (shape & 0x10) {
-                t->strides[0] = row_elems + rd_u8(r);
-                for (size_t i = 1; i < t->ref.n_sizes; i++)
-                        t->strides[i] = 1;
-                t->ref.n_strides = t->ref.n_sizes;
+                t.strides[0] = row_elems + rd_u8(r);
+                for (uint32_t i = 1; i < t.ndim; i++)
+                        t.strides[i] = 1;
         }
         if (shape & 0x40) {
-                for (size_t i = 0; i + 1 < t->ref.n_sizes; i++)
-                        t->strides[i] = t->strides[i] ? t->strides[i] : row_elems * 2;
-                t->strides[t->ref.n_sizes - 1] = 2;
-                t->ref.n_strides = t->ref.n_sizes;
+                for (uint32_t i = 0; i + 1 < t.ndim; i++)
+                        t.strides[i] = t.strides[i] ? t.strides[i] : row_elems * 2;
+                t.strides[t.ndim - 1] = 2;
         }
-        t->ref.dtype = (Epd__V1__DType)((shape & 0x20) ? rd_u8(r) : dtype);
-        t->ref.sizes = t->sizes;
-        t->ref.strides = t->ref.n_strides ? t->strides : NULL;
-        return &t->ref;
+        t.dtype = (enum epd_dtype)((shape & 0x20) ? rd_u8(r) : dtype);
+        return t;
 }
 
 /* A memfd of the given size filled as the script says; -1 on failure. */
@@ -938,11 +975,9 @@ static void cmd_empty(struct fz_client *cl, uint8_t op)
 
 static void cmd_dispatch(struct reader *r, struct fz_client *cl)
 {
-        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
-        Epd__V1__Dispatch m = EPD__V1__DISPATCH__INIT;
+        struct epd_op_request m = { .kind = EPD_OPREC_DISPATCH };
         struct fz_binding scratch, *b = pick_binding(cl, rd_u8(r), &scratch);
         const struct fz_handle *h;
-        struct fz_tensor t[10];
         struct fz_pending p = { .is_dispatch = 1 };
 
         m.group_id = b->group_id;
@@ -952,11 +987,10 @@ static void cmd_dispatch(struct reader *r, struct fz_client *cl)
         if (h)
                 m.num_tokens = h->num_tokens + m.num_tokens % 2; /* mostly what the handle has */
         uint8_t flags = rd_u8(r);
-        m.layout = (flags & 1) ? EPD__V1__LAYOUT__EXPAND : EPD__V1__LAYOUT__NON_EXPAND;
-        m.zero_padding = (flags & 2) != 0;
-        m.use_arena = (flags & 4) != 0;
+        m.layout = (flags & 1) ? EPD_LAYOUT_EXPAND : EPD_LAYOUT_NON_EXPAND;
+        m.flags = ((flags & 2) ? EPD_OPREC_ZERO_PADDING : 0) | ((flags & 4) ? EPD_OPREC_USE_ARENA : 0);
         if (flags & 8)
-                m.layout = (Epd__V1__Layout)rd_u8(r);
+                m.layout = (enum epd_layout)rd_u8(r);
         m.wait_inputs = (flags & 16) ? 1 : 0;
         m.expert_alignment = rd_u16(r);
         uint32_t K = b->max_topk;
@@ -969,25 +1003,25 @@ static void cmd_dispatch(struct reader *r, struct fz_client *cl)
         uint32_t L = b->world_size ? b->num_experts / b->world_size : 1;
         uint32_t S = b->dtype == EPD_DTYPE_FP8_E4M3 && b->scale_block ? H / b->scale_block : 0;
         uint32_t align = m.expert_alignment ? m.expert_alignment : 1;
-        int expand = m.layout == EPD__V1__LAYOUT__EXPAND;
+        int expand = m.layout == EPD_LAYOUT_EXPAND;
         uint64_t cap = expand ? epd_route_max_rows_expand(R, b->max_tokens, K ? K : 1, L ? L : 1,
                                                            align > 4096 ? 1 : align)
                               : epd_route_max_rows_non_expand(R, b->max_tokens);
 
-        m.x = read_tensor(r, cl, &t[0], n, H, b->dtype);
-        m.scales = read_tensor(r, cl, &t[1], n, S, EPD_DTYPE_FP32);
-        m.topk_idx = read_tensor(r, cl, &t[2], n, K, topk_dtype);
-        m.topk_weights = read_tensor(r, cl, &t[3], n, K, EPD_DTYPE_FP32);
-        m.recv_x = read_tensor(r, cl, &t[4], cap, H, b->dtype);
-        m.recv_scales = read_tensor(r, cl, &t[5], cap, S, EPD_DTYPE_FP32);
-        m.recv_topk_idx = read_tensor(r, cl, &t[6], cap, K, topk_dtype);
-        m.recv_weights = read_tensor(r, cl, &t[7], cap, expand ? 0 : K, EPD_DTYPE_FP32);
-        m.recv_src = read_tensor(r, cl, &t[8], cap, 0, EPD_DTYPE_INT64);
-        m.recv_topk_slot = read_tensor(r, cl, &t[9], cap, 0, EPD_DTYPE_INT32);
-        m.topk_idx_dtype = (Epd__V1__DType)topk_dtype;
-        req.body_case = EPD__V1__REQUEST__BODY_DISPATCH;
-        req.dispatch = &m;
-        p.request_id = send_or_post(cl, b, &req, flags);
+        m.t[EPD_OPREC_X] = read_tensor(r, cl, n, H, b->dtype);
+        m.t[EPD_OPREC_SCALES] = read_tensor(r, cl, n, S, EPD_DTYPE_FP32);
+        m.t[EPD_OPREC_TOPK_IDX] = read_tensor(r, cl, n, K, topk_dtype);
+        m.t[EPD_OPREC_TOPK_WEIGHTS] = read_tensor(r, cl, n, K, EPD_DTYPE_FP32);
+        m.t[EPD_OPREC_RECV_X] = read_tensor(r, cl, cap, H, b->dtype);
+        m.t[EPD_OPREC_RECV_SCALES] = read_tensor(r, cl, cap, S, EPD_DTYPE_FP32);
+        m.t[EPD_OPREC_RECV_TOPK_IDX] = read_tensor(r, cl, cap, K, topk_dtype);
+        m.t[EPD_OPREC_RECV_WEIGHTS] = read_tensor(r, cl, cap, expand ? 0 : K, EPD_DTYPE_FP32);
+        m.t[EPD_OPREC_RECV_SRC] = read_tensor(r, cl, cap, 0, EPD_DTYPE_INT64);
+        m.t[EPD_OPREC_RECV_TOPK_SLOT] = read_tensor(r, cl, cap, 0, EPD_DTYPE_INT32);
+        m.topk_idx_dtype = topk_dtype;
+        p.request_id = send_or_post(cl, b, &m, flags);
+        if (!p.request_id)
+                return;
         p.group_id = b->group_id;
         p.rank = m.rank;
         p.num_tokens = n;
@@ -998,43 +1032,52 @@ static void cmd_dispatch(struct reader *r, struct fz_client *cl)
 
 static void cmd_combine(struct reader *r, struct fz_client *cl)
 {
-        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
-        Epd__V1__Combine m = EPD__V1__COMBINE__INIT;
+        struct epd_op_request m = { .kind = EPD_OPREC_COMBINE };
         struct fz_binding scratch, *b = pick_binding(cl, rd_u8(r), &scratch);
         const struct fz_handle *h;
-        struct fz_tensor t[5];
-        Epd__V1__TensorRef *bias[3];
 
         m.group_id = b->group_id;
         m.rank = pick_rank(b, rd_u8(r));
         m.handle_id = pick_handle(r, cl, rd_u8(r), b, &h);
         uint8_t flags = rd_u8(r);
-        m.apply_weights = (flags & 1) != 0;
+        m.flags = (flags & 1) ? EPD_OPREC_APPLY_WEIGHTS : 0;
         m.wait_inputs = (flags & 16) ? 1 : 0;
-        uint8_t num_bias = rd_u8(r) % 4;
+        m.num_bias = rd_u8(r) % 4; /* 3: refused by the encoder, not sent */
         uint64_t rows = h && h->rows > 0 ? (uint64_t)h->rows : 0;
         uint32_t n = h ? h->num_tokens : 0, K = h ? h->num_topk : b->max_topk;
         uint32_t H = b->hidden;
 
-        m.y = read_tensor(r, cl, &t[0], rows, H, EPD_DTYPE_BF16);
-        bias[0] = read_tensor(r, cl, &t[1], n, H, EPD_DTYPE_BF16);
-        bias[1] = read_tensor(r, cl, &t[2], n, H, EPD_DTYPE_BF16);
-        bias[2] = bias[1];
-        m.combined = read_tensor(r, cl, &t[3], n, H, EPD_DTYPE_BF16);
-        m.combined_topk_weights = read_tensor(r, cl, &t[4], n, K, EPD_DTYPE_FP32);
-        /* A repeated message field cannot hold NULL entries: absent biases are empty refs. */
-        Epd__V1__TensorRef empty[3];
-        for (unsigned i = 0; i < 3; i++) {
-                if (!bias[i]) {
-                        epd__v1__tensor_ref__init(&empty[i]);
-                        bias[i] = &empty[i];
-                }
+        m.t[EPD_OPREC_Y] = read_tensor(r, cl, rows, H, EPD_DTYPE_BF16);
+        m.t[EPD_OPREC_BIAS0] = read_tensor(r, cl, n, H, EPD_DTYPE_BF16);
+        m.t[EPD_OPREC_BIAS1] = read_tensor(r, cl, n, H, EPD_DTYPE_BF16);
+        m.t[EPD_OPREC_COMBINED] = read_tensor(r, cl, n, H, EPD_DTYPE_BF16);
+        m.t[EPD_OPREC_COMBINED_TOPK_WEIGHTS] = read_tensor(r, cl, n, K, EPD_DTYPE_FP32);
+        /* Bias slots past the count stay empty: the script reads them either way. */
+        for (uint32_t i = m.num_bias; i < 2; i++)
+                memset(&m.t[EPD_OPREC_BIAS0 + i], 0, sizeof(m.t[0]));
+        send_or_post(cl, b, &m, flags);
+}
+
+/* A raw op record (fuzz_script.h, EPD_FUZZ_OP_RAW_OP): sent or posted as given, or, when it
+ * decodes and the script asks for it, first made one of the binding's. */
+static void cmd_raw_op(struct reader *r, struct fz_client *cl)
+{
+        struct fz_binding scratch, *b = pick_binding(cl, rd_u8(r), &scratch);
+        const uint8_t flags = rd_u8(r);
+        size_t len;
+        const uint8_t *bytes = rd_bytes(r, rd_u16(r), &len);
+        struct epd_op_request q;
+        char why[160];
+        const uint8_t where = (flags & 1) ? EPD_FUZZ_PAGE : 0;
+
+        if ((flags & 2) &&
+            epd_oprec_request_decode(bytes, len, &q, why, sizeof(why)) == 0) {
+                q.group_id = b->group_id;
+                q.rank = b->rank;
+                (void)send_or_post(cl, b, &q, where);
+                return;
         }
-        m.n_bias = num_bias;
-        m.bias = bias;
-        req.body_case = EPD__V1__REQUEST__BODY_COMBINE;
-        req.combine = &m;
-        send_or_post(cl, b, &req, flags);
+        send_or_post_record(cl, b, ++cl->next_id, bytes, len, where);
 }
 
 static void cmd_handle_release(struct reader *r, struct fz_client *cl)
@@ -1203,6 +1246,7 @@ static void run_command(struct reader *r)
         case EPD_FUZZ_OP_RESIZE: cmd_resize(r, cl); break;
         case EPD_FUZZ_OP_DRAIN: cmd_drain(r, cl); break;
         case EPD_FUZZ_OP_EVICT: cmd_evict(r, cl); break;
+        case EPD_FUZZ_OP_RAW_OP: cmd_raw_op(r, cl); break;
         case EPD_FUZZ_OP_MUTE:
                 cl->muted = !cl->muted;
                 break;

@@ -35,12 +35,12 @@
 #define EPD_TESTS_FUZZ_SCRIPT_H
 
 #define EPD_FUZZ_MAX_CLIENTS 3
-/* Flag bit 7 of Dispatch and Combine: the request goes into the request box of the binding's
- * doorbell page (common/doorbell.h) instead of a frame, as a compact request when bit 1 of its
- * id is set and it fits one; the daemon takes it while it polls or before the client's next
- * frame. With bit 3 also set, the length written is not the packed
- * length but, by the request id % 4: the packed length, half of it, 0, or one more than the
- * box holds. */
+/* Flag bit 7 of DISPATCH and COMBINE: the op record (common/oprec.h) goes into the request box
+ * of the binding's doorbell page (common/doorbell.h) instead of a frame; the daemon takes it
+ * while it polls or before the client's next frame. With bit 3 also set, the length written is
+ * not the record's length but, by the request id % 4: the length, half of it, 0, or one more
+ * than the box holds. A request that the record's encoder refuses (a raw layout or dtype, three
+ * biases, too many dims) is not sent: RAW_OP reaches the daemon's decoder. */
 #define EPD_FUZZ_PAGE 0x80
 #define EPD_FUZZ_NO_HELLO 0x80
 #define EPD_FUZZ_OVERLAP 0x40
@@ -102,7 +102,11 @@ enum epd_fuzz_op {
         EPD_FUZZ_OP_DRAIN = 22,
         /* u8 victim: (v % 4) < number of clients: that client's id, else raw v */
         EPD_FUZZ_OP_EVICT = 23,
-        EPD_FUZZ_OP_COUNT = 24,
+        /* u8 binding sel, u8 flags (bit 0: into the binding's doorbell page, else an OpRecord
+         * on the socket; bit 1: a record that decodes is made one of the binding's group and
+         * rank first), u16 len, bytes: an op record as given */
+        EPD_FUZZ_OP_RAW_OP = 24,
+        EPD_FUZZ_OP_COUNT = 25,
 };
 
 /* Hidden sizes the config's hidden byte indexes (v % count). */

@@ -23,6 +23,7 @@
 #include "epd.pb-c.h"
 #include "frame.h"
 #include "fuzz_script.h"
+#include "oprec.h"
 
 static const char *out_dir;
 
@@ -75,10 +76,12 @@ static void write_file(const char *target, const char *name, const struct buf *b
 
 /* ---- one packed Request of every type ---- */
 
+/* The combine seed: an op record too, of the other kind. */
+#define SEED_OP_COMBINE 1000
+
 static size_t pack_request(int type, uint8_t *out, size_t cap)
 {
         static uint8_t secret[16] = "fuzz-group-secre";
-        static uint64_t sizes2[2] = { 4, 16 };
         Epd__V1__Request req = EPD__V1__REQUEST__INIT;
         Epd__V1__Hello hello = EPD__V1__HELLO__INIT;
         Epd__V1__GroupConfig cfg = EPD__V1__GROUP_CONFIG__INIT;
@@ -91,11 +94,14 @@ static size_t pack_request(int type, uint8_t *out, size_t cap)
         Epd__V1__StatusRequest st = EPD__V1__STATUS_REQUEST__INIT;
         Epd__V1__ListGroups lg = EPD__V1__LIST_GROUPS__INIT;
         Epd__V1__ListClients lc = EPD__V1__LIST_CLIENTS__INIT;
-        Epd__V1__Dispatch dp = EPD__V1__DISPATCH__INIT;
-        Epd__V1__Combine cb = EPD__V1__COMBINE__INIT;
+        Epd__V1__OpRecord op = EPD__V1__OP_RECORD__INIT;
+        struct epd_op_request q = { .id = 7, .group_id = 1 };
+        uint8_t rec[EPD_OPREC_REQUEST_BYTES];
+        char why[160];
         Epd__V1__HandleRelease hr = EPD__V1__HANDLE_RELEASE__INIT;
         Epd__V1__StatsRequest sr = EPD__V1__STATS_REQUEST__INIT;
-        Epd__V1__TensorRef t = EPD__V1__TENSOR_REF__INIT;
+        struct epd_tensor t = { .region_id = 1, .dtype = EPD_DTYPE_BF16, .ndim = 2,
+                                .sizes = { 4, 16 } };
         Epd__V1__ArenaSegments as = EPD__V1__ARENA_SEGMENTS__INIT;
         Epd__V1__Resize rs = EPD__V1__RESIZE__INIT;
         Epd__V1__Drain dr = EPD__V1__DRAIN__INIT;
@@ -109,10 +115,6 @@ static size_t pack_request(int type, uint8_t *out, size_t cap)
         cfg.max_topk = 2;
         cfg.dispatch_dtype = EPD__V1__DTYPE__BF16;
         cfg.arena_bytes = 65536;
-        t.region_id = 1;
-        t.dtype = EPD__V1__DTYPE__BF16;
-        t.n_sizes = 2;
-        t.sizes = sizes2;
         req.id = 7;
         req.body_case = (Epd__V1__Request__BodyCase)type;
         switch (type) {
@@ -156,20 +158,28 @@ static size_t pack_request(int type, uint8_t *out, size_t cap)
         case EPD__V1__REQUEST__BODY_STATUS: req.status = &st; break;
         case EPD__V1__REQUEST__BODY_LIST_GROUPS: req.list_groups = &lg; break;
         case EPD__V1__REQUEST__BODY_LIST_CLIENTS: req.list_clients = &lc; break;
-        case EPD__V1__REQUEST__BODY_DISPATCH:
-                dp.group_id = 1;
-                dp.num_tokens = 4;
-                dp.x = &t;
-                dp.use_arena = 1;
-                dp.num_topk = 2;
-                req.dispatch = &dp;
-                break;
-        case EPD__V1__REQUEST__BODY_COMBINE:
-                cb.group_id = 1;
-                cb.handle_id = 1;
-                cb.y = &t;
-                cb.combined = &t;
-                req.combine = &cb;
+        case EPD__V1__REQUEST__BODY_OP:
+        case SEED_OP_COMBINE:
+                if (type == EPD__V1__REQUEST__BODY_OP) {
+                        q.kind = EPD_OPREC_DISPATCH;
+                        q.num_tokens = 4;
+                        q.t[EPD_OPREC_X] = t;
+                        q.flags = EPD_OPREC_USE_ARENA;
+                        q.num_topk = 2;
+                } else {
+                        q.kind = EPD_OPREC_COMBINE;
+                        q.handle_id = 1;
+                        q.t[EPD_OPREC_Y] = t;
+                        q.t[EPD_OPREC_COMBINED] = t;
+                }
+                if (epd_oprec_request_encode(&q, rec, sizeof(rec), why, sizeof(why)) < 0) {
+                        fprintf(stderr, "gen_corpus: %s\n", why);
+                        exit(1);
+                }
+                op.record.data = rec;
+                op.record.len = sizeof(rec);
+                req.body_case = EPD__V1__REQUEST__BODY_OP;
+                req.op = &op;
                 break;
         case EPD__V1__REQUEST__BODY_HANDLE_RELEASE:
                 hr.group_id = 1;
@@ -223,8 +233,8 @@ static const struct {
         { EPD__V1__REQUEST__BODY_STATUS, "status" },
         { EPD__V1__REQUEST__BODY_LIST_GROUPS, "list_groups" },
         { EPD__V1__REQUEST__BODY_LIST_CLIENTS, "list_clients" },
-        { EPD__V1__REQUEST__BODY_DISPATCH, "dispatch" },
-        { EPD__V1__REQUEST__BODY_COMBINE, "combine" },
+        { EPD__V1__REQUEST__BODY_OP, "dispatch" },
+        { SEED_OP_COMBINE, "combine" },
         { EPD__V1__REQUEST__BODY_HANDLE_RELEASE, "handle_release" },
         { EPD__V1__REQUEST__BODY_STATS, "stats" },
         { EPD__V1__REQUEST__BODY_ARENA_SEGMENTS, "arena_segments" },
@@ -256,7 +266,7 @@ static void frame_record(struct buf *b, unsigned num_fds, uint32_t magic, uint16
 
 static void gen_frames(void)
 {
-        uint8_t body[1024];
+        uint8_t body[4096];
         struct buf b;
         char name[64];
 
@@ -403,7 +413,7 @@ static void small_dispatch(struct buf *b, unsigned client, unsigned flags)
 
 static void gen_requests(void)
 {
-        uint8_t body[1024];
+        uint8_t body[4096];
         struct buf b;
         char name[64];
 
@@ -485,6 +495,35 @@ static void gen_requests(void)
         op(&b, EPD_FUZZ_OP_GROUP_LEAVE, 0);
         u8(&b, 0); u8(&b, 0);
         write_file("fuzz_request", "groups", &b);
+
+        /* Raw op records after a group of one rank: a dispatch record made the binding's, the
+         * same posted in the doorbell page (then a frame, so that the daemon takes it), and
+         * one record cut short. */
+        {
+                uint8_t rec[EPD_OPREC_REQUEST_BYTES + 64];
+                const size_t n = pack_request(EPD__V1__REQUEST__BODY_OP, rec, sizeof(rec));
+                /* The record is the last bytes of the packed Request (field 26, then its one
+                 * bytes field): take them from there. */
+                const uint8_t *record = rec + n - EPD_OPREC_REQUEST_BYTES;
+                b.len = 0;
+                u8(&b, 0);
+                region(&b, 0, 256, EPD_FUZZ_FILL_I32, 2, 1, 4);
+                group_create(&b, 0, 0, 1, 4, 0, 4, 2, 0, 0, 64, 0);
+                for (unsigned flags = 2; flags <= 3; flags++) {
+                        op(&b, EPD_FUZZ_OP_RAW_OP, 0);
+                        u8(&b, 0);
+                        u8(&b, flags);
+                        u16(&b, EPD_OPREC_REQUEST_BYTES);
+                        put(&b, record, EPD_OPREC_REQUEST_BYTES);
+                        simple(&b, EPD_FUZZ_OP_STATS);
+                }
+                op(&b, EPD_FUZZ_OP_RAW_OP, 0);
+                u8(&b, 0);
+                u8(&b, 0);
+                u16(&b, 40);
+                put(&b, record, 40);
+                write_file("fuzz_request", "raw_op", &b);
+        }
 
         /* One rank, bf16, arena outputs: dispatch, cached dispatch, combine, release.
          * Region 1: 4096 bytes of int32 (k % 2 + k / 2) % 4: valid top-2 expert ids for a row

@@ -10,8 +10,10 @@
  * The request mailbox: while the daemon polls, requests go through the page, are counted, and
  * give the same results as on the socket; EPD_CLIENT_REQUEST=socket turns it off and a bad value
  * is refused; a frame sent on the socket while a request waits in the page is handled after it;
- * and a page holding garbage, an oversized length, a request of another kind or of another
- * rank closes that client's connection with a clear error while the daemon goes on. */
+ * and a page holding garbage, an oversized length, a protobuf message, an op record of another
+ * rank, or a record that fails its checks (short, unknown kind, version or flags, too many dims,
+ * an unused bias slot) closes that client's connection with a clear error while the daemon goes
+ * on. Reply records say the same through the page as on the socket. */
 #include <check.h>
 #include <jansson.h>
 #include <signal.h>
@@ -25,6 +27,7 @@
 #include "doorbell.h"
 #include "client_internal.h"
 #include "harness.h"
+#include "oprec.h"
 #include "workload.h"
 
 static const struct wl_case base_case = {
@@ -64,11 +67,10 @@ static int via_page(const struct epd_op *op)
         return (int)timeline_of(op).reply_in_doorbell;
 }
 
-/* 0: the request went on the socket; through the page, 1 packed, 2 compact. */
+/* 1: the request went through the page, 0: on the socket. */
 static int request_via_page(const struct epd_op *op)
 {
-        const struct epd_op_timeline tl = timeline_of(op);
-        return tl.request_in_doorbell ? (tl.request_compact ? 2 : 1) : 0;
+        return (int)timeline_of(op).request_in_doorbell;
 }
 
 /* One of the daemon's counters (epctl stats --json): mailbox_replies, mailbox_requests,
@@ -256,18 +258,18 @@ static int bf16_is_nan(uint16_t v)
         return (v & 0x7f80) == 0x7f80 && (v & 0x7f) != 0;
 }
 
-/* What a reply says, copied out of the op (test_compact_replies). */
+/* What a reply says, copied out of the op (test_reply_records). */
 struct said {
         int32_t recv_tokens, expanded, per_expert[8], aligned[8], prefix[2];
         uint32_t experts, world, combined_tokens;
         uint64_t op_number, handle_id, exec_ns, kernel_ns;
-        uint32_t dispatch_compact, combine_compact;
+        uint32_t dispatch_page, combine_page;  /* the reply came through the page */
         int dispatch_request, combine_request; /* request_via_page */
         int combined_ok;
 };
 
 /* Dispatch with outputs in the client's region (or the arena), then combine the rows back, and
- * record what the replies said and whether they came compact. */
+ * record what the replies said and whether they came through the page. */
 static void dispatch_and_combine(struct setup *s, int use_arena, struct said *out)
 {
         const struct wl_case *c = &base_case;
@@ -287,8 +289,7 @@ static void dispatch_and_combine(struct setup *s, int use_arena, struct said *ou
                                                &s->da.recv_src), 0);
         }
         ck_assert_int_eq(epd_dispatch(s->g, &s->da, &op), 0);
-        ck_assert_int_eq(via_page(op), 1);
-        out->dispatch_compact = timeline_of(op).reply_compact;
+        out->dispatch_page = via_page(op);
         out->dispatch_request = request_via_page(op);
         ck_assert_int_eq(epd_op_dispatch_result(op, &dr), 0);
         ck_assert_uint_eq(dr.num_local_experts, 8);
@@ -320,7 +321,7 @@ static void dispatch_and_combine(struct setup *s, int use_arena, struct said *ou
         ck_assert_int_eq(epd_op_wait(cop, 5000), 0);
         ck_assert_int_eq(epd_op_combine_result(cop, &cr), 0);
         out->combined_tokens = cr.num_tokens;
-        out->combine_compact = timeline_of(cop).reply_compact;
+        out->combine_page = via_page(cop);
         out->combine_request = request_via_page(cop);
         /* One rank: each token was received once and comes back as itself (a NaN as some
          * NaN: the reduction need not keep its payload). */
@@ -334,81 +335,78 @@ static void dispatch_and_combine(struct setup *s, int use_arena, struct said *ou
         ck_assert_int_eq(epd_handle_release(s->g, dr.handle_id), 0);
 }
 
-/* Replies whose outputs are the client's own tensors come as compact structs
- * (EPD_CLIENT_REPLY_FORMAT, default compact) and say what a packed Response says; arena
- * outputs keep the Response, whose TensorRefs place them. */
-START_TEST(test_compact_replies)
+/* A reply record says the same through the page as on the socket (EPD_CLIENT_REPLY=socket),
+ * and an arena dispatch's record places its outputs. */
+START_TEST(test_reply_records)
 {
         struct setup s;
-        struct said compact, packed, arena;
+        struct said page, sock, arena;
 
         setup_group(&s, 5000);
-        dispatch_and_combine(&s, 0, &compact);
+        dispatch_and_combine(&s, 0, &page);
         dispatch_and_combine(&s, 1, &arena);
         ck_assert_int_eq(stat_of(&s.d, "mailbox_replies"), 4);
-        refuse_bad_env(&s.d, "EPD_CLIENT_REPLY_FORMAT", "json");
         teardown(&s);
 
-        setenv("EPD_CLIENT_REPLY_FORMAT", "protobuf", 1);
+        setenv("EPD_CLIENT_REPLY", "socket", 1);
         setup_group(&s, 5000);
-        unsetenv("EPD_CLIENT_REPLY_FORMAT");
-        dispatch_and_combine(&s, 0, &packed);
+        unsetenv("EPD_CLIENT_REPLY");
+        dispatch_and_combine(&s, 0, &sock);
+        ck_assert_int_eq(stat_of(&s.d, "mailbox_replies"), 0);
         teardown(&s);
 
-        ck_assert_uint_eq(compact.dispatch_compact, 1);
-        ck_assert_uint_eq(compact.combine_compact, 1);
-        ck_assert_uint_eq(arena.dispatch_compact, 0);
-        ck_assert_uint_eq(arena.combine_compact, 1);
-        ck_assert_uint_eq(packed.dispatch_compact, 0);
-        ck_assert_uint_eq(packed.combine_compact, 0);
-        /* The same op on the same inputs: the same counts in every form (times and numbers
+        ck_assert_uint_eq(page.dispatch_page, 1);
+        ck_assert_uint_eq(page.combine_page, 1);
+        ck_assert_uint_eq(arena.dispatch_page, 1);
+        ck_assert_uint_eq(arena.combine_page, 1);
+        ck_assert_uint_eq(sock.dispatch_page, 0);
+        ck_assert_uint_eq(sock.combine_page, 0);
+        /* The same op on the same inputs: the same counts either way (times and numbers
          * aside: the arena run is the group's second op). */
-        ck_assert_int_gt(compact.recv_tokens, 0);
-        ck_assert_int_ne(memcmp(compact.per_expert, compact.aligned, sizeof(compact.aligned)), 0);
-        ck_assert_int_gt(compact.exec_ns, 0);
-        ck_assert_uint_eq(compact.op_number, packed.op_number);
-        ck_assert_uint_eq(compact.handle_id, packed.handle_id);
-        const struct said *other[2] = { &packed, &arena };
+        ck_assert_int_gt(page.recv_tokens, 0);
+        ck_assert_int_ne(memcmp(page.per_expert, page.aligned, sizeof(page.aligned)), 0);
+        ck_assert_int_gt(page.exec_ns, 0);
+        ck_assert_uint_eq(page.op_number, sock.op_number);
+        ck_assert_uint_eq(page.handle_id, sock.handle_id);
+        const struct said *other[2] = { &sock, &arena };
         for (int i = 0; i < 2; i++) {
                 const struct said *o = other[i];
-                ck_assert_int_eq(compact.recv_tokens, o->recv_tokens);
-                ck_assert_int_eq(compact.expanded, o->expanded);
-                ck_assert_mem_eq(compact.per_expert, o->per_expert, sizeof(o->per_expert));
-                ck_assert_mem_eq(compact.aligned, o->aligned, sizeof(o->aligned));
-                ck_assert_mem_eq(compact.prefix, o->prefix, sizeof(o->prefix));
-                ck_assert_uint_eq(compact.combined_tokens, o->combined_tokens);
+                ck_assert_int_eq(page.recv_tokens, o->recv_tokens);
+                ck_assert_int_eq(page.expanded, o->expanded);
+                ck_assert_mem_eq(page.per_expert, o->per_expert, sizeof(o->per_expert));
+                ck_assert_mem_eq(page.aligned, o->aligned, sizeof(o->aligned));
+                ck_assert_mem_eq(page.prefix, o->prefix, sizeof(o->prefix));
+                ck_assert_uint_eq(page.combined_tokens, o->combined_tokens);
                 ck_assert_msg(o->combined_ok == 1, "run %d: combine did not return x", i);
         }
-        ck_assert_int_eq(compact.combined_ok, 1);
+        ck_assert_int_eq(page.combined_ok, 1);
 }
 END_TEST
 
-/* Compact requests of both kinds, outputs in the client's tensors: the daemon reads them as
- * the packed ones (the same counts and the combined rows back), op after op. */
-START_TEST(test_compact_requests)
+/* Request records of both kinds through the page, outputs in the client's tensors: the daemon
+ * reads them as those on the socket (the same counts and the combined rows back), op after op. */
+START_TEST(test_request_records)
 {
         struct setup s;
         struct said first, now;
-        int compact[2] = { 0, 0 };
+        int in_page[2] = { 0, 0 };
 
         setup_group_with(&s, 5000, polling_daemon);
         dispatch_and_combine(&s, 0, &first);
         ck_assert_int_eq(first.combined_ok, 1);
         for (int i = 0; i < 12; i++) {
                 dispatch_and_combine(&s, 0, &now);
-                compact[0] += now.dispatch_request == 2;
-                compact[1] += now.combine_request == 2;
-                ck_assert_int_ne(now.dispatch_request, 1); /* never packed in the page */
-                ck_assert_int_ne(now.combine_request, 1);
+                in_page[0] += now.dispatch_request;
+                in_page[1] += now.combine_request;
                 ck_assert_int_eq(now.recv_tokens, first.recv_tokens);
                 ck_assert_mem_eq(now.per_expert, first.per_expert, sizeof(now.per_expert));
                 ck_assert_mem_eq(now.aligned, first.aligned, sizeof(now.aligned));
                 ck_assert_uint_eq(now.combined_tokens, first.combined_tokens);
                 ck_assert_int_eq(now.combined_ok, 1);
         }
-        ck_assert_msg(compact[0] >= 8 && compact[1] >= 8,
-                      "compact requests: %d dispatches, %d combines of 12", compact[0],
-                      compact[1]);
+        ck_assert_msg(in_page[0] >= 8 && in_page[1] >= 8,
+                      "requests in the page: %d dispatches, %d combines of 12", in_page[0],
+                      in_page[1]);
         teardown(&s);
 }
 END_TEST
@@ -580,29 +578,15 @@ START_TEST(test_request_page)
         uint64_t rows = UINT64_MAX;
         int in_page = 0;
 
-        for (int format = 0; format < 2; format++) {
-                /* Compact requests (the default), then packed ones. */
-                if (format)
-                        setenv("EPD_CLIENT_REQUEST_FORMAT", "protobuf", 1);
-                setup_group_with(&s, 5000, polling_daemon);
-                /* The first op finds the daemon asleep: socket. The next ones come within its
-                 * 100 ms of polling. */
-                ck_assert_int_eq(dispatch_once(&s, &rows), 0);
-                in_page = 0;
-                for (int i = 0; i < 20; i++) {
-                        const int how = dispatch_once(&s, &rows);
-                        ck_assert_msg(how == 0 || how == (format ? 1 : 2),
-                                      "format %d: request form %d", format, how);
-                        in_page += how != 0;
-                }
-                ck_assert_msg(in_page >= 15, "only %d of 20 requests went through the page",
-                              in_page);
-                ck_assert_int_eq(stat_of(&s.d, "mailbox_requests"), in_page);
-                if (format)
-                        refuse_bad_env(&s.d, "EPD_CLIENT_REQUEST_FORMAT", "xml");
-                teardown(&s);
-        }
-        unsetenv("EPD_CLIENT_REQUEST_FORMAT");
+        setup_group_with(&s, 5000, polling_daemon);
+        /* The first op finds the daemon asleep: socket. The next ones come within its 100 ms
+         * of polling. */
+        ck_assert_int_eq(dispatch_once(&s, &rows), 0);
+        for (int i = 0; i < 20; i++)
+                in_page += dispatch_once(&s, &rows);
+        ck_assert_msg(in_page >= 15, "only %d of 20 requests went through the page", in_page);
+        ck_assert_int_eq(stat_of(&s.d, "mailbox_requests"), in_page);
+        teardown(&s);
 
         /* Off by the environment; a bad value is refused. */
         setenv("EPD_CLIENT_REQUEST", "socket", 1);
@@ -637,7 +621,7 @@ START_TEST(test_request_page_order)
         ck_assert_int_eq(epd_dispatch_submit(s.g, &s.da, &b), 0);
         ck_assert_int_eq(epd_op_wait(a, 5000), 0);
         ck_assert_int_eq(epd_op_wait(b, 5000), 0);
-        ck_assert_int_eq(request_via_page(a), 2);
+        ck_assert_int_eq(request_via_page(a), 1);
         ck_assert_int_eq(request_via_page(b), 0); /* the box was full */
         ck_assert_msg(timeline_of(a).received_ns < timeline_of(b).received_ns,
                       "the socket's request was read first");
@@ -673,57 +657,60 @@ START_TEST(test_request_page_bad)
                 ck_assert_ptr_nonnull(box);
                 Epd__V1__Request req = EPD__V1__REQUEST__INIT;
                 Epd__V1__StatusRequest st = EPD__V1__STATUS_REQUEST__INIT;
-                Epd__V1__Dispatch dm = EPD__V1__DISPATCH__INIT;
-                struct epd_compact_request cr;
+                struct epd_op_request q = { .id = 1000, .kind = EPD_OPREC_DISPATCH,
+                                            .group_id = s.g->id };
+                char err[160];
                 req.id = 1000;
+                if (variant == 9) {
+                        q.kind = EPD_OPREC_COMBINE;
+                        q.num_bias = 1;
+                }
+                if (variant == 3)
+                        q.rank = 5;
+                if (variant >= 3)
+                        len = (size_t)epd_oprec_request_encode(&q, buf, sizeof(buf), err,
+                                                               sizeof(err));
+                uint8_t *slot = buf + 72; /* tensor slot 0 (common/oprec.c) */
                 switch (variant) {
-                case 0: /* not a Request */
+                case 0: /* not a record */
                         memset(buf, 0xff, 64);
                         len = 64;
                         break;
                 case 1: /* a length beyond the box */
                         len = EPD_REQUEST_CAPACITY + 1;
                         break;
-                case 2: /* a request of another kind */
+                case 2: /* a protobuf Request instead of a record */
                         req.body_case = EPD__V1__REQUEST__BODY_STATUS;
                         req.status = &st;
                         len = epd__v1__request__pack(&req, buf);
                         break;
-                case 3: /* a Dispatch of another rank */
-                        dm.group_id = s.g->id;
-                        dm.rank = 5;
-                        req.body_case = EPD__V1__REQUEST__BODY_DISPATCH;
-                        req.dispatch = &dm;
-                        len = epd__v1__request__pack(&req, buf);
+                case 3: /* a dispatch of another rank */
                         break;
-                case 9: /* compact: a Combine with a bias beyond its count */
-                        memset(&cr, 0, sizeof(cr));
-                        cr.id = 1000;
-                        cr.kind = EPD_COMPACT_COMBINE;
-                        cr.group_id = s.g->id;
-                        cr.num_bias = 1;
-                        cr.t[EPD_CT_BIAS1].region_id = 1;
-                        cr.t[EPD_CT_BIAS1].ndim = 2;
-                        len = sizeof(cr);
-                        memcpy(buf, &cr, len);
+                case 4: /* a short record */
+                        len -= 8;
                         break;
-                default: /* compact: a short one, an unknown kind, a tensor of 5 dims,
-                          * unknown flags, a Dispatch of another rank */
-                        memset(&cr, 0, sizeof(cr));
-                        cr.id = 1000;
-                        cr.kind = variant == 5 ? 9 : EPD_COMPACT_DISPATCH;
-                        cr.group_id = s.g->id;
-                        cr.rank = variant == 8 ? 5 : 0;
-                        cr.t[EPD_CT_X].region_id = 1;
-                        cr.t[EPD_CT_X].ndim = variant == 6 ? 5 : 2;
-                        cr.flags = variant == 7 ? 0x100 : 0;
-                        len = sizeof(cr) - (variant == 4 ? 8 : 0);
-                        memcpy(buf, &cr, len);
+                case 5: /* an unknown kind */
+                        buf[2] = 9;
+                        break;
+                case 6: /* a tensor of 5 dims */
+                        slot[0] = 1;
+                        slot[20] = 5;
+                        break;
+                case 7: /* unknown flags */
+                        buf[29] = 1;
+                        break;
+                case 8: /* another record version */
+                        buf[0] = 2;
+                        break;
+                case 9: /* a combine with a bias beyond its count */
+                        slot += 2 * 96;
+                        slot[0] = 1;
+                        slot[20] = 2;
                         break;
                 }
                 if (len <= EPD_REQUEST_CAPACITY)
                         memcpy(box->bytes, buf, len);
-                box->len = (uint32_t)len | (variant >= 4 ? EPD_REQUEST_COMPACT : 0);
+                box->len = (uint32_t)len;
                 __atomic_store_n(&box->state, EPD_REQUEST_POSTED, __ATOMIC_SEQ_CST);
                 /* The next frame makes the daemon take the page first. */
                 int rc = epd_dispatch_submit(s.g, &s.da, &op);
@@ -757,8 +744,8 @@ int main(void)
         tcase_add_test(tc, test_wait_inputs);
         tcase_add_test(tc, test_wait_inputs_timeout);
         tcase_add_test(tc, test_mailbox_off_and_bad_env);
-        tcase_add_test(tc, test_compact_replies);
-        tcase_add_test(tc, test_compact_requests);
+        tcase_add_test(tc, test_reply_records);
+        tcase_add_test(tc, test_request_records);
         tcase_add_test(tc, test_handle_released_during_op);
         tcase_add_test(tc, test_mailbox_one_at_a_time);
         tcase_add_test(tc, test_mailbox_second_refused);

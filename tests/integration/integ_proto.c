@@ -2,7 +2,11 @@
  *
  * Every test starts its own daemon on a temporary socket and stops it again, expecting a clean
  * exit. Covered (DESIGN.md section 6, SEMANTICS.md sections 1 and 4):
- * - protocol version mismatch, in Hello and in the frame header;
+ * - protocol version mismatch, in Hello and in the frame header, from an older client (version
+ *   1, whose ops were protobuf messages) and a newer one;
+ * - op records (common/oprec.h) on the socket: a well-formed one is answered with a reply record
+ *   inside an OpRecord, a malformed one (each check of the record) closes the connection with a
+ *   message naming the fault, and a record whose id is not its frame's is refused too;
  * - group secrets: a wrong or short secret is refused, the right one admitted;
  * - region references past a region's end, or into another client's region, fail the request
  *   without hurting the connection; registration checks the fd against the claimed size;
@@ -38,6 +42,7 @@
 #include "epd.pb-c.h"
 #include "frame.h"
 #include "harness.h"
+#include "oprec.h"
 #include "util.h"
 
 /* The group shape every test uses: small, so arenas and regions stay tiny. */
@@ -389,30 +394,39 @@ END_TEST
 
 START_TEST(test_version_mismatch_frame)
 {
+        /* A client of protocol version 1, and one newer than the daemon. */
+        const uint16_t versions[2] = { 1, EPD_PROTOCOL_VERSION + 1 };
         struct h_daemon d;
-        uint8_t body[RAW_MAX_BODY];
-        Epd__V1__Request req;
-        Epd__V1__Hello hello;
-        Epd__V1__Response *resp = NULL;
-        size_t len;
-        int sock;
 
         daemon_start(&d);
-        sock = h_raw_connect(&d);
-        /* The body is a valid version-1 Hello; only the frame header claims version 2. */
-        init_hello(&req, &hello, 1);
-        len = pack_request(&req, body);
-        struct epd_frame_header h = h_good_header(len, 0);
-        h.version = 2;
-        ck_assert_int_eq(h_raw_send(sock, &h, body, len, NULL, 0, 0), 0);
-        ck_assert_msg(h_raw_recv(sock, 2000, &resp) == 1, "no reply to a version-2 frame");
-        ck_assert_int_eq(resp->status, EPD__V1__STATUS_CODE__VERSION_MISMATCH);
-        ck_assert_msg(resp->message && resp->message[0], "VERSION_MISMATCH without a message");
-        epd__v1__response__free_unpacked(resp, NULL);
-        resp = NULL;
-        ck_assert_msg(h_raw_recv(sock, 2000, &resp) == 0,
-                      "the connection stays open after VERSION_MISMATCH");
-        close(sock);
+        for (int i = 0; i < 2; i++) {
+                uint8_t body[RAW_MAX_BODY];
+                Epd__V1__Request req;
+                Epd__V1__Hello hello;
+                Epd__V1__Response *resp = NULL;
+                size_t len;
+                int sock = h_raw_connect(&d);
+
+                /* A valid Hello claiming that version, in the body and the frame header. */
+                init_hello(&req, &hello, 1);
+                hello.protocol_version = versions[i];
+                len = pack_request(&req, body);
+                struct epd_frame_header h = h_good_header(len, 0);
+                h.version = versions[i];
+                ck_assert_int_eq(h_raw_send(sock, &h, body, len, NULL, 0, 0), 0);
+                ck_assert_msg(h_raw_recv(sock, 2000, &resp) == 1, "no reply to a version-%u frame",
+                              versions[i]);
+                ck_assert_int_eq(resp->status, EPD__V1__STATUS_CODE__VERSION_MISMATCH);
+                ck_assert_msg(resp->message && mentions_number(resp->message, versions[i]) &&
+                                      mentions_number(resp->message, EPD_PROTOCOL_VERSION),
+                              "VERSION_MISMATCH does not name both versions: '%s'",
+                              resp->message ? resp->message : "");
+                epd__v1__response__free_unpacked(resp, NULL);
+                resp = NULL;
+                ck_assert_msg(h_raw_recv(sock, 2000, &resp) == 0,
+                              "the connection stays open after VERSION_MISMATCH");
+                close(sock);
+        }
         h_assert_daemon_alive(&d, BAD_FRAME);
         daemon_stop_clean(&d);
 }
@@ -879,7 +893,7 @@ static const struct bad_case bad_cases[] = {
         { "too many fds", BAD_TOO_MANY_FDS, 9 },
         { "garbled body with fd", BAD_GARBLED_WITH_FD, 1 },
         { "oversized with fd", BAD_OVERSIZED_WITH_FD, 1 },
-        { "version 2 with fd", BAD_VERSION_WITH_FD, 1 },
+        { "newer version with fd", BAD_VERSION_WITH_FD, 1 },
 };
 
 /* Fills buf with seeded random bytes that protobuf-c refuses as a Request. */
@@ -971,7 +985,7 @@ static void send_bad_frame(int sock, const struct bad_case *k, const int *fds)
         case BAD_TOO_MANY_FDS:
                 break;
         case BAD_VERSION_WITH_FD:
-                h.version = 2;
+                h.version = EPD_PROTOCOL_VERSION + 1;
                 break;
         }
         rc = h_raw_send(sock, &h, body, len, fds, nfds, 0);
@@ -1062,6 +1076,104 @@ static int victim_main(void *arg, int index)
         for (;;)
                 pause();
 }
+
+/* ---- op records on the socket ---- */
+
+/* Sends the op record rec (len bytes) in an OpRecord of request id `id`. */
+static void send_op_record(int sock, uint64_t id, const uint8_t *rec, size_t len)
+{
+        uint8_t body[RAW_MAX_BODY];
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__OpRecord wrap = EPD__V1__OP_RECORD__INIT;
+
+        wrap.record.data = (uint8_t *)rec;
+        wrap.record.len = len;
+        req.id = id;
+        req.body_case = EPD__V1__REQUEST__BODY_OP;
+        req.op = &wrap;
+        const size_t n = pack_request(&req, body);
+        struct epd_frame_header h = h_good_header(n, 0);
+        ck_assert_int_eq(h_raw_send(sock, &h, body, n, NULL, 0, 0), 0);
+}
+
+START_TEST(test_op_record_on_socket)
+{
+        struct h_daemon d;
+        struct epd_op_request q = { .id = 2, .kind = EPD_OPREC_DISPATCH, .group_id = 77 };
+        uint8_t rec[EPD_OPREC_REQUEST_BYTES];
+        char err[160];
+        Epd__V1__Response *resp = NULL;
+
+        daemon_start(&d);
+        int sock = h_raw_connect(&d);
+        raw_hello(sock);
+        /* A well-formed dispatch of a group that does not exist: a reply record says so. */
+        ck_assert_int_eq(epd_oprec_request_encode(&q, rec, sizeof(rec), err, sizeof(err)),
+                         (int)sizeof(rec));
+        send_op_record(sock, 2, rec, sizeof(rec));
+        ck_assert_int_eq(h_raw_recv(sock, 2000, &resp), 1);
+        ck_assert_uint_eq(resp->id, 2);
+        ck_assert_int_eq(resp->status, EPD__V1__STATUS_CODE__NOT_FOUND);
+        ck_assert_int_eq(resp->body_case, EPD__V1__RESPONSE__BODY_OP);
+        uint64_t aligned[(EPD_OPREC_REPLY_HEADER_BYTES + EPD_OPREC_MESSAGE_MAX) / 8];
+        ck_assert_uint_le(resp->op->record.len, sizeof(aligned));
+        memcpy(aligned, resp->op->record.data, resp->op->record.len);
+        struct epd_op_reply rep;
+        ck_assert_int_eq(epd_oprec_reply_decode((const uint8_t *)aligned, resp->op->record.len,
+                                                &rep, err, sizeof(err)),
+                         0);
+        ck_assert_uint_eq(rep.id, 2);
+        ck_assert_uint_eq(rep.kind, EPD_OPREC_DISPATCH);
+        ck_assert_int_eq(rep.status, EPD_NOT_FOUND);
+        ck_assert_msg(rep.message && strstr(rep.message, "group 77"), "message: %s",
+                      rep.message ? rep.message : "(none)");
+        epd__v1__response__free_unpacked(resp, NULL);
+        close(sock);
+
+        /* Malformed records close the connection with a message naming the fault; so does a
+         * record whose id is not its frame's. */
+        static const struct {
+                const char *what, *words;
+        } bad[] = {
+                { "truncated", "shorter than" }, { "version", "version" },
+                { "size", "states" },            { "kind", "kind" },
+                { "layout", "layout" },          { "dims", "dims" },
+                { "id", "op record id" },
+        };
+        for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+                struct h_close_result res;
+                size_t len = sizeof(rec);
+                uint64_t id = 3;
+
+                q.id = 3;
+                ck_assert_int_gt(epd_oprec_request_encode(&q, rec, sizeof(rec), err, sizeof(err)),
+                                 0);
+                switch (i) {
+                case 0: len = 10; break;
+                case 1: rec[0] = 7; break;
+                case 2: rec[4] = 0xff; break;          /* states more bytes than came */
+                case 3: rec[2] = 3; break;
+                case 4: rec[56] = 2; break;            /* layout */
+                case 5: rec[72] = 1; rec[92] = 9; break; /* slot 0: present, 9 dims */
+                case 6: id = 4; break;
+                }
+                sock = h_raw_connect(&d);
+                raw_hello(sock);
+                send_op_record(sock, id, rec, len);
+                ck_assert_int_eq(h_raw_recv(sock, 2000, &resp), 1);
+                ck_assert_int_eq(resp->status, EPD__V1__STATUS_CODE__INVALID_ARGUMENT);
+                ck_assert_msg(resp->message && strstr(resp->message, "protocol error") &&
+                                      strstr(resp->message, bad[i].words),
+                              "%s: '%s'", bad[i].what, resp->message ? resp->message : "");
+                epd__v1__response__free_unpacked(resp, NULL);
+                resp = NULL;
+                h_expect_closed(sock, &res);
+                close(sock);
+        }
+        h_assert_daemon_alive(&d, "after malformed op records");
+        daemon_stop_clean(&d);
+}
+END_TEST
 
 START_TEST(test_sigkill_releases_client)
 {
@@ -1468,6 +1580,7 @@ static Suite *proto_suite(void)
         tcase_add_test(tc, test_version_mismatch_hello);
         tcase_add_test(tc, test_version_mismatch_frame);
         tcase_add_test(tc, test_request_before_hello);
+        tcase_add_test(tc, test_op_record_on_socket);
         tcase_add_test(tc, test_client_poll_env);
         suite_add_tcase(s, tc);
 

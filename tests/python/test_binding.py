@@ -249,7 +249,7 @@ class TestClient(unittest.TestCase):
         with epd.connect(socket=DAEMON["socket"], name="info", timeout_ms=5000) as c:
             info = c.info()
             self.assertEqual(info["backend"], "host")
-            self.assertEqual(info["protocol_version"], 1)
+            self.assertEqual(info["protocol_version"], 2)
             self.assertGreater(info["client_id"], 0)
             self.assertFalse(c.closed)
         self.assertTrue(c.closed)

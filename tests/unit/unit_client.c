@@ -2,7 +2,8 @@
  *
  * A reply's bodies share one oneof (proto/epd.proto): an OK reply carrying another body than the
  * request's (a daemon of another version, a bug) must fail the call with EPD_INTERNAL and a
- * message naming both, not be read as the expected body. The fake daemon is a thread on a Unix
+ * message naming both, not be read as the expected body. An op's reply record
+ * (common/oprec.h) of the other kind is refused the same way. The fake daemon is a thread on a Unix
  * SOCK_SEQPACKET socket speaking the real framing (common/frame.c): it answers Hello with a
  * Welcome, the request under test with the body the test chose, and the others correctly.
  * Covers connect (Hello), size hint, region registration, group creation, and the completion of
@@ -23,6 +24,7 @@
 #include "epd.h"
 #include "epd.pb-c.h"
 #include "frame.h"
+#include "oprec.h"
 
 #define MAX_BODY (64u * 1024u)
 
@@ -33,10 +35,12 @@ struct fake {
         Epd__V1__Response__BodyCase hello_body; /* the answer to Hello */
         Epd__V1__Request__BodyCase target;      /* the request under test */
         Epd__V1__Response__BodyCase body;       /* its answer */
+        uint32_t op_kind;                       /* an op answer's record kind; 0: the request's */
 };
 
 /* One OK reply to req with the given body, each body filled with recognisable values. */
-static void answer(int fd, const Epd__V1__Request *req, Epd__V1__Response__BodyCase body)
+static void answer(int fd, const Epd__V1__Request *req, Epd__V1__Response__BodyCase body,
+                   uint32_t op_kind)
 {
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
         Epd__V1__Welcome welcome = EPD__V1__WELCOME__INIT;
@@ -46,10 +50,12 @@ static void answer(int fd, const Epd__V1__Request *req, Epd__V1__Response__BodyC
         Epd__V1__ListGroupsReply groups = EPD__V1__LIST_GROUPS_REPLY__INIT;
         Epd__V1__GroupJoined joined = EPD__V1__GROUP_JOINED__INIT;
         Epd__V1__GroupConfig cfg = EPD__V1__GROUP_CONFIG__INIT;
-        Epd__V1__DispatchReply disp = EPD__V1__DISPATCH_REPLY__INIT;
-        Epd__V1__CombineReply comb = EPD__V1__COMBINE_REPLY__INIT;
-        int32_t counts[8] = { 0 }, prefix[2] = { 0, 0 };
-        uint8_t buf[4096];
+        Epd__V1__OpRecord wrap = EPD__V1__OP_RECORD__INIT;
+        struct epd_op_request q;
+        struct epd_op_reply rep;
+        int32_t counts[8] = { 1, 2, 3, 4, 5, 6, 7, 8 }, prefix[2] = { 0, 36 };
+        uint8_t buf[4096], rec[1024];
+        char err[160];
 
         resp.id = req->id;
         resp.status = EPD__V1__STATUS_CODE__OK;
@@ -86,19 +92,30 @@ static void answer(int fd, const Epd__V1__Request *req, Epd__V1__Response__BodyC
                 joined.config = &cfg;
                 resp.group_joined = &joined;
                 break;
-        case EPD__V1__RESPONSE__BODY_DISPATCH:
-                disp.op_number = 5;
-                disp.n_num_recv_tokens_per_expert = 8;
-                disp.num_recv_tokens_per_expert = counts;
-                disp.n_num_recv_tokens_per_expert_aligned = 8;
-                disp.num_recv_tokens_per_expert_aligned = counts;
-                disp.n_rank_prefix = 2;
-                disp.rank_prefix = prefix;
-                resp.dispatch = &disp;
-                break;
-        case EPD__V1__RESPONSE__BODY_COMBINE:
-                comb.op_number = 6;
-                resp.combine = &comb;
+        case EPD__V1__RESPONSE__BODY_OP:
+                /* The real record of the request, answered: dispatch op 5, combine op 6. */
+                ck_assert_int_eq(req->body_case, EPD__V1__REQUEST__BODY_OP);
+                ck_assert_int_eq(epd_oprec_request_decode(req->op->record.data,
+                                                          req->op->record.len, &q, err,
+                                                          sizeof(err)),
+                                 0);
+                ck_assert_uint_eq(q.id, req->id);
+                memset(&rep, 0, sizeof(rep));
+                rep.id = q.id;
+                rep.kind = op_kind ? op_kind : q.kind;
+                rep.op_number = q.kind == EPD_OPREC_DISPATCH ? 5 : 6;
+                if (rep.kind == EPD_OPREC_DISPATCH) {
+                        rep.num_local_experts = 8;
+                        rep.world_size = 1;
+                        rep.per_expert = counts;
+                        rep.per_expert_aligned = counts;
+                        rep.rank_prefix = prefix;
+                }
+                int n = epd_oprec_reply_encode(&rep, rec, sizeof(rec));
+                ck_assert_int_gt(n, 0);
+                wrap.record.data = rec;
+                wrap.record.len = (size_t)n;
+                resp.op = &wrap;
                 break;
         default:
                 resp.body_case = EPD__V1__RESPONSE__BODY_EMPTY;
@@ -138,7 +155,7 @@ static void *fake_main(void *arg)
                         body = f->body;
                 else if (req->body_case == EPD__V1__REQUEST__BODY_GROUP_CREATE)
                         body = EPD__V1__RESPONSE__BODY_GROUP_JOINED;
-                answer(fd, req, body);
+                answer(fd, req, body, f->op_kind);
                 epd__v1__request__free_unpacked(req, NULL);
         }
         if (fd >= 0)
@@ -159,6 +176,7 @@ static void fake_start(struct fake *f, Epd__V1__Response__BodyCase hello_body,
         f->hello_body = hello_body;
         f->target = target;
         f->body = body;
+        f->op_kind = 0;
         f->lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
         ck_assert_int_ge(f->lfd, 0);
         ck_assert_int_eq(bind(f->lfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
@@ -349,7 +367,7 @@ END_TEST
 /* ---- dispatch and combine (the op's completion, here through the socket: the fake daemon
  * gives no doorbell page) ---- */
 
-static int op_with(Epd__V1__Request__BodyCase target, Epd__V1__Response__BodyCase body,
+static int op_with(uint32_t kind, Epd__V1__Response__BodyCase body, uint32_t reply_kind,
                    uint64_t *op_number, char *msg, size_t msg_len)
 {
         struct fake f;
@@ -357,12 +375,13 @@ static int op_with(Epd__V1__Request__BodyCase target, Epd__V1__Response__BodyCas
         struct epd_op *op = NULL;
         int rc;
 
-        fake_start(&f, EPD__V1__RESPONSE__BODY_WELCOME, target, body);
+        fake_start(&f, EPD__V1__RESPONSE__BODY_WELCOME, EPD__V1__REQUEST__BODY_OP, body);
+        f.op_kind = reply_kind;
         struct epd_client *c = connect_to(&f);
         struct epd_group_args a = { .size = sizeof(a), .name = "g", .secret = test_secret,
                                     .secret_len = sizeof(test_secret), .config = &test_config };
         ck_assert_int_eq(epd_group_create(c, &a, &g), 0);
-        if (target == EPD__V1__REQUEST__BODY_DISPATCH) {
+        if (kind == EPD_OPREC_DISPATCH) {
                 struct epd_dispatch_args d = { .size = sizeof(d) };
                 ck_assert_int_eq(epd_dispatch_submit(g, &d, &op), 0);
         } else {
@@ -371,10 +390,15 @@ static int op_with(Epd__V1__Request__BodyCase target, Epd__V1__Response__BodyCas
         }
         rc = epd_op_wait(op, 5000);
         snprintf(msg, msg_len, "%s", epd_client_last_error(c));
-        if (rc == 0 && target == EPD__V1__REQUEST__BODY_DISPATCH) {
+        if (rc == 0 && kind == EPD_OPREC_DISPATCH) {
                 struct epd_dispatch_result r;
                 ck_assert_int_eq(epd_op_dispatch_result(op, &r), 0);
                 *op_number = r.op_number;
+                /* The counts come out of the record as the fake wrote them. */
+                ck_assert_uint_eq(r.num_local_experts, 8);
+                ck_assert_uint_eq(r.world_size, 1);
+                ck_assert_int_eq(r.num_recv_tokens_per_expert[7], 8);
+                ck_assert_int_eq(r.rank_prefix[1], 36);
         } else if (rc == 0) {
                 struct epd_combine_result r;
                 ck_assert_int_eq(epd_op_combine_result(op, &r), 0);
@@ -387,51 +411,58 @@ static int op_with(Epd__V1__Request__BodyCase target, Epd__V1__Response__BodyCas
         return rc;
 }
 
-/* The op under test answered with another body: EPD_INTERNAL, and the message names both. */
-static void expect_op_refused(Epd__V1__Request__BodyCase target,
-                              Epd__V1__Response__BodyCase body, const char *words)
+/* The op under test answered with another body or record kind: EPD_INTERNAL, and the message
+ * names both. */
+static void expect_op_refused(uint32_t kind, Epd__V1__Response__BodyCase body,
+                              uint32_t reply_kind, const char *words)
 {
         uint64_t n = 0;
         char msg[256];
 
-        ck_assert_int_eq(op_with(target, body, &n, msg, sizeof(msg)), EPD_INTERNAL);
+        ck_assert_int_eq(op_with(kind, body, reply_kind, &n, msg, sizeof(msg)), EPD_INTERNAL);
         ck_assert_msg(strstr(msg, words) != NULL, "message: %s", msg);
 }
 
-/* The control: answered with its own body, the op succeeds with the fake's op number. */
-static void expect_op_ok(Epd__V1__Request__BodyCase target, Epd__V1__Response__BodyCase body,
-                         uint64_t op_number)
+/* The control: answered with its own record, the op succeeds with the fake's op number. */
+static void expect_op_ok(uint32_t kind, uint64_t op_number)
 {
         uint64_t n = 0;
         char msg[256];
 
-        ck_assert_int_eq(op_with(target, body, &n, msg, sizeof(msg)), 0);
+        ck_assert_int_eq(op_with(kind, EPD__V1__RESPONSE__BODY_OP, 0, &n, msg, sizeof(msg)), 0);
         ck_assert_uint_eq(n, op_number);
 }
 
 START_TEST(dispatch_answered_with_combine)
 {
-        expect_op_refused(EPD__V1__REQUEST__BODY_DISPATCH, EPD__V1__RESPONSE__BODY_COMBINE,
-                          "answered dispatch with combine");
+        expect_op_refused(EPD_OPREC_DISPATCH, EPD__V1__RESPONSE__BODY_OP, EPD_OPREC_COMBINE,
+                          "with a combine reply");
+}
+END_TEST
+
+START_TEST(dispatch_answered_with_empty)
+{
+        expect_op_refused(EPD_OPREC_DISPATCH, EPD__V1__RESPONSE__BODY_EMPTY, 0,
+                          "answered dispatch with empty");
 }
 END_TEST
 
 START_TEST(dispatch_answered_right)
 {
-        expect_op_ok(EPD__V1__REQUEST__BODY_DISPATCH, EPD__V1__RESPONSE__BODY_DISPATCH, 5);
+        expect_op_ok(EPD_OPREC_DISPATCH, 5);
 }
 END_TEST
 
 START_TEST(combine_answered_with_dispatch)
 {
-        expect_op_refused(EPD__V1__REQUEST__BODY_COMBINE, EPD__V1__RESPONSE__BODY_DISPATCH,
-                          "answered combine with dispatch");
+        expect_op_refused(EPD_OPREC_COMBINE, EPD__V1__RESPONSE__BODY_OP, EPD_OPREC_DISPATCH,
+                          "with a dispatch reply");
 }
 END_TEST
 
 START_TEST(combine_answered_right)
 {
-        expect_op_ok(EPD__V1__REQUEST__BODY_COMBINE, EPD__V1__RESPONSE__BODY_COMBINE, 6);
+        expect_op_ok(EPD_OPREC_COMBINE, 6);
 }
 END_TEST
 
@@ -449,6 +480,7 @@ static Suite *client_suite(void)
         tcase_add_test(tc, group_create_answered_with_size_hint);
         tcase_add_test(tc, group_create_answered_right);
         tcase_add_test(tc, dispatch_answered_with_combine);
+        tcase_add_test(tc, dispatch_answered_with_empty);
         tcase_add_test(tc, dispatch_answered_right);
         tcase_add_test(tc, combine_answered_with_dispatch);
         tcase_add_test(tc, combine_answered_right);

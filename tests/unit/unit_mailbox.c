@@ -1,7 +1,8 @@
 /* unit_mailbox.c - the daemon's side of the reply mailbox (daemon/mailbox.c, common/doorbell.h).
  *
- * Covers: a reply posted into a page unpacks to the same Response, with reply_id, reply_len and
- * reply_seq published; a reply too large for the page is not written but announced
+ * Covers: a reply posted into a page decodes to the same reply record (common/oprec.h), with
+ * reply_id, reply_len and reply_seq published; a reply too large for the page is not written but
+ * announced
  * (EPD_MAILBOX_ON_SOCKET, -EMSGSIZE) with the page's previous bytes left alone; a reply that
  * fills the page exactly still goes in; a thread sleeping on reply_seq's futex under the client's
  * protocol (waiting flag, re-check, FUTEX_WAIT) is woken by a post, so no wake-up is lost; the
@@ -37,48 +38,42 @@ static struct epd_doorbell *page_new(void)
         return p;
 }
 
-/* A Response whose message has `len` characters. */
-static void response_with(Epd__V1__Response *r, Epd__V1__Empty *e, char *msg, size_t len,
-                          uint64_t id)
+/* A failed op's reply whose message has `len` characters. */
+static void reply_with(struct epd_op_reply *r, char *msg, size_t len, uint64_t id)
 {
-        epd__v1__response__init(r);
-        epd__v1__empty__init(e);
+        memset(r, 0, sizeof(*r));
         memset(msg, 'm', len);
         msg[len] = '\0';
         r->id = id;
-        r->status = EPD__V1__STATUS_CODE__INVALID_ARGUMENT;
+        r->kind = EPD_OPREC_COMBINE;
+        r->status = EPD_INVALID_ARGUMENT;
         r->message = msg;
-        r->body_case = EPD__V1__RESPONSE__BODY_EMPTY;
-        r->empty = e;
 }
 
-START_TEST(test_post_and_unpack)
+START_TEST(test_post_and_decode)
 {
         struct epd_doorbell *db = page_new();
-        Epd__V1__Response r;
-        Epd__V1__Empty e;
-        char msg[128];
+        struct epd_op_reply r, u;
+        char msg[128], err[160];
 
-        response_with(&r, &e, msg, 100, 42);
+        reply_with(&r, msg, 100, 42);
         ck_assert_int_eq(epd_mailbox_post(db, &r), 0);
         ck_assert_uint_eq(db->reply_id, 42);
         ck_assert_uint_eq(db->reply_seq, 1);
-        ck_assert_uint_eq(db->reply_len, epd__v1__response__get_packed_size(&r));
-        Epd__V1__Response *u = epd__v1__response__unpack(NULL, db->reply_len, db->reply);
-        ck_assert_ptr_nonnull(u);
-        ck_assert_uint_eq(u->id, 42);
-        ck_assert_int_eq(u->status, EPD__V1__STATUS_CODE__INVALID_ARGUMENT);
-        ck_assert_str_eq(u->message, msg);
-        epd__v1__response__free_unpacked(u, NULL);
+        ck_assert_uint_eq(db->reply_len, EPD_OPREC_REPLY_HEADER_BYTES + 101);
+        ck_assert_int_eq(epd_oprec_reply_decode(db->reply, db->reply_len, &u, err, sizeof(err)),
+                         0);
+        ck_assert_uint_eq(u.id, 42);
+        ck_assert_int_eq(u.status, EPD_INVALID_ARGUMENT);
+        ck_assert_str_eq(u.message, msg);
         /* The next reply replaces it. */
-        response_with(&r, &e, msg, 3, 43);
+        reply_with(&r, msg, 3, 43);
         ck_assert_int_eq(epd_mailbox_post(db, &r), 0);
         ck_assert_uint_eq(db->reply_id, 43);
         ck_assert_uint_eq(db->reply_seq, 2);
-        u = epd__v1__response__unpack(NULL, db->reply_len, db->reply);
-        ck_assert_ptr_nonnull(u);
-        ck_assert_str_eq(u->message, "mmm");
-        epd__v1__response__free_unpacked(u, NULL);
+        ck_assert_int_eq(epd_oprec_reply_decode(db->reply, db->reply_len, &u, err, sizeof(err)),
+                         0);
+        ck_assert_str_eq(u.message, "mmm");
 }
 END_TEST
 
@@ -86,37 +81,40 @@ START_TEST(test_too_large_goes_to_socket)
 {
         struct epd_doorbell *db = page_new();
         const size_t cap = EPD_MAILBOX_CAPACITY(EPD_DOORBELL_BYTES);
-        char *msg = malloc(cap + 64);
-        Epd__V1__Response r;
-        Epd__V1__Empty e;
+        /* A dispatch reply of one rank with L local experts carries 2 L + 2 counts: the L that
+         * fills the page exactly. */
+        const uint32_t L = (uint32_t)((cap - EPD_OPREC_REPLY_HEADER_BYTES) / 4 - 2) / 2;
+        int32_t *counts = calloc(2 * (size_t)L + 8, sizeof(int32_t));
+        struct epd_op_reply r;
 
-        ck_assert_ptr_nonnull(msg);
+        ck_assert_ptr_nonnull(counts);
         ck_assert_uint_gt(cap, 8192);
-        /* Find the message length whose packed reply is exactly the capacity. */
-        size_t len = cap - 16;
-        for (;;) {
-                response_with(&r, &e, msg, len, 7);
-                size_t packed = epd__v1__response__get_packed_size(&r);
-                if (packed == cap)
-                        break;
-                ck_assert_uint_lt(packed, cap);
-                len++;
-        }
+        memset(&r, 0, sizeof(r));
+        r.kind = EPD_OPREC_DISPATCH;
+        r.id = 7;
+        r.num_local_experts = L;
+        r.world_size = 1;
+        r.per_expert = counts;
+        r.per_expert_aligned = counts;
+        r.rank_prefix = counts;
+        ck_assert_uint_eq(epd_oprec_reply_bytes(&r), cap);
         ck_assert_int_eq(epd_mailbox_post(db, &r), 0);
         ck_assert_uint_eq(db->reply_len, cap);
         ck_assert_uint_eq(db->reply_id, 7);
         uint8_t last = db->reply[cap - 1];
 
-        /* One byte more does not fit: announced, nothing written. */
-        response_with(&r, &e, msg, len + 1, 8);
-        memset(msg, 'x', len + 1); /* would show in the page if it were copied */
+        /* One expert more does not fit: announced, nothing written. */
+        r.id = 8;
+        r.num_local_experts = L + 1;
+        for (uint32_t i = 0; i < 2 * L + 8; i++)
+                counts[i] = 0x78787878; /* would show in the page if it were copied */
         ck_assert_int_eq(epd_mailbox_post(db, &r), -EMSGSIZE);
         ck_assert_uint_eq(db->reply_len, EPD_MAILBOX_ON_SOCKET);
         ck_assert_uint_eq(db->reply_id, 8);
         ck_assert_uint_eq(db->reply_seq, 2);
         ck_assert_uint_eq(db->reply[cap - 1], last);
-        ck_assert_ptr_null(memchr(db->reply, 'x', cap));
-        free(msg);
+        ck_assert_ptr_null(memchr(db->reply, 0x78, cap));
+        free(counts);
 }
 END_TEST
 
@@ -160,8 +158,7 @@ START_TEST(test_sleeper_is_woken)
         for (int round = 0; round < 200; round++) {
                 struct epd_doorbell *db = page_new();
                 struct sleeper s = { db, 1000 + (uint64_t)round, 0, 0 };
-                Epd__V1__Response r;
-                Epd__V1__Empty e;
+                struct epd_op_reply r;
                 char msg[8];
                 pthread_t th;
 
@@ -171,7 +168,7 @@ START_TEST(test_sleeper_is_woken)
                 if (round % 2 == 0)
                         while (!__atomic_load_n(&s.slept, __ATOMIC_SEQ_CST))
                                 usleep(100);
-                response_with(&r, &e, msg, 4, s.id);
+                reply_with(&r, msg, 4, s.id);
                 const double t0 = now_s();
                 ck_assert_int_eq(epd_mailbox_post(db, &r), 0);
                 ck_assert_int_eq(pthread_join(th, NULL), 0);
@@ -207,8 +204,7 @@ static void *napper_main(void *arg)
 START_TEST(test_nudge_wakes_only_pollers)
 {
         struct epd_doorbell *db = page_new();
-        Epd__V1__Response r;
-        Epd__V1__Empty e;
+        struct epd_op_reply r;
         char msg[8];
         pthread_t th;
 
@@ -238,7 +234,7 @@ START_TEST(test_nudge_wakes_only_pollers)
         usleep(300000);
         ck_assert_msg(!__atomic_load_n(&b.returned, __ATOMIC_SEQ_CST),
                       "a client that does not poll was woken at the start");
-        response_with(&r, &e, msg, 4, 99);
+        reply_with(&r, msg, 4, 99);
         ck_assert_int_eq(epd_mailbox_post(db, &r), 0);
         ck_assert_int_eq(pthread_join(th, NULL), 0);
         ck_assert_int_eq(b.returned, 1);
@@ -515,7 +511,7 @@ int main(void)
         int failed;
 
         tcase_set_timeout(tc, 120);
-        tcase_add_test(tc, test_post_and_unpack);
+        tcase_add_test(tc, test_post_and_decode);
         tcase_add_test(tc, test_too_large_goes_to_socket);
         tcase_add_test(tc, test_sleeper_is_woken);
         tcase_add_test(tc, test_nudge_wakes_only_pollers);
