@@ -378,7 +378,7 @@ static int verdict(struct epd_exec *ex, const struct epd_ws_layout *l, uint8_t *
  * GPU as one cuStreamBatchMemOp per MEMOP_BATCH of them. One call each cost, on an H200, 1.3 us
  * of host time and about as much GPU time per operation: 10.6 us of host and 13.2 us of GPU time
  * for the 8 doorbell writes of an 8-rank op, against 2.3 us and 7.4 us as one batch
- * (bench/memop_probe.cu, docs/performance.md). */
+ * (bench/probes/memop_probe.cu, docs/performance.md). */
 #define MEMOP_BATCH 64
 
 struct memop_batch {
@@ -433,7 +433,7 @@ static void memop_add(struct memop_batch *b, int wait, void *doorbell_dev, size_
  * except those the host already sees satisfied: the client's stream stored inputs_ready after
  * its inputs were written (a stream write with its memory barrier), so a kernel launched after
  * this read finds them, and a wait that is already satisfied still costs the GPU about 1.2 us
- * per rank (8 satisfied waits: 9.6-9.9 us, bench/memop_probe.cu) before the op can start. */
+ * per rank (8 satisfied waits: 9.6-9.9 us, bench/probes/memop_probe.cu) before the op can start. */
 static void queue_input_waits(const struct epd_exec *ex, cudaStream_t stream)
 {
         struct memop_batch b;
@@ -459,7 +459,7 @@ static void queue_input_waits(const struct epd_exec *ex, cudaStream_t stream)
  * cuStreamWaitValue64) is released. The loop thread stores the same value again when it takes
  * the completion (group.c, rank_publish); the word only ever grows (epd_doorbell_advance). From the host rather than as
  * stream writes after the end event: those 8 writes took 7.4 us of GPU time as one batch
- * (bench/memop_probe.cu), so the last rank's doorbell moved that long after the op ended, and
+ * (bench/probes/memop_probe.cu), so the last rank's doorbell moved that long after the op ended, and
  * the next op on the stream started that much later. Executor thread; the pages stay mapped
  * while the op executes (group.c, rank_doorbell_retire). */
 static void publish_completions(const struct epd_exec *ex)

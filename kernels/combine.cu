@@ -19,24 +19,10 @@
 #include <cuda_bf16.h>
 
 #include "internal.cuh"
-#ifdef DS_TRACE
-#include "cb_trace.h"
-#endif
 
-/* Tunables; overridable with -D for experiments. */
-#ifndef COMBINE_THREADS
 #define COMBINE_THREADS 256
-#endif
-/* DS_TRACE builds keep the kernel at 16 warps per multiprocessor despite the stamps. */
-#if defined(DS_TRACE) && !defined(COMBINE_MIN_BLOCKS)
-#define COMBINE_MIN_BLOCKS 2
-#endif
-#ifndef COMBINE_MIN_BLOCKS
 #define COMBINE_MIN_BLOCKS 1
-#endif
-#ifndef COMBINE_VEC
 #define COMBINE_VEC 2 /* 16-byte vectors per lane per step: 16 bf16 values */
-#endif
 /* Slices of hidden values (small ops) are multiples of one step of a warp on the 16-byte path,
  * so every slice starts on a step boundary. */
 #define COMBINE_SLICE_UNIT (8 * 32 * COMBINE_VEC)
@@ -96,18 +82,9 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld_if(uint32_
  * 24 (seventh session, docs/benchmarks/h200-s7-combine-slicing.txt, three repetitions each):
  * 26.2 against 26.8-26.9 us warm, 31.3-32.0 against 31.6-32.2 us in Fresh mode, 26.9-27.0
  * against 27.6-27.8 us after a read-only flush. 24 had beaten 48 and 96 (sixth session). */
-#ifndef COMBINE_SLICE_WARPS
 #define COMBINE_SLICE_WARPS 14
-#endif
 
-#ifndef COMBINE_AHEAD
 #define COMBINE_AHEAD 8 /* contributions whose loads are issued together */
-#endif
-/* A token of at most COMBINE_AHEAD contributions rolls its loads (combine_vec); 0 issues each
- * step's loads only when the step starts. */
-#ifndef COMBINE_ROLL
-#define COMBINE_ROLL 1
-#endif
 
 /* A token's contributions, in ascending top-k position: rows[c] is the c-th contribution's row
  * and weights[c] its weight, c < n. They sit in the warp's slots of shared memory
@@ -189,7 +166,6 @@ static __device__ void combine_vec(const struct combine_slots *sl, uint32_t n, i
                                    const uint8_t *bias0, const uint8_t *bias1, uint8_t *out,
                                    uint32_t v0, uint32_t nvec, uint32_t lane)
 {
-#if COMBINE_ROLL
         if (n <= COMBINE_AHEAD) {
                 /* Rolling: contribution c's loads for the next step are issued as soon as its
                  * additions for this step have read its registers, so the next step's data
@@ -217,7 +193,6 @@ static __device__ void combine_vec(const struct combine_slots *sl, uint32_t n, i
                 }
                 return;
         }
-#endif
         for (uint32_t base = v0; base < nvec; base += 32 * COMBINE_VEC) {
                 float acc[8 * COMBINE_VEC];
 #pragma unroll
@@ -270,20 +245,6 @@ static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_k_mat 
         return m->ptr == NULL ? NULL : m->ptr + row * m->stride;
 }
 
-#ifdef DS_TRACE
-/* Experiments: per warp of the last combine (up to CB_TRACE_WARPS), the stamps of cb_trace.h.
- * Each stamp after a load is taken in a branch on the loaded value, so the warp reads the timer
- * only once the value has arrived. */
-#define CB_TRACE_WARPS 8192
-static __device__ uint64_t cb_trace[CB_TRACE_WARPS * 4];
-
-extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
-{
-        if (warps > CB_TRACE_WARPS)
-                warps = CB_TRACE_WARPS;
-        return epd__k_cuda_status(cudaMemcpyFromSymbol(dst, cb_trace, warps * 32));
-}
-#endif
 
 /* combine_hot.flags */
 #define COMBINE_WEIGHTED 1u /* multiply each contribution by its weight (apply_weights) */
@@ -390,10 +351,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
         __shared__ struct combine_slots slots[COMBINE_THREADS / 32];
         struct combine_slots *sl = &slots[threadIdx.x / 32];
 
-#ifdef DS_TRACE
-        uint64_t tr_entry = epd_globaltimer_ns(), tr_ws = 0;
-        uint32_t tr_n = 0, tr_items = 0, tr_pre = 0, tr_back = 0, tr_desc = 0;
-#endif
         for (uint64_t item = warp; item < items; item += warps) {
                 const uint64_t g = item / slices;
                 const uint32_t slice = (uint32_t)(item % slices);
@@ -415,12 +372,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         t = (uint32_t)g - p.local[i].token_offset;
                 }
                 const uint64_t ent = epd_ws_entry_at(hot.src_entries, s, t, K, 0);
-#ifdef DS_TRACE
-                /* after every parameter the first workspace load depends on: the test on
-                 * ent keeps the timer read behind its computation */
-                if (tr_pre == 0 && ent != ~0ull)
-                        tr_pre = (uint32_t)(epd_globaltimer_ns() - tr_entry);
-#endif
                 int32_t expert = -1, row = -1;
                 float weight = 0.0f;
 
@@ -442,13 +393,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                                 lane_rows = p.y[lane].rows;
                         }
                 }
-#ifdef DS_TRACE
-                /* topk ids are -1 or in [0, E), and no y descriptor lies at address 1 */
-                if (tr_back == 0 && expert != INT32_MIN)
-                        tr_back = (uint32_t)(epd_globaltimer_ns() - tr_entry);
-                if (tr_desc == 0 && (uintptr_t)lane_y != 1)
-                        tr_desc = (uint32_t)(epd_globaltimer_ns() - tr_entry);
-#endif
                 const struct epd_k_mat *ctw, *combined;
                 if constexpr (INL) {
                         ctw = &p.mine[i].combined_topk_weights;
@@ -496,12 +440,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         sl->weights[c] = weight;
                 }
                 __syncwarp();
-#ifdef DS_TRACE
-                if (tr_ws == 0)
-                        tr_ws = epd_globaltimer_ns();
-                tr_items++;
-                tr_n = n;
-#endif
                 const uint8_t *bias0 = NULL, *bias1 = NULL;
                 if constexpr (combine_mode<P>::bias) {
                         const struct epd_k_mat *b;
@@ -529,15 +467,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 else
                         combine_scalar(sl, n, weighted, bias0, bias1, out, h0, h1, lane);
         }
-#ifdef DS_TRACE
-        if (lane == 0 && warp < CB_TRACE_WARPS) {
-                cb_trace[warp * 4 + 0] = tr_entry;
-                cb_trace[warp * 4 + 1] = tr_ws;
-                cb_trace[warp * 4 + 2] = epd_globaltimer_ns();
-                cb_trace[warp * 4 + 3] = epd_cb_trace_pack(tr_n, tr_items, tr_pre, tr_back,
-                                                           tr_desc);
-        }
-#endif
 }
 
 /* The launch of a combine, described; its parameters point at *args and *g (which it fills).

@@ -15,9 +15,7 @@
 
 #include "internal.cuh"
 
-#ifndef COPY_UNROLL
 #define COPY_UNROLL 4 /* 16-byte loads in flight per lane before the stores */
-#endif
 /* Slices of x rows (small ops) are multiples of one step of a warp on the 16-byte path (32
  * lanes x COPY_UNROLL vectors), so every slice starts on a step boundary. */
 #define COPY_SLICE_UNIT (32 * 16 * COPY_UNROLL)

@@ -14,17 +14,12 @@
 #include "copy_token.cuh"
 #include "internal.cuh"
 
-/* Tunables; overridable with -D for experiments. */
-#ifndef COPY_THREADS
 #define COPY_THREADS 256
-#endif
 /* Blocks per multiprocessor the copy kernel is compiled for (__launch_bounds__). With the
  * scales' load ahead of the x loads it takes 84 registers, 24 warps per multiprocessor; bound to
- * 64 (4 blocks) it spills, and prefill fp8's copy took 516 us against 485 us unbound (H200,
- * fourteenth session, gpu_kernels_test case 46; 496 us before the change). */
-#ifndef COPY_MIN_BLOCKS
+ * 64 registers (4 blocks) it spills, and the spills make prefill fp8's copy slower
+ * (docs/performance.md). */
 #define COPY_MIN_BLOCKS 1
-#endif
 #define PAD_ROWS_PER_ITEM 8
 
 template <typename V>

@@ -222,9 +222,6 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
  * (seventeenth session, docs/performance.md): 25.1-25.6 us in five calls against 26.0-26.1 us
  * without it; issued by the same warps right after their own routing, 26.3-26.4 us. A hint:
  * nothing reads what it does, and it reads only bytes the copy reads. */
-#ifndef DS_PREFETCH
-#define DS_PREFETCH 1
-#endif
 static __device__ __forceinline__ void ds_prefetch_rows(const struct epd_k_dispatch_args &a,
                                                         const struct epd_k_dispatch_rank *sranks,
                                                         const struct ds_src *srcs, uint32_t nl,
@@ -252,48 +249,6 @@ static __device__ __forceinline__ void ds_prefetch_rows(const struct epd_k_dispa
                                                 a.scale_bytes);
         }
 }
-
-/* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
- * device array, DS_TRACE_STAMPS per block, which epd_k_ds_trace copies out. Stamps: 0 entry,
- * 11 setup done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 7 scan done, 3 barrier
- * 3 (arrived, or in cluster 0 passed), 4 copy start, 5 copy end; cluster 0: 8 rank_prefix
- * stored, 9 verdict, 10 expert counts; 16 the last warp past barrier 3's arrival, 18 the last
- * warp past the workspace entries, 17 the last warp at the block barrier before the copy (each
- * the latest over the block's warps). Slots 13 to 15 hold numbers, not times: the rows and the
- * items the block copied, and the multiprocessor it ran on. */
-#ifdef DS_TRACE
-#define DS_TRACE_BLOCKS 1024
-#define DS_TRACE_STAMPS 32
-static __device__ uint64_t ds_trace[DS_TRACE_BLOCKS * DS_TRACE_STAMPS];
-#define DS_STAMP(i)                                                                              \
-        do {                                                                                     \
-                if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS)                            \
-                        ds_trace[blockIdx.x * DS_TRACE_STAMPS + (i)] = epd_globaltimer_ns();     \
-        } while (0)
-
-/* Each warp's copy end and what it copied last (slice | destinations << 8 | items << 16). */
-static __device__ uint64_t ds_trace_wend[DS_TRACE_BLOCKS * 32];
-static __device__ uint32_t ds_trace_winfo[DS_TRACE_BLOCKS * 32];
-
-extern "C" int epd_k_ds_trace_warps(uint64_t *end, uint32_t *info, size_t warps)
-{
-        if (warps > DS_TRACE_BLOCKS * 32)
-                warps = DS_TRACE_BLOCKS * 32;
-        cudaError_t e = cudaMemcpyFromSymbol(end, ds_trace_wend, warps * 8);
-        if (e == cudaSuccess)
-                e = cudaMemcpyFromSymbol(info, ds_trace_winfo, warps * 4);
-        return epd__k_cuda_status(e);
-}
-
-extern "C" int epd_k_ds_trace(uint64_t *dst, size_t bytes)
-{
-        if (bytes > sizeof(ds_trace))
-                bytes = sizeof(ds_trace);
-        return epd__k_cuda_status(cudaMemcpyFromSymbol(dst, ds_trace, bytes));
-}
-#else
-#define DS_STAMP(i) ((void)0)
-#endif
 
 /* An int32 of the reply block at byte offset off + 4 * i: into the workspace, and into the host's
  * copy when the launcher was given one (epd_k_dispatch_args.reply_copy). */
@@ -376,15 +331,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         __shared__ unsigned long long bad_key; /* source << 32 | t * K_op + k; lowest wins */
         __shared__ unsigned long long bad_all; /* the minimum over the cluster */
         __shared__ uint32_t num_short, first_short;
-#ifdef DS_TRACE
-        __shared__ uint32_t trace_rows, trace_items; /* this block's copy: stamps 13 and 14 */
-        __shared__ unsigned long long trace_arrived, trace_synced; /* stamps 16 and 17 */
-        __shared__ unsigned long long trace_entries; /* stamp 18 */
-        if (threadIdx.x == 0) { /* before the setup's __syncthreads() */
-                trace_rows = trace_items = 0;
-                trace_arrived = trace_synced = trace_entries = 0;
-        }
-#endif
         cg::cluster_group cluster = cg::this_cluster();
         const uint32_t C = cluster.num_blocks(), cr = cluster.block_rank();
         const uint32_t ncl = gridDim.x / C, c = blockIdx.x / C;
@@ -409,7 +355,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
          * memory. */
         const struct epd_k_dispatch_rank *ranks = epd__k_ranks(in, a.ranks);
         const struct epd_k_local *local = epd__k_locals(in, a.local);
-        DS_STAMP(0);
 
         if (threadIdx.x < nl) {
                 /* Local index s is rank s (small_op_check: every rank is local, ascending),
@@ -432,7 +377,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         for (uint32_t x = threadIdx.x; c == 0 && x < (R + 1) * R; x += blockDim.x)
                 pfx[x] = 0;
         __syncthreads();
-        DS_STAMP(11);
         if (threadIdx.x < nl && srcs[threadIdx.x].num_tokens > T)
                 atomicMin(&bad_key, (unsigned long long)threadIdx.x << 32);
 
@@ -467,7 +411,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         if (bad != UINT32_MAX)
                                 atomicMin(&bad_key, (unsigned long long)i << 32 | (t * K + bad));
                 }
-                DS_STAMP(12);
                 for (uint32_t d = 0; d < R; d++) {
                         const uint32_t bl = __ballot_sync(EPD_K_FULL_MASK, (dmask >> d) & 1);
                         if (lane == 0) {
@@ -476,7 +419,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         }
                 }
         }
-        DS_STAMP(1);
         if (c == 0) { /* cluster-uniform */
                 cluster.sync(); /* 1: every block's histogram is zero before a peer adds to it */
                 /* Cluster 0's expert histogram, in the block of each entry's destination. */
@@ -490,8 +432,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
         cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in place */
-        DS_STAMP(2);
-        if (DS_PREFETCH && (c != 0 || !skip0))
+        if (c != 0 || !skip0)
                 ds_prefetch_rows(a, sranks, srcs, nl, slots, slices, ncc, cc, C, cr, G, n, warp,
                                  lane);
 
@@ -536,7 +477,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
         __syncthreads();
-        DS_STAMP(7);
         /* The prefixes: in cluster 0, the first token of each source stores them into block 0
          * (the exclusive count at that token, whether or not it goes to d). */
         if (c == 0 && q < G) { /* warp-uniform */
@@ -560,11 +500,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                  * has written nothing a peer reads after barrier 2. */
                 asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
         }
-        DS_STAMP(3);
-#ifdef DS_TRACE
-        if (lane == 0)
-                atomicMax(&trace_arrived, (unsigned long long)epd_globaltimer_ns());
-#endif
 
         /* The workspace entries and the slot rows of the tokens this cluster copies, a warp per
          * token of its own (those of its lanes whose token this cluster copies: mine), lane k
@@ -601,10 +536,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
 
-#ifdef DS_TRACE
-        if (lane == 0)
-                atomicMax(&trace_entries, (unsigned long long)epd_globaltimer_ns());
-#endif
 
         /* 3: the workspace's counts and the verdict, by cluster 0. */
         const int ok = bad_all == ~0ull && num_short == 0;
@@ -626,7 +557,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                                         pfx[x + R] - pfx[x];
                 }
                 __syncthreads(); /* rank_prefix stored: write_verdict reads it back */
-                DS_STAMP(8);
                 if (threadIdx.x == 0) {
                         uint32_t s = UINT32_MAX, chunk = UINT32_MAX;
                         if (bad_all != ~0ull) {
@@ -641,40 +571,23 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         }
                         write_verdict(&a, &l, s, chunk, num_short, first_short);
                         ds_reply_verdict(a, l);
-                        DS_STAMP(9);
                 }
         }
         if (c == 0) {
                 for (uint32_t x = 0; x < nd && cr + C * x < R; x++) /* block-uniform */
                         ds_expert_counts(a, l, cr + C * x, hist + x * E, algn);
-                DS_STAMP(10);
         }
         if (!ok) {
                 if (c != 0)
                         cluster.barrier_wait(); /* 3, see above */
                 return;
         }
-#ifdef DS_TRACE
-        if (lane == 0)
-                atomicMax(&trace_synced, (unsigned long long)epd_globaltimer_ns());
-#endif
         __syncthreads(); /* every slot's rows are in place (ds_expert_counts syncs only in
                           * cluster 0) */
-        DS_STAMP(4);
-#ifdef DS_TRACE
-        if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS) {
-                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 16] = trace_arrived;
-                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 17] = trace_synced;
-                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 18] = trace_entries;
-        }
-#endif
         if (c == 0 && skip0)
                 return;
 
         /* 4: the tokens this block copies. */
-#ifdef DS_TRACE
-        uint32_t wslice = 0, wrows = 0, witems = 0;
-#endif
         for (uint32_t it = warp; it < slots * slices; it += DS_WARPS) {
                 const uint32_t j = it / slices;
                 const uint32_t cg_ = ds_item_token(it, slices, ncc, cc, C, cr, G, n);
@@ -689,34 +602,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
                 copy_token_rows(&a, sranks, &l, s, ct, epd_ws_entry(&l, s, ct, K, 0), expert,
                                 row, it % slices, slices, slice_bytes, lane);
-#ifdef DS_TRACE
-                const uint32_t nrows = __popc(__ballot_sync(EPD_K_FULL_MASK, row >= 0));
-                if (lane == 0) {
-                        atomicAdd(&trace_rows, nrows);
-                        atomicAdd(&trace_items, 1u);
-                        wslice = it % slices;
-                        wrows = nrows;
-                        witems++;
-                }
-#endif
         }
-#ifdef DS_TRACE
-        if (lane == 0 && blockIdx.x < DS_TRACE_BLOCKS) {
-                ds_trace_wend[blockIdx.x * 32 + warp] = epd_globaltimer_ns();
-                ds_trace_winfo[blockIdx.x * 32 + warp] = wslice | wrows << 8 | witems << 16;
-        }
-#endif
-#ifdef DS_TRACE
-        __syncthreads();
-        if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS) {
-                uint32_t smid;
-                asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 13] = trace_rows;
-                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 14] = trace_items;
-                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 15] = smid;
-        }
-#endif
-        DS_STAMP(5);
         if (c != 0)
                 cluster.barrier_wait(); /* 3, see above */
 }
@@ -796,10 +682,6 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
          * block 0 starts about 7 us after the others and ends the grid 5 us after its
          * start); with enough clusters the others copy its share. */
         p->skip0 = clusters >= DS_SKIP0_CLUSTERS;
-#ifdef DS_TRACE
-        if (getenv("DS_SKIP0") != NULL)
-                p->skip0 = clusters > 1 && atoi(getenv("DS_SKIP0")) != 0;
-#endif
         /* Each block copies its share of gpb * 32 tokens, spread over the copying
          * clusters. */
         const uint32_t ncc = (uint32_t)clusters - p->skip0;
@@ -814,10 +696,6 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
         p->slice_bytes = args->row_bytes;
         if (p->slots != 0 && p->slots < DS_WARPS && args->row_bytes > 32 * 16) {
                 uint64_t want = DS_WARPS / p->slots;
-#ifdef DS_TRACE
-                if (getenv("DS_SLICES") != NULL)
-                        want = (uint64_t)atoi(getenv("DS_SLICES"));
-#endif
                 p->slice_bytes = ((args->row_bytes + want - 1) / want + 15) / 16 * 16;
                 p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
                                        p->slice_bytes);
@@ -843,16 +721,8 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
                 return ret;
         const uint32_t n = args->local_tokens, G = (n + 31) / 32;
         const void *kernel = ds_kernel(args->num_topk);
-        uint32_t first_cluster = DS_MAX_CLUSTER, last_cluster = 1;
-#ifdef DS_TRACE
-        if (getenv("DS_CLUSTER") != NULL)
-                first_cluster = last_cluster = (uint32_t)atoi(getenv("DS_CLUSTER"));
-#endif
-#ifdef DS_FORCE_CLUSTER /* experiments: one cluster size (1, 2, 4 or 8) */
-        first_cluster = last_cluster = DS_FORCE_CLUSTER;
-#endif
         ds_launch best = {}, cand;
-        for (uint32_t c = first_cluster; c >= last_cluster && c >= 1; c /= 2) {
+        for (uint32_t c = DS_MAX_CLUSTER; c >= 1; c /= 2) {
                 cand = (ds_launch){};
                 cand.cluster = c;
                 ret = ds_plan_cluster(args, G, kernel, &cand);
@@ -866,10 +736,6 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
         if (best.blocks == 0)
                 return EPD_INVALID_ARGUMENT;
         *p = best;
-#ifdef DS_TRACE
-        fprintf(stderr, "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u\n",
-                p->cluster, p->blocks, p->slots, p->slices, p->skip0);
-#endif
         return 0;
 }
 
