@@ -206,11 +206,6 @@ static void trim_spares(struct cuda_backend *cb, unsigned keep)
         pthread_mutex_unlock(&cb->lock);
 }
 
-static struct epd_k_mat kmat(struct epd_mat m)
-{
-        return (struct epd_k_mat){ m.ptr, m.stride };
-}
-
 /* Local-rank lists of each device: counts[d] ranks and their token offsets. */
 static void build_local(const struct epd_exec *ex, int dev, struct epd_k_local *local,
                         uint32_t *num_local, uint32_t *local_tokens, int combine)
@@ -240,16 +235,12 @@ static void fill_dispatch_ranks(const struct epd_exec *ex, struct epd_k_dispatch
                 kr[r].num_tokens = er->num_tokens;
                 kr[r].topk_idx = er->topk_idx;
                 kr[r].topk_stride = er->topk_stride;
-                kr[r].x = kmat(er->src.x);
-                kr[r].scales = kmat(er->src.scales);
-                kr[r].weights = ex->has_weights ? kmat(er->src.weights) : (struct epd_k_mat){ 0 };
-                kr[r].recv_x = kmat(er->dst.recv_x);
-                kr[r].recv_scales = kmat(er->dst.recv_scales);
-                kr[r].recv_topk_idx = kmat(er->dst.recv_topk_idx);
-                kr[r].recv_weights = ex->has_weights ? kmat(er->dst.recv_weights)
-                                                     : (struct epd_k_mat){ 0 };
-                kr[r].recv_src = kmat(er->dst.recv_src);
-                kr[r].recv_topk_slot = kmat(er->dst.recv_topk_slot);
+                kr[r].in = er->src;
+                kr[r].out = er->dst;
+                if (!ex->has_weights) {
+                        kr[r].in.weights = (struct epd_mat){ 0 };
+                        kr[r].out.recv_weights = (struct epd_mat){ 0 };
+                }
                 kr[r].capacity_rows = er->capacity_rows;
         }
 }
@@ -819,12 +810,12 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                         const struct epd_exec_rank *er = &ex->ranks[r];
                         memset(&kr[r], 0, sizeof(kr[r]));
                         kr[r].num_tokens = er->num_tokens;
-                        kr[r].y = kmat(er->y);
+                        kr[r].y = er->y;
                         kr[r].y_rows = er->y_rows;
-                        kr[r].bias[0] = kmat(er->comb.bias[0]);
-                        kr[r].bias[1] = kmat(er->comb.bias[1]);
-                        kr[r].combined = kmat(er->comb.combined);
-                        kr[r].combined_topk_weights = kmat(er->comb.combined_topk_weights);
+                        kr[r].bias[0] = er->comb.bias[0];
+                        kr[r].bias[1] = er->comb.bias[1];
+                        kr[r].combined = er->comb.combined;
+                        kr[r].combined_topk_weights = er->comb.combined_topk_weights;
                 }
                 memset(a, 0, sizeof(*a));
                 build_local(ex, d, (struct epd_k_local *)(h + ranks_bytes), &a->num_local,

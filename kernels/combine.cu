@@ -240,7 +240,7 @@ static __device__ void combine_scalar(const struct combine_slots *sl, uint32_t n
         }
 }
 
-static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_k_mat *m, uint64_t row)
+static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_mat *m, uint64_t row)
 {
         return m->ptr == NULL ? NULL : m->ptr + row * m->stride;
 }
@@ -285,7 +285,7 @@ struct combine_y {              /* rank r's y: lane r reads it while the entries
         uint32_t stride, rows;      /* the launcher takes INL only when both fit */
 };
 struct combine_mine {           /* local rank i's outputs (hot.rank[i]'s descriptor) */
-        struct epd_k_mat combined, combined_topk_weights;
+        struct epd_mat combined, combined_topk_weights;
 };
 struct combine_inl {
         struct combine_y y[EPD_K_INLINE_RANKS];
@@ -294,7 +294,7 @@ struct combine_inl {
 struct combine_inl_bias {       /* for ops whose local ranks have biases */
         struct combine_y y[EPD_K_INLINE_RANKS];
         struct combine_mine mine[EPD_K_INLINE_RANKS];
-        struct epd_k_mat bias[EPD_K_INLINE_RANKS][2];
+        struct epd_mat bias[EPD_K_INLINE_RANKS][2];
 };
 static_assert(sizeof(struct combine_inl) == 384, "combine_inl: 6 constant-cache lines");
 
@@ -393,7 +393,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                                 lane_rows = p.y[lane].rows;
                         }
                 }
-                const struct epd_k_mat *ctw, *combined;
+                const struct epd_mat *ctw, *combined;
                 if constexpr (INL) {
                         ctw = &p.mine[i].combined_topk_weights;
                         combined = &p.mine[i].combined;
@@ -442,7 +442,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 __syncwarp();
                 const uint8_t *bias0 = NULL, *bias1 = NULL;
                 if constexpr (combine_mode<P>::bias) {
-                        const struct epd_k_mat *b;
+                        const struct epd_mat *b;
                         if constexpr (INL)
                                 b = p.bias[i];
                         else
@@ -478,7 +478,7 @@ struct combine_geometry {
 static_assert(offsetof(struct combine_inl_bias, mine) == offsetof(struct combine_inl, mine),
               "combine_inl is a prefix of combine_inl_bias");
 
-static int mat_aligned(const struct epd_k_mat *m)
+static int mat_aligned(const struct epd_mat *m)
 {
         return ((uintptr_t)m->ptr | m->stride) % 16 == 0;
 }

@@ -242,10 +242,10 @@ static __device__ __forceinline__ void ds_prefetch_rows(const struct epd_k_dispa
                         continue;
                 const struct epd_k_dispatch_rank *src = &sranks[srcs[i].rank];
                 if (lane == 0)
-                        epd__k_prefetch_l2_bulk(src->x.ptr + (uint64_t)t * src->x.stride,
+                        epd__k_prefetch_l2_bulk(src->in.x.ptr + (uint64_t)t * src->in.x.stride,
                                                 a.row_bytes);
-                else if (a.scale_bytes != 0 && src->scales.ptr != NULL)
-                        epd__k_prefetch_l2_bulk(src->scales.ptr + (uint64_t)t * src->scales.stride,
+                else if (a.scale_bytes != 0 && src->in.scales.ptr != NULL)
+                        epd__k_prefetch_l2_bulk(src->in.scales.ptr + (uint64_t)t * src->in.scales.stride,
                                                 a.scale_bytes);
         }
 }

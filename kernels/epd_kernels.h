@@ -40,18 +40,11 @@
 
 #include "epd.h"
 #include "layout.h"
+#include "mat.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* A row-major matrix: row i starts at ptr + i * stride bytes. ptr NULL means absent. Rows are
- * moved with 16-byte accesses when ptr, stride and the row's bytes allow it, else with the widest
- * access they allow. */
-struct epd_k_mat {
-        uint8_t *ptr;
-        uint64_t stride;
-};
 
 /* Where a device's ranks are, and where each one's tokens start in the device's flat token
  * range. local[i].token_offset = sum of num_tokens of local[0..i-1]; entry [num_local] is the
@@ -61,21 +54,15 @@ struct epd_k_local {
         uint32_t token_offset;
 };
 
-/* One rank's tensors for a dispatch, as source (inputs) and as destination (outputs). */
+/* One rank's tensors for a dispatch, as source (inputs) and as destination (outputs), in
+ * common/mat.h's descriptors (in.weights and out.recv_weights: ptr NULL unless has_weights). */
 struct epd_k_dispatch_rank {
         uint32_t num_tokens;           /* N_s <= T */
         uint32_t reserved;
         const void *topk_idx;          /* [N_s, K_op] int32 or int64; unused by cached dispatch */
         uint64_t topk_stride;          /* elements between topk_idx rows; 0: K_op */
-        struct epd_k_mat x;            /* [N_s] rows of row_bytes */
-        struct epd_k_mat scales;       /* fp32 [N_s, H/scale_block], fp8 only */
-        struct epd_k_mat weights;      /* fp32 [N_s, K_op], when has_weights */
-        struct epd_k_mat recv_x;
-        struct epd_k_mat recv_scales;    /* fp8 only */
-        struct epd_k_mat recv_topk_idx;  /* NON_EXPAND, elements of topk_dtype */
-        struct epd_k_mat recv_weights;   /* NON_EXPAND [rows, K_op]; EXPAND [rows]; has_weights */
-        struct epd_k_mat recv_src;       /* int64 [rows] */
-        struct epd_k_mat recv_topk_slot; /* EXPAND int32 [rows] */
+        struct epd_dispatch_src_io in;
+        struct epd_dispatch_dst_io out;
         uint64_t capacity_rows;        /* smallest capacity among this rank's outputs */
 };
 
@@ -130,13 +117,13 @@ struct epd_k_dispatch_args {
 struct epd_k_combine_rank {
         uint32_t num_tokens;           /* N_s of the handle's dispatch */
         uint32_t reserved;
-        struct epd_k_mat y;            /* bf16 rows in the dispatch's layout */
+        struct epd_mat y;              /* bf16 rows in the dispatch's layout */
         uint64_t y_rows;               /* rows of y checked at prep: a workspace row at or above
                                         * is not read (only a client rewriting its topk_idx
                                         * during the dispatch can make one) */
-        struct epd_k_mat bias[2];      /* bf16 [N_s, H]; ptr NULL when absent */
-        struct epd_k_mat combined;     /* bf16 [N_s, H] */
-        struct epd_k_mat combined_topk_weights; /* fp32 [N_s, K_op]; ptr NULL when absent */
+        struct epd_mat bias[2];        /* bf16 [N_s, H]; ptr NULL when absent */
+        struct epd_mat combined;       /* bf16 [N_s, H] */
+        struct epd_mat combined_topk_weights; /* fp32 [N_s, K_op]; ptr NULL when absent */
 };
 
 struct epd_k_combine_args {

@@ -5,7 +5,7 @@
  * layouts; bf16 and fp8 with scales; alignments; zero padding; weights; -1 entries; int32/int64
  * topk_idx; strided rows; 0/1/2 biases; apply_weights; cached dispatch; capacity and validation
  * failures; one realistic prefill-sized case) it generates seeded inputs, computes the reference
- * with cpu/plan.c + cpu/host_exec.c, runs the kernels with the daemon-mode sequencing of
+ * with cpu/plan.c + cpu/exec.c, runs the kernels with the daemon-mode sequencing of
  * epd_kernels.h (count, event, prefix, event, place + copy), and compares every output buffer over
  * its whole capacity, so bytes that must stay untouched are checked too (outputs start as a
  * sentinel on both sides). Each case runs twice and the two runs must give identical bits.
@@ -27,7 +27,7 @@
 #include <cuda_runtime.h>
 
 extern "C" {
-#include "host_exec.h"
+#include "exec.h"
 #include "plan.h"
 }
 #include "epd_kernels.h"
@@ -761,15 +761,15 @@ static int upload_dispatch_desc(struct ctx *x, int use_w2)
                 d->num_tokens = r->n;
                 d->topk_idx = r->d_topk;
                 d->topk_stride = r->topk_stride;
-                d->x.ptr = r->d_x;
-                d->x.stride = r->x_stride;
-                d->scales.ptr = r->d_sc;
-                d->scales.stride = r->sc_stride;
-                d->weights.ptr = use_w2 ? r->d_w2 : r->d_w;
-                d->weights.stride = r->w_stride;
-                struct epd_k_mat *outs[O_NUM] = { &d->recv_x, &d->recv_scales, &d->recv_topk_idx,
-                                                  &d->recv_weights, &d->recv_src,
-                                                  &d->recv_topk_slot };
+                d->in.x.ptr = r->d_x;
+                d->in.x.stride = r->x_stride;
+                d->in.scales.ptr = r->d_sc;
+                d->in.scales.stride = r->sc_stride;
+                d->in.weights.ptr = use_w2 ? r->d_w2 : r->d_w;
+                d->in.weights.stride = r->w_stride;
+                struct epd_mat *outs[O_NUM] = { &d->out.recv_x, &d->out.recv_scales,
+                                                &d->out.recv_topk_idx, &d->out.recv_weights,
+                                                &d->out.recv_src, &d->out.recv_topk_slot };
                 for (int o = 0; o < O_NUM; o++) {
                         outs[o]->ptr = r->out[o].present ? r->out[o].dev : NULL;
                         outs[o]->stride = r->out[o].stride;
@@ -1285,7 +1285,7 @@ static void host_combine(struct ctx *x, int use_w2)
                 src[s].combined_topk_weights.stride = r->comb_w.stride;
                 src[s].weights = NULL;
                 if (x->c->has_weights) {
-                        /* host_exec wants packed [N * K_op] weights. */
+                        /* cpu/exec.h wants packed [N * K_op] weights. */
                         float *w = (float *)halloc(x, 4ull * r->n * x->KO);
                         const uint8_t *from = use_w2 ? r->w2 : r->w;
                         for (uint32_t t = 0; t < r->n; t++)

@@ -21,7 +21,7 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "host_exec.h"
+#include "exec.h"
 #include "plan.h"
 #include "reference.h"
 #include "testdata.h"
