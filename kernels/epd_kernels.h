@@ -232,6 +232,96 @@ int epd_k_combine_timed(const struct epd_k_combine_args *args, struct epd_k_time
 int epd_k_workspace_init(void *workspace, uint32_t world_size, uint32_t num_experts,
                          uint32_t max_tokens, uint32_t max_topk, cudaStream_t stream);
 
+/* ---- Whole ops (run.c) ----
+ *
+ * The launch plan of an op over its devices, chosen here so that a caller only maps memory,
+ * fills the args and sequences ops: which kernels, on which streams, in which order, with which
+ * events between them (the sequencing notes at the end of this header). A caller fills a plan,
+ * calls _prepare (it queues nothing: the host's checks and occupancy queries, so that they stay
+ * out of the op's GPU time window), queues what must precede the op on the streams (waits for
+ * its inputs, a timing event unless plan->one_launch), calls _run, and then waits for the
+ * streams. Every pointer a plan holds is the caller's and must stay valid until _run returns;
+ * the memory the args name must stay alive until the op's kernels complete. */
+
+/* One device of an op. */
+struct epd_k_op_device {
+        int device;                    /* CUDA ordinal */
+        cudaStream_t stream;           /* the op's kernels on this device go to this stream */
+        cudaEvent_t counted;           /* dispatch, devices but the group's: recorded after count */
+};
+
+struct epd_k_dispatch_plan;
+
+/* A dispatch whose outputs can only be placed once its counts are known (the caller sizes them
+ * from the counts, as the daemon's output arenas are): called by epd_k_dispatch_run once the
+ * routing and the copy of the reply block to plan->reply_host are queued and nothing after them.
+ * It waits for the group device's stream, reads the counts from reply_host, places the outputs,
+ * and rewrites plan->args with their addresses and capacities (ranks, ranks_host and every
+ * descriptor they hold); _run then queues recheck (the verdict against the new capacities),
+ * place and copy. It returns 0 to go on; anything else stops the op with nothing more queued,
+ * and _run returns that value: a positive one for the caller's own reasons (the op failed on
+ * the host), a negative enum epd_status for CUDA errors. It may set plan->step. */
+typedef int (*epd_k_counts_fn)(void *ctx, struct epd_k_dispatch_plan *plan);
+
+struct epd_k_dispatch_plan {
+        /* The caller's. */
+        uint32_t num_devices;                   /* devices hosting ranks, >= 1 */
+        const struct epd_k_op_device *devices;  /* [num_devices], ascending ordinal */
+        int group_device;                       /* ordinal of the group step's device, which
+                                                 * holds the workspace; one of devices[] */
+        struct epd_k_dispatch_args *args;       /* indexed by ordinal: args[devices[i].device]
+                                                 * is device i's; flags 0, reply_copy NULL */
+        int cached;                             /* cached dispatch: recheck, no routing */
+        epd_k_counts_fn counts_ready;           /* NULL: the outputs are known before the op */
+        void *ctx;                              /* for counts_ready */
+        void *reply_host;                       /* pinned, epd_k_reply_bytes: the reply block
+                                                 * once the op has completed */
+        cudaEvent_t routed;                     /* recorded on the group device's stream after
+                                                 * the routing; the other devices wait for it */
+        struct epd_k_timed *timed;              /* the one-launch dispatch's timed launch, on
+                                                 * the group device */
+        cudaEvent_t t0, t1;                     /* its events */
+        /* Set by epd_k_dispatch_prepare. */
+        int one_launch;                         /* the op is one kernel that _run launches between
+                                                 * t0 and t1 itself, on the group device only */
+        struct epd_k_small_plan small;          /* the one launch's shape */
+        /* Set by _prepare, _run and counts_ready: the step being queued, for the caller's error
+         * message when one of them fails. */
+        const char *step;
+};
+
+/* Chooses the launch plan: one launch (epd_k_dispatch_small) for a new small op of one device
+ * whose outputs are known, else the steps of the sequencing notes. Queues nothing. 0, or a
+ * negative enum epd_status when CUDA fails. */
+int epd_k_dispatch_prepare(struct epd_k_dispatch_plan *plan);
+/* Queues the op on the devices' streams: one launch; or route_small and the overlapped copy (one
+ * device), then the reply copy; or count on every device, prefix on the group device (recheck
+ * for a cached dispatch; route_small in place of both on one device), the reply copy, [the
+ * caller's counts_ready, recheck], then place (new dispatches not routed by route_small) and copy
+ * on every device. The group device's stream holds the last of the op's work only with one
+ * device: with several, the caller joins the other streams (events) before it waits. 0, a
+ * negative enum epd_status from a launcher or CUDA (plan->step names the step), or what
+ * counts_ready returned. */
+int epd_k_dispatch_run(struct epd_k_dispatch_plan *plan);
+
+struct epd_k_combine_plan {
+        /* The caller's. */
+        uint32_t num_devices;                   /* devices hosting ranks, >= 1 */
+        const struct epd_k_op_device *devices;  /* [num_devices], ascending ordinal */
+        int group_device;                       /* one of devices[] */
+        const struct epd_k_combine_args *args;  /* indexed by ordinal, as in the dispatch plan */
+        struct epd_k_timed *timed;              /* the one-device combine's timed launch */
+        cudaEvent_t t0, t1;
+        /* Set by epd_k_combine_prepare. */
+        int one_launch;                         /* one kernel, launched between t0 and t1 */
+};
+
+/* Chooses the launch plan: with one device, one timed launch. Queues nothing; returns 0. */
+int epd_k_combine_prepare(struct epd_k_combine_plan *plan);
+/* Queues the combine on every device's stream (the timed launch for one device). 0 or a
+ * negative enum epd_status; after a failure on one device, nothing is queued on the later ones. */
+int epd_k_combine_run(const struct epd_k_combine_plan *plan);
+
 /* Loads every kernel of this library into the current device's context. Call it once per
  * device before the first op (the daemon at device start; libepd at attach): CUDA loads modules
  * lazily by default (CUDA_MODULE_LOADING=LAZY), and a load can have to wait for kernels that are
@@ -254,6 +344,7 @@ cudaError_t epd_k_last_cuda_error(void);
  * A small NON_EXPAND op with every rank on one device is dispatch_small alone on that device's
  * stream (given reply_copy, no reply copy follows it), or, when its outputs are placed from the
  * counts (the daemon's arena), route_small in place of count, prefix and place.
+ * epd_k_dispatch_run and epd_k_combine_run queue exactly these sequences from a plan.
  *
  * The host completes the op when every done_D and the reply copy have completed, then reads
  * struct epd_ws_error: status != 0 means the op failed and no output byte was written. Kernels
