@@ -1,4 +1,4 @@
-/* combine.cu - combine: gather every token's rows back and reduce them (SEMANTICS.md 3).
+/* combine.cu - combine: gather every token's rows back and reduce them (docs/semantics.md §3).
  *
  * One kernel per device covers every source (the combine's receiver) on that device. A warp owns
  * one token: lane k reads top-k position k's expert, row and weight from the handle's workspace,
@@ -77,11 +77,10 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld_if(uint32_
 
 /* Items per multiprocessor that a small op is cut for (epd__k_slicing), against 16 resident
  * warps (121 registers). Below 16, a decode op (1024 tokens on 132 multiprocessors) is cut in
- * two slices of 7 steps, one item per warp; 24 cut it in four of 4, 4, 4 and 2 steps, so that
- * most warps did two items (8 steps and two routing preambles). Decode in process, 14 against
- * 24 (seventh session, docs/benchmarks/h200-s7-combine-slicing.txt, three repetitions each):
- * 26.2 against 26.8-26.9 us warm, 31.3-32.0 against 31.6-32.2 us in Fresh mode, 26.9-27.0
- * against 27.6-27.8 us after a read-only flush. 24 had beaten 48 and 96 (sixth session). */
+ * two slices of 7 steps, one item per warp; more items per multiprocessor (24, 48, 96) cut it
+ * finer, so that most warps do two items, and each extra item costs its steps and a second
+ * routing preamble: slower in every L2 state (docs/performance.md, "Design choices and their
+ * measured effect"). */
 #define COMBINE_SLICE_WARPS 14
 
 #define COMBINE_AHEAD 8 /* contributions whose loads are issued together */
@@ -153,14 +152,12 @@ static __device__ __forceinline__ void combine_store(float *acc, const uint8_t *
  * waits about one load latency rather than one per contribution; the additions keep the
  * ascending order. The step's row addresses come from the slots and its loads are predicated
  * (comb_ld_if), so the warp issues them back to back: with the addresses shuffled from the
- * owner lanes and a branch per contribution, each load waited for its own shuffle, about 40
- * cycles a contribution, and warps of 8 contributions ended about 1 us later than a reduce
- * with its row addresses in registers (epd-floor-probe's traces, twenty-third session).
- * Measured on an H200 in process against loading one contribution ahead (sixth session,
- * docs/benchmarks/h200-s6-combine-variants.txt): decode in Fresh mode 32.6-32.8 us against
- * 34.2-34.4, prefill fp8 0.725 against 0.772 ms, prefill bf16 expand 0.980 against 0.993 ms,
- * with 121 registers (16 warps per multiprocessor) against 63; 4 ahead (80 registers) and
- * 16-byte vectors of 1 per lane (59 and 75 registers) fell between. */
+ * owner lanes and a branch per contribution, each load waited for its own shuffle, and warps of
+ * 8 contributions ended well after a reduce with its row addresses in registers
+ * (epd-floor-probe's traces). Against loading one contribution ahead, 8 in flight is faster for
+ * decode and prefill alike despite 121 registers (16 warps per multiprocessor) against 63; 4
+ * ahead and 16-byte vectors of 1 per lane fall between (docs/performance.md, "Design choices
+ * and their measured effect"). */
 template <bool STREAM>
 static __device__ void combine_vec(const struct combine_slots *sl, uint32_t n, int weighted,
                                    const uint8_t *bias0, const uint8_t *bias1, uint8_t *out,
@@ -170,10 +167,9 @@ static __device__ void combine_vec(const struct combine_slots *sl, uint32_t n, i
                 /* Rolling: contribution c's loads for the next step are issued as soon as its
                  * additions for this step have read its registers, so the next step's data
                  * travels while this step's other contributions are added, with no register
-                 * more than a whole step's loads take (the fourteenth session's next step loaded
-                 * ahead needed a second buffer, and was no faster or 3.3 us slower). The order
-                 * of the additions is unchanged. Decode through the daemon (medians of six runs,
-                 * same calls): 29.80 against 29.91 us and 29.89 against 29.94 us. */
+                 * more than a whole step's loads take (loading the whole next step ahead needs
+                 * a second buffer, and was no faster). The order of the additions is
+                 * unchanged. */
                 int4 buf[COMBINE_AHEAD][COMBINE_VEC];
 #pragma unroll
                 for (int c = 0; c < COMBINE_AHEAD; c++)
@@ -257,9 +253,9 @@ static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_mat *m
 /* The parameters a warp reads before its first row load, adjacent and first in the launch's
  * parameters: 112 bytes, which from the sm_90 parameter base (constant bank offset 0x210) lie
  * in two 64-byte lines of the constant cache. A warp's reads of different parameter lines are
- * served one line after the other, about 75 ns each, whether or not they depend on each other
- * (epd-param-probe on an H200, twenty-second session), and the combine's first workspace load
- * used to wait for six lines of the arguments, the layout and the inline descriptors. */
+ * served one line after the other, whether or not they depend on each other (epd-param-probe),
+ * so the first workspace load must not need more lines than these two; spread over the
+ * arguments, the layout and the inline descriptors it would wait for six. */
 struct combine_hot {
         const int32_t *topk, *row;  /* the workspace's topk and row fields */
         const float *weights;       /* its weights field; NULL when the dispatch carried none */
@@ -274,12 +270,11 @@ static_assert(sizeof(struct combine_hot) == 112, "combine_hot fills two constant
 
 /* What an INL launch passes of the ranks' descriptors, packed: the whole parameter block is hot
  * and one of these, 496 or 752 bytes, where hot, the arguments and every rank's full descriptor
- * took 1112. The parameter block's size is paid inside the kernel time: after the benchmark's
- * flush a kernel with a 1 KiB block took about 0.2 us longer than one with 16 bytes, whether or
- * not it read them (epd-param-probe, twenty-third session), presumably because the launch writes
- * the block to memory before the first block starts and each new line displaces a dirty one.
- * Through the daemon the packed block took the decode combine from 30.08 to 29.97 us (median of
- * six runs each, same call; docs/performance.md, twenty-fifth session). */
+ * would take 1112. The parameter block's size is paid inside the kernel time: after the benchmark's
+ * flush a kernel with a large block takes longer than one with a small block, whether or not it
+ * reads them (epd-param-probe), presumably because the launch writes the block to memory before
+ * the first block starts and each new line displaces a dirty one (docs/performance.md, "Design
+ * choices and their measured effect"). */
 struct combine_y {              /* rank r's y: lane r reads it while the entries come back */
         const uint8_t *ptr;
         uint32_t stride, rows;      /* the launcher takes INL only when both fit */
@@ -317,11 +312,10 @@ template <> struct combine_mode<struct combine_inl_bias> {
  *
  * STREAM (small ops, those cut into slices): the rows are loaded with the L2 evict-first hint.
  * A small op's rows are read once and are few against the L2, whose other lines (someone's
- * working set, or the dirty lines of whatever ran before) it then leaves in place: measured on
- * an H200, decode combine after the benchmark's 256 MB L2 flush took 34.5 us with the hint and
- * 37.3 us without (29.8 / 31.1 us after a flush that only reads). A large op streams far more
- * than the L2 holds whatever the hint, and prefill combine took 4-5% longer with it, so large
- * ops load plainly.
+ * working set, or the dirty lines of whatever ran before) it then leaves in place, which makes
+ * the decode combine faster after a flush of either kind. A large op streams far more than the
+ * L2 holds whatever the hint, and the hint makes prefill combine slower, so large ops load
+ * plainly (docs/performance.md, "Design choices and their measured effect").
  *
  * P: the ranks' descriptors. combine_inl and combine_inl_bias (INL: the launcher had host copies
  * of the descriptors, at most EPD_K_INLINE_RANKS ranks): the local ranks come from hot and the

@@ -134,15 +134,14 @@ enum copy_part {
  * normalised expert and its row (the destination row of a first position, -1 for every other
  * entry and lane). Every lane of the warp calls it.
  *
- * Why the parts are spread: measured on an H200 (decode, 4 slices of 1792 bytes, fourteenth
- * session, DS_TRACE per warp), a slice-0 warp that also moved the scales and all the metadata
- * took 15.5 us against 10.4 us for the others and ended every copying block; with the parts on
- * two slices those two took 13.1-13.3 us, with one part per slice the four take 11.2-12.8 us
- * (decode dispatch through the daemon: 29.4 -> 27.5 -> 27.2 us). A destination's small part costs
- * a warp about as much time as its share of x, and neither its bytes nor its store instructions
- * say why (every part on a short slice of 1024 x bytes took that slice 15 us), so each part gets
- * its own slice, and its stores serve several destinations per instruction where the lanes
- * allow: the top-k and weight rows 32 / K_op, the scales (up to 256 bytes) two. */
+ * Why the parts are spread: a block ends with its slowest warp, and a slice-0 warp that also
+ * moved the scales and all the metadata took half as long again as the others and ended every
+ * copying block (per-warp traces of decode, 4 slices of 1792 bytes). A destination's small part
+ * costs a warp about as much time as its share of x, and neither its bytes nor its store
+ * instructions say why (every part on one short slice makes that slice the slowest), so each
+ * part gets its own slice (docs/performance.md, "Design choices and their measured effect"),
+ * and its stores serve several destinations per instruction where the lanes allow: the top-k
+ * and weight rows 32 / K_op, the scales (up to 256 bytes) two. */
 static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispatch_args *a,
                                                        const struct epd_k_dispatch_rank *ranks,
                                                        const struct epd_ws_layout *l, uint32_t s,

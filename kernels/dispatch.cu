@@ -71,7 +71,7 @@ static __device__ void copy_token(const struct epd_k_dispatch_args *a,
 }
 
 /* Up to PAD_ROWS_PER_ITEM padding rows of one local expert of one local destination
- * (SEMANTICS.md 2.2): recv_src and recv_topk_slot are -1 always; x, scales and weights are
+ * (docs/semantics.md §2.2): recv_src and recv_topk_slot are -1 always; x, scales and weights are
  * zeroed only with zero_padding, else left as they were. */
 static __device__ void pad_item(const struct epd_k_dispatch_args *a, const struct epd_ws_layout *l,
                                 uint64_t p, uint32_t chunks, uint32_t lane)

@@ -5,13 +5,13 @@
  * Why. A decode-sized op (8 ranks x 128 tokens, K = 8) has 8192 entries. Routing them through a
  * grid-wide exchange (route_small.cu: blocks that wait on each other's flags in global memory,
  * then a copy kernel that waits for the routing grid to end) is a chain of dependent global
- * round trips, about 19 us before the first row moves, for a copy of about 15-20 us. Routing the
- * whole op in every block instead (an earlier version of this file) removes every wait but costs
- * each multiprocessor the instructions of all 8192 entries: 14 us, measured. A cluster of C
+ * round trips before the first row moves, as long as the copy itself. Routing the whole op in
+ * every block instead removes every wait but costs each multiprocessor the instructions of all
+ * 8192 entries, nearly as long again. A cluster of C
  * blocks (Hopper thread block clusters, C = 8 where the device fits it) splits that work C ways
  * and meets at hardware cluster barriers, a few hundred nanoseconds each; the grid's clusters
  * all compute the same routing, so each one knows every rank's row count and the validity of
- * every entry, and SEMANTICS.md 2.5 ("no output byte is written unless every rank's capacity
+ * every entry, and docs/semantics.md §2.5 ("no output byte is written unless every rank's capacity
  * holds and every row is valid") holds cluster by cluster without a grid-wide barrier.
  *
  * Scope: what route_small takes (NON_EXPAND, every rank on the launching device in ascending rank
@@ -29,7 +29,7 @@
  *      destination d), with atomics on that block's shared memory.
  *   2. Each block scans the counts per destination, reading each group's from the block that
  *      owns it, and takes the minimum of the blocks' bad keys: the row of (g, d) is the number
- *      of earlier flat tokens going to d (SEMANTICS.md 2.1: ascending source, then token), the
+ *      of earlier flat tokens going to d (docs/semantics.md §2.1: ascending source, then token), the
  *      totals are each destination's rows. Each thread then knows its token's rows; in cluster
  *      0 the first token of each source stores the prefixes (rank_prefix) into block 0.
  *   3. The workspace: each copied token's topk and rows (by the lanes of the warp that routed
@@ -45,10 +45,9 @@
  *      item per warp (copy_token_rows, as the copy step does). Token (group q, lane l) is copied
  *      by the block that routed q in copying cluster ((q / C) * 32 + l) % (number of copying
  *      clusters). With DS_SKIP0_CLUSTERS clusters or more, cluster 0 does not copy: its blocks
- *      finish phase 3 last. Dealing the tokens by rows or sorted by destinations made the op
- *      slower (docs/performance.md, thirteenth session); what ended each block was the warp of
- *      the slice that also moved the token's scales and metadata, now spread over the slices
- *      (copy_token_rows; fourteenth session).
+ *      finish phase 3 last. Dealing the tokens by rows or sorted by destinations makes the op
+ *      slower (docs/performance.md, "Tried, and did not help"); a block ends with its slowest
+ *      warp, so the token's scales and metadata are spread over its slices (copy_token_rows).
  *
  * Memory ordering. Every rank's descriptor is copied into the block's shared memory (sranks) by the
  * whole block before the setup's __syncthreads(); the copy reads it from there. In phase 3 a lane
@@ -210,17 +209,16 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
         return q < G && g < n ? g : UINT32_MAX;
 }
 
-/* The L2 prefetch of the copy's source rows (DS_PREFETCH, 0 to leave it out in experiments).
- * After barrier 2, while the scan, barrier 3 and the workspace entries run (about 2 us in which
+/* The L2 prefetch of the copy's source rows.
+ * After barrier 2, while the scan, barrier 3 and the workspace entries run (a stretch in which
  * the DRAM is otherwise idle), the warps that take no part in the scan (R <= warp < DS_WARPS - 1)
  * ask the L2 for the x row and the scales of each token this block will copy: one bulk prefetch
  * per row (epd__k_prefetch_l2_bulk), slot j by warp R + j modulo those warps. The copy's loads
  * then hit the L2. Issued by the bulk-copy engine, the prefetches sit in no warp's queue of
  * global accesses, so the scan's reads of its peers' shared memory do not wait behind them (loads
- * or cp.async issued there did, sixteenth session), and issued after barrier 2 they no longer
- * compete with any block's top-k loads. Measured on an H200, decode through the daemon
- * (seventeenth session, docs/performance.md): 25.1-25.6 us in five calls against 26.0-26.1 us
- * without it; issued by the same warps right after their own routing, 26.3-26.4 us. A hint:
+ * or cp.async issued there do), and issued after barrier 2 they do not compete with any block's
+ * top-k loads; issued right after each warp's own routing they make the op slower than no
+ * prefetch at all (docs/performance.md, "Design choices and their measured effect"). A hint:
  * nothing reads what it does, and it reads only bytes the copy reads. */
 static __device__ __forceinline__ void ds_prefetch_rows(const struct epd_k_dispatch_args &a,
                                                         const struct epd_k_dispatch_rank *sranks,
@@ -281,7 +279,7 @@ static __device__ void ds_reply_verdict(const struct epd_k_dispatch_args &a,
 }
 
 /* Destination d's expert counts, written by block d % C of cluster 0 from its histogram slot
- * (SEMANTICS.md 2.3; the same numbers as the prefix step's): sel_count[s][e],
+ * (docs/semantics.md §2.3; the same numbers as the prefix step's): sel_count[s][e],
  * expert_src_prefix[e][s], expert_count, expert_aligned and expert_base[d]. Whole block. */
 static __device__ void ds_expert_counts(const struct epd_k_dispatch_args &a,
                                         const struct epd_ws_layout &l, uint32_t d,
@@ -441,9 +439,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
          * group, for 32 groups at a time) and checks its total against the capacity; a warp
          * past the destinations (the last one, which scans too only when R >= DS_WARPS) takes
          * the minimum of the blocks' bad keys. Gathering the counts into this block first
-         * cost two more block barriers; with this scan and barrier 3 split (below), decode
-         * dispatch took 25.8-26.4 us through the daemon against 27.1-27.5 us on an H200
-         * (fifteenth session). */
+         * would cost two more block barriers. */
         if (warp == DS_WARPS - 1) {
                 unsigned long long k = ~0ull;
                 if (lane < C)
@@ -505,12 +501,10 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
          * token of its own (those of its lanes whose token this cluster copies: mine), lane k
          * taking position k. A first position's row: the destination's rows before group q,
          * plus the group's earlier lanes going there (the phase-1 ballot, this block's own).
-         * One lane per token, looping over its positions, kept a warp about 1.1 us here (the
-         * last warp of a block past barrier 3's arrival at 5.8-6.0 us, past this pass at
-         * 6.9-7.2 us, Fresh-mode trace on an H200) for a few dozen instructions in one dependent
-         * chain, whatever the order of its loads and stores; spread over the lanes, 0.7 us,
-         * and decode dispatch through the daemon took 24.67-24.83 us against 25.22-25.86 us
-         * (eighteenth session, docs/performance.md). */
+         * One lane per token, looping over its positions, would keep a warp here for a few
+         * dozen instructions in one dependent chain, whatever the order of its loads and
+         * stores; spread over the lanes the chain is K times shorter (docs/performance.md,
+         * "Design choices and their measured effect"). */
         const uint32_t jb = warp * 32 + lane; /* the token's index among this block's */
         const int mine = valid && (c != 0 || !skip0) && jb % ncc == cc;
         for (uint32_t mm = __ballot_sync(EPD_K_FULL_MASK, mine); mm != 0; mm &= mm - 1) {
@@ -678,9 +672,8 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
                 return 1;
         p->blocks = (uint32_t)clusters * p->cluster;
         /* Cluster 0 writes the expert counts and the verdict after the routing, which
-         * makes its blocks the last to start copying (phase stamps of a tiny op: its
-         * block 0 starts about 7 us after the others and ends the grid 5 us after its
-         * start); with enough clusters the others copy its share. */
+         * makes its blocks the last to start copying, and a grid ends with its last
+         * block; with enough clusters the others copy its share. */
         p->skip0 = clusters >= DS_SKIP0_CLUSTERS;
         /* Each block copies its share of gpb * 32 tokens, spread over the copying
          * clusters. */
@@ -705,13 +698,10 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
 
 /* Whether an op qualifies, and its launch: the cluster size whose clusters, as many as are
  * resident at once, occupy the most multiprocessors, the largest such size on a tie. On an H200
- * (132 multiprocessors) clusters of 8 and of 4 fill 120 and clusters of 2 fill all 132. Decode
- * dispatch with clusters of 2 against 8 (tenth session, h200-s10-cluster-ab.txt, three
- * repetitions): 32.1-32.2 against 33.2-33.6 us in process in Fresh mode, the same warm and after
- * a clean flush, and 32.5-32.7 against 33.5-33.8 us through the daemon; tiny dispatch 18.6-19.2
- * against 18.2-18.3 us in process in Fresh mode but 20.7-21.5 against 23.4-23.7 us through the
- * daemon. The copy is bound by the rows' stores, and more multiprocessors issue more of them;
- * the routing is the same per thread whatever the cluster size. */
+ * (132 multiprocessors) clusters of 8 and of 4 fill 120 and clusters of 2 fill all 132, and
+ * clusters of 2 make decode dispatch faster (docs/performance.md, "Design choices and their
+ * measured effect"). The copy is bound by the rows' stores, and more multiprocessors issue more
+ * of them; the routing is the same per thread whatever the cluster size. */
 static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout *l,
                    ds_launch *p)
 {

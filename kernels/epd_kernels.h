@@ -1,7 +1,7 @@
 /* epd_kernels.h - the C interface of epd's CUDA dispatch and combine kernels.
  *
  * Linked by the daemon's CUDA backend (daemon-executed mode) and later by libepd (client-executed
- * mode, DESIGN.md 5a), so every address and size is an argument: no globals, no assumption about
+ * mode, docs/architecture.md "Where kernels run"), so every address and size is an argument: no globals, no assumption about
  * which process launches. Plain C; compiles with a C11 compiler that sees the CUDA include dir.
  *
  * Model. One op of a group covers all R ranks. Each launcher runs ONE kernel on the current
@@ -87,7 +87,7 @@ struct epd_k_dispatch_args {
         int has_weights;
         int zero_padding;              /* EXPAND only */
         uint32_t flags;                /* EPD_K_COPY_*; 0 for every step but copy */
-        uint64_t row_bytes;            /* bytes of an x row (SEMANTICS.md 1 wants % 16 == 0;
+        uint64_t row_bytes;            /* bytes of an x row (docs/semantics.md §1 wants % 16 == 0;
                                         * other sizes work, with narrower accesses) */
         uint64_t scale_bytes;          /* bytes of a scales row; 0 for bf16 */
         /* Memory. The caller owns all of it and keeps it alive until the launches complete. */
@@ -151,7 +151,7 @@ struct epd_k_combine_args {
 #define EPD_K_INLINE_RANKS 8
 
 /* Bytes of the group workspace, and of its reply block at offset 0 (error record and counts).
- * 0 when the dims break SEMANTICS.md section 1. */
+ * 0 when the dims break docs/semantics.md §1. */
 uint64_t epd_k_workspace_bytes(uint32_t world_size, uint32_t num_experts, uint32_t max_tokens,
                                uint32_t max_topk);
 uint64_t epd_k_reply_bytes(uint32_t world_size, uint32_t num_experts);
@@ -208,7 +208,7 @@ int epd_k_dispatch_small_launch(const struct epd_k_dispatch_args *args,
  * CUDA graph (event, kernel, event) that is instantiated once per kernel and cluster shape and
  * updated with each op's parameters. Around a direct launch on an idle GPU the first event
  * completes while the host is still in the launch call, so the kernel time would hold the host's
- * launch latency (about 4 us on the H200 hosts); in one graph the three reach the GPU together.
+ * launch latency; in one graph the three reach the GPU together.
  * When a graph cannot be built or updated, the launch falls back to record, launch, record.
  * One object per caller thread and device at a time; create costs a calloc. */
 struct epd_k_timed;
