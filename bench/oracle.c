@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "host_exec.h"
+#include "exec.h"
 #include "oracle.h"
 #include "routing.h"
 

@@ -1,5 +1,5 @@
 /* oracle.h - the expected outputs of a dispatch and its combine, computed by the CPU executor
- * (cpu/: the placement plan and host_exec), and bitwise comparison of an op's real outputs
+ * (cpu/: the placement plan and the executor), and bitwise comparison of an op's real outputs
  * against them. epd-bench checks its first iteration with it and epd-demo every step.
  *
  * Inputs and outputs are packed row-major arrays (each row right after the previous one), as the

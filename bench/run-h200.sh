@@ -6,9 +6,9 @@
 #   OUT_DIR    created if missing; gets NAME.jsonl (one JSON object per line per result) and
 #              NAME.log (the table and progress on stderr) per run, all.jsonl (every run's lines)
 #              and summary.txt (one line per result).
-#   BUILD_DIR  holds bin/epd and bin/epd-bench built with CUDA (cmake -DEPD_CUDA=ON; for a
-#              machine without libuv, protobuf-c, ... add -DEPD_STATIC_DEPS=ON). Default: the
-#              repository's build-gpu.
+#   BUILD_DIR  holds bin/epd and bin/epd-bench built with CUDA (cmake -DEPD_CUDA=ON; add
+#              -DEPD_PROBES=ON for bin/epd-floor-probe, and for a machine without libuv,
+#              protobuf-c, ... -DEPD_STATIC_DEPS=ON). Default: the repository's build-gpu.
 #
 # Runs, each with --backend cuda (device memory, client-registered device outputs), 8 ranks on
 # GPU 0, --json, first with MPS off, then with MPS on (a private control daemon, quit at the end).
@@ -109,7 +109,8 @@ if [ "${MPS:-both}" != on ]; then
         alloc=cudamalloc run prefill-ipc-mps-off --workload prefill --ranks 8
         alloc=cudamalloc run prefill-bf16-ipc-mps-off --workload prefill-bf16 --ranks 8
         # The decode floors of the same machine: the same bytes with the routing known
-        # (bench/floor_probe.cu; a few seconds). Not a result line of all.jsonl.
+        # (bench/probes/floor_probe.cu, built with -DEPD_PROBES=ON; a few seconds). Not a
+        # result line of all.jsonl.
         if [ -x "$build/bin/epd-floor-probe" ] && [ -z "${ONLY:-}" ]; then
                 timeout -s TERM -k 10 60 "$build/bin/epd-floor-probe" --json --reps 100 \
                         > "$out/floor-probe.jsonl" 2> "$out/floor-probe.log" || {

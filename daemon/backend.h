@@ -16,7 +16,7 @@
 
 #include "config.h"
 #include "daemon.h"
-#include "host_exec.h"
+#include "exec.h"
 
 struct epd_device_desc {
         uint32_t index;

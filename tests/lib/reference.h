@@ -1,7 +1,7 @@
 /* reference.h - an independent, naive reference of dispatch and combine, written straight from
  * SEMANTICS.md, and bitwise comparison of real outputs against it.
  *
- * It shares no code with the production path (plan.h, routing.h, host_exec.h, bf16.h): it
+ * It shares no code with the production path (plan.h, routing.h, exec.h, bf16.h): it
  * enumerates rows in the order the contract states them, with plain loops, so that a shared
  * misreading cannot make both sides agree. It is deliberately slow (about E * R * T * K steps to
  * build) and meant for tests, `make demo` and the benchmark's verification.

@@ -1,4 +1,4 @@
-/* host_exec.h - the data movement of dispatch and combine on the CPU (host backend).
+/* exec.h - the data movement of dispatch and combine on the CPU (host backend).
  *
  * Pure compute over raw pointers that the caller has already bounds-checked against registered
  * regions: no daemon state, no locking, no allocation except a per-call fp32 accumulator. Work is
@@ -8,38 +8,18 @@
  * Floating point follows SEMANTICS.md section 3 exactly; this file is compiled with
  * -ffp-contract=off and without fast-math.
  */
-#ifndef EPD_CPU_HOST_EXEC_H
-#define EPD_CPU_HOST_EXEC_H
+#ifndef EPD_CPU_EXEC_H
+#define EPD_CPU_EXEC_H
 
 #include <stdint.h>
 
+#include "mat.h"
 #include "plan.h"
-
-/* A row-major matrix: row i starts at ptr + i * stride bytes. ptr NULL means absent. */
-struct epd_mat {
-        uint8_t *ptr;
-        uint64_t stride;
-};
 
 /* A dispatch that reads and writes at least this many bytes in all writes its recv_x rows with
  * non-temporal stores on x86-64. 0, the default: the last-level cache size. Tests set it to 1 to
  * run the streaming path on small ops. */
 extern uint64_t epd_host_stream_min_bytes;
-
-struct epd_dispatch_src_io { /* inputs of one source rank */
-        struct epd_mat x;        /* row_bytes per row */
-        struct epd_mat scales;   /* fp32 [N, H/scale_block], fp8 only */
-        struct epd_mat weights;  /* fp32 [N, K_op], optional */
-};
-
-struct epd_dispatch_dst_io { /* outputs of one destination rank */
-        struct epd_mat recv_x;
-        struct epd_mat recv_scales;
-        struct epd_mat recv_topk_idx;  /* NON_EXPAND; element dtype = topk_dtype */
-        struct epd_mat recv_weights;   /* NON_EXPAND [rows, K_op]; EXPAND [rows] (stride 4) */
-        struct epd_mat recv_src;       /* int64 [rows] */
-        struct epd_mat recv_topk_slot; /* EXPAND int32 [rows] */
-};
 
 struct epd_dispatch_exec {
         const struct epd_plan *plan;   /* placed (epd_plan_place_source done for every s) */
