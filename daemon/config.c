@@ -41,6 +41,16 @@ void epd_config_defaults(struct epd_config *cfg)
         cfg->max_frame_bytes = 64u * 1024u;
         cfg->max_fds_per_frame = 8;
         cfg->max_output_queue_bytes = 8ull << 20;
+        cfg->max_bindings_per_client = 64;
+        cfg->max_bindings_per_uid = 1024;
+        cfg->max_bindings = 8192;
+        cfg->max_groups_per_uid = 32;
+        cfg->max_regions_per_uid = 16384;
+        cfg->max_regions = 32768;
+        cfg->fd_headroom = 64;
+        cfg->max_region_bytes_per_uid = 1ull << 42;
+        cfg->max_region_bytes = 1ull << 44;
+        cfg->max_output_queue_bytes_total = 256ull << 20;
         cfg->host_devices = 1;
         cfg->host_threads = 0;
 }
@@ -162,6 +172,16 @@ int epd_config_set(struct epd_config *cfg, const char *section, const char *name
         NUM_KEY("limits", "max_frame_bytes", max_frame_bytes, 16u << 20)
         NUM_KEY("limits", "max_fds_per_frame", max_fds_per_frame, 16)
         NUM_KEY("limits", "max_output_queue_bytes", max_output_queue_bytes, 1ull << 34)
+        NUM_KEY("limits", "max_bindings_per_client", max_bindings_per_client, 1u << 20)
+        NUM_KEY("limits", "max_bindings_per_uid", max_bindings_per_uid, 1u << 20)
+        NUM_KEY("limits", "max_bindings", max_bindings, 1u << 24)
+        NUM_KEY("limits", "max_groups_per_uid", max_groups_per_uid, 65536)
+        NUM_KEY("limits", "max_regions_per_uid", max_regions_per_uid, 1u << 24)
+        NUM_KEY("limits", "max_regions", max_regions, 1u << 24)
+        NUM_KEY("limits", "fd_headroom", fd_headroom, 65536)
+        NUM_KEY("limits", "max_region_bytes_per_uid", max_region_bytes_per_uid, 1ull << 50)
+        NUM_KEY("limits", "max_region_bytes", max_region_bytes, 1ull << 50)
+        NUM_KEY("limits", "max_output_queue_bytes_total", max_output_queue_bytes_total, 1ull << 36)
         NUM_KEY("host", "devices", host_devices, 64)
         NUM_KEY("host", "threads", host_threads, 256)
         if (strcmp(section, "daemon") == 0 && strcmp(name, "backend") == 0) {
@@ -344,6 +364,16 @@ void epd_config_apply_hot(struct epd_config *dst, const struct epd_config *src)
         dst->max_outstanding_ops_per_client = src->max_outstanding_ops_per_client;
         dst->max_handles_per_group = src->max_handles_per_group;
         dst->max_output_queue_bytes = src->max_output_queue_bytes;
+        dst->max_bindings_per_client = src->max_bindings_per_client;
+        dst->max_bindings_per_uid = src->max_bindings_per_uid;
+        dst->max_bindings = src->max_bindings;
+        dst->max_groups_per_uid = src->max_groups_per_uid;
+        dst->max_regions_per_uid = src->max_regions_per_uid;
+        dst->max_regions = src->max_regions;
+        dst->fd_headroom = src->fd_headroom;
+        dst->max_region_bytes_per_uid = src->max_region_bytes_per_uid;
+        dst->max_region_bytes = src->max_region_bytes;
+        dst->max_output_queue_bytes_total = src->max_output_queue_bytes_total;
         memcpy(dst->allow_uids, src->allow_uids, sizeof(dst->allow_uids));
         dst->num_allow_uids = src->num_allow_uids;
         memcpy(dst->allow_gids, src->allow_gids, sizeof(dst->allow_gids));

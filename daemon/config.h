@@ -53,6 +53,17 @@ struct epd_config {
         uint32_t max_frame_bytes;
         uint32_t max_fds_per_frame;
         uint64_t max_output_queue_bytes; /* a client that stops reading is disconnected */
+        /* Per uid and per daemon (budget.c), hot. */
+        uint32_t max_bindings_per_client; /* rank bindings one client holds (2 descriptors each) */
+        uint32_t max_bindings_per_uid; /* rank bindings of all the clients of one uid */
+        uint32_t max_bindings; /* rank bindings in the daemon */
+        uint32_t max_groups_per_uid; /* groups one uid created */
+        uint32_t max_regions_per_uid; /* regions of all the clients of one uid */
+        uint32_t max_regions; /* regions in the daemon (one mapping each: keep under vm.max_map_count) */
+        uint32_t fd_headroom; /* descriptors kept free for accepting and replying */
+        uint64_t max_region_bytes_per_uid; /* region bytes of all the clients of one uid */
+        uint64_t max_region_bytes; /* region bytes in the daemon */
+        uint64_t max_output_queue_bytes_total; /* reply bytes queued for every client together */
         /* [host] */
         uint32_t host_devices;        /* virtual devices; 0: 1 */
         uint32_t host_threads;        /* copy threads; 0: number of CPUs */

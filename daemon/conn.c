@@ -18,6 +18,7 @@
 
 #include "admission.h"
 #include "backend.h"
+#include "budget.h"
 #include "daemon.h"
 #include "frame.h"
 #include "log.h"
@@ -26,6 +27,7 @@
 
 static void on_conn_event(uv_poll_t *handle, int status, int events);
 static void on_close_idle(uv_idle_t *idle);
+static int conn_flush(struct epd_conn *c);
 
 static void conn_update_poll(struct epd_conn *c)
 {
@@ -140,6 +142,12 @@ static void conn_close_later(struct epd_conn *c, const char *why)
         uv_idle_start(&c->close_idle, on_close_idle);
 }
 
+void epd_conn_close_later(struct epd_conn *c, const char *why)
+{
+        conn_flush(c);
+        conn_close_later(c, why);
+}
+
 static void on_close_idle(uv_idle_t *idle)
 {
         struct epd_conn *c = idle->data;
@@ -178,6 +186,8 @@ void epd_conn_close(struct epd_conn *c, const char *why)
                 epd_list_del(&m->link);
                 free_out_msg(m);
         }
+        d->out_bytes -= c->out_bytes;
+        c->out_bytes = 0;
         close(c->fd);
         c->fd = -1;
         epd_list_del(&c->link);
@@ -201,6 +211,7 @@ static int conn_flush(struct epd_conn *c)
                 if (rc < 0)
                         return rc;
                 c->out_bytes -= m->len;
+                c->daemon->out_bytes -= m->len;
                 epd_list_del(&m->link);
                 free_out_msg(m);
                 c->daemon->stats.frames_out++;
@@ -213,6 +224,7 @@ int epd_conn_send(struct epd_conn *c, const Epd__V1__Response *resp, const int *
                   unsigned num_fds)
 {
         struct epd_daemon *d = c->daemon;
+        struct epd_conn *victim = NULL;
         size_t len;
         struct epd_out_msg *m;
         int rc;
@@ -238,16 +250,28 @@ int epd_conn_send(struct epd_conn *c, const Epd__V1__Response *resp, const int *
                 /* The queue owns a duplicate, so the caller's fd may close before the send. */
                 int dup_fd = fcntl(fds[i], F_DUPFD_CLOEXEC, 3);
                 if (dup_fd < 0) {
+                        int e = errno;
                         free_out_msg(m);
-                        return -errno;
+                        /* The reply cannot go without its descriptor: the client learns it
+                         * from the closed connection, and the log says why. */
+                        conn_close_later(c, "a reply's file descriptor could not be duplicated "
+                                            "(the daemon is out of descriptors)");
+                        return -e;
                 }
                 m->fds[m->num_fds++] = dup_fd;
         }
         epd_list_add_tail(&c->out_queue, &m->link);
         c->out_bytes += len;
+        d->out_bytes += len;
         if (c->out_bytes > d->cfg.max_output_queue_bytes) {
                 conn_close_later(c, "output queue limit exceeded: the client does not read its replies");
                 return -ENOBUFS;
+        }
+        if (epd_budget_queue(d, c, len, &victim) < 0) {
+                conn_close_later(victim, "the daemon's queued replies exceed "
+                                         "max_output_queue_bytes_total: this client holds the most");
+                if (victim == c)
+                        return -ENOBUFS;
         }
         rc = conn_flush(c);
         if (rc < 0) {

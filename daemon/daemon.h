@@ -39,6 +39,8 @@ struct epd_daemon {
         uv_timer_t backoff_timer;     /* accept() paused while out of descriptors */
         unsigned backoff_ms;
         int accept_paused;
+        uint64_t fd_limit;            /* RLIMIT_NOFILE once raised (budget.c) */
+        uint64_t out_bytes;           /* reply bytes queued for every client together */
         int shutting_down;            /* SIGTERM seen: no new ops, exit when drained */
         int draining;                 /* operator drain: no new ops are launched */
         uint64_t drain_start_ns;
@@ -93,6 +95,7 @@ struct epd_conn {
         int cuda_capable;             /* announced CAP_CUDA_REGIONS: can map device memory */
         char name[64];
         int hello_done;
+        unsigned wrong_secrets;       /* GroupJoins refused for their secret */
         uint64_t accepted_ns;         /* the handshake must end within handshake_timeout_ms */
         int closing;
         /* A send failed (or the output queue overflowed) somewhere inside another object's
@@ -107,6 +110,7 @@ struct epd_conn {
         unsigned num_regions;         /* client-registered ones (arenas not counted) */
         uint64_t region_bytes;
         struct epd_list bindings;     /* struct epd_binding */
+        unsigned num_bindings;
         uint64_t last_read_id;        /* id of the last request read from the socket */
         unsigned outstanding_ops;
         struct epd_list out_queue;
@@ -254,6 +258,7 @@ struct epd_group {
         struct epd_daemon *daemon;
         uint64_t id;
         char name[64];
+        uid_t owner_uid;              /* its creator's: names and group budgets are per uid */
         uint8_t secret[64];
         size_t secret_len;
         struct epd_group_cfg cfg;
@@ -276,6 +281,10 @@ struct epd_group {
 /* conn.c */
 int epd_conn_accept(struct epd_daemon *d, int fd);
 void epd_conn_close(struct epd_conn *c, const char *why);
+/* Closes c on the loop's next turn, after what is queued for it has been tried (conn.c). */
+void epd_conn_close_later(struct epd_conn *c, const char *why);
+/* A connection that sent this many wrong group secrets is closed. */
+#define EPD_MAX_WRONG_SECRETS 8
 int epd_conn_send(struct epd_conn *c, const Epd__V1__Response *resp, const int *fds,
                   unsigned num_fds);
 /* Sends a Response with only a status and message. */
@@ -330,9 +339,16 @@ struct epd_group *epd_group_find_name(struct epd_daemon *d, const char *name);
 int epd_group_cfg_from_wire(const struct epd_daemon *d, const Epd__V1__GroupConfig *wire,
                             struct epd_group_cfg *cfg, char *err, size_t err_len);
 void epd_group_cfg_to_wire(const struct epd_group_cfg *cfg, Epd__V1__GroupConfig *wire);
-int epd_group_new(struct epd_daemon *d, const char *name, const void *secret, size_t secret_len,
-                  const struct epd_group_cfg *cfg, struct epd_group **out, char *err,
-                  size_t err_len);
+/* Names are per uid (the creator's): owner's group of that name, or NULL. */
+struct epd_group *epd_group_find_name_of(struct epd_daemon *d, uid_t owner, const char *name);
+/* The group a join names: uid's own group of that name if there is one, else another uid's
+ * whose secret matches. NULL when none matches; *named then tells a wrong secret (1) from a
+ * name no group has (0). */
+struct epd_group *epd_group_find_for_join(struct epd_daemon *d, uid_t uid, const char *name,
+                                          const void *secret, size_t secret_len, int *named);
+int epd_group_new(struct epd_daemon *d, uid_t owner, const char *name, const void *secret,
+                  size_t secret_len, const struct epd_group_cfg *cfg, struct epd_group **out,
+                  char *err, size_t err_len);
 int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint32_t device,
                    char *err, size_t err_len);
 /* Unbinds a rank. lost != 0: the client vanished (the group breaks); else it left politely. */

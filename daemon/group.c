@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "arena.h"
+#include "budget.h"
 #include "memfd.h"
 #include <sys/mman.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include "log.h"
 #include "resize.h"
 #include "routing.h"
+#include "util.h"
 
 const char *epd_group_state_name(enum epd_group_state s)
 {
@@ -156,9 +158,47 @@ void epd_group_cfg_to_wire(const struct epd_group_cfg *cfg, Epd__V1__GroupConfig
         w->arena_bytes = cfg->arena_bytes;
 }
 
-int epd_group_new(struct epd_daemon *d, const char *name, const void *secret, size_t secret_len,
-                  const struct epd_group_cfg *cfg, struct epd_group **out, char *err,
-                  size_t err_len)
+struct epd_group *epd_group_find_name_of(struct epd_daemon *d, uid_t owner, const char *name)
+{
+        struct epd_list *pos;
+
+        epd_list_for_each(pos, &d->groups)
+        {
+                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                if (g->owner_uid == owner && strcmp(g->name, name) == 0 &&
+                    g->state != EPD_GROUP_CLOSED)
+                        return g;
+        }
+        return NULL;
+}
+
+struct epd_group *epd_group_find_for_join(struct epd_daemon *d, uid_t uid, const char *name,
+                                          const void *secret, size_t secret_len, int *named)
+{
+        struct epd_group *g = epd_group_find_name_of(d, uid, name), *match = NULL;
+        struct epd_list *pos;
+
+        *named = g != NULL;
+        if (g)
+                return epd__consttime_equal(g->secret, g->secret_len, secret, secret_len) ? g
+                                                                                      : NULL;
+        /* Another uid's group: the secret tells which, when several uids use the name. Every
+         * candidate is compared, so the time does not tell how many there are before it. */
+        epd_list_for_each(pos, &d->groups)
+        {
+                struct epd_group *o = epd_list_entry(pos, struct epd_group, link);
+                if (strcmp(o->name, name) != 0 || o->state == EPD_GROUP_CLOSED)
+                        continue;
+                *named = 1;
+                if (epd__consttime_equal(o->secret, o->secret_len, secret, secret_len) && !match)
+                        match = o;
+        }
+        return match;
+}
+
+int epd_group_new(struct epd_daemon *d, uid_t owner, const char *name, const void *secret,
+                  size_t secret_len, const struct epd_group_cfg *cfg, struct epd_group **out,
+                  char *err, size_t err_len)
 {
         struct epd_group *g;
 
@@ -170,7 +210,9 @@ int epd_group_new(struct epd_daemon *d, const char *name, const void *secret, si
                 snprintf(err, err_len, "group secret longer than %zu bytes", sizeof(g->secret));
                 return EPD_INVALID_ARGUMENT;
         }
-        if (epd_group_find_name(d, name)) {
+        /* Names are per uid: another user cannot take a name first and make the owner's
+         * create fail. */
+        if (epd_group_find_name_of(d, owner, name)) {
                 snprintf(err, err_len, "group '%s' already exists", name);
                 return EPD_ALREADY_EXISTS;
         }
@@ -186,6 +228,7 @@ int epd_group_new(struct epd_daemon *d, const char *name, const void *secret, si
                 return EPD_INTERNAL;
         }
         g->daemon = d;
+        g->owner_uid = owner;
         g->id = ++d->next_group_id;
         snprintf(g->name, sizeof(g->name), "%s", name);
         memcpy(g->secret, secret, secret_len);
@@ -435,6 +478,9 @@ int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint3
                          rank, g->name, (unsigned long long)r->conn->id);
                 return EPD_ALREADY_EXISTS;
         }
+        rc = epd_budget_binding(d, c, err, err_len);
+        if (rc != 0)
+                return rc;
         /* The arena lives on the rank's device, in memory this client can map. */
         if (r->arena && (r->device != device || r->arena_host != !c->cuda_capable) &&
             rank_arena_destroy(g, r) < 0) {
@@ -458,7 +504,9 @@ int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint3
         b->group = g;
         b->rank = rank;
         epd_list_add_tail(&c->bindings, &b->conn_link);
+        c->num_bindings++;
         if (r->arena && epd_region_add_arena(c, r->arena, device, &r->arena_region_id) < 0) {
+                c->num_bindings--;
                 epd_list_del(&b->conn_link);
                 free(b);
                 rank_doorbell_retire(g, r);
@@ -574,6 +622,7 @@ void epd_group_unbind(struct epd_group *g, uint32_t rank, int lost)
                 r->arena_region_id = 0;
         }
         rank_doorbell_retire(g, r);
+        r->conn->num_bindings--;
         epd_list_del(&r->binding->conn_link);
         free(r->binding);
         r->binding = NULL;

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "budget.h"
 #include "admin.h"
 #include "arena.h"
 #include "backend.h"
@@ -183,8 +184,10 @@ static void handle_group_create(struct epd_conn *c, const Epd__V1__Request *req)
                 rc = EPD_INVALID_ARGUMENT;
         }
         if (rc == 0)
-                rc = epd_group_new(d, m->name ? m->name : "", m->secret.data, m->secret.len, &cfg,
-                                   &g, err, sizeof(err));
+                rc = epd_budget_group(d, c, err, sizeof(err));
+        if (rc == 0)
+                rc = epd_group_new(d, c->uid, m->name ? m->name : "", m->secret.data,
+                                   m->secret.len, &cfg, &g, err, sizeof(err));
         if (rc < 0) {
                 epd_conn_reply_status(c, req->id, rc, "group create: %s", err);
                 return;
@@ -202,21 +205,31 @@ static void handle_group_join(struct epd_conn *c, const Epd__V1__Request *req)
 {
         struct epd_daemon *d = c->daemon;
         const Epd__V1__GroupJoin *m = req->group_join;
-        struct epd_group *g = epd_group_find_name(d, m->name ? m->name : "");
+        const char *name = m->name ? m->name : "";
         uint32_t device;
         char err[256];
-        int rc;
+        int rc, named;
+        struct epd_group *g = epd_group_find_for_join(d, c->uid, name, m->secret.data,
+                                                      m->secret.len, &named);
 
-        if (!g) {
+        if (!g && !named) {
                 epd_conn_reply_status(c, req->id, EPD_NOT_FOUND, "group '%s' does not exist",
-                                      m->name ? m->name : "");
+                                      name);
                 return;
         }
-        if (!epd__consttime_equal(g->secret, g->secret_len, m->secret.data, m->secret.len)) {
-                log_notice("wrong group secret group=%s client=%llu pid=%d", g->name,
-                           (unsigned long long)c->id, (int)c->pid);
+        if (!g) {
+                /* Guessing costs the connection after a few tries. */
+                c->wrong_secrets++;
+                log_notice("wrong group secret group=%s client=%llu pid=%d uid=%u tries=%u", name,
+                           (unsigned long long)c->id, (int)c->pid, (unsigned)c->uid,
+                           c->wrong_secrets);
                 epd_conn_reply_status(c, req->id, EPD_PERMISSION_DENIED,
-                                      "wrong secret for group '%s'", g->name);
+                                      "wrong secret for group '%s'%s", name,
+                                      c->wrong_secrets >= EPD_MAX_WRONG_SECRETS
+                                              ? ": too many wrong secrets, closing the connection"
+                                              : "");
+                if (c->wrong_secrets >= EPD_MAX_WRONG_SECRETS)
+                        epd_conn_close_later(c, "too many wrong group secrets");
                 return;
         }
         rc = resolve_device(d, m->device, m->device_uuid, &device, err, sizeof(err));

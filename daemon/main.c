@@ -11,6 +11,7 @@
 
 #include "admission.h"
 #include "backend.h"
+#include "budget.h"
 #include "daemon.h"
 #include "frame.h"
 #include "log.h"
@@ -138,6 +139,16 @@ static void on_signal(uv_signal_t *handle, int signum)
                 }
                 epd_config_apply_hot(&d->cfg, &fresh);
                 epd_log_set_level(d->cfg.log_level);
+                /* The allow lists hold for open connections too. */
+                {
+                        struct epd_list *pos, *tmp;
+                        epd_list_for_each_safe(pos, tmp, &d->conns)
+                        {
+                                struct epd_conn *c = epd_list_entry(pos, struct epd_conn, link);
+                                if (!epd_conn_is_allowed(d, c->uid, c->gid))
+                                        epd_conn_close(c, "no longer allowed by the allow list");
+                        }
+                }
                 log_info("configuration reloaded path=%s", d->cfg.config_path);
                 return;
         }
@@ -248,6 +259,7 @@ int main(int argc, char **argv)
         }
         epd_log_set_level(d->cfg.log_level);
         signal(SIGPIPE, SIG_IGN);
+        epd_budget_init(d);
 
         rc = epd_daemon_init(d, uv_default_loop(), err, sizeof(err));
         if (rc < 0) {

@@ -12,6 +12,9 @@
  * - handshake_timeout_ms: a connection that never sends Hello is closed, and its slot freed;
  * - running out of descriptors: accept() failing with EMFILE pauses accepting (bounded CPU and
  *   log lines, unfinished handshakes closed first) and the daemon serves again afterwards;
+ * - the budgets per uid and per daemon (max_bindings_per_client, max_bindings, max_groups_per_uid,
+ *   max_regions): the request over one fails with UNAVAILABLE naming it, for whichever client
+ *   of the uid (or of the daemon) asks, and freeing makes room;
  * - max_groups, max_regions_per_client, max_region_bytes_per_client: the request over the limit
  *   fails with UNAVAILABLE naming the limit, nothing is left behind (a refused region's fd is
  *   closed), the limit is per client where it should be, and freeing makes room again;
@@ -330,12 +333,12 @@ START_TEST(test_out_of_descriptors)
         char line[1024];
         int lines = 0, rc;
 
-        ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
+        daemon_start_with(&ld, "[limits]\nhandshake_timeout_ms = 3000\n");
+        /* The daemon raised its soft limit at start; lower it from outside. */
+        ck_assert_int_eq(prlimit(ld.d.pid, RLIMIT_NOFILE, NULL, &old), 0);
         low = old;
         low.rlim_cur = 48;
-        ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
-        daemon_start_with(&ld, "[limits]\nhandshake_timeout_ms = 3000\n");
-        ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+        ck_assert_int_eq(prlimit(ld.d.pid, RLIMIT_NOFILE, &low, NULL), 0);
         args.socket_path = ld.d.socket;
 
         /* More connections than the daemon has descriptors; those it cannot accept wait in
@@ -377,6 +380,90 @@ START_TEST(test_out_of_descriptors)
 END_TEST
 
 /* ---- max_groups ---- */
+
+static void refused_naming(struct epd_client *c, int rc, const char *limit, const char *what)
+{
+        const char *msg = epd_client_last_error(c);
+
+        ck_assert_msg(rc == EPD_UNAVAILABLE, "%s gave %s: %s", what, epd_status_name(rc), msg);
+        ck_assert_msg(strstr(msg, limit), "%s: the message does not name %s: '%s'", what, limit,
+                      msg);
+}
+
+START_TEST(test_budgets_per_uid_and_daemon)
+{
+        struct limits_daemon ld;
+        struct epd_group_config cfg = group_config(1);
+        struct epd_group *g[8] = { NULL };
+        struct epd_client *a, *b, *c;
+        uint64_t ids[4];
+        void *p[4];
+
+        daemon_start_with(&ld, "[limits]\nmax_bindings_per_client = 2\nmax_bindings = 4\n"
+                               "max_groups_per_uid = 5\nmax_regions = 3\n");
+        a = h_connect_ok(&ld.d, "a");
+        b = h_connect_ok(&ld.d, "b");
+        c = h_connect_ok(&ld.d, "c");
+        /* Per client. */
+        ck_assert_int_eq(group_enter(a, 1, "a0", 0, &cfg, &g[0]), EPD_OK);
+        ck_assert_int_eq(group_enter(a, 1, "a1", 0, &cfg, &g[1]), EPD_OK);
+        refused_naming(a, group_enter(a, 1, "a2", 0, &cfg, &g[2]), "max_bindings_per_client",
+                       "a third binding of one client");
+        /* Per daemon: b takes the last two. */
+        ck_assert_int_eq(group_enter(b, 1, "b0", 0, &cfg, &g[3]), EPD_OK);
+        ck_assert_int_eq(group_enter(b, 1, "b1", 0, &cfg, &g[4]), EPD_OK);
+        refused_naming(c, group_enter(c, 1, "c0", 0, &cfg, &g[5]), "max_bindings",
+                       "a binding beyond the daemon's");
+        /* Leaving makes room; then the uid's fifth group is its last. */
+        ck_assert_int_eq(epd_group_leave(g[0]), EPD_OK);
+        ck_assert_int_eq(group_enter(c, 1, "c0", 0, &cfg, &g[5]), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g[1]), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g[3]), EPD_OK);
+        ck_assert_int_eq(group_enter(c, 1, "c1", 0, &cfg, &g[6]), EPD_OK);
+        ck_assert_int_eq(group_enter(a, 1, "a3", 0, &cfg, &g[7]), EPD_OK);
+        /* b1, c0, c1, a3: four groups of this uid, and four bindings in the daemon. */
+        ck_assert_int_eq(epd_group_leave(g[7]), EPD_OK);
+        ck_assert_int_eq(json_field(&ld.d, "status", "groups"), 3);
+
+        /* Regions: the daemon's limit counts every client's. */
+        ck_assert_int_eq(epd_region_alloc(a, 4096, &p[0], &ids[0]), EPD_OK);
+        ck_assert_int_eq(epd_region_alloc(b, 4096, &p[1], &ids[1]), EPD_OK);
+        ck_assert_int_eq(epd_region_alloc(c, 4096, &p[2], &ids[2]), EPD_OK);
+        refused_naming(a, epd_region_alloc(a, 4096, &p[3], &ids[3]), "max_regions",
+                       "a region beyond the daemon's");
+        ck_assert_int_eq(epd_region_release(b, ids[1]), EPD_OK);
+        ck_assert_int_eq(epd_region_alloc(a, 4096, &p[3], &ids[3]), EPD_OK);
+        ck_assert_int_eq(size_hint(b), EPD_OK);
+
+        epd_client_free(c);
+        epd_client_free(b);
+        epd_client_free(a);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+START_TEST(test_max_groups_per_uid)
+{
+        struct limits_daemon ld;
+        struct epd_group_config cfg = group_config(1);
+        struct epd_group *g[3] = { NULL };
+        struct epd_client *a, *b;
+
+        daemon_start_with(&ld, "[limits]\nmax_groups_per_uid = 2\n");
+        a = h_connect_ok(&ld.d, "a");
+        b = h_connect_ok(&ld.d, "b");
+        ck_assert_int_eq(group_enter(a, 1, "g0", 0, &cfg, &g[0]), EPD_OK);
+        ck_assert_int_eq(group_enter(b, 1, "g1", 0, &cfg, &g[1]), EPD_OK);
+        /* The uid's, not a client's: both clients are root. */
+        refused_naming(a, group_enter(a, 1, "g2", 0, &cfg, &g[2]), "max_groups_per_uid",
+                       "the uid's third group");
+        ck_assert_int_eq(epd_group_leave(g[1]), EPD_OK);
+        ck_assert_int_eq(group_enter(a, 1, "g2", 0, &cfg, &g[2]), EPD_OK);
+        epd_client_free(b);
+        epd_client_free(a);
+        daemon_stop_clean(&ld);
+}
+END_TEST
 
 START_TEST(test_max_groups)
 {
@@ -892,6 +979,8 @@ static Suite *limits_suite(void)
         tcase_add_test(tc, test_idle_handshakes_and_admin_reserve);
         tcase_add_test(tc, test_out_of_descriptors);
         tcase_add_test(tc, test_max_groups);
+        tcase_add_test(tc, test_budgets_per_uid_and_daemon);
+        tcase_add_test(tc, test_max_groups_per_uid);
         tcase_add_test(tc, test_max_regions);
         tcase_add_test(tc, test_max_region_bytes);
         tcase_add_test(tc, test_max_outstanding_ops);
