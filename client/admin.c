@@ -18,6 +18,7 @@ struct block {
         max_align_t data[];
 };
 
+/* The first member of every snapshot object below, so that one free serves them all. */
 struct snapshot {
         Epd__V1__Response *resp;
         struct block *blocks;
@@ -70,8 +71,11 @@ static void *snap_alloc(struct snapshot *s, size_t n, size_t size)
 
 #define SNAP_ARRAY(s, ptr, n) ((ptr) = snap_alloc((s), (n), sizeof(*(ptr))), (n) == 0 || (ptr))
 
-static void snap_fini(struct snapshot *s)
+/* Frees a snapshot object (s is its first member) with all it holds; NULL does nothing. */
+static void snap_free(struct snapshot *s)
 {
+        if (!s)
+                return;
         while (s->blocks) {
                 struct block *b = s->blocks;
                 s->blocks = b->next;
@@ -79,7 +83,7 @@ static void snap_fini(struct snapshot *s)
         }
         if (s->resp)
                 epd__v1__response__free_unpacked(s->resp, NULL);
-        s->resp = NULL;
+        free(s);
 }
 
 /* Counts of repeated fields are size_t on the wire side; a reply fits one frame, so they fit
@@ -89,16 +93,27 @@ static uint32_t count32(size_t n)
         return n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
 }
 
-/* Sends req and keeps the reply in s (epd__client_call checked its body case). */
-static int snap_request(struct epd_client *c, Epd__V1__Request *req, struct snapshot *s)
+/* A snapshot object of `size` bytes (a struct whose first member is its struct snapshot)
+ * holding the reply to req, whose body case epd__client_call checked; NULL with *rc set on
+ * failure. */
+static void *snap_new(struct epd_client *c, size_t size, Epd__V1__Request *req, int *rc)
 {
-        return epd__client_call(c, req, NULL, 0, &s->resp, NULL);
+        struct snapshot *s = calloc(1, size);
+
+        if (!s) {
+                *rc = epd__client_fail(c, EPD_INTERNAL, "out of memory");
+                return NULL;
+        }
+        if ((*rc = epd__client_call(c, req, NULL, 0, &s->resp, NULL)) < 0) {
+                free(s);
+                return NULL;
+        }
+        return s;
 }
 
-static int no_memory(struct epd_client *c, struct snapshot *s, void *obj)
+static int no_memory(struct epd_client *c, struct snapshot *s)
 {
-        snap_fini(s);
-        free(obj);
+        snap_free(s);
         return epd__client_fail(c, EPD_INTERNAL, "out of memory for the daemon's reply");
 }
 
@@ -149,18 +164,14 @@ int epd_daemon_status_get(struct epd_client *client, struct epd_daemon_status **
 
         if ((rc = check_out(client, out, "epd_daemon_status_get")) < 0)
                 return rc;
-        if (!(st = calloc(1, sizeof(*st))))
-                return epd__client_fail(client, EPD_INTERNAL, "out of memory");
         req.body_case = EPD__V1__REQUEST__BODY_STATUS;
         req.status = &sr;
-        if ((rc = snap_request(client, &req, &st->snap)) < 0) {
-                free(st);
+        if (!(st = snap_new(client, sizeof(*st), &req, &rc)))
                 return rc;
-        }
         const Epd__V1__StatusReply *r = st->snap.resp->status_reply;
         struct epd_daemon_status_info *i = &st->info;
         if (!SNAP_ARRAY(&st->snap, devs, r->n_devices))
-                return no_memory(client, &st->snap, st);
+                return no_memory(client, &st->snap);
         for (size_t k = 0; k < r->n_devices; k++) {
                 const Epd__V1__Device *d = r->devices[k];
                 devs[k] = (struct epd_admin_device){ .index = d->index, .uuid = d->uuid,
@@ -192,10 +203,7 @@ const struct epd_daemon_status_info *epd_daemon_status_info(const struct epd_dae
 
 void epd_daemon_status_free(struct epd_daemon_status *st)
 {
-        if (!st)
-                return;
-        snap_fini(&st->snap);
-        free(st);
+        snap_free((struct snapshot *)st);
 }
 
 /* ---- groups ---- */
@@ -247,21 +255,17 @@ int epd_group_list_get(struct epd_client *client, struct epd_group_list **out)
 
         if ((rc = check_out(client, out, "epd_group_list_get")) < 0)
                 return rc;
-        if (!(l = calloc(1, sizeof(*l))))
-                return epd__client_fail(client, EPD_INTERNAL, "out of memory");
         req.body_case = EPD__V1__REQUEST__BODY_LIST_GROUPS;
         req.list_groups = &lg;
-        if ((rc = snap_request(client, &req, &l->snap)) < 0) {
-                free(l);
+        if (!(l = snap_new(client, sizeof(*l), &req, &rc)))
                 return rc;
-        }
         const Epd__V1__ListGroupsReply *r = l->snap.resp->groups;
         l->count = r->n_groups;
         if (!SNAP_ARRAY(&l->snap, l->groups, r->n_groups))
-                return no_memory(client, &l->snap, l);
+                return no_memory(client, &l->snap);
         for (size_t i = 0; i < r->n_groups; i++)
                 if (group_info(&l->snap, r->groups[i], &l->groups[i]) < 0)
-                        return no_memory(client, &l->snap, l);
+                        return no_memory(client, &l->snap);
         *out = l;
         return 0;
 }
@@ -278,10 +282,7 @@ const struct epd_group_info *epd_group_list_at(const struct epd_group_list *list
 
 void epd_group_list_free(struct epd_group_list *list)
 {
-        if (!list)
-                return;
-        snap_fini(&list->snap);
-        free(list);
+        snap_free((struct snapshot *)list);
 }
 
 /* ---- clients ---- */
@@ -295,18 +296,14 @@ int epd_client_list_get(struct epd_client *client, struct epd_client_list **out)
 
         if ((rc = check_out(client, out, "epd_client_list_get")) < 0)
                 return rc;
-        if (!(l = calloc(1, sizeof(*l))))
-                return epd__client_fail(client, EPD_INTERNAL, "out of memory");
         req.body_case = EPD__V1__REQUEST__BODY_LIST_CLIENTS;
         req.list_clients = &lc;
-        if ((rc = snap_request(client, &req, &l->snap)) < 0) {
-                free(l);
+        if (!(l = snap_new(client, sizeof(*l), &req, &rc)))
                 return rc;
-        }
         const Epd__V1__ListClientsReply *r = l->snap.resp->clients;
         l->count = r->n_clients;
         if (!SNAP_ARRAY(&l->snap, l->clients, r->n_clients))
-                return no_memory(client, &l->snap, l);
+                return no_memory(client, &l->snap);
         for (size_t i = 0; i < r->n_clients; i++) {
                 const Epd__V1__ClientInfo *ci = r->clients[i];
                 l->clients[i] = (struct epd_client_info){
@@ -334,10 +331,7 @@ const struct epd_client_info *epd_client_list_at(const struct epd_client_list *l
 
 void epd_client_list_free(struct epd_client_list *list)
 {
-        if (!list)
-                return;
-        snap_fini(&list->snap);
-        free(list);
+        snap_free((struct snapshot *)list);
 }
 
 /* ---- statistics ---- */
@@ -392,22 +386,18 @@ int epd_stats_get(struct epd_client *client, struct epd_stats **out)
 
         if ((rc = check_out(client, out, "epd_stats_get")) < 0)
                 return rc;
-        if (!(st = calloc(1, sizeof(*st))))
-                return epd__client_fail(client, EPD_INTERNAL, "out of memory");
         req.body_case = EPD__V1__REQUEST__BODY_STATS;
         req.stats = &sr;
-        if ((rc = snap_request(client, &req, &st->snap)) < 0) {
-                free(st);
+        if (!(st = snap_new(client, sizeof(*st), &req, &rc)))
                 return rc;
-        }
         const Epd__V1__StatsReply *r = st->snap.resp->stats;
         struct snapshot *s = &st->snap;
         if (!SNAP_ARRAY(s, groups, r->n_groups) || !SNAP_ARRAY(s, clients, r->n_clients) ||
             !SNAP_ARRAY(s, devices, r->n_devices))
-                return no_memory(client, s, st);
+                return no_memory(client, s);
         for (size_t i = 0; i < r->n_groups; i++)
                 if (group_stats(s, r->groups[i], &groups[i]) < 0)
-                        return no_memory(client, s, st);
+                        return no_memory(client, s);
         for (size_t i = 0; i < r->n_clients; i++) {
                 const Epd__V1__ClientStats *cs = r->clients[i];
                 clients[i] = (struct epd_admin_client_stats){
@@ -446,10 +436,7 @@ const struct epd_admin_daemon_stats *epd_stats_daemon(const struct epd_stats *st
 
 void epd_stats_free(struct epd_stats *stats)
 {
-        if (!stats)
-                return;
-        snap_fini(&stats->snap);
-        free(stats);
+        snap_free((struct snapshot *)stats);
 }
 
 /* ---- admin verbs ---- */
@@ -549,20 +536,16 @@ int epd_resize(struct epd_client *client, const char *group, uint64_t bytes,
                 return epd__client_fail(client, EPD_INVALID_ARGUMENT,
                                         "epd_resize: an arena of 0 bytes; give the new size of "
                                         "each rank's arena");
-        if (!(res = calloc(1, sizeof(*res))))
-                return epd__client_fail(client, EPD_INTERNAL, "out of memory");
         rm.group_name = (char *)group;
         rm.group_id = group_id_of(group);
         rm.bytes = bytes;
         req.body_case = EPD__V1__REQUEST__BODY_RESIZE;
         req.resize = &rm;
-        if ((rc = snap_request(client, &req, &res->snap)) < 0) {
-                free(res);
+        if (!(res = snap_new(client, sizeof(*res), &req, &rc)))
                 return rc;
-        }
         const Epd__V1__ResizeReply *r = res->snap.resp->resize;
         if (!SNAP_ARRAY(&res->snap, ranks, r->n_ranks))
-                return no_memory(client, &res->snap, res);
+                return no_memory(client, &res->snap);
         for (size_t i = 0; i < r->n_ranks; i++) {
                 const Epd__V1__RankArenaSize *k = r->ranks[i];
                 ranks[i] = (struct epd_resize_rank){
@@ -590,8 +573,5 @@ const struct epd_resize_info *epd_resize_result_info(const struct epd_resize_res
 
 void epd_resize_result_free(struct epd_resize_result *result)
 {
-        if (!result)
-                return;
-        snap_fini(&result->snap);
-        free(result);
+        snap_free((struct snapshot *)result);
 }

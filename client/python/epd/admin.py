@@ -70,6 +70,17 @@ def _snapshot(client, get, free):
     return snap, _fn(free)
 
 
+def _list(client, kind, convert):
+    """convert() of every element of an epd_<kind>_list snapshot, in order."""
+    snap, free = _snapshot(client, "epd_%s_list_get" % kind, "epd_%s_list_free" % kind)
+    try:
+        at = _fn("epd_%s_list_at" % kind)
+        return [convert(at(snap, i).contents)
+                for i in range(_fn("epd_%s_list_count" % kind)(snap))]
+    finally:
+        free(snap)
+
+
 def status(client):
     """The daemon's status (``epd_daemon_status_get``) as a dict.
 
@@ -112,24 +123,13 @@ def groups(client):
     scale_block, op_timeout_ms, arena_bytes), ops_completed, ops_failed, num_handles,
     pending_ops, and ranks (dicts: rank, bound, client_id, device, next_op).
     """
-    snap, free = _snapshot(client, "epd_group_list_get", "epd_group_list_free")
-    try:
-        at = _fn("epd_group_list_at")
-        out = []
-        for i in range(_fn("epd_group_list_count")(snap)):
-            g = at(snap, i).contents
-            out.append({
-                "id": g.id, "name": _lib.text(g.name), "state": _lib.text(g.state),
-                "config": _config(g.config), "ops_completed": g.ops_completed,
-                "ops_failed": g.ops_failed, "num_handles": g.num_handles,
-                "pending_ops": g.pending_ops,
-                "ranks": [{"rank": r.rank, "bound": bool(r.bound), "client_id": r.client_id,
-                           "device": r.device, "next_op": r.next_op}
-                          for r in g.ranks[:g.num_ranks]],
-            })
-        return out
-    finally:
-        free(snap)
+    return _list(client, "group", lambda g: {
+        "id": g.id, "name": _lib.text(g.name), "state": _lib.text(g.state),
+        "config": _config(g.config), "ops_completed": g.ops_completed,
+        "ops_failed": g.ops_failed, "num_handles": g.num_handles, "pending_ops": g.pending_ops,
+        "ranks": [{"rank": r.rank, "bound": bool(r.bound), "client_id": r.client_id,
+                   "device": r.device, "next_op": r.next_op} for r in g.ranks[:g.num_ranks]],
+    })
 
 
 def clients(client):
@@ -138,21 +138,12 @@ def clients(client):
     Keys: id (what :func:`evict` takes), pid, uid, gid, name ("" when none), num_regions,
     region_bytes, outstanding_ops, bindings (a list of "group/rank").
     """
-    snap, free = _snapshot(client, "epd_client_list_get", "epd_client_list_free")
-    try:
-        at = _fn("epd_client_list_at")
-        out = []
-        for i in range(_fn("epd_client_list_count")(snap)):
-            c = at(snap, i).contents
-            out.append({
-                "id": c.id, "pid": c.pid, "uid": c.uid, "gid": c.gid, "name": _lib.text(c.name),
-                "num_regions": c.num_regions, "region_bytes": c.region_bytes,
-                "outstanding_ops": c.outstanding_ops,
-                "bindings": [_lib.text(b) for b in c.bindings[:c.num_bindings]],
-            })
-        return out
-    finally:
-        free(snap)
+    return _list(client, "client", lambda c: {
+        "id": c.id, "pid": c.pid, "uid": c.uid, "gid": c.gid, "name": _lib.text(c.name),
+        "num_regions": c.num_regions, "region_bytes": c.region_bytes,
+        "outstanding_ops": c.outstanding_ops,
+        "bindings": [_lib.text(b) for b in c.bindings[:c.num_bindings]],
+    })
 
 
 def _op_stats(p):
