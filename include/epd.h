@@ -516,7 +516,8 @@ struct epd_group_info {
         uint64_t id;
         const char *name;
         const char *state;             /* FORMING, READY, DRAINING, BROKEN or CLOSED */
-        struct epd_group_config config; /* with the daemon's defaults filled in */
+        struct epd_group_config config; /* as the daemon holds it: defaults filled in
+                                         * (scale_block stays 0 unless fp8) */
         uint64_t ops_completed;
         uint64_t ops_failed;
         uint32_t num_handles;
