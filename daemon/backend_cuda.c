@@ -450,8 +450,8 @@ static void queue_input_waits(const struct epd_exec *ex, cudaStream_t stream)
  * cuStreamWaitValue64) is released. The loop thread stores the same value again when it takes
  * the completion (group.c, rank_publish); the word only ever grows (epd_doorbell_advance). From the host rather than as
  * stream writes after the end event: those 8 writes took 7.4 us of GPU time as one batch
- * (bench/probes/memop_probe.cu), so the last rank's doorbell moved that long after the op ended, and
- * the next op on the stream started that much later. Executor thread; the pages stay mapped
+ * (bench/probes/memop_probe.cu), so the last rank's doorbell moved that long after the op
+ * ended, and the next op on the stream started that much later. Executor thread; the pages stay mapped
  * while the op executes (group.c, rank_doorbell_retire). */
 static void publish_completions(const struct epd_exec *ex)
 {
