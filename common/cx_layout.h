@@ -62,6 +62,7 @@
 #define CX_OP_BITS 40u
 #define CX_OP_MASK ((1ull << CX_OP_BITS) - 1)
 #define CX_QUANT_BLOCK 128u /* SEMANTICS.md 2.7: channels per scale of a quantizing dispatch */
+#define CX_MAX_BLOCKS 256u  /* blocks of one rank's kernel (its SM budget) */
 
 /* The group's shape, fixed at creation. Zero fields take the defaults named. */
 struct cx_shape {
@@ -145,14 +146,16 @@ struct cx_header {
         int32_t sticky_status;  /* the first failure of epoch sticky_epoch */
         uint32_t reserved1;
         uint64_t sticky_epoch;
-        uint32_t grid_count;    /* the device kernels' grid barrier: arrivals ... */
-        uint32_t grid_gen;      /* ... and generation (kernels/cx_sync.cuh) */
-        uint32_t verdict;       /* the device dispatch's verdict for its other blocks */
+        int32_t verdict;        /* a device op's verdict, from block 0 to the other blocks */
         uint32_t reserved2;
-        uint64_t reserved3[4];
+        uint64_t launch_seq;    /* device kernels launched on this buffer, refused ones included */
+        uint64_t reserved3[3];
         struct cx_stats stats;
         struct cx_op_status sticky;                  /* details of the sticky failure */
         struct cx_op_status status[CX_STATUS_RING];  /* the last ops' ends, by op number */
+        /* The device kernels' grid barrier: block b's last arrival, keyed by epoch, launch and
+         * barrier (kernels/cx_sync.cuh), so no reset is ever needed, even after a failed op. */
+        uint64_t grid_arrive[CX_MAX_BLOCKS];
 };
 
 /* A 64-byte signal slot, so that slots written by different ranks share no cache line. */

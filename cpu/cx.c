@@ -102,6 +102,7 @@ void cx_buffer_reform(uint8_t *buf, const struct cx_layout *l, uint64_t epoch)
         store_relaxed64(&h->drain_op, 0);
         h->sticky_status = 0;
         h->sticky_epoch = 0;
+        h->launch_seq = 0;
         atomic_store_explicit((_Atomic uint32_t *)&h->abort_word, 0, memory_order_relaxed);
         for (uint32_t i = 0; i < l->shape.num_handles; i++)
                 cx_handle_at(buf, l, i)->tag = 0;
