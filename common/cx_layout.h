@@ -502,6 +502,17 @@ EPD_HD int cx_sig_equal(const uint32_t a[4], const uint32_t b[4])
         return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
 }
 
+/* An OK status naming nothing. */
+EPD_HD void cx_status_init(struct cx_op_status *out)
+{
+        out->status = 0;
+        out->reason = CX_REASON_NONE;
+        out->rank = -1;
+        out->num_short = 0;
+        out->token = out->pos = -1;
+        out->value = out->capacity = 0;
+}
+
 /* The verdict of a dispatch, the same on every rank: every rank reads the same records. Checks in
  * a fixed order, so the first failure is deterministic: (1) signatures that differ from rank 0's
  * (INVALID_ARGUMENT, naming the lowest differing rank); (2) a source's own invalid inputs
@@ -515,12 +526,7 @@ EPD_HD int32_t cx_dispatch_verdict(uint8_t *base, const struct cx_layout *l, uin
         struct cx_count_rec *r0 = cx_count_rec_at(base, l, parity, 0);
         uint32_t layout = r0->sig[0] >> 2 & 1u, alignment = r0->sig[1], block = r0->sig[2];
 
-        out->status = 0;
-        out->reason = CX_REASON_NONE;
-        out->rank = -1;
-        out->num_short = 0;
-        out->token = out->pos = -1;
-        out->value = out->capacity = 0;
+        cx_status_init(out);
         for (uint32_t s = 1; s < R; s++) {
                 if (!cx_sig_equal(cx_count_rec_at(base, l, parity, s)->sig, r0->sig)) {
                         out->status = EPD_INVALID_ARGUMENT;
@@ -570,12 +576,7 @@ EPD_HD int32_t cx_combine_verdict(uint8_t *base, const struct cx_layout *l, uint
         const uint32_t R = l->shape.world_size;
         struct cx_flag *f0 = cx_flag_at(base, l->yrec, l, parity, 0);
 
-        out->status = 0;
-        out->reason = CX_REASON_NONE;
-        out->rank = -1;
-        out->num_short = 0;
-        out->token = out->pos = -1;
-        out->value = out->capacity = 0;
+        cx_status_init(out);
         for (uint32_t s = 0; s < R; s++) {
                 struct cx_flag *f = cx_flag_at(base, l->yrec, l, parity, s);
 

@@ -23,7 +23,7 @@
 
 extern "C" {
 #include "cx.h"
-#include "reference.h"
+#include "cx_case.h"
 #include "testdata.h"
 }
 
@@ -59,18 +59,6 @@ static void check(int ok, const char *fmt, ...)
         va_end(ap);
 }
 
-struct gcase {
-        const char *name;
-        uint32_t R, E, H, T, K;
-        enum epd_dtype dtype;
-        int quantize;
-        enum epd_layout layout;
-        uint32_t align, zero_padding, block_rows;
-        int has_weights;
-        enum epd_dtype topk_dtype;
-        int nbias, apply_weights, source_weights, recv_weights, cached;
-};
-
 /* A group on this GPU: device buffers, a host image of each for checks, a stream per rank. */
 struct dgroup {
         struct cx_layout l;
@@ -81,20 +69,11 @@ struct dgroup {
         struct epd_cx_group g[MAX_R];
 };
 
-static void dgroup_init(struct dgroup *dg, const struct gcase *c, uint32_t sms)
+static void dgroup_init(struct dgroup *dg, const struct cx_case *c, uint32_t sms)
 {
-        struct cx_shape shape = {};
+        struct cx_shape shape;
 
-        shape.world_size = c->R;
-        shape.num_experts = c->E;
-        shape.hidden = c->H;
-        shape.max_tokens = c->T;
-        shape.max_topk = c->K;
-        shape.dtype = c->dtype;
-        shape.scale_block = 64;
-        shape.quantize = (uint32_t)c->quantize;
-        shape.max_alignment = c->align;
-        shape.expert_block_rows = c->block_rows;
+        cx_case_shape(c, &shape);
         if (cx_layout_compute(&shape, &dg->l) != CX_SHAPE_OK) {
                 fprintf(stderr, "%s: shape refused\n", c->name);
                 exit(1);
@@ -142,259 +121,131 @@ static void dgroup_sync_pull(struct dgroup *dg)
                                    cudaMemcpyDeviceToHost));
 }
 
-/* One op's inputs of every rank, on the host and on the device. */
-struct inputs {
-        uint32_t n[MAX_R];
-        void *hx[MAX_R], *hscales[MAX_R], *htopk[MAX_R], *hw[MAX_R], *hw2[MAX_R], *hsw[MAX_R];
-        void *hbias[MAX_R][2], *hy[MAX_R], *hyw[MAX_R];
-        void *dx[MAX_R], *dscales[MAX_R], *dtopk[MAX_R], *dw[MAX_R], *dw2[MAX_R], *dsw[MAX_R];
-        void *dbias[MAX_R][2], *dy[MAX_R], *dyw[MAX_R], *dcombined[MAX_R], *dcw[MAX_R];
-        void *dsnap[MAX_R]; /* the receive area right after the dispatch (graph test) */
-        struct ref_dispatch *ref, *ref2;
+/* One op's inputs: the host data (cx_case.h) and device copies at fixed addresses, so a captured
+ * graph reads each replay's new data. */
+struct dinputs {
+        struct cx_case_data h;
+        void *x[MAX_R], *scales[MAX_R], *topk[MAX_R], *w[MAX_R], *w2[MAX_R], *sw[MAX_R];
+        void *bias[MAX_R][2], *y[MAX_R], *yw[MAX_R], *combined[MAX_R], *cw[MAX_R];
+        void *snap[MAX_R]; /* the receive area right after the dispatch (graph test) */
 };
 
-static void *host_dev(void **h, void **d, size_t bytes)
+static void *dev_alloc(size_t bytes)
 {
-        *h = calloc(1, bytes + 16);
-        CUDA_OK(cudaMalloc(d, bytes + 16));
-        return *h;
+        void *p;
+
+        CUDA_OK(cudaMalloc(&p, bytes + 16));
+        return p;
 }
 
-static struct ref_dispatch *build_ref(const struct gcase *c, struct inputs *in, void **w)
+/* Fills in from seed (allocating the device side on the first call) and uploads it. */
+static void dinputs_make(const struct cx_case *c, const struct dgroup *dg, struct dinputs *in,
+                         uint64_t seed)
 {
-        struct ref_src src[MAX_R];
-        struct ref_params p = {};
-        struct ref_dispatch *ref = NULL;
+        const size_t T = c->T, K = c->K, H = c->H, rows = dg->l.recv_rows;
+        const size_t xb = T * cx_case_x_row_bytes(c), sb = T * cx_case_num_scales(c) * 4;
+        const size_t tb = T * K * cx_case_topk_size(c), wb = T * K * 4, bb = T * H * 2;
         char err[256];
 
-        p.world_size = c->R;
-        p.num_experts = c->E;
-        p.hidden = c->H;
-        p.max_tokens = c->T;
-        p.num_topk = c->K;
-        p.dtype = c->dtype;
-        p.scale_block = 64;
-        p.topk_dtype = c->topk_dtype;
-        p.layout = c->layout;
-        p.expert_alignment = c->align;
-        p.zero_padding = (int)c->zero_padding;
-        p.has_weights = c->has_weights;
-        p.expert_block_rows = c->block_rows;
-        p.quantize = c->quantize;
-        for (uint32_t s = 0; s < c->R; s++) {
-                memset(&src[s], 0, sizeof(src[s]));
-                src[s].num_tokens = in->n[s];
-                src[s].x.ptr = in->hx[s];
-                src[s].scales.ptr = in->hscales[s];
-                src[s].topk_idx.ptr = in->htopk[s];
-                src[s].weights.ptr = c->has_weights ? w[s] : NULL;
-        }
-        if (ref_dispatch_new(&p, src, &ref, err, sizeof(err)) != 0) {
-                fprintf(stderr, "%s: reference: %s\n", c->name, err);
+        cx_case_data_free(c, &in->h);
+        if (cx_case_data_make(c, (uint32_t)rows, seed, &in->h, err, sizeof(err))) {
+                fprintf(stderr, "%s: %s\n", c->name, err);
                 exit(1);
         }
-        return ref;
-}
-
-/* Allocates (first call) and fills one op's inputs from seed, uploads them, builds references. */
-static void inputs_make(const struct gcase *c, const struct dgroup *dg, struct inputs *in,
-                        uint64_t seed, int alloc)
-{
-        const uint64_t xrow = (uint64_t)c->H * (c->dtype == EPD_DTYPE_BF16 ? 2 : 1);
-        const uint32_t nsc = c->dtype == EPD_DTYPE_FP8_E4M3 ? c->H / 64 : 0;
-        const size_t esz = c->topk_dtype == EPD_DTYPE_INT64 ? 8 : 4;
-        const uint64_t rows = dg->l.recv_rows;
-        struct td_rng rng;
-
-        td_rng_seed(&rng, seed);
         for (uint32_t s = 0; s < c->R; s++) {
-                uint32_t n = c->R == 1 ? c->T : c->T - s % 2;
-                struct td_routing_args ra = {};
-
-                in->n[s] = n;
-                if (alloc) {
-                        host_dev(&in->hx[s], &in->dx[s], c->T * xrow);
-                        host_dev(&in->hscales[s], &in->dscales[s], (size_t)c->T * nsc * 4);
-                        host_dev(&in->htopk[s], &in->dtopk[s], (size_t)c->T * c->K * esz);
-                        host_dev(&in->hw[s], &in->dw[s], (size_t)c->T * c->K * 4);
-                        host_dev(&in->hw2[s], &in->dw2[s], (size_t)c->T * c->K * 4);
-                        host_dev(&in->hsw[s], &in->dsw[s], (size_t)c->T * c->K * 4);
-                        for (int b = 0; b < 2; b++)
-                                host_dev(&in->hbias[s][b], &in->dbias[s][b], (size_t)c->T * c->H * 2);
-                        host_dev(&in->hy[s], &in->dy[s], rows * c->H * 2);
-                        host_dev(&in->hyw[s], &in->dyw[s], rows * c->K * 4);
-                        CUDA_OK(cudaMalloc(&in->dcombined[s], (size_t)c->T * c->H * 2 + 16));
-                        CUDA_OK(cudaMalloc(&in->dcw[s], (size_t)c->T * c->K * 4 + 16));
-                        CUDA_OK(cudaMalloc(&in->dsnap[s], dg->l.y - dg->l.recv_x));
+                if (!in->x[s]) {
+                        in->x[s] = dev_alloc(xb);
+                        in->scales[s] = dev_alloc(sb);
+                        in->topk[s] = dev_alloc(tb);
+                        in->w[s] = dev_alloc(wb);
+                        in->w2[s] = dev_alloc(wb);
+                        in->sw[s] = dev_alloc(wb);
+                        in->bias[s][0] = dev_alloc(bb);
+                        in->bias[s][1] = dev_alloc(bb);
+                        in->y[s] = dev_alloc(rows * H * 2);
+                        in->yw[s] = dev_alloc(rows * K * 4);
+                        in->combined[s] = dev_alloc(bb);
+                        in->cw[s] = dev_alloc(wb);
+                        in->snap[s] = dev_alloc(dg->l.y - dg->l.recv_x);
                 }
-                ra.world_size = c->R;
-                ra.num_experts = c->E;
-                ra.num_tokens = n;
-                ra.num_topk = c->K;
-                ra.mode = s % 2 ? TD_ROUTING_SKEWED : TD_ROUTING_UNIFORM;
-                ra.minus_one_prob = 0.1;
-                ra.empty_row_prob = 0.05;
-                ra.dtype = c->topk_dtype;
-                if (c->dtype == EPD_DTYPE_BF16)
-                        td_fill_bf16(&rng, in->hx[s], n, c->H, 0, 0.01);
-                else
-                        td_fill_bytes(&rng, in->hx[s], n, c->H, 0);
-                td_fill_f32(&rng, in->hscales[s], n, nsc, 0, 0.01f, 4.0f);
-                td_gen_topk(&rng, &ra, in->htopk[s]);
-                td_fill_f32(&rng, in->hw[s], n, c->K, 0, -1.0f, 1.0f);
-                td_fill_f32(&rng, in->hw2[s], n, c->K, 0, -1.0f, 1.0f);
-                td_fill_f32(&rng, in->hsw[s], n, c->K, 0, -1.0f, 1.0f);
-                for (int b = 0; b < 2; b++)
-                        td_fill_bf16(&rng, in->hbias[s][b], n, c->H, 0, 0.0);
-        }
-        ref_dispatch_free(in->ref);
-        ref_dispatch_free(in->ref2);
-        in->ref = build_ref(c, in, in->hw);
-        in->ref2 = c->cached ? build_ref(c, in, in->hw2) : NULL;
-        for (uint32_t d = 0; d < c->R; d++) {
-                uint16_t *y = (uint16_t *)in->hy[d];
-
-                td_fill_bf16(&rng, y, rows, c->H, 0, 0.01);
-                td_fill_f32(&rng, in->hyw[d], rows, c->K, 0, -2.0f, 2.0f);
-                for (int64_t i = 0; i < in->ref->dst[d].rows; i++)
-                        if (in->ref->dst[d].row_kind[i] != REF_ROW_DATA)
-                                for (uint32_t h = 0; h < c->H; h++)
-                                        y[(size_t)i * c->H + h] = 0x7FC0; /* never read */
-        }
-        for (uint32_t s = 0; s < c->R; s++) {
-                const struct { void *d, *h; size_t n; } up[] = {
-                        { in->dx[s], in->hx[s], c->T * xrow },
-                        { in->dscales[s], in->hscales[s], (size_t)c->T * nsc * 4 },
-                        { in->dtopk[s], in->htopk[s], (size_t)c->T * c->K * esz },
-                        { in->dw[s], in->hw[s], (size_t)c->T * c->K * 4 },
-                        { in->dw2[s], in->hw2[s], (size_t)c->T * c->K * 4 },
-                        { in->dsw[s], in->hsw[s], (size_t)c->T * c->K * 4 },
-                        { in->dbias[s][0], in->hbias[s][0], (size_t)c->T * c->H * 2 },
-                        { in->dbias[s][1], in->hbias[s][1], (size_t)c->T * c->H * 2 },
-                        { in->dy[s], in->hy[s], rows * c->H * 2 },
-                        { in->dyw[s], in->hyw[s], rows * c->K * 4 },
+                const struct { void *d; const void *h; size_t n; } up[] = {
+                        { in->x[s], in->h.x[s], xb },
+                        { in->scales[s], in->h.scales[s], sb },
+                        { in->topk[s], in->h.topk[s], tb },
+                        { in->w[s], in->h.weights[s], wb },
+                        { in->w2[s], in->h.weights2[s], wb },
+                        { in->sw[s], in->h.sw[s], wb },
+                        { in->bias[s][0], in->h.bias[s][0], bb },
+                        { in->bias[s][1], in->h.bias[s][1], bb },
+                        { in->y[s], in->h.y[s], rows * H * 2 },
+                        { in->yw[s], in->h.yw[s], rows * K * 4 },
                 };
                 for (size_t i = 0; i < sizeof(up) / sizeof(up[0]); i++)
                         CUDA_OK(cudaMemcpy(up[i].d, up[i].h, up[i].n, cudaMemcpyHostToDevice));
         }
 }
 
-static struct epd_cx_dispatch_args dispatch_args(const struct gcase *c, struct inputs *in,
+static struct epd_cx_dispatch_args dispatch_args(const struct cx_case *c, struct dinputs *in,
                                                  uint32_t s, int cached)
 {
         struct epd_cx_dispatch_args a = {};
 
-        a.num_tokens = in->n[s];
+        a.num_tokens = in->h.n[s];
         a.num_topk = c->K;
-        a.x = in->dx[s];
-        a.scales = (const float *)in->dscales[s];
-        a.topk_idx = in->dtopk[s];
+        a.x = in->x[s];
+        a.scales = (const float *)in->scales[s];
+        a.topk_idx = in->topk[s];
         a.topk_dtype = c->topk_dtype;
         a.layout = c->layout;
-        a.weights = c->has_weights ? (const float *)(cached ? in->dw2[s] : in->dw[s]) : NULL;
+        a.weights = c->has_weights ? (const float *)(cached ? in->w2[s] : in->w[s]) : NULL;
         a.expert_alignment = c->align;
         a.expert_block_rows = c->block_rows;
-        a.zero_padding = c->zero_padding;
+        a.zero_padding = (uint32_t)c->zero_padding;
         a.quantize = (uint32_t)c->quantize;
         a.cached = (uint32_t)cached;
         return a;
 }
 
-static struct epd_cx_combine_args combine_args(const struct gcase *c, struct inputs *in,
-                                               uint32_t s)
+/* Queues on rank s's stream: y (and its weights) into the y area, then the combine. */
+static void queue_combine(const struct cx_case *c, struct dgroup *dg, struct dinputs *in,
+                          uint32_t s)
 {
         struct epd_cx_combine_args a = {};
 
         a.recv_weights = (uint32_t)c->recv_weights;
         a.apply_weights = (uint32_t)c->apply_weights;
-        a.source_weights = c->source_weights ? (const float *)in->dsw[s] : NULL;
-        a.bias[0] = c->nbias > 0 ? (const uint16_t *)in->dbias[s][0] : NULL;
-        a.bias[1] = c->nbias > 1 ? (const uint16_t *)in->dbias[s][1] : NULL;
-        a.combined = (uint16_t *)in->dcombined[s];
-        a.combined_topk_weights = (float *)in->dcw[s];
-        return a;
-}
-
-/* Queues on rank s's stream: y (and its weights) into the y area, then the combine. */
-static void queue_combine(const struct gcase *c, struct dgroup *dg, struct inputs *in, uint32_t s)
-{
-        struct epd_cx_combine_args a = combine_args(c, in, s);
-
-        CUDA_OK(cudaMemcpyAsync(dg->dbuf[s] + dg->l.y, in->dy[s],
+        a.source_weights = c->source_weights ? (const float *)in->sw[s] : NULL;
+        a.bias[0] = c->nbias > 0 ? (const uint16_t *)in->bias[s][0] : NULL;
+        a.bias[1] = c->nbias > 1 ? (const uint16_t *)in->bias[s][1] : NULL;
+        a.combined = (uint16_t *)in->combined[s];
+        a.combined_topk_weights = (float *)in->cw[s];
+        CUDA_OK(cudaMemcpyAsync(dg->dbuf[s] + dg->l.y, in->y[s],
                                 (size_t)dg->l.recv_rows * c->H * 2, cudaMemcpyDeviceToDevice,
                                 dg->stream[s]));
-        CUDA_OK(cudaMemcpyAsync(dg->dbuf[s] + dg->l.y_weights, in->dyw[s],
+        CUDA_OK(cudaMemcpyAsync(dg->dbuf[s] + dg->l.y_weights, in->yw[s],
                                 (size_t)dg->l.recv_rows * c->K * 4, cudaMemcpyDeviceToDevice,
                                 dg->stream[s]));
         check(epd_cx_combine_launch(&dg->g[s], &a, dg->blocks, dg->stream[s]) == 0,
               "%s: combine launch", c->name);
 }
 
-/* The dispatch outputs of rank d, read from recv (a host copy of its receive area at the
- * layout's offsets relative to base). */
-static void check_dispatch(const struct gcase *c, const struct dgroup *dg, const uint8_t *base,
-                           const struct ref_dispatch *ref, uint32_t d, int with_counts,
-                           const char *what)
+static void check_combine(const struct cx_case *c, struct dinputs *in,
+                          const struct ref_dispatch *ref, uint32_t s, const char *what)
 {
-        const struct cx_layout *l = &dg->l;
-        const uint8_t *own = dg->host[d];
-        const struct cx_handle *h = cx_handle_at((uint8_t *)own, l, 0);
-        const size_t esz = c->topk_dtype == EPD_DTYPE_INT64 ? 8 : 4;
-        struct ref_counts_actual counts = {};
-        struct ref_dispatch_actual act = {};
-        char msg[400];
-
-        counts.num_recv_tokens = h->num_recv_tokens;
-        counts.num_expanded_rows = h->num_expanded_rows;
-        counts.per_expert = cx_handle_i32((uint8_t *)own, l, 0, l->h_per_expert);
-        counts.per_expert_aligned = cx_handle_i32((uint8_t *)own, l, 0, l->h_per_expert_aligned);
-        counts.rank_prefix = cx_handle_i32((uint8_t *)own, l, 0, l->h_rank_prefix);
-        act.recv_x.ptr = base + l->recv_x;
-        act.recv_scales.ptr = base + l->recv_scales;
-        act.recv_topk_idx = { base + l->recv_topk_idx, c->K * esz };
-        act.recv_weights = { base + l->recv_weights,
-                             c->layout == EPD_LAYOUT_EXPAND ? 4 : (uint64_t)c->K * 4 };
-        act.recv_src = { base + l->recv_src, 8 };
-        act.recv_topk_slot = { base + l->recv_topk_slot, 4 };
-        check(!with_counts || ref_check_counts(ref, d, &counts, msg, sizeof(msg)) == 0,
-              "%s %s counts: %s", c->name, what, msg);
-        check(ref_check_dispatch(ref, d, &act, msg, sizeof(msg)) == 0, "%s %s: %s", c->name,
-              what, msg);
-}
-
-static void check_combine(const struct gcase *c, struct inputs *in, const struct ref_dispatch *ref,
-                          uint32_t s, const char *what)
-{
-        struct ref_buf y[MAX_R], sw[MAX_R], rw[MAX_R], bias[2];
-        struct ref_combine_in cin = {};
-        struct ref_combine_weights w = {};
-        size_t n = in->n[s];
+        size_t n = in->h.n[s];
         uint16_t *combined = (uint16_t *)malloc(n * c->H * 2 + 2);
         float *cw = (float *)malloc(n * c->K * 4 + 4);
         char msg[400];
 
-        CUDA_OK(cudaMemcpy(combined, in->dcombined[s], n * c->H * 2, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(cw, in->dcw[s], n * c->K * 4, cudaMemcpyDeviceToHost));
-        for (uint32_t d = 0; d < c->R; d++) {
-                y[d] = { in->hy[d], 0 };
-                sw[d] = { in->hsw[d], 0 };
-                rw[d] = { in->hyw[d], 0 };
-        }
-        for (int b = 0; b < 2; b++)
-                bias[b] = { b < c->nbias ? in->hbias[s][b] : NULL, 0 };
-        cin.y = y;
-        cin.apply_weights = c->apply_weights;
-        w.source_weights = c->source_weights ? sw : NULL;
-        w.recv_weights = c->recv_weights ? rw : NULL;
-        check(ref_check_combine_w(ref, &cin, &w, s, bias, { combined, 0 },
-                                  { (c->has_weights || c->recv_weights) ? cw : NULL, 0 }, msg,
-                                  sizeof(msg)) == 0,
+        CUDA_OK(cudaMemcpy(combined, in->combined[s], n * c->H * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(cw, in->cw[s], n * c->K * 4, cudaMemcpyDeviceToHost));
+        check(cx_case_check_combine(c, &in->h, ref, s, combined, cw, msg, sizeof(msg)) == 0,
               "%s %s rank %u: %s", c->name, what, s, msg);
         free(combined);
         free(cw);
 }
 
-static void check_status(const struct gcase *c, const struct dgroup *dg, uint64_t op)
+static void check_status(const struct cx_case *c, const struct dgroup *dg, uint64_t op)
 {
         for (uint32_t r = 0; r < dg->R; r++) {
                 const struct cx_header *h = cx_header_of(dg->host[r], &dg->l);
@@ -406,16 +257,17 @@ static void check_status(const struct gcase *c, const struct dgroup *dg, uint64_
         }
 }
 
-static void run_case(const struct gcase *c, uint32_t sms)
+static void run_case(const struct cx_case *c, uint32_t sms)
 {
         struct dgroup dg;
-        struct inputs in = {};
+        struct dinputs in = {};
         uint64_t op = 0;
+        char msg[400];
 
         dgroup_init(&dg, c, sms);
-        inputs_make(c, &dg, &in, td_mix_seed(0x6C0DEull, (uint64_t)c->R * 131 + c->K), 1);
+        dinputs_make(c, &dg, &in, td_mix_seed(0x6C0DEull, (uint64_t)c->R * 131 + c->K));
         for (int pass = 0; pass < (c->cached ? 2 : 1); pass++) {
-                const struct ref_dispatch *ref = pass ? in.ref2 : in.ref;
+                const struct ref_dispatch *ref = pass ? in.h.ref2 : in.h.ref;
 
                 for (uint32_t s = 0; s < c->R; s++) {
                         struct epd_cx_dispatch_args a = dispatch_args(c, &in, s, pass);
@@ -426,8 +278,9 @@ static void run_case(const struct gcase *c, uint32_t sms)
                 dgroup_sync_pull(&dg);
                 check_status(c, &dg, op++);
                 for (uint32_t d = 0; d < c->R; d++)
-                        check_dispatch(c, &dg, dg.host[d], ref, d, 1,
-                                       pass ? "cached" : "dispatch");
+                        check(cx_case_check_dispatch(c, &dg.l, dg.host[d], 0, dg.host[d], ref, d,
+                                                     msg, sizeof(msg)) == 0,
+                              "%s %s: %s", c->name, pass ? "cached" : "dispatch", msg);
                 for (uint32_t s = 0; s < c->R; s++)
                         queue_combine(c, &dg, &in, s);
                 dgroup_sync_pull(&dg);
@@ -435,20 +288,24 @@ static void run_case(const struct gcase *c, uint32_t sms)
                 for (uint32_t s = 0; s < c->R; s++)
                         check_combine(c, &in, ref, s, pass ? "cached combine" : "combine");
         }
+        cx_case_data_free(c, &in.h);
         dgroup_free(&dg);
         printf("%-24s %s\n", c->name, failures ? "checked (failures above)" : "ok");
 }
 
 /* Three dispatch -> y -> combine steps per rank in one graph, replayed with new inputs. */
-static void run_graph(const struct gcase *c, uint32_t sms)
+static void run_graph(const struct cx_case *c, uint32_t sms)
 {
         struct dgroup dg;
-        struct inputs in[GRAPH_OPS] = {};
+        struct dinputs in[GRAPH_OPS] = {};
         cudaGraphExec_t exec[MAX_R];
+        uint8_t *img;
+        char msg[400];
 
         dgroup_init(&dg, c, sms);
+        img = (uint8_t *)malloc(dg.l.y);
         for (uint32_t k = 0; k < GRAPH_OPS; k++)
-                inputs_make(c, &dg, &in[k], td_mix_seed(0x9A9Full, k), 1);
+                dinputs_make(c, &dg, &in[k], td_mix_seed(0x9A9Full, k));
         for (uint32_t s = 0; s < c->R; s++) {
                 cudaGraph_t graph;
 
@@ -459,7 +316,7 @@ static void run_graph(const struct gcase *c, uint32_t sms)
                         check(epd_cx_dispatch_launch(&dg.g[s], &a, dg.blocks, dg.stream[s]) == 0,
                               "graph dispatch launch");
                         /* The receive area as this op left it, for the check. */
-                        CUDA_OK(cudaMemcpyAsync(in[k].dsnap[s], dg.dbuf[s] + dg.l.recv_x,
+                        CUDA_OK(cudaMemcpyAsync(in[k].snap[s], dg.dbuf[s] + dg.l.recv_x,
                                                 dg.l.y - dg.l.recv_x, cudaMemcpyDeviceToDevice,
                                                 dg.stream[s]));
                         queue_combine(c, &dg, &in[k], s);
@@ -471,7 +328,7 @@ static void run_graph(const struct gcase *c, uint32_t sms)
         for (uint32_t rep = 0; rep < REPLAYS && !failures; rep++) {
                 if (rep)
                         for (uint32_t k = 0; k < GRAPH_OPS; k++)
-                                inputs_make(c, &dg, &in[k], td_mix_seed(rep, k), 0);
+                                dinputs_make(c, &dg, &in[k], td_mix_seed(rep, k));
                 for (uint32_t s = 0; s < c->R; s++)
                         CUDA_OK(cudaGraphLaunch(exec[s], dg.stream[s]));
                 dgroup_sync_pull(&dg);
@@ -481,52 +338,37 @@ static void run_graph(const struct gcase *c, uint32_t sms)
                         check_status(c, &dg, op);
                         check_status(c, &dg, op + 1);
                         for (uint32_t d = 0; d < c->R; d++) {
-                                /* Rebase the snapshot so the layout's offsets address it. */
-                                uint8_t *img = (uint8_t *)malloc(dg.l.y);
-
-                                CUDA_OK(cudaMemcpy(img + dg.l.recv_x, in[k].dsnap[d],
+                                /* The snapshot at the layout's offsets; the handle's counts are
+                                 * the last op's, so only its counts are compared. */
+                                CUDA_OK(cudaMemcpy(img + dg.l.recv_x, in[k].snap[d],
                                                    dg.l.y - dg.l.recv_x, cudaMemcpyDeviceToHost));
-                                /* The handle's counts are the last op's. */
-                                check_dispatch(c, &dg, img, in[k].ref, d, k == GRAPH_OPS - 1,
-                                               "graph dispatch");
-                                free(img);
-                                check_combine(c, &in[k], in[k].ref, d, "graph combine");
+                                check(cx_case_check_dispatch(c, &dg.l,
+                                                             k == GRAPH_OPS - 1 ? dg.host[d] : NULL,
+                                                             0, img, in[k].h.ref, d, msg,
+                                                             sizeof(msg)) == 0,
+                                      "%s replay %u op %u: %s", c->name, rep, k, msg);
+                                check_combine(c, &in[k], in[k].h.ref, d, "graph combine");
                         }
                 }
         }
         for (uint32_t s = 0; s < c->R; s++)
                 cudaGraphExecDestroy(exec[s]);
+        for (uint32_t k = 0; k < GRAPH_OPS; k++)
+                cx_case_data_free(c, &in[k].h);
+        free(img);
         dgroup_free(&dg);
         printf("%-24s %u replays of %u ops per rank: %s\n", c->name, REPLAYS, 2 * GRAPH_OPS,
                failures ? "failures above" : "ok");
 }
 
-#define BF16 EPD_DTYPE_BF16
-#define FP8 EPD_DTYPE_FP8_E4M3
-#define I32 EPD_DTYPE_INT32
-#define I64 EPD_DTYPE_INT64
-#define NE EPD_LAYOUT_NON_EXPAND
-#define EX EPD_LAYOUT_EXPAND
-
-static const struct gcase cases[] = {
-        /* name R E H T K dtype q layout align zp C w topk bias aw sw rw cached */
-        { "r1_ne_bf16", 1, 8, 256, 24, 2, BF16, 0, NE, 1, 0, 0, 1, I64, 1, 0, 0, 0, 0 },
-        { "r2_ne_bf16_recvw", 2, 16, 256, 40, 4, BF16, 0, NE, 1, 0, 0, 1, I32, 2, 0, 0, 1, 1 },
-        { "r3_ex_bf16_a4_zp", 3, 24, 512, 33, 4, BF16, 0, EX, 4, 1, 0, 1, I64, 1, 1, 0, 0, 1 },
-        { "r4_ex_fp8_nozp", 4, 32, 512, 33, 3, FP8, 0, EX, 2, 0, 0, 1, I32, 0, 1, 1, 0, 0 },
-        { "r8_ne_fp8", 8, 64, 256, 17, 8, FP8, 0, NE, 1, 0, 0, 1, I64, 2, 0, 0, 0, 1 },
-        { "r8_ex_blocks", 8, 32, 256, 9, 4, BF16, 0, EX, 2, 1, 32, 1, I32, 1, 1, 0, 0, 1 },
-        { "r3_ne_quant", 3, 12, 512, 20, 3, BF16, 1, NE, 1, 0, 0, 0, I32, 1, 0, 0, 0, 1 },
-        { "r8_ex_quant_blocks", 8, 16, 256, 6, 2, BF16, 1, EX, 2, 1, 24, 1, I64, 2, 1, 0, 0, 1 },
-        { "r2_ex_nowt_sw", 2, 8, 256, 16, 2, BF16, 0, EX, 1, 1, 0, 0, I32, 0, 1, 1, 0, 0 },
-};
-
 int main(void)
 {
         int devices = 0;
         struct cudaDeviceProp prop;
-        const struct gcase graph_case = { "graph_r4_ex_quant", 4, 16, 256, 12, 4, BF16, 1, EX, 2,
-                                          1, 0, 1, I64, 1, 1, 0, 0, 0 };
+        /* EXPAND, quantizing, weighted: the richest path, four ranks. */
+        const struct cx_case graph_case = { "graph_r4_ex_quant", 4, 16, 256, 12, 4,
+                                            EPD_DTYPE_BF16, 1, EPD_LAYOUT_EXPAND, 2, 1, 0, 1,
+                                            EPD_DTYPE_INT64, 1, 1, 0, 0, 0, 1 };
 
         if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
                 printf("no usable GPU: skipped\n");
@@ -538,8 +380,8 @@ int main(void)
                 fprintf(stderr, "preload failed\n");
                 return 1;
         }
-        for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
-                run_case(&cases[i], (uint32_t)prop.multiProcessorCount);
+        for (size_t i = 0; i < cx_num_cases; i++)
+                run_case(&cx_cases[i], (uint32_t)prop.multiProcessorCount);
         run_graph(&graph_case, (uint32_t)prop.multiProcessorCount);
         if (failures) {
                 fprintf(stderr, "%d failure(s)\n", failures);

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "cx.h"
+#include "cx_case.h"
 #include "cx_layout.h"
 #include "fp8.h"
 #include "reference.h"
@@ -26,32 +27,6 @@
 
 #define MAX_R 8u
 #define POISON 0xA5u
-
-#define BF16 EPD_DTYPE_BF16
-#define FP8 EPD_DTYPE_FP8_E4M3
-#define I32 EPD_DTYPE_INT32
-#define I64 EPD_DTYPE_INT64
-#define NE EPD_LAYOUT_NON_EXPAND
-#define EX EPD_LAYOUT_EXPAND
-
-struct cx_case {
-        const char *name;
-        uint32_t R, E, H, T, K;
-        enum epd_dtype dtype;
-        int quantize;
-        enum epd_layout layout;
-        uint32_t align;
-        int zero_padding;
-        uint32_t block_rows;       /* C of 2.6 */
-        int has_weights;
-        enum epd_dtype topk_dtype;
-        int nbias;                 /* 0..2 */
-        int apply_weights;         /* EXPAND */
-        int source_weights;        /* combine's source_weights (apply_weights: w(t, k)) */
-        int recv_weights;          /* NON_EXPAND: combine's recv_weights */
-        int cached;                /* a cached dispatch and its combine follow each round */
-        uint32_t rounds;           /* dispatch + combine (+ cached pair) per round */
-};
 
 /* ---- one group of R ranks in this process ---- */
 
@@ -83,26 +58,12 @@ static void group_free(struct group *g)
                 free(g->bufs[r]);
 }
 
-/* ---- inputs of one round ---- */
-
-struct round {
-        uint32_t n[MAX_R];
-        uint8_t *x[MAX_R];
-        float *scales[MAX_R];
-        uint8_t *topk[MAX_R];
-        float *weights[MAX_R];
-        float *weights2[MAX_R];    /* the cached dispatch's new weights */
-        float *sw[MAX_R];          /* source_weights */
-        uint16_t *bias[MAX_R][2];
-        uint16_t *y[MAX_R];        /* [recv rows][H] per destination, NaN in padding */
-        float *yw[MAX_R];          /* [rows][K] recv_weights per destination */
-        struct ref_dispatch *ref, *ref2;
-};
+/* ---- a scenario: rounds of ops on every rank's thread ---- */
 
 struct scenario {
         const struct cx_case *c;
         struct group g;
-        struct round *rounds;
+        struct cx_case_data *rounds;
         uint64_t timeout_ns;
 };
 
@@ -114,125 +75,8 @@ struct rank_ctx {
         uint64_t ops;
 };
 
-static uint64_t x_row_bytes(const struct cx_case *c)
-{
-        return (uint64_t)c->H * (c->dtype == BF16 ? 2 : 1);
-}
-
-static uint32_t num_scales(const struct cx_case *c)
-{
-        return c->dtype == FP8 ? c->H / 64 : 0; /* fp8 cases use scale_block 64 */
-}
-
-static void fill_y(struct td_rng *rng, const struct cx_case *c, const struct ref_dispatch *ref,
-                   uint32_t d, uint32_t rows_alloc, uint16_t *y, float *yw)
-{
-        td_fill_bf16(rng, y, rows_alloc, c->H, 0, 0.01);
-        td_fill_f32(rng, yw, rows_alloc, c->K, 0, -2.0f, 2.0f);
-        /* Padding rows hold NaN: a combine that read one would change its token. */
-        for (int64_t i = 0; i < ref->dst[d].rows; i++)
-                if (ref->dst[d].row_kind[i] != REF_ROW_DATA)
-                        for (uint32_t h = 0; h < c->H; h++)
-                                y[(size_t)i * c->H + h] = 0x7FC0;
-}
-
-static struct ref_dispatch *make_ref(const struct cx_case *c, struct round *rd, float **weights)
-{
-        struct ref_src src[MAX_R];
-        struct ref_dispatch *ref = NULL;
-        char err[256];
-        struct ref_params p = {
-                .world_size = c->R, .num_experts = c->E, .hidden = c->H, .max_tokens = c->T,
-                .num_topk = c->K, .dtype = c->dtype, .scale_block = 64,
-                .topk_dtype = c->topk_dtype, .layout = c->layout, .expert_alignment = c->align,
-                .zero_padding = c->zero_padding, .has_weights = c->has_weights,
-                .expert_block_rows = c->block_rows, .quantize = c->quantize,
-        };
-
-        for (uint32_t s = 0; s < c->R; s++)
-                src[s] = (struct ref_src){
-                        .num_tokens = rd->n[s],
-                        .x = { rd->x[s], 0 },
-                        .scales = { rd->scales[s], 0 },
-                        .topk_idx = { rd->topk[s], 0 },
-                        .weights = { c->has_weights ? weights[s] : NULL, 0 },
-                };
-        ck_assert_msg(ref_dispatch_new(&p, src, &ref, err, sizeof(err)) == 0, "%s: %s", c->name,
-                      err);
-        return ref;
-}
-
-static void round_make(struct scenario *sc, struct round *rd, uint64_t seed)
-{
-        const struct cx_case *c = sc->c;
-        struct td_rng rng;
-        size_t esz = c->topk_dtype == I64 ? 8 : 4;
-
-        td_rng_seed(&rng, seed);
-        for (uint32_t s = 0; s < c->R; s++) {
-                uint32_t n = c->T - (s % 3 == 2 ? c->T : s % 3); /* T, T - 1, 0, T, ... */
-                struct td_routing_args ra = {
-                        .world_size = c->R, .num_experts = c->E, .num_tokens = n,
-                        .num_topk = c->K, .mode = s % 2 ? TD_ROUTING_SKEWED : TD_ROUTING_UNIFORM,
-                        .hot_rank = c->R - 1, .minus_one_prob = 0.1, .empty_row_prob = 0.05,
-                        .dtype = c->topk_dtype,
-                };
-
-                if (c->R == 1)
-                        n = ra.num_tokens = c->T;
-                rd->n[s] = n;
-                rd->x[s] = malloc((size_t)n * x_row_bytes(c) + 1);
-                rd->scales[s] = malloc((size_t)n * num_scales(c) * 4 + 1);
-                rd->topk[s] = malloc((size_t)n * c->K * esz + 1);
-                rd->weights[s] = malloc((size_t)n * c->K * 4 + 1);
-                rd->weights2[s] = malloc((size_t)n * c->K * 4 + 1);
-                rd->sw[s] = malloc((size_t)n * c->K * 4 + 1);
-                for (int b = 0; b < 2; b++)
-                        rd->bias[s][b] = malloc((size_t)n * c->H * 2 + 1);
-                if (c->dtype == BF16)
-                        td_fill_bf16(&rng, rd->x[s], n, c->H, 0, 0.01);
-                else
-                        td_fill_bytes(&rng, rd->x[s], n, c->H, 0);
-                td_fill_f32(&rng, rd->scales[s], n, num_scales(c), 0, 0.01f, 4.0f);
-                td_gen_topk(&rng, &ra, rd->topk[s]);
-                td_fill_f32(&rng, rd->weights[s], n, c->K, 0, -1.0f, 1.0f);
-                td_fill_f32(&rng, rd->weights2[s], n, c->K, 0, -1.0f, 1.0f);
-                td_fill_f32(&rng, rd->sw[s], n, c->K, 0, -1.0f, 1.0f);
-                for (int b = 0; b < 2; b++)
-                        td_fill_bf16(&rng, rd->bias[s][b], n, c->H, 0, 0.0);
-        }
-        rd->ref = make_ref(c, rd, rd->weights);
-        rd->ref2 = c->cached ? make_ref(c, rd, rd->weights2) : NULL;
-        for (uint32_t d = 0; d < c->R; d++) {
-                uint32_t rows = sc->g.l.recv_rows;
-
-                rd->y[d] = malloc((size_t)rows * c->H * 2);
-                rd->yw[d] = malloc((size_t)rows * c->K * 4);
-                fill_y(&rng, c, rd->ref, d, rows, rd->y[d], rd->yw[d]);
-        }
-}
-
-static void round_free(const struct cx_case *c, struct round *rd)
-{
-        for (uint32_t s = 0; s < c->R; s++) {
-                free(rd->x[s]);
-                free(rd->scales[s]);
-                free(rd->topk[s]);
-                free(rd->weights[s]);
-                free(rd->weights2[s]);
-                free(rd->sw[s]);
-                free(rd->bias[s][0]);
-                free(rd->bias[s][1]);
-                free(rd->y[s]);
-                free(rd->yw[s]);
-        }
-        ref_dispatch_free(rd->ref);
-        ref_dispatch_free(rd->ref2);
-}
-
-/* ---- what one rank thread does ---- */
-
-static int rank_fail(struct rank_ctx *rc, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int rank_fail(struct rank_ctx *rc, const char *fmt, ...)
+        __attribute__((format(printf, 2, 3)));
 
 static int rank_fail(struct rank_ctx *rc, const char *fmt, ...)
 {
@@ -249,38 +93,17 @@ static int rank_fail(struct rank_ctx *rc, const char *fmt, ...)
 static int check_dispatch_out(struct rank_ctx *rc, const struct ref_dispatch *ref,
                               uint32_t handle, uint32_t round)
 {
-        const struct cx_case *c = rc->sc->c;
-        const struct cx_layout *l = &rc->sc->g.l;
         uint8_t *own = rc->sc->g.bufs[rc->rank];
-        const struct cx_handle *h = cx_handle_at(own, l, handle);
-        size_t esz = c->topk_dtype == I64 ? 8 : 4;
-        int expand = c->layout == EX;
         char msg[400];
-        struct ref_counts_actual counts = {
-                .num_recv_tokens = h->num_recv_tokens,
-                .num_expanded_rows = h->num_expanded_rows,
-                .per_expert = cx_handle_i32(own, l, handle, l->h_per_expert),
-                .per_expert_aligned = cx_handle_i32(own, l, handle, l->h_per_expert_aligned),
-                .rank_prefix = cx_handle_i32(own, l, handle, l->h_rank_prefix),
-        };
-        struct ref_dispatch_actual act = {
-                .recv_x = { own + l->recv_x, 0 },
-                .recv_scales = { own + l->recv_scales, 0 },
-                .recv_topk_idx = { own + l->recv_topk_idx, c->K * esz },
-                .recv_weights = { own + l->recv_weights, expand ? 4 : (uint64_t)c->K * 4 },
-                .recv_src = { own + l->recv_src, 8 },
-                .recv_topk_slot = { own + l->recv_topk_slot, 4 },
-        };
 
-        if (ref_check_counts(ref, rc->rank, &counts, msg, sizeof(msg)))
-                return rank_fail(rc, "%s round %u: counts: %s", c->name, round, msg);
-        if (ref_check_dispatch(ref, rc->rank, &act, msg, sizeof(msg)))
-                return rank_fail(rc, "%s round %u: dispatch: %s", c->name, round, msg);
+        if (cx_case_check_dispatch(rc->sc->c, &rc->sc->g.l, own, handle, own, ref, rc->rank, msg,
+                                   sizeof(msg)))
+                return rank_fail(rc, "%s round %u: dispatch: %s", rc->sc->c->name, round, msg);
         return 0;
 }
 
-static int run_combine(struct rank_ctx *rc, struct round *rd, const struct ref_dispatch *ref,
-                       uint32_t handle, uint32_t round)
+static int run_combine(struct rank_ctx *rc, struct cx_case_data *rd,
+                       const struct ref_dispatch *ref, uint32_t handle, uint32_t round)
 {
         const struct cx_case *c = rc->sc->c;
         const struct cx_layout *l = &rc->sc->g.l;
@@ -289,12 +112,6 @@ static int run_combine(struct rank_ctx *rc, struct round *rd, const struct ref_d
         struct cx_rank r = { l, me, rc->sc->g.bufs, rc->sc->timeout_ns };
         uint16_t *combined = malloc((size_t)n * c->H * 2 + 2);
         float *cw = malloc((size_t)n * c->K * 4 + 4);
-        struct ref_buf ybufs[MAX_R], swbufs[MAX_R], rwbufs[MAX_R], bias[2];
-        struct ref_combine_in cin = { .y = ybufs, .apply_weights = c->apply_weights };
-        struct ref_combine_weights w = {
-                .source_weights = c->source_weights ? swbufs : NULL,
-                .recv_weights = c->recv_weights ? rwbufs : NULL,
-        };
         struct cx_combine_args a = {
                 .handle = handle,
                 .recv_weights = c->recv_weights,
@@ -308,27 +125,14 @@ static int run_combine(struct rank_ctx *rc, struct round *rd, const struct ref_d
         char msg[400];
         int ret;
 
-        for (uint32_t d = 0; d < c->R; d++) {
-                ybufs[d] = (struct ref_buf){ rd->y[d], 0 };
-                swbufs[d] = (struct ref_buf){ rd->sw[d], 0 };
-                rwbufs[d] = (struct ref_buf){ rd->yw[d], 0 };
-        }
-        for (int b = 0; b < 2; b++)
-                bias[b] = (struct ref_buf){ b < c->nbias ? rd->bias[me][b] : NULL, 0 };
         /* The expert's output goes where its peers read it: this rank's y area. */
         memcpy(own + l->y, rd->y[me], (size_t)l->recv_rows * c->H * 2);
         if (c->recv_weights)
-                for (uint32_t i = 0; i < l->recv_rows; i++)
-                        memcpy(own + l->y_weights + (size_t)i * c->K * 4,
-                               rd->yw[me] + (size_t)i * c->K, (size_t)c->K * 4);
+                memcpy(own + l->y_weights, rd->yw[me], (size_t)l->recv_rows * c->K * 4);
         ret = cx_combine(&r, &a, NULL, msg, sizeof(msg));
         if (ret)
                 rank_fail(rc, "%s round %u: combine returned %d: %s", c->name, round, ret, msg);
-        else if (ref_check_combine_w(ref, &cin, &w, me, bias, (struct ref_buf){ combined, 0 },
-                                     (struct ref_buf){ (c->has_weights || c->recv_weights) ? cw
-                                                                                         : NULL,
-                                                       0 },
-                                     msg, sizeof(msg)))
+        else if (cx_case_check_combine(c, rd, ref, me, combined, cw, msg, sizeof(msg)))
                 rank_fail(rc, "%s round %u: combine: %s", c->name, round, msg);
         rc->ops++;
         free(combined);
@@ -346,7 +150,7 @@ static void *rank_main(void *arg)
         char msg[400];
 
         for (uint32_t i = 0; i < c->rounds && !rc->failed; i++) {
-                struct round *rd = &sc->rounds[i];
+                struct cx_case_data *rd = &sc->rounds[i];
                 uint32_t handle = i % sc->g.l.shape.num_handles;
                 struct cx_dispatch_args a = {
                         .num_tokens = rd->n[me], .x = rd->x[me], .scales = rd->scales[me],
@@ -360,12 +164,13 @@ static void *rank_main(void *arg)
                 int ret = cx_dispatch(&r, &a, &op, msg, sizeof(msg));
 
                 if (ret) {
-                        rank_fail(rc, "%s round %u: dispatch returned %d: %s", c->name, i, ret, msg);
+                        rank_fail(rc, "%s round %u: dispatch returned %d: %s", c->name, i, ret,
+                                  msg);
                         break;
                 }
                 if (op != rc->ops)
-                        rank_fail(rc, "%s: op number %" PRIu64 ", expected %" PRIu64, c->name, op,
-                             rc->ops);
+                        rank_fail(rc, "%s: op number %" PRIu64 ", expected %" PRIu64, c->name,
+                                  op, rc->ops);
                 rc->ops++;
                 if (check_dispatch_out(rc, rd->ref, handle, i) ||
                     run_combine(rc, rd, rd->ref, handle, i))
@@ -377,8 +182,8 @@ static void *rank_main(void *arg)
                 a.weights = c->has_weights ? rd->weights2[me] : NULL;
                 ret = cx_dispatch(&r, &a, &op, msg, sizeof(msg));
                 if (ret) {
-                        rank_fail(rc, "%s round %u: cached dispatch returned %d: %s", c->name, i, ret,
-                             msg);
+                        rank_fail(rc, "%s round %u: cached dispatch returned %d: %s", c->name, i,
+                                  ret, msg);
                         break;
                 }
                 rc->ops++;
@@ -392,19 +197,19 @@ static void *rank_main(void *arg)
 static void run_scenario(const struct cx_case *c, uint64_t seed)
 {
         struct scenario sc = { .c = c, .timeout_ns = 20000000000ull };
-        struct cx_shape shape = {
-                .world_size = c->R, .num_experts = c->E, .hidden = c->H, .max_tokens = c->T,
-                .max_topk = c->K, .dtype = c->dtype, .scale_block = 64, .quantize = c->quantize,
-                .max_alignment = c->align, .expert_block_rows = c->block_rows,
-        };
+        struct cx_shape shape;
         struct rank_ctx rc[MAX_R];
         pthread_t th[MAX_R];
+        char err[256];
 
+        cx_case_shape(c, &shape);
         group_init(&sc.g, &shape);
         sc.rounds = calloc(c->rounds, sizeof(*sc.rounds));
         ck_assert_ptr_nonnull(sc.rounds);
         for (uint32_t i = 0; i < c->rounds; i++)
-                round_make(&sc, &sc.rounds[i], td_mix_seed(seed, i));
+                ck_assert_msg(cx_case_data_make(c, sc.g.l.recv_rows, td_mix_seed(seed, i),
+                                                &sc.rounds[i], err, sizeof(err)) == 0,
+                              "%s: %s", c->name, err);
         for (uint32_t r = 0; r < c->R; r++) {
                 memset(&rc[r], 0, sizeof(rc[r]));
                 rc[r].sc = &sc;
@@ -428,30 +233,15 @@ static void run_scenario(const struct cx_case *c, uint64_t seed)
                 ck_assert_int_eq(h->status[(expect_ops - 1) % CX_STATUS_RING].status, 0);
         }
         for (uint32_t i = 0; i < c->rounds; i++)
-                round_free(c, &sc.rounds[i]);
+                cx_case_data_free(c, &sc.rounds[i]);
         free(sc.rounds);
         group_free(&sc.g);
 }
 
-static const struct cx_case cases[] = {
-        /* name R E H T K dtype q layout align zp C w topk bias aw sw rw cached rounds */
-        { "r1_ne_bf16", 1, 8, 64, 12, 2, BF16, 0, NE, 1, 0, 0, 1, I64, 1, 0, 0, 0, 0, 1 },
-        { "r2_ne_bf16_recvw", 2, 16, 64, 20, 4, BF16, 0, NE, 1, 0, 0, 1, I32, 2, 0, 0, 1, 1, 2 },
-        { "r3_ex_bf16_a4_zp", 3, 24, 128, 17, 4, BF16, 0, EX, 4, 1, 0, 1, I64, 1, 1, 0, 0, 1, 2 },
-        { "r3_ex_fp8_nozp", 3, 24, 128, 17, 3, FP8, 0, EX, 2, 0, 0, 1, I32, 0, 1, 1, 0, 0, 2 },
-        { "r8_ne_fp8", 8, 32, 64, 9, 4, FP8, 0, NE, 1, 0, 0, 1, I64, 2, 0, 0, 0, 1, 2 },
-        { "r8_ex_bf16_a2", 8, 64, 64, 7, 6, BF16, 0, EX, 2, 1, 0, 1, I32, 1, 1, 1, 0, 0, 2 },
-        { "r2_ex_blocks", 2, 8, 64, 10, 3, BF16, 0, EX, 2, 1, 16, 1, I64, 1, 1, 0, 0, 1, 2 },
-        { "r8_ex_blocks_nozp", 8, 16, 64, 5, 2, BF16, 0, EX, 1, 0, 20, 0, I32, 0, 1, 1, 0, 0, 2 },
-        { "r1_ne_quant", 1, 4, 256, 6, 2, BF16, 1, NE, 1, 0, 0, 1, I64, 1, 0, 0, 1, 0, 1 },
-        { "r3_ne_quant", 3, 12, 256, 9, 3, BF16, 1, NE, 1, 0, 0, 0, I32, 1, 0, 0, 0, 1, 2 },
-        { "r8_ex_quant_blocks", 8, 16, 128, 6, 2, BF16, 1, EX, 2, 1, 24, 1, I64, 2, 1, 0, 0, 1, 1 },
-        { "r2_ex_nowt_sw", 2, 8, 64, 8, 2, BF16, 0, EX, 1, 1, 0, 0, I32, 0, 1, 1, 0, 0, 2 },
-};
 
 START_TEST(test_bitwise)
 {
-        const struct cx_case *c = &cases[_i];
+        const struct cx_case *c = &cx_cases[_i];
 
         run_scenario(c, td_mix_seed(0xC0FFEEull, (uint64_t)_i));
 }
@@ -500,62 +290,87 @@ static void *fail_main(void *arg)
         return NULL;
 }
 
-/* Runs one dispatch on the ranks in mask (others never arrive), all in parallel. */
-static void run_ranks(struct group *g, struct fail_ctx *f, uint32_t mask, uint64_t timeout_ns)
-{
-        pthread_t th[MAX_R];
-
-        for (uint32_t r = 0; r < g->R; r++) {
-                f[r].g = g;
-                f[r].rank = r;
-                f[r].timeout_ns = timeout_ns;
-                if (mask >> r & 1u)
-                        ck_assert_int_eq(pthread_create(&th[r], NULL, fail_main, &f[r]), 0);
-        }
-        for (uint32_t r = 0; r < g->R; r++)
-                if (mask >> r & 1u)
-                        pthread_join(th[r], NULL);
-}
-
-struct fixed_input {
+/* A small group whose every token of every rank selects experts 0 and 1 (both on rank 0). */
+struct fixture {
+        struct group g;
+        uint32_t R;
+        struct fail_ctx f[MAX_R];
         uint16_t x[MAX_R][8 * 64];
         int32_t topk[MAX_R][8 * 2];
 };
 
-/* Every token of every rank selects experts 0 and 1 (both on rank 0). */
-static void fixed_args(struct fixed_input *in, struct fail_ctx *f, uint32_t R,
-                       enum epd_layout layout, uint32_t block_rows)
+static void fixture_args(struct fixture *fx, enum epd_layout layout, uint32_t block_rows)
 {
-        for (uint32_t r = 0; r < R; r++) {
+        for (uint32_t r = 0; r < fx->R; r++) {
                 for (uint32_t i = 0; i < 8 * 64; i++)
-                        in->x[r][i] = (uint16_t)(0x3F80 + r + i);
+                        fx->x[r][i] = (uint16_t)(0x3F80 + r + i);
                 for (uint32_t t = 0; t < 8; t++) {
-                        in->topk[r][t * 2] = 0;
-                        in->topk[r][t * 2 + 1] = 1;
+                        fx->topk[r][t * 2] = 0;
+                        fx->topk[r][t * 2 + 1] = 1;
                 }
-                memset(&f[r], 0, sizeof(f[r]));
-                f[r].a = (struct cx_dispatch_args){
-                        .num_tokens = 8, .x = in->x[r], .topk_idx = in->topk[r],
+                memset(&fx->f[r], 0, sizeof(fx->f[r]));
+                fx->f[r].a = (struct cx_dispatch_args){
+                        .num_tokens = 8, .x = fx->x[r], .topk_idx = fx->topk[r],
                         .topk_dtype = I32, .num_topk = 2, .layout = layout,
                         .expert_block_rows = block_rows, .zero_padding = 1,
                 };
         }
 }
 
-static void small_group(struct group *g, uint32_t R, uint32_t block_rows)
+static struct fixture *fixture_new(uint32_t R, enum epd_layout layout, uint32_t block_rows)
 {
+        struct fixture *fx = calloc(1, sizeof(*fx));
         struct cx_shape shape = { .world_size = R, .num_experts = 4 * R, .hidden = 64,
                                   .max_tokens = 8, .max_topk = 2, .dtype = BF16,
                                   .expert_block_rows = block_rows };
 
-        group_init(g, &shape);
+        ck_assert_ptr_nonnull(fx);
+        fx->R = R;
+        group_init(&fx->g, &shape);
+        fixture_args(fx, layout, block_rows);
+        return fx;
 }
 
-static int region_is_poison(const uint8_t *p, uint64_t n)
+static void fixture_free(struct fixture *fx)
 {
-        for (uint64_t i = 0; i < n; i++)
-                if (p[i] != POISON)
-                        return 0;
+        group_free(&fx->g);
+        free(fx);
+}
+
+/* Runs one dispatch on the ranks in mask (others never arrive), all in parallel. */
+static void fixture_run(struct fixture *fx, uint32_t mask, uint64_t timeout_ns)
+{
+        pthread_t th[MAX_R];
+
+        for (uint32_t r = 0; r < fx->R; r++) {
+                fx->f[r].g = &fx->g;
+                fx->f[r].rank = r;
+                fx->f[r].timeout_ns = timeout_ns;
+                if (mask >> r & 1u)
+                        ck_assert_int_eq(pthread_create(&th[r], NULL, fail_main, &fx->f[r]), 0);
+        }
+        for (uint32_t r = 0; r < fx->R; r++)
+                if (mask >> r & 1u)
+                        pthread_join(th[r], NULL);
+}
+
+/* Ranks 0 .. count-1 ended with status and a message containing text. */
+static void fixture_expect(const struct fixture *fx, uint32_t count, int status, const char *text)
+{
+        for (uint32_t r = 0; r < count; r++) {
+                ck_assert_msg(fx->f[r].ret == status, "rank %u: %d, expected %d: %s", r,
+                              fx->f[r].ret, status, fx->f[r].msg);
+                ck_assert_msg(strstr(fx->f[r].msg, text) != NULL, "rank %u: \"%s\" lacks \"%s\"",
+                              r, fx->f[r].msg, text);
+        }
+}
+
+static int receive_areas_untouched(const struct fixture *fx)
+{
+        for (uint32_t r = 0; r < fx->R; r++)
+                for (uint64_t i = fx->g.l.metadata_bytes; i < fx->g.l.total_bytes; i++)
+                        if (fx->g.bufs[r][i] != POISON)
+                                return 0;
         return 1;
 }
 
@@ -563,46 +378,35 @@ static int region_is_poison(const uint8_t *p, uint64_t n)
  * same verdict, nothing written anywhere, later ops fail fast, and a re-formed group works. */
 START_TEST(test_capacity_blocks)
 {
-        const uint32_t R = 3;
-        struct group g;
-        struct fail_ctx f[MAX_R];
-        struct fixed_input *in = calloc(1, sizeof(*in));
+        struct fixture *fx = fixture_new(3, EX, 16); /* expert 0 gets 3 * 8 = 24 > 16 */
 
-        small_group(&g, R, 16);
-        fixed_args(in, f, R, EX, 16);  /* expert 0 gets 3 * 8 = 24 selections > 16 */
-        run_ranks(&g, f, (1u << R) - 1, 5000000000ull);
-        for (uint32_t r = 0; r < R; r++) {
-                struct cx_header *h = cx_header_of(g.bufs[r], &g.l);
+        fixture_run(fx, 7u, 5000000000ull);
+        fixture_expect(fx, 3, EPD_CAPACITY_EXCEEDED, "rank 0 local expert 0");
+        ck_assert(receive_areas_untouched(fx));
+        for (uint32_t r = 0; r < fx->R; r++) {
+                struct cx_header *h = cx_header_of(fx->g.bufs[r], &fx->g.l);
 
-                ck_assert_msg(f[r].ret == EPD_CAPACITY_EXCEEDED, "rank %u: %d %s", r, f[r].ret,
-                              f[r].msg);
-                ck_assert_msg(strstr(f[r].msg, "rank 0 local expert 0") != NULL, "%s", f[r].msg);
                 ck_assert_int_eq(h->status[0].status, EPD_CAPACITY_EXCEEDED);
                 ck_assert_int_eq(h->status[0].rank, 0);
                 ck_assert_int_eq(h->status[0].pos, 0);
-                ck_assert(region_is_poison(g.bufs[r] + g.l.metadata_bytes,
-                                           g.l.total_bytes - g.l.metadata_bytes));
-                ck_assert_uint_eq(cx_handle_at(g.bufs[r], &g.l, 0)->tag, 0);
+                ck_assert_uint_eq(cx_handle_at(fx->g.bufs[r], &fx->g.l, 0)->tag, 0);
                 ck_assert_uint_eq(h->stats.failures, 1);
         }
         /* Sticky: the next op fails at once with the same status, waiting for nobody. */
-        run_ranks(&g, f, 1u << 1, 5000000000ull);
-        ck_assert_int_eq(f[1].ret, EPD_CAPACITY_EXCEEDED);
-        ck_assert_uint_lt(f[1].elapsed_ns, 1000000000ull);
-        ck_assert_uint_eq(f[1].op, 1);
+        fixture_run(fx, 2u, 5000000000ull);
+        ck_assert_int_eq(fx->f[1].ret, EPD_CAPACITY_EXCEEDED);
+        ck_assert_uint_lt(fx->f[1].elapsed_ns, 1000000000ull);
+        ck_assert_uint_eq(fx->f[1].op, 1);
         /* Re-formed (a new epoch, op numbers from 0), the packed layout succeeds. */
-        for (uint32_t r = 0; r < R; r++) {
-                cx_buffer_reform(g.bufs[r], &g.l, 8);
-                f[r].a.expert_block_rows = 0;
-        }
-        run_ranks(&g, f, (1u << R) - 1, 5000000000ull);
-        for (uint32_t r = 0; r < R; r++) {
-                ck_assert_msg(f[r].ret == 0, "rank %u: %d %s", r, f[r].ret, f[r].msg);
-                ck_assert_uint_eq(f[r].op, 0);
-        }
-        ck_assert_int_eq(cx_handle_at(g.bufs[0], &g.l, 0)->num_expanded_rows, 48);
-        group_free(&g);
-        free(in);
+        for (uint32_t r = 0; r < fx->R; r++)
+                cx_buffer_reform(fx->g.bufs[r], &fx->g.l, 8);
+        fixture_args(fx, EX, 0);
+        fixture_run(fx, 7u, 5000000000ull);
+        fixture_expect(fx, 3, 0, "");
+        for (uint32_t r = 0; r < fx->R; r++)
+                ck_assert_uint_eq(fx->f[r].op, 0);
+        ck_assert_int_eq(cx_handle_at(fx->g.bufs[0], &fx->g.l, 0)->num_expanded_rows, 48);
+        fixture_free(fx);
 }
 END_TEST
 
@@ -610,24 +414,13 @@ END_TEST
  * its capacity, on every rank, and no row moves. */
 START_TEST(test_capacity_rows)
 {
-        const uint32_t R = 2;
-        struct group g;
-        struct fail_ctx f[MAX_R];
-        struct fixed_input *in = calloc(1, sizeof(*in));
+        struct fixture *fx = fixture_new(2, NE, 0);
 
-        small_group(&g, R, 0);
-        fixed_args(in, f, R, NE, 0);
-        f[0].a.capacity_rows = 15; /* rank 0 receives 16 tokens */
-        run_ranks(&g, f, (1u << R) - 1, 5000000000ull);
-        for (uint32_t r = 0; r < R; r++) {
-                ck_assert_int_eq(f[r].ret, EPD_CAPACITY_EXCEEDED);
-                ck_assert_msg(strstr(f[r].msg, "rank 0 needs 16 rows, capacity 15") != NULL, "%s",
-                              f[r].msg);
-                ck_assert(region_is_poison(g.bufs[r] + g.l.metadata_bytes,
-                                           g.l.total_bytes - g.l.metadata_bytes));
-        }
-        group_free(&g);
-        free(in);
+        fx->f[0].a.capacity_rows = 15; /* rank 0 receives 16 tokens */
+        fixture_run(fx, 3u, 5000000000ull);
+        fixture_expect(fx, 2, EPD_CAPACITY_EXCEEDED, "rank 0 needs 16 rows, capacity 15");
+        ck_assert(receive_areas_untouched(fx));
+        fixture_free(fx);
 }
 END_TEST
 
@@ -635,32 +428,19 @@ END_TEST
  * rank, naming the rank at fault. */
 START_TEST(test_invalid_collective)
 {
-        const uint32_t R = 3;
-        struct group g;
-        struct fail_ctx f[MAX_R];
-        struct fixed_input *in = calloc(1, sizeof(*in));
+        struct fixture *fx = fixture_new(3, NE, 0);
 
-        small_group(&g, R, 0);
-        fixed_args(in, f, R, NE, 0);
-        in->topk[2][5] = 4 * (int32_t)R; /* token 2 position 1 of rank 2: outside [0, E) */
-        run_ranks(&g, f, (1u << R) - 1, 5000000000ull);
-        for (uint32_t r = 0; r < R; r++) {
-                ck_assert_int_eq(f[r].ret, EPD_INVALID_ARGUMENT);
-                ck_assert_msg(strstr(f[r].msg, "invalid argument on rank 2") != NULL &&
-                                      strstr(f[r].msg, "token 2") != NULL,
-                              "%s", f[r].msg);
-        }
-        for (uint32_t r = 0; r < R; r++)
-                cx_buffer_reform(g.bufs[r], &g.l, 9);
-        fixed_args(in, f, R, NE, 0);
-        f[1].a.layout = EX;
-        run_ranks(&g, f, (1u << R) - 1, 5000000000ull);
-        for (uint32_t r = 0; r < R; r++) {
-                ck_assert_int_eq(f[r].ret, EPD_INVALID_ARGUMENT);
-                ck_assert_msg(strstr(f[r].msg, "rank 1's op differs") != NULL, "%s", f[r].msg);
-        }
-        group_free(&g);
-        free(in);
+        fx->topk[2][5] = 12; /* token 2 position 1 of rank 2: outside [0, E) */
+        fixture_run(fx, 7u, 5000000000ull);
+        fixture_expect(fx, 3, EPD_INVALID_ARGUMENT, "invalid argument on rank 2");
+        fixture_expect(fx, 3, EPD_INVALID_ARGUMENT, "token 2");
+        for (uint32_t r = 0; r < fx->R; r++)
+                cx_buffer_reform(fx->g.bufs[r], &fx->g.l, 9);
+        fixture_args(fx, NE, 0);
+        fx->f[1].a.layout = EX;
+        fixture_run(fx, 7u, 5000000000ull);
+        fixture_expect(fx, 3, EPD_INVALID_ARGUMENT, "rank 1's op differs");
+        fixture_free(fx);
 }
 END_TEST
 
@@ -685,76 +465,56 @@ static void *abort_main(void *arg)
  * 30 s timeout, and later ops fail fast. */
 START_TEST(test_abort)
 {
-        const uint32_t R = 2;
-        struct group g;
-        struct fail_ctx f[MAX_R];
-        struct fixed_input *in = calloc(1, sizeof(*in));
-        struct abort_ctx ac = { &g, 50000000ull };
+        struct fixture *fx = fixture_new(2, NE, 0);
+        struct abort_ctx ac = { &fx->g, 50000000ull };
         pthread_t th;
 
-        small_group(&g, R, 0);
-        fixed_args(in, f, R, NE, 0);
         ck_assert_int_eq(pthread_create(&th, NULL, abort_main, &ac), 0);
-        run_ranks(&g, f, 1u, 30000000000ull);
+        fixture_run(fx, 1u, 30000000000ull);
         pthread_join(th, NULL);
-        ck_assert_msg(f[0].ret == EPD_PEER_LOST, "%d %s", f[0].ret, f[0].msg);
-        ck_assert_uint_ge(f[0].elapsed_ns, 40000000ull);
-        ck_assert_uint_lt(f[0].elapsed_ns, 2000000000ull);
-        run_ranks(&g, f, 1u, 30000000000ull);
-        ck_assert_int_eq(f[0].ret, EPD_PEER_LOST);
-        ck_assert_uint_lt(f[0].elapsed_ns, 100000000ull);
-        group_free(&g);
-        free(in);
+        fixture_expect(fx, 1, EPD_PEER_LOST, "peer lost");
+        ck_assert_uint_ge(fx->f[0].elapsed_ns, 40000000ull);
+        ck_assert_uint_lt(fx->f[0].elapsed_ns, 2000000000ull);
+        fixture_run(fx, 1u, 30000000000ull);
+        fixture_expect(fx, 1, EPD_PEER_LOST, "an earlier op of this group failed");
+        ck_assert_uint_lt(fx->f[0].elapsed_ns, 100000000ull);
+        fixture_free(fx);
 }
 END_TEST
 
 /* Rank 2 never arrives: ranks 0 and 1 end with TIMEOUT after the op timeout, naming rank 2. */
 START_TEST(test_timeout)
 {
-        const uint32_t R = 3;
-        struct group g;
-        struct fail_ctx f[MAX_R];
-        struct fixed_input *in = calloc(1, sizeof(*in));
+        struct fixture *fx = fixture_new(3, NE, 0);
 
-        small_group(&g, R, 0);
-        fixed_args(in, f, R, NE, 0);
-        run_ranks(&g, f, 3u, 200000000ull);
+        fixture_run(fx, 3u, 200000000ull);
+        fixture_expect(fx, 2, EPD_TIMEOUT, "waiting for rank 2");
         for (uint32_t r = 0; r < 2; r++) {
-                ck_assert_msg(f[r].ret == EPD_TIMEOUT, "%d %s", f[r].ret, f[r].msg);
-                ck_assert_msg(strstr(f[r].msg, "waiting for rank 2") != NULL, "%s", f[r].msg);
-                ck_assert_uint_ge(f[r].elapsed_ns, 200000000ull);
-                ck_assert_uint_lt(f[r].elapsed_ns, 5000000000ull);
+                ck_assert_uint_ge(fx->f[r].elapsed_ns, 200000000ull);
+                ck_assert_uint_lt(fx->f[r].elapsed_ns, 5000000000ull);
         }
-        group_free(&g);
-        free(in);
+        fixture_free(fx);
 }
 END_TEST
 
 /* The drain word refuses ops at its boundary without consuming an op number. */
 START_TEST(test_drain)
 {
-        const uint32_t R = 2;
-        struct group g;
-        struct fail_ctx f[MAX_R];
-        struct fixed_input *in = calloc(1, sizeof(*in));
+        struct fixture *fx = fixture_new(2, NE, 0);
 
-        small_group(&g, R, 0);
-        fixed_args(in, f, R, NE, 0);
-        for (uint32_t r = 0; r < R; r++)
-                cx_header_of(g.bufs[r], &g.l)->drain_op = 1; /* stop before op 0 */
-        run_ranks(&g, f, 3u, 5000000000ull);
-        for (uint32_t r = 0; r < R; r++) {
-                ck_assert_int_eq(f[r].ret, EPD_ABORTED);
-                ck_assert_uint_eq(cx_header_of(g.bufs[r], &g.l)->op_counter, 0);
-                cx_header_of(g.bufs[r], &g.l)->drain_op = 0;
+        for (uint32_t r = 0; r < fx->R; r++)
+                cx_header_of(fx->g.bufs[r], &fx->g.l)->drain_op = 1; /* stop before op 0 */
+        fixture_run(fx, 3u, 5000000000ull);
+        fixture_expect(fx, 2, EPD_ABORTED, "drained at op 0");
+        for (uint32_t r = 0; r < fx->R; r++) {
+                ck_assert_uint_eq(cx_header_of(fx->g.bufs[r], &fx->g.l)->op_counter, 0);
+                cx_header_of(fx->g.bufs[r], &fx->g.l)->drain_op = 0;
         }
-        run_ranks(&g, f, 3u, 5000000000ull);
-        for (uint32_t r = 0; r < R; r++) {
-                ck_assert_msg(f[r].ret == 0, "%d %s", f[r].ret, f[r].msg);
-                ck_assert_uint_eq(f[r].op, 0);
-        }
-        group_free(&g);
-        free(in);
+        fixture_run(fx, 3u, 5000000000ull);
+        fixture_expect(fx, 2, 0, "");
+        for (uint32_t r = 0; r < fx->R; r++)
+                ck_assert_uint_eq(fx->f[r].op, 0);
+        fixture_free(fx);
 }
 END_TEST
 
@@ -885,7 +645,7 @@ static Suite *cx_suite(void)
         Suite *s = suite_create("cx");
         TCase *tc = tcase_create("bitwise");
 
-        tcase_add_loop_test(tc, test_bitwise, 0, (int)(sizeof(cases) / sizeof(cases[0])));
+        tcase_add_loop_test(tc, test_bitwise, 0, (int)cx_num_cases);
         tcase_add_test(tc, test_many_ops);
         tcase_set_timeout(tc, 300);
         suite_add_tcase(s, tc);
