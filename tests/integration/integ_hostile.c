@@ -1,18 +1,14 @@
 /* integ_hostile.c - one tenant never stalls, starves or locks out another. Each test runs an
- * attack against the real daemon (host backend) while a bystander group of two worker processes
- * runs verified MoE steps (dispatch and combine checked bitwise against the reference), and
- * asserts order and outcome, not time:
+ * attack (tests/lib/attacks.h) against the real daemon (host backend) while a bystander group of
+ * two worker processes runs verified MoE steps (dispatch and combine checked bitwise against the
+ * reference), and asserts order and outcome, not time:
  * - the bystander's steps all complete, and match, while the attack is still active;
  * - the daemon answers `epctl status` during the attack;
- * - the attacker gets a clear error (or its connection is closed with a log line), never silence;
- * - once the attacker is gone, the daemon's open fds are back at their baseline.
- * Attacks:
- * - stall: a 1-rank group whose dispatch waits for inputs that are never marked ready, with the
- *   longest op timeout the daemon allows; SIGTERM then ends that op with ABORTED at once;
- * - idle connections: another uid keeps opening connections that never send Hello; the daemon
- *   holds at most max_clients_per_uid of them, each for at most handshake_timeout_ms.
- * The attacks that need a second uid drop privileges to nobody in a child; without root they
- * say so and run as the same uid (the per-uid limits are then not exercised).
+ * - once the attacker is gone, the daemon's open fds and RSS are back at their baseline.
+ * Attacks: a dispatch that waits for inputs forever (and SIGTERM then ends it with ABORTED at
+ * once), idle connections of another uid, guessing the bystander group's secret, rank bindings
+ * and regions until the budgets refuse. Without root the attacks run as the same uid, and the
+ * per-uid limits are not exercised (the test says so).
  */
 #include <check.h>
 #include <errno.h>
@@ -26,11 +22,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "attacks.h"
 #include "epd.h"
 #include "harness.h"
 #include "workload.h"
 
-#define NOBODY 65534
 #define BYSTANDER_STEPS 12
 #define BYSTANDER_WAIT_MS 120000
 
@@ -176,69 +172,57 @@ START_TEST(test_stalled_inputs_do_not_block_others)
 }
 END_TEST
 
-/* ---- idle connections from another uid ---- */
+/* ---- every attack beside a bystander ---- */
 
-/* Keeps up to 64 connections open that never send Hello, opening new ones as the daemon closes
- * them, until killed. */
-static int idle_attacker_main(void *arg, int index)
+static long rss_kib(pid_t pid)
 {
-        const struct h_daemon *d = arg;
-        int socks[64];
-        char byte;
+        char path[64], line[256];
+        long kib = -1;
+        FILE *f;
 
-        (void)index;
-        if (is_root() && (setgid(NOBODY) < 0 || setuid(NOBODY) < 0))
-                return 2;
-        for (int i = 0; i < 64; i++)
-                socks[i] = -1;
-        for (;;) {
-                for (int i = 0; i < 64; i++) {
-                        if (socks[i] >= 0 &&
-                            recv(socks[i], &byte, 1, MSG_DONTWAIT) < 0 && errno == EAGAIN)
-                                continue; /* still held open by the daemon */
-                        if (socks[i] >= 0)
-                                close(socks[i]);
-                        socks[i] = h_raw_connect(d);
-                }
-                usleep(5000);
-        }
-        return 0;
+        snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+        f = fopen(path, "re");
+        if (!f)
+                return -1;
+        while (fgets(line, sizeof(line), f))
+                if (sscanf(line, "VmRSS: %ld", &kib) == 1)
+                        break;
+        fclose(f);
+        return kib;
 }
 
-START_TEST(test_idle_connections_do_not_lock_out)
+START_TEST(test_attack_beside_bystander)
 {
+        const enum attack a = (enum attack)(_i + 1);
         char config[] = "/tmp/epd-hostile-XXXXXX";
+        struct attack_run run;
         struct bystander by;
         struct h_daemon d;
-        pid_t attacker;
-        int baseline, status;
+        long rss0, rss1;
+        int fds0;
 
         if (!is_root())
-                printf("not root: the idle connections come from the same uid\n");
-        daemon_start_open(&d, "[limits]\nmax_clients = 16\nmax_clients_per_uid = 4\n"
-                              "handshake_timeout_ms = 2000\n", config);
-        epctl_answers(&d, "before the attack");
-        baseline = h_proc_fd_count(d.pid);
-
-        attacker = h_spawn(idle_attacker_main, &d, 0);
-        ck_assert_int_gt(attacker, 0);
-        /* Let the attacker fill what it may. */
-        for (int i = 0; i < 100 && !h_daemon_log_contains(&d, "max_clients_per_uid reached"); i++)
-                usleep(20000);
-        if (is_root())
-                ck_assert_msg(h_daemon_log_contains(&d, "max_clients_per_uid reached"),
-                              "the other uid was never limited");
-
+                printf("not root: the attack runs as the same uid\n");
+        printf("attack %s\n", attack_name(a));
+        daemon_start_open(&d, "[limits]\nmax_clients = 64\nmax_clients_per_uid = 16\n"
+                              "handshake_timeout_ms = 2000\nmax_regions_per_uid = 4096\n", config);
+        /* The baseline after a first bystander run, so that warm pools count as baseline. */
         bystander_start(&by, &d, "bystander");
         bystander_finish_ok(&by);
-        epctl_answers(&d, "while idle connections arrive");
-        /* The attacker still runs: the attack lasted as long as the bystander. */
-        ck_assert_int_eq(waitpid(attacker, &status, WNOHANG), 0);
-        ck_assert_int_eq(kill(attacker, SIGKILL), 0);
-        ck_assert_int_eq(waitpid(attacker, &status, 0), attacker);
+        fds0 = h_proc_fd_count(d.pid);
+        rss0 = rss_kib(d.pid);
 
-        /* Its connections end (closed by the attacker's death or at the deadline). */
-        fds_back_to(&d, baseline, 10000);
+        ck_assert_msg(attack_start(&run, a, &d, "bystander") == 0, "the attack did not start");
+        bystander_start(&by, &d, "bystander");
+        bystander_finish_ok(&by);
+        epctl_answers(&d, attack_name(a));
+        ck_assert_msg(attack_active(&run), "the attacker ended before the bystander finished");
+        attack_stop(&run);
+
+        fds_back_to(&d, fds0, 10000);
+        rss1 = rss_kib(d.pid);
+        ck_assert_msg(rss1 <= rss0 + 32 * 1024, "the daemon's RSS grew from %ld to %ld KiB", rss0,
+                      rss1);
         h_assert_daemon_alive(&d, NULL);
         ck_assert_int_eq(h_daemon_stop(&d, 10000), 0);
         unlink(config);
@@ -254,7 +238,7 @@ int main(void)
 
         tcase_set_timeout(tc, 180);
         tcase_add_test(tc, test_stalled_inputs_do_not_block_others);
-        tcase_add_test(tc, test_idle_connections_do_not_lock_out);
+        tcase_add_loop_test(tc, test_attack_beside_bystander, 0, ATTACK_COUNT - 1);
         suite_add_tcase(s, tc);
         sr = srunner_create(s);
         srunner_run_all(sr, CK_NORMAL);
