@@ -62,6 +62,8 @@ static void *executor_main(void *arg)
         /* The bounded waits of the backends sleep in small steps (nanosleep); the default 50 us
          * timer slack would stretch each one to tens of microseconds of op latency. */
         prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+        uint64_t idle_wait_ns = 20000;
+
         pthread_mutex_lock(&e->lock);
         for (;;) {
                 struct epd_exec *ex;
@@ -86,15 +88,22 @@ static void *executor_main(void *arg)
                 }
                 ex = take_ready(e, &run);
                 if (!ex) {
-                        /* Every queued exec waits for a client's inputs: look again shortly,
-                         * without the lock, so that new execs can be queued meanwhile. */
-                        struct timespec ts = { 0, 20000 };
-                        pthread_mutex_unlock(&e->lock);
+                        /* Every queued exec waits for a client's inputs, which come without a
+                         * wake-up: look again after a pause that grows from 20 us to 1 ms
+                         * while nothing becomes ready, so that a stalled client costs the
+                         * daemon little CPU. A new exec wakes the thread at once. */
+                        struct timespec ts;
+                        uint64_t until;
                         atomic_store(&e->heartbeat_ns, epd__now_ns());
-                        nanosleep(&ts, NULL);
-                        pthread_mutex_lock(&e->lock);
+                        clock_gettime(CLOCK_REALTIME, &ts);
+                        until = (uint64_t)ts.tv_nsec + idle_wait_ns;
+                        ts.tv_sec += (time_t)(until / 1000000000ull);
+                        ts.tv_nsec = (long)(until % 1000000000ull);
+                        pthread_cond_timedwait(&e->cond, &e->lock, &ts);
+                        idle_wait_ns = idle_wait_ns * 2 > 1000000 ? 1000000 : idle_wait_ns * 2;
                         continue;
                 }
+                idle_wait_ns = 20000;
                 pthread_mutex_unlock(&e->lock);
 
                 uint64_t t0 = epd__now_ns();

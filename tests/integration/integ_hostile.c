@@ -94,7 +94,8 @@ static void epctl_answers(const struct h_daemon *d, const char *context)
         json_decref(st);
 }
 
-/* The daemon's fds once its clients are gone, polled until they settle at `baseline`. */
+/* The daemon's fds once its clients are gone, polled until they are back at `baseline` or
+ * below. */
 static void fds_back_to(const struct h_daemon *d, int baseline, int timeout_ms)
 {
         long long deadline = h_now_ms() + timeout_ms;
@@ -102,7 +103,7 @@ static void fds_back_to(const struct h_daemon *d, int baseline, int timeout_ms)
 
         do {
                 now = h_proc_fd_count(d->pid);
-                if (now == baseline)
+                if (now <= baseline)
                         return;
                 usleep(20000);
         } while (h_now_ms() < deadline);
