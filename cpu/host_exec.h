@@ -13,33 +13,13 @@
 
 #include <stdint.h>
 
+#include "exec_io.h"
 #include "plan.h"
-
-/* A row-major matrix: row i starts at ptr + i * stride bytes. ptr NULL means absent. */
-struct epd_mat {
-        uint8_t *ptr;
-        uint64_t stride;
-};
 
 /* A dispatch that reads and writes at least this many bytes in all writes its recv_x rows with
  * non-temporal stores on x86-64. 0, the default: the last-level cache size. Tests set it to 1 to
  * run the streaming path on small ops. */
 extern uint64_t epd_host_stream_min_bytes;
-
-struct epd_dispatch_src_io { /* inputs of one source rank */
-        struct epd_mat x;        /* row_bytes per row */
-        struct epd_mat scales;   /* fp32 [N, H/scale_block], fp8 only */
-        struct epd_mat weights;  /* fp32 [N, K_op], optional */
-};
-
-struct epd_dispatch_dst_io { /* outputs of one destination rank */
-        struct epd_mat recv_x;
-        struct epd_mat recv_scales;
-        struct epd_mat recv_topk_idx;  /* NON_EXPAND; element dtype = topk_dtype */
-        struct epd_mat recv_weights;   /* NON_EXPAND [rows, K_op]; EXPAND [rows] (stride 4) */
-        struct epd_mat recv_src;       /* int64 [rows] */
-        struct epd_mat recv_topk_slot; /* EXPAND int32 [rows] */
-};
 
 struct epd_dispatch_exec {
         const struct epd_plan *plan;   /* placed (epd_plan_place_source done for every s) */
@@ -57,13 +37,6 @@ struct epd_dispatch_exec {
  * order, concurrently with other items. Optional outputs whose ptr is NULL are skipped. */
 uint64_t epd_host_dispatch_items(const struct epd_dispatch_exec *op);
 void epd_host_dispatch_item(const struct epd_dispatch_exec *op, uint64_t item);
-
-struct epd_combine_src_io { /* inputs and outputs of one source rank (the combine's receiver) */
-        struct epd_mat bias[2];                 /* bf16 [N, H]; ptr NULL when absent */
-        struct epd_mat combined;                /* bf16 [N, H] */
-        struct epd_mat combined_topk_weights;   /* fp32 [N, K_op], optional */
-        const float *weights;                   /* [N * K_op] the dispatch's weights, or NULL */
-};
 
 struct epd_combine_exec {
         const struct epd_plan *plan;

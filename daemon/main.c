@@ -47,14 +47,14 @@ struct flag_override {
 
 static void on_drain_tick(uv_timer_t *timer)
 {
-        struct epd_daemon *d = timer->data;
+        struct epdd_daemon *d = timer->data;
         struct epd_list *pos, *tmp;
         int busy = 0;
         uint64_t waited_ms = (epd__now_ns() - d->drain_start_ns) / 1000000;
 
         epd_list_for_each(pos, &d->groups)
         {
-                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
                 busy |= g->executing != NULL;
         }
         if (busy && waited_ms < DRAIN_LIMIT_MS)
@@ -64,16 +64,16 @@ static void on_drain_tick(uv_timer_t *timer)
         /* Nothing runs any more: answer what waits, then close every client. */
         epd_list_for_each(pos, &d->groups)
         {
-                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
                 epd_op_fail_pending(g, EPD_ABORTED, "daemon shutting down");
         }
         epd_list_for_each_safe(pos, tmp, &d->conns)
-                epd_conn_close(epd_list_entry(pos, struct epd_conn, link), "daemon shutting down");
+                epd_conn_close(epd_list_entry(pos, struct epdd_conn, cl.link), "daemon shutting down");
         uv_timer_stop(timer);
         uv_stop(d->loop);
 }
 
-static void begin_shutdown(struct epd_daemon *d, const char *why)
+static void begin_shutdown(struct epdd_daemon *d, const char *why)
 {
         if (d->shutting_down)
                 return;
@@ -87,10 +87,10 @@ static void begin_shutdown(struct epd_daemon *d, const char *why)
 
 static void on_signal(uv_signal_t *handle, int signum)
 {
-        struct epd_daemon *d = handle->data;
+        struct epdd_daemon *d = handle->data;
 
         if (signum == SIGHUP) {
-                struct epd_config fresh;
+                struct epdd_config fresh;
                 char err[256];
                 int rc;
                 epd_config_defaults(&fresh);
@@ -111,7 +111,7 @@ static void on_signal(uv_signal_t *handle, int signum)
 
 static void on_watchdog(uv_timer_t *timer)
 {
-        struct epd_daemon *d = timer->data;
+        struct epdd_daemon *d = timer->data;
         char status[128];
 
         /* This timer firing proves the loop thread runs; the backend vouches for its threads. */
@@ -144,9 +144,9 @@ int main(int argc, char **argv)
                 { "version", no_argument, NULL, 'V' },
                 { NULL, 0, NULL, 0 },
         };
-        static struct epd_daemon daemon_state;
-        struct epd_daemon *d = &daemon_state;
-        struct epd_metrics *metrics = NULL;
+        static struct epdd_daemon daemon_state;
+        struct epdd_daemon *d = &daemon_state;
+        struct epdd_metrics *metrics = NULL;
         char metrics_status[160] = "";
         struct flag_override overrides[32];
         unsigned num_overrides = 0;

@@ -6,7 +6,7 @@
 #include "util.h"
 
 /* Polls, without the lock, until an exec is queued or spin_ns has passed. */
-static void spin_for_work(struct epd_executor *e)
+static void spin_for_work(struct epdd_executor *e)
 {
         uint64_t end = epd__now_ns() + e->spin_ns;
 
@@ -19,7 +19,7 @@ static void spin_for_work(struct epd_executor *e)
 
 static void *executor_main(void *arg)
 {
-        struct epd_executor *e = arg;
+        struct epdd_executor *e = arg;
 
         /* The bounded waits of the backends sleep in small steps (nanosleep); the default 50 us
          * timer slack would stretch each one to tens of microseconds of op latency. */
@@ -43,7 +43,7 @@ static void *executor_main(void *arg)
                                 break;
                         continue;
                 }
-                struct epd_exec *ex = epd_list_entry(e->queue.next, struct epd_exec, link);
+                struct epdd_exec *ex = epd_list_entry(e->queue.next, struct epdd_exec, link);
                 epd_list_del(&ex->link);
                 atomic_fetch_sub_explicit(&e->queued, 1, memory_order_relaxed);
                 pthread_mutex_unlock(&e->lock);
@@ -69,7 +69,7 @@ static void *executor_main(void *arg)
         return NULL;
 }
 
-int epd_executor_start(struct epd_executor *e)
+int epd_executor_start(struct epdd_executor *e)
 {
         epd_list_init(&e->queue);
         atomic_store(&e->queued, 0);
@@ -82,7 +82,7 @@ int epd_executor_start(struct epd_executor *e)
         return 0;
 }
 
-void epd_executor_submit(struct epd_executor *e, struct epd_exec *ex)
+void epd_executor_submit(struct epdd_executor *e, struct epdd_exec *ex)
 {
         pthread_mutex_lock(&e->lock);
         epd_list_add_tail(&e->queue, &ex->link);
@@ -91,7 +91,7 @@ void epd_executor_submit(struct epd_executor *e, struct epd_exec *ex)
         pthread_mutex_unlock(&e->lock);
 }
 
-void epd_executor_kick(struct epd_executor *e)
+void epd_executor_kick(struct epdd_executor *e)
 {
         pthread_mutex_lock(&e->lock);
         e->kicked = 1;
@@ -99,7 +99,7 @@ void epd_executor_kick(struct epd_executor *e)
         pthread_mutex_unlock(&e->lock);
 }
 
-void epd_executor_stop(struct epd_executor *e)
+void epd_executor_stop(struct epdd_executor *e)
 {
         if (!e->started)
                 return;
@@ -113,7 +113,7 @@ void epd_executor_stop(struct epd_executor *e)
         e->started = 0;
 }
 
-int epd_executor_alive(struct epd_executor *e)
+int epd_executor_alive(struct epdd_executor *e)
 {
         return epd__now_ns() - atomic_load(&e->heartbeat_ns) > 60ull * 1000000000ull ? -1 : 0;
 }

@@ -13,12 +13,12 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
-#include "daemon.h"
+#include "net.h"
 #include "log.h"
 
 static void on_listen_readable(uv_poll_t *handle, int status, int events)
 {
-        struct epd_daemon *d = handle->data;
+        struct epdd_daemon *d = handle->data;
 
         (void)events;
         if (status < 0)
@@ -56,7 +56,7 @@ static int remove_stale_socket(const char *path)
         return unlink(path) < 0 ? -errno : 0;
 }
 
-int epd_server_listen(struct epd_daemon *d, char *err, size_t err_len)
+int epd_server_listen(struct epdd_daemon *d, char *err, size_t err_len)
 {
         struct sockaddr_un sa = { .sun_family = AF_UNIX };
         int n = sd_listen_fds(1);
@@ -130,7 +130,7 @@ sys_fail:
         return rc;
 }
 
-void epd_server_close(struct epd_daemon *d)
+void epd_server_close(struct epdd_daemon *d)
 {
         if (d->listen_fd < 0)
                 return;
@@ -151,7 +151,7 @@ static int in_list(const uint32_t *ids, unsigned n, uint32_t id)
         return 0;
 }
 
-int epd_conn_is_allowed(const struct epd_daemon *d, uid_t uid, gid_t gid)
+int epd_conn_is_allowed(const struct epdd_daemon *d, uid_t uid, gid_t gid)
 {
         if (uid == 0)
                 return 1;
@@ -161,7 +161,7 @@ int epd_conn_is_allowed(const struct epd_daemon *d, uid_t uid, gid_t gid)
                in_list(d->cfg.allow_gids, d->cfg.num_allow_gids, gid);
 }
 
-int epd_conn_is_admin(const struct epd_daemon *d, uid_t uid, gid_t gid)
+int epd_conn_is_admin(const struct epdd_daemon *d, uid_t uid, gid_t gid)
 {
         if (uid == 0)
                 return 1;
