@@ -22,7 +22,7 @@
  * same bound). */
 #define CLIENT_MAX_POLL_US 100000u
 /* How long a wait in the doorbell page polls after a wake-up, by default: the daemon wakes its
- * sleepers when their op starts (daemon/mailbox.c), and a decode-sized op ends within this.
+ * sleepers when their op starts (daemon/net/mailbox.c), and a decode-sized op ends within this.
  * Only on machines of 8 CPUs or more (as the daemon's poll_us): on fewer, polling workers take
  * the CPUs that the daemon (and the host backend) need. */
 #define CLIENT_DEFAULT_SPIN_US (sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 200u : 0u)

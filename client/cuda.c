@@ -58,7 +58,7 @@ static void uuid_format(const CUuuid *id, char *out, size_t len)
 {
         const unsigned char *u = (const unsigned char *)id->bytes;
 
-        /* The daemon's format (daemon/backend_cuda.c), so the two compare as strings. */
+        /* The daemon's format (daemon/backend/backend_cuda.c), so the two compare as strings. */
         snprintf(out, len,
                  "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
                  u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12],

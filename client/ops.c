@@ -46,7 +46,7 @@ static struct epd_op *op_new(struct epd_group *g, int kind)
 }
 
 /* Posts the op record rec in the rank's request box (common/doorbell.h, request mailbox; the
- * protocol's other half is in daemon/mailbox.c) when the daemon looks at it and has read every
+ * protocol's other half is in daemon/net/mailbox.c) when the daemon looks at it and has read every
  * frame this client sent on the socket. Returns 1 when the daemon took or will take it, 0 when it
  * is to go on the socket. Lock held. */
 static int page_post_locked(struct epd_client *c, struct epd_group *g, const uint8_t *rec,
@@ -296,7 +296,7 @@ static int mailbox_take(struct epd_op *op, int64_t left_ms)
 }
 
 /* Waits for an op's reply in the doorbell page: polls reply_id for the client's poll time, then
- * sleeps on reply_seq's futex (the protocol in daemon/mailbox.c), and after each wake-up polls
+ * sleeps on reply_seq's futex (the protocol in daemon/net/mailbox.c), and after each wake-up polls
  * again for the spin time: the daemon wakes its sleepers when their op starts, so the reply
  * finds them polling. It also polls, once, when the op's completion doorbell has passed (the
  * reply is then on its way). Between sleeps it looks at the socket, where the reply comes

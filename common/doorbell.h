@@ -107,7 +107,7 @@ static inline struct epd_request_box *epd_doorbell_request_box(void *page, uint6
         return (struct epd_request_box *)((uint8_t *)page + page_bytes - EPD_REQUEST_AREA_BYTES);
 }
 
-/* The client's half of the request mailbox (the daemon's is daemon/mailbox.c, which argues the
+/* The client's half of the request mailbox (the daemon's is daemon/net/mailbox.c, which argues the
  * ordering). epd_request_box_open: whether a request may be posted now, given the id of the
  * last request the client sent on its socket. The client then writes `bytes` and `len`, and
  * epd_request_publish returns 1 when the daemon took or will take the request, 0 when the

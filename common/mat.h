@@ -35,4 +35,12 @@ struct epd_dispatch_dst_io {
         struct epd_mat recv_topk_slot; /* EXPAND int32 [rows] */
 };
 
+/* A combine's inputs and outputs on one source rank (the combine's receiver). */
+struct epd_combine_src_io {
+        struct epd_mat bias[2];                 /* bf16 [N, H]; ptr NULL when absent */
+        struct epd_mat combined;                /* bf16 [N, H] */
+        struct epd_mat combined_topk_weights;   /* fp32 [N, K_op], optional */
+        const float *weights;                   /* [N * K_op] the dispatch's weights, or NULL */
+};
+
 #endif

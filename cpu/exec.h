@@ -38,13 +38,6 @@ struct epd_dispatch_exec {
 uint64_t epd_host_dispatch_items(const struct epd_dispatch_exec *op);
 void epd_host_dispatch_item(const struct epd_dispatch_exec *op, uint64_t item);
 
-struct epd_combine_src_io { /* inputs and outputs of one source rank (the combine's receiver) */
-        struct epd_mat bias[2];                 /* bf16 [N, H]; ptr NULL when absent */
-        struct epd_mat combined;                /* bf16 [N, H] */
-        struct epd_mat combined_topk_weights;   /* fp32 [N, K_op], optional */
-        const float *weights;                   /* [N * K_op] the dispatch's weights, or NULL */
-};
-
 struct epd_combine_exec {
         const struct epd_plan *plan;
         uint32_t hidden;

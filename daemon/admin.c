@@ -16,9 +16,9 @@
 #include "resize.h"
 
 /* The group a Drain/Undrain names: by name, else by id. */
-static struct epd_group *named_group(struct epd_daemon *d, uint64_t id, const char *name)
+static struct epdd_group *named_group(struct epdd_daemon *d, uint64_t id, const char *name)
 {
-        struct epd_group *g = NULL;
+        struct epdd_group *g = NULL;
 
         if (name && name[0])
                 g = epd_group_find_name(d, name);
@@ -28,23 +28,23 @@ static struct epd_group *named_group(struct epd_daemon *d, uint64_t id, const ch
 }
 
 /* Adds what the group has executing and waiting to the reply's counts. */
-static void count_ops(const struct epd_group *g, Epd__V1__DrainReply *dr)
+static void count_ops(const struct epdd_group *g, Epd__V1__DrainReply *dr)
 {
         const struct epd_list *pos;
 
         dr->executing_ops += g->executing != NULL;
         epd_list_for_each(pos, &g->ops)
         {
-                const struct epd_op *op = epd_list_entry(pos, struct epd_op, link);
+                const struct epdd_op *op = epd_list_entry(pos, struct epdd_op, link);
                 dr->waiting_ops += op->state == EPD_OP_QUEUED;
         }
 }
 
-static void reply_drain(struct epd_conn *c, uint64_t request_id, Epd__V1__DrainReply *dr)
+static void reply_drain(struct epdd_conn *c, uint64_t request_id, Epd__V1__DrainReply *dr)
 {
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
 
-        dr->daemon_draining = c->daemon->draining;
+        dr->daemon_draining = c->cl.daemon->draining;
         resp.id = request_id;
         resp.status = EPD__V1__STATUS_CODE__OK;
         resp.message = "";
@@ -53,27 +53,27 @@ static void reply_drain(struct epd_conn *c, uint64_t request_id, Epd__V1__DrainR
         (void)epd_conn_send(c, &resp, NULL, 0);
 }
 
-static void handle_drain(struct epd_conn *c, uint64_t request_id, uint64_t group_id,
+static void handle_drain(struct epdd_conn *c, uint64_t request_id, uint64_t group_id,
                          const char *group_name, int all, int drain)
 {
-        struct epd_daemon *d = c->daemon;
+        struct epdd_daemon *d = c->cl.daemon;
         Epd__V1__DrainReply dr = EPD__V1__DRAIN_REPLY__INIT;
         struct epd_list *pos;
-        struct epd_group *g;
+        struct epdd_group *g;
 
         if (all) {
                 if (drain && !d->draining) {
                         d->draining = 1;
                         log_notice("daemon draining by=client=%llu uid=%u",
-                                   (unsigned long long)c->id, c->uid);
+                                   (unsigned long long)c->cl.id, c->cl.uid);
                 } else if (!drain && d->draining) {
                         d->draining = 0;
                         log_notice("daemon resumed by=client=%llu uid=%u",
-                                   (unsigned long long)c->id, c->uid);
+                                   (unsigned long long)c->cl.id, c->cl.uid);
                 }
                 epd_list_for_each(pos, &d->groups)
                 {
-                        g = epd_list_entry(pos, struct epd_group, link);
+                        g = epd_list_entry(pos, struct epdd_group, link);
                         if (!drain && g->state == EPD_GROUP_DRAINING) {
                                 g->state = EPD_GROUP_READY;
                                 dr.groups++;
@@ -84,7 +84,7 @@ static void handle_drain(struct epd_conn *c, uint64_t request_id, uint64_t group
                         struct epd_list *tmp;
                         /* Launch what waited. */
                         epd_list_for_each_safe(pos, tmp, &d->groups)
-                                epd_op_kick(epd_list_entry(pos, struct epd_group, link));
+                                epd_op_kick(epd_list_entry(pos, struct epdd_group, link));
                 }
                 reply_drain(c, request_id, &dr);
                 return;
@@ -114,37 +114,37 @@ static void handle_drain(struct epd_conn *c, uint64_t request_id, uint64_t group
                         g->state = EPD_GROUP_DRAINING;
                         dr.groups = 1;
                         log_notice("group draining group=%s by=client=%llu uid=%u", g->name,
-                                   (unsigned long long)c->id, c->uid);
+                                   (unsigned long long)c->cl.id, c->cl.uid);
                 }
         } else if (g->state == EPD_GROUP_DRAINING) {
                 g->state = EPD_GROUP_READY;
                 dr.groups = 1;
                 log_notice("group resumed group=%s by=client=%llu uid=%u", g->name,
-                           (unsigned long long)c->id, c->uid);
+                           (unsigned long long)c->cl.id, c->cl.uid);
                 epd_op_kick(g);
         }
         count_ops(g, &dr);
         reply_drain(c, request_id, &dr);
 }
 
-static void handle_evict(struct epd_conn *c, uint64_t request_id, uint64_t client_id)
+static void handle_evict(struct epdd_conn *c, uint64_t request_id, uint64_t client_id)
 {
-        struct epd_daemon *d = c->daemon;
+        struct epdd_daemon *d = c->cl.daemon;
         struct epd_list *pos;
 
-        if (client_id == c->id) {
+        if (client_id == c->cl.id) {
                 epd_conn_reply_status(c, request_id, EPD_INVALID_ARGUMENT,
                                       "a client cannot evict itself");
                 return;
         }
         epd_list_for_each(pos, &d->conns)
         {
-                struct epd_conn *victim = epd_list_entry(pos, struct epd_conn, link);
-                if (victim->id != client_id || victim->closing)
+                struct epdd_conn *victim = epd_list_entry(pos, struct epdd_conn, cl.link);
+                if (victim->cl.id != client_id || victim->cl.closing)
                         continue;
                 log_notice("client evicted client=%llu pid=%d by=client=%llu uid=%u",
-                           (unsigned long long)victim->id, (int)victim->pid,
-                           (unsigned long long)c->id, c->uid);
+                           (unsigned long long)victim->cl.id, (int)victim->cl.pid,
+                           (unsigned long long)c->cl.id, c->cl.uid);
                 /* As if it had crashed: its ranks are lost and their peers get PEER_LOST. */
                 epd_conn_close(victim, "evicted by admin");
                 epd_conn_reply_status(c, request_id, EPD_OK, "%s", "");
@@ -164,11 +164,11 @@ static const char *verb_name(const Epd__V1__Request *req)
         }
 }
 
-void epd_handle_admin(struct epd_conn *c, const Epd__V1__Request *req)
+void epd_handle_admin(struct epdd_conn *c, const Epd__V1__Request *req)
 {
-        if (!c->admin) {
+        if (!c->cl.admin) {
                 log_notice("admin request refused verb=%s client=%llu pid=%d uid=%u",
-                           verb_name(req), (unsigned long long)c->id, (int)c->pid, c->uid);
+                           verb_name(req), (unsigned long long)c->cl.id, (int)c->cl.pid, c->cl.uid);
                 epd_conn_reply_status(c, req->id, EPD_PERMISSION_DENIED,
                                       "%s is an admin verb: it needs root or the daemon's admin_group",
                                       verb_name(req));

@@ -6,6 +6,6 @@
 
 /* Answers a Drain, Undrain, Evict or Resize request; non-admin clients get PERMISSION_DENIED.
  * req stays owned by the caller. */
-void epd_handle_admin(struct epd_conn *c, const Epd__V1__Request *req);
+void epd_handle_admin(struct epdd_conn *c, const Epd__V1__Request *req);
 
 #endif

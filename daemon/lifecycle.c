@@ -1,15 +1,29 @@
-/* lifecycle.c - bringing a struct epd_daemon up to the point where it can accept
- * connections: object lists, the receive buffer, the daemon epoch and the backend. Shared by
- * main() and the request fuzzer, so both run the same set-up. Loop thread. */
+/* lifecycle.c - bringing a struct epdd_daemon up to the point where it can accept
+ * connections: object lists, the receive buffer, the daemon epoch and the backend, and the hooks
+ * through which each layer calls the one above it (the backend the core, the core the network
+ * layer and `epctl resize`, the network layer the admin verbs and statistics). Shared by main()
+ * and the request fuzzer, so both run the same set-up. Loop thread. */
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "admin.h"
 #include "backend.h"
 #include "daemon.h"
 #include "frame.h"
+#include "report.h"
+#include "resize.h"
 #include "util.h"
 
-int epd_daemon_init(struct epd_daemon *d, uv_loop_t *loop, char *err, size_t err_len)
+/* The requests the network layer leaves to the top level. */
+static void top_request(struct epdd_conn *c, const Epd__V1__Request *req)
+{
+        if (req->body_case == EPD__V1__REQUEST__BODY_STATS)
+                epd_handle_stats(c, req);
+        else
+                epd_handle_admin(c, req); /* Drain, Undrain, Evict, Resize */
+}
+
+int epd_daemon_init(struct epdd_daemon *d, uv_loop_t *loop, char *err, size_t err_len)
 {
         int rc;
 
@@ -28,11 +42,17 @@ int epd_daemon_init(struct epd_daemon *d, uv_loop_t *loop, char *err, size_t err
                 snprintf(err, err_len, "out of memory");
                 return EPD_INTERNAL;
         }
-        rc = epd_backend_open(d, &d->backend, err, err_len);
+        rc = epd_backend_open(loop, &d->cfg, &d->backend, err, err_len);
         if (rc < 0) {
                 free(d->rbuf);
                 d->rbuf = NULL;
                 return rc;
         }
+        d->backend->on_complete = epd_op_complete;
+        d->backend->complete_arg = d;
+        d->hooks.group_idle = epd_resize_continue;
+        d->hooks.group_closing = epd_resize_abort;
+        epd_net_hooks_install(d);
+        epd_net_set_request_hook(top_request);
         return 0;
 }

@@ -53,7 +53,7 @@ static struct flag_override overrides[32];
 static uv_timer_t log_flush_timer;
 static unsigned num_overrides;
 
-static int apply_overrides(struct epd_config *cfg, char *err, size_t err_len)
+static int apply_overrides(struct epdd_config *cfg, char *err, size_t err_len)
 {
         char why[192];
 
@@ -69,14 +69,14 @@ static int apply_overrides(struct epd_config *cfg, char *err, size_t err_len)
 
 static void on_drain_tick(uv_timer_t *timer)
 {
-        struct epd_daemon *d = timer->data;
+        struct epdd_daemon *d = timer->data;
         struct epd_list *pos, *tmp;
         int busy = 0;
         uint64_t waited_ms = (epd__now_ns() - d->drain_start_ns) / 1000000;
 
         epd_list_for_each(pos, &d->groups)
         {
-                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
                 busy |= g->executing != NULL;
         }
         if (busy && waited_ms < DRAIN_LIMIT_MS)
@@ -86,16 +86,16 @@ static void on_drain_tick(uv_timer_t *timer)
         /* Nothing runs any more: answer what waits, then close every client. */
         epd_list_for_each(pos, &d->groups)
         {
-                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
                 epd_op_fail_pending(g, EPD_ABORTED, "daemon shutting down");
         }
         epd_list_for_each_safe(pos, tmp, &d->conns)
-                epd_conn_close(epd_list_entry(pos, struct epd_conn, link), "daemon shutting down");
+                epd_conn_close(epd_list_entry(pos, struct epdd_conn, cl.link), "daemon shutting down");
         uv_timer_stop(timer);
         uv_stop(d->loop);
 }
 
-static void begin_shutdown(struct epd_daemon *d, const char *why)
+static void begin_shutdown(struct epdd_daemon *d, const char *why)
 {
         if (d->shutting_down)
                 return;
@@ -106,7 +106,7 @@ static void begin_shutdown(struct epd_daemon *d, const char *why)
                 struct epd_list *pos;
                 epd_list_for_each(pos, &d->groups)
                 {
-                        struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                        struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
                         if (g->executing && g->executing->exec)
                                 epd_exec_abort(g->executing->exec, EPD_ABORTED);
                 }
@@ -119,10 +119,10 @@ static void begin_shutdown(struct epd_daemon *d, const char *why)
 
 static void on_signal(uv_signal_t *handle, int signum)
 {
-        struct epd_daemon *d = handle->data;
+        struct epdd_daemon *d = handle->data;
 
         if (signum == SIGHUP) {
-                struct epd_config fresh;
+                struct epdd_config fresh;
                 char err[256];
                 int rc;
                 epd_config_defaults(&fresh);
@@ -144,8 +144,9 @@ static void on_signal(uv_signal_t *handle, int signum)
                         struct epd_list *pos, *tmp;
                         epd_list_for_each_safe(pos, tmp, &d->conns)
                         {
-                                struct epd_conn *c = epd_list_entry(pos, struct epd_conn, link);
-                                if (!epd_conn_is_allowed(d, c->uid, c->gid))
+                                struct epdd_conn *c =
+                                        epd_conn_of(epd_list_entry(pos, struct epdd_client, link));
+                                if (!epd_conn_is_allowed(d, c->cl.uid, c->cl.gid))
                                         epd_conn_close(c, "no longer allowed by the allow list");
                         }
                 }
@@ -163,7 +164,7 @@ static void on_log_flush(uv_timer_t *timer)
 
 static void on_watchdog(uv_timer_t *timer)
 {
-        struct epd_daemon *d = timer->data;
+        struct epdd_daemon *d = timer->data;
         char status[128];
 
         /* This timer firing proves the loop thread runs; the backend vouches for its threads. */
@@ -196,9 +197,9 @@ int main(int argc, char **argv)
                 { "version", no_argument, NULL, 'V' },
                 { NULL, 0, NULL, 0 },
         };
-        static struct epd_daemon daemon_state;
-        struct epd_daemon *d = &daemon_state;
-        struct epd_metrics *metrics = NULL;
+        static struct epdd_daemon daemon_state;
+        struct epdd_daemon *d = &daemon_state;
+        struct epdd_metrics *metrics = NULL;
         char metrics_status[160] = "";
         char err[512];
         int opt, rc;

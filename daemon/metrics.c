@@ -37,8 +37,8 @@
 #define HTTP_TIMEOUT_S 10
 #define CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
 
-struct epd_metrics {
-        struct epd_daemon *daemon;
+struct epdd_metrics {
+        struct epdd_daemon *daemon;
         struct MHD_Daemon *mhd;
         uv_async_t async;
         char address[96];
@@ -209,7 +209,7 @@ static const Epd__V1__OpStats *rank_kind(const Epd__V1__RankStats *rs, int kind)
                         for (size_t ri_ = 0; ri_ < gs->n_ranks; ri_++)                  \
                                 for (const Epd__V1__RankStats *rs = gs->ranks[ri_]; rs; rs = NULL)
 
-static void render_daemon(struct textbuf *b, const struct epd_daemon *d,
+static void render_daemon(struct textbuf *b, const struct epdd_daemon *d,
                           const Epd__V1__StatsReply *s)
 {
         char labels[256], backend[64];
@@ -483,10 +483,10 @@ static void render_devices(struct textbuf *b, const Epd__V1__StatsReply *s)
         }
 }
 
-int epd_metrics_render(struct epd_daemon *d, char **text, size_t *len)
+int epd_metrics_render(struct epdd_daemon *d, char **text, size_t *len)
 {
         Epd__V1__StatsReply s;
-        struct epd_report mem = { 0 };
+        struct epdd_report mem = { 0 };
         struct textbuf b = { 0 };
 
         if (epd_report_build(d, &s, &mem) < 0)
@@ -509,7 +509,7 @@ int epd_metrics_render(struct epd_daemon *d, char **text, size_t *len)
 /* The loop's side: render for the newest request and wake the request threads. */
 static void on_snapshot_wanted(uv_async_t *handle)
 {
-        struct epd_metrics *m = handle->data;
+        struct epdd_metrics *m = handle->data;
         uint64_t want;
         char *text = NULL;
         size_t len = 0;
@@ -548,7 +548,7 @@ static enum MHD_Result send_text(struct MHD_Connection *conn, unsigned code, con
 
 /* Asks the loop for a snapshot and waits for it. Returns a malloc'ed copy, or NULL with *code
  * the HTTP status to answer. */
-static char *wait_snapshot(struct epd_metrics *m, size_t *len, unsigned *code)
+static char *wait_snapshot(struct epdd_metrics *m, size_t *len, unsigned *code)
 {
         struct timespec deadline;
         char *copy = NULL;
@@ -596,7 +596,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
                                   const char *upload_data, size_t *upload_data_size,
                                   void **req_cls)
 {
-        struct epd_metrics *m = cls;
+        struct epdd_metrics *m = cls;
         struct MHD_Response *r;
         enum MHD_Result ret;
         unsigned code;
@@ -721,10 +721,10 @@ sys_fail:
         return rc;
 }
 
-int epd_metrics_start(struct epd_daemon *d, const char *spec, struct epd_metrics **out,
+int epd_metrics_start(struct epdd_daemon *d, const char *spec, struct epdd_metrics **out,
                       char *err, size_t err_len)
 {
-        struct epd_metrics *m;
+        struct epdd_metrics *m;
         pthread_condattr_t ca;
         int fd, family = AF_INET;
 
@@ -764,14 +764,14 @@ int epd_metrics_start(struct epd_daemon *d, const char *spec, struct epd_metrics
         return 0;
 }
 
-const char *epd_metrics_address(const struct epd_metrics *m)
+const char *epd_metrics_address(const struct epdd_metrics *m)
 {
         return m->address;
 }
 
 static void on_async_closed(uv_handle_t *handle)
 {
-        struct epd_metrics *m = handle->data;
+        struct epdd_metrics *m = handle->data;
 
         pthread_cond_destroy(&m->cond);
         pthread_mutex_destroy(&m->lock);
@@ -779,7 +779,7 @@ static void on_async_closed(uv_handle_t *handle)
         free(m);
 }
 
-void epd_metrics_stop(struct epd_metrics *m)
+void epd_metrics_stop(struct epdd_metrics *m)
 {
         if (!m)
                 return;

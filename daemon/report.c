@@ -41,7 +41,7 @@ static void *pool_alloc(struct pool *p, size_t bytes)
         return m;
 }
 
-static Epd__V1__OpStats *op_stats(struct pool *p, const struct epd_op_stats *s)
+static Epd__V1__OpStats *op_stats(struct pool *p, const struct epdd_op_stats *s)
 {
         Epd__V1__OpStats *o = pool_alloc(p, sizeof(*o));
         uint64_t *errors = pool_alloc(p, sizeof(uint64_t) * EPD_STATUS_COUNT);
@@ -68,7 +68,7 @@ static Epd__V1__OpStats *op_stats(struct pool *p, const struct epd_op_stats *s)
 }
 
 /* The group's stage histograms that hold at least one op (stats.h). */
-static Epd__V1__OpStage **group_stages(struct pool *p, const struct epd_group_stats *gs,
+static Epd__V1__OpStage **group_stages(struct pool *p, const struct epdd_group_stats *gs,
                                        size_t *n)
 {
         Epd__V1__OpStage **v = pool_alloc(p, sizeof(*v) * 2 * EPD_STAGES);
@@ -76,10 +76,10 @@ static Epd__V1__OpStage **group_stages(struct pool *p, const struct epd_group_st
         *n = 0;
         for (int k = 0; v && k < 2; k++) {
                 for (int st = 0; st < EPD_STAGES; st++) {
-                        const struct epd_latency_hist *h = &gs->stage[k][st];
+                        const struct epdd_latency_hist *h = &gs->stage[k][st];
                         if (h->count == 0)
                                 continue;
-                        struct epd_op_stats os = { .ops = h->count, .latency = *h };
+                        struct epdd_op_stats os = { .ops = h->count, .latency = *h };
                         Epd__V1__OpStage *o = pool_alloc(p, sizeof(*o));
                         if (!o)
                                 return v;
@@ -93,21 +93,21 @@ static Epd__V1__OpStage **group_stages(struct pool *p, const struct epd_group_st
         return v;
 }
 
-static unsigned rank_queue_depth(const struct epd_group *g, uint32_t rank)
+static unsigned rank_queue_depth(const struct epdd_group *g, uint32_t rank)
 {
         const struct epd_list *pos;
         unsigned n = 0;
 
         epd_list_for_each(pos, &g->ops)
         {
-                const struct epd_op *op = epd_list_entry(pos, struct epd_op, link);
+                const struct epdd_op *op = epd_list_entry(pos, struct epdd_op, link);
                 if (op->subs && op->subs[rank].arrived && op->subs[rank].conn)
                         n++;
         }
         return n;
 }
 
-int epd_report_build(struct epd_daemon *d, Epd__V1__StatsReply *out, struct epd_report *mem)
+int epd_report_build(struct epdd_daemon *d, Epd__V1__StatsReply *out, struct epdd_report *mem)
 {
         struct pool *p = calloc(1, sizeof(*p));
         struct epd_list *pos;
@@ -132,7 +132,7 @@ int epd_report_build(struct epd_daemon *d, Epd__V1__StatsReply *out, struct epd_
         out->groups = pool_alloc(p, sizeof(*out->groups) * (d->num_groups + 1));
         epd_list_for_each(pos, &d->groups)
         {
-                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
                 Epd__V1__GroupStats *gs = pool_alloc(p, sizeof(*gs));
                 uint32_t R = g->cfg.world_size;
                 const struct epd_list *op_pos;
@@ -151,7 +151,7 @@ int epd_report_build(struct epd_daemon *d, Epd__V1__StatsReply *out, struct epd_
                 epd_list_for_each(op_pos, &g->ops) gs->pending_ops++;
                 gs->ranks = pool_alloc(p, sizeof(*gs->ranks) * R);
                 for (uint32_t r = 0; gs->ranks && r < R; r++) {
-                        const struct epd_rank *rk = &g->ranks[r];
+                        const struct epdd_rank *rk = &g->ranks[r];
                         Epd__V1__RankStats *rs = pool_alloc(p, sizeof(*rs));
                         if (!rs)
                                 break;
@@ -177,7 +177,7 @@ int epd_report_build(struct epd_daemon *d, Epd__V1__StatsReply *out, struct epd_
         out->clients = pool_alloc(p, sizeof(*out->clients) * (d->num_conns + 1));
         epd_list_for_each(pos, &d->conns)
         {
-                struct epd_conn *c = epd_list_entry(pos, struct epd_conn, link);
+                struct epdd_client *c = epd_list_entry(pos, struct epdd_client, link);
                 Epd__V1__ClientStats *cs = pool_alloc(p, sizeof(*cs));
                 if (!cs || !out->clients || ci >= d->num_conns)
                         break;
@@ -208,7 +208,7 @@ int epd_report_build(struct epd_daemon *d, Epd__V1__StatsReply *out, struct epd_
                 ds->bytes = d->stats.devices[i].bytes;
                 epd_list_for_each(pos, &d->groups)
                 {
-                        struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                        struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
                         for (uint32_t r = 0; r < g->cfg.world_size; r++)
                                 ds->ranks += g->ranks[r].conn && g->ranks[r].device == i;
                 }
@@ -221,7 +221,7 @@ int epd_report_build(struct epd_daemon *d, Epd__V1__StatsReply *out, struct epd_
         return 0;
 }
 
-void epd_report_free(struct epd_report *mem)
+void epd_report_free(struct epdd_report *mem)
 {
         struct pool *p = mem->pool;
 
@@ -234,13 +234,13 @@ void epd_report_free(struct epd_report *mem)
         mem->pool = NULL;
 }
 
-void epd_handle_stats(struct epd_conn *c, const Epd__V1__Request *req)
+void epd_handle_stats(struct epdd_conn *c, const Epd__V1__Request *req)
 {
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
         Epd__V1__StatsReply sr;
-        struct epd_report mem = { 0 };
+        struct epdd_report mem = { 0 };
 
-        if (epd_report_build(c->daemon, &sr, &mem) < 0) {
+        if (epd_report_build(c->cl.daemon, &sr, &mem) < 0) {
                 epd_conn_reply_status(c, req->id, EPD_INTERNAL, "out of memory");
                 return;
         }

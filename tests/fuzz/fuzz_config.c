@@ -1,5 +1,5 @@
 /* fuzz_config.c - libFuzzer target: the configuration file parser and epd_config_set
- * (daemon/config.c).
+ * (daemon/base/config.c).
  *
  * The input up to its first NUL byte is written to a temporary file and loaded with
  * epd_config_load onto the defaults; the rest is read as lines "section name value" (separated
@@ -30,7 +30,7 @@ static void fail(const char *what)
         abort();
 }
 
-static void check_cfg(const struct epd_config *cfg)
+static void check_cfg(const struct epdd_config *cfg)
 {
         if (cfg->max_fds_per_frame > EPD_FRAME_MAX_FDS || cfg->max_frame_bytes > (16u << 20) ||
             cfg->arena_bytes > (1ull << 40) || cfg->host_devices > 64 ||
@@ -77,7 +77,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
         const uint8_t *nul = memchr(data, 0, size);
         size_t file_len = nul ? (size_t)(nul - data) : size;
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256];
         FILE *f;
         int rc;

@@ -1,7 +1,7 @@
 /* fuzz_request.c - libFuzzer target: every request handler, driven through real connections of
  * a real daemon object with the host backend.
  *
- * One daemon (struct epd_daemon, host backend, its own libuv loop) is set up once. Each input
+ * One daemon (struct epdd_daemon, host backend, its own libuv loop) is set up once. Each input
  * is a script (fuzz_script.h) run by up to three clients, each on its own socketpair whose
  * daemon end goes through epd_conn_accept exactly as an accepted connection does. A client sends
  * a valid Hello first, then frames built from the script: raw bodies under a valid header, raw
@@ -145,8 +145,8 @@ struct fz_client {
         int muted;                      /* replies are left unread */
 };
 
-static struct epd_daemon daemon_state;
-static struct epd_daemon *const d = &daemon_state;
+static struct epdd_daemon daemon_state;
+static struct epdd_daemon *const d = &daemon_state;
 static uv_loop_t loop;
 static struct fz_client clients[EPD_FUZZ_MAX_CLIENTS];
 static unsigned num_clients;
@@ -373,7 +373,7 @@ static int any_executing(void)
 
         epd_list_for_each(pos, &d->groups)
         {
-                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
                 if (g->executing)
                         return 1;
         }

@@ -236,7 +236,7 @@ test_config() {
 config_keys() {
         sed -nE -e 's/^[[:space:]]*(STR|NUM)_KEY\("([a-z]+)", "([a-z_]+)".*/\2 \3/p' \
                 -e 's/.*strcmp\(section, "([a-z]+)"\) == 0 && strcmp\(name, "([a-z_]+)"\).*/\1 \2/p' \
-                "$src/daemon/config.c" | sort -u
+                "$src/daemon/base/config.c" | sort -u
 }
 
 # Prints the lines of section $2 of file $1: "[$2]" in an INI file, ".SH [$2]" or ".SH $2" in a
@@ -263,7 +263,7 @@ test_docs() {
                         fail "man/epd.conf.5 lacks [$sec] $key"
                 n=$((n + 1))
         done < <(config_keys)
-        [ "$n" -ge 20 ] || fail "found only $n keys in daemon/config.c; the parser of this test is stale"
+        [ "$n" -ge 20 ] || fail "found only $n keys in daemon/base/config.c; the parser of this test is stale"
         echo "config keys documented: $n"
 
         n=0

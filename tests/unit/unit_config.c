@@ -1,4 +1,4 @@
-/* unit_config.c - the daemon configuration (daemon/config.c): defaults, every key, number and
+/* unit_config.c - the daemon configuration (daemon/base/config.c): defaults, every key, number and
  * size parsing, range limits, socket_mode, allow lists, INI files (errors name the line) and the
  * hot keys a SIGHUP copies. Each test runs in its own process (fork mode).
  */
@@ -34,7 +34,7 @@ static const char *write_conf(const char *text)
         return path;
 }
 
-static int set(struct epd_config *cfg, const char *section, const char *name, const char *value,
+static int set(struct epdd_config *cfg, const char *section, const char *name, const char *value,
                char *err, size_t err_len)
 {
         err[0] = '\0';
@@ -42,7 +42,7 @@ static int set(struct epd_config *cfg, const char *section, const char *name, co
 }
 
 /* Reads an unsigned field of any width at an offset into the config. */
-static uint64_t field_u(const struct epd_config *cfg, size_t off, size_t size)
+static uint64_t field_u(const struct epdd_config *cfg, size_t off, size_t size)
 {
         const uint8_t *p = (const uint8_t *)cfg + off;
 
@@ -62,7 +62,7 @@ static uint64_t field_u(const struct epd_config *cfg, size_t off, size_t size)
         return 0;
 }
 
-#define FIELD(f) offsetof(struct epd_config, f), sizeof(((struct epd_config *)0)->f)
+#define FIELD(f) offsetof(struct epdd_config, f), sizeof(((struct epdd_config *)0)->f)
 
 /* Every numeric key: section, name, field, largest accepted value. */
 static const struct num_key {
@@ -98,7 +98,7 @@ static const struct num_key {
 
 /* Asserts that two configurations agree in every field (strings up to their terminator, lists
  * up to their count). */
-static void assert_cfg_eq(const struct epd_config *a, const struct epd_config *b)
+static void assert_cfg_eq(const struct epdd_config *a, const struct epdd_config *b)
 {
         ck_assert_str_eq(a->config_path, b->config_path);
         ck_assert_int_eq(a->config_path_set, b->config_path_set);
@@ -140,7 +140,7 @@ static void assert_cfg_eq(const struct epd_config *a, const struct epd_config *b
 
 START_TEST(test_defaults)
 {
-        struct epd_config cfg;
+        struct epdd_config cfg;
 
         memset(&cfg, 0xee, sizeof(cfg));
         epd_config_defaults(&cfg);
@@ -178,7 +178,7 @@ START_TEST(test_defaults)
         ck_assert_uint_eq(cfg.poll_us, EPD_POLL_AUTO);
         /* Every other default lies within the range the key accepts. */
         for (unsigned i = 0; i < NUM_KEYS; i++)
-                if (num_keys[i].off != offsetof(struct epd_config, poll_us))
+                if (num_keys[i].off != offsetof(struct epdd_config, poll_us))
                         ck_assert_uint_le(field_u(&cfg, num_keys[i].off, num_keys[i].size),
                                           num_keys[i].max);
 }
@@ -189,7 +189,7 @@ END_TEST
 START_TEST(test_every_numeric_key)
 {
         const struct num_key *k = &num_keys[_i];
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256], value[64];
 
         epd_config_defaults(&cfg);
@@ -221,7 +221,7 @@ START_TEST(test_bad_numbers)
                 "", "abc", "12x", "-1", "-0", "+5", " 5", "1.5", "1e3", "0x", "0xg", "5 K",
                 "K", "1KK", "1Ki", "1KiBB", "1Q", "99999999999999999999999", "0b101", "1,000",
         };
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256];
 
         epd_config_defaults(&cfg);
@@ -236,7 +236,7 @@ END_TEST
 
 START_TEST(test_number_bases)
 {
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256];
 
         epd_config_defaults(&cfg);
@@ -268,7 +268,7 @@ START_TEST(test_size_suffixes)
                 { "7KB", 7ull << 10 },    { "0K", 0 },            { "512", 512 },
                 { "1024G", 1ull << 40 },  { "0x10M", 16ull << 20 },
         };
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256];
 
         epd_config_defaults(&cfg);
@@ -313,7 +313,7 @@ START_TEST(test_string_keys)
                 { "metrics_listen", FIELD(metrics_listen) },
                 { "admin_group", FIELD(admin_group) },
         };
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256], value[512];
 
         epd_config_defaults(&cfg);
@@ -344,7 +344,7 @@ END_TEST
 
 START_TEST(test_backend)
 {
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256];
 
         epd_config_defaults(&cfg);
@@ -366,7 +366,7 @@ START_TEST(test_cuda_graphs)
 {
         static const char *const on[] = { "on", "ON", "true", "yes", "1" };
         static const char *const off[] = { "off", "Off", "false", "no", "0" };
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256];
 
         epd_config_defaults(&cfg);
@@ -397,7 +397,7 @@ START_TEST(test_log_level)
                 int level;
         } ok[] = { { "error", LOG_ERR },   { "warning", LOG_WARNING }, { "notice", LOG_NOTICE },
                    { "info", LOG_INFO },   { "debug", LOG_DEBUG } };
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256];
 
         epd_config_defaults(&cfg);
@@ -423,7 +423,7 @@ START_TEST(test_socket_mode)
                    { "0", 0 },       { "0000", 0 },   { "755", 0755 } };
         static const char *const bad[] = { "", "0778", "8", "01000", "0o660", "rw-rw----",
                                            "660x", "0x1a4", "-1", "-0", "+660", " 660" };
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256];
 
         epd_config_defaults(&cfg);
@@ -445,7 +445,7 @@ END_TEST
 
 START_TEST(test_unknown_keys_and_sections)
 {
-        struct epd_config cfg, before;
+        struct epdd_config cfg, before;
         char err[256];
 
         epd_config_defaults(&cfg);
@@ -472,7 +472,7 @@ END_TEST
 
 START_TEST(test_allow_lists)
 {
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256], value[1024];
         size_t len = 0;
 
@@ -552,7 +552,7 @@ START_TEST(test_load_file)
                                       "[host]\n"
                                       "devices = 4\n"
                                       "threads=3\n");
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256] = "";
 
         epd_config_defaults(&cfg);
@@ -577,7 +577,7 @@ END_TEST
 
 START_TEST(test_load_missing_file)
 {
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256] = "";
 
         epd_config_defaults(&cfg);
@@ -593,7 +593,7 @@ START_TEST(test_load_syntax_error_names_line)
                                       "socket_mode = 0600\n"
                                       "this line has no equals sign\n"
                                       "backend = host\n");
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256] = "", want[300];
 
         epd_config_defaults(&cfg);
@@ -623,7 +623,7 @@ START_TEST(test_load_bad_value_names_line_and_key)
                                       "max_clients = 1\n"
                                       "max_fds_per_frame = 17\n"
                                       "max_groups = lots\n");
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256] = "", want[300];
 
         epd_config_defaults(&cfg);
@@ -656,7 +656,7 @@ END_TEST
 
 START_TEST(test_load_error_order)
 {
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256] = "", want[300];
         const char *path;
 
@@ -683,7 +683,7 @@ END_TEST
  * parsed whole by a library built with a larger buffer); a silently different value is not. */
 START_TEST(test_load_long_line)
 {
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char text[1024], err[256] = "";
         const char *path;
         size_t len;
@@ -743,7 +743,7 @@ END_TEST
 
 START_TEST(test_validate)
 {
-        struct epd_config cfg;
+        struct epdd_config cfg;
         char err[256];
 
         epd_config_defaults(&cfg);
@@ -784,7 +784,7 @@ END_TEST
 
 START_TEST(test_apply_hot_copies_exactly_the_hot_keys)
 {
-        struct epd_config dst, src, orig;
+        struct epdd_config dst, src, orig;
         char err[256];
 
         epd_config_defaults(&dst);

@@ -1,4 +1,4 @@
-/* unit_mailbox.c - the daemon's side of the reply mailbox (daemon/mailbox.c, common/doorbell.h).
+/* unit_mailbox.c - the daemon's side of the reply mailbox (daemon/net/mailbox.c, common/doorbell.h).
  *
  * Covers: a reply posted into a page decodes to the same reply record (common/oprec.h), with
  * reply_id, reply_len and reply_seq published; a reply too large for the page is not written but
@@ -461,9 +461,10 @@ static void handshake_run(unsigned seed, unsigned *kept_out, unsigned *back_out)
         while (!__atomic_load_n(&h.client_done, __ATOMIC_SEQ_CST) &&
                !__atomic_load_n(&h.failure, __ATOMIC_SEQ_CST)) {
                 /* Polling until a request was taken (or 20 ms) and a random while more, then
-                 * stopping with the last look, as the loop thread does (daemon/backend.c,
-                 * conn.c); then not polling until the client took a request back (or 20 ms),
-                 * so that both outcomes occur however the two threads are scheduled. */
+                 * stopping with the last look, as the loop thread does
+                 * (daemon/backend/backend.c, daemon/net/conn.c); then not polling until the
+                 * client took a request back (or 20 ms), so that both outcomes occur however
+                 * the two threads are scheduled. */
                 const unsigned t0 = h.taken_total;
                 double until = now_s() + 0.02;
                 epd_mailbox_set_polling(h.db, 1);

@@ -1,5 +1,5 @@
-/* unit_registry.c - the region registry and its bounds check (daemon/registry.c), the output
- * arena allocator and its resizing (daemon/arena.c) and the latency histograms (daemon/stats.c).
+/* unit_registry.c - the region registry and its bounds check (daemon/core/registry.c), the output
+ * arena allocator and its resizing (daemon/backend/arena.c) and the latency histograms (daemon/base/stats.c).
  *
  * The registry runs against a hand-built daemon and connections whose regions point at malloc'd
  * buffers; registration goes through a fake backend that counts imports and releases, so no
@@ -15,27 +15,27 @@
 
 #include "arena.h"
 #include "backend.h"
-#include "daemon.h"
+#include "core.h"
 #include "stats.h"
 
 /* ---- a fake daemon ---- */
 
 struct fake {
-        struct epd_daemon d;
-        struct epd_backend backend;
-        struct epd_conn a, b;
+        struct epdd_daemon d;
+        struct epdd_backend backend;
+        struct epdd_client a, b;
         unsigned imports, releases;
         int import_rc;
 };
 
-static struct fake *fake_of(struct epd_backend *b)
+static struct fake *fake_of(struct epdd_backend *b)
 {
         return epd_container_of(b, struct fake, backend);
 }
 
 static uint8_t fake_memory[1 << 16];
 
-static int fake_import(struct epd_backend *b, struct epd_region *r, int fd, const void *ipc,
+static int fake_import(struct epdd_backend *b, struct epdd_mem *r, int fd, const void *ipc,
                        size_t ipc_len, uint64_t offset, char *err, size_t err_len)
 {
         struct fake *f = fake_of(b);
@@ -54,13 +54,13 @@ static int fake_import(struct epd_backend *b, struct epd_region *r, int fd, cons
         return 0;
 }
 
-static void fake_release(struct epd_backend *b, struct epd_region *r)
+static void fake_release(struct epdd_backend *b, struct epdd_mem *r)
 {
         (void)r;
         fake_of(b)->releases++;
 }
 
-static const struct epd_backend_ops fake_ops = {
+static const struct epdd_backend_ops fake_ops = {
         .name = "fake",
         .region_import = fake_import,
         .region_release = fake_release,
@@ -79,11 +79,9 @@ static struct fake *fake_new(void)
         epd_list_init(&f->d.groups);
         f->a.daemon = &f->d;
         f->a.id = 1;
-        f->a.fd = -1;
         epd_list_init(&f->a.regions);
         f->b.daemon = &f->d;
         f->b.id = 2;
-        f->b.fd = -1;
         epd_list_init(&f->b.regions);
         return f;
 }
@@ -91,16 +89,16 @@ static struct fake *fake_new(void)
 /* Frees the fake and whatever regions are still in its connections' tables. */
 static void fake_free(struct fake *f)
 {
-        struct epd_conn *conns[2] = { &f->a, &f->b };
+        struct epdd_client *conns[2] = { &f->a, &f->b };
 
         for (int i = 0; i < 2; i++) {
                 struct epd_list *pos, *tmp;
                 epd_list_for_each_safe(pos, tmp, &conns[i]->regions)
                 {
-                        struct epd_region *r = epd_list_entry(pos, struct epd_region, conn_link);
+                        struct epdd_region *r = epd_list_entry(pos, struct epdd_region, conn_link);
                         epd_list_del(&r->conn_link);
-                        if (!r->is_arena && r->base != fake_memory)
-                                free(r->base);
+                        if (!r->is_arena && r->mem.base != fake_memory)
+                                free(r->mem.base);
                         free(r);
                 }
                 free(conns[i]->region_slots);
@@ -109,17 +107,17 @@ static void fake_free(struct fake *f)
 }
 
 /* A region of `size` bytes backed by a malloc'd buffer, added to c's table with a fresh id. */
-static struct epd_region *add_region(struct epd_conn *c, uint64_t size)
+static struct epdd_region *add_region(struct epdd_client *c, uint64_t size)
 {
-        struct epd_region *r = calloc(1, sizeof(*r));
+        struct epdd_region *r = calloc(1, sizeof(*r));
 
         ck_assert_ptr_nonnull(r);
         r->id = ++c->daemon->next_region_id;
         r->owner = c;
-        r->kind = EPD_REGION_HOST_MEMFD;
-        r->size = size;
-        r->base = malloc(size ? size : 1);
-        ck_assert_ptr_nonnull(r->base);
+        r->mem.kind = EPD_REGION_HOST_MEMFD;
+        r->mem.size = size;
+        r->mem.base = malloc(size ? size : 1);
+        ck_assert_ptr_nonnull(r->mem.base);
         r->refs = 1;
         ck_assert_int_eq(epd_region_attach(c, r), 0);
         c->num_regions++;
@@ -146,16 +144,16 @@ static struct epd_tensor tensor2(enum epd_dtype dtype, uint64_t region_id, uint6
 }
 
 struct resolved {
-        struct epd_region *region;
+        struct epdd_region *region;
         uint8_t *ptr;
         uint64_t stride;
         char err[256];
 };
 
-static int resolve(struct epd_conn *c, const struct epd_tensor *t, uint64_t rows, uint64_t cols,
+static int resolve(struct epdd_client *c, const struct epd_tensor *t, uint64_t rows, uint64_t cols,
                    struct resolved *out)
 {
-        out->region = (struct epd_region *)(uintptr_t)0x1;
+        out->region = (struct epdd_region *)(uintptr_t)0x1;
         out->ptr = (uint8_t *)(uintptr_t)0x2;
         out->stride = 0x3;
         out->err[0] = '\0';
@@ -164,7 +162,7 @@ static int resolve(struct epd_conn *c, const struct epd_tensor *t, uint64_t rows
 }
 
 /* A refused tensor: EPD_INVALID_ARGUMENT, a message containing `why`, outputs untouched. */
-static void expect_refused(struct epd_conn *c, const struct epd_tensor *t, uint64_t rows,
+static void expect_refused(struct epdd_client *c, const struct epd_tensor *t, uint64_t rows,
                            uint64_t cols, const char *why)
 {
         struct resolved out;
@@ -173,20 +171,20 @@ static void expect_refused(struct epd_conn *c, const struct epd_tensor *t, uint6
         ck_assert_msg(rc == EPD_INVALID_ARGUMENT, "rc %d (want INVALID_ARGUMENT) for '%s'", rc,
                       why);
         ck_assert_msg(strstr(out.err, why) != NULL, "err '%s' lacks '%s'", out.err, why);
-        ck_assert_ptr_eq(out.region, (struct epd_region *)(uintptr_t)0x1);
+        ck_assert_ptr_eq(out.region, (struct epdd_region *)(uintptr_t)0x1);
         ck_assert_ptr_eq(out.ptr, (uint8_t *)(uintptr_t)0x2);
         ck_assert_uint_eq(out.stride, 0x3);
 }
 
-static void expect_ok(struct epd_conn *c, const struct epd_tensor *t, uint64_t rows,
-                      uint64_t cols, struct epd_region *want_region, uint64_t want_stride)
+static void expect_ok(struct epdd_client *c, const struct epd_tensor *t, uint64_t rows,
+                      uint64_t cols, struct epdd_region *want_region, uint64_t want_stride)
 {
         struct resolved out;
         int rc = resolve(c, t, rows, cols, &out);
 
         ck_assert_msg(rc == 0, "rc %d: %s", rc, out.err);
         ck_assert_ptr_eq(out.region, want_region);
-        ck_assert_ptr_eq(out.ptr, want_region->base + t->offset);
+        ck_assert_ptr_eq(out.ptr, want_region->mem.base + t->offset);
         ck_assert_uint_eq(out.stride, want_stride);
 }
 
@@ -195,9 +193,9 @@ static void expect_ok(struct epd_conn *c, const struct epd_tensor *t, uint64_t r
 START_TEST(test_find)
 {
         struct fake *f = fake_new();
-        struct epd_region *r1 = add_region(&f->a, 100);
-        struct epd_region *r2 = add_region(&f->a, 200);
-        struct epd_region *r3 = add_region(&f->b, 300);
+        struct epdd_region *r1 = add_region(&f->a, 100);
+        struct epdd_region *r2 = add_region(&f->a, 200);
+        struct epdd_region *r3 = add_region(&f->b, 300);
 
         ck_assert_ptr_eq(epd_region_find(&f->a, r1->id), r1);
         ck_assert_ptr_eq(epd_region_find(&f->a, r2->id), r2);
@@ -218,7 +216,7 @@ START_TEST(test_find_many)
 {
         enum { N = 5000 };
         struct fake *f = fake_new();
-        struct epd_region **r = calloc(N, sizeof(*r));
+        struct epdd_region **r = calloc(N, sizeof(*r));
         uint8_t *held = calloc(N, 1);
         uint64_t *ids = calloc(N, sizeof(*ids));
         uint64_t state = 12345;
@@ -234,8 +232,8 @@ START_TEST(test_find_many)
                 ck_assert_ptr_nonnull(r[i]);
                 r[i]->id = (state >> 1) | 1; /* never 0 */
                 r[i]->owner = &f->a;
-                r[i]->size = 16;
-                r[i]->base = fake_memory;
+                r[i]->mem.size = 16;
+                r[i]->mem.base = fake_memory;
                 r[i]->refs = 1;
                 ck_assert_int_eq(epd_region_attach(&f->a, r[i]), 0);
                 f->a.num_regions++;
@@ -273,8 +271,8 @@ END_TEST
 START_TEST(test_resolve_unknown_and_foreign_region)
 {
         struct fake *f = fake_new();
-        struct epd_region *ra = add_region(&f->a, 4096);
-        struct epd_region *rb = add_region(&f->b, 4096);
+        struct epdd_region *ra = add_region(&f->a, 4096);
+        struct epdd_region *rb = add_region(&f->b, 4096);
         struct epd_tensor t;
 
         t = tensor2(EPD_DTYPE_BF16, 12345, 0, 1, 8, 0, 0);
@@ -295,7 +293,7 @@ END_TEST
 START_TEST(test_resolve_exact_fit_and_one_byte_over)
 {
         struct fake *f = fake_new();
-        struct epd_region *r = add_region(&f->a, 1000);
+        struct epdd_region *r = add_region(&f->a, 1000);
         struct epd_tensor t;
 
         /* 3 rows of 100 bf16: 600 bytes; at offset 400 they end exactly at the region end. */
@@ -323,7 +321,7 @@ END_TEST
 START_TEST(test_resolve_offset_past_end)
 {
         struct fake *f = fake_new();
-        struct epd_region *r = add_region(&f->a, 512);
+        struct epdd_region *r = add_region(&f->a, 512);
         struct epd_tensor t;
 
         t = tensor2(EPD_DTYPE_BF16, r->id, 513, 0, 4, 0, 0);
@@ -349,7 +347,7 @@ END_TEST
 START_TEST(test_resolve_alignment)
 {
         struct fake *f = fake_new();
-        struct epd_region *r = add_region(&f->a, 512);
+        struct epdd_region *r = add_region(&f->a, 512);
         struct epd_tensor t;
 
         t = tensor2(EPD_DTYPE_BF16, r->id, 3, 4, 8, 0, 0);
@@ -372,7 +370,7 @@ END_TEST
 START_TEST(test_resolve_strides)
 {
         struct fake *f = fake_new();
-        struct epd_region *r = add_region(&f->a, 1100);
+        struct epdd_region *r = add_region(&f->a, 1100);
         struct epd_tensor t;
 
         /* 4 rows of 100 bf16 with a row stride of 150 elements: 3 * 300 + 200 = 1100 bytes. */
@@ -402,7 +400,7 @@ END_TEST
 START_TEST(test_resolve_innermost_stride)
 {
         struct fake *f = fake_new();
-        struct epd_region *r = add_region(&f->a, 4096);
+        struct epdd_region *r = add_region(&f->a, 4096);
         struct epd_tensor t;
 
         t = tensor2(EPD_DTYPE_FP32, r->id, 0, 2, 8, 16, 2);
@@ -420,7 +418,7 @@ END_TEST
 START_TEST(test_resolve_one_dimensional)
 {
         struct fake *f = fake_new();
-        struct epd_region *r = add_region(&f->a, 400);
+        struct epdd_region *r = add_region(&f->a, 400);
         struct epd_tensor t;
 
         memset(&t, 0, sizeof(t));
@@ -446,7 +444,7 @@ END_TEST
 START_TEST(test_resolve_zero_rows)
 {
         struct fake *f = fake_new();
-        struct epd_region *r = add_region(&f->a, 256);
+        struct epdd_region *r = add_region(&f->a, 256);
         struct epd_tensor t;
 
         /* Nothing is touched: any offset up to the end is fine, even with a huge stride. */
@@ -466,7 +464,7 @@ END_TEST
 START_TEST(test_resolve_overflow)
 {
         struct fake *f = fake_new();
-        struct epd_region *r = add_region(&f->a, 4096);
+        struct epdd_region *r = add_region(&f->a, 4096);
         struct epd_tensor t;
 
         /* (rows - 1) * stride wraps to exactly 0 in 64 bits: 2^63 * 2 bytes. Without the
@@ -499,7 +497,7 @@ END_TEST
 START_TEST(test_resolve_bad_dtype_and_empty_row)
 {
         struct fake *f = fake_new();
-        struct epd_region *r = add_region(&f->a, 256);
+        struct epdd_region *r = add_region(&f->a, 256);
         struct epd_tensor t;
 
         t = tensor2(EPD_DTYPE_INVALID, r->id, 0, 1, 1, 0, 0);
@@ -528,15 +526,12 @@ static int make_fd(void)
         return fd;
 }
 
-static int do_register(struct fake *f, struct epd_conn *c, uint64_t size, uint32_t device,
+static int do_register(struct fake *f, struct epdd_client *c, uint64_t size, uint32_t device,
                        int fd, uint64_t *id, char *err, size_t err_len)
 {
-        Epd__V1__RegionRegister rr;
+        const struct epdd_region_args rr = { .kind = EPD_REGION_HOST_MEMFD, .size = size,
+                                             .device = device };
 
-        epd__v1__region_register__init(&rr);
-        rr.kind = EPD__V1__REGION_KIND__HOST_MEMFD;
-        rr.size = size;
-        rr.device = device;
         (void)f;
         return epd_region_register(c, &rr, fd, id, err, err_len);
 }
@@ -546,7 +541,7 @@ START_TEST(test_register_and_release)
         struct fake *f = fake_new();
         char err[256];
         uint64_t id1 = 0, id2 = 0, id3 = 0;
-        struct epd_region *r;
+        struct epdd_region *r;
 
         ck_assert_int_eq(do_register(f, &f->a, 1000, 0, make_fd(), &id1, err, sizeof(err)), 0);
         ck_assert_int_eq(do_register(f, &f->a, 24, 1, make_fd(), &id2, err, sizeof(err)), 0);
@@ -560,10 +555,10 @@ START_TEST(test_register_and_release)
         ck_assert_uint_eq(f->b.num_regions, 1);
         r = epd_region_find(&f->a, id2);
         ck_assert_ptr_nonnull(r);
-        ck_assert_uint_eq(r->size, 24);
-        ck_assert_uint_eq(r->device, 1);
+        ck_assert_uint_eq(r->mem.size, 24);
+        ck_assert_uint_eq(r->mem.device, 1);
         ck_assert_ptr_eq(r->owner, &f->a);
-        ck_assert_ptr_eq(r->base, fake_memory);
+        ck_assert_ptr_eq(r->mem.base, fake_memory);
         ck_assert_uint_eq(r->refs, 1);
 
         /* Release: only the owner, only once. */
@@ -660,8 +655,8 @@ START_TEST(test_arena_region)
 {
         struct fake *f = fake_new();
         uint8_t *mem = malloc(4096);
-        struct epd_arena *arena = epd_arena_new(mem, 4096, -1, EPD_REGION_HOST_MEMFD);
-        struct epd_region *r;
+        struct epdd_arena *arena = epd_arena_new(mem, 4096, -1, EPD_REGION_HOST_MEMFD);
+        struct epdd_region *r;
         struct epd_tensor t;
         uint64_t id = 0;
 
@@ -670,9 +665,9 @@ START_TEST(test_arena_region)
         r = epd_region_find(&f->a, id);
         ck_assert_ptr_nonnull(r);
         ck_assert_int_eq(r->is_arena, 1);
-        ck_assert_ptr_eq(r->base, mem);
-        ck_assert_uint_eq(r->size, 4096);
-        ck_assert_uint_eq(r->device, 1);
+        ck_assert_ptr_eq(r->mem.base, mem);
+        ck_assert_uint_eq(r->mem.size, 4096);
+        ck_assert_uint_eq(r->mem.device, 1);
         /* The daemon's arena counts against no client limit. */
         ck_assert_uint_eq(f->a.num_regions, 0);
         ck_assert_uint_eq(f->a.region_bytes, 0);
@@ -694,9 +689,9 @@ END_TEST
 
 /* ---- arena allocator ---- */
 
-static struct epd_arena *arena_of(uint64_t bytes)
+static struct epdd_arena *arena_of(uint64_t bytes)
 {
-        struct epd_arena *a = epd_arena_new(NULL, bytes, -1, EPD_REGION_HOST_MEMFD);
+        struct epdd_arena *a = epd_arena_new(NULL, bytes, -1, EPD_REGION_HOST_MEMFD);
 
         ck_assert_ptr_nonnull(a);
         return a;
@@ -704,7 +699,7 @@ static struct epd_arena *arena_of(uint64_t bytes)
 
 START_TEST(test_arena_alloc_align)
 {
-        struct epd_arena *a = arena_of(4096);
+        struct epdd_arena *a = arena_of(4096);
         uint64_t off = 1;
 
         ck_assert_uint_eq(epd_arena_largest_free(a), 4096);
@@ -728,7 +723,7 @@ END_TEST
 
 START_TEST(test_arena_alignment_random)
 {
-        struct epd_arena *a = arena_of(1u << 20);
+        struct epdd_arena *a = arena_of(1u << 20);
         uint64_t offs[64], lens[64], end_max = 0;
         unsigned n = 0;
         uint32_t seed = 12345;
@@ -758,7 +753,7 @@ END_TEST
 
 START_TEST(test_arena_exhaustion)
 {
-        struct epd_arena *a = arena_of(1024);
+        struct epdd_arena *a = arena_of(1024);
         uint64_t off = 0, sentinel;
 
         ck_assert_int_eq(epd_arena_alloc(a, 1025, &off), -ENOMEM);
@@ -809,7 +804,7 @@ END_TEST
 
 START_TEST(test_arena_coalescing)
 {
-        struct epd_arena *a = arena_of(2048);
+        struct epdd_arena *a = arena_of(2048);
         uint64_t o[8], off;
 
         for (int i = 0; i < 8; i++) {
@@ -857,7 +852,7 @@ END_TEST
 START_TEST(test_arena_many_holes)
 {
         enum { N = 128 };
-        struct epd_arena *a = arena_of(N * 256);
+        struct epdd_arena *a = arena_of(N * 256);
         uint64_t o[N];
 
         for (int i = 0; i < N; i++)
@@ -881,7 +876,7 @@ END_TEST
 START_TEST(test_arena_free_closes_fd)
 {
         int p[2];
-        struct epd_arena *a;
+        struct epdd_arena *a;
 
         ck_assert_int_eq(pipe2(p, O_CLOEXEC), 0);
         a = epd_arena_new(NULL, 4096, p[1], EPD_REGION_HOST_MEMFD);
@@ -897,10 +892,10 @@ END_TEST
 
 /* ---- arena resizing (real memory through the host backend's segment mapping) ---- */
 
-static struct epd_arena *arena_created(struct epd_backend *b, uint64_t bytes, uint64_t reserve,
+static struct epdd_arena *arena_created(struct epdd_backend *b, uint64_t bytes, uint64_t reserve,
                                        unsigned max_segments)
 {
-        struct epd_arena *a = NULL;
+        struct epdd_arena *a = NULL;
         char err[256];
 
         b->ops = &epd_backend_host_ops; /* arena_map/arena_unmap need no initialised backend */
@@ -910,7 +905,7 @@ static struct epd_arena *arena_created(struct epd_backend *b, uint64_t bytes, ui
         return a;
 }
 
-static uint64_t resized(struct epd_arena *a, uint64_t bytes)
+static uint64_t resized(struct epdd_arena *a, uint64_t bytes)
 {
         uint64_t now = 0;
         char err[256];
@@ -921,8 +916,8 @@ static uint64_t resized(struct epd_arena *a, uint64_t bytes)
 
 START_TEST(test_arena_resize_grow_shrink)
 {
-        struct epd_backend b;
-        struct epd_arena *a = arena_created(&b, 64 << 10, 1 << 20, 4);
+        struct epdd_backend b;
+        struct epdd_arena *a = arena_created(&b, 64 << 10, 1 << 20, 4);
         uint8_t *base = a->base;
         uint64_t off[3], big, gen = a->generation, now;
         char err[256];
@@ -978,8 +973,8 @@ END_TEST
 
 START_TEST(test_arena_resize_segment_limit)
 {
-        struct epd_backend b;
-        struct epd_arena *a = arena_created(&b, 64 << 10, 1 << 20, 2);
+        struct epdd_backend b;
+        struct epdd_arena *a = arena_created(&b, 64 << 10, 1 << 20, 2);
         uint64_t now = 0, gen;
         char err[256];
 
@@ -993,7 +988,7 @@ START_TEST(test_arena_resize_segment_limit)
         ck_assert_uint_eq(a->generation, gen);
         ck_assert_uint_eq(epd_arena_largest_free(a), 128 << 10);
         /* An arena over the caller's memory cannot be resized. */
-        struct epd_arena *fixed = epd_arena_new(fake_memory, 4096, -1, EPD_REGION_HOST_MEMFD);
+        struct epdd_arena *fixed = epd_arena_new(fake_memory, 4096, -1, EPD_REGION_HOST_MEMFD);
         ck_assert_int_eq(epd_arena_resize(fixed, 2048, &now, err, sizeof(err)),
                          EPD_INVALID_ARGUMENT);
         epd_arena_free(fixed);
@@ -1017,7 +1012,7 @@ START_TEST(test_hist_buckets)
         };
 
         for (unsigned i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-                struct epd_latency_hist h;
+                struct epdd_latency_hist h;
                 memset(&h, 0, sizeof(h));
                 epd_latency_record(&h, cases[i].ns);
                 for (unsigned b = 0; b < EPD_LAT_BUCKETS; b++)
@@ -1034,7 +1029,7 @@ END_TEST
 
 START_TEST(test_hist_quantiles)
 {
-        struct epd_latency_hist h;
+        struct epdd_latency_hist h;
 
         memset(&h, 0, sizeof(h));
         ck_assert_uint_eq(epd_latency_quantile(&h, 0.5), 0);
@@ -1071,7 +1066,7 @@ END_TEST
 /* The last bucket is open-ended: a quantile that lands there is the max, not 2^23 us. */
 START_TEST(test_hist_open_ended_bucket)
 {
-        struct epd_latency_hist h;
+        struct epdd_latency_hist h;
         uint64_t slow = 100ull * 1000 * 1000 * 1000; /* 100 s */
 
         memset(&h, 0, sizeof(h));
@@ -1086,7 +1081,7 @@ END_TEST
 
 START_TEST(test_op_stats_record)
 {
-        struct epd_op_stats s;
+        struct epdd_op_stats s;
 
         memset(&s, 0, sizeof(s));
         epd_op_stats_record(&s, EPD_OK, 4096, 3000);

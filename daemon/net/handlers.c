@@ -1,9 +1,10 @@
 /* handlers.c - one function per request type: argument checks, the fd accounting of each
- * request, and the reply. Collective ops are handed to op.c. Loop thread only.
+ * request, the decoding of its protobuf into the core's native arguments, and the reply.
+ * Collective ops are decoded from their op records (common/oprec.h) and handed to the core
+ * (core/op.c); admin verbs and statistics go to the top level's hook. Loop thread only.
  *
- * Ownership: epd_handle_request owns `req` and frees it; an op record is decoded into the native
- * struct epd_op_request (common/oprec.h) here, at the edge, and the op keeps a copy. fds[] entries a handler uses are taken (set to -1); the caller
- * closes the rest.
+ * Ownership: epd_handle_request owns `req` and frees it; the op keeps a copy of the decoded
+ * record. fds[] entries a handler uses are taken (set to -1); the caller closes the rest.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -12,19 +13,17 @@
 #include <unistd.h>
 
 #include "budget.h"
-#include "admin.h"
 #include "arena.h"
 #include "backend.h"
-#include "daemon.h"
+#include "net.h"
 #include "log.h"
-#include "report.h"
-#include "resize.h"
 #include "routing.h"
+#include "reply.h"
 #include "util.h"
 
 #define EPD_MIN_SECRET_BYTES 16
 
-static void reply(struct epd_conn *c, Epd__V1__Response *resp, const int *fds, unsigned num_fds)
+static void reply(struct epdd_conn *c, Epd__V1__Response *resp, const int *fds, unsigned num_fds)
 {
         resp->status = EPD__V1__STATUS_CODE__OK;
         if (!resp->message)
@@ -32,9 +31,9 @@ static void reply(struct epd_conn *c, Epd__V1__Response *resp, const int *fds, u
         (void)epd_conn_send(c, resp, fds, num_fds);
 }
 
-static void fill_devices(struct epd_daemon *d, Epd__V1__Device *devs, Epd__V1__Device **ptrs)
+static void fill_devices(struct epdd_daemon *d, Epd__V1__Device *devs, Epd__V1__Device **ptrs)
 {
-        struct epd_backend *b = d->backend;
+        struct epdd_backend *b = d->backend;
 
         for (unsigned i = 0; i < b->num_devices; i++) {
                 epd__v1__device__init(&devs[i]);
@@ -47,9 +46,9 @@ static void fill_devices(struct epd_daemon *d, Epd__V1__Device *devs, Epd__V1__D
         }
 }
 
-static int handle_hello(struct epd_conn *c, const Epd__V1__Request *req)
+static int handle_hello(struct epdd_conn *c, const Epd__V1__Request *req)
 {
-        struct epd_daemon *d = c->daemon;
+        struct epdd_daemon *d = c->cl.daemon;
         const Epd__V1__Hello *h = req->hello;
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
         Epd__V1__Welcome w = EPD__V1__WELCOME__INIT;
@@ -67,8 +66,8 @@ static int handle_hello(struct epd_conn *c, const Epd__V1__Request *req)
                 return -1;
         }
         c->hello_done = 1;
-        c->cuda_capable = (h->capabilities & EPD__V1__CAPABILITY__CAP_CUDA_REGIONS) != 0;
-        snprintf(c->name, sizeof(c->name), "%s", h->client_name ? h->client_name : "");
+        c->cl.cuda_capable = (h->capabilities & EPD__V1__CAPABILITY__CAP_CUDA_REGIONS) != 0;
+        snprintf(c->cl.name, sizeof(c->cl.name), "%s", h->client_name ? h->client_name : "");
         limits.max_frame_bytes = d->cfg.max_frame_bytes;
         limits.max_fds_per_frame = d->cfg.max_fds_per_frame;
         limits.max_regions_per_client = d->cfg.max_regions_per_client;
@@ -81,12 +80,12 @@ static int handle_hello(struct epd_conn *c, const Epd__V1__Request *req)
                          EPD__V1__CAPABILITY__CAP_OUTPUT_ARENA |
                          EPD__V1__CAPABILITY__CAP_REPLY_MAILBOX |
                          EPD__V1__CAPABILITY__CAP_REQUEST_MAILBOX |
-                         (c->admin ? EPD__V1__CAPABILITY__CAP_ADMIN : 0);
+                         (c->cl.admin ? EPD__V1__CAPABILITY__CAP_ADMIN : 0);
         if (strcmp(d->backend->ops->name, "cuda") == 0)
                 w.capabilities |= EPD__V1__CAPABILITY__CAP_CUDA_REGIONS;
         w.limits = &limits;
         w.daemon_epoch = d->epoch;
-        w.client_id = c->id;
+        w.client_id = c->cl.id;
         w.backend = (char *)d->backend->ops->name;
         w.version = EPD_VERSION_STRING;
         fill_devices(d, devs, ptrs);
@@ -99,10 +98,10 @@ static int handle_hello(struct epd_conn *c, const Epd__V1__Request *req)
         return 0;
 }
 
-static int resolve_device(struct epd_daemon *d, uint32_t index, const char *uuid,
+static int resolve_device(struct epdd_daemon *d, uint32_t index, const char *uuid,
                           uint32_t *out, char *err, size_t err_len)
 {
-        struct epd_backend *b = d->backend;
+        struct epdd_backend *b = d->backend;
 
         if (uuid && uuid[0]) {
                 for (unsigned i = 0; i < b->num_devices; i++) {
@@ -123,13 +122,13 @@ static int resolve_device(struct epd_daemon *d, uint32_t index, const char *uuid
         return 0;
 }
 
-static void reply_joined(struct epd_conn *c, uint64_t request_id, struct epd_group *g,
+static void reply_joined(struct epdd_conn *c, uint64_t request_id, struct epdd_group *g,
                          uint32_t rank)
 {
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
         Epd__V1__GroupJoined j = EPD__V1__GROUP_JOINED__INIT;
         Epd__V1__GroupConfig cfg;
-        struct epd_rank *r = &g->ranks[rank];
+        struct epdd_rank *r = &g->ranks[rank];
         unsigned num_segs = r->arena ? r->arena->num_segs : 0;
         Epd__V1__ArenaSegment *segs = calloc(num_segs + 1, sizeof(*segs));
         Epd__V1__ArenaSegment **seg_ptrs = calloc(num_segs + 1, sizeof(*seg_ptrs));
@@ -150,7 +149,7 @@ static void reply_joined(struct epd_conn *c, uint64_t request_id, struct epd_gro
         j.doorbell_bytes = EPD_DOORBELL_BYTES;
         fds[num_fds++] = r->doorbell_fd;
         if (r->arena)
-                fds[num_fds++] = epd_resize_fill_joined(r, &j, segs, seg_ptrs);
+                fds[num_fds++] = epd_wire_fill_joined(r, &j, segs, seg_ptrs);
         resp.id = request_id;
         resp.body_case = EPD__V1__RESPONSE__BODY_GROUP_JOINED;
         resp.group_joined = &j;
@@ -160,12 +159,12 @@ out:
         free(segs);
 }
 
-static void handle_group_create(struct epd_conn *c, const Epd__V1__Request *req)
+static void handle_group_create(struct epdd_conn *c, const Epd__V1__Request *req)
 {
-        struct epd_daemon *d = c->daemon;
+        struct epdd_daemon *d = c->cl.daemon;
         const Epd__V1__GroupCreate *m = req->group_create;
-        struct epd_group_cfg cfg;
-        struct epd_group *g;
+        struct epdd_group_cfg cfg;
+        struct epdd_group *g;
         uint32_t device = 0;
         char err[256];
         int rc;
@@ -184,15 +183,15 @@ static void handle_group_create(struct epd_conn *c, const Epd__V1__Request *req)
                 rc = EPD_INVALID_ARGUMENT;
         }
         if (rc == 0)
-                rc = epd_budget_group(d, c, err, sizeof(err));
+                rc = epd_budget_group(d, &c->cl, err, sizeof(err));
         if (rc == 0)
-                rc = epd_group_new(d, c->uid, m->name ? m->name : "", m->secret.data,
+                rc = epd_group_new(d, c->cl.uid, m->name ? m->name : "", m->secret.data,
                                    m->secret.len, &cfg, &g, err, sizeof(err));
         if (rc < 0) {
                 epd_conn_reply_status(c, req->id, rc, "group create: %s", err);
                 return;
         }
-        rc = epd_group_bind(g, c, m->rank, device, err, sizeof(err));
+        rc = epd_group_bind(g, &c->cl, m->rank, device, err, sizeof(err));
         if (rc < 0) {
                 epd_conn_reply_status(c, req->id, rc, "group create: %s", err);
                 epd_group_maybe_free(g);
@@ -201,16 +200,16 @@ static void handle_group_create(struct epd_conn *c, const Epd__V1__Request *req)
         reply_joined(c, req->id, g, m->rank);
 }
 
-static void handle_group_join(struct epd_conn *c, const Epd__V1__Request *req)
+static void handle_group_join(struct epdd_conn *c, const Epd__V1__Request *req)
 {
-        struct epd_daemon *d = c->daemon;
+        struct epdd_daemon *d = c->cl.daemon;
         const Epd__V1__GroupJoin *m = req->group_join;
         const char *name = m->name ? m->name : "";
         uint32_t device;
         char err[256];
         int rc, named;
-        struct epd_group *g = epd_group_find_for_join(d, c->uid, name, m->secret.data,
-                                                      m->secret.len, &named);
+        struct epdd_group *g = epd_group_find_for_join(d, c->cl.uid, name, m->secret.data,
+                                                       m->secret.len, &named);
 
         if (!g && !named) {
                 epd_conn_reply_status(c, req->id, EPD_NOT_FOUND, "group '%s' does not exist",
@@ -219,22 +218,22 @@ static void handle_group_join(struct epd_conn *c, const Epd__V1__Request *req)
         }
         if (!g) {
                 /* Guessing costs the connection after a few tries. */
-                c->wrong_secrets++;
+                c->cl.wrong_secrets++;
                 log_notice("wrong group secret group=%s client=%llu pid=%d uid=%u tries=%u", name,
-                           (unsigned long long)c->id, (int)c->pid, (unsigned)c->uid,
-                           c->wrong_secrets);
+                           (unsigned long long)c->cl.id, (int)c->cl.pid, (unsigned)c->cl.uid,
+                           c->cl.wrong_secrets);
                 epd_conn_reply_status(c, req->id, EPD_PERMISSION_DENIED,
                                       "wrong secret for group '%s'%s", name,
-                                      c->wrong_secrets >= EPD_MAX_WRONG_SECRETS
+                                      c->cl.wrong_secrets >= EPD_MAX_WRONG_SECRETS
                                               ? ": too many wrong secrets, closing the connection"
                                               : "");
-                if (c->wrong_secrets >= EPD_MAX_WRONG_SECRETS)
+                if (c->cl.wrong_secrets >= EPD_MAX_WRONG_SECRETS)
                         epd_conn_close_later(c, "too many wrong group secrets");
                 return;
         }
         rc = resolve_device(d, m->device, m->device_uuid, &device, err, sizeof(err));
         if (rc == 0)
-                rc = epd_group_bind(g, c, m->rank, device, err, sizeof(err));
+                rc = epd_group_bind(g, &c->cl, m->rank, device, err, sizeof(err));
         if (rc < 0) {
                 epd_conn_reply_status(c, req->id, rc, "group join: %s", err);
                 return;
@@ -244,10 +243,10 @@ static void handle_group_join(struct epd_conn *c, const Epd__V1__Request *req)
 
 /* The group and rank named by a request, if this client holds that rank. op_kind: the request
  * is an op record of that kind, whose refusal is a reply record; 0 for a control message. */
-static struct epd_group *bound_group(struct epd_conn *c, uint64_t request_id, uint64_t group_id,
+static struct epdd_group *bound_group(struct epdd_conn *c, uint64_t request_id, uint64_t group_id,
                                      uint32_t rank, uint32_t op_kind)
 {
-        struct epd_group *g = epd_group_find(c->daemon, group_id);
+        struct epdd_group *g = epd_group_find(c->cl.daemon, group_id);
         char why[160];
         int status;
 
@@ -255,7 +254,7 @@ static struct epd_group *bound_group(struct epd_conn *c, uint64_t request_id, ui
                 status = EPD_NOT_FOUND;
                 snprintf(why, sizeof(why), "group %llu does not exist",
                          (unsigned long long)group_id);
-        } else if (rank >= g->cfg.world_size || g->ranks[rank].conn != c) {
+        } else if (rank >= g->cfg.world_size || g->ranks[rank].conn != &c->cl) {
                 status = EPD_PERMISSION_DENIED;
                 snprintf(why, sizeof(why), "rank %u of group '%s' is not bound to this client",
                          rank, g->name);
@@ -263,42 +262,42 @@ static struct epd_group *bound_group(struct epd_conn *c, uint64_t request_id, ui
                 return g;
         }
         if (op_kind)
-                epd_conn_reply_op_status(c, NULL, op_kind, request_id, status, "%s", why);
+                epd_reply_op_status(&c->cl, NULL, op_kind, request_id, status, "%s", why);
         else
                 epd_conn_reply_status(c, request_id, status, "%s", why);
         return NULL;
 }
 
-void epd_handle_op(struct epd_conn *c, const struct epd_op_request *req)
+void epd_handle_op(struct epdd_conn *c, const struct epd_op_request *req)
 {
-        struct epd_group *g;
+        struct epdd_group *g;
 
-        if (c->daemon->shutting_down) {
-                epd_conn_reply_op_status(c, NULL, req->kind, req->id, EPD_UNAVAILABLE,
+        if (c->cl.daemon->shutting_down) {
+                epd_reply_op_status(&c->cl, NULL, req->kind, req->id, EPD_UNAVAILABLE,
                                          "daemon is shutting down");
                 return;
         }
         g = bound_group(c, req->id, req->group_id, req->rank, req->kind);
         if (g)
-                epd_op_submit(g, req->rank, c, req);
+                epd_op_submit(g, req->rank, &c->cl, req);
 }
 
 /* An op record on the socket: decoded here, at the edge. A malformed record is a protocol
  * error, as in the doorbell page. */
-static int handle_op_record(struct epd_conn *c, const Epd__V1__Request *req)
+static int handle_op_record(struct epdd_conn *c, const Epd__V1__Request *req)
 {
         const ProtobufCBinaryData *rec = &req->op->record;
         struct epd_op_request q;
         char why[160];
 
         if (epd_oprec_request_decode(rec->data, rec->len, &q, why, sizeof(why)) < 0) {
-                c->daemon->stats.protocol_errors++;
+                c->cl.daemon->stats.protocol_errors++;
                 epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT,
                                       "protocol error: malformed op record: %s", why);
                 return -1;
         }
         if (q.id != req->id) {
-                c->daemon->stats.protocol_errors++;
+                c->cl.daemon->stats.protocol_errors++;
                 epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT,
                                       "protocol error: op record id %llu in request %llu",
                                       (unsigned long long)q.id, (unsigned long long)req->id);
@@ -308,10 +307,10 @@ static int handle_op_record(struct epd_conn *c, const Epd__V1__Request *req)
         return 0;
 }
 
-static void handle_group_leave(struct epd_conn *c, const Epd__V1__Request *req)
+static void handle_group_leave(struct epdd_conn *c, const Epd__V1__Request *req)
 {
         const Epd__V1__GroupLeave *m = req->group_leave;
-        struct epd_group *g = bound_group(c, req->id, m->group_id, m->rank, 0);
+        struct epdd_group *g = bound_group(c, req->id, m->group_id, m->rank, 0);
 
         if (!g)
                 return;
@@ -320,7 +319,7 @@ static void handle_group_leave(struct epd_conn *c, const Epd__V1__Request *req)
         epd_conn_reply_status(c, req->id, EPD_OK, "%s", "");
 }
 
-static int handle_region_register(struct epd_conn *c, const Epd__V1__Request *req, int *fds,
+static int handle_region_register(struct epdd_conn *c, const Epd__V1__Request *req, int *fds,
                                   unsigned num_fds)
 {
         const Epd__V1__RegionRegister *m = req->region_register;
@@ -354,7 +353,15 @@ static int handle_region_register(struct epd_conn *c, const Epd__V1__Request *re
                 fd = fds[0];
                 fds[0] = -1;
         }
-        rc = epd_region_register(c, m, fd, &rr.region_id, err, sizeof(err));
+        const struct epdd_region_args ra = {
+                .kind = (enum epd_region_kind)m->kind,
+                .size = m->size,
+                .device = m->device,
+                .ipc_handle = m->ipc_handle.data,
+                .ipc_len = m->ipc_handle.len,
+                .offset = m->offset,
+        };
+        rc = epd_region_register(&c->cl, &ra, fd, &rr.region_id, err, sizeof(err));
         if (rc < 0) {
                 epd_conn_reply_status(c, req->id, rc, "region register: %s", err);
                 return 0;
@@ -366,9 +373,9 @@ static int handle_region_register(struct epd_conn *c, const Epd__V1__Request *re
         return 0;
 }
 
-static void handle_region_release(struct epd_conn *c, const Epd__V1__Request *req)
+static void handle_region_release(struct epdd_conn *c, const Epd__V1__Request *req)
 {
-        int rc = epd_region_release_id(c, req->region_release->region_id);
+        int rc = epd_region_release_id(&c->cl, req->region_release->region_id);
 
         if (rc == EPD_NOT_FOUND)
                 epd_conn_reply_status(c, req->id, rc, "region %llu is not registered by this client",
@@ -381,7 +388,7 @@ static void handle_region_release(struct epd_conn *c, const Epd__V1__Request *re
                 epd_conn_reply_status(c, req->id, EPD_OK, "%s", "");
 }
 
-static uint64_t outputs_bytes(const struct epd_group_cfg *cfg, uint64_t rows, int expand)
+static uint64_t outputs_bytes(const struct epdd_group_cfg *cfg, uint64_t rows, int expand)
 {
         /* Every arena field at full width, each rounded to the arena alignment. */
         uint64_t row = cfg->row_bytes + cfg->scale_cols * 4 + (uint64_t)cfg->max_topk * 8 +
@@ -389,15 +396,15 @@ static uint64_t outputs_bytes(const struct epd_group_cfg *cfg, uint64_t rows, in
         return rows * row + EPD_OUT_FIELDS * EPD_ARENA_ALIGN;
 }
 
-static void handle_size_hint(struct epd_conn *c, const Epd__V1__Request *req)
+static void handle_size_hint(struct epdd_conn *c, const Epd__V1__Request *req)
 {
         const Epd__V1__SizeHint *m = req->size_hint;
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
         Epd__V1__SizeHintReply sh = EPD__V1__SIZE_HINT_REPLY__INIT;
-        struct epd_group_cfg cfg;
+        struct epdd_group_cfg cfg;
         uint32_t align = m->expert_alignment ? m->expert_alignment : 1;
         char err[256];
-        int rc = epd_group_cfg_from_wire(c->daemon, m->config, &cfg, err, sizeof(err));
+        int rc = epd_group_cfg_from_wire(c->cl.daemon, m->config, &cfg, err, sizeof(err));
 
         if (rc < 0) {
                 epd_conn_reply_status(c, req->id, rc, "size hint: %s", err);
@@ -417,9 +424,9 @@ static void handle_size_hint(struct epd_conn *c, const Epd__V1__Request *req)
         reply(c, &resp, NULL, 0);
 }
 
-static void handle_status(struct epd_conn *c, const Epd__V1__Request *req)
+static void handle_status(struct epdd_conn *c, const Epd__V1__Request *req)
 {
-        struct epd_daemon *d = c->daemon;
+        struct epdd_daemon *d = c->cl.daemon;
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
         Epd__V1__StatusReply st = EPD__V1__STATUS_REPLY__INIT;
         Epd__V1__Device devs[64], *ptrs[64];
@@ -436,7 +443,7 @@ static void handle_status(struct epd_conn *c, const Epd__V1__Request *req)
         st.num_clients = d->num_conns;
         epd_list_for_each(pos, &d->conns)
         {
-                struct epd_conn *o = epd_list_entry(pos, struct epd_conn, link);
+                struct epdd_client *o = epd_list_entry(pos, struct epdd_client, link);
                 st.num_regions += o->num_regions;
                 st.region_bytes += o->region_bytes;
         }
@@ -450,9 +457,9 @@ static void handle_status(struct epd_conn *c, const Epd__V1__Request *req)
         reply(c, &resp, NULL, 0);
 }
 
-static void handle_list_groups(struct epd_conn *c, const Epd__V1__Request *req)
+static void handle_list_groups(struct epdd_conn *c, const Epd__V1__Request *req)
 {
-        struct epd_daemon *d = c->daemon;
+        struct epdd_daemon *d = c->cl.daemon;
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
         Epd__V1__ListGroupsReply lg = EPD__V1__LIST_GROUPS_REPLY__INIT;
         Epd__V1__GroupInfo *infos = calloc(d->num_groups + 1, sizeof(*infos));
@@ -469,7 +476,7 @@ static void handle_list_groups(struct epd_conn *c, const Epd__V1__Request *req)
         }
         epd_list_for_each(pos, &d->groups)
         {
-                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
                 Epd__V1__GroupInfo *gi = &infos[n];
                 uint32_t R = g->cfg.world_size;
                 struct epd_list *op_pos;
@@ -528,9 +535,9 @@ out:
         free(infos);
 }
 
-static void handle_list_clients(struct epd_conn *c, const Epd__V1__Request *req)
+static void handle_list_clients(struct epdd_conn *c, const Epd__V1__Request *req)
 {
-        struct epd_daemon *d = c->daemon;
+        struct epdd_daemon *d = c->cl.daemon;
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
         Epd__V1__ListClientsReply lc = EPD__V1__LIST_CLIENTS_REPLY__INIT;
         unsigned cap = d->num_conns + 1;
@@ -546,7 +553,7 @@ static void handle_list_clients(struct epd_conn *c, const Epd__V1__Request *req)
         }
         epd_list_for_each(pos, &d->conns)
         {
-                struct epd_conn *o = epd_list_entry(pos, struct epd_conn, link);
+                struct epdd_client *o = epd_list_entry(pos, struct epdd_client, link);
                 Epd__V1__ClientInfo *ci = &infos[n];
                 struct epd_list *bpos;
                 size_t nb = 0, i = 0;
@@ -568,7 +575,7 @@ static void handle_list_clients(struct epd_conn *c, const Epd__V1__Request *req)
                         continue;
                 epd_list_for_each(bpos, &o->bindings)
                 {
-                        struct epd_binding *b = epd_list_entry(bpos, struct epd_binding, conn_link);
+                        struct epdd_binding *b = epd_list_entry(bpos, struct epdd_binding, conn_link);
                         char buf[96];
                         snprintf(buf, sizeof(buf), "%s/%u", b->group->name, b->rank);
                         names[n][i++] = strdup(buf);
@@ -595,32 +602,30 @@ out:
         free(infos);
 }
 
-static void handle_handle_release(struct epd_conn *c, const Epd__V1__Request *req)
+static void handle_handle_release(struct epdd_conn *c, const Epd__V1__Request *req)
 {
         const Epd__V1__HandleRelease *m = req->handle_release;
-        struct epd_group *g = bound_group(c, req->id, m->group_id, m->rank, 0);
-        struct epd_handle *h;
+        struct epdd_group *g = bound_group(c, req->id, m->group_id, m->rank, 0);
+        char err[256];
+        int rc;
 
         if (!g)
                 return;
-        h = epd_group_handle_find(g, m->handle_id);
-        if (!h && m->handle_id > 0 && m->handle_id < g->next_handle_id) {
-                /* It existed and is gone (released by every rank, or invalidated when the group
-                 * broke): releasing it again is harmless cleanup. */
+        rc = epd_handle_release_rank(g, m->rank, m->handle_id, err, sizeof(err));
+        if (rc < 0)
+                epd_conn_reply_status(c, req->id, rc, "%s", err);
+        else
                 epd_conn_reply_status(c, req->id, EPD_OK, "%s", "");
-                return;
-        }
-        if (!h || h->ranks[m->rank].released) {
-                epd_conn_reply_status(c, req->id, EPD_NOT_FOUND,
-                                      "handle %llu of group '%s' does not exist for rank %u",
-                                      (unsigned long long)m->handle_id, g->name, m->rank);
-                return;
-        }
-        epd_group_handle_release(g, h, m->rank);
-        epd_conn_reply_status(c, req->id, EPD_OK, "%s", "");
 }
 
-int epd_handle_request(struct epd_conn *c, Epd__V1__Request *req, int *fds, unsigned num_fds)
+static epd_request_hook request_hook;
+
+void epd_net_set_request_hook(epd_request_hook hook)
+{
+        request_hook = hook;
+}
+
+int epd_handle_request(struct epdd_conn *c, Epd__V1__Request *req, int *fds, unsigned num_fds)
 {
         int rc = 0;
 
@@ -672,16 +677,19 @@ int epd_handle_request(struct epd_conn *c, Epd__V1__Request *req, int *fds, unsi
                 handle_handle_release(c, req);
                 break;
         case EPD__V1__REQUEST__BODY_STATS:
-                epd_handle_stats(c, req);
-                break;
         case EPD__V1__REQUEST__BODY_DRAIN:
         case EPD__V1__REQUEST__BODY_UNDRAIN:
         case EPD__V1__REQUEST__BODY_EVICT:
         case EPD__V1__REQUEST__BODY_RESIZE:
-                epd_handle_admin(c, req); /* admin.c */
+                if (request_hook)
+                        request_hook(c, req); /* the top level: admin.c, report.c */
+                else
+                        epd_conn_reply_status(c, req->id, EPD_UNAVAILABLE,
+                                              "this daemon does not serve %s",
+                                              epd__request_body_name(req->body_case));
                 break;
         case EPD__V1__REQUEST__BODY_ARENA_SEGMENTS:
-                epd_handle_arena_segments(c, req); /* resize.c */
+                epd_handle_arena_segments(c, req); /* wire.c */
                 break;
         case EPD__V1__REQUEST__BODY_OP:
                 rc = handle_op_record(c, req);

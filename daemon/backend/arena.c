@@ -22,9 +22,9 @@ static uint64_t page_up(uint64_t bytes)
         return (bytes + page - 1) / page * page;
 }
 
-static struct epd_arena *arena_alloc(uint64_t bytes, enum epd_region_kind kind, unsigned max_segs)
+static struct epdd_arena *arena_alloc(uint64_t bytes, enum epd_region_kind kind, unsigned max_segs)
 {
-        struct epd_arena *a = calloc(1, sizeof(*a));
+        struct epdd_arena *a = calloc(1, sizeof(*a));
 
         if (!a)
                 return NULL;
@@ -41,31 +41,31 @@ static struct epd_arena *arena_alloc(uint64_t bytes, enum epd_region_kind kind, 
         a->bytes = bytes;
         a->kind = kind;
         a->generation = 1;
-        a->free_list[0] = (struct epd_arena_extent){ 0, bytes };
+        a->free_list[0] = (struct epdd_arena_extent){ 0, bytes };
         a->num_free = bytes ? 1 : 0;
         pthread_mutex_init(&a->lock, NULL);
         return a;
 }
 
-struct epd_arena *epd_arena_new(uint8_t *base, uint64_t bytes, int fd, enum epd_region_kind kind)
+struct epdd_arena *epd_arena_new(uint8_t *base, uint64_t bytes, int fd, enum epd_region_kind kind)
 {
-        struct epd_arena *a = arena_alloc(bytes, kind, 1);
+        struct epdd_arena *a = arena_alloc(bytes, kind, 1);
 
         if (!a)
                 return NULL;
         a->base = base;
         a->reserved = bytes;
         a->mapped = bytes;
-        a->segs[0] = (struct epd_arena_segment){ 0, bytes, fd, ++a->next_serial };
+        a->segs[0] = (struct epdd_arena_segment){ 0, bytes, fd, ++a->next_serial };
         a->num_segs = 1;
         return a;
 }
 
 /* Maps segment [off, off + bytes) and appends it. */
-static int segment_add(struct epd_arena *a, uint64_t off, uint64_t bytes, char *err,
+static int segment_add(struct epdd_arena *a, uint64_t off, uint64_t bytes, char *err,
                        size_t err_len)
 {
-        struct epd_backend *b = a->backend;
+        struct epdd_backend *b = a->backend;
         enum epd_region_kind kind;
         int fd = -1, rc;
 
@@ -80,14 +80,14 @@ static int segment_add(struct epd_arena *a, uint64_t off, uint64_t bytes, char *
         if (rc < 0)
                 return rc;
         a->kind = kind;
-        a->segs[a->num_segs++] = (struct epd_arena_segment){ off, bytes, fd, ++a->next_serial };
+        a->segs[a->num_segs++] = (struct epdd_arena_segment){ off, bytes, fd, ++a->next_serial };
         a->mapped = off + bytes;
         return 0;
 }
 
-static void segment_drop_last(struct epd_arena *a)
+static void segment_drop_last(struct epdd_arena *a)
 {
-        struct epd_arena_segment *s = &a->segs[--a->num_segs];
+        struct epdd_arena_segment *s = &a->segs[--a->num_segs];
 
         if (a->backend)
                 a->backend->ops->arena_unmap(a->backend, a->base + s->off, s->bytes);
@@ -97,12 +97,12 @@ static void segment_drop_last(struct epd_arena *a)
         memset(s, 0, sizeof(*s));
 }
 
-int epd_arena_create(struct epd_backend *b, uint32_t device, int host_memory, uint64_t bytes,
-                     uint64_t reserve_bytes, unsigned max_segments, struct epd_arena **out,
+int epd_arena_create(struct epdd_backend *b, uint32_t device, int host_memory, uint64_t bytes,
+                     uint64_t reserve_bytes, unsigned max_segments, struct epdd_arena **out,
                      char *err, size_t err_len)
 {
         uint64_t first = page_up(bytes), reserve = page_up(reserve_bytes);
-        struct epd_arena *a = arena_alloc(bytes, EPD_REGION_HOST_MEMFD, max_segments);
+        struct epdd_arena *a = arena_alloc(bytes, EPD_REGION_HOST_MEMFD, max_segments);
         int rc;
 
         if (!a) {
@@ -136,7 +136,7 @@ int epd_arena_create(struct epd_backend *b, uint32_t device, int host_memory, ui
         return 0;
 }
 
-void epd_arena_free(struct epd_arena *a)
+void epd_arena_free(struct epdd_arena *a)
 {
         if (!a)
                 return;
@@ -152,15 +152,15 @@ void epd_arena_free(struct epd_arena *a)
 
 /* The end of the highest live placement: the last free extent reaches the end of the range
  * when the top of the arena is free. Lock held. */
-static uint64_t floor_locked(const struct epd_arena *a)
+static uint64_t floor_locked(const struct epdd_arena *a)
 {
         if (a->num_free == 0)
                 return a->bytes;
-        const struct epd_arena_extent *last = &a->free_list[a->num_free - 1];
+        const struct epdd_arena_extent *last = &a->free_list[a->num_free - 1];
         return last->off + last->len == a->bytes ? last->off : a->bytes;
 }
 
-uint64_t epd_arena_floor(struct epd_arena *a)
+uint64_t epd_arena_floor(struct epdd_arena *a)
 {
         uint64_t f;
 
@@ -172,9 +172,9 @@ uint64_t epd_arena_floor(struct epd_arena *a)
 
 /* Moves the end of the allocator's range to bytes (>= the floor). Lock held. Returns -ENOMEM
  * when the free list cannot take one more extent. */
-static int set_bytes_locked(struct epd_arena *a, uint64_t bytes)
+static int set_bytes_locked(struct epdd_arena *a, uint64_t bytes)
 {
-        struct epd_arena_extent *last = a->num_free ? &a->free_list[a->num_free - 1] : NULL;
+        struct epdd_arena_extent *last = a->num_free ? &a->free_list[a->num_free - 1] : NULL;
         int top_free = last && last->off + last->len == a->bytes;
 
         if (bytes > a->bytes) {
@@ -183,7 +183,7 @@ static int set_bytes_locked(struct epd_arena *a, uint64_t bytes)
                 } else {
                         if (a->num_free == a->cap_free) {
                                 unsigned cap = a->cap_free * 2;
-                                struct epd_arena_extent *n =
+                                struct epdd_arena_extent *n =
                                         realloc(a->free_list, cap * sizeof(*n));
                                 if (!n)
                                         return -ENOMEM;
@@ -191,7 +191,7 @@ static int set_bytes_locked(struct epd_arena *a, uint64_t bytes)
                                 a->cap_free = cap;
                         }
                         a->free_list[a->num_free++] =
-                                (struct epd_arena_extent){ a->bytes, bytes - a->bytes };
+                                (struct epdd_arena_extent){ a->bytes, bytes - a->bytes };
                 }
         } else if (bytes < a->bytes) {
                 /* The caller never goes below the floor: the top is free down to bytes. */
@@ -204,7 +204,7 @@ static int set_bytes_locked(struct epd_arena *a, uint64_t bytes)
         return 0;
 }
 
-int epd_arena_resize(struct epd_arena *a, uint64_t bytes, uint64_t *new_bytes, char *err,
+int epd_arena_resize(struct epdd_arena *a, uint64_t bytes, uint64_t *new_bytes, char *err,
                      size_t err_len)
 {
         uint64_t target = bytes, old_bytes = a->bytes;
@@ -242,7 +242,7 @@ int epd_arena_resize(struct epd_arena *a, uint64_t bytes, uint64_t *new_bytes, c
         return 0;
 }
 
-int epd_arena_alloc(struct epd_arena *a, uint64_t len, uint64_t *off)
+int epd_arena_alloc(struct epdd_arena *a, uint64_t len, uint64_t *off)
 {
         int rc = -ENOMEM;
 
@@ -252,7 +252,7 @@ int epd_arena_alloc(struct epd_arena *a, uint64_t len, uint64_t *off)
         len = round_up(len ? len : 1);
         pthread_mutex_lock(&a->lock);
         for (unsigned i = 0; i < a->num_free; i++) {
-                struct epd_arena_extent *e = &a->free_list[i];
+                struct epdd_arena_extent *e = &a->free_list[i];
                 if (e->len < len)
                         continue;
                 *off = e->off;
@@ -270,7 +270,7 @@ int epd_arena_alloc(struct epd_arena *a, uint64_t len, uint64_t *off)
         return rc;
 }
 
-void epd_arena_release(struct epd_arena *a, uint64_t off, uint64_t len)
+void epd_arena_release(struct epdd_arena *a, uint64_t off, uint64_t len)
 {
         unsigned i;
 
@@ -294,7 +294,7 @@ void epd_arena_release(struct epd_arena *a, uint64_t off, uint64_t len)
         } else {
                 if (a->num_free == a->cap_free) {
                         unsigned cap = a->cap_free * 2;
-                        struct epd_arena_extent *n = realloc(a->free_list, cap * sizeof(*n));
+                        struct epdd_arena_extent *n = realloc(a->free_list, cap * sizeof(*n));
                         if (!n) {
                                 /* Losing track of one extent leaks arena space but keeps every
                                  * live placement intact; report it through the used figure. */
@@ -306,14 +306,14 @@ void epd_arena_release(struct epd_arena *a, uint64_t off, uint64_t len)
                 }
                 memmove(&a->free_list[i + 1], &a->free_list[i],
                         (a->num_free - i) * sizeof(*a->free_list));
-                a->free_list[i] = (struct epd_arena_extent){ off, len };
+                a->free_list[i] = (struct epdd_arena_extent){ off, len };
                 a->num_free++;
         }
         a->used -= len;
         pthread_mutex_unlock(&a->lock);
 }
 
-uint64_t epd_arena_used(struct epd_arena *a)
+uint64_t epd_arena_used(struct epdd_arena *a)
 {
         uint64_t used;
 
@@ -323,7 +323,7 @@ uint64_t epd_arena_used(struct epd_arena *a)
         return used;
 }
 
-uint64_t epd_arena_largest_free(struct epd_arena *a)
+uint64_t epd_arena_largest_free(struct epdd_arena *a)
 {
         uint64_t best = 0;
 

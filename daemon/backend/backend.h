@@ -1,7 +1,7 @@
 /* backend.h - the interface between the daemon core and an execution backend (host, cuda).
  *
  * The core (loop thread) resolves every tensor of an op to a backend address and a row stride,
- * checked against its region, and hands the backend one struct epd_exec per op. The backend runs
+ * checked against its region, and hands the backend one struct epdd_exec per op. The backend runs
  * it on its own threads and calls epd_exec_done from any thread; the core then sees the result on
  * the loop thread. A backend never touches daemon objects other than the exec it was given and
  * the arenas named in it.
@@ -14,11 +14,47 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "arena.h"
 #include "config.h"
-#include "daemon.h"
-#include "exec.h"
+#include "doorbell.h"
+#include "epd.h"
+#include "mat.h"
+#include "list.h"
+#include "oprec.h"
 
-struct epd_device_desc {
+/* A group's fixed configuration, as the core checks ops against it and a backend sizes them. */
+struct epdd_group_cfg {
+        uint32_t world_size;
+        uint32_t num_experts;
+        uint32_t num_local_experts;
+        uint32_t hidden;
+        uint32_t max_tokens;
+        uint32_t max_topk;
+        enum epd_dtype dtype;
+        uint32_t scale_block;
+        uint32_t op_timeout_ms;
+        uint64_t arena_bytes;
+        uint64_t row_bytes;           /* bytes of one x row */
+        uint64_t scale_cols;          /* fp32 scales per row, 0 for bf16 */
+};
+
+/* What an op does: the op record's kinds (common/oprec.h). */
+enum epdd_op_kind {
+        EPD_OP_DISPATCH = EPD_OPREC_DISPATCH, /* the record's kinds (common/oprec.h) */
+        EPD_OP_COMBINE = EPD_OPREC_COMBINE,
+};
+
+/* Client memory as a backend sees it: region_import fills base and backend_state. The core's
+ * region (core/core.h) embeds one. */
+struct epdd_mem {
+        enum epd_region_kind kind;
+        uint64_t size;
+        uint32_t device;
+        uint8_t *base;                /* the address through which the backend reaches it */
+        void *backend_state;
+};
+
+struct epdd_device_desc {
         uint32_t index;
         char uuid[64];
         char name[64];
@@ -27,7 +63,7 @@ struct epd_device_desc {
 };
 
 /* Per-rank part of an exec. Pointers are backend addresses, already bounds-checked. */
-struct epd_exec_rank {
+struct epdd_exec_rank {
         uint32_t num_tokens;
         uint32_t device;
         /* dispatch inputs */
@@ -38,11 +74,11 @@ struct epd_exec_rank {
         struct epd_dispatch_dst_io dst;
         uint64_t capacity_rows;       /* smallest capacity among the rank's outputs */
         int use_arena;
-        struct epd_arena *arena;
+        struct epdd_arena *arena;
         /* Placement in the arena: filled by the backend for a new placement, or given (used set)
          * when a cached dispatch reuses its handle's placement. On failure the backend releases
          * any placement it made. */
-        struct epd_arena_place place;
+        struct epdd_arena_place place;
         int place_new;                /* place was made by this op (released if it fails) */
         /* combine */
         struct epd_mat y;
@@ -61,11 +97,10 @@ struct epd_exec_rank {
         int32_t *rank_prefix;         /* [R+1] */
 };
 
-struct epd_exec {
-        struct epd_daemon *daemon;
-        struct epd_op *op;            /* loop-thread back pointer; the backend does not use it */
-        enum epd_op_kind kind;
-        struct epd_group_cfg cfg;
+struct epdd_exec {
+        void *owner;                  /* the core's op; the backend does not use it */
+        enum epdd_op_kind kind;
+        struct epdd_group_cfg cfg;
         uint32_t num_topk;
         enum epd_dtype topk_dtype;
         enum epd_layout layout;
@@ -75,7 +110,7 @@ struct epd_exec {
         int apply_weights;
         void *handle_state;           /* combine / cached dispatch: the handle's state */
         void *new_handle_state;       /* dispatch: state produced for the new handle */
-        struct epd_exec_rank *ranks;  /* [R] */
+        struct epdd_exec_rank *ranks;  /* [R] */
         /* Result, written by the backend before epd_exec_done. */
         int status;
         char message[512];
@@ -91,51 +126,58 @@ struct epd_exec {
         struct epd_list link;         /* completion queue */
 };
 
-struct epd_backend;
+struct epdd_backend;
 
-struct epd_backend_ops {
+struct epdd_backend_ops {
         const char *name;
-        int (*init)(struct epd_backend *b, const struct epd_config *cfg, char *err,
+        int (*init)(struct epdd_backend *b, const struct epdd_config *cfg, char *err,
                     size_t err_len);
-        void (*fini)(struct epd_backend *b);
+        void (*fini)(struct epdd_backend *b);
         /* Maps or imports a client allocation; sets r->base and r->backend_state. Consumes fd
          * (closes it) in every case. */
-        int (*region_import)(struct epd_backend *b, struct epd_region *r, int fd,
+        int (*region_import)(struct epdd_backend *b, struct epdd_mem *r, int fd,
                              const void *ipc_handle, size_t ipc_len, uint64_t offset,
                              char *err, size_t err_len);
-        void (*region_release)(struct epd_backend *b, struct epd_region *r);
+        void (*region_release)(struct epdd_backend *b, struct epdd_mem *r);
         /* Maps one segment of an output arena (arena.h) for a rank on a device: new memory of
          * `bytes` at `addr` (page aligned, inside the arena's reserved range, which it
          * replaces) that the backend's devices can reach, and an fd the client can map (kind
          * says how). host_memory: the client cannot map device memory (it announced no CUDA
          * capability), so the segment must be host memory. Loop thread. */
-        int (*arena_map)(struct epd_backend *b, uint32_t device, int host_memory, uint8_t *addr,
+        int (*arena_map)(struct epdd_backend *b, uint32_t device, int host_memory, uint8_t *addr,
                          uint64_t bytes, int *fd, enum epd_region_kind *kind, char *err,
                          size_t err_len);
         /* Undoes arena_map: the range becomes reserved address space again. The caller closes
          * the fd. No op may use the range. Loop thread. */
-        void (*arena_unmap)(struct epd_backend *b, uint8_t *addr, uint64_t bytes);
+        void (*arena_unmap)(struct epdd_backend *b, uint8_t *addr, uint64_t bytes);
         /* Makes daemon host memory (a doorbell page) reachable by the backend's devices; *dev
          * is its device address, or NULL when the backend has no devices. */
-        int (*host_register)(struct epd_backend *b, void *ptr, uint64_t bytes, void **dev);
-        void (*host_unregister)(struct epd_backend *b, void *ptr);
+        int (*host_register)(struct epdd_backend *b, void *ptr, uint64_t bytes, void **dev);
+        void (*host_unregister)(struct epdd_backend *b, void *ptr);
         /* Starts an op; returns at once. Completion: epd_exec_done(ex) from any thread. */
-        void (*submit)(struct epd_backend *b, struct epd_exec *ex);
+        void (*submit)(struct epdd_backend *b, struct epdd_exec *ex);
         /* Frees a handle's state. Called on the loop thread when no op uses the handle. */
-        void (*handle_free)(struct epd_backend *b, void *state);
+        void (*handle_free)(struct epdd_backend *b, void *state);
         /* Liveness of the backend's threads for the watchdog: 0 when every thread made progress
          * or is idle. */
-        int (*check_alive)(struct epd_backend *b);
+        int (*check_alive)(struct epdd_backend *b);
         /* Whether ranks on devices a and b can be in one group (direct access between them).
          * NULL: always. */
-        int (*devices_connected)(struct epd_backend *b, uint32_t a, uint32_t b_dev);
+        int (*devices_connected)(struct epdd_backend *b, uint32_t a, uint32_t b_dev);
 };
 
-struct epd_backend {
-        const struct epd_backend_ops *ops;
-        struct epd_daemon *daemon;
+struct epdd_backend {
+        const struct epdd_backend_ops *ops;
+        /* Up-calls, registered by the layers above before the first op (loop thread): the core
+         * takes each completed exec; the network layer takes the requests posted in doorbell
+         * pages (returns how many) and tells the pages whether the loop polls them. */
+        void (*on_complete)(void *arg, struct epdd_exec *ex);
+        void *complete_arg;
+        unsigned (*poll_pages)(void *arg);
+        void (*set_polling)(void *arg, int on);
+        void *poll_arg;
         unsigned num_devices;
-        struct epd_device_desc devices[64];
+        struct epdd_device_desc devices[64];
         void *priv;
         /* Completion queue drained on the loop thread. */
         uv_async_t done_async;
@@ -151,36 +193,37 @@ struct epd_backend {
 };
 
 /* Hands an exec to the backend (ops->submit) and starts the loop's polling. Loop thread. */
-void epd_backend_submit(struct epd_backend *b, struct epd_exec *ex);
+void epd_backend_submit(struct epdd_backend *b, struct epdd_exec *ex);
 /* Keeps the loop polling for poll_ns from now: an op's first request came, and its other ranks'
  * requests are on their way. Loop thread. */
-void epd_backend_poll_window(struct epd_backend *b);
+void epd_backend_poll_window(struct epdd_backend *b);
 
 /* Without waiting: 1 when every rank's inputs are ready, 0 while some are not and now is before
  * deadline_ns, -1 (with ex->status TIMEOUT and its message) after it. */
-int epd_exec_inputs_ready(struct epd_exec *ex, uint64_t now_ns, uint64_t deadline_ns);
+int epd_exec_inputs_ready(struct epdd_exec *ex, uint64_t now_ns, uint64_t deadline_ns);
 /* Asks an exec that waits for its turn or its inputs to end with status instead of running.
  * One that already runs finishes; the loop thread then reports what the group decided. */
-void epd_exec_abort(struct epd_exec *ex, int status);
+void epd_exec_abort(struct epdd_exec *ex, int status);
 
 /* exec_common.c: once every arena rank's num_recv_tokens / num_expanded_rows is set, places
  * the outputs of ranks without a placement and points every arena rank's outputs at it.
  * Returns 0, or -1 with ex->status CAPACITY_EXCEEDED (new placements released). */
-int epd_exec_place_arenas(struct epd_exec *ex);
-void epd_exec_bind_arena(struct epd_exec *ex, struct epd_exec_rank *er);
+int epd_exec_place_arenas(struct epdd_exec *ex);
+void epd_exec_bind_arena(struct epdd_exec *ex, struct epdd_exec_rank *er);
 /* Releases the placements this op made; idempotent. */
-void epd_exec_release_new_arenas(struct epd_exec *ex);
+void epd_exec_release_new_arenas(struct epdd_exec *ex);
 
 /* Picks and initialises the backend named by cfg->backend ("auto": cuda when a GPU is usable,
- * else host). */
-int epd_backend_open(struct epd_daemon *d, struct epd_backend **out, char *err, size_t err_len);
-void epd_backend_close(struct epd_backend *b);
+ * else host), with its handles on loop. */
+int epd_backend_open(uv_loop_t *loop, const struct epdd_config *cfg, struct epdd_backend **out,
+                     char *err, size_t err_len);
+void epd_backend_close(struct epdd_backend *b);
 /* Thread-safe completion: queues ex for the loop thread. */
-void epd_exec_done(struct epd_backend *b, struct epd_exec *ex);
+void epd_exec_done(struct epdd_backend *b, struct epdd_exec *ex);
 
-extern const struct epd_backend_ops epd_backend_host_ops;
+extern const struct epdd_backend_ops epd_backend_host_ops;
 #ifdef EPD_HAVE_CUDA
-extern const struct epd_backend_ops epd_backend_cuda_ops;
+extern const struct epdd_backend_ops epd_backend_cuda_ops;
 #endif
 
 #endif

@@ -4,10 +4,10 @@
 #include <sys/resource.h>
 
 #include "budget.h"
-#include "daemon.h"
+#include "core.h"
 #include "log.h"
 
-void epd_budget_init(struct epd_daemon *d)
+void epd_budget_init(struct epdd_daemon *d)
 {
         struct rlimit rl;
 
@@ -37,7 +37,7 @@ int epd_budget_open_fds(void)
 }
 
 /* Room for `need` more descriptors, keeping fd_headroom free for accepting and replying. */
-static int fds_left(struct epd_daemon *d, unsigned need, char *err, size_t err_len)
+static int fds_left(struct epdd_daemon *d, unsigned need, char *err, size_t err_len)
 {
         int open;
 
@@ -59,7 +59,7 @@ struct holdings {
 };
 
 /* What the clients of c's uid hold (uid), and every client (all). */
-static void count(struct epd_daemon *d, const struct epd_conn *c, struct holdings *uid,
+static void count(struct epdd_daemon *d, const struct epdd_client *c, struct holdings *uid,
                   struct holdings *all)
 {
         struct epd_list *pos;
@@ -68,7 +68,7 @@ static void count(struct epd_daemon *d, const struct epd_conn *c, struct holding
         *all = (struct holdings){ 0 };
         epd_list_for_each(pos, &d->conns)
         {
-                const struct epd_conn *o = epd_list_entry(pos, struct epd_conn, link);
+                const struct epdd_client *o = epd_list_entry(pos, struct epdd_client, link);
                 all->bindings += o->num_bindings;
                 all->regions += o->num_regions;
                 all->region_bytes += o->region_bytes;
@@ -80,7 +80,7 @@ static void count(struct epd_daemon *d, const struct epd_conn *c, struct holding
         }
 }
 
-int epd_budget_binding(struct epd_daemon *d, const struct epd_conn *c, char *err,
+int epd_budget_binding(struct epdd_daemon *d, const struct epdd_client *c, char *err,
                        size_t err_len)
 {
         struct holdings uid, all;
@@ -104,14 +104,14 @@ int epd_budget_binding(struct epd_daemon *d, const struct epd_conn *c, char *err
         return fds_left(d, 2, err, err_len);
 }
 
-int epd_budget_group(struct epd_daemon *d, const struct epd_conn *c, char *err, size_t err_len)
+int epd_budget_group(struct epdd_daemon *d, const struct epdd_client *c, char *err, size_t err_len)
 {
         struct epd_list *pos;
         unsigned mine = 0;
 
         epd_list_for_each(pos, &d->groups)
         {
-                const struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                const struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
                 mine += g->owner_uid == c->uid;
         }
         if (mine >= d->cfg.max_groups_per_uid) {
@@ -122,7 +122,7 @@ int epd_budget_group(struct epd_daemon *d, const struct epd_conn *c, char *err, 
         return 0;
 }
 
-int epd_budget_region(struct epd_daemon *d, const struct epd_conn *c, uint64_t bytes, char *err,
+int epd_budget_region(struct epdd_daemon *d, const struct epdd_client *c, uint64_t bytes, char *err,
                       size_t err_len)
 {
         struct holdings uid, all;
@@ -156,23 +156,4 @@ int epd_budget_region(struct epd_daemon *d, const struct epd_conn *c, uint64_t b
                 return EPD_UNAVAILABLE;
         }
         return 0;
-}
-
-int epd_budget_queue(struct epd_daemon *d, struct epd_conn *c, uint64_t len,
-                     struct epd_conn **victim)
-{
-        struct epd_list *pos;
-        struct epd_conn *most = c;
-
-        (void)len;
-        if (d->out_bytes <= d->cfg.max_output_queue_bytes_total)
-                return 0;
-        epd_list_for_each(pos, &d->conns)
-        {
-                struct epd_conn *o = epd_list_entry(pos, struct epd_conn, link);
-                if (!o->closing && o->out_bytes > most->out_bytes)
-                        most = o;
-        }
-        *victim = most;
-        return -1;
 }

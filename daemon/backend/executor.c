@@ -7,7 +7,7 @@
 #include "util.h"
 
 /* Polls, without the lock, until an exec is queued or spin_ns has passed. */
-static void spin_for_work(struct epd_executor *e)
+static void spin_for_work(struct epdd_executor *e)
 {
         uint64_t end = epd__now_ns() + e->spin_ns;
 
@@ -23,14 +23,14 @@ static void spin_for_work(struct epd_executor *e)
  * whose inputs are not ready stays queued and does not hold back those behind it: groups are
  * independent, and a group has at most one op in the backend (daemon/op.c), so taking execs out
  * of order never reorders one group's ops. Lock held. */
-static struct epd_exec *take_ready(struct epd_executor *e, int *run)
+static struct epdd_exec *take_ready(struct epdd_executor *e, int *run)
 {
         uint64_t now = epd__now_ns();
         struct epd_list *pos;
 
         epd_list_for_each(pos, &e->queue)
         {
-                struct epd_exec *ex = epd_list_entry(pos, struct epd_exec, link);
+                struct epdd_exec *ex = epd_list_entry(pos, struct epdd_exec, link);
                 int aborted = atomic_load_explicit(&ex->abort_status, memory_order_relaxed);
                 int ready = 1;
 
@@ -57,7 +57,7 @@ static struct epd_exec *take_ready(struct epd_executor *e, int *run)
 
 static void *executor_main(void *arg)
 {
-        struct epd_executor *e = arg;
+        struct epdd_executor *e = arg;
 
         /* The bounded waits of the backends sleep in small steps (nanosleep); the default 50 us
          * timer slack would stretch each one to tens of microseconds of op latency. */
@@ -66,7 +66,7 @@ static void *executor_main(void *arg)
 
         pthread_mutex_lock(&e->lock);
         for (;;) {
-                struct epd_exec *ex;
+                struct epdd_exec *ex;
                 int run = 0;
 
                 while (!e->stop && !e->kicked && epd_list_empty(&e->queue)) {
@@ -125,7 +125,7 @@ static void *executor_main(void *arg)
         return NULL;
 }
 
-int epd_executor_start(struct epd_executor *e)
+int epd_executor_start(struct epdd_executor *e)
 {
         epd_list_init(&e->queue);
         atomic_store(&e->queued, 0);
@@ -138,7 +138,7 @@ int epd_executor_start(struct epd_executor *e)
         return 0;
 }
 
-void epd_executor_submit(struct epd_executor *e, struct epd_exec *ex)
+void epd_executor_submit(struct epdd_executor *e, struct epdd_exec *ex)
 {
         ex->submit_ns = epd__now_ns();
         pthread_mutex_lock(&e->lock);
@@ -148,7 +148,7 @@ void epd_executor_submit(struct epd_executor *e, struct epd_exec *ex)
         pthread_mutex_unlock(&e->lock);
 }
 
-void epd_executor_kick(struct epd_executor *e)
+void epd_executor_kick(struct epdd_executor *e)
 {
         pthread_mutex_lock(&e->lock);
         e->kicked = 1;
@@ -156,7 +156,7 @@ void epd_executor_kick(struct epd_executor *e)
         pthread_mutex_unlock(&e->lock);
 }
 
-void epd_executor_stop(struct epd_executor *e)
+void epd_executor_stop(struct epdd_executor *e)
 {
         struct epd_list *pos;
 
@@ -165,7 +165,7 @@ void epd_executor_stop(struct epd_executor *e)
         pthread_mutex_lock(&e->lock);
         /* What still waits for a client's inputs ends now rather than at its timeout. */
         epd_list_for_each(pos, &e->queue)
-                epd_exec_abort(epd_list_entry(pos, struct epd_exec, link), EPD_ABORTED);
+                epd_exec_abort(epd_list_entry(pos, struct epdd_exec, link), EPD_ABORTED);
         e->stop = 1;
         pthread_cond_signal(&e->cond);
         pthread_mutex_unlock(&e->lock);
@@ -175,7 +175,7 @@ void epd_executor_stop(struct epd_executor *e)
         e->started = 0;
 }
 
-int epd_executor_alive(struct epd_executor *e)
+int epd_executor_alive(struct epdd_executor *e)
 {
         return epd__now_ns() - atomic_load(&e->heartbeat_ns) > 60ull * 1000000000ull ? -1 : 0;
 }

@@ -13,7 +13,7 @@
  * (polling threads would take the cores of a small machine's clients). */
 #define EPD_POLL_AUTO UINT32_MAX
 
-struct epd_config {
+struct epdd_config {
         char config_path[256];
         int config_path_set;          /* given with --config: a missing file is an error */
         /* [daemon] */
@@ -69,19 +69,19 @@ struct epd_config {
         uint32_t host_threads;        /* copy threads; 0: number of CPUs */
 };
 
-void epd_config_defaults(struct epd_config *cfg);
+void epd_config_defaults(struct epdd_config *cfg);
 /* Reads the INI file into cfg. Returns 0, -ENOENT when the file is missing, or -EINVAL with
  * err naming the line and key. */
-int epd_config_load(struct epd_config *cfg, const char *path, char *err, size_t err_len);
+int epd_config_load(struct epdd_config *cfg, const char *path, char *err, size_t err_len);
 /* Applies one key (section, name, value) as the INI file would. 0 or -EINVAL. */
-int epd_config_set(struct epd_config *cfg, const char *section, const char *name,
+int epd_config_set(struct epdd_config *cfg, const char *section, const char *name,
                    const char *value, char *err, size_t err_len);
 /* Checks the keys against each other (a configuration that parses may still never run): 0, or
  * -EINVAL with err naming the keys. */
-int epd_config_validate(const struct epd_config *cfg, char *err, size_t err_len);
+int epd_config_validate(const struct epdd_config *cfg, char *err, size_t err_len);
 /* poll_us in nanoseconds, with EPD_POLL_AUTO resolved for this machine. */
-uint64_t epd_config_poll_ns(const struct epd_config *cfg);
+uint64_t epd_config_poll_ns(const struct epdd_config *cfg);
 /* Copies the keys that may change at run time from src into dst (SIGHUP). */
-void epd_config_apply_hot(struct epd_config *dst, const struct epd_config *src);
+void epd_config_apply_hot(struct epdd_config *dst, const struct epdd_config *src);
 
 #endif

@@ -14,12 +14,12 @@
 #include <unistd.h>
 
 #include "admission.h"
-#include "daemon.h"
+#include "net.h"
 #include "log.h"
 
 static void on_listen_readable(uv_poll_t *handle, int status, int events)
 {
-        struct epd_daemon *d = handle->data;
+        struct epdd_daemon *d = handle->data;
 
         (void)events;
         if (status < 0)
@@ -58,7 +58,7 @@ static int remove_stale_socket(const char *path)
         return unlink(path) < 0 ? -errno : 0;
 }
 
-int epd_server_listen(struct epd_daemon *d, char *err, size_t err_len)
+int epd_server_listen(struct epdd_daemon *d, char *err, size_t err_len)
 {
         struct sockaddr_un sa = { .sun_family = AF_UNIX };
         int n = sd_listen_fds(1);
@@ -132,19 +132,19 @@ sys_fail:
         return rc;
 }
 
-void epd_server_pause(struct epd_daemon *d)
+void epd_server_pause(struct epdd_daemon *d)
 {
         if (d->listen_fd >= 0)
                 uv_poll_stop(&d->listen_poll);
 }
 
-void epd_server_resume(struct epd_daemon *d)
+void epd_server_resume(struct epdd_daemon *d)
 {
         if (d->listen_fd >= 0 && !d->shutting_down)
                 uv_poll_start(&d->listen_poll, UV_READABLE, on_listen_readable);
 }
 
-void epd_server_close(struct epd_daemon *d)
+void epd_server_close(struct epdd_daemon *d)
 {
         if (d->listen_fd < 0)
                 return;
@@ -165,7 +165,7 @@ static int in_list(const uint32_t *ids, unsigned n, uint32_t id)
         return 0;
 }
 
-int epd_conn_is_allowed(const struct epd_daemon *d, uid_t uid, gid_t gid)
+int epd_conn_is_allowed(const struct epdd_daemon *d, uid_t uid, gid_t gid)
 {
         if (uid == 0)
                 return 1;
@@ -175,7 +175,7 @@ int epd_conn_is_allowed(const struct epd_daemon *d, uid_t uid, gid_t gid)
                in_list(d->cfg.allow_gids, d->cfg.num_allow_gids, gid);
 }
 
-int epd_conn_is_admin(const struct epd_daemon *d, uid_t uid, gid_t gid)
+int epd_conn_is_admin(const struct epdd_daemon *d, uid_t uid, gid_t gid)
 {
         if (uid == 0)
                 return 1;

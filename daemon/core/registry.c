@@ -10,7 +10,7 @@
 #include "budget.h"
 #include "arena.h"
 #include "backend.h"
-#include "daemon.h"
+#include "core.h"
 #include "log.h"
 
 /* ---- the connection's lookup table: a client may hold thousands of regions
@@ -21,7 +21,7 @@ static uint32_t slot_of(uint64_t id, uint32_t cap)
         return (uint32_t)((id * 0x9E3779B97F4A7C15ull) >> 32) & (cap - 1);
 }
 
-static void table_insert(struct epd_region **slots, uint32_t cap, struct epd_region *r)
+static void table_insert(struct epdd_region **slots, uint32_t cap, struct epdd_region *r)
 {
         uint32_t i = slot_of(r->id, cap);
 
@@ -30,11 +30,11 @@ static void table_insert(struct epd_region **slots, uint32_t cap, struct epd_reg
         slots[i] = r;
 }
 
-int epd_region_attach(struct epd_conn *c, struct epd_region *r)
+int epd_region_attach(struct epdd_client *c, struct epdd_region *r)
 {
         if (2 * (c->region_count + 1) > c->region_cap) {
                 const uint32_t cap = c->region_cap ? 2 * c->region_cap : 16;
-                struct epd_region **n = calloc(cap, sizeof(*n));
+                struct epdd_region **n = calloc(cap, sizeof(*n));
                 if (!n)
                         return EPD_INTERNAL;
                 for (uint32_t i = 0; i < c->region_cap; i++)
@@ -52,7 +52,7 @@ int epd_region_attach(struct epd_conn *c, struct epd_region *r)
 
 /* Removes r from the table, moving later entries of its probe run back so that no lookup
  * stops early at the hole (deletion without tombstones). */
-static void table_remove(struct epd_conn *c, struct epd_region *r)
+static void table_remove(struct epdd_client *c, struct epdd_region *r)
 {
         const uint32_t mask = c->region_cap - 1;
         uint32_t hole = slot_of(r->id, c->region_cap);
@@ -75,11 +75,11 @@ static void table_remove(struct epd_conn *c, struct epd_region *r)
         }
 }
 
-int epd_region_register(struct epd_conn *c, const Epd__V1__RegionRegister *rr, int fd,
+int epd_region_register(struct epdd_client *c, const struct epdd_region_args *rr, int fd,
                         uint64_t *region_id, char *err, size_t err_len)
 {
-        struct epd_daemon *d = c->daemon;
-        struct epd_region *r;
+        struct epdd_daemon *d = c->daemon;
+        struct epdd_region *r;
         int rc;
 
         if (c->num_regions >= d->cfg.max_regions_per_client) {
@@ -119,12 +119,12 @@ int epd_region_register(struct epd_conn *c, const Epd__V1__RegionRegister *rr, i
                 goto fail_fd;
         }
         r->owner = c;
-        r->kind = (enum epd_region_kind)rr->kind;
-        r->size = rr->size;
-        r->device = rr->device;
+        r->mem.kind = rr->kind;
+        r->mem.size = rr->size;
+        r->mem.device = rr->device;
         /* region_import consumes fd on every path. */
-        rc = d->backend->ops->region_import(d->backend, r, fd, rr->ipc_handle.data,
-                                            rr->ipc_handle.len, rr->offset, err, err_len);
+        rc = d->backend->ops->region_import(d->backend, &r->mem, fd, rr->ipc_handle,
+                                            rr->ipc_len, rr->offset, err, err_len);
         if (rc < 0) {
                 free(r);
                 return rc;
@@ -132,13 +132,13 @@ int epd_region_register(struct epd_conn *c, const Epd__V1__RegionRegister *rr, i
         r->id = ++d->next_region_id;
         r->refs = 1;
         if (epd_region_attach(c, r) < 0) {
-                d->backend->ops->region_release(d->backend, r);
+                d->backend->ops->region_release(d->backend, &r->mem);
                 free(r);
                 snprintf(err, err_len, "out of memory");
                 return EPD_INTERNAL;
         }
         c->num_regions++;
-        c->region_bytes += r->size;
+        c->region_bytes += r->mem.size;
         *region_id = r->id;
         return 0;
 fail_fd:
@@ -147,46 +147,46 @@ fail_fd:
         return rc;
 }
 
-void epd_region_ref(struct epd_region *r)
+void epd_region_ref(struct epdd_region *r)
 {
         r->refs++;
 }
 
-void epd_region_unref(struct epd_daemon *d, struct epd_region *r)
+void epd_region_unref(struct epdd_daemon *d, struct epdd_region *r)
 {
         if (--r->refs > 0)
                 return;
         if (!r->is_arena)
-                d->backend->ops->region_release(d->backend, r);
+                d->backend->ops->region_release(d->backend, &r->mem);
         free(r);
 }
 
-static void region_detach(struct epd_conn *c, struct epd_region *r)
+static void region_detach(struct epdd_client *c, struct epdd_region *r)
 {
         table_remove(c, r);
         epd_list_del(&r->conn_link);
         if (!r->is_arena) {
                 c->num_regions--;
-                c->region_bytes -= r->size;
+                c->region_bytes -= r->mem.size;
         }
         r->owner = NULL;
         epd_region_unref(c->daemon, r);
 }
 
-struct epd_region *epd_region_find(struct epd_conn *c, uint64_t region_id)
+struct epdd_region *epd_region_find(struct epdd_client *c, uint64_t region_id)
 {
         if (c->region_cap == 0)
                 return NULL;
         for (uint32_t i = slot_of(region_id, c->region_cap);; i = (i + 1) & (c->region_cap - 1)) {
-                struct epd_region *r = c->region_slots[i];
+                struct epdd_region *r = c->region_slots[i];
                 if (!r || r->id == region_id)
                         return r;
         }
 }
 
-int epd_region_release_id(struct epd_conn *c, uint64_t region_id)
+int epd_region_release_id(struct epdd_client *c, uint64_t region_id)
 {
-        struct epd_region *r = epd_region_find(c, region_id);
+        struct epdd_region *r = epd_region_find(c, region_id);
 
         if (!r)
                 return EPD_NOT_FOUND;
@@ -196,27 +196,27 @@ int epd_region_release_id(struct epd_conn *c, uint64_t region_id)
         return 0;
 }
 
-void epd_region_detach(struct epd_conn *c, struct epd_region *r)
+void epd_region_detach(struct epdd_client *c, struct epdd_region *r)
 {
         region_detach(c, r);
 }
 
-void epd_region_release_all(struct epd_conn *c)
+void epd_region_release_all(struct epdd_client *c)
 {
         struct epd_list *pos, *tmp;
 
         epd_list_for_each_safe(pos, tmp, &c->regions)
-                region_detach(c, epd_list_entry(pos, struct epd_region, conn_link));
+                region_detach(c, epd_list_entry(pos, struct epdd_region, conn_link));
         free(c->region_slots);
         c->region_slots = NULL;
         c->region_cap = 0;
 }
 
-int epd_region_resolve(struct epd_conn *c, const struct epd_tensor *t, uint64_t rows,
-                       uint64_t cols, struct epd_region **region, uint8_t **ptr,
+int epd_region_resolve(struct epdd_client *c, const struct epd_tensor *t, uint64_t rows,
+                       uint64_t cols, struct epdd_region **region, uint8_t **ptr,
                        uint64_t *row_stride, char *err, size_t err_len)
 {
-        struct epd_region *r = epd_region_find(c, t->region_id);
+        struct epdd_region *r = epd_region_find(c, t->region_id);
         size_t esize = epd_dtype_size(t->dtype);
         uint64_t stride_elems, stride_bytes, row_bytes, extent;
 
@@ -270,40 +270,40 @@ int epd_region_resolve(struct epd_conn *c, const struct epd_tensor *t, uint64_t 
                 }
                 extent = (rows - 1) * stride_bytes + row_bytes;
         }
-        if (t->offset > r->size || extent > r->size - t->offset) {
+        if (t->offset > r->mem.size || extent > r->mem.size - t->offset) {
                 snprintf(err, err_len,
                          "tensor at offset %llu with %llu bytes runs past the end of region %llu (%llu bytes)",
                          (unsigned long long)t->offset, (unsigned long long)extent,
-                         (unsigned long long)r->id, (unsigned long long)r->size);
+                         (unsigned long long)r->id, (unsigned long long)r->mem.size);
                 return EPD_INVALID_ARGUMENT;
         }
         /* Backends access elements through typed (and vectorised) pointers: an element that
          * straddles its natural alignment is undefined behaviour on the host and a fault on a
          * GPU. Strides are whole elements, so the first element decides. */
-        if ((uintptr_t)(r->base + t->offset) % esize != 0) {
+        if ((uintptr_t)(r->mem.base + t->offset) % esize != 0) {
                 snprintf(err, err_len,
                          "tensor at offset %llu of region %llu is not aligned to its %zu-byte elements",
                          (unsigned long long)t->offset, (unsigned long long)r->id, esize);
                 return EPD_INVALID_ARGUMENT;
         }
         *region = r;
-        *ptr = r->base + t->offset;
+        *ptr = r->mem.base + t->offset;
         *row_stride = stride_bytes;
         return 0;
 }
 
-int epd_region_add_arena(struct epd_conn *c, struct epd_arena *arena, uint32_t device,
+int epd_region_add_arena(struct epdd_client *c, struct epdd_arena *arena, uint32_t device,
                          uint64_t *region_id)
 {
-        struct epd_region *r = calloc(1, sizeof(*r));
+        struct epdd_region *r = calloc(1, sizeof(*r));
 
         if (!r)
                 return EPD_INTERNAL;
         r->owner = c;
-        r->kind = arena->kind;
-        r->size = arena->bytes;
-        r->device = device;
-        r->base = arena->base;
+        r->mem.kind = arena->kind;
+        r->mem.size = arena->bytes;
+        r->mem.device = device;
+        r->mem.base = arena->base;
         r->is_arena = 1;
         r->id = ++c->daemon->next_region_id;
         r->refs = 1;

@@ -10,22 +10,22 @@
 /* Bucket i counts latencies below 2^i microseconds (the last bucket is open-ended). */
 #define EPD_LAT_BUCKETS 24
 
-struct epd_latency_hist {
+struct epdd_latency_hist {
         uint64_t buckets[EPD_LAT_BUCKETS];
         uint64_t count;
         uint64_t sum_ns;
         uint64_t max_ns;
 };
 
-struct epd_op_stats {
+struct epdd_op_stats {
         uint64_t ops;
         uint64_t bytes;
         uint64_t errors[EPD_STATUS_COUNT];
-        struct epd_latency_hist latency;
+        struct epdd_latency_hist latency;
 };
 
-struct epd_rank_stats {
-        struct epd_op_stats kind[2];  /* dispatch, combine */
+struct epdd_rank_stats {
+        struct epdd_op_stats kind[2];  /* dispatch, combine */
 };
 
 /* Where a group's successful ops spent their time (epd_stage_names):
@@ -38,19 +38,19 @@ extern const char *const epd_stage_names[EPD_STAGES];
 /* Op kinds as statistics and metrics name them: [0] dispatch, [1] combine. */
 extern const char *const epd_op_kind_names[2];
 
-struct epd_group_stats {
+struct epdd_group_stats {
         uint64_t ops_completed;
         uint64_t ops_failed;
-        struct epd_op_stats kind[2];
-        struct epd_latency_hist stage[2][EPD_STAGES]; /* [kind][stage] */
+        struct epdd_op_stats kind[2];
+        struct epdd_latency_hist stage[2][EPD_STAGES]; /* [kind][stage] */
 };
 
-struct epd_client_stats {
+struct epdd_client_stats {
         uint64_t requests;
         uint64_t ops;
 };
 
-struct epd_daemon_stats {
+struct epdd_daemon_stats {
         uint64_t ops_completed;
         uint64_t ops_failed;
         uint64_t frames_in;
@@ -68,9 +68,9 @@ struct epd_daemon_stats {
         } devices[64];
 };
 
-void epd_latency_record(struct epd_latency_hist *h, uint64_t ns);
+void epd_latency_record(struct epdd_latency_hist *h, uint64_t ns);
 /* Approximate quantile (upper bucket bound, capped by max) in nanoseconds. */
-uint64_t epd_latency_quantile(const struct epd_latency_hist *h, double q);
-void epd_op_stats_record(struct epd_op_stats *s, int status, uint64_t bytes, uint64_t ns);
+uint64_t epd_latency_quantile(const struct epdd_latency_hist *h, double q);
+void epd_op_stats_record(struct epdd_op_stats *s, int status, uint64_t bytes, uint64_t ns);
 
 #endif

@@ -18,8 +18,7 @@
 
 #include "admission.h"
 #include "backend.h"
-#include "budget.h"
-#include "daemon.h"
+#include "net.h"
 #include "frame.h"
 #include "log.h"
 #include "mailbox.h"
@@ -27,13 +26,13 @@
 
 static void on_conn_event(uv_poll_t *handle, int status, int events);
 static void on_close_idle(uv_idle_t *idle);
-static int conn_flush(struct epd_conn *c);
+static int conn_flush(struct epdd_conn *c);
 
-static void conn_update_poll(struct epd_conn *c)
+static void conn_update_poll(struct epdd_conn *c)
 {
         int want = UV_READABLE | (epd_list_empty(&c->out_queue) ? 0 : UV_WRITABLE);
 
-        if (c->closing || want == c->poll_events)
+        if (c->cl.closing || want == c->poll_events)
                 return;
         c->poll_events = want;
         uv_poll_start(&c->poll, want, on_conn_event);
@@ -55,11 +54,11 @@ static void refuse(int fd, int status, const char *message)
         close(fd);
 }
 
-int epd_conn_accept(struct epd_daemon *d, int fd)
+int epd_conn_accept(struct epdd_daemon *d, int fd)
 {
         struct ucred cred;
         socklen_t len = sizeof(cred);
-        struct epd_conn *c;
+        struct epdd_conn *c;
         const char *why;
         int admin, rc;
 
@@ -92,18 +91,18 @@ int epd_conn_accept(struct epd_daemon *d, int fd)
                 close(fd);
                 return -ENOMEM;
         }
-        c->daemon = d;
-        c->id = ++d->next_client_id;
+        c->cl.daemon = d;
+        c->cl.id = ++d->next_client_id;
         c->fd = fd;
-        c->pid = cred.pid;
-        c->uid = cred.uid;
-        c->gid = cred.gid;
-        c->admin = admin;
+        c->cl.pid = cred.pid;
+        c->cl.uid = cred.uid;
+        c->cl.gid = cred.gid;
+        c->cl.admin = admin;
         c->accepted_ns = epd__now_ns();
-        epd_list_init(&c->regions);
-        epd_list_init(&c->bindings);
+        epd_list_init(&c->cl.regions);
+        epd_list_init(&c->cl.bindings);
         epd_list_init(&c->out_queue);
-        epd_list_add_tail(&d->conns, &c->link);
+        epd_list_add_tail(&d->conns, &c->cl.link);
         d->num_conns++;
         d->stats.clients_accepted++;
         uv_poll_init(d->loop, &c->poll, fd);
@@ -113,12 +112,12 @@ int epd_conn_accept(struct epd_daemon *d, int fd)
         c->close_idle.data = c;
         c->open_handles = 2;
         conn_update_poll(c);
-        log_debug("client connected client=%llu pid=%d uid=%u", (unsigned long long)c->id,
-                  (int)c->pid, c->uid);
+        log_debug("client connected client=%llu pid=%d uid=%u", (unsigned long long)c->cl.id,
+                  (int)c->cl.pid, c->cl.uid);
         return 0;
 }
 
-static void free_out_msg(struct epd_out_msg *m)
+static void free_out_msg(struct epdd_out_msg *m)
 {
         for (unsigned i = 0; i < m->num_fds; i++)
                 close(m->fds[i]);
@@ -127,22 +126,22 @@ static void free_out_msg(struct epd_out_msg *m)
 
 static void on_conn_closed(uv_handle_t *handle)
 {
-        struct epd_conn *c = handle->data;
+        struct epdd_conn *c = handle->data;
 
         if (--c->open_handles == 0)
                 free(c);
 }
 
 /* Schedules the close for the loop's next turn (see the top of this file). */
-static void conn_close_later(struct epd_conn *c, const char *why)
+static void conn_close_later(struct epdd_conn *c, const char *why)
 {
-        if (c->closing || c->close_reason)
+        if (c->cl.closing || c->close_reason)
                 return;
         c->close_reason = why;
         uv_idle_start(&c->close_idle, on_close_idle);
 }
 
-void epd_conn_close_later(struct epd_conn *c, const char *why)
+void epd_conn_close_later(struct epdd_conn *c, const char *why)
 {
         conn_flush(c);
         conn_close_later(c, why);
@@ -150,39 +149,39 @@ void epd_conn_close_later(struct epd_conn *c, const char *why)
 
 static void on_close_idle(uv_idle_t *idle)
 {
-        struct epd_conn *c = idle->data;
+        struct epdd_conn *c = idle->data;
 
         uv_idle_stop(idle);
         epd_conn_close(c, c->close_reason);
 }
 
-void epd_conn_close(struct epd_conn *c, const char *why)
+void epd_conn_close(struct epdd_conn *c, const char *why)
 {
-        struct epd_daemon *d = c->daemon;
+        struct epdd_daemon *d = c->cl.daemon;
         struct epd_list *pos, *tmp;
 
-        if (c->closing)
+        if (c->cl.closing)
                 return;
-        c->closing = 1;
+        c->cl.closing = 1;
         /* A clean close is routine; anything else is worth the operator's attention. */
         epd_log(strcmp(why, "end of stream") ? LOG_INFO : LOG_DEBUG,
                 "client disconnected client=%llu pid=%d reason=\"%s\"",
-                (unsigned long long)c->id, (int)c->pid, why);
+                (unsigned long long)c->cl.id, (int)c->cl.pid, why);
         uv_poll_stop(&c->poll);
         uv_idle_stop(&c->close_idle);
         /* Unbind every rank first: the groups fail or finish the ops of this client, and no
          * reply is sent to it any more. */
-        epd_list_for_each_safe(pos, tmp, &c->bindings)
+        epd_list_for_each_safe(pos, tmp, &c->cl.bindings)
         {
-                struct epd_binding *b = epd_list_entry(pos, struct epd_binding, conn_link);
-                struct epd_group *g = b->group;
+                struct epdd_binding *b = epd_list_entry(pos, struct epdd_binding, conn_link);
+                struct epdd_group *g = b->group;
                 epd_group_unbind(g, b->rank, 1);
                 epd_group_maybe_free(g);
         }
-        epd_region_release_all(c);
+        epd_region_release_all(&c->cl);
         epd_list_for_each_safe(pos, tmp, &c->out_queue)
         {
-                struct epd_out_msg *m = epd_list_entry(pos, struct epd_out_msg, link);
+                struct epdd_out_msg *m = epd_list_entry(pos, struct epdd_out_msg, link);
                 epd_list_del(&m->link);
                 free_out_msg(m);
         }
@@ -190,20 +189,20 @@ void epd_conn_close(struct epd_conn *c, const char *why)
         c->out_bytes = 0;
         close(c->fd);
         c->fd = -1;
-        epd_list_del(&c->link);
+        epd_list_del(&c->cl.link);
         d->num_conns--;
         uv_close((uv_handle_t *)&c->poll, on_conn_closed);
         uv_close((uv_handle_t *)&c->close_idle, on_conn_closed);
 }
 
 /* Sends queued frames until the socket is full. Returns 0 or -errno (connection broken). */
-static int conn_flush(struct epd_conn *c)
+static int conn_flush(struct epdd_conn *c)
 {
         struct epd_list *pos, *tmp;
 
         epd_list_for_each_safe(pos, tmp, &c->out_queue)
         {
-                struct epd_out_msg *m = epd_list_entry(pos, struct epd_out_msg, link);
+                struct epdd_out_msg *m = epd_list_entry(pos, struct epdd_out_msg, link);
                 int rc = epd_frame_send(c->fd, EPD_PROTOCOL_VERSION, m->data, m->len, m->fds,
                                         m->num_fds);
                 if (rc == -EAGAIN)
@@ -211,30 +210,30 @@ static int conn_flush(struct epd_conn *c)
                 if (rc < 0)
                         return rc;
                 c->out_bytes -= m->len;
-                c->daemon->out_bytes -= m->len;
+                c->cl.daemon->out_bytes -= m->len;
                 epd_list_del(&m->link);
                 free_out_msg(m);
-                c->daemon->stats.frames_out++;
+                c->cl.daemon->stats.frames_out++;
         }
         conn_update_poll(c);
         return 0;
 }
 
-int epd_conn_send(struct epd_conn *c, const Epd__V1__Response *resp, const int *fds,
+int epd_conn_send(struct epdd_conn *c, const Epd__V1__Response *resp, const int *fds,
                   unsigned num_fds)
 {
-        struct epd_daemon *d = c->daemon;
-        struct epd_conn *victim = NULL;
+        struct epdd_daemon *d = c->cl.daemon;
+        struct epdd_conn *victim = NULL;
         size_t len;
-        struct epd_out_msg *m;
+        struct epdd_out_msg *m;
         int rc;
 
-        if (c->closing || c->close_reason)
+        if (c->cl.closing || c->close_reason)
                 return -ECONNRESET;
         len = epd__v1__response__get_packed_size(resp);
         if (len > d->cfg.max_frame_bytes) {
                 log_error("reply of %zu bytes exceeds max_frame_bytes=%u client=%llu", len,
-                          d->cfg.max_frame_bytes, (unsigned long long)c->id);
+                          d->cfg.max_frame_bytes, (unsigned long long)c->cl.id);
                 epd_conn_reply_status(c, resp->id, EPD_INTERNAL,
                                       "reply of %zu bytes exceeds the maximum frame size %u",
                                       len, d->cfg.max_frame_bytes);
@@ -267,7 +266,7 @@ int epd_conn_send(struct epd_conn *c, const Epd__V1__Response *resp, const int *
                 conn_close_later(c, "output queue limit exceeded: the client does not read its replies");
                 return -ENOBUFS;
         }
-        if (epd_budget_queue(d, c, len, &victim) < 0) {
+        if (epd_admission_queue(d, c, &victim) < 0) {
                 conn_close_later(victim, "the daemon's queued replies exceed "
                                          "max_output_queue_bytes_total: this client holds the most");
                 if (victim == c)
@@ -281,14 +280,18 @@ int epd_conn_send(struct epd_conn *c, const Epd__V1__Response *resp, const int *
         return 0;
 }
 
-int epd_conn_reply_op(struct epd_conn *c, struct epd_doorbell *mailbox,
-                      const struct epd_op_reply *rep)
+/* The core's reply_op hook: the reply record into the page when given and it fits, else on
+ * the socket inside an OpRecord. */
+static void conn_reply_op(struct epdd_client *cl, struct epd_doorbell *mailbox,
+                          const struct epd_op_reply *rep)
 {
-        if (c->closing || c->close_reason)
-                return -ECONNRESET;
+        struct epdd_conn *c = epd_conn_of(cl);
+
+        if (c->cl.closing || c->close_reason)
+                return;
         if (mailbox && epd_mailbox_post(mailbox, rep) == 0) {
-                c->daemon->stats.mailbox_replies++;
-                return 0;
+                c->cl.daemon->stats.mailbox_replies++;
+                return;
         }
         /* On the socket: the same record inside an OpRecord. */
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
@@ -296,10 +299,9 @@ int epd_conn_reply_op(struct epd_conn *c, struct epd_doorbell *mailbox,
         const size_t len = epd_oprec_reply_bytes(rep);
         uint8_t stack[EPD_OPREC_REPLY_HEADER_BYTES + EPD_OPREC_MESSAGE_MAX + 256];
         uint8_t *buf = len <= sizeof(stack) ? stack : malloc(len);
-        int rc;
 
         if (len == 0 || !buf)
-                return -ENOMEM;
+                return;
         (void)epd_oprec_reply_encode(rep, buf, len);
         wrap.record.data = buf;
         wrap.record.len = len;
@@ -308,34 +310,15 @@ int epd_conn_reply_op(struct epd_conn *c, struct epd_doorbell *mailbox,
         resp.message = "";
         resp.body_case = EPD__V1__RESPONSE__BODY_OP;
         resp.op = &wrap;
-        rc = epd_conn_send(c, &resp, NULL, 0);
+        (void)epd_conn_send(c, &resp, NULL, 0);
         if (buf != stack)
                 free(buf);
-        return rc;
 }
 
-void epd_conn_reply_op_status(struct epd_conn *c, struct epd_doorbell *mailbox, uint32_t kind,
-                              uint64_t request_id, int status, const char *fmt, ...)
-{
-        struct epd_op_reply rep;
-        char message[EPD_OPREC_MESSAGE_MAX];
-        va_list ap;
-
-        va_start(ap, fmt);
-        vsnprintf(message, sizeof(message), fmt, ap);
-        va_end(ap);
-        memset(&rep, 0, sizeof(rep));
-        rep.id = request_id;
-        rep.kind = kind;
-        rep.status = status;
-        rep.message = message;
-        (void)epd_conn_reply_op(c, mailbox, &rep);
-}
-
-static void reply_status(struct epd_conn *c, uint64_t request_id, int status, const char *fmt,
+static void reply_status(struct epdd_conn *c, uint64_t request_id, int status, const char *fmt,
                          va_list ap) __attribute__((format(printf, 4, 0)));
 
-static void reply_status(struct epd_conn *c, uint64_t request_id, int status, const char *fmt,
+static void reply_status(struct epdd_conn *c, uint64_t request_id, int status, const char *fmt,
                          va_list ap)
 {
         Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
@@ -351,7 +334,7 @@ static void reply_status(struct epd_conn *c, uint64_t request_id, int status, co
         (void)epd_conn_send(c, &resp, NULL, 0);
 }
 
-void epd_conn_reply_status(struct epd_conn *c, uint64_t request_id, int status, const char *fmt,
+void epd_conn_reply_status(struct epdd_conn *c, uint64_t request_id, int status, const char *fmt,
                            ...)
 {
         va_list ap;
@@ -361,11 +344,11 @@ void epd_conn_reply_status(struct epd_conn *c, uint64_t request_id, int status, 
         va_end(ap);
 }
 
-static int conn_protocol_error(struct epd_conn *c, const char *fmt, ...)
+static int conn_protocol_error(struct epdd_conn *c, const char *fmt, ...)
         __attribute__((format(printf, 2, 3)));
 
 /* Answers a protocol error with request id 0 and closes the connection. Returns -1. */
-static int conn_protocol_error(struct epd_conn *c, const char *fmt, ...)
+static int conn_protocol_error(struct epdd_conn *c, const char *fmt, ...)
 {
         char msg[512];
         va_list ap;
@@ -373,8 +356,8 @@ static int conn_protocol_error(struct epd_conn *c, const char *fmt, ...)
         va_start(ap, fmt);
         vsnprintf(msg, sizeof(msg), fmt, ap);
         va_end(ap);
-        c->daemon->stats.protocol_errors++;
-        log_notice("client=%llu %s", (unsigned long long)c->id, msg);
+        c->cl.daemon->stats.protocol_errors++;
+        log_notice("client=%llu %s", (unsigned long long)c->cl.id, msg);
         epd_conn_reply_status(c, 0, EPD_INVALID_ARGUMENT, "%s", msg);
         epd_conn_close(c, msg);
         return -1;
@@ -382,17 +365,17 @@ static int conn_protocol_error(struct epd_conn *c, const char *fmt, ...)
 
 /* ---- requests through the doorbell pages (common/doorbell.h, request mailbox) ---- */
 
-static struct epd_doorbell *binding_page(const struct epd_binding *b)
+static struct epd_doorbell *binding_page(const struct epdd_binding *b)
 {
         return b->group->ranks[b->rank].doorbell;
 }
 
 /* Handles the request a client posted in the page of binding b, if any. Returns 1 when one was
  * handled, 0 when there was none, -1 once the connection was closed. */
-static int conn_take_page(struct epd_conn *c, struct epd_binding *b)
+static int conn_take_page(struct epdd_conn *c, struct epdd_binding *b)
 {
-        struct epd_daemon *d = c->daemon;
-        struct epd_group *g = b->group;
+        struct epdd_daemon *d = c->cl.daemon;
+        struct epdd_group *g = b->group;
         struct epd_doorbell *page = binding_page(b);
         uint8_t buf[EPD_REQUEST_CAPACITY];
         size_t len;
@@ -418,10 +401,10 @@ static int conn_take_page(struct epd_conn *c, struct epd_binding *b)
                         c, "protocol error: an op record in the doorbell page of group '%s' rank %u must be one of that rank (it names group %llu rank %u)",
                         g->name, b->rank, (unsigned long long)req.group_id, req.rank);
         d->stats.mailbox_requests++;
-        c->stats.requests++;
+        c->cl.stats.requests++;
         epd_handle_op(c, &req);
-        if (c->closing || c->close_reason) {
-                if (!c->closing)
+        if (c->cl.closing || c->close_reason) {
+                if (!c->cl.closing)
                         epd_conn_close(c, "request handler closed the connection");
                 return -1;
         }
@@ -430,16 +413,16 @@ static int conn_take_page(struct epd_conn *c, struct epd_binding *b)
 
 /* Takes every request c's client posted in its pages. Returns the number handled, or -1 once
  * the connection was closed. */
-static int conn_take_pages(struct epd_conn *c)
+static int conn_take_pages(struct epdd_conn *c)
 {
         struct epd_list *pos, *tmp;
         int n = 0;
 
-        if (c->closing || c->close_reason)
+        if (c->cl.closing || c->close_reason)
                 return 0;
-        epd_list_for_each_safe(pos, tmp, &c->bindings)
+        epd_list_for_each_safe(pos, tmp, &c->cl.bindings)
         {
-                int rc = conn_take_page(c, epd_list_entry(pos, struct epd_binding, conn_link));
+                int rc = conn_take_page(c, epd_list_entry(pos, struct epdd_binding, conn_link));
                 if (rc < 0)
                         return -1;
                 n += rc;
@@ -447,27 +430,30 @@ static int conn_take_pages(struct epd_conn *c)
         return n;
 }
 
-unsigned epd_conn_poll_pages(struct epd_daemon *d)
+unsigned epd_conn_poll_pages(struct epdd_daemon *d)
 {
         struct epd_list *pos, *tmp;
         unsigned n = 0;
 
         epd_list_for_each_safe(pos, tmp, &d->conns)
         {
-                int rc = conn_take_pages(epd_list_entry(pos, struct epd_conn, link));
+                int rc = conn_take_pages(epd_list_entry(pos, struct epdd_conn, cl.link));
                 if (rc > 0)
                         n += (unsigned)rc;
         }
         return n;
 }
 
-void epd_conn_page_init(struct epd_conn *c, struct epd_doorbell *page)
+/* The core's page_bound hook: a new binding's page gets the current state. */
+static void conn_page_bound(struct epdd_client *cl, struct epd_doorbell *page)
 {
+        struct epdd_conn *c = epd_conn_of(cl);
+
         epd_mailbox_set_read_id(page, c->last_read_id);
-        epd_mailbox_set_polling(page, c->daemon->polling);
+        epd_mailbox_set_polling(page, c->cl.daemon->polling);
 }
 
-void epd_conn_set_polling(struct epd_daemon *d, int on)
+void epd_conn_set_polling(struct epdd_daemon *d, int on)
 {
         struct epd_list *pos, *bpos;
 
@@ -476,11 +462,11 @@ void epd_conn_set_polling(struct epd_daemon *d, int on)
         d->polling = on;
         epd_list_for_each(pos, &d->conns)
         {
-                struct epd_conn *c = epd_list_entry(pos, struct epd_conn, link);
-                epd_list_for_each(bpos, &c->bindings)
+                struct epdd_conn *c = epd_list_entry(pos, struct epdd_conn, cl.link);
+                epd_list_for_each(bpos, &c->cl.bindings)
                 {
                         struct epd_doorbell *page = binding_page(
-                                epd_list_entry(bpos, struct epd_binding, conn_link));
+                                epd_list_entry(bpos, struct epdd_binding, conn_link));
                         if (page)
                                 epd_mailbox_set_polling(page, on);
                 }
@@ -491,15 +477,15 @@ void epd_conn_set_polling(struct epd_daemon *d, int on)
 }
 
 /* Tells the client's pages that its socket was read up to request `id`. */
-static void conn_read_up_to(struct epd_conn *c, uint64_t id)
+static void conn_read_up_to(struct epdd_conn *c, uint64_t id)
 {
         struct epd_list *pos;
 
         c->last_read_id = id;
-        epd_list_for_each(pos, &c->bindings)
+        epd_list_for_each(pos, &c->cl.bindings)
         {
                 struct epd_doorbell *page =
-                        binding_page(epd_list_entry(pos, struct epd_binding, conn_link));
+                        binding_page(epd_list_entry(pos, struct epdd_binding, conn_link));
                 if (page)
                         epd_mailbox_set_read_id(page, id);
         }
@@ -510,11 +496,11 @@ static void conn_read_up_to(struct epd_conn *c, uint64_t id)
  * EAGAIN would cost every request a second, empty recvmsg (about a microsecond on a virtual
  * machine, and the loop thread reads eight ranks' requests one after another). Returns -1 once
  * the connection was closed. */
-static int conn_read(struct epd_conn *c)
+static int conn_read(struct epdd_conn *c)
 {
-        struct epd_daemon *d = c->daemon;
+        struct epdd_daemon *d = c->cl.daemon;
 
-        if (c->closing || c->close_reason)
+        if (c->cl.closing || c->close_reason)
                 return 0;
         struct epd_frame frame;
         const char *why = NULL;
@@ -534,7 +520,7 @@ static int conn_read(struct epd_conn *c)
                 return -1;
         }
         d->stats.frames_in++;
-        c->stats.requests++;
+        c->cl.stats.requests++;
         if (frame.header.version != EPD_PROTOCOL_VERSION) {
                 epd_frame_close_fds(&frame);
                 epd_conn_reply_status(c, 0, EPD_VERSION_MISMATCH,
@@ -555,7 +541,7 @@ static int conn_read(struct epd_conn *c)
         rc = epd_handle_request(c, req, frame.fds, frame.num_fds);
         epd_frame_close_fds(&frame);
         if (rc < 0) {
-                if (!c->closing)
+                if (!c->cl.closing)
                         epd_conn_close(c, "request handler closed the connection");
                 return -1;
         }
@@ -564,9 +550,9 @@ static int conn_read(struct epd_conn *c)
 
 static void on_conn_event(uv_poll_t *handle, int status, int events)
 {
-        struct epd_conn *c = handle->data;
+        struct epdd_conn *c = handle->data;
 
-        if (c->closing)
+        if (c->cl.closing)
                 return;
         if (c->close_reason) {
                 epd_conn_close(c, c->close_reason);
@@ -587,4 +573,37 @@ static void on_conn_event(uv_poll_t *handle, int status, int events)
         }
         if (events & (UV_READABLE | UV_DISCONNECT))
                 conn_read(c);
+}
+
+struct epdd_conn *epd_conn_find(struct epdd_daemon *d, uint64_t id)
+{
+        struct epd_list *pos;
+
+        epd_list_for_each(pos, &d->conns)
+        {
+                struct epdd_conn *c = epd_list_entry(pos, struct epdd_conn, cl.link);
+                if (c->cl.id == id && !c->cl.closing)
+                        return c;
+        }
+        return NULL;
+}
+
+static unsigned hook_poll_pages(void *arg)
+{
+        return epd_conn_poll_pages(arg);
+}
+
+static void hook_set_polling(void *arg, int on)
+{
+        epd_conn_set_polling(arg, on);
+}
+
+void epd_net_hooks_install(struct epdd_daemon *d)
+{
+        d->hooks.reply_op = conn_reply_op;
+        d->hooks.op_started = epd_mailbox_nudge;
+        d->hooks.page_bound = conn_page_bound;
+        d->backend->poll_pages = hook_poll_pages;
+        d->backend->set_polling = hook_set_polling;
+        d->backend->poll_arg = d;
 }

@@ -4,7 +4,7 @@
 #include <sys/socket.h>
 
 #include "admission.h"
-#include "daemon.h"
+#include "net.h"
 #include "log.h"
 #include "util.h"
 
@@ -16,14 +16,14 @@
 
 static void on_sweep(uv_timer_t *timer)
 {
-        struct epd_daemon *d = timer->data;
+        struct epdd_daemon *d = timer->data;
         uint64_t now = epd__now_ns(), limit = (uint64_t)d->cfg.handshake_timeout_ms * 1000000ull;
         struct epd_list *pos, *tmp;
 
         epd_list_for_each_safe(pos, tmp, &d->conns)
         {
-                struct epd_conn *c = epd_list_entry(pos, struct epd_conn, link);
-                if (!c->hello_done && !c->closing && now - c->accepted_ns >= limit) {
+                struct epdd_conn *c = epd_conn_of(epd_list_entry(pos, struct epdd_client, link));
+                if (!c->hello_done && !c->cl.closing && now - c->accepted_ns >= limit) {
                         d->stats.handshakes_timed_out++;
                         epd_conn_close(c, "no Hello within handshake_timeout_ms");
                 }
@@ -32,13 +32,13 @@ static void on_sweep(uv_timer_t *timer)
 
 static void on_backoff_done(uv_timer_t *timer)
 {
-        struct epd_daemon *d = timer->data;
+        struct epdd_daemon *d = timer->data;
 
         d->accept_paused = 0;
         epd_server_resume(d);
 }
 
-void epd_admission_init(struct epd_daemon *d)
+void epd_admission_init(struct epdd_daemon *d)
 {
         uv_timer_init(d->loop, &d->sweep_timer);
         d->sweep_timer.data = d;
@@ -49,7 +49,7 @@ void epd_admission_init(struct epd_daemon *d)
         d->backoff_ms = BACKOFF_MIN_MS;
 }
 
-void epd_admission_close(struct epd_daemon *d)
+void epd_admission_close(struct epdd_daemon *d)
 {
         uv_timer_stop(&d->sweep_timer);
         uv_timer_stop(&d->backoff_timer);
@@ -57,7 +57,7 @@ void epd_admission_close(struct epd_daemon *d)
         uv_close((uv_handle_t *)&d->backoff_timer, NULL);
 }
 
-int epd_admission_check(struct epd_daemon *d, const struct ucred *cred, int admin,
+int epd_admission_check(struct epdd_daemon *d, const struct ucred *cred, int admin,
                         const char **why)
 {
         struct epd_list *pos;
@@ -74,8 +74,8 @@ int epd_admission_check(struct epd_daemon *d, const struct ucred *cred, int admi
                 return 0;
         epd_list_for_each(pos, &d->conns)
         {
-                struct epd_conn *c = epd_list_entry(pos, struct epd_conn, link);
-                same_uid += c->uid == cred->uid && !c->closing;
+                struct epdd_conn *c = epd_conn_of(epd_list_entry(pos, struct epdd_client, link));
+                same_uid += c->cl.uid == cred->uid && !c->cl.closing;
         }
         if (same_uid >= d->cfg.max_clients_per_uid) {
                 *why = "too many clients of this uid (max_clients_per_uid reached)";
@@ -84,7 +84,7 @@ int epd_admission_check(struct epd_daemon *d, const struct ucred *cred, int admi
         return 0;
 }
 
-int epd_admission_accept_failed(struct epd_daemon *d, int err)
+int epd_admission_accept_failed(struct epdd_daemon *d, int err)
 {
         struct epd_list *pos, *tmp;
         unsigned closed = 0;
@@ -96,10 +96,10 @@ int epd_admission_accept_failed(struct epd_daemon *d, int err)
         /* Oldest first: the list is in order of acceptance. */
         epd_list_for_each_safe(pos, tmp, &d->conns)
         {
-                struct epd_conn *c = epd_list_entry(pos, struct epd_conn, link);
+                struct epdd_conn *c = epd_conn_of(epd_list_entry(pos, struct epdd_client, link));
                 if (closed == HANDSHAKES_CLOSED_PER_EMFILE)
                         break;
-                if (!c->hello_done && !c->closing) {
+                if (!c->hello_done && !c->cl.closing) {
                         epd_conn_close(c, "descriptors exhausted: handshake not finished");
                         closed++;
                 }
@@ -114,7 +114,24 @@ int epd_admission_accept_failed(struct epd_daemon *d, int err)
         return 1;
 }
 
-void epd_admission_accepted(struct epd_daemon *d)
+void epd_admission_accepted(struct epdd_daemon *d)
 {
         d->backoff_ms = BACKOFF_MIN_MS;
+}
+
+int epd_admission_queue(struct epdd_daemon *d, struct epdd_conn *c, struct epdd_conn **victim)
+{
+        struct epd_list *pos;
+        struct epdd_conn *most = c;
+
+        if (d->out_bytes <= d->cfg.max_output_queue_bytes_total)
+                return 0;
+        epd_list_for_each(pos, &d->conns)
+        {
+                struct epdd_conn *o = epd_conn_of(epd_list_entry(pos, struct epdd_client, link));
+                if (!o->cl.closing && o->out_bytes > most->out_bytes)
+                        most = o;
+        }
+        *victim = most;
+        return -1;
 }

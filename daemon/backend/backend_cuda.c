@@ -77,11 +77,11 @@ struct cuda_dev {
 };
 
 struct cuda_backend {
-        struct epd_backend *b;
+        struct epdd_backend *b;
         int num_devices;
         struct cuda_dev dev[MAX_DEVICES];
         uint64_t granularity;
-        struct epd_executor executor;
+        struct epdd_executor executor;
         /* Workspaces of released handles, kept for the next dispatch of the same shape instead
          * of cudaFree + cudaMalloc per op (tens of microseconds, and cudaFree synchronises the
          * device). Released handles are added by the loop thread; the executor takes them, and
@@ -207,7 +207,7 @@ static void trim_spares(struct cuda_backend *cb, unsigned keep)
 }
 
 /* Local-rank lists of each device: counts[d] ranks and their token offsets. */
-static void build_local(const struct epd_exec *ex, int dev, struct epd_k_local *local,
+static void build_local(const struct epdd_exec *ex, int dev, struct epd_k_local *local,
                         uint32_t *num_local, uint32_t *local_tokens, int combine)
 {
         uint32_t n = 0, tokens = 0;
@@ -227,10 +227,10 @@ static void build_local(const struct epd_exec *ex, int dev, struct epd_k_local *
         *local_tokens = tokens;
 }
 
-static void fill_dispatch_ranks(const struct epd_exec *ex, struct epd_k_dispatch_rank *kr)
+static void fill_dispatch_ranks(const struct epdd_exec *ex, struct epd_k_dispatch_rank *kr)
 {
         for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
-                const struct epd_exec_rank *er = &ex->ranks[r];
+                const struct epdd_exec_rank *er = &ex->ranks[r];
                 memset(&kr[r], 0, sizeof(kr[r]));
                 kr[r].num_tokens = er->num_tokens;
                 kr[r].topk_idx = er->topk_idx;
@@ -246,7 +246,7 @@ static void fill_dispatch_ranks(const struct epd_exec *ex, struct epd_k_dispatch
 }
 
 /* Uploads the rank descriptors and each device's local list; returns per-device args. */
-static int upload_dispatch(struct cuda_backend *cb, struct epd_exec *ex, void *ws,
+static int upload_dispatch(struct cuda_backend *cb, struct epdd_exec *ex, void *ws,
                            struct epd_k_dispatch_args *args)
 {
         uint32_t R = ex->cfg.world_size;
@@ -290,7 +290,7 @@ static int upload_dispatch(struct cuda_backend *cb, struct epd_exec *ex, void *w
         return 0;
 }
 
-static int devices_of(const struct epd_exec *ex, int *used)
+static int devices_of(const struct epdd_exec *ex, int *used)
 {
         int n = 0;
 
@@ -303,14 +303,14 @@ static int devices_of(const struct epd_exec *ex, int *used)
         return n;
 }
 
-static void fetch_reply(struct cuda_backend *cb, struct epd_exec *ex,
+static void fetch_reply(struct cuda_backend *cb, struct epdd_exec *ex,
                         const struct epd_ws_layout *l)
 {
         uint32_t R = ex->cfg.world_size, L = ex->cfg.num_local_experts;
         uint8_t *h = cb->h_reply;
 
         for (uint32_t d = 0; d < R; d++) {
-                struct epd_exec_rank *er = &ex->ranks[d];
+                struct epdd_exec_rank *er = &ex->ranks[d];
                 er->num_recv_tokens = epd_ws_num_recv_tokens(h, l, d);
                 er->num_expanded_rows = epd_ws_num_expanded_rows(h, l, d);
                 memcpy(er->rank_prefix, epd_ws_i32(h, l->rank_prefix) + (size_t)d * (R + 1),
@@ -323,7 +323,7 @@ static void fetch_reply(struct cuda_backend *cb, struct epd_exec *ex,
 }
 
 /* Turns the workspace's verdict into the op's status and message. */
-static int verdict(struct epd_exec *ex, const struct epd_ws_layout *l, uint8_t *h)
+static int verdict(struct epdd_exec *ex, const struct epd_ws_layout *l, uint8_t *h)
 {
         const struct epd_ws_error *e = epd_ws_error_rec(h, l);
         uint32_t R = ex->cfg.world_size;
@@ -425,14 +425,14 @@ static void memop_add(struct memop_batch *b, int wait, void *doorbell_dev, size_
  * its inputs were written (a stream write with its memory barrier), so a kernel launched after
  * this read finds them, and a wait that is already satisfied still costs the GPU about 1.2 us
  * per rank (8 satisfied waits: 9.6-9.9 us, bench/probes/memop_probe.cu) before the op can start. */
-static void queue_input_waits(const struct epd_exec *ex, cudaStream_t stream)
+static void queue_input_waits(const struct epdd_exec *ex, cudaStream_t stream)
 {
         struct memop_batch b;
 
         b.stream = (CUstream)stream;
         b.n = 0;
         for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
-                const struct epd_exec_rank *er = &ex->ranks[r];
+                const struct epdd_exec_rank *er = &ex->ranks[r];
                 if (!er->wait_inputs || !er->doorbell_dev)
                         continue;
                 if (er->doorbell && __atomic_load_n(&er->doorbell->inputs_ready,
@@ -453,7 +453,7 @@ static void queue_input_waits(const struct epd_exec *ex, cudaStream_t stream)
  * (bench/probes/memop_probe.cu), so the last rank's doorbell moved that long after the op
  * ended, and the next op on the stream started that much later. Executor thread; the pages stay mapped
  * while the op executes (group.c, rank_doorbell_retire). */
-static void publish_completions(const struct epd_exec *ex)
+static void publish_completions(const struct epdd_exec *ex)
 {
         for (uint32_t r = 0; r < ex->cfg.world_size; r++)
                 if (ex->ranks[r].doorbell)
@@ -464,7 +464,7 @@ static void publish_completions(const struct epd_exec *ex)
 /* Waits for a stream, or for an event on it (ev not NULL), with a bound: past the op timeout,
  * the input doorbells the op waits on are released from the host (their clients did not mark
  * their inputs ready), the stream drains, and the op fails with TIMEOUT. */
-static cudaError_t sync_stream(struct epd_exec *ex, int dev, cudaStream_t stream,
+static cudaError_t sync_stream(struct epdd_exec *ex, int dev, cudaStream_t stream,
                                cudaEvent_t ev, uint64_t deadline_ns)
 {
         int released = 0;
@@ -476,7 +476,7 @@ static cudaError_t sync_stream(struct epd_exec *ex, int dev, cudaStream_t stream
                         return ce;
                 if (!released && epd__now_ns() > deadline_ns) {
                         for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
-                                struct epd_exec_rank *er = &ex->ranks[r];
+                                struct epdd_exec_rank *er = &ex->ranks[r];
                                 if (er->wait_inputs && er->doorbell &&
                                     er->doorbell->inputs_ready < er->wait_inputs) {
                                         __atomic_store_n(&er->doorbell->inputs_ready,
@@ -502,7 +502,7 @@ static cudaError_t sync_stream(struct epd_exec *ex, int dev, cudaStream_t stream
 /* The start of an op on its devices: every used stream waits for the clients' inputs, then
  * t0 on W marks the start of the kernel time, unless the op's one kernel is a timed launch
  * (timed: it records t0 and t1 itself). W is the current device on return. */
-static void op_begin(struct cuda_backend *cb, const struct epd_exec *ex, const int *used, int W,
+static void op_begin(struct cuda_backend *cb, const struct epdd_exec *ex, const int *used, int W,
                      int timed)
 {
         for (int d = 0; d < cb->num_devices; d++) {
@@ -578,7 +578,7 @@ static uint32_t op_devices(struct cuda_backend *cb, const int *used, struct epd_
  * the counts, place, and upload the descriptors again (epd_k_counts_fn). */
 struct arena_wait {
         struct cuda_backend *cb;
-        struct epd_exec *ex;
+        struct epdd_exec *ex;
         struct cuda_handle *ch;
         uint64_t deadline;
 };
@@ -586,7 +586,7 @@ struct arena_wait {
 static int arena_place(void *ctx, struct epd_k_dispatch_plan *plan)
 {
         struct arena_wait *aw = ctx;
-        struct epd_exec *ex = aw->ex;
+        struct epdd_exec *ex = aw->ex;
 
         plan->step = "routing (arena placement wait)";
         if (sync_stream(ex, plan->group_device, aw->cb->dev[plan->group_device].stream, NULL,
@@ -602,7 +602,7 @@ static int arena_place(void *ctx, struct epd_k_dispatch_plan *plan)
         return 0;
 }
 
-static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
+static int run_dispatch(struct cuda_backend *cb, struct epdd_exec *ex)
 {
         uint32_t R = ex->cfg.world_size;
         struct cuda_handle *ch = ex->handle_state, *fresh = NULL;
@@ -649,7 +649,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epd_exec *ex)
         /* Ranks whose arena placement is already known (cached dispatch) get their outputs
          * bound now; new placements wait for the counts (arena_place). */
         for (uint32_t r = 0; r < R; r++) {
-                struct epd_exec_rank *er = &ex->ranks[r];
+                struct epdd_exec_rank *er = &ex->ranks[r];
                 if (er->use_arena && er->place.used)
                         epd_exec_bind_arena(ex, er);
         }
@@ -731,7 +731,7 @@ fail:
         return -1;
 }
 
-static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
+static int run_combine(struct cuda_backend *cb, struct epdd_exec *ex)
 {
         uint32_t R = ex->cfg.world_size;
         struct cuda_handle *ch = ex->handle_state;
@@ -761,7 +761,7 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
                 }
                 struct epd_k_combine_rank *kr = (struct epd_k_combine_rank *)h;
                 for (uint32_t r = 0; r < R; r++) {
-                        const struct epd_exec_rank *er = &ex->ranks[r];
+                        const struct epdd_exec_rank *er = &ex->ranks[r];
                         memset(&kr[r], 0, sizeof(kr[r]));
                         kr[r].num_tokens = er->num_tokens;
                         kr[r].y = er->y;
@@ -844,7 +844,7 @@ static int run_combine(struct cuda_backend *cb, struct epd_exec *ex)
         return 0;
 }
 
-static void cuda_run(void *ctx, struct epd_exec *ex)
+static void cuda_run(void *ctx, struct epdd_exec *ex)
 {
         if (ex->kind == EPD_OP_DISPATCH)
                 run_dispatch(ctx, ex);
@@ -859,7 +859,7 @@ static void cuda_idle(void *ctx)
 
 /* ---- backend ops ---- */
 
-static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *err,
+static int cuda_init(struct epdd_backend *b, const struct epdd_config *cfg, char *err,
                      size_t err_len)
 {
         struct cuda_backend *cb;
@@ -886,7 +886,7 @@ static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *
         b->num_devices = (unsigned)cb->num_devices;
         for (int d = 0; d < cb->num_devices; d++) {
                 struct cudaDeviceProp prop;
-                struct epd_device_desc *dev = &b->devices[d];
+                struct epdd_device_desc *dev = &b->devices[d];
                 const unsigned char *u;
 
                 cudaSetDevice(d);
@@ -960,7 +960,7 @@ static int cuda_init(struct epd_backend *b, const struct epd_config *cfg, char *
         return 0;
 }
 
-static void cuda_fini(struct epd_backend *b)
+static void cuda_fini(struct epdd_backend *b)
 {
         struct cuda_backend *cb = b->priv;
 
@@ -978,7 +978,7 @@ static void cuda_fini(struct epd_backend *b)
         b->priv = NULL;
 }
 
-static int epd_cuda_peer_ok(struct epd_backend *b, uint32_t a, uint32_t d)
+static int epd_cuda_peer_ok(struct epdd_backend *b, uint32_t a, uint32_t d)
 {
         int can = 0;
 
@@ -989,7 +989,7 @@ static int epd_cuda_peer_ok(struct epd_backend *b, uint32_t a, uint32_t d)
         return can;
 }
 
-static int cuda_region_import(struct epd_backend *b, struct epd_region *r, int fd,
+static int cuda_region_import(struct epdd_backend *b, struct epdd_mem *r, int fd,
                               const void *ipc_handle, size_t ipc_len, uint64_t offset, char *err,
                               size_t err_len)
 {
@@ -1107,7 +1107,7 @@ static int cuda_region_import(struct epd_backend *b, struct epd_region *r, int f
         return 0;
 }
 
-static void cuda_region_release(struct epd_backend *b, struct epd_region *r)
+static void cuda_region_release(struct epdd_backend *b, struct epdd_mem *r)
 {
         struct cuda_region *cr = r->backend_state;
 
@@ -1133,7 +1133,7 @@ static void cuda_region_release(struct epd_backend *b, struct epd_region *r)
         r->base = NULL;
 }
 
-static int cuda_arena_map(struct epd_backend *b, uint32_t device, int host_memory, uint8_t *addr,
+static int cuda_arena_map(struct epdd_backend *b, uint32_t device, int host_memory, uint8_t *addr,
                           uint64_t bytes, int *fd, enum epd_region_kind *kind, char *err,
                           size_t err_len)
 {
@@ -1163,14 +1163,14 @@ static int cuda_arena_map(struct epd_backend *b, uint32_t device, int host_memor
         return 0;
 }
 
-static void cuda_arena_unmap(struct epd_backend *b, uint8_t *addr, uint64_t bytes)
+static void cuda_arena_unmap(struct epdd_backend *b, uint8_t *addr, uint64_t bytes)
 {
         (void)b;
         cudaHostUnregister(addr);
         epd__memfd_segment_drop(addr, bytes);
 }
 
-static int cuda_host_register(struct epd_backend *b, void *ptr, uint64_t bytes, void **dev)
+static int cuda_host_register(struct epdd_backend *b, void *ptr, uint64_t bytes, void **dev)
 {
         cudaError_t ce;
 
@@ -1186,20 +1186,20 @@ static int cuda_host_register(struct epd_backend *b, void *ptr, uint64_t bytes, 
         return 0;
 }
 
-static void cuda_host_unregister(struct epd_backend *b, void *ptr)
+static void cuda_host_unregister(struct epdd_backend *b, void *ptr)
 {
         (void)b;
         cudaHostUnregister(ptr);
 }
 
-static void cuda_submit(struct epd_backend *b, struct epd_exec *ex)
+static void cuda_submit(struct epdd_backend *b, struct epdd_exec *ex)
 {
         struct cuda_backend *cb = b->priv;
 
         epd_executor_submit(&cb->executor, ex);
 }
 
-static void cuda_handle_free(struct epd_backend *b, void *state)
+static void cuda_handle_free(struct epdd_backend *b, void *state)
 {
         struct cuda_backend *cb = b->priv;
         struct cuda_handle *ch = state;
@@ -1227,14 +1227,14 @@ static void cuda_handle_free(struct epd_backend *b, void *state)
         free(ch);
 }
 
-static int cuda_check_alive(struct epd_backend *b)
+static int cuda_check_alive(struct epdd_backend *b)
 {
         struct cuda_backend *cb = b->priv;
 
         return epd_executor_alive(&cb->executor);
 }
 
-const struct epd_backend_ops epd_backend_cuda_ops = {
+const struct epdd_backend_ops epd_backend_cuda_ops = {
         .name = "cuda",
         .init = cuda_init,
         .fini = cuda_fini,

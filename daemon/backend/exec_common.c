@@ -16,9 +16,9 @@ static uint64_t align_up(uint64_t bytes)
 }
 
 /* Lays out a rank's outputs in one arena extent. */
-static int arena_place(struct epd_exec *ex, struct epd_exec_rank *er, uint64_t rows)
+static int arena_place(struct epdd_exec *ex, struct epdd_exec_rank *er, uint64_t rows)
 {
-        const struct epd_group_cfg *cfg = &ex->cfg;
+        const struct epdd_group_cfg *cfg = &ex->cfg;
         int expand = ex->layout == EPD_LAYOUT_EXPAND;
         uint64_t bytes[EPD_OUT_FIELDS] = {
                 rows * cfg->row_bytes,
@@ -53,11 +53,11 @@ static int arena_place(struct epd_exec *ex, struct epd_exec_rank *er, uint64_t r
         return 0;
 }
 
-void epd_exec_bind_arena(struct epd_exec *ex, struct epd_exec_rank *er)
+void epd_exec_bind_arena(struct epdd_exec *ex, struct epdd_exec_rank *er)
 {
-        const struct epd_group_cfg *cfg = &ex->cfg;
+        const struct epdd_group_cfg *cfg = &ex->cfg;
         uint8_t *base = er->arena->base;
-        const struct epd_arena_place *pl = &er->place;
+        const struct epdd_arena_place *pl = &er->place;
         int expand = ex->layout == EPD_LAYOUT_EXPAND;
 
         memset(&er->dst, 0, sizeof(er->dst));
@@ -78,12 +78,12 @@ void epd_exec_bind_arena(struct epd_exec *ex, struct epd_exec_rank *er)
                         (struct epd_mat){ base + pl->off[EPD_OUT_RECV_TOPK_SLOT], 4 };
 }
 
-int epd_exec_place_arenas(struct epd_exec *ex)
+int epd_exec_place_arenas(struct epdd_exec *ex)
 {
         size_t len = 0;
 
         for (uint32_t d = 0; d < ex->cfg.world_size; d++) {
-                struct epd_exec_rank *er = &ex->ranks[d];
+                struct epdd_exec_rank *er = &ex->ranks[d];
                 int64_t rows = ex->layout == EPD_LAYOUT_EXPAND ? er->num_expanded_rows
                                                                : er->num_recv_tokens;
                 if (!er->use_arena)
@@ -112,10 +112,10 @@ int epd_exec_place_arenas(struct epd_exec *ex)
         return 0;
 }
 
-void epd_exec_release_new_arenas(struct epd_exec *ex)
+void epd_exec_release_new_arenas(struct epdd_exec *ex)
 {
         for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
-                struct epd_exec_rank *er = &ex->ranks[r];
+                struct epdd_exec_rank *er = &ex->ranks[r];
                 if (!er->place_new)
                         continue;
                 epd_arena_release(er->place.arena, er->place.ext_off, er->place.ext_len);
@@ -124,10 +124,10 @@ void epd_exec_release_new_arenas(struct epd_exec *ex)
         }
 }
 
-int epd_exec_inputs_ready(struct epd_exec *ex, uint64_t now_ns, uint64_t deadline_ns)
+int epd_exec_inputs_ready(struct epdd_exec *ex, uint64_t now_ns, uint64_t deadline_ns)
 {
         for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
-                struct epd_exec_rank *er = &ex->ranks[r];
+                struct epdd_exec_rank *er = &ex->ranks[r];
                 uint64_t seen;
                 if (!er->wait_inputs || !er->doorbell)
                         continue;
@@ -147,7 +147,7 @@ int epd_exec_inputs_ready(struct epd_exec *ex, uint64_t now_ns, uint64_t deadlin
         return 1;
 }
 
-void epd_exec_abort(struct epd_exec *ex, int status)
+void epd_exec_abort(struct epdd_exec *ex, int status)
 {
         int none = 0;
 

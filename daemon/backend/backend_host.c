@@ -20,6 +20,7 @@
 #include "arena.h"
 #include "backend.h"
 #include "executor.h"
+#include "exec.h"
 #include "log.h"
 #include "memfd.h"
 #include "plan.h"
@@ -115,9 +116,9 @@ static void pool_run(struct pool *p, pool_fn fn, void *ctx, uint64_t num_items)
 /* ---- backend state ---- */
 
 struct host_backend {
-        struct epd_backend *b;
+        struct epdd_backend *b;
         struct pool pool;
-        struct epd_executor executor;
+        struct epdd_executor executor;
 };
 
 /* A handle's routing state on this backend. */
@@ -141,7 +142,7 @@ static void host_handle_free(struct host_handle *hh, uint32_t R)
 /* ---- dispatch ---- */
 
 struct count_ctx {
-        struct epd_exec *ex;
+        struct epdd_exec *ex;
         struct epd_plan *plan;
         int *rc;
         char (*err)[256];
@@ -150,7 +151,7 @@ struct count_ctx {
 static void count_item(void *arg, uint64_t s)
 {
         struct count_ctx *c = arg;
-        struct epd_exec_rank *er = &c->ex->ranks[s];
+        struct epdd_exec_rank *er = &c->ex->ranks[s];
 
         c->rc[s] = epd_plan_count_source(c->plan, (uint32_t)s, er->topk_idx, c->ex->topk_dtype,
                                          er->topk_stride, c->err[s], sizeof(c->err[s]));
@@ -173,7 +174,7 @@ static void combine_item(void *arg, uint64_t i)
 
 /* The op was aborted while its data moved (a rank lost, the daemon stopping): it ends with that
  * status, its outputs undefined. */
-static int aborted(struct epd_exec *ex)
+static int aborted(struct epdd_exec *ex)
 {
         int status = atomic_load_explicit(&ex->abort_status, memory_order_relaxed);
 
@@ -186,9 +187,9 @@ static int aborted(struct epd_exec *ex)
         return 1;
 }
 
-static void run_dispatch(struct host_backend *hb, struct epd_exec *ex)
+static void run_dispatch(struct host_backend *hb, struct epdd_exec *ex)
 {
-        const struct epd_group_cfg *cfg = &ex->cfg;
+        const struct epdd_group_cfg *cfg = &ex->cfg;
         uint32_t R = cfg->world_size, L = cfg->num_local_experts;
         struct host_handle *hh = ex->handle_state, *fresh = NULL;
         struct epd_plan *plan;
@@ -246,7 +247,7 @@ static void run_dispatch(struct host_backend *hb, struct epd_exec *ex)
 
         /* SEMANTICS.md 2.5: check every rank's capacity before any byte moves. */
         for (uint32_t d = 0; d < R; d++) {
-                struct epd_exec_rank *er = &ex->ranks[d];
+                struct epdd_exec_rank *er = &ex->ranks[d];
                 int64_t rows = epd_plan_rows(plan, d);
                 er->num_recv_tokens = epd_plan_num_recv_tokens(plan, d);
                 er->num_expanded_rows = epd_plan_num_expanded_rows(plan, d);
@@ -276,7 +277,7 @@ static void run_dispatch(struct host_backend *hb, struct epd_exec *ex)
                         goto oom;
                 }
                 for (uint32_t s = 0; s < R; s++) {
-                        const struct epd_exec_rank *er = &ex->ranks[s];
+                        const struct epdd_exec_rank *er = &ex->ranks[s];
                         size_t n = (size_t)er->num_tokens * ex->num_topk;
                         float *w = hh->weights[s] ? hh->weights[s] : malloc(n * sizeof(float) + 1);
                         if (!w) {
@@ -317,7 +318,7 @@ static void run_dispatch(struct host_backend *hb, struct epd_exec *ex)
                 goto fail;
 
         for (uint32_t d = 0; d < R; d++) {
-                struct epd_exec_rank *er = &ex->ranks[d];
+                struct epdd_exec_rank *er = &ex->ranks[d];
                 memcpy(er->per_expert, plan->expert_count + (size_t)d * L, L * sizeof(int32_t));
                 memcpy(er->per_expert_aligned, plan->expert_aligned + (size_t)d * L,
                        L * sizeof(int32_t));
@@ -342,9 +343,9 @@ fail:
         free(dst);
 }
 
-static void run_combine(struct host_backend *hb, struct epd_exec *ex)
+static void run_combine(struct host_backend *hb, struct epdd_exec *ex)
 {
-        const struct epd_group_cfg *cfg = &ex->cfg;
+        const struct epdd_group_cfg *cfg = &ex->cfg;
         uint32_t R = cfg->world_size;
         struct host_handle *hh = ex->handle_state;
         struct epd_mat *y = calloc(R, sizeof(*y));
@@ -383,7 +384,7 @@ static void run_combine(struct host_backend *hb, struct epd_exec *ex)
         free(src);
 }
 
-static void host_run(void *ctx, struct epd_exec *ex)
+static void host_run(void *ctx, struct epdd_exec *ex)
 {
         struct host_backend *hb = ctx;
 
@@ -396,7 +397,7 @@ static void host_run(void *ctx, struct epd_exec *ex)
 
 /* ---- backend ops ---- */
 
-static int host_init(struct epd_backend *b, const struct epd_config *cfg, char *err,
+static int host_init(struct epdd_backend *b, const struct epdd_config *cfg, char *err,
                      size_t err_len)
 {
         struct host_backend *hb = calloc(1, sizeof(*hb));
@@ -415,7 +416,7 @@ static int host_init(struct epd_backend *b, const struct epd_config *cfg, char *
         b->priv = hb;
         b->num_devices = devices;
         for (unsigned i = 0; i < devices; i++) {
-                struct epd_device_desc *dev = &b->devices[i];
+                struct epdd_device_desc *dev = &b->devices[i];
                 sd_id128_t id;
                 /* Stable per machine and index, UUID-shaped like a GPU's. */
                 if (sd_id128_get_machine_app_specific(app, &id) < 0)
@@ -456,7 +457,7 @@ static int host_init(struct epd_backend *b, const struct epd_config *cfg, char *
         return 0;
 }
 
-static void host_fini(struct epd_backend *b)
+static void host_fini(struct epdd_backend *b)
 {
         struct host_backend *hb = b->priv;
 
@@ -474,7 +475,7 @@ static void host_fini(struct epd_backend *b)
         b->priv = NULL;
 }
 
-static int host_region_import(struct epd_backend *b, struct epd_region *r, int fd,
+static int host_region_import(struct epdd_backend *b, struct epdd_mem *r, int fd,
                               const void *ipc_handle, size_t ipc_len, uint64_t offset, char *err,
                               size_t err_len)
 {
@@ -495,14 +496,14 @@ static int host_region_import(struct epd_backend *b, struct epd_region *r, int f
         return rc;
 }
 
-static void host_region_release(struct epd_backend *b, struct epd_region *r)
+static void host_region_release(struct epdd_backend *b, struct epdd_mem *r)
 {
         (void)b;
         epd__memfd_unmap(r->base, (uint64_t)(uintptr_t)r->backend_state, r->size);
         r->base = NULL;
 }
 
-static int host_arena_map(struct epd_backend *b, uint32_t device, int host_memory, uint8_t *addr,
+static int host_arena_map(struct epdd_backend *b, uint32_t device, int host_memory, uint8_t *addr,
                           uint64_t bytes, int *fd, enum epd_region_kind *kind, char *err,
                           size_t err_len)
 {
@@ -513,13 +514,13 @@ static int host_arena_map(struct epd_backend *b, uint32_t device, int host_memor
         return epd__memfd_segment(addr, bytes, fd, err, err_len);
 }
 
-static void host_arena_unmap(struct epd_backend *b, uint8_t *addr, uint64_t bytes)
+static void host_arena_unmap(struct epdd_backend *b, uint8_t *addr, uint64_t bytes)
 {
         (void)b;
         epd__memfd_segment_drop(addr, bytes);
 }
 
-static int host_host_register(struct epd_backend *b, void *ptr, uint64_t bytes, void **dev)
+static int host_host_register(struct epdd_backend *b, void *ptr, uint64_t bytes, void **dev)
 {
         (void)b;
         (void)ptr;
@@ -528,20 +529,20 @@ static int host_host_register(struct epd_backend *b, void *ptr, uint64_t bytes, 
         return 0;
 }
 
-static void host_host_unregister(struct epd_backend *b, void *ptr)
+static void host_host_unregister(struct epdd_backend *b, void *ptr)
 {
         (void)b;
         (void)ptr;
 }
 
-static void host_submit(struct epd_backend *b, struct epd_exec *ex)
+static void host_submit(struct epdd_backend *b, struct epdd_exec *ex)
 {
         struct host_backend *hb = b->priv;
 
         epd_executor_submit(&hb->executor, ex);
 }
 
-static void host_handle_free_op(struct epd_backend *b, void *state)
+static void host_handle_free_op(struct epdd_backend *b, void *state)
 {
         struct host_handle *hh = state;
 
@@ -550,14 +551,14 @@ static void host_handle_free_op(struct epd_backend *b, void *state)
                 host_handle_free(hh, hh->plan ? hh->plan->world_size : 0);
 }
 
-static int host_check_alive(struct epd_backend *b)
+static int host_check_alive(struct epdd_backend *b)
 {
         struct host_backend *hb = b->priv;
 
         return epd_executor_alive(&hb->executor);
 }
 
-const struct epd_backend_ops epd_backend_host_ops = {
+const struct epdd_backend_ops epd_backend_host_ops = {
         .name = "host",
         .init = host_init,
         .fini = host_fini,

@@ -11,13 +11,12 @@
 #include <sys/mman.h>
 #include <unistd.h>
 #include "backend.h"
-#include "daemon.h"
+#include "core.h"
 #include "log.h"
-#include "resize.h"
 #include "routing.h"
 #include "util.h"
 
-const char *epd_group_state_name(enum epd_group_state s)
+const char *epd_group_state_name(enum epdd_group_state s)
 {
         switch (s) {
         case EPD_GROUP_FORMING: return "FORMING";
@@ -29,102 +28,100 @@ const char *epd_group_state_name(enum epd_group_state s)
         return "UNKNOWN";
 }
 
-struct epd_group *epd_group_find(struct epd_daemon *d, uint64_t id)
+struct epdd_group *epd_group_find(struct epdd_daemon *d, uint64_t id)
 {
         struct epd_list *pos;
 
         epd_list_for_each(pos, &d->groups)
         {
-                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
                 if (g->id == id && g->state != EPD_GROUP_CLOSED)
                         return g;
         }
         return NULL;
 }
 
-struct epd_group *epd_group_find_name(struct epd_daemon *d, const char *name)
+struct epdd_group *epd_group_find_name(struct epdd_daemon *d, const char *name)
 {
         struct epd_list *pos;
 
         epd_list_for_each(pos, &d->groups)
         {
-                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
                 if (strcmp(g->name, name) == 0 && g->state != EPD_GROUP_CLOSED)
                         return g;
         }
         return NULL;
 }
 
-int epd_group_cfg_from_wire(const struct epd_daemon *d, const Epd__V1__GroupConfig *w,
-                            struct epd_group_cfg *cfg, char *err, size_t err_len)
+int epd_group_cfg_check(const struct epdd_daemon *d, struct epdd_group_cfg *cfg, char *err,
+                        size_t err_len)
 {
-        if (!w) {
-                snprintf(err, err_len, "group config missing");
-                return EPD_INVALID_ARGUMENT;
-        }
-        memset(cfg, 0, sizeof(*cfg));
-        if (w->world_size < 1 || w->world_size > EPD_MAX_WORLD_SIZE) {
-                snprintf(err, err_len, "world_size %u outside 1..%u", w->world_size,
+        const struct epdd_group_cfg w = *cfg; /* as the client gave it */
+
+        if (w.world_size < 1 || w.world_size > EPD_MAX_WORLD_SIZE) {
+                snprintf(err, err_len, "world_size %u outside 1..%u", w.world_size,
                          EPD_MAX_WORLD_SIZE);
                 return EPD_INVALID_ARGUMENT;
         }
-        if (w->num_experts < 1 || w->num_experts > EPD_MAX_EXPERTS ||
-            w->num_experts % w->world_size) {
+        if (w.num_experts < 1 || w.num_experts > EPD_MAX_EXPERTS ||
+            w.num_experts % w.world_size) {
                 snprintf(err, err_len,
                          "num_experts %u must be in 1..%u and a multiple of world_size %u",
-                         w->num_experts, EPD_MAX_EXPERTS, w->world_size);
+                         w.num_experts, EPD_MAX_EXPERTS, w.world_size);
                 return EPD_INVALID_ARGUMENT;
         }
-        if (w->num_experts / w->world_size > EPD_MAX_LOCAL_EXPERTS) {
+        if (w.num_experts / w.world_size > EPD_MAX_LOCAL_EXPERTS) {
                 snprintf(err, err_len, "num_experts/world_size = %u exceeds %u local experts",
-                         w->num_experts / w->world_size, EPD_MAX_LOCAL_EXPERTS);
+                         w.num_experts / w.world_size, EPD_MAX_LOCAL_EXPERTS);
                 return EPD_INVALID_ARGUMENT;
         }
-        if (w->max_topk < 1 || w->max_topk > EPD_MAX_TOPK) {
-                snprintf(err, err_len, "max_topk %u outside 1..%u", w->max_topk, EPD_MAX_TOPK);
+        if (w.max_topk < 1 || w.max_topk > EPD_MAX_TOPK) {
+                snprintf(err, err_len, "max_topk %u outside 1..%u", w.max_topk, EPD_MAX_TOPK);
                 return EPD_INVALID_ARGUMENT;
         }
-        if (w->hidden < 1 || w->hidden > (1u << 20)) {
-                snprintf(err, err_len, "hidden %u outside 1..%u", w->hidden, 1u << 20);
+        if (w.hidden < 1 || w.hidden > (1u << 20)) {
+                snprintf(err, err_len, "hidden %u outside 1..%u", w.hidden, 1u << 20);
                 return EPD_INVALID_ARGUMENT;
         }
-        if (w->max_tokens_per_rank < 1 || w->max_tokens_per_rank > (1u << 24)) {
-                snprintf(err, err_len, "max_tokens_per_rank %u outside 1..%u",
-                         w->max_tokens_per_rank, 1u << 24);
+        if (w.max_tokens < 1 || w.max_tokens > (1u << 24)) {
+                snprintf(err, err_len, "max_tokens_per_rank %u outside 1..%u", w.max_tokens,
+                         1u << 24);
                 return EPD_INVALID_ARGUMENT;
         }
         /* Row indices and counts are 32-bit (docs/semantics.md §5): the worst case of
          * rows a rank can receive must fit. */
-        if (epd_route_max_rows_expand(w->world_size, w->max_tokens_per_rank, w->max_topk,
-                                      w->num_experts / w->world_size, 1) > UINT32_MAX) {
+        if (epd_route_max_rows_expand(w.world_size, w.max_tokens, w.max_topk,
+                                      w.num_experts / w.world_size, 1) > UINT32_MAX) {
                 snprintf(err, err_len,
                          "world_size %u x max_tokens_per_rank %u x max_topk %u rows exceed 2^32",
-                         w->world_size, w->max_tokens_per_rank, w->max_topk);
+                         w.world_size, w.max_tokens, w.max_topk);
                 return EPD_INVALID_ARGUMENT;
         }
-        if (w->op_timeout_ms > d->cfg.max_op_timeout_ms) {
+        if (w.op_timeout_ms > d->cfg.max_op_timeout_ms) {
                 snprintf(err, err_len, "op_timeout_ms %u exceeds the daemon's max_op_timeout_ms %u",
-                         w->op_timeout_ms, d->cfg.max_op_timeout_ms);
+                         w.op_timeout_ms, d->cfg.max_op_timeout_ms);
                 return EPD_INVALID_ARGUMENT;
         }
-        cfg->world_size = w->world_size;
-        cfg->num_experts = w->num_experts;
-        cfg->num_local_experts = w->num_experts / w->world_size;
-        cfg->hidden = w->hidden;
-        cfg->max_tokens = w->max_tokens_per_rank;
-        cfg->max_topk = w->max_topk;
-        cfg->dtype = (enum epd_dtype)w->dispatch_dtype;
+        memset(cfg, 0, sizeof(*cfg));
+        cfg->world_size = w.world_size;
+        cfg->num_experts = w.num_experts;
+        cfg->num_local_experts = w.num_experts / w.world_size;
+        cfg->hidden = w.hidden;
+        cfg->max_tokens = w.max_tokens;
+        cfg->max_topk = w.max_topk;
+        cfg->dtype = w.dtype;
         if (cfg->dtype == EPD_DTYPE_BF16) {
-                cfg->row_bytes = (uint64_t)w->hidden * 2;
+                cfg->row_bytes = (uint64_t)w.hidden * 2;
         } else if (cfg->dtype == EPD_DTYPE_FP8_E4M3) {
-                cfg->scale_block = w->scale_block ? w->scale_block : EPD_DEFAULT_SCALE_BLOCK;
-                if (w->hidden % cfg->scale_block) {
+                cfg->scale_block = w.scale_block ? w.scale_block : EPD_DEFAULT_SCALE_BLOCK;
+                if (w.hidden % cfg->scale_block) {
                         snprintf(err, err_len, "hidden %u is not a multiple of scale_block %u",
-                                 w->hidden, cfg->scale_block);
+                                 w.hidden, cfg->scale_block);
                         return EPD_INVALID_ARGUMENT;
                 }
-                cfg->row_bytes = w->hidden;
-                cfg->scale_cols = w->hidden / cfg->scale_block;
+                cfg->row_bytes = w.hidden;
+                cfg->scale_cols = w.hidden / cfg->scale_block;
         } else {
                 snprintf(err, err_len, "dispatch_dtype must be BF16 or FP8_E4M3");
                 return EPD_INVALID_ARGUMENT;
@@ -134,8 +131,8 @@ int epd_group_cfg_from_wire(const struct epd_daemon *d, const Epd__V1__GroupConf
                          (unsigned long long)cfg->row_bytes);
                 return EPD_INVALID_ARGUMENT;
         }
-        cfg->op_timeout_ms = w->op_timeout_ms ? w->op_timeout_ms : d->cfg.op_timeout_ms;
-        cfg->arena_bytes = w->arena_bytes ? w->arena_bytes : d->cfg.arena_bytes;
+        cfg->op_timeout_ms = w.op_timeout_ms ? w.op_timeout_ms : d->cfg.op_timeout_ms;
+        cfg->arena_bytes = w.arena_bytes ? w.arena_bytes : d->cfg.arena_bytes;
         if (cfg->arena_bytes > (1ull << 40)) {
                 snprintf(err, err_len, "arena_bytes %llu exceeds 1 TiB",
                          (unsigned long long)cfg->arena_bytes);
@@ -144,27 +141,13 @@ int epd_group_cfg_from_wire(const struct epd_daemon *d, const Epd__V1__GroupConf
         return 0;
 }
 
-void epd_group_cfg_to_wire(const struct epd_group_cfg *cfg, Epd__V1__GroupConfig *w)
-{
-        epd__v1__group_config__init(w);
-        w->world_size = cfg->world_size;
-        w->num_experts = cfg->num_experts;
-        w->hidden = cfg->hidden;
-        w->max_tokens_per_rank = cfg->max_tokens;
-        w->max_topk = cfg->max_topk;
-        w->dispatch_dtype = (Epd__V1__DType)cfg->dtype;
-        w->scale_block = cfg->scale_block;
-        w->op_timeout_ms = cfg->op_timeout_ms;
-        w->arena_bytes = cfg->arena_bytes;
-}
-
-struct epd_group *epd_group_find_name_of(struct epd_daemon *d, uid_t owner, const char *name)
+struct epdd_group *epd_group_find_name_of(struct epdd_daemon *d, uid_t owner, const char *name)
 {
         struct epd_list *pos;
 
         epd_list_for_each(pos, &d->groups)
         {
-                struct epd_group *g = epd_list_entry(pos, struct epd_group, link);
+                struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
                 if (g->owner_uid == owner && strcmp(g->name, name) == 0 &&
                     g->state != EPD_GROUP_CLOSED)
                         return g;
@@ -172,10 +155,10 @@ struct epd_group *epd_group_find_name_of(struct epd_daemon *d, uid_t owner, cons
         return NULL;
 }
 
-struct epd_group *epd_group_find_for_join(struct epd_daemon *d, uid_t uid, const char *name,
+struct epdd_group *epd_group_find_for_join(struct epdd_daemon *d, uid_t uid, const char *name,
                                           const void *secret, size_t secret_len, int *named)
 {
-        struct epd_group *g = epd_group_find_name_of(d, uid, name), *match = NULL;
+        struct epdd_group *g = epd_group_find_name_of(d, uid, name), *match = NULL;
         struct epd_list *pos;
 
         *named = g != NULL;
@@ -186,7 +169,7 @@ struct epd_group *epd_group_find_for_join(struct epd_daemon *d, uid_t uid, const
          * candidate is compared, so the time does not tell how many there are before it. */
         epd_list_for_each(pos, &d->groups)
         {
-                struct epd_group *o = epd_list_entry(pos, struct epd_group, link);
+                struct epdd_group *o = epd_list_entry(pos, struct epdd_group, link);
                 if (strcmp(o->name, name) != 0 || o->state == EPD_GROUP_CLOSED)
                         continue;
                 *named = 1;
@@ -196,11 +179,11 @@ struct epd_group *epd_group_find_for_join(struct epd_daemon *d, uid_t uid, const
         return match;
 }
 
-int epd_group_new(struct epd_daemon *d, uid_t owner, const char *name, const void *secret,
-                  size_t secret_len, const struct epd_group_cfg *cfg, struct epd_group **out,
+int epd_group_new(struct epdd_daemon *d, uid_t owner, const char *name, const void *secret,
+                  size_t secret_len, const struct epdd_group_cfg *cfg, struct epdd_group **out,
                   char *err, size_t err_len)
 {
-        struct epd_group *g;
+        struct epdd_group *g;
 
         if (!name[0] || strlen(name) >= sizeof(g->name)) {
                 snprintf(err, err_len, "group name must be 1..%zu bytes", sizeof(g->name) - 1);
@@ -250,10 +233,10 @@ int epd_group_new(struct epd_daemon *d, uid_t owner, const char *name, const voi
         return 0;
 }
 
-static int rank_arena_create(struct epd_group *g, struct epd_rank *r, int host_memory, char *err,
+static int rank_arena_create(struct epdd_group *g, struct epdd_rank *r, int host_memory, char *err,
                              size_t err_len)
 {
-        const struct epd_config *cfg = &g->daemon->cfg;
+        const struct epdd_config *cfg = &g->daemon->cfg;
 
         if (r->arena || g->cfg.arena_bytes == 0)
                 return 0;
@@ -265,21 +248,21 @@ static int rank_arena_create(struct epd_group *g, struct epd_rank *r, int host_m
 /* What a past binding leaves behind while the group's executing op may still use it: its
  * doorbell page (the op's waits and completion stores), or its arena (the op places outputs
  * in it, and the op's handle releases them there). */
-struct epd_retired {
+struct epdd_retired {
         struct epd_list link;
         struct epd_doorbell *page;    /* with fd; or NULL */
         int fd;
-        struct epd_arena *arena;      /* or NULL */
+        struct epdd_arena *arena;      /* or NULL */
 };
 
 /* Frees the rank's arena now, or once the executing op completes. No other handle has outputs
  * in it by then: a rank is bound again either before its group ran any op (no handle exists) or
  * after the group broke, which freed every handle but the executing op's, and that op's
  * completion frees its handle before the retired list. */
-static int rank_arena_destroy(struct epd_group *g, struct epd_rank *r)
+static int rank_arena_destroy(struct epdd_group *g, struct epdd_rank *r)
 {
         if (g->executing && r->arena) {
-                struct epd_retired *rt = calloc(1, sizeof(*rt));
+                struct epdd_retired *rt = calloc(1, sizeof(*rt));
                 if (!rt)
                         return EPD_INTERNAL;
                 rt->arena = r->arena;
@@ -292,9 +275,9 @@ static int rank_arena_destroy(struct epd_group *g, struct epd_rank *r)
         return 0;
 }
 
-static void doorbell_free(struct epd_group *g, struct epd_doorbell *page, int fd)
+static void doorbell_free(struct epdd_group *g, struct epd_doorbell *page, int fd)
 {
-        struct epd_backend *b = g->daemon->backend;
+        struct epdd_backend *b = g->daemon->backend;
 
         if (!page)
                 return;
@@ -304,13 +287,13 @@ static void doorbell_free(struct epd_group *g, struct epd_doorbell *page, int fd
                 close(fd);
 }
 
-void epd_group_free_retired(struct epd_group *g)
+void epd_group_free_retired(struct epdd_group *g)
 {
         struct epd_list *pos, *tmp;
 
         epd_list_for_each_safe(pos, tmp, &g->retired)
         {
-                struct epd_retired *rt = epd_list_entry(pos, struct epd_retired, link);
+                struct epdd_retired *rt = epd_list_entry(pos, struct epdd_retired, link);
                 epd_list_del(&rt->link);
                 doorbell_free(g, rt->page, rt->fd);
                 epd_arena_free(rt->arena);
@@ -320,9 +303,9 @@ void epd_group_free_retired(struct epd_group *g)
 
 /* Retires a binding's doorbell page: freed now, or once the executing op (which may still
  * have stream operations queued on it) completes. */
-static void rank_doorbell_retire(struct epd_group *g, struct epd_rank *r)
+static void rank_doorbell_retire(struct epdd_group *g, struct epdd_rank *r)
 {
-        struct epd_retired *rt;
+        struct epdd_retired *rt;
 
         if (!r->doorbell)
                 return;
@@ -346,11 +329,11 @@ static void rank_doorbell_retire(struct epd_group *g, struct epd_rank *r)
         r->mailbox_id = 0;
 }
 
-static int rank_doorbell_create(struct epd_group *g, struct epd_rank *r, char *err,
+static int rank_doorbell_create(struct epdd_group *g, struct epdd_rank *r, char *err,
                                 size_t err_len)
 {
-        struct epd_backend *b = g->daemon->backend;
-        struct epd_retired *rt = calloc(1, sizeof(*rt)); /* for rank_doorbell_retire */
+        struct epdd_backend *b = g->daemon->backend;
+        struct epdd_retired *rt = calloc(1, sizeof(*rt)); /* for rank_doorbell_retire */
         uint8_t *page;
         int fd, rc;
 
@@ -385,7 +368,7 @@ static int rank_doorbell_create(struct epd_group *g, struct epd_rank *r, char *e
 /* Advances `completed` over refused submissions that are next in line, then publishes it.
  * Release: a client that sees the count also sees the op's outputs (the backend's work is
  * complete before the loop thread learns of it). */
-static void rank_publish(struct epd_rank *r)
+static void rank_publish(struct epdd_rank *r)
 {
         unsigned i = 0;
 
@@ -402,14 +385,14 @@ static void rank_publish(struct epd_rank *r)
                 epd_doorbell_advance(&r->doorbell->completed, r->completed);
 }
 
-uint64_t epd_group_rank_submitted(struct epd_group *g, uint32_t rank)
+uint64_t epd_group_rank_submitted(struct epdd_group *g, uint32_t rank)
 {
         return ++g->ranks[rank].submitted;
 }
 
-void epd_group_rank_op_finished(struct epd_group *g, uint32_t rank, uint64_t seq)
+void epd_group_rank_op_finished(struct epdd_group *g, uint32_t rank, uint64_t seq)
 {
-        struct epd_rank *r = &g->ranks[rank];
+        struct epdd_rank *r = &g->ranks[rank];
 
         /* A rank's accepted ops finish in submission order (ops of a group finish in order). */
         if (seq > r->completed)
@@ -417,9 +400,9 @@ void epd_group_rank_op_finished(struct epd_group *g, uint32_t rank, uint64_t seq
         rank_publish(r);
 }
 
-void epd_group_rank_refused(struct epd_group *g, uint32_t rank)
+void epd_group_rank_refused(struct epdd_group *g, uint32_t rank)
 {
-        struct epd_rank *r = &g->ranks[rank];
+        struct epdd_rank *r = &g->ranks[rank];
         uint64_t seq = ++r->submitted;
 
         /* A submission refused at once still counts in the doorbell, but only after every
@@ -441,12 +424,12 @@ void epd_group_rank_refused(struct epd_group *g, uint32_t rank)
         rank_publish(r);
 }
 
-int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint32_t device,
+int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, uint32_t device,
                    char *err, size_t err_len)
 {
-        struct epd_daemon *d = g->daemon;
-        struct epd_rank *r;
-        struct epd_binding *b;
+        struct epdd_daemon *d = g->daemon;
+        struct epdd_rank *r;
+        struct epdd_binding *b;
         int rc;
 
         if (rank >= g->cfg.world_size) {
@@ -463,7 +446,7 @@ int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint3
         /* DESIGN.md 5: ranks of a group reach each other's buffers directly; a group spanning
          * devices without peer access would need the NCCL fallback, which does not exist yet. */
         for (uint32_t o = 0; d->backend->ops->devices_connected && o < g->cfg.world_size; o++) {
-                const struct epd_rank *other = &g->ranks[o];
+                const struct epdd_rank *other = &g->ranks[o];
                 if (o == rank || !other->conn)
                         continue;
                 if (!d->backend->ops->devices_connected(d->backend, device, other->device)) {
@@ -517,7 +500,8 @@ int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint3
         r->binding = b;
         r->next_op = 0;
         if (r->doorbell)
-                epd_conn_page_init(c, r->doorbell);
+                if (g->daemon->hooks.page_bound)
+                        g->daemon->hooks.page_bound(c, r->doorbell);
         g->num_bound++;
         if (g->num_bound == g->cfg.world_size &&
             (g->state == EPD_GROUP_FORMING || g->state == EPD_GROUP_BROKEN)) {
@@ -532,67 +516,13 @@ int epd_group_bind(struct epd_group *g, struct epd_conn *c, uint32_t rank, uint3
         return 0;
 }
 
-void epd_group_handle_free(struct epd_group *g, struct epd_handle *h)
-{
-        struct epd_backend *b = g->daemon->backend;
-
-        epd_list_del(&h->link);
-        g->num_handles--;
-        for (uint32_t r = 0; r < g->cfg.world_size; r++) {
-                struct epd_arena_place *pl = &h->ranks[r].arena;
-                if (pl->used)
-                        epd_arena_release(pl->arena, pl->ext_off, pl->ext_len);
-                pl->used = 0;
-        }
-        if (h->state)
-                b->ops->handle_free(b, h->state);
-        free(h->ranks);
-        free(h);
-}
-
-struct epd_handle *epd_group_handle_find(struct epd_group *g, uint64_t id)
-{
-        struct epd_list *pos;
-
-        epd_list_for_each(pos, &g->handles)
-        {
-                struct epd_handle *h = epd_list_entry(pos, struct epd_handle, link);
-                if (h->id == id)
-                        return h;
-        }
-        return NULL;
-}
-
-int epd_group_handle_all_released(const struct epd_group *g, const struct epd_handle *h)
-{
-        for (uint32_t r = 0; r < g->cfg.world_size; r++)
-                if (!h->ranks[r].released)
-                        return 0;
-        return 1;
-}
-
-void epd_group_handle_release(struct epd_group *g, struct epd_handle *h, uint32_t rank)
-{
-        struct epd_arena_place *pl = &h->ranks[rank].arena;
-
-        h->ranks[rank].released = 1;
-        /* The rank's outputs are its own business: free its arena space now, unless an op
-         * still writes it. */
-        if (!h->busy && pl->used) {
-                epd_arena_release(pl->arena, pl->ext_off, pl->ext_len);
-                pl->used = 0;
-        }
-        if (!h->busy && epd_group_handle_all_released(g, h))
-                epd_group_handle_free(g, h);
-}
-
-static void free_all_handles(struct epd_group *g)
+static void free_all_handles(struct epdd_group *g)
 {
         struct epd_list *pos, *tmp;
 
         epd_list_for_each_safe(pos, tmp, &g->handles)
         {
-                struct epd_handle *h = epd_list_entry(pos, struct epd_handle, link);
+                struct epdd_handle *h = epd_list_entry(pos, struct epdd_handle, link);
                 if (h->busy) {
                         /* The executing op still uses it; op.c frees it on completion since
                          * the group's epoch moved on. */
@@ -602,9 +532,9 @@ static void free_all_handles(struct epd_group *g)
         }
 }
 
-void epd_group_unbind(struct epd_group *g, uint32_t rank, int lost)
+void epd_group_unbind(struct epdd_group *g, uint32_t rank, int lost)
 {
-        struct epd_rank *r = &g->ranks[rank];
+        struct epdd_rank *r = &g->ranks[rank];
         struct epd_list *pos;
 
         if (!r->conn)
@@ -612,11 +542,11 @@ void epd_group_unbind(struct epd_group *g, uint32_t rank, int lost)
         /* No reply goes to this client any more. */
         epd_list_for_each(pos, &g->ops)
         {
-                struct epd_op *op = epd_list_entry(pos, struct epd_op, link);
+                struct epdd_op *op = epd_list_entry(pos, struct epdd_op, link);
                 op->subs[rank].conn = NULL;
         }
         if (r->arena_region_id) {
-                struct epd_region *ar = epd_region_find(r->conn, r->arena_region_id);
+                struct epdd_region *ar = epd_region_find(r->conn, r->arena_region_id);
                 if (ar)
                         epd_region_detach(r->conn, ar);
                 r->arena_region_id = 0;
@@ -653,9 +583,9 @@ void epd_group_unbind(struct epd_group *g, uint32_t rank, int lost)
                 free_all_handles(g);
 }
 
-void epd_group_maybe_free(struct epd_group *g)
+void epd_group_maybe_free(struct epdd_group *g)
 {
-        struct epd_daemon *d = g->daemon;
+        struct epdd_daemon *d = g->daemon;
         struct epd_list *pos, *tmp;
 
         if (g->num_bound > 0)
@@ -665,9 +595,10 @@ void epd_group_maybe_free(struct epd_group *g)
                 g->free_pending = 1;
                 return;
         }
-        epd_resize_abort(g);
+        if (g->daemon->hooks.group_closing)
+                g->daemon->hooks.group_closing(g);
         epd_list_for_each_safe(pos, tmp, &g->handles)
-                epd_group_handle_free(g, epd_list_entry(pos, struct epd_handle, link));
+                epd_group_handle_free(g, epd_list_entry(pos, struct epdd_handle, link));
         epd_op_destroy_all(g);
         for (uint32_t r = 0; r < g->cfg.world_size; r++) {
                 (void)rank_arena_destroy(g, &g->ranks[r]); /* nothing executes: frees */

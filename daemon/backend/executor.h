@@ -12,9 +12,9 @@
 
 #include "backend.h"
 
-struct epd_executor {
-        struct epd_backend *b;
-        void (*run)(void *ctx, struct epd_exec *ex); /* sets ex->status and ex->message */
+struct epdd_executor {
+        struct epdd_backend *b;
+        void (*run)(void *ctx, struct epdd_exec *ex); /* sets ex->status and ex->message */
         void (*idle)(void *ctx);      /* housekeeping between ops (may be NULL), unlocked */
         void *ctx;
         int host_input_waits;         /* wait for inputs_ready on the host before run */
@@ -29,13 +29,13 @@ struct epd_executor {
         atomic_uint queued;           /* execs in the queue, read without the lock while polling */
 };
 
-int epd_executor_start(struct epd_executor *e);
-void epd_executor_submit(struct epd_executor *e, struct epd_exec *ex);
+int epd_executor_start(struct epdd_executor *e);
+void epd_executor_submit(struct epdd_executor *e, struct epdd_exec *ex);
 /* Wakes the thread to run `idle` soon. */
-void epd_executor_kick(struct epd_executor *e);
+void epd_executor_kick(struct epdd_executor *e);
 /* Runs what is queued, then joins the thread. */
-void epd_executor_stop(struct epd_executor *e);
+void epd_executor_stop(struct epdd_executor *e);
 /* 0 while the thread made progress within the last minute (an idle thread wakes every second). */
-int epd_executor_alive(struct epd_executor *e);
+int epd_executor_alive(struct epdd_executor *e);
 
 #endif

@@ -13,7 +13,7 @@
 #include "log.h"
 #include "util.h"
 
-void epd_config_defaults(struct epd_config *cfg)
+void epd_config_defaults(struct epdd_config *cfg)
 {
         memset(cfg, 0, sizeof(*cfg));
         snprintf(cfg->config_path, sizeof(cfg->config_path), "%s", EPD_CONFIG_PATH_DEFAULT);
@@ -146,7 +146,7 @@ static int parse_id_list(const char *value, uint32_t *ids, unsigned *count)
                 return 0;                                                               \
         }
 
-int epd_config_set(struct epd_config *cfg, const char *section, const char *name,
+int epd_config_set(struct epdd_config *cfg, const char *section, const char *name,
                    const char *value, char *err, size_t err_len)
 {
         STR_KEY("daemon", "socket", socket_path)
@@ -241,7 +241,7 @@ bad_number:
 }
 
 struct load_ctx {
-        struct epd_config *cfg;
+        struct epdd_config *cfg;
         FILE *f;
         char *err;
         size_t err_len;
@@ -288,7 +288,7 @@ static int config_ini_handler(void *user, const char *section, const char *name,
         return 1;
 }
 
-int epd_config_load(struct epd_config *cfg, const char *path, char *err, size_t err_len)
+int epd_config_load(struct epdd_config *cfg, const char *path, char *err, size_t err_len)
 {
         struct load_ctx ctx = { .cfg = cfg, .err = err, .err_len = err_len };
         char msg[512];
@@ -314,7 +314,7 @@ int epd_config_load(struct epd_config *cfg, const char *path, char *err, size_t 
         return -EINVAL;
 }
 
-int epd_config_validate(const struct epd_config *cfg, char *err, size_t err_len)
+int epd_config_validate(const struct epdd_config *cfg, char *err, size_t err_len)
 {
         if (cfg->op_timeout_ms == 0 || cfg->max_op_timeout_ms == 0) {
                 snprintf(err, err_len, "%s must be at least 1 ms",
@@ -338,7 +338,7 @@ int epd_config_validate(const struct epd_config *cfg, char *err, size_t err_len)
         return 0;
 }
 
-uint64_t epd_config_poll_ns(const struct epd_config *cfg)
+uint64_t epd_config_poll_ns(const struct epdd_config *cfg)
 {
         /* Long enough to span the gap between a decoding model's MoE layers (a few hundred
          * microseconds), so that their requests go through the doorbell pages and the threads
@@ -348,7 +348,7 @@ uint64_t epd_config_poll_ns(const struct epd_config *cfg)
         return (uint64_t)cfg->poll_us * 1000;
 }
 
-void epd_config_apply_hot(struct epd_config *dst, const struct epd_config *src)
+void epd_config_apply_hot(struct epdd_config *dst, const struct epdd_config *src)
 {
         dst->log_level = src->log_level;
         dst->op_timeout_ms = src->op_timeout_ms;

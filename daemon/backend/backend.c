@@ -5,11 +5,10 @@
 #include <string.h>
 
 #include "backend.h"
-#include "daemon.h"
 #include "log.h"
 #include "util.h"
 
-static void drain_done(struct epd_backend *b)
+static void drain_done(struct epdd_backend *b)
 {
         struct epd_list batch;
 
@@ -25,11 +24,11 @@ static void drain_done(struct epd_backend *b)
         }
         pthread_mutex_unlock(&b->done_lock);
         while (!epd_list_empty(&batch)) {
-                struct epd_exec *ex = epd_list_entry(batch.next, struct epd_exec, link);
+                struct epdd_exec *ex = epd_list_entry(batch.next, struct epdd_exec, link);
                 epd_list_del(&ex->link);
                 b->inflight--;
                 b->poll_until_ns = epd__now_ns() + b->poll_ns;
-                epd_op_complete(ex);
+                b->on_complete(b->complete_arg, ex);
         }
 }
 
@@ -41,36 +40,39 @@ static void on_done_async(uv_async_t *handle)
 /* An active idle handle makes every loop turn poll for I/O without blocking; this callback
  * runs once per turn. A completion is then answered without the eventfd wake-up of the loop
  * thread, the next request is read as soon as it arrives, and requests that clients post in
- * their doorbell pages are taken without a system call (conn.c). */
+ * their doorbell pages are taken without a system call (the network layer's poll_pages). */
 static void on_poll_idle(uv_idle_t *handle)
 {
-        struct epd_backend *b = handle->data;
+        struct epdd_backend *b = handle->data;
 
         drain_done(b);
-        (void)epd_conn_poll_pages(b->daemon);
+        if (b->poll_pages)
+                (void)b->poll_pages(b->poll_arg);
         if (b->inflight == 0 && epd__now_ns() > b->poll_until_ns) {
                 uv_idle_stop(handle);
                 /* Its last look may take a request that launches an op, which polls again. */
-                epd_conn_set_polling(b->daemon, 0);
+                if (b->set_polling)
+                        b->set_polling(b->poll_arg, 0);
         }
 }
 
-static void poll_start(struct epd_backend *b)
+static void poll_start(struct epdd_backend *b)
 {
         if (b->poll_ns && !uv_is_active((uv_handle_t *)&b->poll_idle)) {
                 uv_idle_start(&b->poll_idle, on_poll_idle);
-                epd_conn_set_polling(b->daemon, 1);
+                if (b->set_polling)
+                        b->set_polling(b->poll_arg, 1);
         }
 }
 
-void epd_backend_submit(struct epd_backend *b, struct epd_exec *ex)
+void epd_backend_submit(struct epdd_backend *b, struct epdd_exec *ex)
 {
         b->inflight++;
         poll_start(b);
         b->ops->submit(b, ex);
 }
 
-void epd_backend_poll_window(struct epd_backend *b)
+void epd_backend_poll_window(struct epdd_backend *b)
 {
         const uint64_t until = epd__now_ns() + b->poll_ns;
 
@@ -79,7 +81,7 @@ void epd_backend_poll_window(struct epd_backend *b)
         poll_start(b);
 }
 
-void epd_exec_done(struct epd_backend *b, struct epd_exec *ex)
+void epd_exec_done(struct epdd_backend *b, struct epdd_exec *ex)
 {
         pthread_mutex_lock(&b->done_lock);
         epd_list_add_tail(&b->done, &ex->link);
@@ -87,16 +89,17 @@ void epd_exec_done(struct epd_backend *b, struct epd_exec *ex)
         uv_async_send(&b->done_async);
 }
 
-int epd_backend_open(struct epd_daemon *d, struct epd_backend **out, char *err, size_t err_len)
+int epd_backend_open(uv_loop_t *loop, const struct epdd_config *cfg, struct epdd_backend **out,
+                     char *err, size_t err_len)
 {
-        const struct epd_backend_ops *candidates[2];
+        const struct epdd_backend_ops *candidates[2];
         unsigned n = 0;
-        struct epd_backend *b;
+        struct epdd_backend *b;
         int rc = EPD_UNAVAILABLE;
 
-        if (strcmp(d->cfg.backend, "host") == 0) {
+        if (strcmp(cfg->backend, "host") == 0) {
                 candidates[n++] = &epd_backend_host_ops;
-        } else if (strcmp(d->cfg.backend, "cuda") == 0) {
+        } else if (strcmp(cfg->backend, "cuda") == 0) {
 #ifdef EPD_HAVE_CUDA
                 candidates[n++] = &epd_backend_cuda_ops;
 #else
@@ -114,15 +117,14 @@ int epd_backend_open(struct epd_daemon *d, struct epd_backend **out, char *err, 
                 if (!b)
                         return EPD_INTERNAL;
                 b->ops = candidates[i];
-                b->daemon = d;
                 pthread_mutex_init(&b->done_lock, NULL);
                 epd_list_init(&b->done);
-                uv_async_init(d->loop, &b->done_async, on_done_async);
+                uv_async_init(loop, &b->done_async, on_done_async);
                 b->done_async.data = b;
-                uv_idle_init(d->loop, &b->poll_idle);
+                uv_idle_init(loop, &b->poll_idle);
                 b->poll_idle.data = b;
-                b->poll_ns = epd_config_poll_ns(&d->cfg);
-                rc = b->ops->init(b, &d->cfg, err, err_len);
+                b->poll_ns = epd_config_poll_ns(cfg);
+                rc = b->ops->init(b, cfg, err, err_len);
                 if (rc == 0) {
                         *out = b;
                         return 0;
@@ -131,7 +133,7 @@ int epd_backend_open(struct epd_daemon *d, struct epd_backend **out, char *err, 
                         log_info("backend %s unavailable (%s), trying the next", b->ops->name, err);
                 uv_close((uv_handle_t *)&b->done_async, NULL);
                 uv_close((uv_handle_t *)&b->poll_idle, NULL);
-                uv_run(d->loop, UV_RUN_NOWAIT);
+                uv_run(loop, UV_RUN_NOWAIT);
                 pthread_mutex_destroy(&b->done_lock);
                 free(b);
         }
@@ -140,13 +142,13 @@ int epd_backend_open(struct epd_daemon *d, struct epd_backend **out, char *err, 
 
 static void on_backend_closed(uv_handle_t *handle)
 {
-        struct epd_backend *b = handle->data;
+        struct epdd_backend *b = handle->data;
 
         pthread_mutex_destroy(&b->done_lock);
         free(b);
 }
 
-void epd_backend_close(struct epd_backend *b)
+void epd_backend_close(struct epdd_backend *b)
 {
         if (!b)
                 return;

@@ -4,7 +4,7 @@
 const char *const epd_stage_names[EPD_STAGES] = { "peers", "daemon", "gpu" };
 const char *const epd_op_kind_names[2] = { "dispatch", "combine" };
 
-void epd_latency_record(struct epd_latency_hist *h, uint64_t ns)
+void epd_latency_record(struct epdd_latency_hist *h, uint64_t ns)
 {
         uint64_t us = ns / 1000;
         unsigned b = 0;
@@ -18,7 +18,7 @@ void epd_latency_record(struct epd_latency_hist *h, uint64_t ns)
                 h->max_ns = ns;
 }
 
-uint64_t epd_latency_quantile(const struct epd_latency_hist *h, double q)
+uint64_t epd_latency_quantile(const struct epdd_latency_hist *h, double q)
 {
         uint64_t seen = 0, target;
 
@@ -40,7 +40,7 @@ uint64_t epd_latency_quantile(const struct epd_latency_hist *h, double q)
         return h->max_ns;
 }
 
-void epd_op_stats_record(struct epd_op_stats *s, int status, uint64_t bytes, uint64_t ns)
+void epd_op_stats_record(struct epdd_op_stats *s, int status, uint64_t bytes, uint64_t ns)
 {
         if (status == EPD_OK) {
                 s->ops++;
