@@ -26,7 +26,7 @@
  *                   counts as a destination (per_expert[L], per_expert_aligned[L], rank_prefix
  *                   [R + 1], expert_base[L + 1]), then per (token, top-k position) of the rank's
  *                   own tokens: int32 topk[T*K], int32 row[T*K], fp32 weights[T*K]
- *     scratch       int32 [R + E]: the device kernels' cursors of the current dispatch
+ *     scratch       int32 [R + E]: the device dispatch's working totals (per expert at [R + e])
  *   receive area (rows of the dispatches this rank receives, in their final place)
  *     recv_x        [recv_rows][x_row_bytes]; rows are packed at the op's row size
  *     recv_scales   fp32 [recv_rows][num_scales] (fp8 groups and quantizing groups)

@@ -258,13 +258,15 @@ void cx_format_status(const struct cx_op_status *st, uint32_t rank, uint64_t op,
                 return;
         switch (st->reason) {
         case CX_REASON_CAPACITY:
-                snprintf(msg, len, "rank %u op %" PRIu64 ": capacity exceeded: rank %d needs %" PRId64
-                         " rows, capacity %" PRId64 " (%d rank(s) short)", rank, op, st->rank,
+                snprintf(msg, len, "rank %u op %" PRIu64 ": capacity exceeded: rank %d needs "
+                         "%" PRId64 " rows, capacity %" PRId64 " (%d rank(s) short)", rank, op,
+                         st->rank,
                          st->value, st->capacity, st->num_short);
                 break;
         case CX_REASON_BLOCK:
-                snprintf(msg, len, "rank %u op %" PRIu64 ": capacity exceeded: rank %d local expert "
-                         "%d needs more than expert_block_rows %" PRId64 " (%d rank(s) short)",
+                snprintf(msg, len, "rank %u op %" PRIu64 ": capacity exceeded: rank %d local "
+                         "expert %d needs more than expert_block_rows %" PRId64
+                         " (%d rank(s) short)",
                          rank, op, st->rank, st->pos, st->capacity, st->num_short);
                 break;
         case CX_REASON_MISMATCH:

@@ -1,7 +1,8 @@
 /* cx_combine.cu - the client-executed combine: one kernel per rank, the protocol of cpu/cx.c.
  *
  * 1. Block 0: admit the op; publish this rank's y record (its y, written by earlier work on the
- *    stream, becomes readable by every peer); wait for every rank's; the verdict (cx_combine_verdict).
+ *    stream, becomes readable by every peer); wait for every rank's; the verdict
+ *    (cx_combine_verdict).
  * 2. Every block: a token per block at a time, its contributions pulled from the peers' y areas and
  *    reduced in fp32 in top-k order, biases last, one rounding to bf16 (SEMANTICS.md section 3; no
  *    FMA: cmake/EpdCuda.cmake builds with --fmad=false), and combined_topk_weights.
@@ -22,8 +23,8 @@
 #define CX_THREADS 256
 
 /* Thread 0: this rank's checks of its own arguments (cpu/cx.c check_combine). */
-static __device__ int32_t check_args(const struct epd_cx_group *g, const struct epd_cx_combine_args *a,
-                                     uint64_t epoch)
+static __device__ int32_t check_args(const struct epd_cx_group *g,
+                                     const struct epd_cx_combine_args *a, uint64_t epoch)
 {
         const struct cx_layout *l = &g->layout;
         const struct cx_handle *h;
@@ -80,7 +81,8 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cx_c
         r = cx_wait_all(g, l->yrec, sizeof(struct cx_flag), o->parity, o->tag, &who);
         if (threadIdx.x == 0) {
                 if (r)
-                        cx_status_set(st, r, r == EPD_PEER_LOST ? CX_REASON_ABORT : CX_REASON_TIMEOUT,
+                        cx_status_set(st, r,
+                                      r == EPD_PEER_LOST ? CX_REASON_ABORT : CX_REASON_TIMEOUT,
                                       who);
                 else
                         cx_combine_verdict(g->bufs[me], l, o->parity, st);
@@ -118,10 +120,12 @@ static __device__ void combine_token(const struct epd_cx_group *g,
                                 v = __fmul_rn(v, w[(uint64_t)t * K + k]);
                         acc = __fadd_rn(acc, v);
                 }
-                for (int b = 0; b < 2; b++)
-                        if (a->bias[b])
-                                acc = __fadd_rn(acc, __bfloat162float(((const __nv_bfloat16 *)
-                                                                          a->bias[b])[(uint64_t)t * H + c]));
+                for (int b = 0; b < 2; b++) {
+                        const __nv_bfloat16 *bias = (const __nv_bfloat16 *)a->bias[b];
+
+                        if (bias)
+                                acc = __fadd_rn(acc, __bfloat162float(bias[(uint64_t)t * H + c]));
+                }
                 ((__nv_bfloat16 *)a->combined)[(uint64_t)t * H + c] = __float2bfloat16_rn(acc);
         }
         if (!a->combined_topk_weights)
@@ -133,14 +137,16 @@ static __device__ void combine_token(const struct epd_cx_group *g,
                         /* For every k: the sum over the destinations token t went to, ascending,
                          * of that destination's weight row of t. */
                         out = +0.0f;
-                        for (uint32_t d = 0; d < l->shape.world_size; d++)
-                                for (uint32_t j = 0; j < K; j++)
+                        for (uint32_t d = 0; d < l->shape.world_size; d++) {
+                                const float *yw = (const float *)(g->bufs[d] + l->y_weights);
+
+                                for (uint32_t j = 0; j < K; j++) {
                                         if (rows[j] >= 0 && epd_route_expert_rank(sel[j], L) == d) {
-                                                out = __fadd_rn(out, ((const float *)(g->bufs[d] +
-                                                                                      l->y_weights))
-                                                                             [(uint64_t)rows[j] * K + k]);
+                                                out = __fadd_rn(out, yw[(uint64_t)rows[j] * K + k]);
                                                 break;
                                         }
+                                }
+                        }
                 } else if (h->has_weights) {
                         out = sel[k] >= 0 ? hw[(uint64_t)t * K + k] : 0.0f;
                 } else {

@@ -38,8 +38,9 @@ static __device__ __forceinline__ int64_t load_topk(const void *p, enum epd_dtyp
 
 /* Thread 0: this rank's checks of its own arguments (cpu/cx.c check_dispatch), into the record
  * head. */
-static __device__ void check_args(const struct epd_cx_group *g, const struct epd_cx_dispatch_args *a,
-                                  uint64_t epoch, struct cx_count_rec *head)
+static __device__ void check_args(const struct epd_cx_group *g,
+                                  const struct epd_cx_dispatch_args *a, uint64_t epoch,
+                                  struct cx_count_rec *head)
 {
         const struct cx_layout *l = &g->layout;
         const struct cx_handle *h;
@@ -61,8 +62,9 @@ static __device__ void check_args(const struct epd_cx_group *g, const struct epd
                 return;
         h = cx_handle_at(g->bufs[g->rank], l, a->handle);
         if (a->cached) {
-                if (h->tag == 0 || h->tag >> CX_OP_BITS != epoch || h->num_tokens != a->num_tokens ||
-                    h->layout != (uint32_t)a->layout || h->num_topk != a->num_topk ||
+                if (h->tag == 0 || h->tag >> CX_OP_BITS != epoch ||
+                    h->num_tokens != a->num_tokens || h->layout != (uint32_t)a->layout ||
+                    h->num_topk != a->num_topk ||
                     h->alignment != A || h->block_rows != a->expert_block_rows ||
                     h->quantize != (a->quantize ? 1u : 0u))
                         return;
@@ -231,7 +233,8 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cx_d
                         int32_t cnt = 0, pre = 0;
 
                         for (uint32_t s = 0; s < R; s++) {
-                                int32_t n = cx_count_sel(cx_count_rec_at(own, l, o->parity, s), l)[e];
+                                struct cx_count_rec *rec = cx_count_rec_at(own, l, o->parity, s);
+                                int32_t n = cx_count_sel(rec, l)[e];
 
                                 cnt += n;
                                 pre += s < me ? n : 0;
@@ -306,9 +309,10 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cx_d
 
 /* Moves one token to all its rows. src/src_scales: the token's payload (the fp8 conversion in
  * shared memory when quantizing). row_bytes is a multiple of 16 and src 16-byte aligned. */
-static __device__ void copy_token(const struct epd_cx_group *g, const struct epd_cx_dispatch_args *a,
-                                  const struct cx_handle *h, const int32_t *htopk,
-                                  const int32_t *hrow, uint32_t t, const uint8_t *src,
+static __device__ void copy_token(const struct epd_cx_group *g,
+                                  const struct epd_cx_dispatch_args *a, const struct cx_handle *h,
+                                  const int32_t *htopk, const int32_t *hrow, uint32_t t,
+                                  const uint8_t *src,
                                   const float *src_scales, uint32_t row_bytes, uint32_t nsc)
 {
         const struct cx_layout *l = &g->layout;
@@ -440,7 +444,8 @@ cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cx_dispatch_arg
                 for (uint32_t t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
                         const uint8_t *x = (const uint8_t *)a.x + t * xs;
                         const uint8_t *src = x;
-                        const float *src_scales = (const float *)((const uint8_t *)a.scales + t * ss);
+                        const float *src_scales =
+                                (const float *)((const uint8_t *)a.scales + t * ss);
 
                         if (a.quantize) {
                                 for (uint32_t b = threadIdx.x; b < nsc; b += blockDim.x)
