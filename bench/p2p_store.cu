@@ -1,4 +1,4 @@
-/* p2p_store.cu - epd-bench's peer-to-peer store ceiling (docs/BENCHMARKS.md, "Ceilings"): a
+/* p2p_store.cu - epd-bench's peer-to-peer store ceiling (docs/benchmarks.md, "Ceilings"): a
  * kernel on one GPU storing into a buffer of at least 1 GiB in another GPU's memory, the way
  * dispatch and combine push rows over NVLink (or PCIe). Two measurements:
  *

@@ -1,5 +1,5 @@
-/* cuda.c - libepd: registering GPU memory of the client process with the daemon (DESIGN.md
- * sections 3 and 3a: "a device pointer registered through the cache").
+/* cuda.c - libepd: registering GPU memory of the client process with the daemon
+ * (docs/architecture.md, "Objects": a device pointer registered through the cache).
  *
  * epd_region_register_device finds the CUDA allocation a device pointer belongs to and shares
  * the whole allocation, because that is what the daemon can import: a cuMem allocation created

@@ -61,7 +61,7 @@
 #define CX_ALIGN 256u
 #define CX_OP_BITS 40u
 #define CX_OP_MASK ((1ull << CX_OP_BITS) - 1)
-#define CX_QUANT_BLOCK 128u /* SEMANTICS.md 2.7: channels per scale of a quantizing dispatch */
+#define CX_QUANT_BLOCK 128u /* docs/semantics.md §2.7: channels per scale of a quantizing dispatch */
 #define CX_MAX_BLOCKS 256u  /* blocks of one rank's kernel (its SM budget) */
 
 /* The group's shape, fixed at creation. Zero fields take the defaults named. */
@@ -122,7 +122,7 @@ enum cx_reason {
         CX_REASON_BAD_EXPERT,   /* an id outside [0, E) other than -1 */
         CX_REASON_DUP_EXPERT,   /* an expert twice in one row */
         CX_REASON_BAD_ARGS,     /* a local argument is invalid (value names which, see cx.c) */
-        CX_REASON_MISMATCH,     /* ranks disagree on what must match (SEMANTICS.md 1) */
+        CX_REASON_MISMATCH,     /* ranks disagree on what must match (docs/semantics.md §1) */
         CX_REASON_CAPACITY,     /* a destination needs more rows than it has */
         CX_REASON_BLOCK,        /* 2.6: an expert's aligned count exceeds C */
         CX_REASON_ABORT,        /* the abort word was set (PEER_LOST) */
@@ -444,8 +444,8 @@ EPD_HD int32_t cx_block_base(uint32_t j, uint32_t block_rows, int32_t packed_bas
         return block_rows ? (int32_t)(j * block_rows) : packed_base;
 }
 
-/* The counts of SEMANTICS.md 2.3 for destination d into handle slot h of base (d's own buffer),
- * from the count records of parity p in the same buffer. */
+/* The counts of docs/semantics.md §2.3 for destination d into handle slot h of base (d's own
+ * buffer), from the count records of parity p in the same buffer. */
 EPD_HD void cx_write_counts(uint8_t *base, const struct cx_layout *l, uint32_t parity,
                             uint32_t d, uint32_t handle, uint32_t alignment, uint32_t block_rows)
 {
@@ -478,7 +478,7 @@ EPD_HD void cx_write_counts(uint8_t *base, const struct cx_layout *l, uint32_t p
         h->num_expanded_rows = ebase[L];
 }
 
-/* The signature of an op: what SEMANTICS.md section 1 says must match across ranks. */
+/* The signature of an op: what docs/semantics.md section 1 says must match across ranks. */
 EPD_HD void cx_dispatch_sig(uint32_t sig[4], uint32_t layout, uint32_t alignment,
                             uint32_t block_rows, uint32_t handle, uint32_t cached,
                             uint32_t quantize, uint32_t has_weights, uint32_t zero_padding)

@@ -1,6 +1,7 @@
 /* doorbell.h - the per-rank doorbell page, daemon-owned host memory shared with the rank's
  * client: 64-bit sequence words that order the client's CUDA stream and the daemon's streams
- * without a host round trip (DESIGN.md section 2, "Stream ordering"), and a reply mailbox.
+ * without a host round trip (docs/architecture.md, "Stream ordering: doorbell pages"), and a reply
+  * mailbox.
  *
  *   completed     written by the daemon: how many of this rank's ops (since it was bound) have
  *                 finished, successfully or not. The CUDA backend's executor stores it (release)

@@ -1,4 +1,4 @@
-/* fp8.h - the fp8 e4m3 conversion and the block quantization of SEMANTICS.md 2.7, host and
+/* fp8.h - the fp8 e4m3 conversion and the block quantization of docs/semantics.md §2.7, host and
  * device.
  *
  * One definition for the CPU executor and the kernels, so a quantizing dispatch gives the same
@@ -28,7 +28,7 @@ EPD_HD float epd_f32_from_bits(uint32_t b)
         return v;
 }
 
-/* e4m3(v) of SEMANTICS.md 2.7: nearest e4m3 value, ties to even, subnormals included; finite
+/* e4m3(v) of docs/semantics.md §2.7: nearest e4m3 value, ties to even, subnormals included; finite
  * values beyond +-448 and infinities saturate to +-448; NaN becomes 0x7F. The same as CUDA's
  * __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3). */
 EPD_HD uint8_t epd_fp8_e4m3_from_float(float v)

@@ -42,8 +42,8 @@
  * Cutting a source into chunks lets the count step use many blocks per source; the prefix step
  * turns chunk counts into chunk bases, so that a row is prefix + chunk base + rank in chunk.
  *
- * rank_prefix, expert_* and row hold the same numbers as struct epd_plan (SEMANTICS.md 2.1-2.3),
- * in the same index order, so tests compare them entry for entry.
+ * rank_prefix, expert_* and row hold the same numbers as struct epd_plan (docs/semantics.md
+  * §2.1-2.3), in the same index order, so tests compare them entry for entry.
  */
 #ifndef EPD_COMMON_LAYOUT_H
 #define EPD_COMMON_LAYOUT_H
@@ -130,7 +130,7 @@ EPD_HD uint64_t epd_ws_align(uint64_t offset)
 }
 
 /* Fills the layout for a group of R ranks, E experts, T max tokens per rank and max top-k K.
- * The caller checks the dims against SEMANTICS.md section 1 first (E % R == 0). */
+ * The caller checks the dims against docs/semantics.md section 1 first (E % R == 0). */
 EPD_HD void epd_ws_layout_init(struct epd_ws_layout *l, uint32_t world_size,
                                uint32_t num_experts, uint32_t max_tokens, uint32_t max_topk)
 {

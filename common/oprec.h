@@ -25,7 +25,7 @@
 #define EPD_OPREC_COMBINE 2u
 
 /* Request flags. */
-#define EPD_OPREC_ZERO_PADDING 1u      /* dispatch: SEMANTICS.md 2 */
+#define EPD_OPREC_ZERO_PADDING 1u      /* dispatch: docs/semantics.md §2 */
 #define EPD_OPREC_USE_ARENA 2u         /* dispatch: outputs in the rank's output arena */
 #define EPD_OPREC_APPLY_WEIGHTS 4u     /* combine */
 #define EPD_OPREC_REPLY_IN_DOORBELL 8u /* the reply goes into the rank's doorbell page */

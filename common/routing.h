@@ -1,4 +1,4 @@
-/* routing.h - the routing and placement primitives of SEMANTICS.md section 2, in one place.
+/* routing.h - the routing and placement primitives of docs/semantics.md section 2, in one place.
  *
  * Every function here is a pure function of its arguments and compiles both as C (host backend,
  * daemon sizing, tests' production side) and as CUDA (kernels), so host sizing and device
@@ -16,7 +16,7 @@
 #define EPD_HD static inline
 #endif
 
-/* Limits of SEMANTICS.md section 1. */
+/* Limits of docs/semantics.md section 1. */
 #define EPD_MAX_WORLD_SIZE 1024u
 #define EPD_MAX_EXPERTS 2048u
 #define EPD_MAX_LOCAL_EXPERTS 256u
@@ -74,13 +74,13 @@ EPD_HD int epd_route_is_first_for_rank(const int32_t *row, uint32_t k, uint32_t 
         return 1;
 }
 
-/* The global source index of SEMANTICS.md 2.1 (recv_src). */
+/* The global source index of docs/semantics.md §2.1 (recv_src). */
 EPD_HD int64_t epd_route_global_src(uint32_t src_rank, uint32_t max_tokens_per_rank, uint32_t token)
 {
         return (int64_t)src_rank * max_tokens_per_rank + token;
 }
 
-/* Worst-case output rows per rank (SEMANTICS.md section 5). */
+/* Worst-case output rows per rank (docs/semantics.md section 5). */
 EPD_HD uint64_t epd_route_max_rows_non_expand(uint32_t world_size, uint32_t max_tokens_per_rank)
 {
         return (uint64_t)world_size * max_tokens_per_rank;

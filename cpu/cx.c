@@ -371,7 +371,7 @@ static int check_dispatch(const struct op_ctx *c, const struct cx_dispatch_args 
         return 0;
 }
 
-/* The source's fp8 rows and scales (SEMANTICS.md 2.7), converted once per token. */
+/* The source's fp8 rows and scales (docs/semantics.md §2.7), converted once per token. */
 static int quantize_rows(const struct cx_layout *l, const struct cx_dispatch_args *a,
                          uint8_t **q, float **scales)
 {
@@ -614,8 +614,8 @@ out:
 
 /* ---- combine ---- */
 
-/* combined_topk_weights with recv_weights (SEMANTICS.md section 3): for every k, the sum over the
- * destinations d that token t went to, ascending, of d's weight row of t at position k. */
+/* combined_topk_weights with recv_weights (docs/semantics.md section 3): for every k, the sum over
+ * the destinations d that token t went to, ascending, of d's weight row of t at position k. */
 static void reduce_recv_weights(struct op_ctx *c, const struct cx_handle *h, const int32_t *topk,
                                 const int32_t *row, float *out)
 {

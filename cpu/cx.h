@@ -6,8 +6,8 @@
  * them and reaches the same verdict (CAPACITY_EXCEEDED before any row moves), then each source
  * writes its rows straight into the destinations' receive areas at rows that are a pure function
  * of topk_idx (cpu/plan.c) and raises a done flag at each. Combine pulls: each rank publishes its y
- * record, each source reduces its tokens from its peers' y areas in SEMANTICS.md section 3's order
- * (cpu/exec.c, so the bits equal the host backend's), and acknowledges, so y is reusable.
+ * record, each source reduces its tokens from its peers' y areas in docs/semantics.md section 3's
+  * order (cpu/exec.c, so the bits equal the host backend's), and acknowledges, so y is reusable.
  *
  * Op numbers come from the rank's own op counter in its buffer, never from the caller. Every wait
  * is bounded by the rank's timeout and polls the abort word. A failure is sticky for the epoch.
@@ -56,7 +56,7 @@ struct cx_dispatch_args {
         enum epd_layout layout;
         uint32_t expert_alignment;  /* 0: 1 */
         int zero_padding;           /* EXPAND */
-        uint32_t expert_block_rows; /* EXPAND: C of SEMANTICS.md 2.6, 0 for packed */
+        uint32_t expert_block_rows; /* EXPAND: C of docs/semantics.md §2.6, 0 for packed */
         int quantize;               /* bf16 groups: send fp8 rows and scales (2.7) */
         uint32_t handle;            /* the handle slot it fills, or reuses when cached */
         int cached;                 /* reuse the routing of the handle's dispatch (2.4) */
@@ -85,7 +85,7 @@ int cx_dispatch(const struct cx_rank *r, const struct cx_dispatch_args *a, uint6
 int cx_combine(const struct cx_rank *r, const struct cx_combine_args *a, uint64_t *op,
                char *err, size_t err_len);
 
-/* Describes a status entry as SEMANTICS.md section 4 asks ("rank 3 needs 9123 rows, capacity
+/* Describes a status entry as docs/semantics.md section 4 asks ("rank 3 needs 9123 rows, capacity
  * 8192"). */
 void cx_format_status(const struct cx_op_status *st, uint32_t rank, uint64_t op, char *msg,
                       size_t len);

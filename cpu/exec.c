@@ -9,8 +9,8 @@
  *
  * Combine is a pull: each item takes a chunk of one source's tokens and, per token, sums the
  * contributing rows in top-k order into an fp32 accumulator on the stack, then rounds once to
- * bf16 (SEMANTICS.md section 3). The accumulator covers a block of columns at a time, so it stays
- * in L1 and needs no allocation however wide the hidden size is.
+ * bf16 (docs/semantics.md section 3). The accumulator covers a block of columns at a time, so it
+  * stays in L1 and needs no allocation however wide the hidden size is.
  *
  * A dispatch that moves more data than the last-level cache holds writes its recv_x rows with
  * non-temporal stores: the lines would be evicted before the client reads them anyway, and a
@@ -326,10 +326,10 @@ uint64_t epd_host_combine_items(const struct epd_combine_exec *op)
  * a = ((a + v0) + v1) + ... with v = float(y) or float(y) * w, each operation rounded on its own
  * (-ffp-contract=off). Folding several contributions into one pass keeps the running sum in a
  * register instead of storing and reloading the accumulator per contribution; the order of the
- * additions is exactly that of SEMANTICS.md section 3. The first pass starts from +0.0f rather than
- * copying v0, so a -0.0 contribution becomes +0.0 as the contract's "acc = +0.0f" start implies.
- * Always inlined with constant m, first and weighted, so each combination becomes its own
- * straight-line, vectorised loop. */
+ * additions is exactly that of docs/semantics.md section 3. The first pass starts from +0.0f rather
+  * than copying v0, so a -0.0 contribution becomes +0.0 as the contract's "acc = +0.0f" start
+  * implies. Always inlined with constant m, first and weighted, so each combination becomes its own
+  * straight-line, vectorised loop. */
 static inline __attribute__((always_inline)) void
 acc_pass(float *restrict acc, const uint16_t *const *rows, const float *weights, uint32_t m,
          int first, int weighted, uint32_t c0, uint32_t n)

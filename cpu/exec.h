@@ -5,7 +5,7 @@
  * cut into independent items so that several threads can share one op: each item writes rows that
  * no other item writes.
  *
- * Floating point follows SEMANTICS.md section 3 exactly; this file is compiled with
+ * Floating point follows docs/semantics.md section 3 exactly; this file is compiled with
  * -ffp-contract=off and without fast-math.
  */
 #ifndef EPD_CPU_EXEC_H

@@ -1,4 +1,4 @@
-/* plan.c - the placement plan of one dispatch (SEMANTICS.md 2.1-2.3), computed on the host.
+/* plan.c - the placement plan of one dispatch (docs/semantics.md §2.1-2.3), computed on the host.
  *
  * Three phases, so that the per-source work can run on several threads:
  * 1. epd_plan_count_source (per source, concurrent): normalise topk_idx to int32, validate it, and
@@ -7,7 +7,7 @@
  *    at every destination, and the aligned expert bases of EXPAND.
  * 3. epd_plan_place_source (per source, concurrent): a sequential scan over the source's tokens
  *    that hands out consecutive rows from those starting points. Because the scan visits tokens in
- *    ascending order, rows come out ordered by source, then token, as SEMANTICS.md requires.
+ *    ascending order, rows come out ordered by source, then token, as docs/semantics.md requires.
  *
  * All rank/expert arithmetic goes through routing.h so the CUDA kernels place rows identically.
  */
@@ -42,7 +42,7 @@ struct epd_plan *epd_plan_new(uint32_t world_size, uint32_t num_experts, uint32_
                 return NULL;
         if (layout != EPD_LAYOUT_NON_EXPAND && layout != EPD_LAYOUT_EXPAND)
                 return NULL;
-        /* Rows and counts are int32 (the wire and device formats of SEMANTICS.md 2.3), so the
+        /* Rows and counts are int32 (the wire and device formats of docs/semantics.md §2.3), so the
          * worst case of either layout must fit. */
         max_rows = epd_route_max_rows_expand(world_size, max_tokens, num_topk, num_local,
                                              expert_alignment);

@@ -1,4 +1,4 @@
-/* plan.h - the placement plan of one dispatch (SEMANTICS.md 2.1-2.3), computed on the host.
+/* plan.h - the placement plan of one dispatch (docs/semantics.md §2.1-2.3), computed on the host.
  *
  * The plan is the host-side implementation of the routing math of routing.h: per-source counts,
  * per-destination prefixes and expert bases, and the destination row of every (source, token,
@@ -47,7 +47,7 @@ struct epd_plan {
 };
 
 /* Allocates a plan for R ranks (E, T, K_op, alignment, layout); num_tokens[s] gives N_s. Returns
- * NULL on allocation failure or when the dims break SEMANTICS.md section 1 limits. */
+ * NULL on allocation failure or when the dims break docs/semantics.md section 1 limits. */
 struct epd_plan *epd_plan_new(uint32_t world_size, uint32_t num_experts, uint32_t max_tokens,
                               uint32_t num_topk, uint32_t expert_alignment,
                               enum epd_layout layout, const uint32_t *num_tokens);
@@ -56,8 +56,9 @@ struct epd_plan *epd_plan_free(struct epd_plan *plan);
 
 /* Copies source s's topk_idx (int32 or int64 elements; row_stride in elements, 0 meaning K_op)
  * into plan->topk[s], validates it and counts it. topk_idx may be NULL when N_s is 0. An int64 id
- * is range-checked before it is narrowed, so 2^32 + 3 is rejected rather than read as 3. Returns 0, or EPD_INVALID_ARGUMENT with a message in err naming the
- * token, position and value (an id outside [0,E) other than -1, or an expert repeated in a row). */
+ * is range-checked before it is narrowed, so 2^32 + 3 is rejected rather than read as 3. Returns 0,
+  * or EPD_INVALID_ARGUMENT with a message in err naming the token, position and value (an id
+  * outside [0,E) other than -1, or an expert repeated in a row). */
 int epd_plan_count_source(struct epd_plan *plan, uint32_t s, const void *topk_idx,
                           enum epd_dtype dtype, uint64_t row_stride, char *err, size_t err_len);
 /* Computes prefixes and expert bases from the counts of every source. */

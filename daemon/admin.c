@@ -1,4 +1,4 @@
-/* admin.c - the admin verbs (DESIGN.md section 7): Drain and Undrain stop and resume the
+/* admin.c - the admin verbs (README.md, "epctl"): Drain and Undrain stop and resume the
  * launching of ops, of one group or of the whole daemon; Evict closes a client's connection as
  * if it had crashed; Resize (resize.c) grows or shrinks a group's arenas. Only root and members
  * of admin_group may use them (conn->admin, decided at accept). Loop thread only.

@@ -1,5 +1,5 @@
 /* metrics.c - Prometheus text exposition (format 0.0.4) of the daemon's counters on an optional
- * HTTP listener (DESIGN.md section 7; [daemon] metrics_listen, --metrics-listen).
+ * HTTP listener (README.md, "epctl"; [daemon] metrics_listen, --metrics-listen).
  *
  * Threads: libmicrohttpd serves HTTP on a thread of its own, but every counter belongs to the
  * loop thread. A request therefore asks the loop for a snapshot: it bumps a request number and

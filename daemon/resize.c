@@ -1,4 +1,4 @@
-/* resize.c - `epctl resize` (DESIGN.md section 7): grows or shrinks the output arenas of every
+/* resize.c - `epctl resize` (README.md, "epctl"): grows or shrinks the output arenas of every
  * rank of a group with the group's ops drained, while its clients keep running. Loop thread only.
  *
  * A Resize request stops the launching of the group's ops (group->resize: epd_op_kick launches

@@ -1,13 +1,13 @@
 /* epd.h - the public C API of libepd, the client library of the epd expert-parallel daemon.
  *
- * Conventions (DESIGN.md section 3a):
+ * Conventions:
  * - Long-lived objects are opaque (struct epd_client, struct epd_group, struct epd_op) and come in
  *   create/free pairs; every free function accepts NULL.
  * - Calls with many parameters take an argument struct whose first field `size` the caller sets to
  *   sizeof(the struct), so fields can be appended without breaking callers.
  * - Every call returns 0 (EPD_OK) or a negative enum epd_status. The message of the last failure is
- *   kept per object (epd_client_last_error, epd_op_error); strings are never handed out to be freed.
- * - Output parameters are written only on success.
+ * kept per object (epd_client_last_error, epd_op_error); strings are never handed out to be freed.
+  * - Output parameters are written only on success.
  *
  * Thread safety: a struct epd_client and everything created from it may be used from several
  * threads; calls on one client are serialised by a mutex inside the client. Ops of one client may
@@ -26,7 +26,7 @@ extern "C" {
 #define EPD_PROTOCOL_VERSION 2u
 #define EPD_VERSION_STRING "0.1.0"
 
-/* SEMANTICS.md section 4. The wire code is the negated value. */
+/* docs/semantics.md section 4. The wire code is the negated value. */
 enum epd_status {
         EPD_OK = 0,
         EPD_INVALID_ARGUMENT = -1,
@@ -303,7 +303,7 @@ struct epd_size_hint {
 int epd_size_hint(struct epd_client *client, const struct epd_group_config *config,
                   uint32_t expert_alignment, struct epd_size_hint *out);
 
-/* ---- dispatch and combine (SEMANTICS.md sections 2 and 3) ---- */
+/* ---- dispatch and combine (docs/semantics.md §2 and §3) ---- */
 
 struct epd_dispatch_args {
         size_t size;
@@ -330,9 +330,9 @@ struct epd_dispatch_args {
         uint64_t wait_inputs;
 };
 
-/* What a completed dispatch returns (SEMANTICS.md 2.3). The arrays are owned by the op and valid
- * until epd_op_free. With use_arena, the output tensors name the arena (region_id is the arena's
- * id) and *_ptr point into this process's mapping of it. */
+/* What a completed dispatch returns (docs/semantics.md §2.3). The arrays are owned by the op and
+ * valid until epd_op_free. With use_arena, the output tensors name the arena (region_id is the
+ * arena's id) and *_ptr point into this process's mapping of it. */
 struct epd_dispatch_result {
         uint64_t op_number;
         uint64_t handle_id;

@@ -4,10 +4,10 @@
  *    stream, becomes readable by every peer); wait for every rank's; the verdict
  *    (cx_combine_verdict).
  * 2. Every block: a token per block at a time, its contributions pulled from the peers' y areas and
- *    reduced in fp32 in top-k order, biases last, one rounding to bf16 (SEMANTICS.md section 3; no
- *    FMA: cmake/EpdCuda.cmake builds with --fmad=false), and combined_topk_weights.
- * 3. Block 0: acknowledge every peer's y, wait for every peer's ack of this rank's y (so y may be
- *    rewritten after the kernel), record the end.
+ * reduced in fp32 in top-k order, biases last, one rounding to bf16 (docs/semantics.md section 3;
+  * no FMA: cmake/EpdCuda.cmake builds with --fmad=false), and combined_topk_weights. 3. Block 0:
+  * acknowledge every peer's y, wait for every peer's ack of this rank's y (so y may be rewritten
+  * after the kernel), record the end.
  */
 #include <stdint.h>
 
@@ -92,7 +92,8 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cx_c
         return s_status;
 }
 
-/* One source token: its contributions in top-k order, reduced as SEMANTICS.md section 3 says. */
+/* One source token: its contributions in top-k order, reduced as docs/semantics.md section 3
+ * says. */
 static __device__ void combine_token(const struct epd_cx_group *g,
                                      const struct epd_cx_combine_args *a, const struct cx_handle *h,
                                      const int32_t *htopk, const int32_t *hrow, const float *hw,

@@ -1,5 +1,5 @@
 /* cx_sync.cuh - the signals of client-executed kernels: peer flags, bounded waits and the grid
- * barrier, each with the scope its observers need (DESIGN.md 5, 5a).
+ * barrier, each with the scope its observers need (docs/architecture.md, "Where kernels run").
  *
  * Built on the audited primitives of ordering.cuh. Who writes and who reads each word:
  * - Peer slots (count records, done flags, y records, acks) live in the READER's buffer, on the

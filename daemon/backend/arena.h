@@ -1,5 +1,6 @@
-/* arena.h - a rank's daemon-owned output arena (DESIGN.md section 2): memory exported to the
- * client once, in which the daemon places exact-size dispatch outputs after counting.
+/* arena.h - a rank's daemon-owned output arena (docs/architecture.md, "Output arenas, and resizing
+ * them"): memory exported to the client once, in which the daemon places exact-size dispatch
+ * outputs after counting.
  *
  * Memory: a range of address space reserved once (`reserved` bytes at `base`, PROT_NONE), in
  * which segments are mapped back to back from offset 0. Each segment is its own sealed memfd

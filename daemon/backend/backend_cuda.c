@@ -1,4 +1,5 @@
-/* backend_cuda.c - the CUDA backend, daemon-executed mode (DESIGN.md sections 5 and 5a).
+/* backend_cuda.c - the CUDA backend, daemon-executed mode (docs/architecture.md, "The CUDA
+ * backend's data path" and "Where kernels run").
  *
  * Devices are the node's GPUs, named by UUID. Client memory reaches the kernels three ways: host
  * memfd regions are mapped and registered with CUDA (cudaHostRegister, portable and mapped), so
@@ -448,11 +449,11 @@ static void queue_input_waits(const struct epdd_exec *ex, cudaStream_t stream)
  * end event: its kernels are complete, so their outputs are in place for any stream of the
  * device, and a stream-ordered client's stream (waiting for `completed` with
  * cuStreamWaitValue64) is released. The loop thread stores the same value again when it takes
- * the completion (group.c, rank_publish); the word only ever grows (epd_doorbell_advance). From the host rather than as
- * stream writes after the end event: those 8 writes took 7.4 us of GPU time as one batch
- * (bench/probes/memop_probe.cu), so the last rank's doorbell moved that long after the op
- * ended, and the next op on the stream started that much later. Executor thread; the pages stay mapped
- * while the op executes (group.c, rank_doorbell_retire). */
+ * the completion (group.c, rank_publish); the word only ever grows (epd_doorbell_advance). From the
+  * host rather than as stream writes after the end event: those 8 writes took 7.4 us of GPU time as
+  * one batch (bench/probes/memop_probe.cu), so the last rank's doorbell moved that long after the
+  * op ended, and the next op on the stream started that much later. Executor thread; the pages stay
+  * mapped while the op executes (group.c, rank_doorbell_retire). */
 static void publish_completions(const struct epdd_exec *ex)
 {
         for (uint32_t r = 0; r < ex->cfg.world_size; r++)

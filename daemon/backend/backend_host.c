@@ -245,7 +245,7 @@ static void run_dispatch(struct host_backend *hb, struct epdd_exec *ex)
         }
         plan = hh->plan;
 
-        /* SEMANTICS.md 2.5: check every rank's capacity before any byte moves. */
+        /* docs/semantics.md §2.5: check every rank's capacity before any byte moves. */
         for (uint32_t d = 0; d < R; d++) {
                 struct epdd_exec_rank *er = &ex->ranks[d];
                 int64_t rows = epd_plan_rows(plan, d);

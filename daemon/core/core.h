@@ -1,7 +1,7 @@
-/* core.h - the daemon's object graph (DESIGN.md section 3): daemon, client, region, group, rank
- * binding, op, handle, and the core's functions on them. Every object here is owned and touched
- * by the libuv loop thread only; backends see copies of what they need (struct epdd_exec) and
- * report back through the completion hook the core registers with them.
+/* core.h - the daemon's object graph (docs/architecture.md, "Objects"): daemon, client, region,
+ * group, rank binding, op, handle, and the core's functions on them. Every object here is owned and
+ * touched by the libuv loop thread only; backends see copies of what they need (struct epdd_exec)
+ * and report back through the completion hook the core registers with them.
  *
  * The core sits above daemon/base and daemon/backend and below daemon/net and the top level
  * (tests/unit/layers.sh checks it): it never sees a protobuf type and includes nothing of the
@@ -161,7 +161,8 @@ struct epdd_handle_rank {
         struct epdd_arena_place arena;
 };
 
-/* Routing state produced by a dispatch (DESIGN.md section 3). The backend owns `state`. */
+/* Routing state produced by a dispatch (docs/architecture.md, "Objects"). The backend owns
+ * `state`. */
 struct epdd_handle {
         struct epd_list link;
         uint64_t id;

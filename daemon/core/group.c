@@ -1,4 +1,4 @@
-/* group.c - EP groups (SEMANTICS.md section 1): configuration checks, rank binding, the
+/* group.c - EP groups (docs/semantics.md section 1): configuration checks, rank binding, the
  * FORMING -> READY <-> BROKEN lifecycle, output arenas and handles. Loop thread only. */
 #include <errno.h>
 #include <stdio.h>
@@ -443,8 +443,9 @@ int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, u
                 return EPD_INVALID_ARGUMENT;
         }
         r = &g->ranks[rank];
-        /* DESIGN.md 5: ranks of a group reach each other's buffers directly; a group spanning
-         * devices without peer access would need the NCCL fallback, which does not exist yet. */
+        /* docs/architecture.md, "The CUDA backend's data path": ranks of a group reach each other's
+         * buffers directly; a group spanning devices without peer access would need the NCCL
+         * fallback, which does not exist yet. */
         for (uint32_t o = 0; d->backend->ops->devices_connected && o < g->cfg.world_size; o++) {
                 const struct epdd_rank *other = &g->ranks[o];
                 if (o == rank || !other->conn)
@@ -505,7 +506,7 @@ int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, u
         g->num_bound++;
         if (g->num_bound == g->cfg.world_size &&
             (g->state == EPD_GROUP_FORMING || g->state == EPD_GROUP_BROKEN)) {
-                /* SEMANTICS.md 1: a re-formed group restarts at op 0 on every rank. A group
+                /* docs/semantics.md §1: a re-formed group restarts at op 0 on every rank. A group
                  * forming for the first time keeps the ops its early ranks already submitted. */
                 if (g->state == EPD_GROUP_BROKEN)
                         for (uint32_t i = 0; i < g->cfg.world_size; i++)

@@ -1,6 +1,6 @@
-/* handle.c - the lifetime of dispatch handles (DESIGN.md section 3): made by a successful
- * dispatch, refreshed by a cached one, released rank by rank, freed with their arena space and
- * backend state once every rank released them and no op uses them. Loop thread only. */
+/* handle.c - the lifetime of dispatch handles (docs/architecture.md, "Objects"): made by a
+ * successful dispatch, refreshed by a cached one, released rank by rank, freed with their arena
+ * space and backend state once every rank released them and no op uses them. Loop thread only. */
 #include <stdio.h>
 #include <stdlib.h>
 

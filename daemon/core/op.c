@@ -1,8 +1,8 @@
-/* op.c - per-group op sequencing (DESIGN.md sections 3 and 4): op n is collected from every
- * rank, checked (prep.c), handed to the backend, and answered on every rank with one status
- * (reply.c). A rank that never submits turns into TIMEOUT, a lost rank into PEER_LOST; no op
- * waits on a GPU for a rank that is not there. Handles live in handle.c, statistics in
- * opstats.c. Loop thread only.
+/* op.c - per-group op sequencing (docs/architecture.md, "Objects" and "Ops and sequencing"): op n
+ * is collected from every rank, checked (prep.c), handed to the backend, and answered on every rank
+ * with one status (reply.c). A rank that never submits turns into TIMEOUT, a lost rank into
+ * PEER_LOST; no op waits on a GPU for a rank that is not there. Handles live in handle.c,
+ * statistics in opstats.c. Loop thread only.
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -496,7 +496,8 @@ void epd_op_complete(void *daemon_arg, struct epdd_exec *ex)
                         epd_reply_op_status(sub->conn, epd_op_reply_page(op, r), sub->req.kind,
                                                  sub->request_id, status, "%s", ex->message);
                 } else if (status != EPD_OK) {
-                        /* SEMANTICS.md 4: the backend's message gets the group and op number. */
+                        /* docs/semantics.md §4: the backend's message gets the group and op
+                         * number. */
                         sub->conn->outstanding_ops--;
                         epd_reply_op_status(sub->conn, epd_op_reply_page(op, r), sub->req.kind,
                                                  sub->request_id, status,

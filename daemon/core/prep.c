@@ -1,7 +1,8 @@
-/* prep.c - an op's validation (DESIGN.md section 4, docs/semantics.md section 1): once every
- * rank submitted, what must match across ranks is checked against rank 0, each rank's tensors
- * against its regions and the group's shapes, and the exec the backend runs is filled with the
- * resolved addresses. Works on the native requests (struct epd_op_request); loop thread only. */
+/* prep.c - an op's validation (docs/architecture.md, "Ops and sequencing"; docs/semantics.md §1):
+ * once every rank submitted, what must match across ranks is checked against rank 0, each rank's
+ * tensors against its regions and the group's shapes, and the exec the backend runs is filled with
+ * the resolved addresses. Works on the native requests (struct epd_op_request); loop thread only.
+ */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -167,7 +168,7 @@ static int prep_dispatch(struct prep *p)
                 p->status = EPD_UNAVAILABLE;
                 return p->status;
         }
-        /* SEMANTICS.md 1: what must match across ranks. */
+        /* docs/semantics.md §1: what must match across ranks. */
         for (uint32_t r = 1; r < R; r++) {
                 const struct epd_op_request *m = &op->subs[r].req;
                 if (m->handle_id != m0->handle_id)

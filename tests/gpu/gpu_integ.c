@@ -1,5 +1,6 @@
 /* gpu_integ.c - client processes whose tensors live in their own GPU memory, against the real
- * epd binary with the CUDA backend (daemon-executed mode, DESIGN.md section 5a).
+ * epd binary with the CUDA backend (daemon-executed mode, docs/architecture.md, "Where kernels
+  * run").
  *
  * Each worker is a separate process with its own CUDA context on GPU 0, where every rank of the
  * group lives. It allocates its inputs and outputs in device memory (cudaMalloc, cuMemCreate

@@ -604,7 +604,7 @@ static void gen_inputs(struct ctx *x, struct rng *g)
                 uint32_t n;
 
                 if (c->big && x->T > x->R)
-                        n = x->T - s; /* BENCHMARKS.md prefill: rank r sends T - r */
+                        n = x->T - s; /* docs/benchmarks.md prefill: rank r sends T - r */
                 else if (c->big)
                         n = x->T; /* tiny: every rank sends T */
                 else
@@ -1541,15 +1541,15 @@ static __global__ void read_flush_kernel(const int4 *p, uint64_t n, int *sink)
                 *sink = acc; /* practically never: keeps the loads */
 }
 
-/* One device, BENCHMARKS.md's Fresh mode as the daemon's benchmark sees it: 256 MB written on
+/* One device, docs/benchmarks.md's Fresh mode as the daemon's benchmark sees it: 256 MB written on
  * the stream before each launch (which leaves the L2 full of dirty lines; read_flush 1 reads
  * them instead, which leaves it full of clean ones), then the mean GPU time between events
  * around the launch alone, over `iters` launches after one warm-up: the one-launch small
  * dispatch writing its reply into pinned host memory (what 0, as the daemon runs it) or combine
  * (what 1). The launch is queued while the flush still runs, so no host time falls inside the
  * window. as_daemon: as the daemon instead: the flush completes (the GPU is idle, as
- * BENCHMARKS.md's Fresh mode says), then the timed launch (events and kernel in one graph) with
- * the descriptors in the kernel's parameters. */
+ * docs/benchmarks.md's Fresh mode says), then the timed launch (events and kernel in one graph)
+  * with the descriptors in the kernel's parameters. */
 static int time_fresh(struct ctx *x, int what, int read_flush, int as_daemon, int iters,
                       double *ms_out)
 {

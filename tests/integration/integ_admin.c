@@ -1,12 +1,12 @@
 /* integ_admin.c - the admin verbs (epctl drain, undrain, evict) against the real epd binary.
  *
- * Covered (DESIGN.md section 7):
+ * Covered (README.md, "epctl"):
  * - draining a group holds its collected ops (they stay pending), undraining launches them;
  * - draining the whole daemon does the same for every group, and `epctl status` says so;
  * - evicting a client closes it as if it had crashed: its peer's pending op gets PEER_LOST;
  * - a client that is neither root nor in admin_group gets PERMISSION_DENIED for every admin
- *   verb (resize too) and changes nothing (run as a child that setuid()s to nobody, socket mode 0666), while
- *   a member of admin_group may drain.
+ * verb (resize too) and changes nothing (run as a child that setuid()s to nobody, socket mode
+  * 0666), while a member of admin_group may drain.
  *
  * Every admin command goes through the real epctl. Run as root, the test process is an admin
  * and the permission tests switch to nobody; run as another user, the daemon's admin_group is

@@ -1,5 +1,5 @@
-/* integ_auth.c - who may talk to the daemon, against the real epd binary (DESIGN.md sections 3
- * and 6, README "Running the daemon").
+/* integ_auth.c - who may talk to the daemon, against the real epd binary (docs/architecture.md,
+ * "Objects" and 6, README "Running the daemon").
  *
  * The tests run as root and check what another user sees by forking a child that drops to
  * `nobody` (setgroups, setgid, setuid) before it connects; the child reports back through a pipe.
@@ -16,9 +16,9 @@
  * - group names are per uid: another user who took a name first does not make root's create of
  *   that name fail, and a join finds its own uid's group first;
  * - wrong secrets cost the connection after EPD_MAX_WRONG_SECRETS tries;
- * - a uid dropped from the allow list by SIGHUP loses its open connections too. (Short secrets, wrong secrets of the same
- *   user and regions of other clients are integ_proto's.)
- * Without root the tests say so and pass: dropping privileges needs it.
+ * - a uid dropped from the allow list by SIGHUP loses its open connections too. (Short secrets,
+  * wrong secrets of the same user and regions of other clients are integ_proto's.) Without root the
+  * tests say so and pass: dropping privileges needs it.
  */
 #include <check.h>
 #include <errno.h>

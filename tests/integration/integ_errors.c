@@ -1,5 +1,5 @@
 /* integ_errors.c - every error path of the dispatch/combine contract, against the real epd binary
- * with one worker process per rank (SEMANTICS.md sections 1, 2.4, 2.5 and 4).
+ * with one worker process per rank (docs/semantics.md §1, §2.4, 2.5 and 4).
  *
  * Each test starts its own daemon, spawns the ranks' workers and stops the daemon expecting a
  * clean exit. Every worker checks on its own rank that a failing op ends with the expected status
@@ -432,7 +432,7 @@ static int mentions_op(const char *msg, uint64_t number)
 }
 
 /* Op `number` ended with status `want` (never OK: this is a failure), and its message names the
- * group, the op number and contains every needle (a NULL-terminated list), SEMANTICS.md 4. */
+ * group, the op number and contains every needle (a NULL-terminated list), docs/semantics.md §4. */
 static int expect_fail(struct rank *rk, const char *what, int status, int want, uint64_t number,
                        ...)
 {
@@ -1194,7 +1194,7 @@ static int timeout_worker(void *arg, int index)
         }
         CHECK(barrier(sh, 1, 3) == 0, "ranks 0 and 1 did not finish op 0");
         if (rk->idx == 2) {
-                /* The late rank's op 0 ends the same way (SEMANTICS.md 4), at once. */
+                /* The late rank's op 0 ends the same way (docs/semantics.md §4), at once. */
                 build_dispatch(rk, &st, cap, &da, &o);
                 t0 = h_now_ms();
                 status = dispatch_run(rk, &da, NULL);

@@ -1,7 +1,7 @@
-/* integ_faults.c - fault injection (DESIGN.md section 6): ranks of a busy 8-rank group are killed
- * with SIGKILL at random points, and the daemon must turn every death into a prompt, clean error
- * for the survivors, let a new process take the rank over, keep an unrelated group running
- * untouched, and leak nothing.
+/* integ_faults.c - fault injection (docs/architecture.md, "Failure model"): ranks of a busy 8-rank
+ * group are killed with SIGKILL at random points, and the daemon must turn every death into a
+ * prompt, clean error for the survivors, let a new process take the rank over, keep an unrelated
+ * group running untouched, and leak nothing.
  *
  * One daemon; group A has 8 worker processes (one per rank) running randomised MoE steps
  * (tests/lib/randstep.h: dispatch, sometimes a cached dispatch, combine; every step checked bitwise

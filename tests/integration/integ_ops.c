@@ -1,7 +1,7 @@
 /* integ_ops.c - dispatch and combine end to end on the host backend: a real daemon, one real
  * worker process per rank, and every output compared bitwise with the independent reference.
  *
- * The cases are a covering set of SEMANTICS.md: every option appears with every layout (ranks
+ * The cases are a covering set of docs/semantics.md: every option appears with every layout (ranks
  * 1, 2, 3, 4, 8; tokens full, T - r and zero on some ranks; top-k 1, 2, 8 with -1 entries;
  * uniform, skewed and one-rank routing; bf16 and fp8; alignment 1 and 128; zero padding; 0, 1
  * and 2 biases; apply_weights; int32 and int64 topk_idx; client regions and the arena; cached

@@ -1,7 +1,7 @@
 /* integ_proto.c - the daemon's protocol and failure handling, against the real epd binary.
  *
  * Every test starts its own daemon on a temporary socket and stops it again, expecting a clean
- * exit. Covered (DESIGN.md section 6, SEMANTICS.md sections 1 and 4):
+ * exit. Covered (docs/architecture.md, "Failure model"; docs/semantics.md §1 and §4):
  * - protocol version mismatch, in Hello and in the frame header, from an older client (version
  *   1, whose ops were protobuf messages) and a newer one;
  * - op records (common/oprec.h) on the socket: a well-formed one is answered with a reply record
@@ -338,7 +338,7 @@ START_TEST(test_version_mismatch_hello)
         ck_assert_msg(rc == EPD_VERSION_MISMATCH, "connect with protocol 99 gave %s: %s",
                       epd_status_name(rc), err);
         ck_assert_ptr_null(c);
-        /* SEMANTICS.md 4: the message names the numbers involved. */
+        /* docs/semantics.md §4: the message names the numbers involved. */
         ck_assert_msg(mentions_number(err, 99), "message does not name version 99: '%s'", err);
         /* The daemon is unaffected: a client speaking its version still connects. */
         c = h_connect_ok(&d, "v1");
@@ -1540,7 +1540,7 @@ START_TEST(test_op_timeout)
                       "the message does not name the missing rank 1: '%s'", msg);
         epd_op_free(op0);
 
-        /* SEMANTICS.md 4: a collective failure has the same status on every rank, so the late
+        /* docs/semantics.md §4: a collective failure has the same status on every rank, so the late
          * rank's op 0 ends with TIMEOUT too. */
         op1 = NULL;
         ck_assert_int_eq(epd_dispatch_submit(g1, &args1, &op1), EPD_OK);

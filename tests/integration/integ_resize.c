@@ -1,4 +1,4 @@
-/* integ_resize.c - `epctl resize` (DESIGN.md section 7) against the real epd binary: growing and
+/* integ_resize.c - `epctl resize` (README.md, "epctl") against the real epd binary: growing and
  * shrinking a group's output arenas while its clients keep working.
  *
  * - resize_under_load: 8 worker processes loop dispatch (use_arena) and combine, every output

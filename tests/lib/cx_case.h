@@ -31,7 +31,7 @@ struct cx_case {
         const char *name;
         uint32_t R, E, H, T, K;
         enum epd_dtype dtype;
-        int quantize;              /* bf16 group, fp8 rows (SEMANTICS.md 2.7) */
+        int quantize;              /* bf16 group, fp8 rows (docs/semantics.md §2.7) */
         enum epd_layout layout;
         uint32_t align;
         int zero_padding;

@@ -1,4 +1,4 @@
-/* reference.c - the naive reference of SEMANTICS.md sections 2 and 3 (see reference.h).
+/* reference.c - the naive reference of docs/semantics.md §2 and §3 (see reference.h).
  *
  * Everything here is written from the contract's wording, not from the production code: rows are
  * found by enumerating (destination, source, token) or (destination, local expert, source, token,
@@ -40,7 +40,7 @@ uint16_t ref_float_to_bf16(float value)
         return (uint16_t)upper;
 }
 
-/* ---- fp8 e4m3 (SEMANTICS.md 2.7) ---- */
+/* ---- fp8 e4m3 (docs/semantics.md §2.7) ---- */
 
 /* The value of an e4m3 encoding without its sign: 4 exponent bits (bias 7), 3 mantissa bits,
  * exponent 0 subnormal. */
@@ -194,7 +194,7 @@ static int check_params(const struct ref_params *p, char *err, size_t err_len)
         return 0;
 }
 
-/* Reads and validates every source's topk_idx (SEMANTICS.md section 2, inputs). */
+/* Reads and validates every source's topk_idx (docs/semantics.md section 2, inputs). */
 static int read_topk(struct ref_dispatch *ref, char *err, size_t err_len)
 {
         const uint32_t R = ref->p.world_size, K = ref->p.num_topk, E = ref->p.num_experts;

@@ -1,5 +1,5 @@
 /* reference.h - an independent, naive reference of dispatch and combine, written straight from
- * SEMANTICS.md, and bitwise comparison of real outputs against it.
+ * docs/semantics.md, and bitwise comparison of real outputs against it.
  *
  * It shares no code with the production path (plan.h, routing.h, exec.h, bf16.h): it
  * enumerates rows in the order the contract states them, with plain loops, so that a shared
@@ -43,7 +43,7 @@ struct ref_params {
         uint32_t expert_alignment;  /* >= 1; 0 means 1 */
         int zero_padding;           /* EXPAND only */
         int has_weights;            /* topk_weights given */
-        uint32_t expert_block_rows; /* EXPAND: C of SEMANTICS.md 2.6, 0 for packed */
+        uint32_t expert_block_rows; /* EXPAND: C of docs/semantics.md §2.6, 0 for packed */
         int quantize;               /* bf16 x sent as fp8 rows with scales (2.7) */
 };
 
@@ -66,7 +66,7 @@ enum ref_row_kind {
 /* The expected outputs of one destination rank. Metadata is materialised; payload rows refer to
  * the source's input (row_src / row_token). Arrays are owned by the struct ref_dispatch. */
 struct ref_dst {
-        /* Counts of SEMANTICS.md 2.3; both layouts' row counts are always computed. */
+        /* Counts of docs/semantics.md §2.3; both layouts' row counts are always computed. */
         int32_t num_recv_tokens;
         int32_t num_expanded_rows;
         int32_t *per_expert;          /* [L] raw selections per local expert */
@@ -156,7 +156,7 @@ struct ref_combine_in {
         int apply_weights;          /* EXPAND with weights (or source_weights) only */
 };
 
-/* The optional weight inputs of combine (SEMANTICS.md section 3), for the *_w functions. */
+/* The optional weight inputs of combine (docs/semantics.md section 3), for the *_w functions. */
 struct ref_combine_weights {
         /* [R] or NULL: source s's source_weights fp32 [N_s, K_op]; when given, w(t, k) of
          * apply_weights. */
@@ -191,11 +191,11 @@ int ref_check_combine_w(const struct ref_dispatch *ref, const struct ref_combine
                         const struct ref_buf bias[2], struct ref_buf combined,
                         struct ref_buf combined_topk_weights, char *msg, size_t msg_len);
 
-/* The reference's own bf16 conversions (SEMANTICS.md section 3): exact widening, and round to
+/* The reference's own bf16 conversions (docs/semantics.md section 3): exact widening, and round to
  * nearest even with every NaN mapped to 0x7FFF. */
 float ref_bf16_to_float(uint16_t value);
 uint16_t ref_float_to_bf16(float value);
-/* e4m3 of SEMANTICS.md 2.7, found by searching every e4m3 value for the nearest (ties to the
+/* e4m3 of docs/semantics.md §2.7, found by searching every e4m3 value for the nearest (ties to the
  * even encoding), saturating at +-448, NaN to 0x7F. */
 uint8_t ref_float_to_e4m3(float value);
 /* The 2.7 quantization of one bf16 row of H channels into q[H] and scales[H / 128]. */

@@ -1,4 +1,4 @@
-"""An independent NumPy reference of SEMANTICS.md sections 2 and 3, for the binding's tests.
+"""An independent NumPy reference of docs/semantics.md §2 and §3, for the binding's tests.
 
 Written from the semantics document, not from the daemon's code: dispatch outputs per
 destination rank (NON_EXPAND and EXPAND, counts included) and combine's exact fp32 reduction.

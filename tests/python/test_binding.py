@@ -7,7 +7,7 @@ Run by ctest as ``python_binding`` (tests/python.cmake), or by hand::
 
 The daemon binary is ``epd`` on PATH, else ``build/bin/epd``. Every argument of the binding
 is exercised, dispatch and combine outputs are compared bit for bit with an independent NumPy
-reference of SEMANTICS.md (reference.py), each status code maps to its exception, and the
+reference of docs/semantics.md (reference.py), each status code maps to its exception, and the
 DeepEP front and the MoE example run at small size.
 """
 

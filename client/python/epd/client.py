@@ -454,7 +454,7 @@ class Client:
 
     def size_hint(self, world_size, num_experts, hidden, max_tokens_per_rank, max_topk,
                   dtype="bf16", scale_block=0, expert_alignment=1):
-        """The daemon's sizing for a group shape (``epd_size_hint``, SEMANTICS.md section 5).
+        """The daemon's sizing for a group shape (``epd_size_hint``, docs/semantics.md section 5).
 
         Returns a dict: daemon_bytes_per_rank, max_rows_non_expand, max_rows_expand,
         arena_bytes_non_expand, arena_bytes_expand.

@@ -1,4 +1,4 @@
-"""Exceptions: one class per epd status code (SEMANTICS.md section 4).
+"""Exceptions: one class per epd status code (docs/semantics.md section 4).
 
 Every exception the binding raises for a failed call is an :class:`Error` carrying ``status``
 (the negative ``enum epd_status`` value), ``status_name`` ("CAPACITY_EXCEEDED", ...) and

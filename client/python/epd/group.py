@@ -1,9 +1,9 @@
-"""Groups, dispatch, combine, handles and futures: SEMANTICS.md sections 1 to 3 in Python.
+"""Groups, dispatch, combine, handles and futures: docs/semantics.md §1 to §3 in Python.
 
 Argument names follow DeepEP's ``Buffer.dispatch`` / ``Buffer.combine`` where the meaning is the
 same (``x``, ``topk_idx``, ``topk_weights``, ``handle``, ``expert_alignment``, ``bias``,
 ``async_op``...). Every dispatch and combine is a collective: every rank of the group must issue
-the same sequence of them (SEMANTICS.md section 1).
+the same sequence of them (docs/semantics.md section 1).
 
 Errors found by the daemon fail the op on every rank alike. The few argument errors the binding
 finds itself (an array of a dtype that cannot be carried, a missing ``topk_idx``) raise
@@ -169,7 +169,7 @@ class Handle:
 
 
 class DispatchResult:
-    """What a dispatch returns on this rank (SEMANTICS.md 2.1 to 2.3).
+    """What a dispatch returns on this rank (docs/semantics.md §2.1 to 2.3).
 
     Arrays (None when the op has no such output):
 
@@ -537,7 +537,7 @@ class Group:
     def dispatch(self, x, topk_idx=None, topk_weights=None, x_scales=None, handle=None,
                  expert_alignment=None, layout=None, zero_padding=None, async_op=False,
                  use_arena=None, copy_outputs=False, recv_capacity=None, out=None, stream=None):
-        """Sends each token to the ranks of its selected experts (SEMANTICS.md section 2).
+        """Sends each token to the ranks of its selected experts (docs/semantics.md section 2).
 
         ``x`` ``[N, hidden]``: bf16 bits as uint16 (floats are rounded to bf16), or for an fp8
         group the e4m3 bytes as uint8 with ``x_scales`` float32 ``[N, hidden/scale_block]``.
@@ -550,7 +550,7 @@ class Group:
         NumPy outputs go to the rank's output arena (``use_arena`` None or True) and come back as
         views of it (``copy_outputs=True`` copies them). ``use_arena=False`` places them in a
         region the binding allocates for this dispatch, ``recv_capacity`` rows (default: the
-        worst case, SEMANTICS.md section 5).
+        worst case, docs/semantics.md section 5).
 
         torch tensors (:mod:`epd.tensors`): with a CUDA ``x`` the outputs are device tensors of
         ``recv_capacity`` rows (default the worst case), or the caller's tensors given in
@@ -645,7 +645,7 @@ class Group:
         return layout, layout_code, expert_alignment, bool(zero_padding)
 
     def worst_case_rows(self, layout=NON_EXPAND, num_topk=None, expert_alignment=1):
-        """The most rows a dispatch of this group can deliver to one rank (SEMANTICS.md 5):
+        """The most rows a dispatch of this group can deliver to one rank (docs/semantics.md §5):
         ``world_size * max_tokens_per_rank`` for NON_EXPAND; for EXPAND that times
         ``min(num_topk, num_local_experts)`` plus the alignment padding of every local expert."""
         R, T, L = self.world_size, self.max_tokens_per_rank, self.num_local_experts
@@ -756,7 +756,7 @@ class Group:
 
     def combine(self, x, handle, bias=None, apply_weights=False, async_op=False, out=None,
                 stream=None):
-        """Sends rows back to their sources and reduces them (SEMANTICS.md section 3).
+        """Sends rows back to their sources and reduces them (docs/semantics.md section 3).
 
         ``x`` is the experts' output in the dispatch layout of ``handle``: ``[rows, hidden]``
         bf16 bits as uint16 (floats are rounded to bf16). It may be the dispatch's own

@@ -12,7 +12,7 @@ pointer. Needs a libepd built with CUDA and a daemon running the ``cuda`` backen
 
 * Outputs of a dispatch are device tensors on the input's device, allocated per dispatch from
   PyTorch's allocator with room for ``recv_capacity`` rows (default: the worst case of the group,
-  SEMANTICS.md section 5), or the caller's own tensors (``out=``). The results are views of them
+  docs/semantics.md section 5), or the caller's own tensors (``out=``). The results are views of them
   sliced to the rows received. ``use_arena=True`` instead places the outputs in the rank's output
   arena (host memory on the cuda backend) and copies them to the device after the op.
 * Stream ordering: the inputs are marked ready on the current stream of the tensors' device (or

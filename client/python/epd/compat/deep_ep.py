@@ -17,7 +17,7 @@ Code written for ``deep_ep.Buffer`` keeps its calls and their results::
 Results follow DeepEP's normal (NON_EXPAND) dispatch: one row per (source rank, token) that
 selected an expert of this rank, ordered by source rank then token (DeepEP's reference order);
 ``recv_topk_idx`` holds local expert ids and -1 for experts elsewhere; combine sums the rows
-sent back (plus the biases) in fp32 and rounds once to bf16 (SEMANTICS.md section 3).
+sent back (plus the biases) in fp32 and rounds once to bf16 (docs/semantics.md section 3).
 
 What differs from DeepEP:
 
