@@ -26,8 +26,9 @@
  *   closes that connection; libepd refuses to send a request over the limit;
  * - max_fds_per_frame: announced in Welcome; a frame with more fds closes that connection and
  *   every fd is closed;
- * - max_output_queue_bytes: a client that floods requests and never reads its replies is
- *   disconnected once its queued replies exceed the limit.
+ * - max_output_queue_bytes and max_output_queue_bytes_total: a client that floods requests and
+ *   never reads its replies is disconnected once its queued replies (or all clients' together)
+ *   exceed the limit, with a log line naming it.
  *
  * Raw frames are built with common/frame.h and the generated protobuf-c code.
  */
@@ -908,8 +909,16 @@ END_TEST
 
 /* ---- max_output_queue_bytes ---- */
 
+/* _i 0: the client's own limit; 1: the daemon's total (max_output_queue_bytes_total), which
+ * closes the client holding the most. */
 START_TEST(test_output_queue_limit)
 {
+        static const char *const configs[] = {
+                "[limits]\nmax_output_queue_bytes = 4K\n",
+                "[limits]\nmax_output_queue_bytes = 1M\nmax_output_queue_bytes_total = 4K\n",
+        };
+        static const char *const reasons[] = { "output queue limit exceeded",
+                                               "max_output_queue_bytes_total" };
         static uint8_t body[256];
         struct limits_daemon ld;
         struct epd_client *other;
@@ -917,7 +926,7 @@ START_TEST(test_output_queue_limit)
         int sock, sent = 0, replies = 0, closed = 0;
         size_t len;
 
-        daemon_start_with(&ld, "[limits]\nmax_output_queue_bytes = 4K\n");
+        daemon_start_with(&ld, configs[_i]);
         other = h_connect_ok(&ld.d, "bystander");
         sock = h_raw_connect(&ld.d);
         raw_hello(sock, NULL, NULL);
@@ -959,7 +968,7 @@ START_TEST(test_output_queue_limit)
         printf("flood: %d requests sent, %d replies read back, then the daemon closed it\n", sent,
                replies);
         ck_assert_int_lt(replies, sent);
-        ck_assert_msg(h_daemon_log_contains(&ld.d, "output queue limit exceeded"),
+        ck_assert_msg(h_daemon_log_contains(&ld.d, reasons[_i]),
                       "the daemon's log does not say why it closed the connection");
         h_assert_daemon_alive(&ld.d, NULL);
         ck_assert_int_eq(size_hint(other), EPD_OK);
@@ -987,7 +996,7 @@ static Suite *limits_suite(void)
         tcase_add_test(tc, test_max_handles);
         tcase_add_test(tc, test_max_frame_bytes);
         tcase_add_test(tc, test_max_fds_per_frame);
-        tcase_add_test(tc, test_output_queue_limit);
+        tcase_add_loop_test(tc, test_output_queue_limit, 0, 2);
         suite_add_tcase(s, tc);
         return s;
 }
