@@ -82,16 +82,23 @@ struct child_result {
         char message[400];
 };
 
-/* The hold actions report through hold_fd twice: once set up, once the connection ended. */
-static int hold_fd = -1;
-
-static int hold_body(struct epd_client *c, enum child_action act, struct child_result *r)
+/* The 2-rank group of these tests. */
+static struct epd_group_config small_group(void)
 {
         struct epd_group_config cfg = {
                 .size = sizeof(cfg), .world_size = 2, .num_experts = 8, .hidden = 64,
                 .max_tokens_per_rank = 16, .max_topk = 2, .dispatch_dtype = EPD_DTYPE_BF16,
                 .arena_bytes = 1u << 20,
         };
+        return cfg;
+}
+
+/* The hold actions report through hold_fd twice: once set up, once the connection ended. */
+static int hold_fd = -1;
+
+static int hold_body(struct epd_client *c, enum child_action act, struct child_result *r)
+{
+        struct epd_group_config cfg = small_group();
         unsigned char secret[16];
         struct epd_group_args ga = { .size = sizeof(ga), .name = "shared", .secret = secret,
                                      .secret_len = sizeof(secret), .rank = 0, .config = &cfg };
@@ -527,11 +534,7 @@ END_TEST
 START_TEST(test_secret_across_users)
 {
         const char *mode_0666[] = { "--socket-mode", "0666", NULL };
-        struct epd_group_config cfg = {
-                .size = sizeof(cfg), .world_size = 2, .num_experts = 8, .hidden = 64,
-                .max_tokens_per_rank = 16, .max_topk = 2, .dispatch_dtype = EPD_DTYPE_BF16,
-                .arena_bytes = 1u << 20,
-        };
+        struct epd_group_config cfg = small_group();
         unsigned char secret[16];
         struct epd_group_args ga = { .size = sizeof(ga), .name = "shared", .secret = secret,
                                      .secret_len = sizeof(secret), .rank = 0, .config = &cfg };
@@ -563,11 +566,7 @@ END_TEST
 START_TEST(test_names_per_uid)
 {
         const char *mode_0666[] = { "--socket-mode", "0666", NULL };
-        struct epd_group_config cfg = {
-                .size = sizeof(cfg), .world_size = 2, .num_experts = 8, .hidden = 64,
-                .max_tokens_per_rank = 16, .max_topk = 2, .dispatch_dtype = EPD_DTYPE_BF16,
-                .arena_bytes = 1u << 20,
-        };
+        struct epd_group_config cfg = small_group();
         unsigned char secret[16];
         struct epd_group_args ga = { .size = sizeof(ga), .name = "shared", .secret = secret,
                                      .secret_len = sizeof(secret), .rank = 0, .config = &cfg };
@@ -614,11 +613,7 @@ END_TEST
 
 START_TEST(test_wrong_secrets_close_the_connection)
 {
-        struct epd_group_config cfg = {
-                .size = sizeof(cfg), .world_size = 2, .num_experts = 8, .hidden = 64,
-                .max_tokens_per_rank = 16, .max_topk = 2, .dispatch_dtype = EPD_DTYPE_BF16,
-                .arena_bytes = 1u << 20,
-        };
+        struct epd_group_config cfg = small_group();
         unsigned char secret[16];
         struct epd_group_args ga = { .size = sizeof(ga), .name = "guarded", .secret = secret,
                                      .secret_len = sizeof(secret), .rank = 0, .config = &cfg };

@@ -234,16 +234,10 @@ int main(void)
 {
         Suite *s = suite_create("integ_hostile");
         TCase *tc = tcase_create("attacks");
-        SRunner *sr;
-        int failed;
 
         tcase_set_timeout(tc, 180);
         tcase_add_test(tc, test_stalled_inputs_do_not_block_others);
         tcase_add_loop_test(tc, test_attack_beside_bystander, 0, ATTACK_COUNT - 1);
         suite_add_tcase(s, tc);
-        sr = srunner_create(s);
-        srunner_run_all(sr, CK_NORMAL);
-        failed = srunner_ntests_failed(sr);
-        srunner_free(sr);
-        return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+        return h_run_suite(s);
 }

@@ -61,6 +61,10 @@ struct json_t;
 #define H_RAW_MAX_BODY (256u * 1024u)
 #define H_RAW_MAX_FDS 32u
 
+struct Suite;
+/* Runs every test of suite s (Check's default fork mode) and frees it: the exit status of a
+ * test binary's main, EXIT_FAILURE when any test failed. */
+int h_run_suite(struct Suite *s);
 /* h_connect, asserting that it succeeded. */
 struct epd_client *h_connect_ok(const struct h_daemon *d, const char *name);
 /* Asserts the daemon has not exited; context (may be NULL) is appended to the failure message. */

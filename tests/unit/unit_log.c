@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "harness.h"
 #include "log.h"
 
 /* Runs fn with stderr sent to a temporary file and returns what it wrote (malloc'd). */
@@ -105,15 +106,9 @@ int main(void)
 {
         Suite *s = suite_create("log");
         TCase *tc = tcase_create("rate");
-        SRunner *sr;
-        int failed;
 
         tcase_add_test(tc, test_flood_is_limited_and_counted);
         tcase_add_test(tc, test_within_budget_nothing_is_suppressed);
         suite_add_tcase(s, tc);
-        sr = srunner_create(s);
-        srunner_run_all(sr, CK_NORMAL);
-        failed = srunner_ntests_failed(sr);
-        srunner_free(sr);
-        return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+        return h_run_suite(s);
 }
