@@ -422,16 +422,16 @@ static void conn_page_bound(struct epdd_client *cl, struct epd_doorbell *page)
         struct epdd_conn *c = epd_conn_of(cl);
 
         epd_mailbox_set_read_id(page, c->last_read_id);
-        epd_mailbox_set_polling(page, c->cl.daemon->polling);
+        epd_mailbox_set_polling(page, c->cl.daemon->net->polling);
 }
 
 void epd_conn_set_polling(struct epdd_daemon *d, int on)
 {
         struct epd_list *pos, *bpos;
 
-        if (d->polling == on)
+        if (d->net->polling == on)
                 return;
-        d->polling = on;
+        d->net->polling = on;
         epd_list_for_each(pos, &d->conns)
         {
                 struct epdd_conn *c = epd_list_entry(pos, struct epdd_conn, cl.link);
@@ -476,7 +476,7 @@ static int conn_read(struct epdd_conn *c)
                 return 0;
         struct epd_frame frame;
         const char *why = NULL;
-        int rc = epd_frame_recv(c->fd, d->rbuf, d->rbuf_len, d->cfg.max_frame_bytes,
+        int rc = epd_frame_recv(c->fd, d->net->rbuf, d->net->rbuf_len, d->cfg.max_frame_bytes,
                                 d->cfg.max_fds_per_frame, &frame, &why);
         if (rc == -EAGAIN)
                 return 0;
