@@ -1,5 +1,6 @@
 /* mps_state.c - whether MPS serves this machine's GPUs, for the benchmarks' records
- * (BENCHMARKS.md: "MPS: say whether it was on"), shared by epd-bench and epd-floor-probe.
+ * (docs/benchmarks.md: every figure says whether MPS was on), shared by epd-bench and
+ * epd-floor-probe.
  *
  * The pipe directory is CUDA_MPS_PIPE_DIRECTORY or the default /tmp/nvidia-mps; MPS is "on" when
  * nvidia-cuda-mps-control answers there, "off" when the directory is missing or nothing answers,

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# run-h200.sh - the BENCHMARKS.md workloads on the CUDA backend of one H200, with MPS off and on,
+# run-h200.sh - the docs/benchmarks.md workloads on the CUDA backend of one H200, with MPS off and on,
 # as JSON lines (and each run's human-readable table and log) under an output directory.
 #
 # Usage: bench/run-h200.sh OUT_DIR [BUILD_DIR]
 #   OUT_DIR    created if missing; gets NAME.jsonl (one JSON object per line per result) and
 #              NAME.log (the table and progress on stderr) per run, all.jsonl (every run's lines)
 #              and summary.txt (one line per result).
-#   BUILD_DIR  holds bin/epd and bin/epd-bench built with CUDA (cmake -DEPD_CUDA=ON; for a
-#              machine without libuv, protobuf-c, ... add -DEPD_STATIC_DEPS=ON). Default: the
-#              repository's build-h13.
+#   BUILD_DIR  holds bin/epd and bin/epd-bench built with CUDA (cmake -DEPD_CUDA=ON; add
+#              -DEPD_PROBES=ON for bin/epd-floor-probe, and for a machine without libuv,
+#              protobuf-c, ... -DEPD_STATIC_DEPS=ON). Default: the repository's build-gpu.
 #
 # Runs, each with --backend cuda (device memory, client-registered device outputs), 8 ranks on
 # GPU 0, --json, first with MPS off, then with MPS on (a private control daemon, quit at the end).
@@ -28,7 +28,8 @@
 # script ends within about 7.5 minutes even when something hangs (a normal pass takes about 2 to 4
 # minutes). ITERS (default 200) sets the measured iterations.
 # Not run here: epd-bench --devices 2 (two GPUs) also reports p2p_store_pairs,
-# p2p_store_concurrent_gbps and cross_gpu_floor_bytes/_gbps/_fraction_of_p2p (issue 5's P2P target).
+# p2p_store_concurrent_gbps and cross_gpu_floor_bytes/_gbps/_fraction_of_p2p (the cross-GPU floor
+# against the peer-to-peer store ceiling, docs/benchmarks.md).
 #
 # Exit: 0 when every run succeeded, 1 otherwise (the logs say why).
 set -u
@@ -36,7 +37,7 @@ set -u
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
 out=${1:?usage: run-h200.sh OUT_DIR [BUILD_DIR]}
-build=${2:-$repo/build-h13}
+build=${2:-$repo/build-gpu}
 iters=${ITERS:-200}
 run_timeout=${RUN_TIMEOUT:-75}
 budget=${TOTAL_BUDGET:-420}
@@ -108,7 +109,8 @@ if [ "${MPS:-both}" != on ]; then
         alloc=cudamalloc run prefill-ipc-mps-off --workload prefill --ranks 8
         alloc=cudamalloc run prefill-bf16-ipc-mps-off --workload prefill-bf16 --ranks 8
         # The decode floors of the same machine: the same bytes with the routing known
-        # (bench/floor_probe.cu; a few seconds). Not a result line of all.jsonl.
+        # (bench/probes/floor_probe.cu, built with -DEPD_PROBES=ON; a few seconds). Not a
+        # result line of all.jsonl.
         if [ -x "$build/bin/epd-floor-probe" ] && [ -z "${ONLY:-}" ]; then
                 timeout -s TERM -k 10 60 "$build/bin/epd-floor-probe" --json --reps 100 \
                         > "$out/floor-probe.jsonl" 2> "$out/floor-probe.log" || {

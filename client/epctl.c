@@ -1,5 +1,6 @@
 /* epctl - the control CLI of epd: status, groups, clients, stats (human tables or --json), top
- * (a live view), and the admin verbs drain, undrain, evict and resize. */
+ * (a live view), and the admin verbs drain, undrain, evict and resize. It uses only the public
+ * API of include/epd.h (its administration calls). */
 #include <errno.h>
 #include <getopt.h>
 #include <poll.h>
@@ -11,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "client_internal.h"
+#include "epd.h"
 
 static const char *dtype_name(int d)
 {
@@ -47,16 +48,14 @@ static void usage(FILE *f)
                 "  -h, --help          this text\n");
 }
 
-static int request(struct epd_client *c, Epd__V1__Request *req, Epd__V1__Response **resp)
+/* Prints why a call failed; returns 1, epctl's exit status for it. */
+static int failed(struct epd_client *c, int rc)
 {
-        int rc = epd__client_call(c, req, NULL, 0, resp, NULL);
-
-        if (rc < 0)
-                fprintf(stderr, "epctl: %s: %s\n", epd_status_name(rc), epd_client_last_error(c));
-        return rc;
+        fprintf(stderr, "epctl: %s: %s\n", epd_status_name(rc), epd_client_last_error(c));
+        return 1;
 }
 
-static json_t *device_json(const Epd__V1__Device *d)
+static json_t *device_json(const struct epd_admin_device *d)
 {
         return json_pack("{s:I, s:s, s:s, s:s, s:I}", "index", (json_int_t)d->index, "uuid",
                          d->uuid, "name", d->name, "kind", d->kind, "memory_bytes",
@@ -65,22 +64,18 @@ static json_t *device_json(const Epd__V1__Device *d)
 
 static int cmd_status(struct epd_client *c, int json)
 {
-        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
-        Epd__V1__StatusRequest sr = EPD__V1__STATUS_REQUEST__INIT;
-        Epd__V1__Response *resp;
+        struct epd_daemon_status *st;
         int rc;
 
-        req.body_case = EPD__V1__REQUEST__BODY_STATUS;
-        req.status = &sr;
-        if ((rc = request(c, &req, &resp)) < 0)
-                return 1;
-        const Epd__V1__StatusReply *s = resp->status_reply;
+        if ((rc = epd_daemon_status_get(c, &st)) < 0)
+                return failed(c, rc);
+        const struct epd_daemon_status_info *s = epd_daemon_status_info(st);
         if (json) {
                 char epoch[24];
                 snprintf(epoch, sizeof(epoch), "%016llx", (unsigned long long)s->daemon_epoch);
                 json_t *devs = json_array();
-                for (size_t i = 0; i < s->n_devices; i++)
-                        json_array_append_new(devs, device_json(s->devices[i]));
+                for (uint32_t i = 0; i < s->num_devices; i++)
+                        json_array_append_new(devs, device_json(&s->devices[i]));
                 json_t *o = json_pack(
                         "{s:s, s:s, s:s, s:I, s:i, s:o, s:I, s:I, s:I, s:I, s:I, s:I, s:b}",
                         "version", s->version, "backend", s->backend, "daemon_epoch", epoch, "uptime_ms", (json_int_t)s->uptime_ms, "pid",
@@ -100,33 +95,30 @@ static int cmd_status(struct epd_client *c, int json)
                        (unsigned long long)s->region_bytes, (unsigned long long)s->ops_completed,
                        (unsigned long long)s->ops_failed);
                 printf("%-4s %-6s %-48s %s\n", "DEV", "KIND", "UUID", "NAME");
-                for (size_t i = 0; i < s->n_devices; i++)
-                        printf("%-4u %-6s %-48s %s\n", s->devices[i]->index, s->devices[i]->kind,
-                               s->devices[i]->uuid, s->devices[i]->name);
+                for (uint32_t i = 0; i < s->num_devices; i++)
+                        printf("%-4u %-6s %-48s %s\n", s->devices[i].index, s->devices[i].kind,
+                               s->devices[i].uuid, s->devices[i].name);
         }
-        epd__v1__response__free_unpacked(resp, NULL);
+        epd_daemon_status_free(st);
         return 0;
 }
 
 static int cmd_groups(struct epd_client *c, int json)
 {
-        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
-        Epd__V1__ListGroups lg = EPD__V1__LIST_GROUPS__INIT;
-        Epd__V1__Response *resp;
+        struct epd_group_list *list;
+        int rc;
 
-        req.body_case = EPD__V1__REQUEST__BODY_LIST_GROUPS;
-        req.list_groups = &lg;
-        if (request(c, &req, &resp) < 0)
-                return 1;
-        const Epd__V1__ListGroupsReply *r = resp->groups;
+        if ((rc = epd_group_list_get(c, &list)) < 0)
+                return failed(c, rc);
+        size_t n = epd_group_list_count(list);
         if (json) {
                 json_t *arr = json_array();
-                for (size_t i = 0; i < r->n_groups; i++) {
-                        const Epd__V1__GroupInfo *g = r->groups[i];
-                        const Epd__V1__GroupConfig *cfg = g->config;
+                for (size_t i = 0; i < n; i++) {
+                        const struct epd_group_info *g = epd_group_list_at(list, i);
+                        const struct epd_group_config *cfg = &g->config;
                         json_t *ranks = json_array();
-                        for (size_t k = 0; k < g->n_ranks; k++) {
-                                const Epd__V1__RankInfo *ri = g->ranks[k];
+                        for (uint32_t k = 0; k < g->num_ranks; k++) {
+                                const struct epd_admin_rank *ri = &g->ranks[k];
                                 json_array_append_new(
                                         ranks, json_pack("{s:I, s:b, s:I, s:I, s:I}", "rank",
                                                          (json_int_t)ri->rank, "bound", ri->bound,
@@ -157,42 +149,39 @@ static int cmd_groups(struct epd_client *c, int json)
                 printf("%-4s %-20s %-9s %5s %7s %6s %6s %-8s %10s %8s %7s %s\n", "ID", "NAME",
                        "STATE", "RANKS", "EXPERTS", "HIDDEN", "TOKENS", "DTYPE", "OPS", "FAILED",
                        "HANDLES", "BOUND");
-                for (size_t i = 0; i < r->n_groups; i++) {
-                        const Epd__V1__GroupInfo *g = r->groups[i];
+                for (size_t i = 0; i < n; i++) {
+                        const struct epd_group_info *g = epd_group_list_at(list, i);
                         unsigned bound = 0;
-                        for (size_t k = 0; k < g->n_ranks; k++)
-                                bound += g->ranks[k]->bound;
-                        printf("%-4llu %-20s %-9s %5u %7u %6u %6u %-8s %10llu %8llu %7u %u/%zu\n",
+                        for (uint32_t k = 0; k < g->num_ranks; k++)
+                                bound += g->ranks[k].bound;
+                        printf("%-4llu %-20s %-9s %5u %7u %6u %6u %-8s %10llu %8llu %7u %u/%u\n",
                                (unsigned long long)g->id, g->name, g->state,
-                               g->config->world_size, g->config->num_experts, g->config->hidden,
-                               g->config->max_tokens_per_rank,
-                               dtype_name(g->config->dispatch_dtype),
+                               g->config.world_size, g->config.num_experts, g->config.hidden,
+                               g->config.max_tokens_per_rank,
+                               dtype_name(g->config.dispatch_dtype),
                                (unsigned long long)g->ops_completed,
                                (unsigned long long)g->ops_failed, g->num_handles, bound,
-                               g->n_ranks);
+                               g->num_ranks);
                 }
         }
-        epd__v1__response__free_unpacked(resp, NULL);
+        epd_group_list_free(list);
         return 0;
 }
 
 static int cmd_clients(struct epd_client *c, int json)
 {
-        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
-        Epd__V1__ListClients lc = EPD__V1__LIST_CLIENTS__INIT;
-        Epd__V1__Response *resp;
+        struct epd_client_list *list;
+        int rc;
 
-        req.body_case = EPD__V1__REQUEST__BODY_LIST_CLIENTS;
-        req.list_clients = &lc;
-        if (request(c, &req, &resp) < 0)
-                return 1;
-        const Epd__V1__ListClientsReply *r = resp->clients;
+        if ((rc = epd_client_list_get(c, &list)) < 0)
+                return failed(c, rc);
+        size_t n = epd_client_list_count(list);
         if (json) {
                 json_t *arr = json_array();
-                for (size_t i = 0; i < r->n_clients; i++) {
-                        const Epd__V1__ClientInfo *ci = r->clients[i];
+                for (size_t i = 0; i < n; i++) {
+                        const struct epd_client_info *ci = epd_client_list_at(list, i);
                         json_t *b = json_array();
-                        for (size_t k = 0; k < ci->n_bindings; k++)
+                        for (uint32_t k = 0; k < ci->num_bindings; k++)
                                 json_array_append_new(b, json_string(ci->bindings[k]));
                         json_array_append_new(
                                 arr, json_pack("{s:I, s:i, s:I, s:I, s:s, s:I, s:I, s:I, s:o}",
@@ -209,28 +198,26 @@ static int cmd_clients(struct epd_client *c, int json)
         } else {
                 printf("%-6s %-8s %-6s %-16s %7s %14s %5s %s\n", "ID", "PID", "UID", "NAME",
                        "REGIONS", "BYTES", "OPS", "BINDINGS");
-                for (size_t i = 0; i < r->n_clients; i++) {
-                        const Epd__V1__ClientInfo *ci = r->clients[i];
+                for (size_t i = 0; i < n; i++) {
+                        const struct epd_client_info *ci = epd_client_list_at(list, i);
                         printf("%-6llu %-8d %-6u %-16s %7u %14llu %5u ", (unsigned long long)ci->id,
                                ci->pid, ci->uid, ci->name[0] ? ci->name : "-", ci->num_regions,
                                (unsigned long long)ci->region_bytes, ci->outstanding_ops);
-                        for (size_t k = 0; k < ci->n_bindings; k++)
+                        for (uint32_t k = 0; k < ci->num_bindings; k++)
                                 printf("%s%s", k ? "," : "", ci->bindings[k]);
-                        printf("%s\n", ci->n_bindings ? "" : "-");
+                        printf("%s\n", ci->num_bindings ? "" : "-");
                 }
         }
-        epd__v1__response__free_unpacked(resp, NULL);
+        epd_client_list_free(list);
         return 0;
 }
 
 
-static json_t *op_stats_json(const Epd__V1__OpStats *o)
+static json_t *op_stats_json(const struct epd_admin_op_stats *o)
 {
         json_t *errors = json_object();
 
-        if (!o)
-                return json_null();
-        for (size_t i = 1; i < o->n_errors; i++)
+        for (uint32_t i = 1; i < o->num_errors; i++)
                 if (o->errors[i])
                         json_object_set_new(errors, epd_status_name(-(int)i),
                                             json_integer((json_int_t)o->errors[i]));
@@ -244,58 +231,53 @@ static json_t *op_stats_json(const Epd__V1__OpStats *o)
                          (json_int_t)o->latency_sum_ns);
 }
 
-static Epd__V1__Response *fetch_stats(struct epd_client *c)
+static struct epd_stats *fetch_stats(struct epd_client *c)
 {
-        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
-        Epd__V1__StatsRequest sr = EPD__V1__STATS_REQUEST__INIT;
-        Epd__V1__Response *resp;
+        struct epd_stats *st;
+        int rc;
 
-        req.body_case = EPD__V1__REQUEST__BODY_STATS;
-        req.stats = &sr;
-        if (request(c, &req, &resp) < 0)
-                return NULL;
-        if (!resp->stats) {
-                epd__v1__response__free_unpacked(resp, NULL);
+        if ((rc = epd_stats_get(c, &st)) < 0) {
+                failed(c, rc);
                 return NULL;
         }
-        return resp;
+        return st;
 }
 
-static uint64_t errors_total(const Epd__V1__OpStats *o)
+static uint64_t errors_total(const struct epd_admin_op_stats *o)
 {
         uint64_t n = 0;
 
-        for (size_t i = 1; o && i < o->n_errors; i++)
+        for (uint32_t i = 1; i < o->num_errors; i++)
                 n += o->errors[i];
         return n;
 }
 
-static void print_stats_table(const Epd__V1__StatsReply *s, const Epd__V1__StatsReply *prev,
-                              double dt)
+static void print_stats_table(const struct epd_admin_daemon_stats *s,
+                              const struct epd_admin_daemon_stats *prev, double dt)
 {
-        printf("epd  backend %s  uptime %.1f s  ops %llu ok / %llu failed  clients %zu  requests "
+        printf("epd  backend %s  uptime %.1f s  ops %llu ok / %llu failed  clients %u  requests "
                "%llu framed / %llu in doorbell pages  replies %llu framed / %llu in doorbell "
                "pages\n",
                s->backend, s->uptime_ms / 1000.0, (unsigned long long)s->ops_completed,
-               (unsigned long long)s->ops_failed, s->n_clients, (unsigned long long)s->frames_in,
+               (unsigned long long)s->ops_failed, s->num_clients, (unsigned long long)s->frames_in,
                (unsigned long long)s->mailbox_requests, (unsigned long long)s->frames_out,
                (unsigned long long)s->mailbox_replies);
         printf("%-16s %4s %5s %9s %8s %8s %8s %9s %8s %8s %6s %5s %12s\n", "GROUP", "RANK", "DEV",
                "DISPATCH", "/s", "p50[us]", "p99[us]", "COMBINE", "p50[us]", "p99[us]", "ERR",
                "QUEUE", "ARENA[MiB]");
-        for (size_t g = 0; g < s->n_groups; g++) {
-                const Epd__V1__GroupStats *gs = s->groups[g];
-                const Epd__V1__GroupStats *pg = NULL;
-                for (size_t k = 0; prev && k < prev->n_groups; k++)
-                        if (prev->groups[k]->id == gs->id)
-                                pg = prev->groups[k];
-                for (size_t r = 0; r < gs->n_ranks; r++) {
-                        const Epd__V1__RankStats *rs = gs->ranks[r];
+        for (uint32_t g = 0; g < s->num_groups; g++) {
+                const struct epd_admin_group_stats *gs = &s->groups[g];
+                const struct epd_admin_group_stats *pg = NULL;
+                for (uint32_t k = 0; prev && k < prev->num_groups; k++)
+                        if (prev->groups[k].id == gs->id)
+                                pg = &prev->groups[k];
+                for (uint32_t r = 0; r < gs->num_ranks; r++) {
+                        const struct epd_admin_rank_stats *rs = &gs->ranks[r];
                         double rate = 0;
-                        if (pg && r < pg->n_ranks && dt > 0)
+                        if (pg && r < pg->num_ranks && dt > 0)
                                 rate = (double)(rs->dispatch->ops + rs->combine->ops -
-                                                pg->ranks[r]->dispatch->ops -
-                                                pg->ranks[r]->combine->ops) / dt;
+                                                pg->ranks[r].dispatch->ops -
+                                                pg->ranks[r].combine->ops) / dt;
                         printf("%-16.16s %4u %5u %9llu %8.0f %8.1f %8.1f %9llu %8.1f %8.1f %6llu %5u %5.1f/%-6.1f\n",
                                r ? "" : gs->name, rs->rank, rs->device,
                                (unsigned long long)rs->dispatch->ops, rate,
@@ -310,43 +292,42 @@ static void print_stats_table(const Epd__V1__StatsReply *s, const Epd__V1__Stats
                                rs->arena_bytes / 1048576.0);
                 }
                 /* Where the group's ops spent their time (p50/p99 us per stage). */
-                if (gs->n_stages > 0) {
+                if (gs->num_stages > 0) {
                         printf("%-16s stages p50/p99[us]:", "");
-                        for (size_t i = 0; i < gs->n_stages; i++) {
-                                const Epd__V1__OpStage *st = gs->stages[i];
-                                if (st->latency)
-                                        printf(" %s %s %.1f/%.1f", st->op, st->stage,
-                                               st->latency->latency_p50_ns / 1e3,
-                                               st->latency->latency_p99_ns / 1e3);
+                        for (uint32_t i = 0; i < gs->num_stages; i++) {
+                                const struct epd_admin_stage_stats *st = &gs->stages[i];
+                                printf(" %s %s %.1f/%.1f", st->op, st->stage,
+                                       st->latency->latency_p50_ns / 1e3,
+                                       st->latency->latency_p99_ns / 1e3);
                         }
                         printf("\n");
                 }
         }
         printf("%-6s %-44s %6s %12s %14s\n", "DEV", "UUID", "RANKS", "RANK-OPS", "BYTES");
-        for (size_t i = 0; i < s->n_devices; i++)
-                printf("%-6u %-44s %6u %12llu %14llu\n", s->devices[i]->index, s->devices[i]->uuid,
-                       s->devices[i]->ranks, (unsigned long long)s->devices[i]->ops,
-                       (unsigned long long)s->devices[i]->bytes);
+        for (uint32_t i = 0; i < s->num_devices; i++)
+                printf("%-6u %-44s %6u %12llu %14llu\n", s->devices[i].index, s->devices[i].uuid,
+                       s->devices[i].ranks, (unsigned long long)s->devices[i].ops,
+                       (unsigned long long)s->devices[i].bytes);
 }
 
 static int cmd_stats(struct epd_client *c, int json)
 {
-        Epd__V1__Response *resp = fetch_stats(c);
+        struct epd_stats *st = fetch_stats(c);
 
-        if (!resp)
+        if (!st)
                 return 1;
-        const Epd__V1__StatsReply *s = resp->stats;
+        const struct epd_admin_daemon_stats *s = epd_stats_daemon(st);
         if (!json) {
                 print_stats_table(s, NULL, 0);
-                epd__v1__response__free_unpacked(resp, NULL);
+                epd_stats_free(st);
                 return 0;
         }
         json_t *groups = json_array(), *clients = json_array(), *devices = json_array();
-        for (size_t g = 0; g < s->n_groups; g++) {
-                const Epd__V1__GroupStats *gs = s->groups[g];
+        for (uint32_t g = 0; g < s->num_groups; g++) {
+                const struct epd_admin_group_stats *gs = &s->groups[g];
                 json_t *ranks = json_array();
-                for (size_t r = 0; r < gs->n_ranks; r++) {
-                        const Epd__V1__RankStats *rs = gs->ranks[r];
+                for (uint32_t r = 0; r < gs->num_ranks; r++) {
+                        const struct epd_admin_rank_stats *rs = &gs->ranks[r];
                         json_array_append_new(
                                 ranks, json_pack("{s:I, s:b, s:I, s:I, s:o, s:o, s:I, s:I, s:I, s:I}",
                                                  "rank", (json_int_t)rs->rank, "bound", rs->bound,
@@ -360,11 +341,11 @@ static int cmd_stats(struct epd_client *c, int json)
                                                  (json_int_t)rs->next_op));
                 }
                 json_t *stages = json_array();
-                for (size_t i = 0; i < gs->n_stages; i++)
+                for (uint32_t i = 0; i < gs->num_stages; i++)
                         json_array_append_new(stages,
-                                              json_pack("{s:s, s:s, s:o}", "op", gs->stages[i]->op,
-                                                        "stage", gs->stages[i]->stage, "latency",
-                                                        op_stats_json(gs->stages[i]->latency)));
+                                              json_pack("{s:s, s:s, s:o}", "op", gs->stages[i].op,
+                                                        "stage", gs->stages[i].stage, "latency",
+                                                        op_stats_json(gs->stages[i].latency)));
                 json_array_append_new(
                         groups, json_pack("{s:I, s:s, s:s, s:I, s:o, s:o, s:I, s:I, s:o, s:o}",
                                           "id", (json_int_t)gs->id, "name", gs->name, "state",
@@ -375,8 +356,8 @@ static int cmd_stats(struct epd_client *c, int json)
                                           (json_int_t)gs->handles, "stages", stages, "ranks",
                                           ranks));
         }
-        for (size_t i = 0; i < s->n_clients; i++) {
-                const Epd__V1__ClientStats *cs = s->clients[i];
+        for (uint32_t i = 0; i < s->num_clients; i++) {
+                const struct epd_admin_client_stats *cs = &s->clients[i];
                 json_array_append_new(
                         clients, json_pack("{s:I, s:i, s:s, s:I, s:I, s:I, s:I, s:I}", "id",
                                            (json_int_t)cs->id, "pid", cs->pid, "name", cs->name,
@@ -386,8 +367,8 @@ static int cmd_stats(struct epd_client *c, int json)
                                            (json_int_t)cs->regions, "region_bytes",
                                            (json_int_t)cs->region_bytes));
         }
-        for (size_t i = 0; i < s->n_devices; i++) {
-                const Epd__V1__DeviceStats *ds = s->devices[i];
+        for (uint32_t i = 0; i < s->num_devices; i++) {
+                const struct epd_admin_device_stats *ds = &s->devices[i];
                 json_array_append_new(devices,
                                       json_pack("{s:I, s:s, s:s, s:I, s:I, s:I}", "index",
                                                 (json_int_t)ds->index, "uuid", ds->uuid, "kind",
@@ -411,7 +392,7 @@ static int cmd_stats(struct epd_client *c, int json)
         json_dumpf(o, stdout, JSON_INDENT(2));
         putchar('\n');
         json_decref(o);
-        epd__v1__response__free_unpacked(resp, NULL);
+        epd_stats_free(st);
         return 0;
 }
 
@@ -426,7 +407,7 @@ static void on_top_signal(int sig)
 /* A live view like top(1): clear, print, sleep; q on a terminal or SIGINT/SIGTERM quits. */
 static int cmd_top(struct epd_client *c, long iterations, long delay_ms)
 {
-        Epd__V1__Response *prev = NULL;
+        struct epd_stats *prev = NULL;
         struct termios saved;
         int tty = isatty(STDIN_FILENO);
 
@@ -440,16 +421,17 @@ static int cmd_top(struct epd_client *c, long iterations, long delay_ms)
                 tty = 0;
         }
         for (long i = 0; !top_stop && (iterations <= 0 || i < iterations); i++) {
-                Epd__V1__Response *cur = fetch_stats(c);
+                struct epd_stats *cur = fetch_stats(c);
                 if (!cur)
                         break;
-                double dt = prev ? (cur->stats->uptime_ms - prev->stats->uptime_ms) / 1000.0 : 0;
+                const struct epd_admin_daemon_stats *s = epd_stats_daemon(cur);
+                const struct epd_admin_daemon_stats *p = prev ? epd_stats_daemon(prev) : NULL;
+                double dt = p ? (s->uptime_ms - p->uptime_ms) / 1000.0 : 0;
                 printf("\033[H\033[2J");
-                print_stats_table(cur->stats, prev ? prev->stats : NULL, dt);
+                print_stats_table(s, p, dt);
                 printf("\n(refresh %ld ms; q quits)\n", delay_ms);
                 fflush(stdout);
-                if (prev)
-                        epd__v1__response__free_unpacked(prev, NULL);
+                epd_stats_free(prev);
                 prev = cur;
                 if (iterations > 0 && i + 1 >= iterations)
                         break;
@@ -462,8 +444,7 @@ static int cmd_top(struct epd_client *c, long iterations, long delay_ms)
         }
         if (tty)
                 tcsetattr(STDIN_FILENO, TCSANOW, &saved);
-        if (prev)
-                epd__v1__response__free_unpacked(prev, NULL);
+        epd_stats_free(prev);
         return 0;
 }
 
@@ -472,46 +453,18 @@ static int cmd_top(struct epd_client *c, long iterations, long delay_ms)
 /* drain/undrain [GROUP]: GROUP is a name, or an id when no group has that name. */
 static int cmd_drain(struct epd_client *c, int drain, const char *group, int json)
 {
-        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
-        Epd__V1__Drain dm = EPD__V1__DRAIN__INIT;
-        Epd__V1__Undrain um = EPD__V1__UNDRAIN__INIT;
-        Epd__V1__Response *resp;
-        uint64_t id = 0;
+        struct epd_drain_result r;
+        int rc = drain ? epd_drain(c, group, &r) : epd_undrain(c, group, &r);
 
-        if (group) {
-                char *end;
-                unsigned long long v = strtoull(group, &end, 10);
-                if (group[0] >= '0' && group[0] <= '9' && !*end)
-                        id = v;
-        }
-        if (drain) {
-                req.body_case = EPD__V1__REQUEST__BODY_DRAIN;
-                req.drain = &dm;
-                dm.all = group == NULL;
-                dm.group_name = (char *)(group ? group : "");
-                dm.group_id = id;
-        } else {
-                req.body_case = EPD__V1__REQUEST__BODY_UNDRAIN;
-                req.undrain = &um;
-                um.all = group == NULL;
-                um.group_name = (char *)(group ? group : "");
-                um.group_id = id;
-        }
-        if (request(c, &req, &resp) < 0)
-                return 1;
-        const Epd__V1__DrainReply *r = resp->drain;
-        if (!r) {
-                fprintf(stderr, "epctl: the daemon sent no drain reply\n");
-                epd__v1__response__free_unpacked(resp, NULL);
-                return 1;
-        }
+        if (rc < 0)
+                return failed(c, rc);
         if (json) {
                 json_t *o = json_pack("{s:s, s:s?, s:I, s:I, s:I, s:b}", "action",
                                       drain ? "drain" : "undrain", "group", group, "groups",
-                                      (json_int_t)r->groups, "executing_ops",
-                                      (json_int_t)r->executing_ops, "waiting_ops",
-                                      (json_int_t)r->waiting_ops, "daemon_draining",
-                                      r->daemon_draining);
+                                      (json_int_t)r.groups, "executing_ops",
+                                      (json_int_t)r.executing_ops, "waiting_ops",
+                                      (json_int_t)r.waiting_ops, "daemon_draining",
+                                      r.daemon_draining);
                 json_dumpf(o, stdout, JSON_INDENT(2));
                 putchar('\n');
                 json_decref(o);
@@ -523,38 +476,32 @@ static int cmd_drain(struct epd_client *c, int drain, const char *group, int jso
                 else
                         printf("daemon %s", drain ? "draining: no new ops are launched"
                                                   : "resumed");
-                if (!drain && r->groups && !group)
-                        printf(" (and %u drained group%s)", r->groups, r->groups == 1 ? "" : "s");
-                printf("; %u op%s executing, %u waiting%s\n", r->executing_ops,
-                       r->executing_ops == 1 ? "" : "s", r->waiting_ops,
-                       !drain && r->daemon_draining ? "; the daemon itself is still draining" : "");
+                if (!drain && r.groups && !group)
+                        printf(" (and %u drained group%s)", r.groups, r.groups == 1 ? "" : "s");
+                printf("; %u op%s executing, %u waiting%s\n", r.executing_ops,
+                       r.executing_ops == 1 ? "" : "s", r.waiting_ops,
+                       !drain && r.daemon_draining ? "; the daemon itself is still draining" : "");
         }
-        epd__v1__response__free_unpacked(resp, NULL);
         return 0;
 }
 
 static int cmd_evict(struct epd_client *c, const char *client_id, int json)
 {
-        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
-        Epd__V1__Evict em = EPD__V1__EVICT__INIT;
-        Epd__V1__Response *resp;
         char *end;
+        unsigned long long id = strtoull(client_id, &end, 10);
+        int rc;
 
-        em.client_id = strtoull(client_id, &end, 10);
         if (!client_id[0] || *end || client_id[0] < '0' || client_id[0] > '9') {
                 fprintf(stderr, "epctl: evict: '%s' is not a client id (see epctl clients)\n",
                         client_id);
                 return 2;
         }
-        req.body_case = EPD__V1__REQUEST__BODY_EVICT;
-        req.evict = &em;
-        if (request(c, &req, &resp) < 0)
-                return 1;
+        if ((rc = epd_evict(c, id)) < 0)
+                return failed(c, rc);
         if (json)
-                printf("{\n  \"evicted\": %llu\n}\n", (unsigned long long)em.client_id);
+                printf("{\n  \"evicted\": %llu\n}\n", id);
         else
-                printf("client %llu evicted\n", (unsigned long long)em.client_id);
-        epd__v1__response__free_unpacked(resp, NULL);
+                printf("client %llu evicted\n", id);
         return 0;
 }
 
@@ -596,37 +543,23 @@ static const char *mib(uint64_t bytes, char *buf, size_t len)
 /* resize GROUP --bytes N: GROUP is a name, or an id when no group has that name. */
 static int cmd_resize(struct epd_client *c, const char *group, const char *bytes_arg, int json)
 {
-        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
-        Epd__V1__Resize rm = EPD__V1__RESIZE__INIT;
-        Epd__V1__Response *resp;
-        char *end, a[32], b[32];
+        struct epd_resize_result *res;
+        char a[32], b[32];
         uint64_t bytes;
+        int rc;
 
         if (parse_bytes(bytes_arg, &bytes) < 0 || bytes == 0) {
                 fprintf(stderr, "epctl: resize: '%s' is not a size (N with K, M, G or T)\n",
                         bytes_arg);
                 return 2;
         }
-        unsigned long long id = strtoull(group, &end, 10);
-        if (group[0] >= '0' && group[0] <= '9' && !*end)
-                rm.group_id = id;
-        rm.group_name = (char *)group;
-        rm.bytes = bytes;
-        req.body_case = EPD__V1__REQUEST__BODY_RESIZE;
-        req.resize = &rm;
-        if (request(c, &req, &resp) < 0)
-                return 1;
-        const Epd__V1__ResizeReply *r =
-                resp->body_case == EPD__V1__RESPONSE__BODY_RESIZE ? resp->resize : NULL;
-        if (!r) {
-                fprintf(stderr, "epctl: the daemon sent no resize reply\n");
-                epd__v1__response__free_unpacked(resp, NULL);
-                return 1;
-        }
+        if ((rc = epd_resize(c, group, bytes, &res)) < 0)
+                return failed(c, rc);
+        const struct epd_resize_info *r = epd_resize_result_info(res);
         if (json) {
                 json_t *ranks = json_array();
-                for (size_t i = 0; i < r->n_ranks; i++) {
-                        const Epd__V1__RankArenaSize *k = r->ranks[i];
+                for (uint32_t i = 0; i < r->num_ranks; i++) {
+                        const struct epd_resize_rank *k = &r->ranks[i];
                         json_array_append_new(
                                 ranks, json_pack("{s:I, s:I, s:I, s:I, s:I, s:I}", "rank",
                                                  (json_int_t)k->rank, "old_bytes",
@@ -650,8 +583,8 @@ static int cmd_resize(struct epd_client *c, const char *group, const char *bytes
                 printf("group %s resized: %s -> %s per rank (ops drained for %.1f ms)\n", group,
                        mib(r->old_bytes, a, sizeof(a)), mib(r->new_bytes, b, sizeof(b)),
                        r->wait_ns / 1e6);
-                for (size_t i = 0; i < r->n_ranks; i++) {
-                        const Epd__V1__RankArenaSize *k = r->ranks[i];
+                for (uint32_t i = 0; i < r->num_ranks; i++) {
+                        const struct epd_resize_rank *k = &r->ranks[i];
                         printf("  rank %u: %s -> %s, %u segment%s, %llu bytes in use%s\n",
                                k->rank, mib(k->old_bytes, a, sizeof(a)),
                                mib(k->new_bytes, b, sizeof(b)), k->segments,
@@ -661,7 +594,7 @@ static int cmd_resize(struct epd_client *c, const char *group, const char *bytes
                                        : "");
                 }
         }
-        epd__v1__response__free_unpacked(resp, NULL);
+        epd_resize_result_free(res);
         return 0;
 }
 

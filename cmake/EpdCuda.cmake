@@ -23,12 +23,17 @@ endfunction()
 set(EPD_CUDA_FLAGS --fmad=false -ftz=false -prec-div=true -prec-sqrt=true -lineinfo
     -Xcompiler=-Wall,-Wextra)
 
-function(epd_cuda_target target)
+# C++17 and the static runtime, without EPD_CUDA_FLAGS (the probes of bench/probes/).
+function(epd_cuda_binary target)
   epd_cuda_filter_options(${target})
-  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${EPD_CUDA_FLAGS}>)
   set_target_properties(${target} PROPERTIES
     CUDA_STANDARD 17
     CUDA_STANDARD_REQUIRED ON
     CUDA_RUNTIME_LIBRARY Static)
   target_link_libraries(${target} PRIVATE CUDA::cudart_static)
+endfunction()
+
+function(epd_cuda_target target)
+  epd_cuda_binary(${target})
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${EPD_CUDA_FLAGS}>)
 endfunction()

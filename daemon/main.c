@@ -9,7 +9,9 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include "admission.h"
 #include "backend.h"
+#include "budget.h"
 #include "daemon.h"
 #include "frame.h"
 #include "log.h"
@@ -52,6 +54,26 @@ struct flag_override {
         const char *flag; /* as given, for messages */
 };
 
+/* The command line's keys, applied over the file at start and again over every reload: a flag
+ * outranks the file for the daemon's whole life. */
+static struct flag_override overrides[32];
+static uv_timer_t log_flush_timer;
+static unsigned num_overrides;
+
+static int apply_overrides(struct epdd_config *cfg, char *err, size_t err_len)
+{
+        char why[192];
+
+        for (unsigned i = 0; i < num_overrides; i++) {
+                if (epd_config_set(cfg, overrides[i].section, overrides[i].name,
+                                   overrides[i].value, why, sizeof(why)) < 0) {
+                        snprintf(err, err_len, "option --%s: %s", overrides[i].flag, why);
+                        return -EINVAL;
+                }
+        }
+        return epd_config_validate(cfg, err, err_len);
+}
+
 static void on_drain_tick(uv_timer_t *timer)
 {
         struct epdd_daemon *d = timer->data;
@@ -86,6 +108,16 @@ static void begin_shutdown(struct epdd_daemon *d, const char *why)
                 return;
         d->shutting_down = 1;
         log_info("shutting down reason=%s: draining in-flight ops", why);
+        /* Ops that wait for a client's inputs end now with ABORTED; running ones finish. */
+        {
+                struct epd_list *pos;
+                epd_list_for_each(pos, &d->groups)
+                {
+                        struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
+                        if (g->executing && g->executing->exec)
+                                epd_exec_abort(g->executing->exec, EPD_ABORTED);
+                }
+        }
         sd_notify(0, "STOPPING=1\nSTATUS=draining in-flight ops");
         epd_server_close(d);
         d->drain_start_ns = epd__now_ns();
@@ -108,12 +140,33 @@ static void on_signal(uv_signal_t *handle, int signum)
                         log_warning("reload failed: %s, keeping the running configuration", err);
                         return;
                 }
+                if (apply_overrides(&fresh, err, sizeof(err)) < 0) {
+                        log_warning("reload refused: %s, keeping the running configuration", err);
+                        return;
+                }
                 epd_config_apply_hot(&d->cfg, &fresh);
                 epd_log_set_level(d->cfg.log_level);
+                /* The allow lists hold for open connections too. */
+                {
+                        struct epd_list *pos, *tmp;
+                        epd_list_for_each_safe(pos, tmp, &d->conns)
+                        {
+                                struct epdd_conn *c =
+                                        epd_conn_of(epd_list_entry(pos, struct epdd_client, link));
+                                if (!epd_conn_is_allowed(d, c->cl.uid, c->cl.gid))
+                                        epd_conn_close(c, "no longer allowed by the allow list");
+                        }
+                }
                 log_info("configuration reloaded path=%s", d->cfg.config_path);
                 return;
         }
         begin_shutdown(d, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+static void on_log_flush(uv_timer_t *timer)
+{
+        (void)timer;
+        epd_log_flush_suppressed();
 }
 
 static void on_watchdog(uv_timer_t *timer)
@@ -155,8 +208,6 @@ int main(int argc, char **argv)
         struct epdd_daemon *d = &daemon_state;
         struct epdd_metrics *metrics = NULL;
         char metrics_status[160] = "";
-        struct flag_override overrides[32];
-        unsigned num_overrides = 0;
         char err[512];
         int opt, rc;
         uint64_t watchdog_usec = 0;
@@ -210,15 +261,13 @@ int main(int argc, char **argv)
                 fprintf(stderr, "epd: %s\n", err);
                 return 2;
         }
-        for (unsigned i = 0; i < num_overrides; i++) {
-                if (epd_config_set(&d->cfg, overrides[i].section, overrides[i].name,
-                                   overrides[i].value, err, sizeof(err)) < 0) {
-                        fprintf(stderr, "epd: option --%s: %s\n", overrides[i].flag, err);
-                        return 2;
-                }
+        if (apply_overrides(&d->cfg, err, sizeof(err)) < 0) {
+                fprintf(stderr, "epd: %s\n", err);
+                return 2;
         }
         epd_log_set_level(d->cfg.log_level);
         signal(SIGPIPE, SIG_IGN);
+        epd_budget_init(d);
 
         rc = epd_daemon_init(d, uv_default_loop(), err, sizeof(err));
         if (rc < 0) {
@@ -262,6 +311,10 @@ int main(int argc, char **argv)
         top.drain_timer.data = d;
         uv_timer_init(d->loop, &top.watchdog_timer);
         top.watchdog_timer.data = d;
+        epd_admission_init(d);
+        uv_timer_init(d->loop, &log_flush_timer);
+        uv_timer_start(&log_flush_timer, on_log_flush, 1000, 1000);
+        uv_unref((uv_handle_t *)&log_flush_timer);
         if (sd_watchdog_enabled(0, &watchdog_usec) > 0 && watchdog_usec > 0) {
                 uint64_t period_ms = watchdog_usec / 2000;
                 uv_timer_start(&top.watchdog_timer, on_watchdog, 0, period_ms ? period_ms : 1);
@@ -277,6 +330,9 @@ int main(int argc, char **argv)
 
         uv_timer_stop(&top.watchdog_timer);
         uv_close((uv_handle_t *)&top.watchdog_timer, NULL);
+        uv_close((uv_handle_t *)&log_flush_timer, NULL);
+        epd_admission_close(d);
+        epd_log_flush_suppressed();
         uv_close((uv_handle_t *)&top.drain_timer, NULL);
         uv_close((uv_handle_t *)&top.sig_term, NULL);
         uv_close((uv_handle_t *)&top.sig_int, NULL);

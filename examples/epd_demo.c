@@ -2,19 +2,23 @@
  * 8 worker processes running MoE steps through it. Each step routes tokens (softmax top-k over
  * router logits), dispatches them in the EXPAND layout into the daemon's output arena, runs a
  * stand-in expert in place on the received rows (expert l scales its rows by 1 + l/8), combines
- * with the routing weights, and verifies dispatch and combine bit for bit against the
- * independent reference. Prints per-op latency and throughput, then `epctl groups`.
+ * with the routing weights, and verifies dispatch and combine bit for bit against the CPU
+ * executor (bench/oracle.h). Prints per-op latency and throughput, then `epctl groups`.
  */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
-#include "harness.h"
-#include "reference.h"
+#include "bf16.h"
+#include "daemon_proc.h"
+#include "epd.h"
+#include "oracle.h"
 #include "testdata.h"
 
 #define RANKS 8
@@ -72,10 +76,25 @@ static void expert(uint32_t l, const uint16_t *in, uint16_t *out)
         float scale = 1.0f + (float)l / 8.0f;
 
         for (int h = 0; h < HIDDEN; h++)
-                out[h] = ref_float_to_bf16(ref_bf16_to_float(in[h]) * scale);
+                out[h] = epd__float_to_bf16(epd__bf16_to_float(in[h]) * scale);
 }
 
-static int worker(const char *socket_path, uint32_t rank, int report_fd, int go_fd)
+/* The stand-in expert on every row of destination d's EXPAND output rows that holds a selection
+ * (padding rows are left alone: combine never reads them). */
+static void run_experts(const struct oracle *orc, uint32_t d, const int32_t *per_expert,
+                        uint16_t *rows)
+{
+        const uint32_t L = EXPERTS / RANKS;
+        const int32_t *base = orc->plan->expert_base + (size_t)d * (L + 1);
+
+        for (uint32_t l = 0; l < L; l++)
+                for (int32_t i = 0; i < per_expert[l]; i++)
+                        expert(l, rows + (size_t)(base[l] + i) * HIDDEN,
+                               rows + (size_t)(base[l] + i) * HIDDEN);
+}
+
+static int worker(const char *socket_path, const unsigned char secret[16], uint32_t rank,
+                  int report_fd, int go_fd)
 {
         struct epd_connect_args ca = { .size = sizeof(ca), .socket_path = socket_path,
                                        .client_name = "epd-demo", .timeout_ms = 60000 };
@@ -84,9 +103,8 @@ static int worker(const char *socket_path, uint32_t rank, int report_fd, int go_
                 .hidden = HIDDEN, .max_tokens_per_rank = TOKENS, .max_topk = TOPK,
                 .dispatch_dtype = EPD_DTYPE_BF16, .arena_bytes = 64ull << 20,
         };
-        unsigned char secret[16];
         struct epd_group_args ga = { .size = sizeof(ga), .name = "demo", .secret = secret,
-                                     .secret_len = sizeof(secret), .rank = rank, .config = &cfg };
+                                     .secret_len = 16, .rank = rank, .config = &cfg };
         struct epd_client *c = NULL;
         struct epd_group *g = NULL;
         size_t in_bytes = (size_t)TOKENS * (HIDDEN * 2 + TOPK * 12) + (size_t)TOKENS * HIDDEN * 2;
@@ -96,7 +114,6 @@ static int worker(const char *socket_path, uint32_t rank, int report_fd, int go_
         char err[512];
         int rc = 1;
 
-        h_secret("demo", secret);
         if (epd_client_connect(&ca, &c, err, sizeof(err)) < 0) {
                 fprintf(stderr, "rank %u: connect: %s\n", rank, err);
                 return 1;
@@ -127,27 +144,27 @@ static int worker(const char *socket_path, uint32_t rank, int report_fd, int go_
 
         for (int step = 0; step < STEPS; step++) {
                 struct sample smp = { 0 };
-                struct ref_src src[RANKS];
-                struct ref_params p = {
+                struct oracle_src src[RANKS];
+                struct oracle_params p = {
                         .world_size = RANKS, .num_experts = EXPERTS, .hidden = HIDDEN,
                         .max_tokens = TOKENS, .num_topk = TOPK, .dtype = EPD_DTYPE_BF16,
                         .topk_dtype = EPD_DTYPE_INT64, .layout = EPD_LAYOUT_EXPAND,
-                        .expert_alignment = 16, .zero_padding = 1, .has_weights = 1,
+                        .expert_alignment = 16, .zero_padding = 1,
                 };
-                struct ref_dispatch *ref = NULL;
+                struct oracle *orc = NULL;
 
                 /* Every worker knows every rank's routing (a pure function of the seed), so each
-                 * can build the reference on its own. */
+                 * can compute the expected outputs on its own. */
                 for (uint32_t s = 0; s < RANKS; s++) {
                         route(s, step, all_topk[s], all_w[s], all_x[s]);
-                        src[s] = (struct ref_src){ TOKENS, { all_x[s], 0 }, { NULL, 0 },
-                                                   { all_topk[s], 0 }, { all_w[s], 0 } };
+                        src[s] = (struct oracle_src){ TOKENS, all_x[s], NULL, all_topk[s],
+                                                      all_w[s] };
                 }
                 memcpy(x, all_x[rank], 2ull * TOKENS * HIDDEN);
                 memcpy(topk, all_topk[rank], sizeof(int64_t) * TOKENS * TOPK);
                 memcpy(w, all_w[rank], sizeof(float) * TOKENS * TOPK);
-                if (ref_dispatch_new(&p, src, &ref, err, sizeof(err)) < 0) {
-                        fprintf(stderr, "rank %u: reference: %s\n", rank, err);
+                if (oracle_new(&p, src, &orc, err, sizeof(err)) < 0) {
+                        fprintf(stderr, "rank %u: plan: %s\n", rank, err);
                         goto out;
                 }
                 uint64_t xs[2] = { TOKENS, HIDDEN }, ks[2] = { TOKENS, TOPK };
@@ -171,44 +188,37 @@ static int worker(const char *socket_path, uint32_t rank, int report_fd, int go_
                 epd_op_dispatch_result(op, &dr);
                 smp.dispatch_exec_us = dr.exec_ns / 1e3;
                 smp.recv_rows = (uint64_t)dr.num_recv_tokens;
-                struct ref_counts_actual ca2 = { dr.num_recv_tokens, dr.num_expanded_rows,
-                                                 dr.num_recv_tokens_per_expert,
-                                                 dr.num_recv_tokens_per_expert_aligned,
-                                                 dr.rank_prefix };
-                struct ref_dispatch_actual act = {
-                        .recv_x = { dr.recv_x_ptr, 0 }, .recv_weights = { dr.recv_weights_ptr, 0 },
-                        .recv_src = { dr.recv_src_ptr, 0 },
-                        .recv_topk_slot = { dr.recv_topk_slot_ptr, 0 },
+                struct oracle_dispatch_out act = {
+                        .recv_x = dr.recv_x_ptr, .recv_weights = dr.recv_weights_ptr,
+                        .recv_src = dr.recv_src_ptr, .recv_topk_slot = dr.recv_topk_slot_ptr,
                 };
-                if (ref_check_counts(ref, rank, &ca2, err, sizeof(err)) ||
-                    ref_check_dispatch(ref, rank, &act, err, sizeof(err))) {
+                if (oracle_check_counts(orc, rank, &dr, err, sizeof(err)) ||
+                    oracle_check_dispatch(orc, rank, &act, err, sizeof(err))) {
                         fprintf(stderr, "rank %u step %d: dispatch mismatch: %s\n", rank, step, err);
                         goto out;
                 }
                 /* The expert runs in place on the arena rows; combine reads them back as y. */
-                uint16_t *rows = dr.recv_x_ptr;
-                for (uint32_t l = 0; l < EXPERTS / RANKS; l++) {
-                        int32_t b = ref->dst[rank].expert_base[l];
-                        for (int32_t i = 0; i < dr.num_recv_tokens_per_expert[l]; i++)
-                                expert(l, rows + (size_t)(b + i) * HIDDEN,
-                                       rows + (size_t)(b + i) * HIDDEN);
+                run_experts(orc, rank, dr.num_recv_tokens_per_expert, dr.recv_x_ptr);
+                /* The expected y of every destination: the CPU executor's dispatch outputs, with
+                 * the same expert run on them. */
+                struct oracle_dispatch_out want[RANKS];
+                const void *ys[RANKS];
+                int no_memory = 0;
+                memset(want, 0, sizeof(want));
+                for (uint32_t d = 0; d < RANKS && !no_memory; d++) {
+                        no_memory = oracle_dispatch_expected(orc, d, &want[d]) < 0;
+                        if (no_memory)
+                                break;
+                        run_experts(orc, d, orc->plan->expert_count + (size_t)d * (EXPERTS / RANKS),
+                                    want[d].recv_x);
+                        ys[d] = want[d].recv_x;
                 }
-                /* The reference's y of every destination: the same expert on the expected rows. */
-                uint16_t *ys[RANKS];
-                struct ref_buf yb[RANKS];
-                for (uint32_t d = 0; d < RANKS; d++) {
-                        const struct ref_dst *dd = &ref->dst[d];
-                        ys[d] = calloc((size_t)dd->rows * HIDDEN + 1, 2);
-                        for (int64_t i = 0; i < dd->rows; i++) {
-                                const uint8_t *xr = ref_expected_x(ref, d, i);
-                                if (!xr)
-                                        continue;
-                                uint32_t e = (uint32_t)ref->topk[dd->row_src[i]]
-                                                                [dd->row_token[i] * TOPK + dd->row_slot[i]];
-                                expert(e % (EXPERTS / RANKS), (const uint16_t *)xr,
-                                       ys[d] + (size_t)i * HIDDEN);
-                        }
-                        yb[d] = (struct ref_buf){ ys[d], 0 };
+                if (no_memory) {
+                        fprintf(stderr, "rank %u step %d: out of memory\n", rank, step);
+                        for (uint32_t d = 0; d < RANKS; d++)
+                                oracle_dispatch_out_free(&want[d]);
+                        rc = 1;
+                        goto out;
                 }
                 struct epd_combine_args cb = { .size = sizeof(cb), .handle_id = dr.handle_id,
                                                .apply_weights = 1, .y = dr.recv_x };
@@ -225,12 +235,9 @@ static int worker(const char *socket_path, uint32_t rank, int report_fd, int go_
                 }
                 smp.combine_exec_us = cr.exec_ns / 1e3;
                 smp.sent_rows = (uint64_t)dr.num_expanded_rows;
-                struct ref_combine_in cin = { yb, 1 };
-                struct ref_buf nob[2] = { { NULL, 0 }, { NULL, 0 } };
-                rc = ref_check_combine(ref, &cin, rank, nob, (struct ref_buf){ combined, 0 },
-                                       (struct ref_buf){ NULL, 0 }, err, sizeof(err));
+                rc = oracle_check_combine(orc, rank, ys, 1, combined, NULL, err, sizeof(err));
                 for (uint32_t d = 0; d < RANKS; d++)
-                        free(ys[d]);
+                        oracle_dispatch_out_free(&want[d]);
                 if (rc) {
                         fprintf(stderr, "rank %u step %d: combine mismatch: %s\n", rank, step, err);
                         rc = 1;
@@ -238,7 +245,7 @@ static int worker(const char *socket_path, uint32_t rank, int report_fd, int go_
                 }
                 epd_handle_release(g, dr.handle_id);
                 epd_op_free(op);
-                ref_dispatch_free(ref);
+                oracle_free(orc);
                 if (write(report_fd, &smp, sizeof(smp)) != sizeof(smp))
                         goto out;
         }
@@ -261,7 +268,9 @@ static int cmp_double(const void *a, const void *b)
 
 int main(void)
 {
-        struct h_daemon d;
+        const char *const daemon_args[] = { "--backend", "host", NULL };
+        struct daemon_proc d;
+        unsigned char secret[16];
         int report[2], go[2];
         pid_t pids[RANKS];
         struct sample s[RANKS * STEPS];
@@ -269,10 +278,14 @@ int main(void)
 
         setvbuf(stdout, NULL, _IOLBF, 0);
         printf("epd demo: %d worker processes, %d experts, hidden %d, %d tokens per rank, top-%d, "
-               "%d MoE steps (EXPAND, bf16, output arena, %s backend)\n",
-               RANKS, EXPERTS, HIDDEN, TOKENS, TOPK, STEPS,
-               getenv("EPD_TEST_BACKEND") ? getenv("EPD_TEST_BACKEND") : "host");
-        if (h_daemon_start(&d, NULL) < 0)
+               "%d MoE steps (EXPAND, bf16, output arena, host backend)\n",
+               RANKS, EXPERTS, HIDDEN, TOKENS, TOPK, STEPS);
+        /* The group's secret: drawn here, inherited by every worker, known to no one else. */
+        if (getrandom(secret, sizeof(secret), 0) != (ssize_t)sizeof(secret)) {
+                fprintf(stderr, "epd-demo: getrandom: %s\n", strerror(errno));
+                return 1;
+        }
+        if (daemon_proc_start(&d, "epd-demo", NULL, daemon_args, 10000) < 0)
                 return 1;
         printf("daemon: pid %d, socket %s\n", (int)d.pid, d.socket);
         if (pipe(report) < 0 || pipe(go) < 0)
@@ -282,7 +295,7 @@ int main(void)
                 if (pids[r] == 0) {
                         close(report[0]);
                         close(go[1]);
-                        _exit(worker(d.socket, r, report[1], go[0]));
+                        _exit(worker(d.socket, secret, r, report[1], go[0]));
                 }
         }
         close(report[1]);
@@ -305,7 +318,7 @@ int main(void)
                 qsort(dl, (size_t)got, sizeof(double), cmp_double);
                 qsort(cl, (size_t)got, sizeof(double), cmp_double);
                 double row = HIDDEN * 2.0;
-                printf("all %d steps verified bit for bit against the reference on every rank\n",
+                printf("all %d steps verified bit for bit against the CPU executor on every rank\n",
                        STEPS);
                 printf("%-9s %12s %12s %14s %16s\n", "op", "p50 [us]", "max [us]",
                        "exec sum [ms]", "payload [GB/s]");
@@ -316,15 +329,16 @@ int main(void)
                 printf("(payload: received rows x row bytes over the backend's execution time)\n\n");
                 char out[16384];
                 const char *args[] = { "--socket", d.socket, "groups", NULL };
-                h_run_tool("epctl", args, out, sizeof(out));
+                if (daemon_proc_run_tool("epctl", args, out, sizeof(out)) != 0)
+                        fprintf(stderr, "epd-demo: epctl groups failed\n");
                 printf("$ epctl groups\n%s", out);
         }
         for (int i = 0; i < RANKS; i++)
                 if (write(go[1], "g", 1) != 1)
                         break;
         close(go[1]);
-        failures = h_wait_all(pids, RANKS, 120000);
-        int stop = h_daemon_stop(&d, 10000);
+        failures = daemon_proc_wait_children(pids, RANKS, 120000);
+        int stop = daemon_proc_stop(&d, 10000);
         if (failures || got != RANKS * STEPS || stop != 0) {
                 fprintf(stderr, "epd demo FAILED: %d worker(s) failed, daemon exit %d\n", failures,
                         stop);

@@ -446,6 +446,258 @@ int epd_group_mark_inputs_ready(struct epd_group *group, void *stream, uint64_t 
 /* Releases this rank's share of a handle (local bookkeeping, not collective). */
 int epd_handle_release(struct epd_group *group, uint64_t handle_id);
 
+/* ---- administration: what epctl shows and does ----
+ *
+ * Reading calls ask the daemon once and return a snapshot: an opaque object that owns every
+ * struct, string and array reachable through its accessors, all read-only and valid until the
+ * snapshot's *_free (which accepts NULL). Structs handed out by pointer may gain fields at the
+ * end; the library allocates them. Reading is open to every client; epd_drain, epd_undrain,
+ * epd_evict and epd_resize are admin verbs, for root and members of the daemon's admin_group
+ * (EPD_CAP_ADMIN), and answer EPD_PERMISSION_DENIED to anyone else without changing anything.
+ * Failures return a negative status with the message in epd_client_last_error (a NULL client
+ * gives EPD_INVALID_ARGUMENT and no message). On failure *out is untouched.
+ *
+ * `group` of the verbs names a group by name, or by its decimal id (epd_group_id) when no group
+ * has that name. */
+
+/* A device of the daemon. */
+struct epd_admin_device {
+        uint32_t index;
+        const char *uuid;
+        const char *name;
+        const char *kind;              /* "host" or "cuda" */
+        uint64_t memory_bytes;
+};
+
+struct epd_daemon_status_info {
+        const char *version;
+        const char *backend;
+        uint64_t daemon_epoch;         /* random per daemon start */
+        uint64_t uptime_ms;
+        int32_t pid;
+        int draining;                  /* the whole daemon is drained (epd_drain with NULL) */
+        uint32_t num_groups;
+        uint32_t num_clients;
+        uint32_t num_regions;
+        uint64_t region_bytes;
+        uint64_t ops_completed;
+        uint64_t ops_failed;
+        uint32_t num_devices;
+        const struct epd_admin_device *devices;
+};
+
+struct epd_daemon_status;
+int epd_daemon_status_get(struct epd_client *client, struct epd_daemon_status **out);
+const struct epd_daemon_status_info *epd_daemon_status_info(const struct epd_daemon_status *st);
+void epd_daemon_status_free(struct epd_daemon_status *st);
+
+/* A rank of a group as the daemon holds it. */
+struct epd_admin_rank {
+        uint32_t rank;
+        int bound;                     /* a client holds it */
+        uint64_t client_id;            /* that client, 0 when unbound */
+        uint32_t device;
+        uint64_t next_op;              /* the sequence number of its next op */
+};
+
+struct epd_group_info {
+        uint64_t id;
+        const char *name;
+        const char *state;             /* FORMING, READY, DRAINING, BROKEN or CLOSED */
+        struct epd_group_config config; /* as the daemon holds it: defaults filled in
+                                         * (scale_block stays 0 unless fp8) */
+        uint64_t ops_completed;
+        uint64_t ops_failed;
+        uint32_t num_handles;
+        uint32_t pending_ops;
+        uint32_t num_ranks;
+        const struct epd_admin_rank *ranks;
+};
+
+/* Every group of the daemon, in the daemon's order. epd_group_list_at returns NULL for
+ * i >= epd_group_list_count. */
+struct epd_group_list;
+int epd_group_list_get(struct epd_client *client, struct epd_group_list **out);
+size_t epd_group_list_count(const struct epd_group_list *list);
+const struct epd_group_info *epd_group_list_at(const struct epd_group_list *list, size_t i);
+void epd_group_list_free(struct epd_group_list *list);
+
+struct epd_client_info {
+        uint64_t id;                   /* what epd_evict takes */
+        int32_t pid;
+        uint32_t uid;
+        uint32_t gid;
+        const char *name;              /* epd_connect_args.client_name; "" when none */
+        uint32_t num_regions;
+        uint64_t region_bytes;
+        uint32_t outstanding_ops;
+        uint32_t num_bindings;
+        const char *const *bindings;   /* "group/rank" */
+};
+
+/* Every connected client, the caller included. */
+struct epd_client_list;
+int epd_client_list_get(struct epd_client *client, struct epd_client_list **out);
+size_t epd_client_list_count(const struct epd_client_list *list);
+const struct epd_client_info *epd_client_list_at(const struct epd_client_list *list, size_t i);
+void epd_client_list_free(struct epd_client_list *list);
+
+/* Counters of one kind of op. Latencies in nanoseconds; latency_buckets[i] counts ops below
+ * 2^i microseconds (the last bucket is open-ended). */
+struct epd_admin_op_stats {
+        uint64_t ops;
+        uint64_t bytes;
+        uint32_t num_errors;
+        const uint64_t *errors;        /* errors[-status]: failed ops by status; [0] unused */
+        uint64_t latency_p50_ns;
+        uint64_t latency_p90_ns;
+        uint64_t latency_p99_ns;
+        uint64_t latency_max_ns;
+        uint64_t latency_count;
+        uint64_t latency_sum_ns;
+        uint32_t num_latency_buckets;
+        const uint64_t *latency_buckets;
+};
+
+struct epd_admin_rank_stats {
+        uint32_t rank;
+        int bound;
+        uint64_t client_id;
+        uint32_t device;
+        const struct epd_admin_op_stats *dispatch; /* never NULL (all zero when not reported) */
+        const struct epd_admin_op_stats *combine;
+        uint64_t arena_bytes;
+        uint64_t arena_used_bytes;
+        uint32_t queue_depth;          /* ops this rank submitted that have not completed */
+        uint64_t next_op;
+};
+
+/* Where a group's successful ops spent their time: stage "peers" (first rank's request to the
+ * last rank's), "daemon" or "gpu", of op "dispatch" or "combine". Only ops and the latency
+ * fields of `latency` are set. */
+struct epd_admin_stage_stats {
+        const char *op;
+        const char *stage;
+        const struct epd_admin_op_stats *latency; /* never NULL */
+};
+
+struct epd_admin_group_stats {
+        uint64_t id;
+        const char *name;
+        const char *state;
+        uint32_t world_size;
+        const struct epd_admin_op_stats *dispatch; /* never NULL */
+        const struct epd_admin_op_stats *combine;
+        uint32_t pending_ops;
+        uint32_t handles;
+        uint32_t num_ranks;
+        const struct epd_admin_rank_stats *ranks;
+        uint32_t num_stages;           /* stages with at least one op */
+        const struct epd_admin_stage_stats *stages;
+};
+
+struct epd_admin_client_stats {
+        uint64_t id;
+        int32_t pid;
+        const char *name;
+        uint64_t requests;
+        uint64_t ops;
+        uint32_t outstanding_ops;
+        uint32_t regions;
+        uint64_t region_bytes;
+};
+
+struct epd_admin_device_stats {
+        uint32_t index;
+        const char *uuid;
+        const char *kind;
+        uint64_t ops;                  /* rank-ops executed on it */
+        uint64_t bytes;
+        uint32_t ranks;
+};
+
+struct epd_admin_daemon_stats {
+        const char *backend;
+        uint64_t uptime_ms;
+        uint64_t ops_completed;
+        uint64_t ops_failed;
+        uint64_t frames_in;
+        uint64_t frames_out;
+        uint64_t protocol_errors;
+        uint64_t clients_accepted;
+        uint64_t clients_refused;
+        uint64_t mailbox_replies;      /* op replies written into doorbell pages */
+        uint64_t mailbox_requests;     /* requests taken from doorbell pages */
+        uint32_t num_groups;
+        const struct epd_admin_group_stats *groups;
+        uint32_t num_clients;
+        const struct epd_admin_client_stats *clients;
+        uint32_t num_devices;
+        const struct epd_admin_device_stats *devices;
+};
+
+/* The daemon's statistics (epctl stats and top; the Prometheus endpoint shows the same). */
+struct epd_stats;
+int epd_stats_get(struct epd_client *client, struct epd_stats **out);
+const struct epd_admin_daemon_stats *epd_stats_daemon(const struct epd_stats *stats);
+void epd_stats_free(struct epd_stats *stats);
+
+/* What a drain or undrain found: the groups whose state it changed, the ops still executing in
+ * the groups concerned (they finish) and the collected ops that wait for the undrain. */
+struct epd_drain_result {
+        uint32_t groups;
+        uint32_t executing_ops;
+        uint32_t waiting_ops;
+        int daemon_draining;           /* the whole daemon is drained after the call */
+};
+
+/* Stops launching ops of `group`, or with group NULL of the whole daemon. Draining never fails
+ * an op: an op every rank submitted waits, with no time limit, until the undrain (epd_op_wait
+ * answers EPD_TIMEOUT meanwhile and the op stays pending); the op executing finishes; new
+ * submissions are still collected (an op some rank never submits still fails with EPD_TIMEOUT
+ * after op_timeout_ms). Only a READY (or already DRAINING) group can be drained:
+ * EPD_INVALID_ARGUMENT otherwise; EPD_NOT_FOUND for an unknown group. out may be NULL. */
+int epd_drain(struct epd_client *client, const char *group, struct epd_drain_result *out);
+/* Resumes `group`, or with NULL the daemon and every drained group; what waited launches. */
+int epd_undrain(struct epd_client *client, const char *group, struct epd_drain_result *out);
+
+/* Closes client `client_id`'s connection as if it had crashed: the peers of its ranks get
+ * EPD_PEER_LOST. EPD_NOT_FOUND when no such client is connected; EPD_INVALID_ARGUMENT for the
+ * caller itself. */
+int epd_evict(struct epd_client *client, uint64_t client_id);
+
+/* A rank's output arena before and after a resize. */
+struct epd_resize_rank {
+        uint32_t rank;
+        uint64_t old_bytes;
+        uint64_t new_bytes;            /* above the requested size when live outputs end there */
+        uint32_t segments;
+        uint64_t used_bytes;           /* held by live placements */
+        uint64_t reserved_bytes;       /* the most it can grow to */
+};
+
+struct epd_resize_info {
+        uint64_t group_id;
+        uint64_t requested_bytes;
+        uint64_t old_bytes;            /* the group's arena size before */
+        uint64_t new_bytes;            /* and now (ranks bound later get it) */
+        uint64_t wait_ns;              /* spent waiting for the executing op */
+        uint32_t num_ranks;            /* the ranks that have an arena */
+        const struct epd_resize_rank *ranks;
+};
+
+/* Grows or shrinks every rank's output arena of `group` to `bytes` with the group's ops held
+ * meanwhile (as by a drain, without changing its state); clients keep working and the arenas
+ * do not move (epd_group_arena). A shrink stops above a rank's live outputs. Answered when
+ * done. EPD_INVALID_ARGUMENT: group NULL, bytes 0, a group without arenas, or bytes above a
+ * rank's reserved range; EPD_UNAVAILABLE: the memory could not be created (nothing changed),
+ * or another resize of the group is in progress. out may be NULL. */
+struct epd_resize_result;
+int epd_resize(struct epd_client *client, const char *group, uint64_t bytes,
+               struct epd_resize_result **out);
+const struct epd_resize_info *epd_resize_result_info(const struct epd_resize_result *result);
+void epd_resize_result_free(struct epd_resize_result *result);
+
 /* ---- bf16 helpers (exact, round to nearest even, NaN -> 0x7FFF) ---- */
 float epd_bf16_to_float(uint16_t value);
 uint16_t epd_float_to_bf16(float value);

@@ -1,4 +1,4 @@
-/* combine.cu - combine: gather every token's rows back and reduce them (SEMANTICS.md 3).
+/* combine.cu - combine: gather every token's rows back and reduce them (docs/semantics.md §3).
  *
  * One kernel per device covers every source (the combine's receiver) on that device. A warp owns
  * one token: lane k reads top-k position k's expert, row and weight from the handle's workspace,
@@ -19,24 +19,10 @@
 #include <cuda_bf16.h>
 
 #include "internal.cuh"
-#ifdef DS_TRACE
-#include "cb_trace.h"
-#endif
 
-/* Tunables; overridable with -D for experiments. */
-#ifndef COMBINE_THREADS
 #define COMBINE_THREADS 256
-#endif
-/* DS_TRACE builds keep the kernel at 16 warps per multiprocessor despite the stamps. */
-#if defined(DS_TRACE) && !defined(COMBINE_MIN_BLOCKS)
-#define COMBINE_MIN_BLOCKS 2
-#endif
-#ifndef COMBINE_MIN_BLOCKS
 #define COMBINE_MIN_BLOCKS 1
-#endif
-#ifndef COMBINE_VEC
 #define COMBINE_VEC 2 /* 16-byte vectors per lane per step: 16 bf16 values */
-#endif
 /* Slices of hidden values (small ops) are multiples of one step of a warp on the 16-byte path,
  * so every slice starts on a step boundary. */
 #define COMBINE_SLICE_UNIT (8 * 32 * COMBINE_VEC)
@@ -91,23 +77,13 @@ template <bool STREAM> static __device__ __forceinline__ int4 comb_ld_if(uint32_
 
 /* Items per multiprocessor that a small op is cut for (epd__k_slicing), against 16 resident
  * warps (121 registers). Below 16, a decode op (1024 tokens on 132 multiprocessors) is cut in
- * two slices of 7 steps, one item per warp; 24 cut it in four of 4, 4, 4 and 2 steps, so that
- * most warps did two items (8 steps and two routing preambles). Decode in process, 14 against
- * 24 (seventh session, docs/benchmarks/h200-s7-combine-slicing.txt, three repetitions each):
- * 26.2 against 26.8-26.9 us warm, 31.3-32.0 against 31.6-32.2 us in Fresh mode, 26.9-27.0
- * against 27.6-27.8 us after a read-only flush. 24 had beaten 48 and 96 (sixth session). */
-#ifndef COMBINE_SLICE_WARPS
+ * two slices of 7 steps, one item per warp; more items per multiprocessor (24, 48, 96) cut it
+ * finer, so that most warps do two items, and each extra item costs its steps and a second
+ * routing preamble: slower in every L2 state (docs/performance.md, "Design choices and their
+ * measured effect"). */
 #define COMBINE_SLICE_WARPS 14
-#endif
 
-#ifndef COMBINE_AHEAD
 #define COMBINE_AHEAD 8 /* contributions whose loads are issued together */
-#endif
-/* A token of at most COMBINE_AHEAD contributions rolls its loads (combine_vec); 0 issues each
- * step's loads only when the step starts. */
-#ifndef COMBINE_ROLL
-#define COMBINE_ROLL 1
-#endif
 
 /* A token's contributions, in ascending top-k position: rows[c] is the c-th contribution's row
  * and weights[c] its weight, c < n. They sit in the warp's slots of shared memory
@@ -176,28 +152,24 @@ static __device__ __forceinline__ void combine_store(float *acc, const uint8_t *
  * waits about one load latency rather than one per contribution; the additions keep the
  * ascending order. The step's row addresses come from the slots and its loads are predicated
  * (comb_ld_if), so the warp issues them back to back: with the addresses shuffled from the
- * owner lanes and a branch per contribution, each load waited for its own shuffle, about 40
- * cycles a contribution, and warps of 8 contributions ended about 1 us later than a reduce
- * with its row addresses in registers (epd-floor-probe's traces, twenty-third session).
- * Measured on an H200 in process against loading one contribution ahead (sixth session,
- * docs/benchmarks/h200-s6-combine-variants.txt): decode in Fresh mode 32.6-32.8 us against
- * 34.2-34.4, prefill fp8 0.725 against 0.772 ms, prefill bf16 expand 0.980 against 0.993 ms,
- * with 121 registers (16 warps per multiprocessor) against 63; 4 ahead (80 registers) and
- * 16-byte vectors of 1 per lane (59 and 75 registers) fell between. */
+ * owner lanes and a branch per contribution, each load waited for its own shuffle, and warps of
+ * 8 contributions ended well after a reduce with its row addresses in registers
+ * (epd-floor-probe's traces). Against loading one contribution ahead, 8 in flight is faster for
+ * decode and prefill alike despite 121 registers (16 warps per multiprocessor) against 63; 4
+ * ahead and 16-byte vectors of 1 per lane fall between (docs/performance.md, "Design choices
+ * and their measured effect"). */
 template <bool STREAM>
 static __device__ void combine_vec(const struct combine_slots *sl, uint32_t n, int weighted,
                                    const uint8_t *bias0, const uint8_t *bias1, uint8_t *out,
                                    uint32_t v0, uint32_t nvec, uint32_t lane)
 {
-#if COMBINE_ROLL
         if (n <= COMBINE_AHEAD) {
                 /* Rolling: contribution c's loads for the next step are issued as soon as its
                  * additions for this step have read its registers, so the next step's data
                  * travels while this step's other contributions are added, with no register
-                 * more than a whole step's loads take (the fourteenth session's next step loaded
-                 * ahead needed a second buffer, and was no faster or 3.3 us slower). The order
-                 * of the additions is unchanged. Decode through the daemon (medians of six runs,
-                 * same calls): 29.80 against 29.91 us and 29.89 against 29.94 us. */
+                 * more than a whole step's loads take (loading the whole next step ahead needs
+                 * a second buffer, and was no faster). The order of the additions is
+                 * unchanged. */
                 int4 buf[COMBINE_AHEAD][COMBINE_VEC];
 #pragma unroll
                 for (int c = 0; c < COMBINE_AHEAD; c++)
@@ -217,7 +189,6 @@ static __device__ void combine_vec(const struct combine_slots *sl, uint32_t n, i
                 }
                 return;
         }
-#endif
         for (uint32_t base = v0; base < nvec; base += 32 * COMBINE_VEC) {
                 float acc[8 * COMBINE_VEC];
 #pragma unroll
@@ -265,25 +236,11 @@ static __device__ void combine_scalar(const struct combine_slots *sl, uint32_t n
         }
 }
 
-static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_k_mat *m, uint64_t row)
+static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_mat *m, uint64_t row)
 {
         return m->ptr == NULL ? NULL : m->ptr + row * m->stride;
 }
 
-#ifdef DS_TRACE
-/* Experiments: per warp of the last combine (up to CB_TRACE_WARPS), the stamps of cb_trace.h.
- * Each stamp after a load is taken in a branch on the loaded value, so the warp reads the timer
- * only once the value has arrived. */
-#define CB_TRACE_WARPS 8192
-static __device__ uint64_t cb_trace[CB_TRACE_WARPS * 4];
-
-extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
-{
-        if (warps > CB_TRACE_WARPS)
-                warps = CB_TRACE_WARPS;
-        return epd__k_cuda_status(cudaMemcpyFromSymbol(dst, cb_trace, warps * 32));
-}
-#endif
 
 /* combine_hot.flags */
 #define COMBINE_WEIGHTED 1u /* multiply each contribution by its weight (apply_weights) */
@@ -296,9 +253,9 @@ extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps)
 /* The parameters a warp reads before its first row load, adjacent and first in the launch's
  * parameters: 112 bytes, which from the sm_90 parameter base (constant bank offset 0x210) lie
  * in two 64-byte lines of the constant cache. A warp's reads of different parameter lines are
- * served one line after the other, about 75 ns each, whether or not they depend on each other
- * (epd-param-probe on an H200, twenty-second session), and the combine's first workspace load
- * used to wait for six lines of the arguments, the layout and the inline descriptors. */
+ * served one line after the other, whether or not they depend on each other (epd-param-probe),
+ * so the first workspace load must not need more lines than these two; spread over the
+ * arguments, the layout and the inline descriptors it would wait for six. */
 struct combine_hot {
         const int32_t *topk, *row;  /* the workspace's topk and row fields */
         const float *weights;       /* its weights field; NULL when the dispatch carried none */
@@ -313,18 +270,17 @@ static_assert(sizeof(struct combine_hot) == 112, "combine_hot fills two constant
 
 /* What an INL launch passes of the ranks' descriptors, packed: the whole parameter block is hot
  * and one of these, 496 or 752 bytes, where hot, the arguments and every rank's full descriptor
- * took 1112. The parameter block's size is paid inside the kernel time: after the benchmark's
- * flush a kernel with a 1 KiB block took about 0.2 us longer than one with 16 bytes, whether or
- * not it read them (epd-param-probe, twenty-third session), presumably because the launch writes
- * the block to memory before the first block starts and each new line displaces a dirty one.
- * Through the daemon the packed block took the decode combine from 30.08 to 29.97 us (median of
- * six runs each, same call; docs/performance.md, twenty-fifth session). */
+ * would take 1112. The parameter block's size is paid inside the kernel time: after the benchmark's
+ * flush a kernel with a large block takes longer than one with a small block, whether or not it
+ * reads them (epd-param-probe), presumably because the launch writes the block to memory before
+ * the first block starts and each new line displaces a dirty one (docs/performance.md, "Design
+ * choices and their measured effect"). */
 struct combine_y {              /* rank r's y: lane r reads it while the entries come back */
         const uint8_t *ptr;
         uint32_t stride, rows;      /* the launcher takes INL only when both fit */
 };
 struct combine_mine {           /* local rank i's outputs (hot.rank[i]'s descriptor) */
-        struct epd_k_mat combined, combined_topk_weights;
+        struct epd_mat combined, combined_topk_weights;
 };
 struct combine_inl {
         struct combine_y y[EPD_K_INLINE_RANKS];
@@ -333,7 +289,7 @@ struct combine_inl {
 struct combine_inl_bias {       /* for ops whose local ranks have biases */
         struct combine_y y[EPD_K_INLINE_RANKS];
         struct combine_mine mine[EPD_K_INLINE_RANKS];
-        struct epd_k_mat bias[EPD_K_INLINE_RANKS][2];
+        struct epd_mat bias[EPD_K_INLINE_RANKS][2];
 };
 static_assert(sizeof(struct combine_inl) == 384, "combine_inl: 6 constant-cache lines");
 
@@ -356,11 +312,10 @@ template <> struct combine_mode<struct combine_inl_bias> {
  *
  * STREAM (small ops, those cut into slices): the rows are loaded with the L2 evict-first hint.
  * A small op's rows are read once and are few against the L2, whose other lines (someone's
- * working set, or the dirty lines of whatever ran before) it then leaves in place: measured on
- * an H200, decode combine after the benchmark's 256 MB L2 flush took 34.5 us with the hint and
- * 37.3 us without (29.8 / 31.1 us after a flush that only reads). A large op streams far more
- * than the L2 holds whatever the hint, and prefill combine took 4-5% longer with it, so large
- * ops load plainly.
+ * working set, or the dirty lines of whatever ran before) it then leaves in place, which makes
+ * the decode combine faster after a flush of either kind. A large op streams far more than the
+ * L2 holds whatever the hint, and the hint makes prefill combine slower, so large ops load
+ * plainly (docs/performance.md, "Design choices and their measured effect").
  *
  * P: the ranks' descriptors. combine_inl and combine_inl_bias (INL: the launcher had host copies
  * of the descriptors, at most EPD_K_INLINE_RANKS ranks): the local ranks come from hot and the
@@ -390,10 +345,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
         __shared__ struct combine_slots slots[COMBINE_THREADS / 32];
         struct combine_slots *sl = &slots[threadIdx.x / 32];
 
-#ifdef DS_TRACE
-        uint64_t tr_entry = epd_globaltimer_ns(), tr_ws = 0;
-        uint32_t tr_n = 0, tr_items = 0, tr_pre = 0, tr_back = 0, tr_desc = 0;
-#endif
         for (uint64_t item = warp; item < items; item += warps) {
                 const uint64_t g = item / slices;
                 const uint32_t slice = (uint32_t)(item % slices);
@@ -415,12 +366,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         t = (uint32_t)g - p.local[i].token_offset;
                 }
                 const uint64_t ent = epd_ws_entry_at(hot.src_entries, s, t, K, 0);
-#ifdef DS_TRACE
-                /* after every parameter the first workspace load depends on: the test on
-                 * ent keeps the timer read behind its computation */
-                if (tr_pre == 0 && ent != ~0ull)
-                        tr_pre = (uint32_t)(epd_globaltimer_ns() - tr_entry);
-#endif
                 int32_t expert = -1, row = -1;
                 float weight = 0.0f;
 
@@ -442,14 +387,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                                 lane_rows = p.y[lane].rows;
                         }
                 }
-#ifdef DS_TRACE
-                /* topk ids are -1 or in [0, E), and no y descriptor lies at address 1 */
-                if (tr_back == 0 && expert != INT32_MIN)
-                        tr_back = (uint32_t)(epd_globaltimer_ns() - tr_entry);
-                if (tr_desc == 0 && (uintptr_t)lane_y != 1)
-                        tr_desc = (uint32_t)(epd_globaltimer_ns() - tr_entry);
-#endif
-                const struct epd_k_mat *ctw, *combined;
+                const struct epd_mat *ctw, *combined;
                 if constexpr (INL) {
                         ctw = &p.mine[i].combined_topk_weights;
                         combined = &p.mine[i].combined;
@@ -496,15 +434,9 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                         sl->weights[c] = weight;
                 }
                 __syncwarp();
-#ifdef DS_TRACE
-                if (tr_ws == 0)
-                        tr_ws = epd_globaltimer_ns();
-                tr_items++;
-                tr_n = n;
-#endif
                 const uint8_t *bias0 = NULL, *bias1 = NULL;
                 if constexpr (combine_mode<P>::bias) {
-                        const struct epd_k_mat *b;
+                        const struct epd_mat *b;
                         if constexpr (INL)
                                 b = p.bias[i];
                         else
@@ -529,15 +461,6 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 else
                         combine_scalar(sl, n, weighted, bias0, bias1, out, h0, h1, lane);
         }
-#ifdef DS_TRACE
-        if (lane == 0 && warp < CB_TRACE_WARPS) {
-                cb_trace[warp * 4 + 0] = tr_entry;
-                cb_trace[warp * 4 + 1] = tr_ws;
-                cb_trace[warp * 4 + 2] = epd_globaltimer_ns();
-                cb_trace[warp * 4 + 3] = epd_cb_trace_pack(tr_n, tr_items, tr_pre, tr_back,
-                                                           tr_desc);
-        }
-#endif
 }
 
 /* The launch of a combine, described; its parameters point at *args and *g (which it fills).
@@ -549,7 +472,7 @@ struct combine_geometry {
 static_assert(offsetof(struct combine_inl_bias, mine) == offsetof(struct combine_inl, mine),
               "combine_inl is a prefix of combine_inl_bias");
 
-static int mat_aligned(const struct epd_k_mat *m)
+static int mat_aligned(const struct epd_mat *m)
 {
         return ((uintptr_t)m->ptr | m->stride) % 16 == 0;
 }

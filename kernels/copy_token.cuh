@@ -15,9 +15,7 @@
 
 #include "internal.cuh"
 
-#ifndef COPY_UNROLL
 #define COPY_UNROLL 4 /* 16-byte loads in flight per lane before the stores */
-#endif
 /* Slices of x rows (small ops) are multiples of one step of a warp on the 16-byte path (32
  * lanes x COPY_UNROLL vectors), so every slice starts on a step boundary. */
 #define COPY_SLICE_UNIT (32 * 16 * COPY_UNROLL)
@@ -77,7 +75,7 @@ static __device__ __noinline__ void copy_row_any(const uint8_t *src, uint8_t *my
         }
 }
 
-static __device__ __forceinline__ uint8_t *mat_row(const struct epd_k_mat *m, int64_t row)
+static __device__ __forceinline__ uint8_t *mat_row(const struct epd_mat *m, int64_t row)
 {
         return m->ptr + (uint64_t)row * m->stride;
 }
@@ -136,15 +134,14 @@ enum copy_part {
  * normalised expert and its row (the destination row of a first position, -1 for every other
  * entry and lane). Every lane of the warp calls it.
  *
- * Why the parts are spread: measured on an H200 (decode, 4 slices of 1792 bytes, fourteenth
- * session, DS_TRACE per warp), a slice-0 warp that also moved the scales and all the metadata
- * took 15.5 us against 10.4 us for the others and ended every copying block; with the parts on
- * two slices those two took 13.1-13.3 us, with one part per slice the four take 11.2-12.8 us
- * (decode dispatch through the daemon: 29.4 -> 27.5 -> 27.2 us). A destination's small part costs
- * a warp about as much time as its share of x, and neither its bytes nor its store instructions
- * say why (every part on a short slice of 1024 x bytes took that slice 15 us), so each part gets
- * its own slice, and its stores serve several destinations per instruction where the lanes
- * allow: the top-k and weight rows 32 / K_op, the scales (up to 256 bytes) two. */
+ * Why the parts are spread: a block ends with its slowest warp, and a slice-0 warp that also
+ * moved the scales and all the metadata took half as long again as the others and ended every
+ * copying block (per-warp traces of decode, 4 slices of 1792 bytes). A destination's small part
+ * costs a warp about as much time as its share of x, and neither its bytes nor its store
+ * instructions say why (every part on one short slice makes that slice the slowest), so each
+ * part gets its own slice (docs/performance.md, "Design choices and their measured effect"),
+ * and its stores serve several destinations per instruction where the lanes allow: the top-k
+ * and weight rows 32 / K_op, the scales (up to 256 bytes) two. */
 static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispatch_args *a,
                                                        const struct epd_k_dispatch_rank *ranks,
                                                        const struct epd_ws_layout *l, uint32_t s,
@@ -162,7 +159,7 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
 
         /* The weights' load overlaps the x loads; they are stored after the rows. */
         if (weights && lane < K)
-                weight = ((const float *)mat_row(&src->weights, t))[lane];
+                weight = ((const float *)mat_row(&src->in.weights, t))[lane];
         const uint32_t dst_mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
         const uint32_t d = row >= 0 ? epd_route_expert_rank(expert, L) : 0;
         const struct epd_k_dispatch_rank *dst = &ranks[d];
@@ -177,10 +174,10 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
         /* The scales (fp8). A destination without a recv_scales tensor is skipped, not
          * faulted. */
         const int scaled =
-                COPY_MINE(COPY_PART_SCALES) && a->scale_bytes != 0 && src->scales.ptr != NULL;
-        const uint8_t *ss = scaled ? mat_row(&src->scales, t) : NULL;
-        uint8_t *ds = scaled && row >= 0 && dst->recv_scales.ptr != NULL
-                              ? mat_row(&dst->recv_scales, row)
+                COPY_MINE(COPY_PART_SCALES) && a->scale_bytes != 0 && src->in.scales.ptr != NULL;
+        const uint8_t *ss = scaled ? mat_row(&src->in.scales, t) : NULL;
+        uint8_t *ds = scaled && row >= 0 && dst->out.recv_scales.ptr != NULL
+                              ? mat_row(&dst->out.recv_scales, row)
                               : NULL;
         const uint32_t sbits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)ds) |
                                (uint32_t)(uintptr_t)ss | (uint32_t)a->scale_bytes;
@@ -193,8 +190,8 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
          * row_bytes), and slices start at multiples of every width, so the accesses are the
          * same with or without slicing. */
         const uint64_t off = (uint64_t)slice * slice_bytes;
-        const uint8_t *sx = mat_row(&src->x, t);
-        uint8_t *dx = row >= 0 ? mat_row(&dst->recv_x, row) : NULL;
+        const uint8_t *sx = mat_row(&src->in.x, t);
+        uint8_t *dx = row >= 0 ? mat_row(&dst->out.recv_x, row) : NULL;
         const uint32_t bits = __reduce_or_sync(EPD_K_FULL_MASK, (uint32_t)(uintptr_t)dx) |
                               (uint32_t)(uintptr_t)sx | (uint32_t)a->row_bytes;
         if (off < a->row_bytes) {
@@ -211,16 +208,16 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                 copy_row_any(ss, ds, __ballot_sync(EPD_K_FULL_MASK, ds != NULL),
                              a->scale_bytes, lane, sbits);
 
-        if (COPY_MINE(COPY_PART_SRC) && row >= 0 && dst->recv_src.ptr != NULL)
-                *(int64_t *)mat_row(&dst->recv_src, row) =
+        if (COPY_MINE(COPY_PART_SRC) && row >= 0 && dst->out.recv_src.ptr != NULL)
+                *(int64_t *)mat_row(&dst->out.recv_src, row) =
                         epd_route_global_src(s, a->max_tokens, t);
         const int topk = COPY_MINE(COPY_PART_TOPK);
         if (a->layout == EPD_LAYOUT_EXPAND) {
                 if (row >= 0) {
-                        if (topk && dst->recv_topk_slot.ptr != NULL)
-                                *(int32_t *)mat_row(&dst->recv_topk_slot, row) = (int32_t)lane;
-                        if (weights && dst->recv_weights.ptr != NULL)
-                                *(float *)mat_row(&dst->recv_weights, row) = weight;
+                        if (topk && dst->out.recv_topk_slot.ptr != NULL)
+                                *(int32_t *)mat_row(&dst->out.recv_topk_slot, row) = (int32_t)lane;
+                        if (weights && dst->out.recv_weights.ptr != NULL)
+                                *(float *)mat_row(&dst->out.recv_weights, row) = weight;
                 }
                 return;
         }
@@ -242,16 +239,16 @@ static __device__ __forceinline__ void copy_token_rows(const struct epd_k_dispat
                         continue;
                 const struct epd_k_dispatch_rank *dd = &ranks[dj];
                 const int on = ek >= 0 && epd_route_expert_rank(ek, L) == dj;
-                if (topk && dd->recv_topk_idx.ptr != NULL) {
-                        uint8_t *p = mat_row(&dd->recv_topk_idx, rj);
+                if (topk && dd->out.recv_topk_idx.ptr != NULL) {
+                        uint8_t *p = mat_row(&dd->out.recv_topk_idx, rj);
                         const int64_t v = on ? (int64_t)ek - (int64_t)dj * L : -1;
                         if (a->topk_dtype == EPD_DTYPE_INT64)
                                 ((int64_t *)p)[k] = v;
                         else
                                 ((int32_t *)p)[k] = (int32_t)v;
                 }
-                if (weights && dd->recv_weights.ptr != NULL)
-                        ((float *)mat_row(&dd->recv_weights, rj))[k] = on ? wk : 0.0f;
+                if (weights && dd->out.recv_weights.ptr != NULL)
+                        ((float *)mat_row(&dd->out.recv_weights, rj))[k] = on ? wk : 0.0f;
         }
 #undef COPY_MINE
 }

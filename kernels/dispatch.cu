@@ -14,17 +14,12 @@
 #include "copy_token.cuh"
 #include "internal.cuh"
 
-/* Tunables; overridable with -D for experiments. */
-#ifndef COPY_THREADS
 #define COPY_THREADS 256
-#endif
 /* Blocks per multiprocessor the copy kernel is compiled for (__launch_bounds__). With the
  * scales' load ahead of the x loads it takes 84 registers, 24 warps per multiprocessor; bound to
- * 64 (4 blocks) it spills, and prefill fp8's copy took 516 us against 485 us unbound (H200,
- * fourteenth session, gpu_kernels_test case 46; 496 us before the change). */
-#ifndef COPY_MIN_BLOCKS
+ * 64 registers (4 blocks) it spills, and the spills make prefill fp8's copy slower
+ * (docs/performance.md). */
 #define COPY_MIN_BLOCKS 1
-#endif
 #define PAD_ROWS_PER_ITEM 8
 
 template <typename V>
@@ -76,7 +71,7 @@ static __device__ void copy_token(const struct epd_k_dispatch_args *a,
 }
 
 /* Up to PAD_ROWS_PER_ITEM padding rows of one local expert of one local destination
- * (SEMANTICS.md 2.2): recv_src and recv_topk_slot are -1 always; x, scales and weights are
+ * (docs/semantics.md §2.2): recv_src and recv_topk_slot are -1 always; x, scales and weights are
  * zeroed only with zero_padding, else left as they were. */
 static __device__ void pad_item(const struct epd_k_dispatch_args *a, const struct epd_ws_layout *l,
                                 uint64_t p, uint32_t chunks, uint32_t lane)
@@ -98,20 +93,20 @@ static __device__ void pad_item(const struct epd_k_dispatch_args *a, const struc
                 return;
         int32_t r = first + (int32_t)lane;
         if (r < end) {
-                if (dst->recv_src.ptr != NULL)
-                        *(int64_t *)mat_row(&dst->recv_src, r) = -1;
-                if (dst->recv_topk_slot.ptr != NULL)
-                        *(int32_t *)mat_row(&dst->recv_topk_slot, r) = -1;
-                if (a->zero_padding && a->has_weights && dst->recv_weights.ptr != NULL)
-                        *(float *)mat_row(&dst->recv_weights, r) = 0.0f;
+                if (dst->out.recv_src.ptr != NULL)
+                        *(int64_t *)mat_row(&dst->out.recv_src, r) = -1;
+                if (dst->out.recv_topk_slot.ptr != NULL)
+                        *(int32_t *)mat_row(&dst->out.recv_topk_slot, r) = -1;
+                if (a->zero_padding && a->has_weights && dst->out.recv_weights.ptr != NULL)
+                        *(float *)mat_row(&dst->out.recv_weights, r) = 0.0f;
         }
         if (!a->zero_padding)
                 return;
         for (r = first; r < end; r++) {
-                if (dst->recv_x.ptr != NULL)
-                        zero_row_any(mat_row(&dst->recv_x, r), a->row_bytes, lane);
-                if (a->scale_bytes != 0 && dst->recv_scales.ptr != NULL)
-                        zero_row_any(mat_row(&dst->recv_scales, r), a->scale_bytes, lane);
+                if (dst->out.recv_x.ptr != NULL)
+                        zero_row_any(mat_row(&dst->out.recv_x, r), a->row_bytes, lane);
+                if (a->scale_bytes != 0 && dst->out.recv_scales.ptr != NULL)
+                        zero_row_any(mat_row(&dst->out.recv_scales, r), a->scale_bytes, lane);
         }
 }
 
@@ -119,8 +114,8 @@ static __device__ void pad_item(const struct epd_k_dispatch_args *a, const struc
  * scales for slice 0), a 128-byte line per lane per step. Addresses only: prefetch.global.L2 has
  * no effect on results. */
 static __device__ void prefetch_token_slice(const struct epd_k_dispatch_args &a,
-                                            const struct epd_k_mat *x,
-                                            const struct epd_k_mat *scales, uint32_t t,
+                                            const struct epd_mat *x,
+                                            const struct epd_mat *scales, uint32_t t,
                                             uint32_t slice, uint64_t slice_bytes, uint32_t lane)
 {
         const uint64_t off = (uint64_t)slice * slice_bytes;
@@ -148,7 +143,7 @@ static __device__ void prefetch_first_item(const struct epd_k_dispatch_args &a, 
         const struct epd_k_dispatch_rank *src = &a.ranks[a.local[i].rank];
         if (src->num_tokens > a.max_tokens)
                 return;
-        prefetch_token_slice(a, &src->x, &src->scales, g - a.local[i].token_offset, slice,
+        prefetch_token_slice(a, &src->in.x, &src->in.scales, g - a.local[i].token_offset, slice,
                              slice_bytes, lane);
 }
 

@@ -5,13 +5,13 @@
  * Why. A decode-sized op (8 ranks x 128 tokens, K = 8) has 8192 entries. Routing them through a
  * grid-wide exchange (route_small.cu: blocks that wait on each other's flags in global memory,
  * then a copy kernel that waits for the routing grid to end) is a chain of dependent global
- * round trips, about 19 us before the first row moves, for a copy of about 15-20 us. Routing the
- * whole op in every block instead (an earlier version of this file) removes every wait but costs
- * each multiprocessor the instructions of all 8192 entries: 14 us, measured. A cluster of C
+ * round trips before the first row moves, as long as the copy itself. Routing the whole op in
+ * every block instead removes every wait but costs each multiprocessor the instructions of all
+ * 8192 entries, nearly as long again. A cluster of C
  * blocks (Hopper thread block clusters, C = 8 where the device fits it) splits that work C ways
  * and meets at hardware cluster barriers, a few hundred nanoseconds each; the grid's clusters
  * all compute the same routing, so each one knows every rank's row count and the validity of
- * every entry, and SEMANTICS.md 2.5 ("no output byte is written unless every rank's capacity
+ * every entry, and docs/semantics.md §2.5 ("no output byte is written unless every rank's capacity
  * holds and every row is valid") holds cluster by cluster without a grid-wide barrier.
  *
  * Scope: what route_small takes (NON_EXPAND, every rank on the launching device in ascending rank
@@ -29,7 +29,7 @@
  *      destination d), with atomics on that block's shared memory.
  *   2. Each block scans the counts per destination, reading each group's from the block that
  *      owns it, and takes the minimum of the blocks' bad keys: the row of (g, d) is the number
- *      of earlier flat tokens going to d (SEMANTICS.md 2.1: ascending source, then token), the
+ *      of earlier flat tokens going to d (docs/semantics.md §2.1: ascending source, then token), the
  *      totals are each destination's rows. Each thread then knows its token's rows; in cluster
  *      0 the first token of each source stores the prefixes (rank_prefix) into block 0.
  *   3. The workspace: each copied token's topk and rows (by the lanes of the warp that routed
@@ -45,10 +45,9 @@
  *      item per warp (copy_token_rows, as the copy step does). Token (group q, lane l) is copied
  *      by the block that routed q in copying cluster ((q / C) * 32 + l) % (number of copying
  *      clusters). With DS_SKIP0_CLUSTERS clusters or more, cluster 0 does not copy: its blocks
- *      finish phase 3 last. Dealing the tokens by rows or sorted by destinations made the op
- *      slower (docs/performance.md, thirteenth session); what ended each block was the warp of
- *      the slice that also moved the token's scales and metadata, now spread over the slices
- *      (copy_token_rows; fourteenth session).
+ *      finish phase 3 last. Dealing the tokens by rows or sorted by destinations makes the op
+ *      slower (docs/performance.md, "Tried, and did not help"); a block ends with its slowest
+ *      warp, so the token's scales and metadata are spread over its slices (copy_token_rows).
  *
  * Memory ordering. Every rank's descriptor is copied into the block's shared memory (sranks) by the
  * whole block before the setup's __syncthreads(); the copy reads it from there. In phase 3 a lane
@@ -210,21 +209,17 @@ static __device__ __forceinline__ uint32_t ds_item_token(uint32_t it, uint32_t s
         return q < G && g < n ? g : UINT32_MAX;
 }
 
-/* The L2 prefetch of the copy's source rows (DS_PREFETCH, 0 to leave it out in experiments).
- * After barrier 2, while the scan, barrier 3 and the workspace entries run (about 2 us in which
+/* The L2 prefetch of the copy's source rows.
+ * After barrier 2, while the scan, barrier 3 and the workspace entries run (a stretch in which
  * the DRAM is otherwise idle), the warps that take no part in the scan (R <= warp < DS_WARPS - 1)
  * ask the L2 for the x row and the scales of each token this block will copy: one bulk prefetch
  * per row (epd__k_prefetch_l2_bulk), slot j by warp R + j modulo those warps. The copy's loads
  * then hit the L2. Issued by the bulk-copy engine, the prefetches sit in no warp's queue of
  * global accesses, so the scan's reads of its peers' shared memory do not wait behind them (loads
- * or cp.async issued there did, sixteenth session), and issued after barrier 2 they no longer
- * compete with any block's top-k loads. Measured on an H200, decode through the daemon
- * (seventeenth session, docs/performance.md): 25.1-25.6 us in five calls against 26.0-26.1 us
- * without it; issued by the same warps right after their own routing, 26.3-26.4 us. A hint:
+ * or cp.async issued there do), and issued after barrier 2 they do not compete with any block's
+ * top-k loads; issued right after each warp's own routing they make the op slower than no
+ * prefetch at all (docs/performance.md, "Design choices and their measured effect"). A hint:
  * nothing reads what it does, and it reads only bytes the copy reads. */
-#ifndef DS_PREFETCH
-#define DS_PREFETCH 1
-#endif
 static __device__ __forceinline__ void ds_prefetch_rows(const struct epd_k_dispatch_args &a,
                                                         const struct epd_k_dispatch_rank *sranks,
                                                         const struct ds_src *srcs, uint32_t nl,
@@ -245,55 +240,13 @@ static __device__ __forceinline__ void ds_prefetch_rows(const struct epd_k_dispa
                         continue;
                 const struct epd_k_dispatch_rank *src = &sranks[srcs[i].rank];
                 if (lane == 0)
-                        epd__k_prefetch_l2_bulk(src->x.ptr + (uint64_t)t * src->x.stride,
+                        epd__k_prefetch_l2_bulk(src->in.x.ptr + (uint64_t)t * src->in.x.stride,
                                                 a.row_bytes);
-                else if (a.scale_bytes != 0 && src->scales.ptr != NULL)
-                        epd__k_prefetch_l2_bulk(src->scales.ptr + (uint64_t)t * src->scales.stride,
+                else if (a.scale_bytes != 0 && src->in.scales.ptr != NULL)
+                        epd__k_prefetch_l2_bulk(src->in.scales.ptr + (uint64_t)t * src->in.scales.stride,
                                                 a.scale_bytes);
         }
 }
-
-/* DS_TRACE builds (experiments only) stamp each block's phases with the global timer into a
- * device array, DS_TRACE_STAMPS per block, which epd_k_ds_trace copies out. Stamps: 0 entry,
- * 11 setup done, 12 routing of warp 0 done, 1 phase 1 done, 2 barrier 2, 7 scan done, 3 barrier
- * 3 (arrived, or in cluster 0 passed), 4 copy start, 5 copy end; cluster 0: 8 rank_prefix
- * stored, 9 verdict, 10 expert counts; 16 the last warp past barrier 3's arrival, 18 the last
- * warp past the workspace entries, 17 the last warp at the block barrier before the copy (each
- * the latest over the block's warps). Slots 13 to 15 hold numbers, not times: the rows and the
- * items the block copied, and the multiprocessor it ran on. */
-#ifdef DS_TRACE
-#define DS_TRACE_BLOCKS 1024
-#define DS_TRACE_STAMPS 32
-static __device__ uint64_t ds_trace[DS_TRACE_BLOCKS * DS_TRACE_STAMPS];
-#define DS_STAMP(i)                                                                              \
-        do {                                                                                     \
-                if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS)                            \
-                        ds_trace[blockIdx.x * DS_TRACE_STAMPS + (i)] = epd_globaltimer_ns();     \
-        } while (0)
-
-/* Each warp's copy end and what it copied last (slice | destinations << 8 | items << 16). */
-static __device__ uint64_t ds_trace_wend[DS_TRACE_BLOCKS * 32];
-static __device__ uint32_t ds_trace_winfo[DS_TRACE_BLOCKS * 32];
-
-extern "C" int epd_k_ds_trace_warps(uint64_t *end, uint32_t *info, size_t warps)
-{
-        if (warps > DS_TRACE_BLOCKS * 32)
-                warps = DS_TRACE_BLOCKS * 32;
-        cudaError_t e = cudaMemcpyFromSymbol(end, ds_trace_wend, warps * 8);
-        if (e == cudaSuccess)
-                e = cudaMemcpyFromSymbol(info, ds_trace_winfo, warps * 4);
-        return epd__k_cuda_status(e);
-}
-
-extern "C" int epd_k_ds_trace(uint64_t *dst, size_t bytes)
-{
-        if (bytes > sizeof(ds_trace))
-                bytes = sizeof(ds_trace);
-        return epd__k_cuda_status(cudaMemcpyFromSymbol(dst, ds_trace, bytes));
-}
-#else
-#define DS_STAMP(i) ((void)0)
-#endif
 
 /* An int32 of the reply block at byte offset off + 4 * i: into the workspace, and into the host's
  * copy when the launcher was given one (epd_k_dispatch_args.reply_copy). */
@@ -326,7 +279,7 @@ static __device__ void ds_reply_verdict(const struct epd_k_dispatch_args &a,
 }
 
 /* Destination d's expert counts, written by block d % C of cluster 0 from its histogram slot
- * (SEMANTICS.md 2.3; the same numbers as the prefix step's): sel_count[s][e],
+ * (docs/semantics.md §2.3; the same numbers as the prefix step's): sel_count[s][e],
  * expert_src_prefix[e][s], expert_count, expert_aligned and expert_base[d]. Whole block. */
 static __device__ void ds_expert_counts(const struct epd_k_dispatch_args &a,
                                         const struct epd_ws_layout &l, uint32_t d,
@@ -376,15 +329,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         __shared__ unsigned long long bad_key; /* source << 32 | t * K_op + k; lowest wins */
         __shared__ unsigned long long bad_all; /* the minimum over the cluster */
         __shared__ uint32_t num_short, first_short;
-#ifdef DS_TRACE
-        __shared__ uint32_t trace_rows, trace_items; /* this block's copy: stamps 13 and 14 */
-        __shared__ unsigned long long trace_arrived, trace_synced; /* stamps 16 and 17 */
-        __shared__ unsigned long long trace_entries; /* stamp 18 */
-        if (threadIdx.x == 0) { /* before the setup's __syncthreads() */
-                trace_rows = trace_items = 0;
-                trace_arrived = trace_synced = trace_entries = 0;
-        }
-#endif
         cg::cluster_group cluster = cg::this_cluster();
         const uint32_t C = cluster.num_blocks(), cr = cluster.block_rank();
         const uint32_t ncl = gridDim.x / C, c = blockIdx.x / C;
@@ -409,7 +353,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
          * memory. */
         const struct epd_k_dispatch_rank *ranks = epd__k_ranks(in, a.ranks);
         const struct epd_k_local *local = epd__k_locals(in, a.local);
-        DS_STAMP(0);
 
         if (threadIdx.x < nl) {
                 /* Local index s is rank s (small_op_check: every rank is local, ascending),
@@ -432,7 +375,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
         for (uint32_t x = threadIdx.x; c == 0 && x < (R + 1) * R; x += blockDim.x)
                 pfx[x] = 0;
         __syncthreads();
-        DS_STAMP(11);
         if (threadIdx.x < nl && srcs[threadIdx.x].num_tokens > T)
                 atomicMin(&bad_key, (unsigned long long)threadIdx.x << 32);
 
@@ -467,7 +409,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         if (bad != UINT32_MAX)
                                 atomicMin(&bad_key, (unsigned long long)i << 32 | (t * K + bad));
                 }
-                DS_STAMP(12);
                 for (uint32_t d = 0; d < R; d++) {
                         const uint32_t bl = __ballot_sync(EPD_K_FULL_MASK, (dmask >> d) & 1);
                         if (lane == 0) {
@@ -476,7 +417,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         }
                 }
         }
-        DS_STAMP(1);
         if (c == 0) { /* cluster-uniform */
                 cluster.sync(); /* 1: every block's histogram is zero before a peer adds to it */
                 /* Cluster 0's expert histogram, in the block of each entry's destination. */
@@ -490,8 +430,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
         cluster.sync(); /* 2: every group's counts, bad key and histogram entry are in place */
-        DS_STAMP(2);
-        if (DS_PREFETCH && (c != 0 || !skip0))
+        if (c != 0 || !skip0)
                 ds_prefetch_rows(a, sranks, srcs, nl, slots, slices, ncc, cc, C, cr, G, n, warp,
                                  lane);
 
@@ -500,9 +439,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
          * group, for 32 groups at a time) and checks its total against the capacity; a warp
          * past the destinations (the last one, which scans too only when R >= DS_WARPS) takes
          * the minimum of the blocks' bad keys. Gathering the counts into this block first
-         * cost two more block barriers; with this scan and barrier 3 split (below), decode
-         * dispatch took 25.8-26.4 us through the daemon against 27.1-27.5 us on an H200
-         * (fifteenth session). */
+         * would cost two more block barriers. */
         if (warp == DS_WARPS - 1) {
                 unsigned long long k = ~0ull;
                 if (lane < C)
@@ -536,7 +473,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
         __syncthreads();
-        DS_STAMP(7);
         /* The prefixes: in cluster 0, the first token of each source stores them into block 0
          * (the exclusive count at that token, whether or not it goes to d). */
         if (c == 0 && q < G) { /* warp-uniform */
@@ -560,22 +496,15 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                  * has written nothing a peer reads after barrier 2. */
                 asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
         }
-        DS_STAMP(3);
-#ifdef DS_TRACE
-        if (lane == 0)
-                atomicMax(&trace_arrived, (unsigned long long)epd_globaltimer_ns());
-#endif
 
         /* The workspace entries and the slot rows of the tokens this cluster copies, a warp per
          * token of its own (those of its lanes whose token this cluster copies: mine), lane k
          * taking position k. A first position's row: the destination's rows before group q,
          * plus the group's earlier lanes going there (the phase-1 ballot, this block's own).
-         * One lane per token, looping over its positions, kept a warp about 1.1 us here (the
-         * last warp of a block past barrier 3's arrival at 5.8-6.0 us, past this pass at
-         * 6.9-7.2 us, Fresh-mode trace on an H200) for a few dozen instructions in one dependent
-         * chain, whatever the order of its loads and stores; spread over the lanes, 0.7 us,
-         * and decode dispatch through the daemon took 24.67-24.83 us against 25.22-25.86 us
-         * (eighteenth session, docs/performance.md). */
+         * One lane per token, looping over its positions, would keep a warp here for a few
+         * dozen instructions in one dependent chain, whatever the order of its loads and
+         * stores; spread over the lanes the chain is K times shorter (docs/performance.md,
+         * "Design choices and their measured effect"). */
         const uint32_t jb = warp * 32 + lane; /* the token's index among this block's */
         const int mine = valid && (c != 0 || !skip0) && jb % ncc == cc;
         for (uint32_t mm = __ballot_sync(EPD_K_FULL_MASK, mine); mm != 0; mm &= mm - 1) {
@@ -601,10 +530,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
         }
 
-#ifdef DS_TRACE
-        if (lane == 0)
-                atomicMax(&trace_entries, (unsigned long long)epd_globaltimer_ns());
-#endif
 
         /* 3: the workspace's counts and the verdict, by cluster 0. */
         const int ok = bad_all == ~0ull && num_short == 0;
@@ -626,7 +551,6 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                                         pfx[x + R] - pfx[x];
                 }
                 __syncthreads(); /* rank_prefix stored: write_verdict reads it back */
-                DS_STAMP(8);
                 if (threadIdx.x == 0) {
                         uint32_t s = UINT32_MAX, chunk = UINT32_MAX;
                         if (bad_all != ~0ull) {
@@ -641,40 +565,23 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                         }
                         write_verdict(&a, &l, s, chunk, num_short, first_short);
                         ds_reply_verdict(a, l);
-                        DS_STAMP(9);
                 }
         }
         if (c == 0) {
                 for (uint32_t x = 0; x < nd && cr + C * x < R; x++) /* block-uniform */
                         ds_expert_counts(a, l, cr + C * x, hist + x * E, algn);
-                DS_STAMP(10);
         }
         if (!ok) {
                 if (c != 0)
                         cluster.barrier_wait(); /* 3, see above */
                 return;
         }
-#ifdef DS_TRACE
-        if (lane == 0)
-                atomicMax(&trace_synced, (unsigned long long)epd_globaltimer_ns());
-#endif
         __syncthreads(); /* every slot's rows are in place (ds_expert_counts syncs only in
                           * cluster 0) */
-        DS_STAMP(4);
-#ifdef DS_TRACE
-        if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS) {
-                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 16] = trace_arrived;
-                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 17] = trace_synced;
-                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 18] = trace_entries;
-        }
-#endif
         if (c == 0 && skip0)
                 return;
 
         /* 4: the tokens this block copies. */
-#ifdef DS_TRACE
-        uint32_t wslice = 0, wrows = 0, witems = 0;
-#endif
         for (uint32_t it = warp; it < slots * slices; it += DS_WARPS) {
                 const uint32_t j = it / slices;
                 const uint32_t cg_ = ds_item_token(it, slices, ncc, cc, C, cr, G, n);
@@ -689,34 +596,7 @@ static __global__ void __launch_bounds__(DS_THREADS, 1)
                 }
                 copy_token_rows(&a, sranks, &l, s, ct, epd_ws_entry(&l, s, ct, K, 0), expert,
                                 row, it % slices, slices, slice_bytes, lane);
-#ifdef DS_TRACE
-                const uint32_t nrows = __popc(__ballot_sync(EPD_K_FULL_MASK, row >= 0));
-                if (lane == 0) {
-                        atomicAdd(&trace_rows, nrows);
-                        atomicAdd(&trace_items, 1u);
-                        wslice = it % slices;
-                        wrows = nrows;
-                        witems++;
-                }
-#endif
         }
-#ifdef DS_TRACE
-        if (lane == 0 && blockIdx.x < DS_TRACE_BLOCKS) {
-                ds_trace_wend[blockIdx.x * 32 + warp] = epd_globaltimer_ns();
-                ds_trace_winfo[blockIdx.x * 32 + warp] = wslice | wrows << 8 | witems << 16;
-        }
-#endif
-#ifdef DS_TRACE
-        __syncthreads();
-        if (threadIdx.x == 0 && blockIdx.x < DS_TRACE_BLOCKS) {
-                uint32_t smid;
-                asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 13] = trace_rows;
-                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 14] = trace_items;
-                ds_trace[blockIdx.x * DS_TRACE_STAMPS + 15] = smid;
-        }
-#endif
-        DS_STAMP(5);
         if (c != 0)
                 cluster.barrier_wait(); /* 3, see above */
 }
@@ -792,14 +672,9 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
                 return 1;
         p->blocks = (uint32_t)clusters * p->cluster;
         /* Cluster 0 writes the expert counts and the verdict after the routing, which
-         * makes its blocks the last to start copying (phase stamps of a tiny op: its
-         * block 0 starts about 7 us after the others and ends the grid 5 us after its
-         * start); with enough clusters the others copy its share. */
+         * makes its blocks the last to start copying, and a grid ends with its last
+         * block; with enough clusters the others copy its share. */
         p->skip0 = clusters >= DS_SKIP0_CLUSTERS;
-#ifdef DS_TRACE
-        if (getenv("DS_SKIP0") != NULL)
-                p->skip0 = clusters > 1 && atoi(getenv("DS_SKIP0")) != 0;
-#endif
         /* Each block copies its share of gpb * 32 tokens, spread over the copying
          * clusters. */
         const uint32_t ncc = (uint32_t)clusters - p->skip0;
@@ -814,10 +689,6 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
         p->slice_bytes = args->row_bytes;
         if (p->slots != 0 && p->slots < DS_WARPS && args->row_bytes > 32 * 16) {
                 uint64_t want = DS_WARPS / p->slots;
-#ifdef DS_TRACE
-                if (getenv("DS_SLICES") != NULL)
-                        want = (uint64_t)atoi(getenv("DS_SLICES"));
-#endif
                 p->slice_bytes = ((args->row_bytes + want - 1) / want + 15) / 16 * 16;
                 p->slices = (uint32_t)((args->row_bytes + p->slice_bytes - 1) /
                                        p->slice_bytes);
@@ -827,13 +698,10 @@ static int ds_plan_cluster(const struct epd_k_dispatch_args *args, uint32_t G, c
 
 /* Whether an op qualifies, and its launch: the cluster size whose clusters, as many as are
  * resident at once, occupy the most multiprocessors, the largest such size on a tie. On an H200
- * (132 multiprocessors) clusters of 8 and of 4 fill 120 and clusters of 2 fill all 132. Decode
- * dispatch with clusters of 2 against 8 (tenth session, h200-s10-cluster-ab.txt, three
- * repetitions): 32.1-32.2 against 33.2-33.6 us in process in Fresh mode, the same warm and after
- * a clean flush, and 32.5-32.7 against 33.5-33.8 us through the daemon; tiny dispatch 18.6-19.2
- * against 18.2-18.3 us in process in Fresh mode but 20.7-21.5 against 23.4-23.7 us through the
- * daemon. The copy is bound by the rows' stores, and more multiprocessors issue more of them;
- * the routing is the same per thread whatever the cluster size. */
+ * (132 multiprocessors) clusters of 8 and of 4 fill 120 and clusters of 2 fill all 132, and
+ * clusters of 2 make decode dispatch faster (docs/performance.md, "Design choices and their
+ * measured effect"). The copy is bound by the rows' stores, and more multiprocessors issue more
+ * of them; the routing is the same per thread whatever the cluster size. */
 static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout *l,
                    ds_launch *p)
 {
@@ -843,16 +711,8 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
                 return ret;
         const uint32_t n = args->local_tokens, G = (n + 31) / 32;
         const void *kernel = ds_kernel(args->num_topk);
-        uint32_t first_cluster = DS_MAX_CLUSTER, last_cluster = 1;
-#ifdef DS_TRACE
-        if (getenv("DS_CLUSTER") != NULL)
-                first_cluster = last_cluster = (uint32_t)atoi(getenv("DS_CLUSTER"));
-#endif
-#ifdef DS_FORCE_CLUSTER /* experiments: one cluster size (1, 2, 4 or 8) */
-        first_cluster = last_cluster = DS_FORCE_CLUSTER;
-#endif
         ds_launch best = {}, cand;
-        for (uint32_t c = first_cluster; c >= last_cluster && c >= 1; c /= 2) {
+        for (uint32_t c = DS_MAX_CLUSTER; c >= 1; c /= 2) {
                 cand = (ds_launch){};
                 cand.cluster = c;
                 ret = ds_plan_cluster(args, G, kernel, &cand);
@@ -866,10 +726,6 @@ static int ds_plan(const struct epd_k_dispatch_args *args, struct epd_ws_layout 
         if (best.blocks == 0)
                 return EPD_INVALID_ARGUMENT;
         *p = best;
-#ifdef DS_TRACE
-        fprintf(stderr, "dispatch_small: cluster %u, %u blocks, %u slots, %u slices, skip0 %u\n",
-                p->cluster, p->blocks, p->slots, p->slices, p->skip0);
-#endif
         return 0;
 }
 

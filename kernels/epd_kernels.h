@@ -1,7 +1,7 @@
 /* epd_kernels.h - the C interface of epd's CUDA dispatch and combine kernels.
  *
  * Linked by the daemon's CUDA backend (daemon-executed mode) and later by libepd (client-executed
- * mode, DESIGN.md 5a), so every address and size is an argument: no globals, no assumption about
+ * mode, docs/architecture.md "Where kernels run"), so every address and size is an argument: no globals, no assumption about
  * which process launches. Plain C; compiles with a C11 compiler that sees the CUDA include dir.
  *
  * Model. One op of a group covers all R ranks. Each launcher runs ONE kernel on the current
@@ -40,18 +40,11 @@
 
 #include "epd.h"
 #include "layout.h"
+#include "mat.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* A row-major matrix: row i starts at ptr + i * stride bytes. ptr NULL means absent. Rows are
- * moved with 16-byte accesses when ptr, stride and the row's bytes allow it, else with the widest
- * access they allow. */
-struct epd_k_mat {
-        uint8_t *ptr;
-        uint64_t stride;
-};
 
 /* Where a device's ranks are, and where each one's tokens start in the device's flat token
  * range. local[i].token_offset = sum of num_tokens of local[0..i-1]; entry [num_local] is the
@@ -61,21 +54,15 @@ struct epd_k_local {
         uint32_t token_offset;
 };
 
-/* One rank's tensors for a dispatch, as source (inputs) and as destination (outputs). */
+/* One rank's tensors for a dispatch, as source (inputs) and as destination (outputs), in
+ * common/mat.h's descriptors (in.weights and out.recv_weights: ptr NULL unless has_weights). */
 struct epd_k_dispatch_rank {
         uint32_t num_tokens;           /* N_s <= T */
         uint32_t reserved;
         const void *topk_idx;          /* [N_s, K_op] int32 or int64; unused by cached dispatch */
         uint64_t topk_stride;          /* elements between topk_idx rows; 0: K_op */
-        struct epd_k_mat x;            /* [N_s] rows of row_bytes */
-        struct epd_k_mat scales;       /* fp32 [N_s, H/scale_block], fp8 only */
-        struct epd_k_mat weights;      /* fp32 [N_s, K_op], when has_weights */
-        struct epd_k_mat recv_x;
-        struct epd_k_mat recv_scales;    /* fp8 only */
-        struct epd_k_mat recv_topk_idx;  /* NON_EXPAND, elements of topk_dtype */
-        struct epd_k_mat recv_weights;   /* NON_EXPAND [rows, K_op]; EXPAND [rows]; has_weights */
-        struct epd_k_mat recv_src;       /* int64 [rows] */
-        struct epd_k_mat recv_topk_slot; /* EXPAND int32 [rows] */
+        struct epd_dispatch_src_io in;
+        struct epd_dispatch_dst_io out;
         uint64_t capacity_rows;        /* smallest capacity among this rank's outputs */
 };
 
@@ -100,7 +87,7 @@ struct epd_k_dispatch_args {
         int has_weights;
         int zero_padding;              /* EXPAND only */
         uint32_t flags;                /* EPD_K_COPY_*; 0 for every step but copy */
-        uint64_t row_bytes;            /* bytes of an x row (SEMANTICS.md 1 wants % 16 == 0;
+        uint64_t row_bytes;            /* bytes of an x row (docs/semantics.md §1 wants % 16 == 0;
                                         * other sizes work, with narrower accesses) */
         uint64_t scale_bytes;          /* bytes of a scales row; 0 for bf16 */
         /* Memory. The caller owns all of it and keeps it alive until the launches complete. */
@@ -130,13 +117,13 @@ struct epd_k_dispatch_args {
 struct epd_k_combine_rank {
         uint32_t num_tokens;           /* N_s of the handle's dispatch */
         uint32_t reserved;
-        struct epd_k_mat y;            /* bf16 rows in the dispatch's layout */
+        struct epd_mat y;              /* bf16 rows in the dispatch's layout */
         uint64_t y_rows;               /* rows of y checked at prep: a workspace row at or above
                                         * is not read (only a client rewriting its topk_idx
                                         * during the dispatch can make one) */
-        struct epd_k_mat bias[2];      /* bf16 [N_s, H]; ptr NULL when absent */
-        struct epd_k_mat combined;     /* bf16 [N_s, H] */
-        struct epd_k_mat combined_topk_weights; /* fp32 [N_s, K_op]; ptr NULL when absent */
+        struct epd_mat bias[2];        /* bf16 [N_s, H]; ptr NULL when absent */
+        struct epd_mat combined;       /* bf16 [N_s, H] */
+        struct epd_mat combined_topk_weights; /* fp32 [N_s, K_op]; ptr NULL when absent */
 };
 
 struct epd_k_combine_args {
@@ -164,7 +151,7 @@ struct epd_k_combine_args {
 #define EPD_K_INLINE_RANKS 8
 
 /* Bytes of the group workspace, and of its reply block at offset 0 (error record and counts).
- * 0 when the dims break SEMANTICS.md section 1. */
+ * 0 when the dims break docs/semantics.md §1. */
 uint64_t epd_k_workspace_bytes(uint32_t world_size, uint32_t num_experts, uint32_t max_tokens,
                                uint32_t max_topk);
 uint64_t epd_k_reply_bytes(uint32_t world_size, uint32_t num_experts);
@@ -221,7 +208,7 @@ int epd_k_dispatch_small_launch(const struct epd_k_dispatch_args *args,
  * CUDA graph (event, kernel, event) that is instantiated once per kernel and cluster shape and
  * updated with each op's parameters. Around a direct launch on an idle GPU the first event
  * completes while the host is still in the launch call, so the kernel time would hold the host's
- * launch latency (about 4 us on the H200 hosts); in one graph the three reach the GPU together.
+ * launch latency; in one graph the three reach the GPU together.
  * When a graph cannot be built or updated, the launch falls back to record, launch, record.
  * One object per caller thread and device at a time; create costs a calloc. */
 struct epd_k_timed;
@@ -245,6 +232,96 @@ int epd_k_combine_timed(const struct epd_k_combine_args *args, struct epd_k_time
 int epd_k_workspace_init(void *workspace, uint32_t world_size, uint32_t num_experts,
                          uint32_t max_tokens, uint32_t max_topk, cudaStream_t stream);
 
+/* ---- Whole ops (run.c) ----
+ *
+ * The launch plan of an op over its devices, chosen here so that a caller only maps memory,
+ * fills the args and sequences ops: which kernels, on which streams, in which order, with which
+ * events between them (the sequencing notes at the end of this header). A caller fills a plan,
+ * calls _prepare (it queues nothing: the host's checks and occupancy queries, so that they stay
+ * out of the op's GPU time window), queues what must precede the op on the streams (waits for
+ * its inputs, a timing event unless plan->one_launch), calls _run, and then waits for the
+ * streams. Every pointer a plan holds is the caller's and must stay valid until _run returns;
+ * the memory the args name must stay alive until the op's kernels complete. */
+
+/* One device of an op. */
+struct epd_k_op_device {
+        int device;                    /* CUDA ordinal */
+        cudaStream_t stream;           /* the op's kernels on this device go to this stream */
+        cudaEvent_t counted;           /* dispatch, devices but the group's: recorded after count */
+};
+
+struct epd_k_dispatch_plan;
+
+/* A dispatch whose outputs can only be placed once its counts are known (the caller sizes them
+ * from the counts, as the daemon's output arenas are): called by epd_k_dispatch_run once the
+ * routing and the copy of the reply block to plan->reply_host are queued and nothing after them.
+ * It waits for the group device's stream, reads the counts from reply_host, places the outputs,
+ * and rewrites plan->args with their addresses and capacities (ranks, ranks_host and every
+ * descriptor they hold); _run then queues recheck (the verdict against the new capacities),
+ * place and copy. It returns 0 to go on; anything else stops the op with nothing more queued,
+ * and _run returns that value: a positive one for the caller's own reasons (the op failed on
+ * the host), a negative enum epd_status for CUDA errors. It may set plan->step. */
+typedef int (*epd_k_counts_fn)(void *ctx, struct epd_k_dispatch_plan *plan);
+
+struct epd_k_dispatch_plan {
+        /* The caller's. */
+        uint32_t num_devices;                   /* devices hosting ranks, >= 1 */
+        const struct epd_k_op_device *devices;  /* [num_devices], ascending ordinal */
+        int group_device;                       /* ordinal of the group step's device, which
+                                                 * holds the workspace; one of devices[] */
+        struct epd_k_dispatch_args *args;       /* indexed by ordinal: args[devices[i].device]
+                                                 * is device i's; flags 0, reply_copy NULL */
+        int cached;                             /* cached dispatch: recheck, no routing */
+        epd_k_counts_fn counts_ready;           /* NULL: the outputs are known before the op */
+        void *ctx;                              /* for counts_ready */
+        void *reply_host;                       /* pinned, epd_k_reply_bytes: the reply block
+                                                 * once the op has completed */
+        cudaEvent_t routed;                     /* recorded on the group device's stream after
+                                                 * the routing; the other devices wait for it */
+        struct epd_k_timed *timed;              /* the one-launch dispatch's timed launch, on
+                                                 * the group device */
+        cudaEvent_t t0, t1;                     /* its events */
+        /* Set by epd_k_dispatch_prepare. */
+        int one_launch;                         /* the op is one kernel that _run launches between
+                                                 * t0 and t1 itself, on the group device only */
+        struct epd_k_small_plan small;          /* the one launch's shape */
+        /* Set by _prepare, _run and counts_ready: the step being queued, for the caller's error
+         * message when one of them fails. */
+        const char *step;
+};
+
+/* Chooses the launch plan: one launch (epd_k_dispatch_small) for a new small op of one device
+ * whose outputs are known, else the steps of the sequencing notes. Queues nothing. 0, or a
+ * negative enum epd_status when CUDA fails. */
+int epd_k_dispatch_prepare(struct epd_k_dispatch_plan *plan);
+/* Queues the op on the devices' streams: one launch; or route_small and the overlapped copy (one
+ * device), then the reply copy; or count on every device, prefix on the group device (recheck
+ * for a cached dispatch; route_small in place of both on one device), the reply copy, [the
+ * caller's counts_ready, recheck], then place (new dispatches not routed by route_small) and copy
+ * on every device. The group device's stream holds the last of the op's work only with one
+ * device: with several, the caller joins the other streams (events) before it waits. 0, a
+ * negative enum epd_status from a launcher or CUDA (plan->step names the step), or what
+ * counts_ready returned. */
+int epd_k_dispatch_run(struct epd_k_dispatch_plan *plan);
+
+struct epd_k_combine_plan {
+        /* The caller's. */
+        uint32_t num_devices;                   /* devices hosting ranks, >= 1 */
+        const struct epd_k_op_device *devices;  /* [num_devices], ascending ordinal */
+        int group_device;                       /* one of devices[] */
+        const struct epd_k_combine_args *args;  /* indexed by ordinal, as in the dispatch plan */
+        struct epd_k_timed *timed;              /* the one-device combine's timed launch */
+        cudaEvent_t t0, t1;
+        /* Set by epd_k_combine_prepare. */
+        int one_launch;                         /* one kernel, launched between t0 and t1 */
+};
+
+/* Chooses the launch plan: with one device, one timed launch. Queues nothing; returns 0. */
+int epd_k_combine_prepare(struct epd_k_combine_plan *plan);
+/* Queues the combine on every device's stream (the timed launch for one device). 0 or a
+ * negative enum epd_status; after a failure on one device, nothing is queued on the later ones. */
+int epd_k_combine_run(const struct epd_k_combine_plan *plan);
+
 /* Loads every kernel of this library into the current device's context. Call it once per
  * device before the first op (the daemon at device start; libepd at attach): CUDA loads modules
  * lazily by default (CUDA_MODULE_LOADING=LAZY), and a load can have to wait for kernels that are
@@ -267,6 +344,7 @@ cudaError_t epd_k_last_cuda_error(void);
  * A small NON_EXPAND op with every rank on one device is dispatch_small alone on that device's
  * stream (given reply_copy, no reply copy follows it), or, when its outputs are placed from the
  * counts (the daemon's arena), route_small in place of count, prefix and place.
+ * epd_k_dispatch_run and epd_k_combine_run queue exactly these sequences from a plan.
  *
  * The host completes the op when every done_D and the reply copy have completed, then reads
  * struct epd_ws_error: status != 0 means the op failed and no output byte was written. Kernels

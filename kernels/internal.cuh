@@ -45,11 +45,8 @@ int epd__k_dynamic_smem(const void *kernel, size_t smem);
  * `unit` (and covers the row when *slices is 1); *slices = ceil(total / *len) >= 1. */
 int epd__k_slicing(uint64_t rows, uint64_t total, uint64_t unit, uint64_t warps_per_sm,
                    uint64_t *len, uint32_t *slices);
-/* Items per multiprocessor that small ops are cut for: 3/4 of Hopper's 64 warps (the copy);
- * overridable with -D for experiments. */
-#ifndef EPD_K_SLICE_WARPS
+/* Items per multiprocessor that small ops are cut for: 3/4 of Hopper's 64 warps (the copy). */
 #define EPD_K_SLICE_WARPS 48
-#endif
 
 /* A launch, described: what cudaLaunchKernelExC takes, or a graph's kernel node. params[i]
  * points at the kernel's i-th parameter, which must stay alive until the launch call returns. */

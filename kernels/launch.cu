@@ -82,7 +82,7 @@ int epd__k_launch_direct(const struct epd__k_launch *l, cudaStream_t stream)
         return epd__k_cuda_status(cudaLaunchKernelExC(&cfg, l->func, (void **)l->params));
 }
 
-/* SEMANTICS.md section 1 limits of the group dims. */
+/* The limits of the group dims (docs/semantics.md §1). */
 static int dims_ok(uint32_t world_size, uint32_t num_experts, uint32_t max_tokens,
                    uint32_t max_topk)
 {
@@ -94,7 +94,7 @@ static int dims_ok(uint32_t world_size, uint32_t num_experts, uint32_t max_token
                 return 0;
         if (max_topk < 1 || max_topk > EPD_MAX_TOPK)
                 return 0;
-        /* Rows and flat token indices are int32 (SEMANTICS.md 2.3 counts are int32). */
+        /* Rows and flat token indices are int32 (docs/semantics.md §2.3: counts are int32). */
         if (max_tokens < 1 || (uint64_t)world_size * max_tokens * max_topk > INT32_MAX)
                 return 0;
         return 1;
@@ -158,7 +158,7 @@ int epd__k_check_combine(const struct epd_k_combine_args *a, struct epd_ws_layou
                 return EPD_INVALID_ARGUMENT;
         if (a->layout != EPD_LAYOUT_NON_EXPAND && a->layout != EPD_LAYOUT_EXPAND)
                 return EPD_INVALID_ARGUMENT;
-        /* SEMANTICS.md 3: apply_weights needs EXPAND and a dispatch that carried weights. */
+        /* docs/semantics.md §3: apply_weights needs EXPAND and a dispatch that carried weights. */
         if (a->apply_weights && (a->layout != EPD_LAYOUT_EXPAND || !a->has_weights))
                 return EPD_INVALID_ARGUMENT;
         if (a->workspace == NULL || a->ranks == NULL ||
@@ -270,9 +270,8 @@ int epd__k_smem_optin(int *optin)
 /* epd__k_dynamic_smem's answers per kernel and device. A kernel's static shared memory and the
  * device's opt-in limit never change, and the kernel's dynamic limit changes only when this
  * function raises it, so the runtime is asked once: the one-launch dispatch plans every op, and
- * cudaFuncGetAttributes is a microsecond-scale call on the executor's path before the GPU starts
- * (seventh session's executor stamps: 6.4 us of host time before the first event of a tiny
- * dispatch). */
+ * cudaFuncGetAttributes is a microsecond-scale call on the executor's path before the GPU
+ * starts. */
 struct smem_entry {
         const void *kernel;
         int device;

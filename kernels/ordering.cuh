@@ -1,6 +1,6 @@
 /* ordering.cuh - the memory-ordering primitives of epd's kernels, in one audited place.
  *
- * DESIGN.md 5: the scope of an ordering operation follows who can observe the word.
+ * The scope of an ordering operation follows who can observe the word.
  *   .gpu  producer and consumer run on the same GPU. That includes ranks co-located on one GPU:
  *         they are different ranks but the same device, so every thread that can touch the word
  *         is inside the .gpu scope, and .gpu is the cheapest scope that makes a release on one
@@ -14,7 +14,8 @@
  *
  * Nothing here traps. A wait is bounded by a deadline read from %globaltimer and by an abort
  * word that the daemon owns; on either it returns a status that the caller records before it
- * exits (DESIGN.md 4: a trapped context would take every worker of the GPU down).
+ * exits (docs/architecture.md, "Failure model": a trapped context would take every worker of the
+ * GPU down).
  *
  * Lazy loading: CUDA loads a module's kernels on first use by default, and loading can have to
  * wait for the kernels already running. A kernel spinning here on a flag that a not-yet-loaded

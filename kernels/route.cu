@@ -19,7 +19,7 @@
 
 /* Which entries of a normalised topk row are keys, as a bit per top-k position. NON_EXPAND keys
  * are destination ranks, at the first position for each rank only (deduplication per token and
- * destination, SEMANTICS.md 2); EXPAND keys are the experts of every valid entry. */
+ * destination, docs/semantics.md §2); EXPAND keys are the experts of every valid entry. */
 static __device__ __forceinline__ uint32_t row_valid_bits(const int32_t *trow, uint32_t num_topk)
 {
         uint32_t bits = 0;
@@ -414,7 +414,7 @@ extern "C" int epd_k_dispatch_count(const struct epd_k_dispatch_args *args, cuda
         if (warps > (int64_t)(EPD_WS_CHUNK_TOKENS / 32))
                 warps = EPD_WS_CHUNK_TOKENS / 32;
         if (warps < 1)
-                return EPD_INVALID_ARGUMENT; /* cannot happen inside SEMANTICS.md's limits */
+                return EPD_INVALID_ARGUMENT; /* cannot happen inside docs/semantics.md's limits */
         size_t smem = count_smem_bytes(args->world_size, args->num_experts, keys,
                                        (uint32_t)warps);
         ret = epd__k_dynamic_smem((const void *)count_kernel, smem);

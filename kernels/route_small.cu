@@ -2,10 +2,10 @@
  * for a group whose ranks all live on the launching GPU.
  *
  * The step sequence (route.cu) pays three dependent launches and, inside each step, phases that
- * wait on global memory: about 40 us for a decode-sized op (8 ranks x 128 tokens), twice the
- * copy that follows. Here one block takes one chunk of EPD_WS_CHUNK_TOKENS tokens of one
+ * wait on global memory: for a decode-sized op (8 ranks x 128 tokens), about twice as long as
+ * the copy that follows. Here one block takes one chunk of EPD_WS_CHUNK_TOKENS tokens of one
  * source, one thread per token, and the blocks meet through flags in the workspace instead of
- * kernel boundaries (docs/performance.md has the versions before this one and their profiles).
+ * kernel boundaries.
  *
  * The chunks are numbered in the local flat order (source-major, then token; sources ascending
  * by rank, as the daemon builds `local`), and block j takes chunk j. For every counter x of a
@@ -20,7 +20,7 @@
  *
  *   1. Each thread validates and normalises its token's top-k row (the count step's pass A),
  *      writes topk and row = -1 for its entries, and forms its destination mask (the first
- *      position per rank, SEMANTICS.md 2). A ballot per destination gives each warp's count;
+ *      position per rank, docs/semantics.md §2). A ballot per destination gives each warp's count;
  *      the chunk's counters and first bad entry go to chunk_count / chunk_error exactly as the
  *      count step writes them, and the chunk's flag is raised.
  *   2. The block waits for the flags of every earlier chunk, adds up their counters (all loads

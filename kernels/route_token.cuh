@@ -44,7 +44,7 @@ static __device__ __forceinline__ int32_t route_classify(int64_t v, uint32_t E)
 
 /* Validates and normalises one token's classified top-k row in place: nrow[k] gets each valid
  * entry packed as expert | destination << 16 (E <= 2048, R <= 64), -1 otherwise. Returns the
- * token's destination mask; *first gets the first-position bits (SEMANTICS.md 2: the first
+ * token's destination mask; *first gets the first-position bits (docs/semantics.md §2: the first
  * position per destination) and *bad the first bad position (UINT32_MAX: none).
  * lmagic = epd_udiv_magic(L).
  *
@@ -53,8 +53,8 @@ static __device__ __forceinline__ int32_t route_classify(int64_t v, uint32_t E)
  * for the common K_op <= 8 this is several times fewer instructions.
  *
  * One pass does what the count step (route.cu) does in three, because a block is limited by the
- * instructions it issues and their latency (ncu: an earlier version that divided by L in nested
- * loops executed twice the instructions): an id repeats an earlier raw id exactly when it equals
+ * instructions it issues and their latency (ncu: dividing by L in nested loops executes twice
+ * the instructions): an id repeats an earlier raw id exactly when it equals
  * an earlier normalised one (the first occurrence of an in-range id is never normalised away),
  * so the raw row need not be kept; and a valid position is the first for its destination exactly
  * when no earlier valid position has that destination (epd_route_is_first_for_rank), which a

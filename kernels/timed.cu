@@ -1,14 +1,14 @@
 /* timed.cu - a kernel launched between the two events that time it, as one CUDA graph.
  *
  * Why. An op's kernel time is the span between an event recorded before its first kernel and one
- * recorded after its last (BENCHMARKS.md). Recorded around a direct launch on an idle GPU, the
- * first event completes as soon as the GPU reads it, while the host is still inside the launch
- * call, so the window holds the host's launch latency as well as the kernel. On the H200 hosts an
- * empty kernel timed that way measures 6.6-7.4 us, against 2.8-3.0 us when the stream is held
- * until the launch is queued (epd-floor-probe, docs/benchmarks/h200-s12-floor-probe.txt). Sent
- * as one graph (event, kernel, event), the three reach the GPU in one submission: the same empty
- * kernel measures 3.2-3.7 us, and the host's work moves before the window, where the
- * client-observed time still counts it.
+ * recorded after its last (docs/benchmarks.md, "Time"). Recorded around a direct launch on an
+ * idle GPU, the first event completes as soon as the GPU reads it, while the host is still
+ * inside the launch call, so the window holds the host's launch latency as well as the kernel:
+ * an empty kernel timed that way measures about twice what it does when the stream is held
+ * until the launch is queued (epd-floor-probe). Sent as one graph (event, kernel, event), the
+ * three reach the GPU in one submission: the same empty kernel measures close to the held
+ * figure, and the host's work moves before the window, where the client-observed time still
+ * counts it (docs/performance.md, "Design choices and their measured effect").
  *
  * How. The graph is built once per kernel function and cluster shape (and events and device),
  * instantiated, and kept; each launch updates the kernel node's grid, block, shared memory and

@@ -10,6 +10,7 @@
 #define EPD_DAEMON_BACKEND_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <uv.h>
 
@@ -17,7 +18,7 @@
 #include "config.h"
 #include "doorbell.h"
 #include "epd.h"
-#include "exec_io.h"
+#include "mat.h"
 #include "list.h"
 #include "oprec.h"
 
@@ -118,6 +119,10 @@ struct epdd_exec {
         uint64_t kernel_ns;           /* GPU time of the op's kernels (cuda), else 0 */
         uint64_t bytes;               /* floor bytes moved, for statistics */
         uint64_t timeout_ns;          /* the group's op timeout, for waits on clients */
+        uint64_t submit_ns;           /* when the backend got it: the input wait's deadline */
+        /* Set by the loop thread (epd_exec_abort): a status the exec ends with if it has not
+         * started running yet (a rank was lost, the daemon is stopping). */
+        atomic_int abort_status;
         struct epd_list link;         /* completion queue */
 };
 
@@ -193,9 +198,12 @@ void epd_backend_submit(struct epdd_backend *b, struct epdd_exec *ex);
  * requests are on their way. Loop thread. */
 void epd_backend_poll_window(struct epdd_backend *b);
 
-/* Waits on the host until every rank's inputs_ready has reached its wait_inputs, or until
- * deadline_ns; on expiry releases the doorbells it waited on and returns -1. Host backend. */
-int epd_exec_wait_inputs_host(struct epdd_exec *ex, uint64_t deadline_ns);
+/* Without waiting: 1 when every rank's inputs are ready, 0 while some are not and now is before
+ * deadline_ns, -1 (with ex->status TIMEOUT and its message) after it. */
+int epd_exec_inputs_ready(struct epdd_exec *ex, uint64_t now_ns, uint64_t deadline_ns);
+/* Asks an exec that waits for its turn or its inputs to end with status instead of running.
+ * One that already runs finishes; the loop thread then reports what the group decided. */
+void epd_exec_abort(struct epdd_exec *ex, int status);
 
 /* exec_common.c: once every arena rank's num_recv_tokens / num_expanded_rows is set, places
  * the outputs of ranks without a placement and points every arena rank's outputs at it.

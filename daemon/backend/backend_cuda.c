@@ -206,11 +206,6 @@ static void trim_spares(struct cuda_backend *cb, unsigned keep)
         pthread_mutex_unlock(&cb->lock);
 }
 
-static struct epd_k_mat kmat(struct epd_mat m)
-{
-        return (struct epd_k_mat){ m.ptr, m.stride };
-}
-
 /* Local-rank lists of each device: counts[d] ranks and their token offsets. */
 static void build_local(const struct epdd_exec *ex, int dev, struct epd_k_local *local,
                         uint32_t *num_local, uint32_t *local_tokens, int combine)
@@ -240,16 +235,12 @@ static void fill_dispatch_ranks(const struct epdd_exec *ex, struct epd_k_dispatc
                 kr[r].num_tokens = er->num_tokens;
                 kr[r].topk_idx = er->topk_idx;
                 kr[r].topk_stride = er->topk_stride;
-                kr[r].x = kmat(er->src.x);
-                kr[r].scales = kmat(er->src.scales);
-                kr[r].weights = ex->has_weights ? kmat(er->src.weights) : (struct epd_k_mat){ 0 };
-                kr[r].recv_x = kmat(er->dst.recv_x);
-                kr[r].recv_scales = kmat(er->dst.recv_scales);
-                kr[r].recv_topk_idx = kmat(er->dst.recv_topk_idx);
-                kr[r].recv_weights = ex->has_weights ? kmat(er->dst.recv_weights)
-                                                     : (struct epd_k_mat){ 0 };
-                kr[r].recv_src = kmat(er->dst.recv_src);
-                kr[r].recv_topk_slot = kmat(er->dst.recv_topk_slot);
+                kr[r].in = er->src;
+                kr[r].out = er->dst;
+                if (!ex->has_weights) {
+                        kr[r].in.weights = (struct epd_mat){ 0 };
+                        kr[r].out.recv_weights = (struct epd_mat){ 0 };
+                }
                 kr[r].capacity_rows = er->capacity_rows;
         }
 }
@@ -378,7 +369,7 @@ static int verdict(struct epdd_exec *ex, const struct epd_ws_layout *l, uint8_t 
  * GPU as one cuStreamBatchMemOp per MEMOP_BATCH of them. One call each cost, on an H200, 1.3 us
  * of host time and about as much GPU time per operation: 10.6 us of host and 13.2 us of GPU time
  * for the 8 doorbell writes of an 8-rank op, against 2.3 us and 7.4 us as one batch
- * (bench/memop_probe.cu, docs/performance.md). */
+ * (bench/probes/memop_probe.cu, docs/performance.md). */
 #define MEMOP_BATCH 64
 
 struct memop_batch {
@@ -433,7 +424,7 @@ static void memop_add(struct memop_batch *b, int wait, void *doorbell_dev, size_
  * except those the host already sees satisfied: the client's stream stored inputs_ready after
  * its inputs were written (a stream write with its memory barrier), so a kernel launched after
  * this read finds them, and a wait that is already satisfied still costs the GPU about 1.2 us
- * per rank (8 satisfied waits: 9.6-9.9 us, bench/memop_probe.cu) before the op can start. */
+ * per rank (8 satisfied waits: 9.6-9.9 us, bench/probes/memop_probe.cu) before the op can start. */
 static void queue_input_waits(const struct epdd_exec *ex, cudaStream_t stream)
 {
         struct memop_batch b;
@@ -459,8 +450,8 @@ static void queue_input_waits(const struct epdd_exec *ex, cudaStream_t stream)
  * cuStreamWaitValue64) is released. The loop thread stores the same value again when it takes
  * the completion (group.c, rank_publish); the word only ever grows (epd_doorbell_advance). From the host rather than as
  * stream writes after the end event: those 8 writes took 7.4 us of GPU time as one batch
- * (bench/memop_probe.cu), so the last rank's doorbell moved that long after the op ended, and
- * the next op on the stream started that much later. Executor thread; the pages stay mapped
+ * (bench/probes/memop_probe.cu), so the last rank's doorbell moved that long after the op
+ * ended, and the next op on the stream started that much later. Executor thread; the pages stay mapped
  * while the op executes (group.c, rank_doorbell_retire). */
 static void publish_completions(const struct epdd_exec *ex)
 {
@@ -567,17 +558,62 @@ static uint64_t op_kernel_ns(struct cuda_backend *cb, int W)
         return (uint64_t)(ms * 1e6);
 }
 
+/* The op's devices for a launch plan, in ascending ordinal (the used ones). */
+static uint32_t op_devices(struct cuda_backend *cb, const int *used, struct epd_k_op_device *devs)
+{
+        uint32_t n = 0;
+
+        for (int d = 0; d < cb->num_devices; d++) {
+                if (!used[d])
+                        continue;
+                devs[n].device = d;
+                devs[n].stream = cb->dev[d].stream;
+                devs[n].counted = cb->dev[d].counted;
+                n++;
+        }
+        return n;
+}
+
+/* A dispatch with new arena placements, in the middle: the arenas need exact sizes, so wait for
+ * the counts, place, and upload the descriptors again (epd_k_counts_fn). */
+struct arena_wait {
+        struct cuda_backend *cb;
+        struct epdd_exec *ex;
+        struct cuda_handle *ch;
+        uint64_t deadline;
+};
+
+static int arena_place(void *ctx, struct epd_k_dispatch_plan *plan)
+{
+        struct arena_wait *aw = ctx;
+        struct epdd_exec *ex = aw->ex;
+
+        plan->step = "routing (arena placement wait)";
+        if (sync_stream(ex, plan->group_device, aw->cb->dev[plan->group_device].stream, NULL,
+                        aw->deadline) != cudaSuccess)
+                return EPD_UNAVAILABLE;
+        if (ex->status < 0 || verdict(ex, &aw->ch->layout, aw->cb->h_reply) < 0)
+                return 1;
+        fetch_reply(aw->cb, ex, &aw->ch->layout);
+        if (epd_exec_place_arenas(ex) < 0)
+                return 1;
+        if (upload_dispatch(aw->cb, ex, aw->ch->ws, plan->args) < 0)
+                return EPD_INTERNAL;
+        return 0;
+}
+
 static int run_dispatch(struct cuda_backend *cb, struct epdd_exec *ex)
 {
         uint32_t R = ex->cfg.world_size;
         struct cuda_handle *ch = ex->handle_state, *fresh = NULL;
         struct epd_k_dispatch_args args[MAX_DEVICES];
+        struct epd_k_op_device devs[MAX_DEVICES];
         int used[MAX_DEVICES];
-        int W = (int)ex->ranks[0].device, arena = 0, ndev;
+        int W = (int)ex->ranks[0].device, arena = 0, rc;
         const char *step = "setup"; /* named in the op's error when CUDA fails */
         cudaError_t ce;
 
-        ndev = devices_of(ex, used);
+        devices_of(ex, used);
         for (uint32_t r = 0; r < R; r++)
                 arena |= ex->ranks[r].use_arena && !ex->ranks[r].place.used;
         if (!ch) {
@@ -611,7 +647,7 @@ static int run_dispatch(struct cuda_backend *cb, struct epdd_exec *ex)
                 cb->reply_cap = ch->layout.reply_bytes;
         }
         /* Ranks whose arena placement is already known (cached dispatch) get their outputs
-         * bound now; new placements wait for the counts. */
+         * bound now; new placements wait for the counts (arena_place). */
         for (uint32_t r = 0; r < R; r++) {
                 struct epdd_exec_rank *er = &ex->ranks[r];
                 if (er->use_arena && er->place.used)
@@ -620,133 +656,42 @@ static int run_dispatch(struct cuda_backend *cb, struct epdd_exec *ex)
         if (upload_dispatch(cb, ex, ch->ws, args) < 0)
                 goto cuda_error;
 
-        /* A small NON_EXPAND op of a one-GPU group whose outputs are in client memory is one
-         * launch (routing and copy, kernels/dispatch_small.cu); with arena outputs it is routed
-         * in one launch (count, prefix and place, kernels/route_small.cu) and copied once the
-         * arena is placed; otherwise count on every device, prefix on W (or recheck for a
-         * cached dispatch), place on every device. The one launch is planned (checks and
-         * occupancy queries on the host) before the GPU time window opens. */
-        struct epd_k_small_plan splan;
-        int one_launch = 0, rc = 0;
-        if (fresh && ndev == 1 && !arena) {
-                /* EPD_INVALID_ARGUMENT, before anything is queued: not a small op. */
-                cudaSetDevice(W);
-                step = "dispatch_small (plan)";
-                rc = epd_k_dispatch_small_plan(&args[W], &splan);
-                if (rc < 0 && rc != EPD_INVALID_ARGUMENT)
-                        goto cuda_error;
-                one_launch = rc == 0;
-                rc = 0;
-        }
-        uint64_t deadline = epd__now_ns() + ex->timeout_ns;
-        op_begin(cb, ex, used, W, one_launch);
-        int small = 0;
-        if (one_launch) {
-                step = "dispatch_small";
-                /* The kernel writes the reply block into h_reply itself: no copy after it. */
-                args[W].reply_copy = cb->h_reply;
-                rc = epd_k_dispatch_small_timed(&args[W], &splan,
-                                                cb->dev[W].timed[TIMED_DISPATCH_SMALL],
-                                                cb->dev[W].t0, cb->dev[W].t1, cb->dev[W].stream);
-                args[W].reply_copy = NULL;
-                if (rc < 0)
-                        goto cuda_error;
+        /* kernels/ chooses the launches (run.c); the plan is made (host checks and occupancy
+         * queries) before the GPU time window opens. */
+        struct arena_wait aw = { cb, ex, ch, 0 };
+        struct epd_k_dispatch_plan plan = {
+                .num_devices = op_devices(cb, used, devs),
+                .devices = devs,
+                .group_device = W,
+                .args = args,
+                .cached = fresh == NULL,
+                .counts_ready = arena ? arena_place : NULL,
+                .ctx = &aw,
+                .reply_host = cb->h_reply,
+                .routed = cb->prefixed,
+                .timed = cb->dev[W].timed[TIMED_DISPATCH_SMALL],
+                .t0 = cb->dev[W].t0,
+                .t1 = cb->dev[W].t1,
+        };
+        rc = epd_k_dispatch_prepare(&plan);
+        step = plan.step;
+        if (rc < 0)
+                goto cuda_error;
+        aw.deadline = epd__now_ns() + ex->timeout_ns;
+        op_begin(cb, ex, used, W, plan.one_launch);
+        rc = epd_k_dispatch_run(&plan);
+        step = plan.step;
+        if (rc < 0)
+                goto cuda_error;
+        if (rc > 0)
+                goto fail;
+        if (plan.one_launch)
                 timed_note(cb, W, TIMED_DISPATCH_SMALL);
-                goto ended;
-        }
-        if (fresh && ndev == 1) {
-                /* EPD_INVALID_ARGUMENT, before anything is queued: not a small op. */
-                cudaSetDevice(W);
-                step = "route_small";
-                rc = epd_k_dispatch_route_small(&args[W], cb->dev[W].stream);
-                small = rc == 0;
-                if (rc == EPD_INVALID_ARGUMENT)
-                        rc = 0;
-        }
-        if (!fresh) {
-                cudaSetDevice(W);
-                step = "recheck";
-                rc = epd_k_dispatch_recheck(&args[W], cb->dev[W].stream);
-        } else if (small) {
-                if (!arena) {
-                        /* The copy overlaps the routing block (programmatic dependent launch:
-                         * nothing may sit between the two); the reply block follows both. */
-                        args[W].flags |= EPD_K_COPY_OVERLAP;
-                        step = "copy";
-                        rc = epd_k_dispatch_copy(&args[W], cb->dev[W].stream);
-                        if (rc < 0)
-                                goto cuda_error;
-                        cudaMemcpyAsync(cb->h_reply, ch->ws, ch->layout.reply_bytes,
-                                        cudaMemcpyDeviceToHost, cb->dev[W].stream);
-                        goto launched;
-                }
-        } else {
-                for (int d = 0; d < cb->num_devices && rc == 0; d++) {
-                        if (!used[d])
-                                continue;
-                        cudaSetDevice(d);
-                        step = "count";
-                        rc = epd_k_dispatch_count(&args[d], cb->dev[d].stream);
-                        if (rc == 0 && d != W)
-                                rc = cudaEventRecord(cb->dev[d].counted, cb->dev[d].stream) ==
-                                                     cudaSuccess ? 0 : EPD_INTERNAL;
-                }
-                cudaSetDevice(W);
-                for (int d = 0; d < cb->num_devices && rc == 0; d++)
-                        if (used[d] && d != W)
-                                cudaStreamWaitEvent(cb->dev[W].stream, cb->dev[d].counted, 0);
-                step = "prefix";
-                if (rc == 0)
-                        rc = epd_k_dispatch_prefix(&args[W], cb->dev[W].stream);
-        }
-        if (rc < 0)
-                goto cuda_error;
-        cudaSetDevice(W);
-        cudaMemcpyAsync(cb->h_reply, ch->ws, ch->layout.reply_bytes, cudaMemcpyDeviceToHost,
-                        cb->dev[W].stream);
-        if (arena) {
-                /* The arena needs exact sizes: wait for the counts, place, re-upload. */
-                step = "routing (arena placement wait)";
-                if (sync_stream(ex, W, cb->dev[W].stream, NULL, deadline) != cudaSuccess)
-                        goto cuda_error;
-                if (ex->status < 0)
-                        goto fail;
-                if (verdict(ex, &ch->layout, cb->h_reply) < 0)
-                        goto fail;
-                fetch_reply(cb, ex, &ch->layout);
-                if (epd_exec_place_arenas(ex) < 0)
-                        goto fail;
-                if (upload_dispatch(cb, ex, ch->ws, args) < 0)
-                        goto cuda_error;
-                cudaSetDevice(W);
-                step = "recheck";
-                if (epd_k_dispatch_recheck(&args[W], cb->dev[W].stream) < 0)
-                        goto cuda_error;
-        }
-        cudaEventRecord(cb->prefixed, cb->dev[W].stream);
-        for (int d = 0; d < cb->num_devices && rc == 0; d++) {
-                if (!used[d])
-                        continue;
-                cudaSetDevice(d);
-                if (d != W)
-                        cudaStreamWaitEvent(cb->dev[d].stream, cb->prefixed, 0);
-                if (fresh && !small) {
-                        step = "place";
-                        rc = epd_k_dispatch_place(&args[d], cb->dev[d].stream);
-                }
-                if (rc == 0) {
-                        step = "copy";
-                        rc = epd_k_dispatch_copy(&args[d], cb->dev[d].stream);
-                }
-        }
-        if (rc < 0)
-                goto cuda_error;
-launched:
-        /* Every device's copy done: t1 on W's stream, which the executor waits for. */
-        op_end(cb, used, W);
-ended:
+        else
+                /* Every device's copy done: t1 on W's stream, which the executor waits for. */
+                op_end(cb, used, W);
         step = "the op's kernels (found at completion)";
-        ce = sync_stream(ex, W, cb->dev[W].stream, cb->dev[W].t1, deadline);
+        ce = sync_stream(ex, W, cb->dev[W].stream, cb->dev[W].t1, aw.deadline);
         if (ce != cudaSuccess)
                 goto cuda_error;
         publish_completions(ex);
@@ -793,14 +738,14 @@ static int run_combine(struct cuda_backend *cb, struct epdd_exec *ex)
         size_t ranks_bytes = sizeof(struct epd_k_combine_rank) * R;
         size_t bytes = ranks_bytes + sizeof(struct epd_k_local) * (R + 1);
         struct epd_k_combine_args args[MAX_DEVICES];
+        struct epd_k_op_device devs[MAX_DEVICES];
         int used[MAX_DEVICES];
         int rc = 0;
 
         uint64_t deadline = epd__now_ns() + ex->timeout_ns;
         int W = (int)ex->ranks[0].device;
 
-        /* One device: one kernel, launched with its events as one graph. */
-        const int timed = devices_of(ex, used) == 1;
+        devices_of(ex, used);
         /* Descriptors first, so that the op's GPU time starts with its kernel. */
         for (int d = 0; d < cb->num_devices && rc == 0; d++) {
                 struct cuda_dev *dv = &cb->dev[d];
@@ -819,12 +764,12 @@ static int run_combine(struct cuda_backend *cb, struct epdd_exec *ex)
                         const struct epdd_exec_rank *er = &ex->ranks[r];
                         memset(&kr[r], 0, sizeof(kr[r]));
                         kr[r].num_tokens = er->num_tokens;
-                        kr[r].y = kmat(er->y);
+                        kr[r].y = er->y;
                         kr[r].y_rows = er->y_rows;
-                        kr[r].bias[0] = kmat(er->comb.bias[0]);
-                        kr[r].bias[1] = kmat(er->comb.bias[1]);
-                        kr[r].combined = kmat(er->comb.combined);
-                        kr[r].combined_topk_weights = kmat(er->comb.combined_topk_weights);
+                        kr[r].bias[0] = er->comb.bias[0];
+                        kr[r].bias[1] = er->comb.bias[1];
+                        kr[r].combined = er->comb.combined;
+                        kr[r].combined_topk_weights = er->comb.combined_topk_weights;
                 }
                 memset(a, 0, sizeof(*a));
                 build_local(ex, d, (struct epd_k_local *)(h + ranks_bytes), &a->num_local,
@@ -849,21 +794,25 @@ static int run_combine(struct cuda_backend *cb, struct epdd_exec *ex)
                 a->ranks_host = kr;
                 a->local_host = (const struct epd_k_local *)(h + ranks_bytes);
         }
+        /* kernels/ chooses the launches (run.c): one device is one kernel, launched with its
+         * events as one graph. */
+        struct epd_k_combine_plan plan = {
+                .num_devices = op_devices(cb, used, devs),
+                .devices = devs,
+                .group_device = W,
+                .args = args,
+                .timed = cb->dev[W].timed[TIMED_COMBINE],
+                .t0 = cb->dev[W].t0,
+                .t1 = cb->dev[W].t1,
+        };
+        epd_k_combine_prepare(&plan);
         if (rc == 0) {
-                op_begin(cb, ex, used, W, timed);
-                if (timed) {
-                        rc = epd_k_combine_timed(&args[W], cb->dev[W].timed[TIMED_COMBINE],
-                                                 cb->dev[W].t0, cb->dev[W].t1,
-                                                 cb->dev[W].stream);
+                op_begin(cb, ex, used, W, plan.one_launch);
+                rc = epd_k_combine_run(&plan);
+                if (plan.one_launch) {
                         if (rc == 0 && args[W].local_tokens != 0)
                                 timed_note(cb, W, TIMED_COMBINE);
                 } else {
-                        for (int d = 0; d < cb->num_devices && rc == 0; d++) {
-                                if (!used[d])
-                                        continue;
-                                cudaSetDevice(d);
-                                rc = epd_k_combine(&args[d], cb->dev[d].stream);
-                        }
                         op_end(cb, used, W);
                 }
         }

@@ -20,7 +20,7 @@
 #include "arena.h"
 #include "backend.h"
 #include "executor.h"
-#include "host_exec.h"
+#include "exec.h"
 #include "log.h"
 #include "memfd.h"
 #include "plan.h"
@@ -43,12 +43,18 @@ struct pool {
         void *ctx;
         uint64_t num_items;
         atomic_uint_fast64_t next_item;
+        const atomic_int *abort;      /* the running exec's abort_status: stop taking items */
 };
 
 static void pool_work(struct pool *p)
 {
         for (;;) {
-                uint64_t i = atomic_fetch_add(&p->next_item, 1);
+                uint64_t i;
+                /* Relaxed: the abort only needs to be seen eventually, and what an aborted op
+                 * wrote is undefined (docs/semantics.md §4); one load per item. */
+                if (p->abort && atomic_load_explicit(p->abort, memory_order_relaxed))
+                        return;
+                i = atomic_fetch_add(&p->next_item, 1);
                 if (i >= p->num_items)
                         return;
                 p->fn(p->ctx, i);
@@ -84,8 +90,11 @@ static void pool_run(struct pool *p, pool_fn fn, void *ctx, uint64_t num_items)
         if (num_items == 0)
                 return;
         if (p->num_helpers == 0 || num_items == 1) {
-                for (uint64_t i = 0; i < num_items; i++)
+                for (uint64_t i = 0; i < num_items; i++) {
+                        if (p->abort && atomic_load_explicit(p->abort, memory_order_relaxed))
+                                return;
                         fn(ctx, i);
+                }
                 return;
         }
         pthread_mutex_lock(&p->lock);
@@ -161,6 +170,21 @@ static void dispatch_item(void *arg, uint64_t i)
 static void combine_item(void *arg, uint64_t i)
 {
         epd_host_combine_item(arg, i);
+}
+
+/* The op was aborted while its data moved (a rank lost, the daemon stopping): it ends with that
+ * status, its outputs undefined. */
+static int aborted(struct epdd_exec *ex)
+{
+        int status = atomic_load_explicit(&ex->abort_status, memory_order_relaxed);
+
+        if (!status)
+                return 0;
+        ex->status = status;
+        snprintf(ex->message, sizeof(ex->message), "%s while the op ran",
+                 status == EPD_ABORTED ? "the daemon is shutting down"
+                                       : "a rank of the group was lost");
+        return 1;
 }
 
 static void run_dispatch(struct host_backend *hb, struct epdd_exec *ex)
@@ -290,6 +314,8 @@ static void run_dispatch(struct host_backend *hb, struct epdd_exec *ex)
                 .dst = dst,
         };
         pool_run(&hb->pool, dispatch_item, &de, epd_host_dispatch_items(&de));
+        if (aborted(ex))
+                goto fail;
 
         for (uint32_t d = 0; d < R; d++) {
                 struct epdd_exec_rank *er = &ex->ranks[d];
@@ -347,6 +373,11 @@ static void run_combine(struct host_backend *hb, struct epdd_exec *ex)
                 .src = src,
         };
         pool_run(&hb->pool, combine_item, &ce, epd_host_combine_items(&ce));
+        if (aborted(ex)) {
+                free(y);
+                free(src);
+                return;
+        }
         ex->bytes = rows * cfg->hidden * 2;
         ex->status = 0;
         free(y);
@@ -355,6 +386,9 @@ static void run_combine(struct host_backend *hb, struct epdd_exec *ex)
 
 static void host_run(void *ctx, struct epdd_exec *ex)
 {
+        struct host_backend *hb = ctx;
+
+        hb->pool.abort = &ex->abort_status;
         if (ex->kind == EPD_OP_DISPATCH)
                 run_dispatch(ctx, ex);
         else

@@ -124,27 +124,32 @@ void epd_exec_release_new_arenas(struct epdd_exec *ex)
         }
 }
 
-int epd_exec_wait_inputs_host(struct epdd_exec *ex, uint64_t deadline_ns)
+int epd_exec_inputs_ready(struct epdd_exec *ex, uint64_t now_ns, uint64_t deadline_ns)
 {
         for (uint32_t r = 0; r < ex->cfg.world_size; r++) {
                 struct epdd_exec_rank *er = &ex->ranks[r];
+                uint64_t seen;
                 if (!er->wait_inputs || !er->doorbell)
                         continue;
                 /* Acquire pairs with the client stream's system-scope write: once the value is
                  * seen, the inputs written before it are visible too. */
-                while (__atomic_load_n(&er->doorbell->inputs_ready, __ATOMIC_ACQUIRE) <
-                       er->wait_inputs) {
-                        if (epd__now_ns() > deadline_ns) {
-                                ex->status = EPD_TIMEOUT;
-                                snprintf(ex->message, sizeof(ex->message),
-                                         "rank %u's inputs were not marked ready (inputs_ready %llu < %llu) within the op timeout",
-                                         r, (unsigned long long)er->doorbell->inputs_ready,
-                                         (unsigned long long)er->wait_inputs);
-                                return -1;
-                        }
-                        struct timespec ts = { 0, 20000 };
-                        nanosleep(&ts, NULL);
-                }
+                seen = __atomic_load_n(&er->doorbell->inputs_ready, __ATOMIC_ACQUIRE);
+                if (seen >= er->wait_inputs)
+                        continue;
+                if (now_ns <= deadline_ns)
+                        return 0;
+                ex->status = EPD_TIMEOUT;
+                snprintf(ex->message, sizeof(ex->message),
+                         "rank %u's inputs were not marked ready (inputs_ready %llu < %llu) within the op timeout",
+                         r, (unsigned long long)seen, (unsigned long long)er->wait_inputs);
+                return -1;
         }
-        return 0;
+        return 1;
+}
+
+void epd_exec_abort(struct epdd_exec *ex, int status)
+{
+        int none = 0;
+
+        atomic_compare_exchange_strong(&ex->abort_status, &none, status);
 }

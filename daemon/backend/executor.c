@@ -1,4 +1,5 @@
 /* executor.c - see executor.h. */
+#include <stdio.h>
 #include <sys/prctl.h>
 #include <time.h>
 
@@ -17,6 +18,43 @@ static void spin_for_work(struct epdd_executor *e)
         }
 }
 
+/* The first queued exec that can go now, taken off the queue, with *run telling whether it is to
+ * run or only to be completed (aborted, or its input wait timed out); NULL when none can. An exec
+ * whose inputs are not ready stays queued and does not hold back those behind it: groups are
+ * independent, and a group has at most one op in the backend (daemon/op.c), so taking execs out
+ * of order never reorders one group's ops. Lock held. */
+static struct epdd_exec *take_ready(struct epdd_executor *e, int *run)
+{
+        uint64_t now = epd__now_ns();
+        struct epd_list *pos;
+
+        epd_list_for_each(pos, &e->queue)
+        {
+                struct epdd_exec *ex = epd_list_entry(pos, struct epdd_exec, link);
+                int aborted = atomic_load_explicit(&ex->abort_status, memory_order_relaxed);
+                int ready = 1;
+
+                ex->status = 0;
+                ex->message[0] = '\0';
+                if (aborted) {
+                        ex->status = aborted;
+                        snprintf(ex->message, sizeof(ex->message), "%s before the op ran",
+                                 aborted == EPD_ABORTED ? "the daemon is shutting down"
+                                                        : "a rank of the group was lost");
+                        ready = -1;
+                } else if (e->host_input_waits) {
+                        ready = epd_exec_inputs_ready(ex, now, ex->submit_ns + ex->timeout_ns);
+                }
+                if (ready == 0)
+                        continue;
+                epd_list_del(&ex->link);
+                atomic_fetch_sub_explicit(&e->queued, 1, memory_order_relaxed);
+                *run = ready > 0;
+                return ex;
+        }
+        return NULL;
+}
+
 static void *executor_main(void *arg)
 {
         struct epdd_executor *e = arg;
@@ -24,8 +62,13 @@ static void *executor_main(void *arg)
         /* The bounded waits of the backends sleep in small steps (nanosleep); the default 50 us
          * timer slack would stretch each one to tens of microseconds of op latency. */
         prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+        uint64_t idle_wait_ns = 20000;
+
         pthread_mutex_lock(&e->lock);
         for (;;) {
+                struct epdd_exec *ex;
+                int run = 0;
+
                 while (!e->stop && !e->kicked && epd_list_empty(&e->queue)) {
                         struct timespec ts;
                         atomic_store(&e->heartbeat_ns, epd__now_ns());
@@ -43,17 +86,30 @@ static void *executor_main(void *arg)
                                 break;
                         continue;
                 }
-                struct epdd_exec *ex = epd_list_entry(e->queue.next, struct epdd_exec, link);
-                epd_list_del(&ex->link);
-                atomic_fetch_sub_explicit(&e->queued, 1, memory_order_relaxed);
+                ex = take_ready(e, &run);
+                if (!ex) {
+                        /* Every queued exec waits for a client's inputs, which come without a
+                         * wake-up: look again after a pause that grows from 20 us to 1 ms
+                         * while nothing becomes ready, so that a stalled client costs the
+                         * daemon little CPU. A new exec wakes the thread at once. */
+                        struct timespec ts;
+                        uint64_t until;
+                        atomic_store(&e->heartbeat_ns, epd__now_ns());
+                        clock_gettime(CLOCK_REALTIME, &ts);
+                        until = (uint64_t)ts.tv_nsec + idle_wait_ns;
+                        ts.tv_sec += (time_t)(until / 1000000000ull);
+                        ts.tv_nsec = (long)(until % 1000000000ull);
+                        pthread_cond_timedwait(&e->cond, &e->lock, &ts);
+                        idle_wait_ns = idle_wait_ns * 2 > 1000000 ? 1000000 : idle_wait_ns * 2;
+                        continue;
+                }
+                idle_wait_ns = 20000;
                 pthread_mutex_unlock(&e->lock);
 
                 uint64_t t0 = epd__now_ns();
                 ex->exec_start_ns = t0;
                 atomic_store(&e->heartbeat_ns, t0);
-                ex->status = 0;
-                ex->message[0] = '\0';
-                if (!e->host_input_waits || epd_exec_wait_inputs_host(ex, t0 + ex->timeout_ns) == 0)
+                if (run)
                         e->run(e->ctx, ex);
                 ex->exec_ns = epd__now_ns() - t0;
                 atomic_store(&e->heartbeat_ns, epd__now_ns());
@@ -84,6 +140,7 @@ int epd_executor_start(struct epdd_executor *e)
 
 void epd_executor_submit(struct epdd_executor *e, struct epdd_exec *ex)
 {
+        ex->submit_ns = epd__now_ns();
         pthread_mutex_lock(&e->lock);
         epd_list_add_tail(&e->queue, &ex->link);
         atomic_fetch_add_explicit(&e->queued, 1, memory_order_release);
@@ -101,9 +158,14 @@ void epd_executor_kick(struct epdd_executor *e)
 
 void epd_executor_stop(struct epdd_executor *e)
 {
+        struct epd_list *pos;
+
         if (!e->started)
                 return;
         pthread_mutex_lock(&e->lock);
+        /* What still waits for a client's inputs ends now rather than at its timeout. */
+        epd_list_for_each(pos, &e->queue)
+                epd_exec_abort(epd_list_entry(pos, struct epdd_exec, link), EPD_ABORTED);
         e->stop = 1;
         pthread_cond_signal(&e->cond);
         pthread_mutex_unlock(&e->lock);

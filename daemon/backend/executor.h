@@ -1,7 +1,9 @@
-/* executor.h - the thread that runs a backend's ops in submission order: it takes each exec from
- * a queue, runs the backend's function on it (with the op's wait for client inputs done on the
- * host first when the backend asks for it), times it, and hands it back to the loop with
- * epd_exec_done. It also keeps a heartbeat for the watchdog. Shared by every backend. */
+/* executor.h - the thread that runs a backend's ops: it takes from its queue the first exec that
+ * can go (when the backend asks for host input waits, one whose clients have marked their
+ * inputs ready; an exec still waiting never holds back another group's), runs the backend's
+ * function on it, times it, and hands it back to the loop with epd_exec_done. An exec aborted or
+ * timed out while queued is handed back without running. It also keeps a heartbeat for the
+ * watchdog. Shared by every backend. */
 #ifndef EPD_DAEMON_EXECUTOR_H
 #define EPD_DAEMON_EXECUTOR_H
 

@@ -28,7 +28,11 @@ void epd_config_defaults(struct epdd_config *cfg)
         cfg->arena_bytes = 64ull << 20;
         cfg->max_arena_bytes = 64ull << 30;
         cfg->max_arena_segments = 64;
+        cfg->max_op_timeout_ms = 60000;
         cfg->max_clients = 256;
+        cfg->max_clients_per_uid = 128;
+        cfg->admin_reserved_clients = 4;
+        cfg->handshake_timeout_ms = 5000;
         cfg->max_groups = 64;
         cfg->max_regions_per_client = 1024;
         cfg->max_region_bytes_per_client = 1ull << 40;
@@ -37,6 +41,16 @@ void epd_config_defaults(struct epdd_config *cfg)
         cfg->max_frame_bytes = 64u * 1024u;
         cfg->max_fds_per_frame = 8;
         cfg->max_output_queue_bytes = 8ull << 20;
+        cfg->max_bindings_per_client = 64;
+        cfg->max_bindings_per_uid = 1024;
+        cfg->max_bindings = 8192;
+        cfg->max_groups_per_uid = 32;
+        cfg->max_regions_per_uid = 16384;
+        cfg->max_regions = 32768;
+        cfg->fd_headroom = 64;
+        cfg->max_region_bytes_per_uid = 1ull << 42;
+        cfg->max_region_bytes = 1ull << 44;
+        cfg->max_output_queue_bytes_total = 256ull << 20;
         cfg->host_devices = 1;
         cfg->host_threads = 0;
 }
@@ -145,7 +159,11 @@ int epd_config_set(struct epdd_config *cfg, const char *section, const char *nam
         NUM_KEY("daemon", "max_arena_bytes", max_arena_bytes, 1ull << 44)
         NUM_KEY("daemon", "max_arena_segments", max_arena_segments, 1024)
         NUM_KEY("daemon", "poll_us", poll_us, 100000)
+        NUM_KEY("limits", "max_op_timeout_ms", max_op_timeout_ms, 3600000)
         NUM_KEY("limits", "max_clients", max_clients, 65536)
+        NUM_KEY("limits", "max_clients_per_uid", max_clients_per_uid, 65536)
+        NUM_KEY("limits", "admin_reserved_clients", admin_reserved_clients, 1024)
+        NUM_KEY("limits", "handshake_timeout_ms", handshake_timeout_ms, 600000)
         NUM_KEY("limits", "max_groups", max_groups, 65536)
         NUM_KEY("limits", "max_regions_per_client", max_regions_per_client, 1u << 20)
         NUM_KEY("limits", "max_region_bytes_per_client", max_region_bytes_per_client, 1ull << 50)
@@ -154,6 +172,16 @@ int epd_config_set(struct epdd_config *cfg, const char *section, const char *nam
         NUM_KEY("limits", "max_frame_bytes", max_frame_bytes, 16u << 20)
         NUM_KEY("limits", "max_fds_per_frame", max_fds_per_frame, 16)
         NUM_KEY("limits", "max_output_queue_bytes", max_output_queue_bytes, 1ull << 34)
+        NUM_KEY("limits", "max_bindings_per_client", max_bindings_per_client, 1u << 20)
+        NUM_KEY("limits", "max_bindings_per_uid", max_bindings_per_uid, 1u << 20)
+        NUM_KEY("limits", "max_bindings", max_bindings, 1u << 24)
+        NUM_KEY("limits", "max_groups_per_uid", max_groups_per_uid, 65536)
+        NUM_KEY("limits", "max_regions_per_uid", max_regions_per_uid, 1u << 24)
+        NUM_KEY("limits", "max_regions", max_regions, 1u << 24)
+        NUM_KEY("limits", "fd_headroom", fd_headroom, 65536)
+        NUM_KEY("limits", "max_region_bytes_per_uid", max_region_bytes_per_uid, 1ull << 50)
+        NUM_KEY("limits", "max_region_bytes", max_region_bytes, 1ull << 50)
+        NUM_KEY("limits", "max_output_queue_bytes_total", max_output_queue_bytes_total, 1ull << 36)
         NUM_KEY("host", "devices", host_devices, 64)
         NUM_KEY("host", "threads", host_threads, 256)
         if (strcmp(section, "daemon") == 0 && strcmp(name, "backend") == 0) {
@@ -286,11 +314,35 @@ int epd_config_load(struct epdd_config *cfg, const char *path, char *err, size_t
         return -EINVAL;
 }
 
+int epd_config_validate(const struct epdd_config *cfg, char *err, size_t err_len)
+{
+        if (cfg->op_timeout_ms == 0 || cfg->max_op_timeout_ms == 0) {
+                snprintf(err, err_len, "%s must be at least 1 ms",
+                         cfg->op_timeout_ms ? "max_op_timeout_ms" : "op_timeout_ms");
+                return -EINVAL;
+        }
+        if (cfg->op_timeout_ms > cfg->max_op_timeout_ms) {
+                snprintf(err, err_len, "op_timeout_ms %u exceeds max_op_timeout_ms %u",
+                         (unsigned)cfg->op_timeout_ms, (unsigned)cfg->max_op_timeout_ms);
+                return -EINVAL;
+        }
+        if (cfg->max_clients == 0 || cfg->max_groups == 0 || cfg->max_clients_per_uid == 0 ||
+            cfg->handshake_timeout_ms == 0) {
+                snprintf(err, err_len, "%s must be at least 1",
+                         !cfg->max_clients       ? "max_clients"
+                         : !cfg->max_groups      ? "max_groups"
+                         : !cfg->max_clients_per_uid ? "max_clients_per_uid"
+                                                 : "handshake_timeout_ms");
+                return -EINVAL;
+        }
+        return 0;
+}
+
 uint64_t epd_config_poll_ns(const struct epdd_config *cfg)
 {
         /* Long enough to span the gap between a decoding model's MoE layers (a few hundred
          * microseconds), so that their requests go through the doorbell pages and the threads
-         * need no wake-up (docs/performance.md, eighth session). */
+         * need no wake-up (docs/performance.md, "Where the last rank's overhead goes"). */
         if (cfg->poll_us == EPD_POLL_AUTO)
                 return sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 1000000 : 0;
         return (uint64_t)cfg->poll_us * 1000;
@@ -301,13 +353,27 @@ void epd_config_apply_hot(struct epdd_config *dst, const struct epdd_config *src
         dst->log_level = src->log_level;
         dst->op_timeout_ms = src->op_timeout_ms;
         dst->peer_lost_ms = src->peer_lost_ms;
+        dst->max_op_timeout_ms = src->max_op_timeout_ms;
         dst->max_clients = src->max_clients;
+        dst->max_clients_per_uid = src->max_clients_per_uid;
+        dst->admin_reserved_clients = src->admin_reserved_clients;
+        dst->handshake_timeout_ms = src->handshake_timeout_ms;
         dst->max_groups = src->max_groups;
         dst->max_regions_per_client = src->max_regions_per_client;
         dst->max_region_bytes_per_client = src->max_region_bytes_per_client;
         dst->max_outstanding_ops_per_client = src->max_outstanding_ops_per_client;
         dst->max_handles_per_group = src->max_handles_per_group;
         dst->max_output_queue_bytes = src->max_output_queue_bytes;
+        dst->max_bindings_per_client = src->max_bindings_per_client;
+        dst->max_bindings_per_uid = src->max_bindings_per_uid;
+        dst->max_bindings = src->max_bindings;
+        dst->max_groups_per_uid = src->max_groups_per_uid;
+        dst->max_regions_per_uid = src->max_regions_per_uid;
+        dst->max_regions = src->max_regions;
+        dst->fd_headroom = src->fd_headroom;
+        dst->max_region_bytes_per_uid = src->max_region_bytes_per_uid;
+        dst->max_region_bytes = src->max_region_bytes;
+        dst->max_output_queue_bytes_total = src->max_output_queue_bytes_total;
         memcpy(dst->allow_uids, src->allow_uids, sizeof(dst->allow_uids));
         dst->num_allow_uids = src->num_allow_uids;
         memcpy(dst->allow_gids, src->allow_gids, sizeof(dst->allow_gids));

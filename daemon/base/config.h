@@ -40,7 +40,11 @@ struct epdd_config {
                                        * 0: record, launch, record, as when a graph fails */
         /* [limits], hot (apply to new requests) except max_frame_bytes and max_fds_per_frame:
          * those size the receive buffer at start and are announced to clients at hello. */
+        uint32_t max_op_timeout_ms;   /* bounds the daemon default and every group's timeout */
         uint32_t max_clients;
+        uint32_t max_clients_per_uid;  /* connections of one uid other than administrators' */
+        uint32_t admin_reserved_clients; /* beyond max_clients, for root and admin_group */
+        uint32_t handshake_timeout_ms; /* a connection without Hello by then is closed */
         uint32_t max_groups;
         uint32_t max_regions_per_client;
         uint64_t max_region_bytes_per_client;
@@ -49,6 +53,17 @@ struct epdd_config {
         uint32_t max_frame_bytes;
         uint32_t max_fds_per_frame;
         uint64_t max_output_queue_bytes; /* a client that stops reading is disconnected */
+        /* Per uid and per daemon (budget.c), hot. */
+        uint32_t max_bindings_per_client; /* rank bindings one client holds (2 descriptors each) */
+        uint32_t max_bindings_per_uid; /* rank bindings of all the clients of one uid */
+        uint32_t max_bindings; /* rank bindings in the daemon */
+        uint32_t max_groups_per_uid; /* groups one uid created */
+        uint32_t max_regions_per_uid; /* regions of all the clients of one uid */
+        uint32_t max_regions; /* regions in the daemon (one mapping each: keep under vm.max_map_count) */
+        uint32_t fd_headroom; /* descriptors kept free for accepting and replying */
+        uint64_t max_region_bytes_per_uid; /* region bytes of all the clients of one uid */
+        uint64_t max_region_bytes; /* region bytes in the daemon */
+        uint64_t max_output_queue_bytes_total; /* reply bytes queued for every client together */
         /* [host] */
         uint32_t host_devices;        /* virtual devices; 0: 1 */
         uint32_t host_threads;        /* copy threads; 0: number of CPUs */
@@ -61,9 +76,12 @@ int epd_config_load(struct epdd_config *cfg, const char *path, char *err, size_t
 /* Applies one key (section, name, value) as the INI file would. 0 or -EINVAL. */
 int epd_config_set(struct epdd_config *cfg, const char *section, const char *name,
                    const char *value, char *err, size_t err_len);
-/* Copies the keys that may change at run time from src into dst (SIGHUP). */
+/* Checks the keys against each other (a configuration that parses may still never run): 0, or
+ * -EINVAL with err naming the keys. */
+int epd_config_validate(const struct epdd_config *cfg, char *err, size_t err_len);
 /* poll_us in nanoseconds, with EPD_POLL_AUTO resolved for this machine. */
 uint64_t epd_config_poll_ns(const struct epdd_config *cfg);
+/* Copies the keys that may change at run time from src into dst (SIGHUP). */
 void epd_config_apply_hot(struct epdd_config *dst, const struct epdd_config *src);
 
 #endif

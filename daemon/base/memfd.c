@@ -25,6 +25,13 @@ int epd__memfd_map(int fd, uint64_t offset, uint64_t size, uint8_t **base, uint6
         /* Seal before reading the size: the client still holds the file and could shrink it
          * between the check and the seal, and a mapping past the file's end faults (SIGBUS) on
          * the daemon's first access. */
+        /* Outputs are written into regions, and sealing needs write access too: a read-only
+         * descriptor (such as /proc/PID/fd/N reopened O_RDONLY) is refused for what it is. */
+        if ((fcntl(fd, F_GETFL) & O_ACCMODE) != O_RDWR) {
+                snprintf(err, err_len,
+                         "region fd is not open for reading and writing (O_RDWR): the daemon writes outputs into regions");
+                return EPD_INVALID_ARGUMENT;
+        }
         seals = fcntl(fd, F_GET_SEALS);
         if (seals < 0 || (!(seals & F_SEAL_SHRINK) && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) < 0)) {
                 snprintf(err, err_len,

@@ -53,6 +53,7 @@ struct epdd_daemon {
         struct epdd_backend *backend;
         uint64_t epoch;               /* random per start, told to clients in Welcome */
         uint64_t start_ns;
+        uint64_t fd_limit;            /* RLIMIT_NOFILE once raised (core/budget.c) */
         int shutting_down;            /* SIGTERM seen: no new ops, exit when drained */
         int draining;                 /* operator drain: no new ops are launched */
         uint64_t drain_start_ns;
@@ -99,6 +100,8 @@ struct epdd_client {
         unsigned num_regions;         /* client-registered ones (arenas not counted) */
         uint64_t region_bytes;
         struct epd_list bindings;     /* struct epdd_binding */
+        unsigned num_bindings;
+        unsigned wrong_secrets;       /* GroupJoins refused for their secret */
         unsigned outstanding_ops;
         struct epd_list link;         /* in the daemon's conns */
         struct epdd_client_stats stats;
@@ -203,6 +206,7 @@ struct epdd_group {
         struct epdd_daemon *daemon;
         uint64_t id;
         char name[64];
+        uid_t owner_uid;              /* its creator's: names and group budgets are per uid */
         uint8_t secret[64];
         size_t secret_len;
         struct epdd_group_cfg cfg;
@@ -265,9 +269,16 @@ struct epdd_group *epd_group_find_name(struct epdd_daemon *d, const char *name);
 /* Checks a configuration as the client gave it (cfg's derived fields are filled here). */
 int epd_group_cfg_check(const struct epdd_daemon *d, struct epdd_group_cfg *cfg, char *err,
                         size_t err_len);
-int epd_group_new(struct epdd_daemon *d, const char *name, const void *secret, size_t secret_len,
-                  const struct epdd_group_cfg *cfg, struct epdd_group **out, char *err,
-                  size_t err_len);
+/* Names are per uid (the creator's): owner's group of that name, or NULL. */
+struct epdd_group *epd_group_find_name_of(struct epdd_daemon *d, uid_t owner, const char *name);
+/* The group a join names: uid's own group of that name if there is one, else another uid's
+ * whose secret matches. NULL when none matches; *named then tells a wrong secret (1) from a
+ * name no group has (0). */
+struct epdd_group *epd_group_find_for_join(struct epdd_daemon *d, uid_t uid, const char *name,
+                                           const void *secret, size_t secret_len, int *named);
+int epd_group_new(struct epdd_daemon *d, uid_t owner, const char *name, const void *secret,
+                  size_t secret_len, const struct epdd_group_cfg *cfg, struct epdd_group **out,
+                  char *err, size_t err_len);
 int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, uint32_t device,
                    char *err, size_t err_len);
 /* Unbinds a rank. lost != 0: the client vanished (the group breaks); else it left politely. */

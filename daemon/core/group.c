@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "arena.h"
+#include "budget.h"
 #include "memfd.h"
 #include <sys/mman.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include "core.h"
 #include "log.h"
 #include "routing.h"
+#include "util.h"
 
 const char *epd_group_state_name(enum epdd_group_state s)
 {
@@ -82,9 +84,23 @@ int epd_group_cfg_check(const struct epdd_daemon *d, struct epdd_group_cfg *cfg,
                 snprintf(err, err_len, "hidden %u outside 1..%u", w.hidden, 1u << 20);
                 return EPD_INVALID_ARGUMENT;
         }
-        if (w.max_tokens > (1u << 24)) {
-                snprintf(err, err_len, "max_tokens_per_rank %u exceeds %u", w.max_tokens,
+        if (w.max_tokens < 1 || w.max_tokens > (1u << 24)) {
+                snprintf(err, err_len, "max_tokens_per_rank %u outside 1..%u", w.max_tokens,
                          1u << 24);
+                return EPD_INVALID_ARGUMENT;
+        }
+        /* Row indices and counts are 32-bit (docs/semantics.md §5): the worst case of
+         * rows a rank can receive must fit. */
+        if (epd_route_max_rows_expand(w.world_size, w.max_tokens, w.max_topk,
+                                      w.num_experts / w.world_size, 1) > UINT32_MAX) {
+                snprintf(err, err_len,
+                         "world_size %u x max_tokens_per_rank %u x max_topk %u rows exceed 2^32",
+                         w.world_size, w.max_tokens, w.max_topk);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (w.op_timeout_ms > d->cfg.max_op_timeout_ms) {
+                snprintf(err, err_len, "op_timeout_ms %u exceeds the daemon's max_op_timeout_ms %u",
+                         w.op_timeout_ms, d->cfg.max_op_timeout_ms);
                 return EPD_INVALID_ARGUMENT;
         }
         memset(cfg, 0, sizeof(*cfg));
@@ -125,9 +141,47 @@ int epd_group_cfg_check(const struct epdd_daemon *d, struct epdd_group_cfg *cfg,
         return 0;
 }
 
-int epd_group_new(struct epdd_daemon *d, const char *name, const void *secret, size_t secret_len,
-                  const struct epdd_group_cfg *cfg, struct epdd_group **out, char *err,
-                  size_t err_len)
+struct epdd_group *epd_group_find_name_of(struct epdd_daemon *d, uid_t owner, const char *name)
+{
+        struct epd_list *pos;
+
+        epd_list_for_each(pos, &d->groups)
+        {
+                struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
+                if (g->owner_uid == owner && strcmp(g->name, name) == 0 &&
+                    g->state != EPD_GROUP_CLOSED)
+                        return g;
+        }
+        return NULL;
+}
+
+struct epdd_group *epd_group_find_for_join(struct epdd_daemon *d, uid_t uid, const char *name,
+                                          const void *secret, size_t secret_len, int *named)
+{
+        struct epdd_group *g = epd_group_find_name_of(d, uid, name), *match = NULL;
+        struct epd_list *pos;
+
+        *named = g != NULL;
+        if (g)
+                return epd__consttime_equal(g->secret, g->secret_len, secret, secret_len) ? g
+                                                                                      : NULL;
+        /* Another uid's group: the secret tells which, when several uids use the name. Every
+         * candidate is compared, so the time does not tell how many there are before it. */
+        epd_list_for_each(pos, &d->groups)
+        {
+                struct epdd_group *o = epd_list_entry(pos, struct epdd_group, link);
+                if (strcmp(o->name, name) != 0 || o->state == EPD_GROUP_CLOSED)
+                        continue;
+                *named = 1;
+                if (epd__consttime_equal(o->secret, o->secret_len, secret, secret_len) && !match)
+                        match = o;
+        }
+        return match;
+}
+
+int epd_group_new(struct epdd_daemon *d, uid_t owner, const char *name, const void *secret,
+                  size_t secret_len, const struct epdd_group_cfg *cfg, struct epdd_group **out,
+                  char *err, size_t err_len)
 {
         struct epdd_group *g;
 
@@ -139,7 +193,9 @@ int epd_group_new(struct epdd_daemon *d, const char *name, const void *secret, s
                 snprintf(err, err_len, "group secret longer than %zu bytes", sizeof(g->secret));
                 return EPD_INVALID_ARGUMENT;
         }
-        if (epd_group_find_name(d, name)) {
+        /* Names are per uid: another user cannot take a name first and make the owner's
+         * create fail. */
+        if (epd_group_find_name_of(d, owner, name)) {
                 snprintf(err, err_len, "group '%s' already exists", name);
                 return EPD_ALREADY_EXISTS;
         }
@@ -155,6 +211,7 @@ int epd_group_new(struct epdd_daemon *d, const char *name, const void *secret, s
                 return EPD_INTERNAL;
         }
         g->daemon = d;
+        g->owner_uid = owner;
         g->id = ++d->next_group_id;
         snprintf(g->name, sizeof(g->name), "%s", name);
         memcpy(g->secret, secret, secret_len);
@@ -404,6 +461,9 @@ int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, u
                          rank, g->name, (unsigned long long)r->conn->id);
                 return EPD_ALREADY_EXISTS;
         }
+        rc = epd_budget_binding(d, c, err, err_len);
+        if (rc != 0)
+                return rc;
         /* The arena lives on the rank's device, in memory this client can map. */
         if (r->arena && (r->device != device || r->arena_host != !c->cuda_capable) &&
             rank_arena_destroy(g, r) < 0) {
@@ -427,7 +487,9 @@ int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, u
         b->group = g;
         b->rank = rank;
         epd_list_add_tail(&c->bindings, &b->conn_link);
+        c->num_bindings++;
         if (r->arena && epd_region_add_arena(c, r->arena, device, &r->arena_region_id) < 0) {
+                c->num_bindings--;
                 epd_list_del(&b->conn_link);
                 free(b);
                 rank_doorbell_retire(g, r);
@@ -490,6 +552,7 @@ void epd_group_unbind(struct epdd_group *g, uint32_t rank, int lost)
                 r->arena_region_id = 0;
         }
         rank_doorbell_retire(g, r);
+        r->conn->num_bindings--;
         epd_list_del(&r->binding->conn_link);
         free(r->binding);
         r->binding = NULL;

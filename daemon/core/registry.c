@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "budget.h"
 #include "arena.h"
 #include "backend.h"
 #include "core.h"
@@ -108,6 +109,9 @@ int epd_region_register(struct epdd_client *c, const struct epdd_region_args *rr
                 rc = EPD_INVALID_ARGUMENT;
                 goto fail_fd;
         }
+        rc = epd_budget_region(d, c, rr->size, err, err_len);
+        if (rc != 0)
+                goto fail_fd;
         r = calloc(1, sizeof(*r));
         if (!r) {
                 snprintf(err, err_len, "out of memory");

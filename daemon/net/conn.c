@@ -16,6 +16,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "admission.h"
 #include "backend.h"
 #include "net.h"
 #include "frame.h"
@@ -25,6 +26,7 @@
 
 static void on_conn_event(uv_poll_t *handle, int status, int events);
 static void on_close_idle(uv_idle_t *idle);
+static int conn_flush(struct epdd_conn *c);
 
 static void conn_update_poll(struct epdd_conn *c)
 {
@@ -57,6 +59,8 @@ int epd_conn_accept(struct epdd_daemon *d, int fd)
         struct ucred cred;
         socklen_t len = sizeof(cred);
         struct epdd_conn *c;
+        const char *why;
+        int admin, rc;
 
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
                 log_warning("SO_PEERCRED failed: %s, ignoring connection", strerror(errno));
@@ -74,11 +78,12 @@ int epd_conn_accept(struct epdd_daemon *d, int fd)
                 refuse(fd, EPD_UNAVAILABLE, "daemon is shutting down");
                 return -ESHUTDOWN;
         }
-        if (d->num_conns >= d->cfg.max_clients) {
+        admin = epd_conn_is_admin(d, cred.uid, cred.gid);
+        rc = epd_admission_check(d, &cred, admin, &why);
+        if (rc != 0) {
                 d->stats.clients_refused++;
-                log_notice("refused client pid=%d: max_clients=%u reached", (int)cred.pid,
-                           d->cfg.max_clients);
-                refuse(fd, EPD_UNAVAILABLE, "too many clients (max_clients reached)");
+                log_notice("refused client pid=%d uid=%u: %s", (int)cred.pid, cred.uid, why);
+                refuse(fd, rc, why);
                 return -EMFILE;
         }
         c = calloc(1, sizeof(*c));
@@ -92,7 +97,8 @@ int epd_conn_accept(struct epdd_daemon *d, int fd)
         c->cl.pid = cred.pid;
         c->cl.uid = cred.uid;
         c->cl.gid = cred.gid;
-        c->cl.admin = epd_conn_is_admin(d, cred.uid, cred.gid);
+        c->cl.admin = admin;
+        c->accepted_ns = epd__now_ns();
         epd_list_init(&c->cl.regions);
         epd_list_init(&c->cl.bindings);
         epd_list_init(&c->out_queue);
@@ -135,6 +141,12 @@ static void conn_close_later(struct epdd_conn *c, const char *why)
         uv_idle_start(&c->close_idle, on_close_idle);
 }
 
+void epd_conn_close_later(struct epdd_conn *c, const char *why)
+{
+        conn_flush(c);
+        conn_close_later(c, why);
+}
+
 static void on_close_idle(uv_idle_t *idle)
 {
         struct epdd_conn *c = idle->data;
@@ -173,6 +185,8 @@ void epd_conn_close(struct epdd_conn *c, const char *why)
                 epd_list_del(&m->link);
                 free_out_msg(m);
         }
+        d->net->out_bytes -= c->out_bytes;
+        c->out_bytes = 0;
         close(c->fd);
         c->fd = -1;
         epd_list_del(&c->cl.link);
@@ -196,6 +210,7 @@ static int conn_flush(struct epdd_conn *c)
                 if (rc < 0)
                         return rc;
                 c->out_bytes -= m->len;
+                c->cl.daemon->net->out_bytes -= m->len;
                 epd_list_del(&m->link);
                 free_out_msg(m);
                 c->cl.daemon->stats.frames_out++;
@@ -208,6 +223,7 @@ int epd_conn_send(struct epdd_conn *c, const Epd__V1__Response *resp, const int 
                   unsigned num_fds)
 {
         struct epdd_daemon *d = c->cl.daemon;
+        struct epdd_conn *victim = NULL;
         size_t len;
         struct epdd_out_msg *m;
         int rc;
@@ -233,16 +249,28 @@ int epd_conn_send(struct epdd_conn *c, const Epd__V1__Response *resp, const int 
                 /* The queue owns a duplicate, so the caller's fd may close before the send. */
                 int dup_fd = fcntl(fds[i], F_DUPFD_CLOEXEC, 3);
                 if (dup_fd < 0) {
+                        int e = errno;
                         free_out_msg(m);
-                        return -errno;
+                        /* The reply cannot go without its descriptor: the client learns it
+                         * from the closed connection, and the log says why. */
+                        conn_close_later(c, "a reply's file descriptor could not be duplicated "
+                                            "(the daemon is out of descriptors)");
+                        return -e;
                 }
                 m->fds[m->num_fds++] = dup_fd;
         }
         epd_list_add_tail(&c->out_queue, &m->link);
         c->out_bytes += len;
+        d->net->out_bytes += len;
         if (c->out_bytes > d->cfg.max_output_queue_bytes) {
                 conn_close_later(c, "output queue limit exceeded: the client does not read its replies");
                 return -ENOBUFS;
+        }
+        if (epd_admission_queue(d, c, &victim) < 0) {
+                conn_close_later(victim, "the daemon's queued replies exceed "
+                                         "max_output_queue_bytes_total: this client holds the most");
+                if (victim == c)
+                        return -ENOBUFS;
         }
         rc = conn_flush(c);
         if (rc < 0) {

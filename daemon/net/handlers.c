@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "budget.h"
 #include "arena.h"
 #include "backend.h"
 #include "net.h"
@@ -182,8 +183,10 @@ static void handle_group_create(struct epdd_conn *c, const Epd__V1__Request *req
                 rc = EPD_INVALID_ARGUMENT;
         }
         if (rc == 0)
-                rc = epd_group_new(d, m->name ? m->name : "", m->secret.data, m->secret.len, &cfg,
-                                   &g, err, sizeof(err));
+                rc = epd_budget_group(d, &c->cl, err, sizeof(err));
+        if (rc == 0)
+                rc = epd_group_new(d, c->cl.uid, m->name ? m->name : "", m->secret.data,
+                                   m->secret.len, &cfg, &g, err, sizeof(err));
         if (rc < 0) {
                 epd_conn_reply_status(c, req->id, rc, "group create: %s", err);
                 return;
@@ -201,21 +204,31 @@ static void handle_group_join(struct epdd_conn *c, const Epd__V1__Request *req)
 {
         struct epdd_daemon *d = c->cl.daemon;
         const Epd__V1__GroupJoin *m = req->group_join;
-        struct epdd_group *g = epd_group_find_name(d, m->name ? m->name : "");
+        const char *name = m->name ? m->name : "";
         uint32_t device;
         char err[256];
-        int rc;
+        int rc, named;
+        struct epdd_group *g = epd_group_find_for_join(d, c->cl.uid, name, m->secret.data,
+                                                       m->secret.len, &named);
 
-        if (!g) {
+        if (!g && !named) {
                 epd_conn_reply_status(c, req->id, EPD_NOT_FOUND, "group '%s' does not exist",
-                                      m->name ? m->name : "");
+                                      name);
                 return;
         }
-        if (!epd__consttime_equal(g->secret, g->secret_len, m->secret.data, m->secret.len)) {
-                log_notice("wrong group secret group=%s client=%llu pid=%d", g->name,
-                           (unsigned long long)c->cl.id, (int)c->cl.pid);
+        if (!g) {
+                /* Guessing costs the connection after a few tries. */
+                c->cl.wrong_secrets++;
+                log_notice("wrong group secret group=%s client=%llu pid=%d uid=%u tries=%u", name,
+                           (unsigned long long)c->cl.id, (int)c->cl.pid, (unsigned)c->cl.uid,
+                           c->cl.wrong_secrets);
                 epd_conn_reply_status(c, req->id, EPD_PERMISSION_DENIED,
-                                      "wrong secret for group '%s'", g->name);
+                                      "wrong secret for group '%s'%s", name,
+                                      c->cl.wrong_secrets >= EPD_MAX_WRONG_SECRETS
+                                              ? ": too many wrong secrets, closing the connection"
+                                              : "");
+                if (c->cl.wrong_secrets >= EPD_MAX_WRONG_SECRETS)
+                        epd_conn_close_later(c, "too many wrong group secrets");
                 return;
         }
         rc = resolve_device(d, m->device, m->device_uuid, &device, err, sizeof(err));

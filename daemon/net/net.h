@@ -24,6 +24,11 @@ struct epdd_net {
         uint8_t *rbuf;                /* receive buffer, max frame + header + 1 */
         size_t rbuf_len;
         int polling;                  /* the loop thread looks at the request boxes each turn */
+        uv_timer_t sweep_timer;       /* handshake deadlines (admission.c) */
+        uv_timer_t backoff_timer;     /* accept() paused while out of descriptors */
+        unsigned backoff_ms;
+        int accept_paused;
+        uint64_t out_bytes;           /* reply bytes queued for every client together */
 };
 
 struct epdd_out_msg {
@@ -41,6 +46,7 @@ struct epdd_conn {
         uv_poll_t poll;
         int poll_events;
         int hello_done;
+        uint64_t accepted_ns;         /* the handshake must end within handshake_timeout_ms */
         /* A send failed (or the output queue overflowed) somewhere inside another object's
          * code: the close runs from close_idle on the loop's next turn (conn.c). */
         const char *close_reason;
@@ -59,6 +65,10 @@ static inline struct epdd_conn *epd_conn_of(struct epdd_client *c)
 /* conn.c */
 int epd_conn_accept(struct epdd_daemon *d, int fd);
 void epd_conn_close(struct epdd_conn *c, const char *why);
+/* Closes c on the loop's next turn, after what is queued for it has been tried. */
+void epd_conn_close_later(struct epdd_conn *c, const char *why);
+/* A connection that sent this many wrong group secrets is closed. */
+#define EPD_MAX_WRONG_SECRETS 8
 int epd_conn_send(struct epdd_conn *c, const Epd__V1__Response *resp, const int *fds,
                   unsigned num_fds);
 /* Sends a Response with only a status and message. */
@@ -101,5 +111,8 @@ int epd_net_init(struct epdd_daemon *d, char *err, size_t err_len);
 void epd_net_free(struct epdd_daemon *d);
 int epd_server_listen(struct epdd_daemon *d, char *err, size_t err_len);
 void epd_server_close(struct epdd_daemon *d);
+/* Stops and restarts watching the listening socket (admission.c's back-off). */
+void epd_server_pause(struct epdd_daemon *d);
+void epd_server_resume(struct epdd_daemon *d);
 
 #endif

@@ -13,6 +13,7 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include "admission.h"
 #include "net.h"
 #include "frame.h"
 #include "log.h"
@@ -28,9 +29,10 @@ static void on_listen_readable(uv_poll_t *handle, int status, int events)
                 int fd = accept4(d->net->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
                 if (fd < 0) {
                         if (errno != EAGAIN && errno != EINTR)
-                                log_warning("accept failed: %s, ignoring", strerror(errno));
+                                epd_admission_accept_failed(d, errno);
                         return;
                 }
+                epd_admission_accepted(d);
                 epd_conn_accept(d, fd);
         }
 }
@@ -129,6 +131,18 @@ sys_fail:
         if (fd >= 0)
                 close(fd);
         return rc;
+}
+
+void epd_server_pause(struct epdd_daemon *d)
+{
+        if (d->net->listen_fd >= 0)
+                uv_poll_stop(&d->net->listen_poll);
+}
+
+void epd_server_resume(struct epdd_daemon *d)
+{
+        if (d->net->listen_fd >= 0 && !d->shutting_down)
+                uv_poll_start(&d->net->listen_poll, UV_READABLE, on_listen_readable);
 }
 
 void epd_server_close(struct epdd_daemon *d)

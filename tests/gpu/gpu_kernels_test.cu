@@ -5,7 +5,7 @@
  * layouts; bf16 and fp8 with scales; alignments; zero padding; weights; -1 entries; int32/int64
  * topk_idx; strided rows; 0/1/2 biases; apply_weights; cached dispatch; capacity and validation
  * failures; one realistic prefill-sized case) it generates seeded inputs, computes the reference
- * with cpu/plan.c + cpu/host_exec.c, runs the kernels with the daemon-mode sequencing of
+ * with cpu/plan.c + cpu/exec.c, runs the kernels with the daemon-mode sequencing of
  * epd_kernels.h (count, event, prefix, event, place + copy), and compares every output buffer over
  * its whole capacity, so bytes that must stay untouched are checked too (outputs start as a
  * sentinel on both sides). Each case runs twice and the two runs must give identical bits.
@@ -27,10 +27,9 @@
 #include <cuda_runtime.h>
 
 extern "C" {
-#include "host_exec.h"
+#include "exec.h"
 #include "plan.h"
 }
-#include "cb_trace.h"
 #include "epd_kernels.h"
 #include "layout.h"
 #include "ordering.cuh"
@@ -399,8 +398,8 @@ static void build_cases(void)
                 c->seed = 0x5003;
         }
 
-        /* Small ops with rows long enough to be cut into slices (combine's evict-first kernel;
-         * these also drove the bulk-copy combine of the thirteenth session). */
+        /* Small ops with rows long enough to be cut into slices (combine's evict-first
+         * kernel and its bulk-copy path). */
         c = add_case("small op, sliced combine: expand, apply_weights, two biases, -1 entries");
         c->R = 4; c->E = 32; c->T = 40; c->K = 8; c->KO = 8; c->H = 2048; c->has_weights = 1;
         c->layout = EPD_LAYOUT_EXPAND; c->align = 4; c->apply_weights = 1; c->num_bias = 2;
@@ -762,15 +761,15 @@ static int upload_dispatch_desc(struct ctx *x, int use_w2)
                 d->num_tokens = r->n;
                 d->topk_idx = r->d_topk;
                 d->topk_stride = r->topk_stride;
-                d->x.ptr = r->d_x;
-                d->x.stride = r->x_stride;
-                d->scales.ptr = r->d_sc;
-                d->scales.stride = r->sc_stride;
-                d->weights.ptr = use_w2 ? r->d_w2 : r->d_w;
-                d->weights.stride = r->w_stride;
-                struct epd_k_mat *outs[O_NUM] = { &d->recv_x, &d->recv_scales, &d->recv_topk_idx,
-                                                  &d->recv_weights, &d->recv_src,
-                                                  &d->recv_topk_slot };
+                d->in.x.ptr = r->d_x;
+                d->in.x.stride = r->x_stride;
+                d->in.scales.ptr = r->d_sc;
+                d->in.scales.stride = r->sc_stride;
+                d->in.weights.ptr = use_w2 ? r->d_w2 : r->d_w;
+                d->in.weights.stride = r->w_stride;
+                struct epd_mat *outs[O_NUM] = { &d->out.recv_x, &d->out.recv_scales,
+                                                &d->out.recv_topk_idx, &d->out.recv_weights,
+                                                &d->out.recv_src, &d->out.recv_topk_slot };
                 for (int o = 0; o < O_NUM; o++) {
                         outs[o]->ptr = r->out[o].present ? r->out[o].dev : NULL;
                         outs[o]->stride = r->out[o].stride;
@@ -1286,7 +1285,7 @@ static void host_combine(struct ctx *x, int use_w2)
                 src[s].combined_topk_weights.stride = r->comb_w.stride;
                 src[s].weights = NULL;
                 if (x->c->has_weights) {
-                        /* host_exec wants packed [N * K_op] weights. */
+                        /* cpu/exec.h wants packed [N * K_op] weights. */
                         float *w = (float *)halloc(x, 4ull * r->n * x->KO);
                         const uint8_t *from = use_w2 ? r->w2 : r->w;
                         for (uint32_t t = 0; t < r->n; t++)
@@ -1382,29 +1381,6 @@ static void host_dispatch(struct ctx *x, int use_w2)
 
 /* ---- timing ---- */
 
-#ifdef DS_TRACE
-/* Trace builds: the one-launch dispatch's phase stamps (kernels/dispatch_small.cu). */
-extern "C" int epd_k_ds_trace(uint64_t *dst, size_t bytes);
-extern "C" int epd_k_ds_trace_warps(uint64_t *end, uint32_t *info, size_t warps);
-extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps);
-
-/* Trace slots past the last launch's grid hold older launches' stamps (or garbage): a stamp
- * counts when it lies within TRACE_WINDOW_NS after the origin, the earliest first stamp within
- * that window of the latest one. v[i * stride] are the first stamps of n blocks or warps. */
-#define TRACE_WINDOW_NS 1000000ull
-static uint64_t trace_origin(const uint64_t *v, int n, int stride)
-{
-        uint64_t t0 = UINT64_MAX, top = 0;
-
-        for (int i = 0; i < n; i++)
-                top = v[i * stride] > top && v[i * stride] < (1ull << 62) ? v[i * stride] : top;
-        for (int i = 0; i < n; i++)
-                if (v[i * stride] != 0 && v[i * stride] + TRACE_WINDOW_NS > top &&
-                    v[i * stride] <= top)
-                        t0 = v[i * stride] < t0 ? v[i * stride] : t0;
-        return t0;
-}
-#endif
 
 static int time_ceiling(double *gbps)
 {
@@ -1678,156 +1654,12 @@ static int report_timing(struct ctx *x, double ceiling)
                                time_route_small(x, 3, 20, &ms_fused_reply, NULL) < 0))
                 return -1;
         for (int what = 0; what < 2 && small_ok(x, 1); what++)
-#ifdef DS_TRACE
-                /* The stamps are the last launch's: make it a Fresh-mode one. */
-                for (int rf = 1; rf >= 0; rf--)
-#else
                 for (int rf = 0; rf < 2; rf++)
-#endif
                         if (time_fresh(x, what, rf, 0, 20, &fresh[what][rf]) < 0)
                                 return -1;
-#ifndef DS_TRACE
         for (int what = 0; what < 2 && small_ok(x, 1); what++)
                 if (time_fresh(x, what, 0, 1, 20, &daemon[what]) < 0)
                         return -1;
-#endif
-#ifdef DS_TRACE
-        if (ms_fused > 0) {
-                /* Experiments: the phase stamps of the last one-launch small dispatch (Fresh
-                 * mode, the loop above). */
-                enum { TS = 32 }; /* stamps per block: DS_TRACE_STAMPS in dispatch_small.cu */
-                static uint64_t st[1024 * TS];
-                int nb = 0;
-                CK(cudaDeviceGetAttribute(&nb, cudaDevAttrMultiProcessorCount, 0));
-                if (nb < (int)x->R)
-                        nb = (int)x->R;
-                CKS(epd_k_ds_trace(st, 8ull * TS * nb));
-                const uint64_t t0 = trace_origin(st, nb, TS);
-                for (int p = 0; p < TS; p++) {
-                        uint64_t lo = UINT64_MAX, hi = 0;
-                        double sum = 0;
-                        int cnt = 0;
-                        for (int b = 0; b < nb; b++) {
-                                uint64_t v = st[b * TS + p];
-                                if (v < t0 || v - t0 > TRACE_WINDOW_NS)
-                                        continue;
-                                v -= t0;
-                                lo = v < lo ? v : lo;
-                                hi = v > hi ? v : hi;
-                                sum += (double)v;
-                                cnt++;
-                        }
-                        if (cnt > 0)
-                                printf("    trace stamp %d: %d blocks, min %llu mean %.0f max %llu ns\n", p,
-                               cnt, (unsigned long long)lo, cnt ? sum / cnt : 0.0,
-                               (unsigned long long)hi);
-                }
-                /* Per copying block: copy start and end (stamps 4 and 5), rows, items and
-                 * multiprocessor (slots 13 to 15 hold numbers, not times). Per warp: its copy's
-                 * end after its block's copy start, by the slice and the destinations of its
-                 * last item; and which warp ends each block. */
-                static uint64_t we[1024 * 32];
-                static uint32_t wi[1024 * 32];
-                CKS(epd_k_ds_trace_warps(we, wi, 32ull * nb));
-                double ssum[8] = { 0 }, rsum[9] = { 0 };
-                int scnt[8] = { 0 }, rcnt[9] = { 0 }, slast[8] = { 0 }, rlast[9] = { 0 };
-                uint64_t smax[8] = { 0 };
-                for (int b = 0; b < nb; b++) {
-                        const uint64_t s4 = st[b * TS + 4], s5 = st[b * TS + 5];
-                        if (s4 < t0 || s5 < t0 || s5 - t0 > TRACE_WINDOW_NS)
-                                continue;
-                        const uint64_t s3 = st[b * TS + 3], s16 = st[b * TS + 16],
-                                       s17 = st[b * TS + 17], s18 = st[b * TS + 18];
-                        printf("    trace block %d: arrived %lld, last warp arrived %lld, "
-                               "entries %lld, at the copy's barrier %lld, copy %llu .. %llu ns, "
-                               "%llu rows, %llu items, SM %llu\n",
-                               b, (long long)(s3 - t0), (long long)(s16 - t0),
-                               (long long)(s18 - t0), (long long)(s17 - t0),
-                               (unsigned long long)(s4 - t0),
-                               (unsigned long long)(s5 - t0),
-                               (unsigned long long)st[b * TS + 13],
-                               (unsigned long long)st[b * TS + 14],
-                               (unsigned long long)st[b * TS + 15]);
-                        uint64_t lastv = 0;
-                        int lw = -1;
-                        for (int w = 0; w < 32; w++) {
-                                const uint64_t e = we[b * 32 + w];
-                                const uint32_t info = wi[b * 32 + w];
-                                if ((info >> 16) == 0 || e < s4 || e - s4 > TRACE_WINDOW_NS)
-                                        continue;
-                                const uint32_t sl = (info & 0xff) % 8, r = ((info >> 8) & 0xff) % 9;
-                                ssum[sl] += (double)(e - s4);
-                                scnt[sl]++;
-                                smax[sl] = e - s4 > smax[sl] ? e - s4 : smax[sl];
-                                rsum[r] += (double)(e - s4);
-                                rcnt[r]++;
-                                if (e > lastv) {
-                                        lastv = e;
-                                        lw = w;
-                                }
-                        }
-                        if (lw >= 0) {
-                                slast[(wi[b * 32 + lw] & 0xff) % 8]++;
-                                rlast[((wi[b * 32 + lw] >> 8) & 0xff) % 9]++;
-                        }
-                }
-                for (int sl = 0; sl < 8; sl++)
-                        if (scnt[sl] > 0)
-                                printf("    trace warps slice %d: %d warps, copy mean %.0f max "
-                                       "%llu ns after the block's start, last in %d blocks\n",
-                                       sl, scnt[sl], ssum[sl] / scnt[sl],
-                                       (unsigned long long)smax[sl], slast[sl]);
-                for (int r = 0; r < 9; r++)
-                        if (rcnt[r] > 0)
-                                printf("    trace warps %d destinations: %d warps, copy mean "
-                                       "%.0f ns, last in %d blocks\n",
-                                       r, rcnt[r], rsum[r] / rcnt[r], rlast[r]);
-                /* The last combine (Fresh mode): per warp, entry, workspace loads done and
-                 * end, from the first warp's entry; the end by contributions. */
-                static uint64_t cw[8192 * 4];
-                CKS(epd_k_cb_trace(cw, 8192));
-                const uint64_t c0 = trace_origin(cw, 8192, 4);
-                double csum[3] = { 0 }, bsum[10] = { 0 };
-                uint64_t cmin[3] = { UINT64_MAX, UINT64_MAX, UINT64_MAX }, cmax[3] = { 0 };
-                int cn = 0, bn[10] = { 0 };
-                double psum = 0;
-                uint64_t pmax = 0;
-                uint64_t bmax[10] = { 0 };
-                for (int w = 0; w < 8192; w++) {
-                        const uint64_t *e = &cw[w * 4];
-                        if (e[0] < c0 || e[0] - c0 > TRACE_WINDOW_NS || e[1] < e[0] ||
-                            e[2] < e[1])
-                                continue;
-                        for (int q = 0; q < 3; q++) {
-                                const uint64_t v = e[q] - c0;
-                                csum[q] += (double)v;
-                                cmin[q] = v < cmin[q] ? v : cmin[q];
-                                cmax[q] = v > cmax[q] ? v : cmax[q];
-                        }
-                        const uint64_t pre = epd_cb_trace_pre_ns(e[3]);
-                        psum += (double)pre;
-                        pmax = pre > pmax ? pre : pmax;
-                        const int nc = (int)(epd_cb_trace_contributions(e[3]) % 10);
-                        bsum[nc] += (double)(e[2] - c0);
-                        bmax[nc] = e[2] - c0 > bmax[nc] ? e[2] - c0 : bmax[nc];
-                        bn[nc]++;
-                        cn++;
-                }
-                if (cn > 0)
-                        printf("    trace combine parameters read (from the warp's entry): "
-                               "mean %.0f max %llu ns\n", psum / cn, (unsigned long long)pmax);
-                const char *cname[3] = { "entry", "workspace loaded", "end" };
-                for (int q = 0; cn > 0 && q < 3; q++)
-                        printf("    trace combine %s: %d warps, min %llu mean %.0f max %llu ns\n",
-                               cname[q], cn, (unsigned long long)cmin[q], csum[q] / cn,
-                               (unsigned long long)cmax[q]);
-                for (int nc = 0; nc < 10; nc++)
-                        if (bn[nc] > 0)
-                                printf("    trace combine %d contributions: %d warps, end mean "
-                                       "%.0f max %llu ns\n", nc, bn[nc], bsum[nc] / bn[nc],
-                                       (unsigned long long)bmax[nc]);
-        }
-#endif
         double disp_floor = 2.0 * rows * (x->row_bytes + x->scale_bytes);
         double disp_meta = 2.0 * rows * (x->row_bytes + x->scale_bytes + meta);
         double comb_floor = (double)(contrib + tokens * (1 + x->c->num_bias)) * 2.0 * x->H;

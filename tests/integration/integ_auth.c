@@ -12,13 +12,18 @@
  *   anyone else (epd_client_capabilities); that the admin verbs themselves refuse everyone
  *   else is integ_admin's;
  * - group secrets across users: another user who knows the secret may join a root's group,
- *   with a wrong secret it gets PERMISSION_DENIED. (Short secrets, wrong secrets of the same
+ *   with a wrong secret it gets PERMISSION_DENIED;
+ * - group names are per uid: another user who took a name first does not make root's create of
+ *   that name fail, and a join finds its own uid's group first;
+ * - wrong secrets cost the connection after EPD_MAX_WRONG_SECRETS tries;
+ * - a uid dropped from the allow list by SIGHUP loses its open connections too. (Short secrets, wrong secrets of the same
  *   user and regions of other clients are integ_proto's.)
  * Without root the tests say so and pass: dropping privileges needs it.
  */
 #include <check.h>
 #include <errno.h>
 #include <grp.h>
+#include <poll.h>
 #include <jansson.h>
 #include <pwd.h>
 #include <signal.h>
@@ -65,6 +70,8 @@ enum child_action {
         ACT_CONNECT,       /* epd_client_connect: status, message, capabilities */
         ACT_JOIN,          /* connect, join group "shared" as rank 1 with the right secret */
         ACT_JOIN_WRONG,    /* ... with a wrong secret */
+        ACT_CREATE_HOLD,   /* create group "shared" (2 ranks, its own secret), report, hold it */
+        ACT_CONNECT_HOLD,  /* connect, report, then ask every 20 ms until the daemon refuses */
 };
 
 struct child_result {
@@ -74,6 +81,39 @@ struct child_result {
         uid_t uid;
         char message[400];
 };
+
+/* The hold actions report through hold_fd twice: once set up, once the connection ended. */
+static int hold_fd = -1;
+
+static int hold_body(struct epd_client *c, enum child_action act, struct child_result *r)
+{
+        struct epd_group_config cfg = {
+                .size = sizeof(cfg), .world_size = 2, .num_experts = 8, .hidden = 64,
+                .max_tokens_per_rank = 16, .max_topk = 2, .dispatch_dtype = EPD_DTYPE_BF16,
+                .arena_bytes = 1u << 20,
+        };
+        unsigned char secret[16];
+        struct epd_group_args ga = { .size = sizeof(ga), .name = "shared", .secret = secret,
+                                     .secret_len = sizeof(secret), .rank = 0, .config = &cfg };
+        struct epd_size_hint hint;
+        struct epd_group *g = NULL;
+
+        if (act == ACT_CREATE_HOLD) {
+                h_secret("nobody's own", secret);
+                r->rc = epd_group_create(c, &ga, &g);
+                snprintf(r->message, sizeof(r->message), "%s", epd_client_last_error(c));
+        }
+        r->done = 1;
+        if (write(hold_fd, r, sizeof(*r)) != (ssize_t)sizeof(*r))
+                _exit(2);
+        do
+                usleep(20000);
+        while ((r->rc = epd_size_hint(c, &cfg, 1, &hint)) == EPD_OK);
+        snprintf(r->message, sizeof(r->message), "%s", epd_client_last_error(c));
+        if (write(hold_fd, r, sizeof(*r)) != (ssize_t)sizeof(*r))
+                _exit(2);
+        _exit(0);
+}
 
 static int child_body(const struct h_daemon *d, enum child_action act, struct child_result *r)
 {
@@ -103,6 +143,8 @@ static int child_body(const struct h_daemon *d, enum child_action act, struct ch
         if (r->rc < 0)
                 return 0;
         r->caps = epd_client_capabilities(c);
+        if (act == ACT_CREATE_HOLD || act == ACT_CONNECT_HOLD)
+                return hold_body(c, act, r);
         if (act == ACT_JOIN || act == ACT_JOIN_WRONG) {
                 h_secret(act == ACT_JOIN ? "shared" : "not shared", secret);
                 r->rc = epd_group_join(c, &ga, &g);
@@ -141,6 +183,62 @@ static struct child_result as_nobody(const struct h_daemon *d, enum child_action
         ck_assert_msg(r.done, "the child failed: %s", r.message);
         ck_assert_uint_eq(r.uid, nobody_uid);
         return r;
+}
+
+/* Starts a hold action in a child that is `nobody`; returns its first report. */
+struct held {
+        pid_t pid;
+        int fd;
+};
+
+static struct child_result hold_as_nobody(const struct h_daemon *d, enum child_action act,
+                                          struct held *h)
+{
+        struct child_result r;
+        int pipefd[2];
+
+        memset(&r, 0, sizeof(r));
+        ck_assert_int_eq(pipe(pipefd), 0);
+        fflush(stdout);
+        fflush(stderr);
+        h->pid = fork();
+        ck_assert_int_ge(h->pid, 0);
+        if (h->pid == 0) {
+                close(pipefd[0]);
+                hold_fd = pipefd[1];
+                child_body(d, act, &r);
+                (void)!write(pipefd[1], &r, sizeof(r));
+                _exit(1);
+        }
+        close(pipefd[1]);
+        h->fd = pipefd[0];
+        ck_assert_int_eq(read(h->fd, &r, sizeof(r)), (ssize_t)sizeof(r));
+        ck_assert_msg(r.done, "the child failed: %s", r.message);
+        return r;
+}
+
+/* The hold's second report (the connection ended), or a failure after timeout_ms. */
+static struct child_result held_end(struct held *h, int timeout_ms)
+{
+        struct pollfd pfd = { .fd = h->fd, .events = POLLIN };
+        struct child_result r;
+        int status;
+
+        memset(&r, 0, sizeof(r));
+        ck_assert_msg(poll(&pfd, 1, timeout_ms) == 1, "the held connection still works");
+        ck_assert_int_eq(read(h->fd, &r, sizeof(r)), (ssize_t)sizeof(r));
+        close(h->fd);
+        ck_assert_int_eq(waitpid(h->pid, &status, 0), h->pid);
+        return r;
+}
+
+static void held_kill(struct held *h)
+{
+        int status;
+
+        kill(h->pid, SIGKILL);
+        ck_assert_int_eq(waitpid(h->pid, &status, 0), h->pid);
+        close(h->fd);
 }
 
 /* ---- daemon ---- */
@@ -342,6 +440,7 @@ START_TEST(test_allow_reload)
         const char *mode_0666[] = { "--socket-mode", "0666", NULL };
         struct auth_daemon ad;
         struct child_result r;
+        struct held held;
         char text[256];
         long long deadline;
 
@@ -361,6 +460,9 @@ START_TEST(test_allow_reload)
         } while (r.rc != EPD_OK && h_now_ms() < deadline);
         ck_assert_msg(r.rc == EPD_OK, "nobody still refused after the reload: %s: %s",
                       epd_status_name(r.rc), r.message);
+        /* An open connection of nobody's, which the next reload must end. */
+        r = hold_as_nobody(&ad.d, ACT_CONNECT_HOLD, &held);
+        ck_assert_int_eq(r.rc, EPD_OK);
         config_write(&ad, "[daemon]\nallow_uids = 0\n");
         ck_assert_int_eq(kill(ad.d.pid, SIGHUP), 0);
         deadline = h_now_ms() + 3000;
@@ -370,6 +472,9 @@ START_TEST(test_allow_reload)
         } while (r.rc == EPD_OK && h_now_ms() < deadline);
         ck_assert_msg(r.rc == EPD_PERMISSION_DENIED, "nobody still admitted after the reload: %s",
                       epd_status_name(r.rc));
+        r = held_end(&held, 3000);
+        ck_assert_msg(r.rc != EPD_OK, "nobody's open connection survived its removal");
+        ck_assert(h_daemon_log_contains(&ad.d, "no longer allowed"));
         daemon_stop_clean(&ad);
 }
 END_TEST
@@ -453,6 +558,101 @@ START_TEST(test_secret_across_users)
 }
 END_TEST
 
+/* ---- group names per uid, and guessing secrets ---- */
+
+START_TEST(test_names_per_uid)
+{
+        const char *mode_0666[] = { "--socket-mode", "0666", NULL };
+        struct epd_group_config cfg = {
+                .size = sizeof(cfg), .world_size = 2, .num_experts = 8, .hidden = 64,
+                .max_tokens_per_rank = 16, .max_topk = 2, .dispatch_dtype = EPD_DTYPE_BF16,
+                .arena_bytes = 1u << 20,
+        };
+        unsigned char secret[16];
+        struct epd_group_args ga = { .size = sizeof(ga), .name = "shared", .secret = secret,
+                                     .secret_len = sizeof(secret), .rank = 0, .config = &cfg };
+        struct auth_daemon ad;
+        struct child_result r;
+        struct epd_client *c, *c1;
+        struct epd_group *g, *g1;
+        struct held squatter;
+        int rc;
+
+        if (!have_root())
+                return;
+        daemon_start(&ad, "", mode_0666);
+        /* nobody takes the name first. */
+        r = hold_as_nobody(&ad.d, ACT_CREATE_HOLD, &squatter);
+        ck_assert_msg(r.rc == EPD_OK, "nobody's create: %s: %s", epd_status_name(r.rc),
+                      r.message);
+        /* root's create of the same name is root's own group. */
+        c = connect_root(&ad.d);
+        h_secret("shared", secret);
+        rc = epd_group_create(c, &ga, &g);
+        ck_assert_msg(rc == EPD_OK, "root's create beside nobody's group: %s: %s",
+                      epd_status_name(rc), epd_client_last_error(c));
+        /* A second create by the same uid is refused. */
+        c1 = connect_root(&ad.d);
+        ck_assert_int_eq(epd_group_create(c1, &ga, &g1), EPD_ALREADY_EXISTS);
+        /* A root join finds root's group. */
+        ga.rank = 1;
+        ga.config = NULL;
+        ck_assert_int_eq(epd_group_join(c1, &ga, &g1), EPD_OK);
+        ck_assert_uint_eq(epd_group_id(g1), epd_group_id(g));
+        /* nobody, with root's secret, finds its own group first: wrong secret there. */
+        r = as_nobody(&ad.d, ACT_JOIN);
+        ck_assert_msg(r.rc == EPD_PERMISSION_DENIED, "nobody's join: %s: %s",
+                      epd_status_name(r.rc), r.message);
+        held_kill(&squatter);
+        ck_assert_int_eq(epd_group_leave(g1), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g), EPD_OK);
+        epd_client_free(c1);
+        epd_client_free(c);
+        daemon_stop_clean(&ad);
+}
+END_TEST
+
+START_TEST(test_wrong_secrets_close_the_connection)
+{
+        struct epd_group_config cfg = {
+                .size = sizeof(cfg), .world_size = 2, .num_experts = 8, .hidden = 64,
+                .max_tokens_per_rank = 16, .max_topk = 2, .dispatch_dtype = EPD_DTYPE_BF16,
+                .arena_bytes = 1u << 20,
+        };
+        unsigned char secret[16];
+        struct epd_group_args ga = { .size = sizeof(ga), .name = "guarded", .secret = secret,
+                                     .secret_len = sizeof(secret), .rank = 0, .config = &cfg };
+        struct epd_size_hint hint;
+        struct auth_daemon ad;
+        struct epd_client *owner, *guesser;
+        struct epd_group *g, *x = NULL;
+        int rc;
+
+        daemon_start(&ad, "", NULL);
+        owner = connect_root(&ad.d);
+        h_secret("guarded", secret);
+        ck_assert_int_eq(epd_group_create(owner, &ga, &g), EPD_OK);
+        guesser = connect_root(&ad.d);
+        ga.rank = 1;
+        ga.config = NULL;
+        for (int i = 1; i <= 8; i++) {
+                h_secret(i % 2 ? "guess one" : "guess two", secret);
+                rc = epd_group_join(guesser, &ga, &x);
+                ck_assert_msg(rc == EPD_PERMISSION_DENIED, "guess %d: %s: %s", i,
+                              epd_status_name(rc), epd_client_last_error(guesser));
+                ck_assert_int_eq(!!strstr(epd_client_last_error(guesser), "closing"), i == 8);
+        }
+        /* The guesser's connection is gone; the owner's is not. */
+        ck_assert_int_ne(epd_size_hint(guesser, &cfg, 1, &hint), EPD_OK);
+        ck_assert_int_eq(epd_size_hint(owner, &cfg, 1, &hint), EPD_OK);
+        ck_assert(h_daemon_log_contains(&ad.d, "too many wrong group secrets"));
+        epd_client_free(guesser);
+        ck_assert_int_eq(epd_group_leave(g), EPD_OK);
+        epd_client_free(owner);
+        daemon_stop_clean(&ad);
+}
+END_TEST
+
 int main(void)
 {
         Suite *s = suite_create("auth");
@@ -467,6 +667,8 @@ int main(void)
         tcase_add_test(tc, test_allow_reload);
         tcase_add_test(tc, test_admin_capability);
         tcase_add_test(tc, test_secret_across_users);
+        tcase_add_test(tc, test_names_per_uid);
+        tcase_add_test(tc, test_wrong_secrets_close_the_connection);
         suite_add_tcase(s, tc);
         sr = srunner_create(s);
         srunner_set_fork_status(sr, CK_FORK);

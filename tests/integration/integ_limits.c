@@ -7,6 +7,14 @@
  * a clean exit. Covered:
  * - max_clients: the connection over the limit is refused with UNAVAILABLE and a message naming
  *   the limit; a slot that frees up is usable again; refusals are counted;
+ * - admin_reserved_clients: root still connects (epctl answers) when idle connections fill
+ *   max_clients, up to the reserve;
+ * - handshake_timeout_ms: a connection that never sends Hello is closed, and its slot freed;
+ * - running out of descriptors: accept() failing with EMFILE pauses accepting (bounded CPU and
+ *   log lines, unfinished handshakes closed first) and the daemon serves again afterwards;
+ * - the budgets per uid and per daemon (max_bindings_per_client, max_bindings, max_groups_per_uid,
+ *   max_regions): the request over one fails with UNAVAILABLE naming it, for whichever client
+ *   of the uid (or of the daemon) asks, and freeing makes room;
  * - max_groups, max_regions_per_client, max_region_bytes_per_client: the request over the limit
  *   fails with UNAVAILABLE naming the limit, nothing is left behind (a refused region's fd is
  *   closed), the limit is per client where it should be, and freeing makes room again;
@@ -33,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -188,7 +197,8 @@ START_TEST(test_max_clients)
         char err[512];
         int rc;
 
-        daemon_start_with(&ld, "[limits]\nmax_clients = 3\n");
+        /* Without a reserve: the tests run as root, an administrator. */
+        daemon_start_with(&ld, "[limits]\nmax_clients = 3\nadmin_reserved_clients = 0\n");
         args.socket_path = ld.d.socket;
         for (int i = 0; i < 3; i++)
                 c[i] = h_connect_ok(&ld.d, "slot");
@@ -227,7 +237,233 @@ START_TEST(test_max_clients)
 }
 END_TEST
 
+/* ---- admin_reserved_clients and handshake_timeout_ms ---- */
+
+/* Idle connections that never say Hello fill max_clients; root (an administrator) still gets
+ * the reserve, epctl answers, and once the handshake deadline passes the idle ones are closed
+ * and their slots are free again. */
+START_TEST(test_idle_handshakes_and_admin_reserve)
+{
+        struct limits_daemon ld;
+        struct epd_connect_args args = { .size = sizeof(args), .client_name = "reserve",
+                                         .timeout_ms = 5000 };
+        struct epd_client *admin[2], *over = NULL;
+        struct h_close_result res;
+        int idle[4];
+        char err[512];
+        long long t0;
+        json_t *st;
+        int rc;
+
+        daemon_start_with(&ld, "[limits]\nmax_clients = 4\nadmin_reserved_clients = 2\n"
+                               "handshake_timeout_ms = 700\n");
+        args.socket_path = ld.d.socket;
+        t0 = h_now_ms();
+        for (int i = 0; i < 4; i++) {
+                idle[i] = h_raw_connect(&ld.d);
+                ck_assert_int_ge(idle[i], 0);
+        }
+        /* max_clients is full of idle connections: the reserve admits two administrators. */
+        for (int i = 0; i < 2; i++) {
+                rc = epd_client_connect(&args, &admin[i], err, sizeof(err));
+                ck_assert_msg(rc == EPD_OK, "administrator %d within the reserve: %s: %s", i,
+                              epd_status_name(rc), err);
+        }
+        rc = epd_client_connect(&args, &over, err, sizeof(err));
+        ck_assert_msg(rc == EPD_UNAVAILABLE && strstr(err, "reserve"),
+                      "beyond the reserve: %s: %s", epd_status_name(rc), err);
+        ck_assert_msg(h_now_ms() - t0 < 600, "the deadline passed before the checks ran");
+        /* The idle connections are closed at their deadline, not before. */
+        for (int i = 0; i < 4; i++) {
+                h_expect_closed(idle[i], &res);
+                close(idle[i]);
+        }
+        ck_assert_msg(h_now_ms() - t0 >= 650, "idle connections closed after only %lld ms",
+                      h_now_ms() - t0);
+        ck_assert(h_daemon_log_contains(&ld.d, "no Hello within handshake_timeout_ms"));
+        /* Their slots are free: epctl and new clients get in. */
+        st = h_epctl_json(&ld.d, "status");
+        ck_assert_ptr_nonnull(st);
+        json_decref(st);
+        for (int i = 0; i < 2; i++)
+                ck_assert_int_eq(size_hint(admin[i]), EPD_OK);
+        rc = epd_client_connect(&args, &over, err, sizeof(err));
+        ck_assert_msg(rc == EPD_OK, "after the idle ones left: %s: %s", epd_status_name(rc), err);
+        epd_client_free(over);
+        for (int i = 0; i < 2; i++)
+                epd_client_free(admin[i]);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+/* CPU seconds (user + system) the process has used, from /proc/PID/stat. */
+static double proc_cpu_seconds(pid_t pid)
+{
+        char path[64], buf[1024], *p;
+        unsigned long utime = 0, stime = 0;
+        FILE *f;
+
+        snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+        f = fopen(path, "re");
+        ck_assert_ptr_nonnull(f);
+        ck_assert_ptr_nonnull(fgets(buf, sizeof(buf), f));
+        fclose(f);
+        p = strrchr(buf, ')');
+        ck_assert_ptr_nonnull(p);
+        /* Fields 14 and 15 (utime, stime); p points at the end of field 2. */
+        ck_assert_int_eq(sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu",
+                                &utime, &stime), 2);
+        return (double)(utime + stime) / (double)sysconf(_SC_CLK_TCK);
+}
+
+/* The daemon runs with few descriptors; connections that never finish their handshake use them
+ * all. accept() then fails with EMFILE: the daemon must not spin on it (the listening socket
+ * stays readable), must not flood its log, closes the unfinished handshakes and serves again. */
+START_TEST(test_out_of_descriptors)
+{
+        struct limits_daemon ld;
+        struct rlimit old, low;
+        int socks[96], n = 0;
+        double cpu0, cpu1;
+        struct epd_client *c = NULL;
+        struct epd_connect_args args = { .size = sizeof(args), .client_name = "after",
+                                         .timeout_ms = 5000 };
+        char err[512];
+        FILE *f;
+        char line[1024];
+        int lines = 0, rc;
+
+        daemon_start_with(&ld, "[limits]\nhandshake_timeout_ms = 3000\n");
+        /* The daemon raised its soft limit at start; lower it from outside. */
+        ck_assert_int_eq(prlimit(ld.d.pid, RLIMIT_NOFILE, NULL, &old), 0);
+        low = old;
+        low.rlim_cur = 48;
+        ck_assert_int_eq(prlimit(ld.d.pid, RLIMIT_NOFILE, &low, NULL), 0);
+        args.socket_path = ld.d.socket;
+
+        /* More connections than the daemon has descriptors; those it cannot accept wait in
+         * the listen backlog. */
+        for (n = 0; n < 96; n++) {
+                socks[n] = h_raw_connect(&ld.d);
+                ck_assert_int_ge(socks[n], 0);
+        }
+        usleep(300000);
+        cpu0 = proc_cpu_seconds(ld.d.pid);
+        usleep(1000000);
+        cpu1 = proc_cpu_seconds(ld.d.pid);
+        ck_assert_msg(cpu1 - cpu0 < 0.3, "the daemon used %.2f CPU-seconds in 1 s while out of "
+                      "descriptors", cpu1 - cpu0);
+        ck_assert(h_daemon_log_contains(&ld.d, "not accepting for"));
+        h_assert_daemon_alive(&ld.d, NULL);
+
+        /* Once the clients give up, the daemon accepts again. */
+        for (int i = 0; i < n; i++)
+                close(socks[i]);
+        for (int attempt = 0; attempt < 100 && !c; attempt++) {
+                rc = epd_client_connect(&args, &c, err, sizeof(err));
+                if (rc != EPD_OK)
+                        usleep(50000);
+        }
+        ck_assert_msg(c != NULL, "no connection after the descriptors came back: %s", err);
+        ck_assert_int_eq(size_hint(c), EPD_OK);
+        epd_client_free(c);
+
+        /* The log stayed small: a few lines per back-off, not one per failed accept. */
+        f = fopen(ld.d.log, "re");
+        ck_assert_ptr_nonnull(f);
+        while (fgets(line, sizeof(line), f))
+                lines++;
+        fclose(f);
+        ck_assert_msg(lines < 200, "%d log lines while out of descriptors", lines);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
 /* ---- max_groups ---- */
+
+static void refused_naming(struct epd_client *c, int rc, const char *limit, const char *what)
+{
+        const char *msg = epd_client_last_error(c);
+
+        ck_assert_msg(rc == EPD_UNAVAILABLE, "%s gave %s: %s", what, epd_status_name(rc), msg);
+        ck_assert_msg(strstr(msg, limit), "%s: the message does not name %s: '%s'", what, limit,
+                      msg);
+}
+
+START_TEST(test_budgets_per_uid_and_daemon)
+{
+        struct limits_daemon ld;
+        struct epd_group_config cfg = group_config(1);
+        struct epd_group *g[8] = { NULL };
+        struct epd_client *a, *b, *c;
+        uint64_t ids[4];
+        void *p[4];
+
+        daemon_start_with(&ld, "[limits]\nmax_bindings_per_client = 2\nmax_bindings = 4\n"
+                               "max_groups_per_uid = 5\nmax_regions = 3\n");
+        a = h_connect_ok(&ld.d, "a");
+        b = h_connect_ok(&ld.d, "b");
+        c = h_connect_ok(&ld.d, "c");
+        /* Per client. */
+        ck_assert_int_eq(group_enter(a, 1, "a0", 0, &cfg, &g[0]), EPD_OK);
+        ck_assert_int_eq(group_enter(a, 1, "a1", 0, &cfg, &g[1]), EPD_OK);
+        refused_naming(a, group_enter(a, 1, "a2", 0, &cfg, &g[2]), "max_bindings_per_client",
+                       "a third binding of one client");
+        /* Per daemon: b takes the last two. */
+        ck_assert_int_eq(group_enter(b, 1, "b0", 0, &cfg, &g[3]), EPD_OK);
+        ck_assert_int_eq(group_enter(b, 1, "b1", 0, &cfg, &g[4]), EPD_OK);
+        refused_naming(c, group_enter(c, 1, "c0", 0, &cfg, &g[5]), "max_bindings",
+                       "a binding beyond the daemon's");
+        /* Leaving makes room; then the uid's fifth group is its last. */
+        ck_assert_int_eq(epd_group_leave(g[0]), EPD_OK);
+        ck_assert_int_eq(group_enter(c, 1, "c0", 0, &cfg, &g[5]), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g[1]), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g[3]), EPD_OK);
+        ck_assert_int_eq(group_enter(c, 1, "c1", 0, &cfg, &g[6]), EPD_OK);
+        ck_assert_int_eq(group_enter(a, 1, "a3", 0, &cfg, &g[7]), EPD_OK);
+        /* b1, c0, c1, a3: four groups of this uid, and four bindings in the daemon. */
+        ck_assert_int_eq(epd_group_leave(g[7]), EPD_OK);
+        ck_assert_int_eq(json_field(&ld.d, "status", "groups"), 3);
+
+        /* Regions: the daemon's limit counts every client's. */
+        ck_assert_int_eq(epd_region_alloc(a, 4096, &p[0], &ids[0]), EPD_OK);
+        ck_assert_int_eq(epd_region_alloc(b, 4096, &p[1], &ids[1]), EPD_OK);
+        ck_assert_int_eq(epd_region_alloc(c, 4096, &p[2], &ids[2]), EPD_OK);
+        refused_naming(a, epd_region_alloc(a, 4096, &p[3], &ids[3]), "max_regions",
+                       "a region beyond the daemon's");
+        ck_assert_int_eq(epd_region_release(b, ids[1]), EPD_OK);
+        ck_assert_int_eq(epd_region_alloc(a, 4096, &p[3], &ids[3]), EPD_OK);
+        ck_assert_int_eq(size_hint(b), EPD_OK);
+
+        epd_client_free(c);
+        epd_client_free(b);
+        epd_client_free(a);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+START_TEST(test_max_groups_per_uid)
+{
+        struct limits_daemon ld;
+        struct epd_group_config cfg = group_config(1);
+        struct epd_group *g[3] = { NULL };
+        struct epd_client *a, *b;
+
+        daemon_start_with(&ld, "[limits]\nmax_groups_per_uid = 2\n");
+        a = h_connect_ok(&ld.d, "a");
+        b = h_connect_ok(&ld.d, "b");
+        ck_assert_int_eq(group_enter(a, 1, "g0", 0, &cfg, &g[0]), EPD_OK);
+        ck_assert_int_eq(group_enter(b, 1, "g1", 0, &cfg, &g[1]), EPD_OK);
+        /* The uid's, not a client's: both clients are root. */
+        refused_naming(a, group_enter(a, 1, "g2", 0, &cfg, &g[2]), "max_groups_per_uid",
+                       "the uid's third group");
+        ck_assert_int_eq(epd_group_leave(g[1]), EPD_OK);
+        ck_assert_int_eq(group_enter(a, 1, "g2", 0, &cfg, &g[2]), EPD_OK);
+        epd_client_free(b);
+        epd_client_free(a);
+        daemon_stop_clean(&ld);
+}
+END_TEST
 
 START_TEST(test_max_groups)
 {
@@ -740,7 +976,11 @@ static Suite *limits_suite(void)
 
         tcase_set_timeout(tc, 30);
         tcase_add_test(tc, test_max_clients);
+        tcase_add_test(tc, test_idle_handshakes_and_admin_reserve);
+        tcase_add_test(tc, test_out_of_descriptors);
         tcase_add_test(tc, test_max_groups);
+        tcase_add_test(tc, test_budgets_per_uid_and_daemon);
+        tcase_add_test(tc, test_max_groups_per_uid);
         tcase_add_test(tc, test_max_regions);
         tcase_add_test(tc, test_max_region_bytes);
         tcase_add_test(tc, test_max_outstanding_ops);

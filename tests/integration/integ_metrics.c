@@ -1,5 +1,5 @@
 /* integ_metrics.c - the Prometheus endpoint and `epctl top` while a load runs, against the real
- * epd binary (DESIGN.md section 7, issue 6). One mode per CTest test:
+ * epd binary (docs/architecture.md, "Seeing where time goes"). One mode per CTest test:
  *
  *   integ_metrics exposition  GET /metrics twice while a worker loops dispatch and combine: the
  *                             page is well-formed text exposition 0.0.4 (HELP and TYPE for every

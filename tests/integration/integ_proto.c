@@ -757,7 +757,29 @@ START_TEST(test_region_register_checks)
         rc = epd_region_register_fd(c, EPD_REGION_HOST_MEMFD, fd, REGION_BYTES, 0, NULL, &id);
         ck_assert_msg(rc == EPD_INVALID_ARGUMENT, "an unsealable memfd: %s",
                       epd_status_name(rc));
+        ck_assert_msg(strstr(epd_client_last_error(c), "MFD_ALLOW_SEALING"),
+                      "an unsealable memfd: '%s'", epd_client_last_error(c));
         close(fd);
+
+        /* A sealable memfd reopened read-only: refused for being read-only, not for sealing. */
+        {
+                char path[64];
+                int ro;
+
+                ck_assert_int_eq(epd_memfd_alloc(REGION_BYTES, &fd, &p), EPD_OK);
+                snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+                ro = open(path, O_RDONLY | O_CLOEXEC);
+                ck_assert_int_ge(ro, 0);
+                rc = epd_region_register_fd(c, EPD_REGION_HOST_MEMFD, ro, REGION_BYTES, 0, NULL,
+                                            &id);
+                ck_assert_msg(rc == EPD_INVALID_ARGUMENT, "a read-only memfd: %s",
+                              epd_status_name(rc));
+                ck_assert_msg(strstr(epd_client_last_error(c), "O_RDWR"),
+                              "a read-only memfd: '%s'", epd_client_last_error(c));
+                close(ro);
+                munmap(p, REGION_BYTES);
+                close(fd);
+        }
 
         /* Not a file at all; the daemon must still close the fd it was given. */
         ck_assert_int_eq(pipe2(pipefd, O_CLOEXEC), 0);
@@ -1371,6 +1393,114 @@ END_TEST
 
 /* ---- 8. a rank that never submits ---- */
 
+/* Creates a group that must be refused with INVALID_ARGUMENT and a message holding `needle`. */
+static void create_refused(struct epd_client *c, const char *name,
+                           const struct epd_group_config *cfg, const char *needle)
+{
+        unsigned char secret[16];
+        struct epd_group *g = NULL;
+        int rc;
+
+        h_secret(name, secret);
+        rc = group_enter(c, 1, name, secret, sizeof(secret), 0, cfg, &g);
+        ck_assert_msg(rc == EPD_INVALID_ARGUMENT, "create %s gave %s: %s", name,
+                      epd_status_name(rc), epd_client_last_error(c));
+        ck_assert_msg(strstr(epd_client_last_error(c), needle), "create %s: '%s' lacks '%s'",
+                      name, epd_client_last_error(c), needle);
+        ck_assert_ptr_null(g);
+}
+
+static void config_file_write(const char *path, const char *text)
+{
+        FILE *f = fopen(path, "w");
+
+        ck_assert_ptr_nonnull(f);
+        ck_assert_int_ge(fputs(text, f), 0);
+        ck_assert_int_eq(fclose(f), 0);
+}
+
+/* Sends SIGHUP and waits until the daemon's log holds `line` `count` times. */
+static void reload_and_wait(struct h_daemon *d, const char *line, int count)
+{
+        long long deadline = h_now_ms() + 5000;
+
+        ck_assert_int_eq(kill(d->pid, SIGHUP), 0);
+        while (h_daemon_log_contains(d, line) < count && h_now_ms() < deadline)
+                usleep(10000);
+        ck_assert_msg(h_daemon_log_contains(d, line) >= count,
+                      "no '%s' in the log after SIGHUP", line);
+}
+
+/* Command-line flags outrank the file on every reload; the daemon's bound on op timeouts
+ * refuses a group that asks for more, and a reload that would break the bound is refused
+ * whole. Groups that could never run are refused at creation. */
+START_TEST(test_config_bounds_and_reload)
+{
+        char path[] = "/tmp/epd-proto-conf-XXXXXX";
+        const char *flags[] = { "--config", path, "--op-timeout-ms", "700", NULL };
+        const char *bad_start[] = { "--config", "/dev/null", "--socket", "/tmp/epd-unused.sock",
+                                    "--op-timeout-ms", "70000", NULL };
+        struct epd_group_config cfg = group_config(1, 0);
+        struct epd_group *g;
+        struct epd_client *c;
+        struct h_daemon d;
+        char out[256];
+        int fd;
+
+        /* A default timeout beyond the (default) bound never starts. */
+        ck_assert_int_eq(h_run_tool("epd", bad_start, out, sizeof(out)), 2);
+
+        fd = mkstemp(path);
+        ck_assert_int_ge(fd, 0);
+        close(fd);
+        config_file_write(path, "[daemon]\nop_timeout_ms = 5000\n");
+        ck_assert_int_eq(h_daemon_start(&d, flags), 0);
+        c = h_connect_ok(&d, "bounds");
+        g = create_ok(c, "flag-wins", 0, &cfg);
+        ck_assert_uint_eq(epd_group_config(g)->op_timeout_ms, 700);
+        ck_assert_int_eq(epd_group_leave(g), EPD_OK);
+
+        /* The bound applies to every group's own timeout. */
+        cfg.op_timeout_ms = 60001;
+        create_refused(c, "too-long", &cfg, "max_op_timeout_ms 60000");
+        cfg.op_timeout_ms = 4294967295u;
+        create_refused(c, "far-too-long", &cfg, "max_op_timeout_ms 60000");
+
+        /* The reload lowers the bound; the flag still sets the default timeout. */
+        config_file_write(path, "[daemon]\nop_timeout_ms = 4000\n[limits]\nmax_op_timeout_ms = 2000\n");
+        reload_and_wait(&d, "configuration reloaded", 1);
+        cfg.op_timeout_ms = 0;
+        g = create_ok(c, "flag-still-wins", 0, &cfg);
+        ck_assert_uint_eq(epd_group_config(g)->op_timeout_ms, 700);
+        ck_assert_int_eq(epd_group_leave(g), EPD_OK);
+        cfg.op_timeout_ms = 2001;
+        create_refused(c, "over-new-bound", &cfg, "max_op_timeout_ms 2000");
+
+        /* A bound below the flag's timeout is refused whole: the bound stays 2000. */
+        config_file_write(path, "[limits]\nmax_op_timeout_ms = 500\n");
+        reload_and_wait(&d, "reload refused", 1);
+        ck_assert(h_daemon_log_contains(&d, "op_timeout_ms 700 exceeds max_op_timeout_ms 500"));
+        cfg.op_timeout_ms = 1500;
+        g = create_ok(c, "bound-kept", 0, &cfg);
+        ck_assert_uint_eq(epd_group_config(g)->op_timeout_ms, 1500);
+        ck_assert_int_eq(epd_group_leave(g), EPD_OK);
+
+        /* Shapes that could never run. */
+        cfg = group_config(1, 0);
+        cfg.max_tokens_per_rank = 0;
+        create_refused(c, "no-tokens", &cfg, "max_tokens_per_rank 0");
+        cfg = group_config(64, 0);
+        cfg.num_experts = 64 * 4;
+        cfg.max_tokens_per_rank = 1u << 24;
+        cfg.max_topk = 4;
+        create_refused(c, "rows-overflow", &cfg, "exceed 2^32");
+
+        epd_client_free(c);
+        daemon_stop_clean(&d);
+        unlink(path);
+}
+END_TEST
+
 START_TEST(test_op_timeout)
 {
         struct h_daemon d;
@@ -1458,6 +1588,7 @@ static Suite *proto_suite(void)
         tcase_set_timeout(tc, 20);
         tcase_add_test(tc, test_group_secret);
         tcase_add_test(tc, test_op_timeout);
+        tcase_add_test(tc, test_config_bounds_and_reload);
         suite_add_tcase(s, tc);
 
         tc = tcase_create("regions");

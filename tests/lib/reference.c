@@ -40,6 +40,61 @@ uint16_t ref_float_to_bf16(float value)
         return (uint16_t)upper;
 }
 
+/* ---- fp8 e4m3 (SEMANTICS.md 2.7) ---- */
+
+/* The value of an e4m3 encoding without its sign: 4 exponent bits (bias 7), 3 mantissa bits,
+ * exponent 0 subnormal. */
+static double e4m3_value(unsigned code)
+{
+        unsigned e = code >> 3 & 15u, m = code & 7u;
+
+        if (e == 0)
+                return ldexp((double)m, -9);
+        return ldexp(1.0 + m / 8.0, (int)e - 7);
+}
+
+uint8_t ref_float_to_e4m3(float value)
+{
+        uint8_t sign = signbit(value) ? 0x80 : 0x00;
+        double a = fabs((double)value), best_diff = INFINITY;
+        unsigned best = 0;
+
+        if (isnan(value))
+                return 0x7F;
+        if (a >= 448.0)
+                return (uint8_t)(sign | 0x7E);
+        /* 0x7E is 448, the largest finite value; 0x7F is NaN. */
+        for (unsigned code = 0; code <= 0x7E; code++) {
+                double diff = fabs(e4m3_value(code) - a);
+
+                if (diff < best_diff || (diff == best_diff && (code & 1u) == 0)) {
+                        best_diff = diff;
+                        best = code;
+                }
+        }
+        return (uint8_t)(sign | best);
+}
+
+void ref_quantize_row(const uint16_t *x, uint32_t hidden, uint8_t *q, float *scales)
+{
+        for (uint32_t b = 0; b < hidden / 128; b++) {
+                float amax = 0.0f, scale;
+
+                for (uint32_t c = 0; c < 128; c++) {
+                        float v = ref_bf16_to_float(x[b * 128 + c]);
+
+                        if (!isnan(v) && fabsf(v) > amax)
+                                amax = fabsf(v);
+                }
+                amax = amax > 1e-4f ? amax : 1e-4f;
+                scale = 448.0f / amax;
+                for (uint32_t c = 0; c < 128; c++)
+                        q[b * 128 + c] = ref_float_to_e4m3(ref_bf16_to_float(x[b * 128 + c]) *
+                                                           scale);
+                scales[b] = amax * 0x1.24924ap-9f;
+        }
+}
+
 /* ---- helpers ---- */
 
 static void report(char *msg, size_t msg_len, const char *fmt, ...)
@@ -123,6 +178,17 @@ static int check_params(const struct ref_params *p, char *err, size_t err_len)
         }
         if (p->layout != EPD_LAYOUT_NON_EXPAND && p->layout != EPD_LAYOUT_EXPAND) {
                 report(err, err_len, "bad layout %d", (int)p->layout);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (p->expert_block_rows &&
+            (p->layout != EPD_LAYOUT_EXPAND ||
+             p->expert_block_rows % (p->expert_alignment ? p->expert_alignment : 1) != 0)) {
+                report(err, err_len, "expert_block_rows %u needs EXPAND and a multiple of the "
+                       "alignment", p->expert_block_rows);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (p->quantize && (p->dtype != EPD_DTYPE_BF16 || p->hidden % 128 != 0)) {
+                report(err, err_len, "quantize needs bf16 x and hidden a multiple of 128");
                 return EPD_INVALID_ARGUMENT;
         }
         return 0;
@@ -211,6 +277,7 @@ static int build_dst(struct ref_dispatch *ref, uint32_t d)
         const uint32_t R = ref->p.world_size, K = ref->p.num_topk, L = ref->num_local_experts;
         const uint32_t T = ref->p.max_tokens, A = ref->p.expert_alignment;
         struct ref_dst *dst = &ref->dst[d];
+        const uint32_t C = ref->p.expert_block_rows;
         int32_t count = 0;
         int64_t i;
 
@@ -243,11 +310,17 @@ static int build_dst(struct ref_dispatch *ref, uint32_t d)
                                                 n++;
                 dst->per_expert[l] = n;
                 dst->per_expert_aligned[l] = (int32_t)((n + A - 1) / A * A);
-                dst->expert_base[l] = count;
+                if (C && dst->per_expert_aligned[l] > (int32_t)C) {
+                        ref->short_rank = (int32_t)d;
+                        ref->short_expert = (int32_t)l;
+                        return EPD_CAPACITY_EXCEEDED;
+                }
+                /* 2.6: fixed blocks of C rows, else the aligned prefix of 2.2. */
+                dst->expert_base[l] = C ? (int32_t)(l * C) : count;
                 count += dst->per_expert_aligned[l];
         }
-        dst->expert_base[L] = count;
-        dst->num_expanded_rows = count;
+        dst->expert_base[L] = C ? (int32_t)(L * C) : count;
+        dst->num_expanded_rows = dst->expert_base[L];
 
         if (ref->p.layout == EPD_LAYOUT_NON_EXPAND) {
                 if (alloc_rows(dst, dst->num_recv_tokens, K))
@@ -314,6 +387,36 @@ static int build_dst(struct ref_dispatch *ref, uint32_t d)
         return 0;
 }
 
+/* 2.7: every source token converted once; rows then compare against these bytes. */
+static int quantize_sources(struct ref_dispatch *ref)
+{
+        const uint32_t R = ref->p.world_size, H = ref->p.hidden;
+
+        ref->qx = calloc(R, sizeof(*ref->qx));
+        ref->qscales = calloc(R, sizeof(*ref->qscales));
+        if (!ref->qx || !ref->qscales)
+                return EPD_INTERNAL;
+        for (uint32_t s = 0; s < R; s++) {
+                uint32_t n = ref->src[s].num_tokens;
+
+                ref->qx[s] = calloc((size_t)n * H + 1, 1);
+                ref->qscales[s] = calloc((size_t)n * (H / 128) + 1, sizeof(float));
+                if (!ref->qx[s] || !ref->qscales[s])
+                        return EPD_INTERNAL;
+                for (uint32_t t = 0; t < n; t++) {
+                        uint16_t *row = malloc((size_t)H * 2);
+
+                        if (!row)
+                                return EPD_INTERNAL;
+                        memcpy(row, buf_row(ref->src[s].x, (uint64_t)H * 2, t), (size_t)H * 2);
+                        ref_quantize_row(row, H, ref->qx[s] + (size_t)t * H,
+                                         ref->qscales[s] + (size_t)t * (H / 128));
+                        free(row);
+                }
+        }
+        return 0;
+}
+
 int ref_dispatch_new(const struct ref_params *p, const struct ref_src *src,
                      struct ref_dispatch **out, char *err, size_t err_len)
 {
@@ -334,7 +437,10 @@ int ref_dispatch_new(const struct ref_params *p, const struct ref_src *src,
         if (p->layout != EPD_LAYOUT_EXPAND)
                 ref->p.zero_padding = 0;
         ref->num_local_experts = p->num_experts / p->world_size;
-        if (p->dtype == EPD_DTYPE_BF16) {
+        if (p->quantize) {
+                ref->row_bytes = p->hidden;
+                ref->num_scales = p->hidden / 128;
+        } else if (p->dtype == EPD_DTYPE_BF16) {
                 ref->row_bytes = (uint64_t)p->hidden * 2;
                 ref->num_scales = 0;
         } else {
@@ -355,6 +461,10 @@ int ref_dispatch_new(const struct ref_params *p, const struct ref_src *src,
                 return EPD_INTERNAL;
         }
         memcpy(ref->src, src, p->world_size * sizeof(*src));
+        if (p->quantize && quantize_sources(ref)) {
+                ref_dispatch_free(ref);
+                return EPD_INTERNAL;
+        }
         for (uint32_t s = 0; s < p->world_size; s++) {
                 if (src[s].num_tokens > p->max_tokens) {
                         report(err, err_len, "rank %u: %u tokens > max_tokens %u", s,
@@ -369,6 +479,9 @@ int ref_dispatch_new(const struct ref_params *p, const struct ref_src *src,
         if (r) {
                 if (r == EPD_INTERNAL)
                         report(err, err_len, "out of memory");
+                if (r == EPD_CAPACITY_EXCEEDED)
+                        report(err, err_len, "rank %d local expert %d: more than %u rows",
+                               ref->short_rank, ref->short_expert, p->expert_block_rows);
                 ref_dispatch_free(ref);
                 return r;
         }
@@ -400,6 +513,14 @@ struct ref_dispatch *ref_dispatch_free(struct ref_dispatch *ref)
                         free(dst->recv_weights);
                 }
         }
+        for (uint32_t r = 0; r < ref->p.world_size; r++) {
+                if (ref->qx)
+                        free(ref->qx[r]);
+                if (ref->qscales)
+                        free(ref->qscales[r]);
+        }
+        free(ref->qx);
+        free(ref->qscales);
         free(ref->topk);
         free(ref->dst);
         free(ref->src);
@@ -415,6 +536,8 @@ const uint8_t *ref_expected_x(const struct ref_dispatch *ref, uint32_t d, int64_
 
         if (dst->row_kind[i] != REF_ROW_DATA)
                 return NULL;
+        if (ref->qx)
+                return ref->qx[dst->row_src[i]] + (size_t)dst->row_token[i] * ref->row_bytes;
         return buf_row(ref->src[dst->row_src[i]].x, ref->row_bytes, dst->row_token[i]);
 }
 
@@ -424,6 +547,8 @@ const float *ref_expected_scales(const struct ref_dispatch *ref, uint32_t d, int
 
         if (dst->row_kind[i] != REF_ROW_DATA || ref->num_scales == 0)
                 return NULL;
+        if (ref->qscales)
+                return ref->qscales[dst->row_src[i]] + (size_t)dst->row_token[i] * ref->num_scales;
         return (const float *)buf_row(ref->src[dst->row_src[i]].scales,
                                       (uint64_t)ref->num_scales * 4, dst->row_token[i]);
 }
@@ -599,6 +724,15 @@ int ref_combine_row(const struct ref_dispatch *ref, const struct ref_combine_in 
                     uint32_t s, const struct ref_buf bias[2], uint32_t t, uint16_t *out,
                     uint32_t *cw)
 {
+        return ref_combine_row_w(ref, in, NULL, s, bias, t, out, cw);
+}
+
+int ref_combine_row_w(const struct ref_dispatch *ref, const struct ref_combine_in *in,
+                      const struct ref_combine_weights *w, uint32_t s,
+                      const struct ref_buf bias[2], uint32_t t, uint16_t *out, uint32_t *cw)
+{
+        const struct ref_buf *source_weights = w ? w->source_weights : NULL;
+        const struct ref_buf *recv_weights = w ? w->recv_weights : NULL;
         const uint32_t K = ref->p.num_topk, L = ref->num_local_experts, H = ref->p.hidden;
         const int expand = ref->p.layout == EPD_LAYOUT_EXPAND;
         const int32_t *sel = ref->topk[s] + (size_t)t * K;
@@ -606,7 +740,9 @@ int ref_combine_row(const struct ref_dispatch *ref, const struct ref_combine_in 
         float weight[32];
         uint32_t n = 0;
 
-        if (in->apply_weights && (!expand || !ref->p.has_weights))
+        if (in->apply_weights && (!expand || (!ref->p.has_weights && !source_weights)))
+                return EPD_INVALID_ARGUMENT;
+        if (recv_weights && expand)
                 return EPD_INVALID_ARGUMENT;
 
         /* The contributions of token t, in ascending top-k order. */
@@ -632,7 +768,10 @@ int ref_combine_row(const struct ref_dispatch *ref, const struct ref_combine_in 
                 if (row < 0)
                         return EPD_INTERNAL; /* the reference contradicts itself */
                 rows[n] = buf_row(in->y[d], (uint64_t)H * 2, row);
-                if (in->apply_weights) {
+                if (in->apply_weights && source_weights) {
+                        memcpy(&weight[n],
+                               buf_row(source_weights[s], (uint64_t)K * 4, t) + k * 4, 4);
+                } else if (in->apply_weights) {
                         uint32_t bits = weight_bits(ref, s, t, k);
                         memcpy(&weight[n], &bits, 4);
                 } else {
@@ -665,9 +804,29 @@ int ref_combine_row(const struct ref_dispatch *ref, const struct ref_combine_in 
                 out[h] = ref_float_to_bf16(acc);
         }
 
-        if (cw)
+        if (cw && recv_weights) {
+                /* Section 3 with recv_weights: for every k, the sum over the destinations that
+                 * token t went to, ascending, of that destination's weight row of t. */
+                for (uint32_t k = 0; k < K; k++) {
+                        float acc = +0.0f;
+
+                        for (uint32_t d = 0; d < ref->p.world_size; d++) {
+                                int64_t row;
+                                float wd;
+
+                                if (!token_goes_to(ref, s, t, d))
+                                        continue;
+                                row = ref_non_expand_row(ref, d, s, t);
+                                memcpy(&wd, buf_row(recv_weights[d], (uint64_t)K * 4, row) +
+                                                   k * 4, 4);
+                                acc = acc + wd;
+                        }
+                        memcpy(&cw[k], &acc, 4);
+                }
+        } else if (cw) {
                 for (uint32_t k = 0; k < K; k++)
                         cw[k] = sel[k] == -1 ? 0 : weight_bits(ref, s, t, k);
+        }
         return 0;
 }
 
@@ -690,6 +849,15 @@ int ref_check_combine(const struct ref_dispatch *ref, const struct ref_combine_i
                       uint32_t s, const struct ref_buf bias[2], struct ref_buf combined,
                       struct ref_buf combined_topk_weights, char *msg, size_t msg_len)
 {
+        return ref_check_combine_w(ref, in, NULL, s, bias, combined, combined_topk_weights, msg,
+                                   msg_len);
+}
+
+int ref_check_combine_w(const struct ref_dispatch *ref, const struct ref_combine_in *in,
+                        const struct ref_combine_weights *w, uint32_t s,
+                        const struct ref_buf bias[2], struct ref_buf combined,
+                        struct ref_buf combined_topk_weights, char *msg, size_t msg_len)
+{
         const uint32_t H = ref->p.hidden, K = ref->p.num_topk;
         uint16_t *row = malloc((size_t)H * 2);
         uint32_t cw[32];
@@ -705,7 +873,7 @@ int ref_check_combine(const struct ref_dispatch *ref, const struct ref_combine_i
         for (uint32_t t = 0; t < ref->src[s].num_tokens && r == 0; t++) {
                 const uint8_t *a = buf_row(combined, (uint64_t)H * 2, t);
 
-                r = ref_combine_row(ref, in, s, bias, t, row, cw);
+                r = ref_combine_row_w(ref, in, w, s, bias, t, row, cw);
                 if (r) {
                         report(msg, msg_len, "rank %u: reference combine failed (%d)", s, r);
                         break;
@@ -726,7 +894,7 @@ int ref_check_combine(const struct ref_dispatch *ref, const struct ref_combine_i
                         r = 1;
                         break;
                 }
-                if (combined_topk_weights.ptr && ref->p.has_weights &&
+                if (combined_topk_weights.ptr && (ref->p.has_weights || (w && w->recv_weights)) &&
                     cmp_bytes(cw, buf_row(combined_topk_weights, (uint64_t)K * 4, t), (size_t)K * 4,
                               s, t, "combined_topk_weights", msg, msg_len))
                         r = 1;

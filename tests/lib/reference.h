@@ -1,7 +1,7 @@
 /* reference.h - an independent, naive reference of dispatch and combine, written straight from
  * SEMANTICS.md, and bitwise comparison of real outputs against it.
  *
- * It shares no code with the production path (plan.h, routing.h, host_exec.h, bf16.h): it
+ * It shares no code with the production path (plan.h, routing.h, exec.h, bf16.h): it
  * enumerates rows in the order the contract states them, with plain loops, so that a shared
  * misreading cannot make both sides agree. It is deliberately slow (about E * R * T * K steps to
  * build) and meant for tests, `make demo` and the benchmark's verification.
@@ -43,6 +43,8 @@ struct ref_params {
         uint32_t expert_alignment;  /* >= 1; 0 means 1 */
         int zero_padding;           /* EXPAND only */
         int has_weights;            /* topk_weights given */
+        uint32_t expert_block_rows; /* EXPAND: C of SEMANTICS.md 2.6, 0 for packed */
+        int quantize;               /* bf16 x sent as fp8 rows with scales (2.7) */
 };
 
 /* One source rank's dispatch inputs. Pointers are borrowed (see the file comment). */
@@ -93,11 +95,16 @@ struct ref_dispatch {
         struct ref_src *src;          /* [R] copy of the caller's descriptors */
         int32_t **topk;               /* [R] -> [N_s * K_op] expert ids read from the input */
         struct ref_dst *dst;          /* [R] */
+        uint8_t **qx;                 /* quantize: [R] -> [N_s * H] e4m3 rows */
+        float **qscales;              /* quantize: [R] -> [N_s * H / 128] */
+        int32_t short_rank;           /* CAPACITY_EXCEEDED: the first short rank and expert */
+        int32_t short_expert;
 };
 
 /* Builds the reference of one dispatch from every rank's inputs (src[R]). Returns 0, or
  * EPD_INVALID_ARGUMENT with a message in err for invalid routing (an id outside [0,E) other than
- * -1, an expert repeated in a row) or invalid params, or EPD_INTERNAL when out of memory. On
+ * -1, an expert repeated in a row) or invalid params, EPD_CAPACITY_EXCEEDED when an expert's
+ * aligned count exceeds expert_block_rows (2.6), or EPD_INTERNAL when out of memory. On
  * success *out is owned by the caller (ref_dispatch_free). */
 int ref_dispatch_new(const struct ref_params *p, const struct ref_src *src,
                      struct ref_dispatch **out, char *err, size_t err_len);
@@ -146,7 +153,17 @@ int ref_check_dispatch(const struct ref_dispatch *ref, uint32_t d,
  * padding rows are never read); bias[2] are source s's biases (ptr NULL when absent). */
 struct ref_combine_in {
         const struct ref_buf *y;    /* [R] */
-        int apply_weights;          /* EXPAND with weights only */
+        int apply_weights;          /* EXPAND with weights (or source_weights) only */
+};
+
+/* The optional weight inputs of combine (SEMANTICS.md section 3), for the *_w functions. */
+struct ref_combine_weights {
+        /* [R] or NULL: source s's source_weights fp32 [N_s, K_op]; when given, w(t, k) of
+         * apply_weights. */
+        const struct ref_buf *source_weights;
+        /* [R] or NULL (NON_EXPAND): destination d's recv_weights fp32 [rows, K_op]; when given,
+         * combined_topk_weights is their reduction over the destinations. */
+        const struct ref_buf *recv_weights;
 };
 
 /* Computes combined row t of source s into out[H] and, when cw is not NULL, the combined top-k
@@ -165,10 +182,23 @@ int ref_combine_source(const struct ref_dispatch *ref, const struct ref_combine_
 int ref_check_combine(const struct ref_dispatch *ref, const struct ref_combine_in *in,
                       uint32_t s, const struct ref_buf bias[2], struct ref_buf combined,
                       struct ref_buf combined_topk_weights, char *msg, size_t msg_len);
+/* ref_combine_row and ref_check_combine with the weight inputs w (NULL: none). */
+int ref_combine_row_w(const struct ref_dispatch *ref, const struct ref_combine_in *in,
+                      const struct ref_combine_weights *w, uint32_t s,
+                      const struct ref_buf bias[2], uint32_t t, uint16_t *out, uint32_t *cw);
+int ref_check_combine_w(const struct ref_dispatch *ref, const struct ref_combine_in *in,
+                        const struct ref_combine_weights *w, uint32_t s,
+                        const struct ref_buf bias[2], struct ref_buf combined,
+                        struct ref_buf combined_topk_weights, char *msg, size_t msg_len);
 
 /* The reference's own bf16 conversions (SEMANTICS.md section 3): exact widening, and round to
  * nearest even with every NaN mapped to 0x7FFF. */
 float ref_bf16_to_float(uint16_t value);
 uint16_t ref_float_to_bf16(float value);
+/* e4m3 of SEMANTICS.md 2.7, found by searching every e4m3 value for the nearest (ties to the
+ * even encoding), saturating at +-448, NaN to 0x7F. */
+uint8_t ref_float_to_e4m3(float value);
+/* The 2.7 quantization of one bf16 row of H channels into q[H] and scales[H / 128]. */
+void ref_quantize_row(const uint16_t *x, uint32_t hidden, uint8_t *q, float *scales);
 
 #endif

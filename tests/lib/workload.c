@@ -380,6 +380,8 @@ int wl_worker(const struct wl_case *c, const char *socket_path, const char *grou
                 if (timing) {
                         timing->dispatch_ns = t1 - t0;
                         timing->dispatch_exec_ns = dr.exec_ns;
+                        if (timing->dispatch_step_ns)
+                                timing->dispatch_step_ns[step] = t1 - t0;
                 }
                 struct ref_counts_actual counts = {
                         dr.num_recv_tokens, dr.num_expanded_rows, dr.num_recv_tokens_per_expert,

@@ -48,6 +48,7 @@ struct wl_case {
 struct wl_timing {
         uint64_t dispatch_ns, combine_ns;         /* client-observed, submit to completion */
         uint64_t dispatch_exec_ns, combine_exec_ns; /* backend execution time */
+        uint64_t *dispatch_step_ns;   /* optional [steps]: every step's dispatch_ns */
 };
 
 /* Generates source s's inputs. Buffers are allocated and owned by *in (wl_inputs_free). */

@@ -997,6 +997,258 @@ def _catch(fn):
         return e
 
 
+class TestAdmin(unittest.TestCase):
+    """epd.admin against a daemon of its own, so that drains cannot hold other tests' ops.
+
+    This process is an admin of it: as root by itself, otherwise through an admin_group naming
+    its group. The socket is open to everyone, for the test that plays a client without rights.
+    """
+
+    NOBODY = 65534
+
+    @classmethod
+    def setUpClass(cls):
+        extra = ["--socket-mode", "0666"]
+        cls.conf = None
+        if os.geteuid() != 0:
+            import grp
+            fd, cls.conf = tempfile.mkstemp(prefix="epd-admin-", suffix=".conf")
+            with os.fdopen(fd, "w") as f:
+                f.write("[daemon]\nadmin_group = %s\n" % grp.getgrgid(os.getegid()).gr_name)
+            extra += ["--config", cls.conf]
+        cls.daemon = start_daemon(extra)
+        os.chmod(cls.daemon["dir"], 0o711)
+
+    @classmethod
+    def tearDownClass(cls):
+        stop_daemon(cls.daemon)
+        if cls.conf:
+            os.unlink(cls.conf)
+
+    def connect(self, name):
+        c = epd.connect(self.daemon["socket"], name=name)
+        self.addCleanup(c.close)
+        return c
+
+    def group(self, client, name, rank=0, world_size=1, **cfg):
+        shape = dict(num_experts=4, hidden=64, max_tokens_per_rank=8, max_topk=2,
+                     arena_bytes=1 << 20, op_timeout_ms=20000)
+        shape.update(cfg)
+        if rank:
+            g = epd.Group.join(client, name, SECRET, rank)
+        else:
+            g = epd.Group.create(client, name, SECRET, 0, world_size=world_size, **shape)
+        self.addCleanup(self.leave, g)  # and a reference: a Group garbage collected leaves
+        return g
+
+    @staticmethod
+    def leave(group):
+        try:
+            group.leave()
+        except epd.Unavailable:  # an evicted client's connection is gone
+            pass
+
+    @staticmethod
+    def dispatch(group, async_op=False):
+        x = np.zeros((4, 64), np.uint16)
+        topk = np.array([[0, 1], [1, 2], [2, 3], [3, 0]], np.int64)
+        return group.dispatch(x, topk, async_op=async_op)
+
+    def find(self, items, key, value):
+        found = [i for i in items if i[key] == value]
+        self.assertEqual(len(found), 1, "%s=%r in %r" % (key, value, items))
+        return found[0]
+
+    def test_status_groups_clients(self):
+        a, b = self.connect("adm-a"), self.connect("adm-b")
+        name = unique("pair")
+        ga = self.group(a, name, 0, 2)
+        self.group(b, name, 1)
+        ia, ib = a.info(), b.info()
+
+        st = epd.admin.status(a)
+        self.assertEqual(st["backend"], "host")
+        self.assertEqual(st["version"], ia["version"])
+        self.assertEqual(st["daemon_epoch"], ia["daemon_epoch"])
+        self.assertEqual(st["pid"], self.daemon["proc"].pid)
+        self.assertIs(st["draining"], False)
+        self.assertEqual(st["num_clients"], 2)
+        self.assertEqual(st["num_groups"], 1)
+        self.assertEqual([d["uuid"] for d in st["devices"]],
+                         [d["uuid"] for d in ia["devices"]])
+
+        g = self.find(epd.admin.groups(b), "name", name)
+        self.assertEqual(g["id"], ga.id)
+        self.assertEqual(g["state"], "READY")
+        # As created; the daemon reports scale_block 0 for bf16, Group.config the fp8 default.
+        self.assertEqual(dict(g["config"], scale_block=128), ga.config)
+        self.assertEqual([(r["rank"], r["bound"], r["client_id"]) for r in g["ranks"]],
+                         [(0, True, ia["client_id"]), (1, True, ib["client_id"])])
+
+        cl = epd.admin.clients(a)
+        self.assertEqual(len(cl), 2)
+        ca = self.find(cl, "id", ia["client_id"])
+        self.assertEqual((ca["name"], ca["pid"], ca["uid"]), ("adm-a", os.getpid(),
+                                                              os.geteuid()))
+        self.assertEqual(ca["bindings"], [name + "/0"])
+        self.assertEqual(self.find(cl, "id", ib["client_id"])["bindings"], [name + "/1"])
+
+    def test_stats(self):
+        a = self.connect("adm-stats")
+        name = unique("solo")
+        g = self.group(a, name)
+        self.dispatch(g).handle.release()
+        s = epd.admin.stats(a)
+        self.assertEqual(s["backend"], "host")
+        self.assertGreaterEqual(s["ops_completed"], 1)
+        gs = self.find(s["groups"], "name", name)
+        self.assertEqual((gs["id"], gs["world_size"], gs["state"]), (g.id, 1, "READY"))
+        rank = gs["ranks"][0]
+        self.assertEqual(rank["dispatch"]["ops"], 1)
+        self.assertEqual(rank["dispatch"]["latency_count"], 1)
+        self.assertEqual(sum(rank["dispatch"]["latency_buckets"]), 1)
+        self.assertEqual(rank["dispatch"]["errors"], {})
+        self.assertEqual(rank["combine"]["ops"], 0)
+        self.assertEqual(rank["arena_bytes"], 1 << 20)
+        self.assertIn(("dispatch", "peers"), [(x["op"], x["stage"]) for x in gs["stages"]])
+        self.assertEqual(self.find(s["clients"], "name", "adm-stats")["ops"], 1)
+        self.assertEqual(len(s["devices"]), len(a.info()["devices"]))
+
+    def test_drain_undrain(self):
+        a = self.connect("adm-drain")
+        name = unique("held")
+        g = self.group(a, name)
+        state = lambda: self.find(epd.admin.groups(a), "name", name)["state"]  # noqa: E731
+        self.assertEqual(epd.admin.drain(a, name)["groups"], 1)
+        self.assertEqual(state(), "DRAINING")
+        fut = self.dispatch(g, async_op=True)
+        with self.assertRaises(epd.Timeout) as cm:
+            fut.wait(timeout=0.3)
+        self.assertTrue(cm.exception.op_pending)
+        r = epd.admin.drain(a, name)
+        self.assertEqual((r["groups"], r["waiting_ops"], r["daemon_draining"]), (0, 1, False))
+        self.assertEqual(epd.admin.undrain(a, name)["groups"], 1)
+        fut.wait(timeout=10).handle.release()
+        self.assertEqual(state(), "READY")
+        # By id, and the whole daemon.
+        epd.admin.drain(a, g.id)
+        self.assertEqual(state(), "DRAINING")
+        epd.admin.undrain(a, str(g.id))
+        self.assertEqual(state(), "READY")
+        self.assertIs(epd.admin.drain(a)["daemon_draining"], True)
+        self.assertIs(epd.admin.status(a)["draining"], True)
+        fut = self.dispatch(g, async_op=True)
+        with self.assertRaises(epd.Timeout):
+            fut.wait(timeout=0.3)
+        self.assertIs(epd.admin.undrain(a)["daemon_draining"], False)
+        fut.wait(timeout=10).handle.release()
+        self.assertIs(epd.admin.status(a)["draining"], False)
+
+    def test_resize(self):
+        a, b = self.connect("adm-r0"), self.connect("adm-r1")
+        name = unique("grow")
+        g = self.group(a, name, 0, 2)
+        self.group(b, name, 1)
+        r = epd.admin.resize(a, name, 2 << 20)
+        self.assertEqual((r["group_id"], r["requested_bytes"], r["old_bytes"], r["new_bytes"]),
+                         (g.id, 2 << 20, 1 << 20, 2 << 20))
+        self.assertEqual([(k["rank"], k["old_bytes"], k["new_bytes"]) for k in r["ranks"]],
+                         [(0, 1 << 20, 2 << 20), (1, 1 << 20, 2 << 20)])
+        self.assertEqual(self.find(epd.admin.groups(a), "id", g.id)["config"]["arena_bytes"],
+                         2 << 20)
+        r = epd.admin.resize(a, g.id, 512 << 10)
+        self.assertEqual(r["new_bytes"], 512 << 10)
+        ranks = self.find(epd.admin.stats(a)["groups"], "id", g.id)["ranks"]
+        self.assertEqual([k["arena_bytes"] for k in ranks], [512 << 10] * 2)
+
+    def test_evict(self):
+        a, b = self.connect("adm-survivor"), self.connect("adm-victim")
+        name = unique("pair")
+        ga = self.group(a, name, 0, 2)
+        self.group(b, name, 1)
+        victim = b.info()["client_id"]
+        fut = self.dispatch(ga, async_op=True)
+        epd.admin.evict(a, victim)
+        with self.assertRaises(epd.PeerLost):
+            fut.wait(timeout=10)
+        self.assertNotIn(victim, [c["id"] for c in epd.admin.clients(a)])
+        with self.assertRaises(epd.NotFound) as cm:
+            epd.admin.evict(a, victim)
+        self.assertIn(str(victim), cm.exception.message)
+        with self.assertRaises(epd.InvalidArgument) as cm:
+            epd.admin.evict(a, a.info()["client_id"])
+        self.assertIn("itself", cm.exception.message)
+
+    def test_bad_arguments(self):
+        a = self.connect("adm-careless")
+        with self.assertRaises(epd.NotFound) as cm:
+            epd.admin.drain(a, "no-such-group")
+        self.assertIn("no-such-group", cm.exception.message)
+        with self.assertRaises(epd.NotFound):
+            epd.admin.resize(a, "no-such-group", 1 << 20)
+        name = unique("forming")
+        self.group(a, name, 0, 2)
+        with self.assertRaises(epd.InvalidArgument) as cm:
+            epd.admin.drain(a, name)
+        self.assertIn("FORMING", cm.exception.message)
+        for bad in ("", 0, -3, 1.5, True, b"name"):
+            with self.assertRaises(epd.InvalidArgument):
+                epd.admin.drain(a, bad)
+        for bad in (0, -1, 1 << 64, 2.0, "1M"):
+            with self.assertRaises(epd.InvalidArgument):
+                epd.admin.resize(a, name, bad)
+        with self.assertRaises(epd.InvalidArgument):
+            epd.admin.resize(a, None, 1 << 20)
+        with self.assertRaises(epd.InvalidArgument) as cm:
+            epd.admin.resize(a, name, 1 << 50)
+        self.assertIn("max_arena_bytes", cm.exception.message)
+        for bad in (-1, "7", None):
+            with self.assertRaises(epd.InvalidArgument):
+                epd.admin.evict(a, bad)
+        c = epd.connect(self.daemon["socket"])
+        c.close()
+        with self.assertRaises(epd.Unavailable):
+            epd.admin.status(c)
+
+    def test_not_admin(self):
+        """Reading is open to all; the verbs answer PermissionDenied and change nothing."""
+        if os.geteuid() != 0:
+            self.check_not_admin(DAEMON["socket"])  # no admin_group: only root is an admin
+            return
+        a = self.connect("adm-owner")
+        name = unique("guarded")
+        self.group(a, name)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setgroups([])
+                os.setgid(self.NOBODY)
+                os.setuid(self.NOBODY)
+                self.check_not_admin(self.daemon["socket"], name)
+                code = 0
+            except BaseException as e:  # reported through the exit status
+                sys.stderr.write("as nobody: %r\n" % (e,))
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        self.assertEqual(status, 0)
+        self.assertEqual(self.find(epd.admin.groups(a), "name", name)["state"], "READY")
+        self.assertIs(epd.admin.status(a)["draining"], False)
+
+    def check_not_admin(self, socket, group="any"):
+        with epd.connect(socket, name="not-admin") as c:
+            self.assertFalse(c.capabilities() & _lib.CAP_ADMIN)
+            self.assertGreaterEqual(epd.admin.status(c)["num_clients"], 1)
+            epd.admin.groups(c)
+            for verb in (lambda: epd.admin.drain(c, group), lambda: epd.admin.drain(c),
+                         lambda: epd.admin.undrain(c), lambda: epd.admin.evict(c, 1),
+                         lambda: epd.admin.resize(c, group, 2 << 20)):
+                with self.assertRaises(epd.PermissionDenied) as cm:
+                    verb()
+                self.assertIn("admin", cm.exception.message)
+
+
 class TestExample(unittest.TestCase):
     def run_example(self, *args):
         cmd = [sys.executable, os.path.join(REPO, "examples", "moe_worker.py"),

@@ -76,7 +76,11 @@ static const struct num_key {
         { "daemon", "max_arena_bytes", FIELD(max_arena_bytes), 1ull << 44 },
         { "daemon", "max_arena_segments", FIELD(max_arena_segments), 1024 },
         { "daemon", "poll_us", FIELD(poll_us), 100000 },
+        { "limits", "max_op_timeout_ms", FIELD(max_op_timeout_ms), 3600000 },
         { "limits", "max_clients", FIELD(max_clients), 65536 },
+        { "limits", "max_clients_per_uid", FIELD(max_clients_per_uid), 65536 },
+        { "limits", "admin_reserved_clients", FIELD(admin_reserved_clients), 1024 },
+        { "limits", "handshake_timeout_ms", FIELD(handshake_timeout_ms), 600000 },
         { "limits", "max_groups", FIELD(max_groups), 65536 },
         { "limits", "max_regions_per_client", FIELD(max_regions_per_client), 1u << 20 },
         { "limits", "max_region_bytes_per_client", FIELD(max_region_bytes_per_client),
@@ -114,7 +118,11 @@ static void assert_cfg_eq(const struct epdd_config *a, const struct epdd_config 
         ck_assert_uint_eq(a->arena_bytes, b->arena_bytes);
         ck_assert_uint_eq(a->max_arena_bytes, b->max_arena_bytes);
         ck_assert_uint_eq(a->max_arena_segments, b->max_arena_segments);
+        ck_assert_uint_eq(a->max_op_timeout_ms, b->max_op_timeout_ms);
         ck_assert_uint_eq(a->max_clients, b->max_clients);
+        ck_assert_uint_eq(a->max_clients_per_uid, b->max_clients_per_uid);
+        ck_assert_uint_eq(a->admin_reserved_clients, b->admin_reserved_clients);
+        ck_assert_uint_eq(a->handshake_timeout_ms, b->handshake_timeout_ms);
         ck_assert_uint_eq(a->max_groups, b->max_groups);
         ck_assert_uint_eq(a->max_regions_per_client, b->max_regions_per_client);
         ck_assert_uint_eq(a->max_region_bytes_per_client, b->max_region_bytes_per_client);
@@ -151,7 +159,11 @@ START_TEST(test_defaults)
         ck_assert_uint_eq(cfg.peer_lost_ms, 100);
         ck_assert_uint_eq(cfg.arena_bytes, 64ull << 20);
         /* The [limits] defaults README.md documents. */
+        ck_assert_uint_eq(cfg.max_op_timeout_ms, 60000);
         ck_assert_uint_eq(cfg.max_clients, 256);
+        ck_assert_uint_eq(cfg.max_clients_per_uid, 128);
+        ck_assert_uint_eq(cfg.admin_reserved_clients, 4);
+        ck_assert_uint_eq(cfg.handshake_timeout_ms, 5000);
         ck_assert_uint_eq(cfg.max_groups, 64);
         ck_assert_uint_eq(cfg.max_regions_per_client, 1024);
         ck_assert_uint_eq(cfg.max_region_bytes_per_client, 1ull << 40);
@@ -727,6 +739,47 @@ START_TEST(test_load_long_line)
 }
 END_TEST
 
+/* ---- keys checked against each other ---- */
+
+START_TEST(test_validate)
+{
+        struct epdd_config cfg;
+        char err[256];
+
+        epd_config_defaults(&cfg);
+        ck_assert_int_eq(epd_config_validate(&cfg, err, sizeof(err)), 0);
+
+        /* A default timeout beyond the bound on every timeout can never be used. */
+        cfg.op_timeout_ms = 60001;
+        ck_assert_int_eq(epd_config_validate(&cfg, err, sizeof(err)), -EINVAL);
+        ck_assert_msg(strstr(err, "op_timeout_ms 60001 exceeds max_op_timeout_ms 60000"),
+                      "err: %s", err);
+        cfg.max_op_timeout_ms = 60001;
+        ck_assert_int_eq(epd_config_validate(&cfg, err, sizeof(err)), 0);
+
+        cfg.op_timeout_ms = 0;
+        ck_assert_int_eq(epd_config_validate(&cfg, err, sizeof(err)), -EINVAL);
+        ck_assert_msg(strstr(err, "op_timeout_ms must be at least 1 ms"), "err: %s", err);
+        cfg.op_timeout_ms = 1;
+        cfg.max_op_timeout_ms = 0;
+        ck_assert_int_eq(epd_config_validate(&cfg, err, sizeof(err)), -EINVAL);
+        ck_assert_msg(strstr(err, "max_op_timeout_ms must be at least 1 ms"), "err: %s", err);
+
+        epd_config_defaults(&cfg);
+        cfg.max_clients = 0;
+        ck_assert_int_eq(epd_config_validate(&cfg, err, sizeof(err)), -EINVAL);
+        ck_assert_msg(strstr(err, "max_clients"), "err: %s", err);
+        epd_config_defaults(&cfg);
+        cfg.handshake_timeout_ms = 0;
+        ck_assert_int_eq(epd_config_validate(&cfg, err, sizeof(err)), -EINVAL);
+        ck_assert_msg(strstr(err, "handshake_timeout_ms"), "err: %s", err);
+        epd_config_defaults(&cfg);
+        cfg.max_groups = 0;
+        ck_assert_int_eq(epd_config_validate(&cfg, err, sizeof(err)), -EINVAL);
+        ck_assert_msg(strstr(err, "max_groups"), "err: %s", err);
+}
+END_TEST
+
 /* ---- hot reload ---- */
 
 START_TEST(test_apply_hot_copies_exactly_the_hot_keys)
@@ -762,6 +815,10 @@ START_TEST(test_apply_hot_copies_exactly_the_hot_keys)
         ck_assert_int_eq(dst.log_level, LOG_DEBUG);
         ck_assert_uint_eq(dst.op_timeout_ms, 3);
         ck_assert_uint_eq(dst.peer_lost_ms, 3);
+        ck_assert_uint_eq(dst.max_op_timeout_ms, 3);
+        ck_assert_uint_eq(dst.max_clients_per_uid, 3);
+        ck_assert_uint_eq(dst.admin_reserved_clients, 3);
+        ck_assert_uint_eq(dst.handshake_timeout_ms, 3);
         ck_assert_uint_eq(dst.max_clients, 3);
         ck_assert_uint_eq(dst.max_groups, 3);
         ck_assert_uint_eq(dst.max_regions_per_client, 3);
@@ -832,6 +889,7 @@ static Suite *config_suite(void)
         suite_add_tcase(s, tc);
 
         tc = tcase_create("hot");
+        tcase_add_test(tc, test_validate);
         tcase_add_test(tc, test_apply_hot_copies_exactly_the_hot_keys);
         suite_add_tcase(s, tc);
         return s;

@@ -25,9 +25,13 @@ are device tensors, and ops are ordered after the current CUDA stream without a 
 synchronisation (``async_op=True`` plus :meth:`Future.stream_wait` leaves the host out
 entirely). ``Future.stream_wait`` raises :class:`StreamWaitUnavailable`, a
 NotImplementedError, where libepd or the daemon has no CUDA.
+
+:mod:`epd.admin` is what ``epctl`` shows and does: the daemon's status, groups, clients and
+statistics, and the admin verbs drain, undrain, evict and resize.
 """
 
 from ._lib import EXPECTED_SIZES as _EXPECTED_SIZES  # noqa: F401  (tests)
+from . import admin
 from .bf16 import bf16_to_float, float_to_bf16, round_bf16
 from .client import Client, DeviceAllocation, Region, connect, empty
 from .errors import (Aborted, AlreadyExists, CapacityExceeded, Error, Internal,
@@ -44,8 +48,8 @@ __all__ = [
     "Error", "Future", "Group", "Handle", "Internal", "InvalidArgument", "NON_EXPAND",
     "NotFound", "PeerLost", "PermissionDenied", "Region", "StreamWaitUnavailable", "Timeout",
     "Unavailable",
-    "VersionMismatch", "bf16_to_float", "connect", "empty", "error_class", "float_to_bf16",
-    "library_path", "round_bf16",
+    "VersionMismatch", "admin", "bf16_to_float", "connect", "empty", "error_class",
+    "float_to_bf16", "library_path", "round_bf16",
 ]
 
 

@@ -20,7 +20,8 @@ before starting Python, not from Python.
 GPU tensors need a libepd built with CUDA (``cmake -DEPD_CUDA=ON``) to work:
 ``epd_region_register_device``, ``epd_device_alloc`` / ``epd_device_free`` and the
 stream-ordering calls. The binding declares them optional, so a libepd that predates one of
-them still loads (a host-only libepd exports them all, as stubs answering UNAVAILABLE).
+them still loads (a host-only libepd exports them all, as stubs answering UNAVAILABLE). The
+administration calls of :mod:`epd.admin` are optional the same way.
 """
 
 import ctypes
@@ -258,11 +259,254 @@ class CombineResult(ctypes.Structure):
     ]
 
 
+# ---- administration (epd.h, "administration"; the epd.admin module) ----
+
+_c_char_pp = ctypes.POINTER(ctypes.c_char_p)
+_u64_p = ctypes.POINTER(_u64)
+
+
+class AdminDevice(ctypes.Structure):
+    """struct epd_admin_device."""
+
+    _fields_ = [
+        ("index", _u32),
+        ("uuid", ctypes.c_char_p),
+        ("name", ctypes.c_char_p),
+        ("kind", ctypes.c_char_p),
+        ("memory_bytes", _u64),
+    ]
+
+
+class DaemonStatusInfo(ctypes.Structure):
+    """struct epd_daemon_status_info."""
+
+    _fields_ = [
+        ("version", ctypes.c_char_p),
+        ("backend", ctypes.c_char_p),
+        ("daemon_epoch", _u64),
+        ("uptime_ms", _u64),
+        ("pid", _i32),
+        ("draining", _int),
+        ("num_groups", _u32),
+        ("num_clients", _u32),
+        ("num_regions", _u32),
+        ("region_bytes", _u64),
+        ("ops_completed", _u64),
+        ("ops_failed", _u64),
+        ("num_devices", _u32),
+        ("devices", ctypes.POINTER(AdminDevice)),
+    ]
+
+
+class AdminRank(ctypes.Structure):
+    """struct epd_admin_rank."""
+
+    _fields_ = [
+        ("rank", _u32),
+        ("bound", _int),
+        ("client_id", _u64),
+        ("device", _u32),
+        ("next_op", _u64),
+    ]
+
+
+class GroupInfo(ctypes.Structure):
+    """struct epd_group_info."""
+
+    _fields_ = [
+        ("id", _u64),
+        ("name", ctypes.c_char_p),
+        ("state", ctypes.c_char_p),
+        ("config", GroupConfig),
+        ("ops_completed", _u64),
+        ("ops_failed", _u64),
+        ("num_handles", _u32),
+        ("pending_ops", _u32),
+        ("num_ranks", _u32),
+        ("ranks", ctypes.POINTER(AdminRank)),
+    ]
+
+
+class ClientInfo(ctypes.Structure):
+    """struct epd_client_info."""
+
+    _fields_ = [
+        ("id", _u64),
+        ("pid", _i32),
+        ("uid", _u32),
+        ("gid", _u32),
+        ("name", ctypes.c_char_p),
+        ("num_regions", _u32),
+        ("region_bytes", _u64),
+        ("outstanding_ops", _u32),
+        ("num_bindings", _u32),
+        ("bindings", _c_char_pp),
+    ]
+
+
+class AdminOpStats(ctypes.Structure):
+    """struct epd_admin_op_stats."""
+
+    _fields_ = [
+        ("ops", _u64),
+        ("bytes", _u64),
+        ("num_errors", _u32),
+        ("errors", _u64_p),
+        ("latency_p50_ns", _u64),
+        ("latency_p90_ns", _u64),
+        ("latency_p99_ns", _u64),
+        ("latency_max_ns", _u64),
+        ("latency_count", _u64),
+        ("latency_sum_ns", _u64),
+        ("num_latency_buckets", _u32),
+        ("latency_buckets", _u64_p),
+    ]
+
+
+class AdminRankStats(ctypes.Structure):
+    """struct epd_admin_rank_stats."""
+
+    _fields_ = [
+        ("rank", _u32),
+        ("bound", _int),
+        ("client_id", _u64),
+        ("device", _u32),
+        ("dispatch", ctypes.POINTER(AdminOpStats)),
+        ("combine", ctypes.POINTER(AdminOpStats)),
+        ("arena_bytes", _u64),
+        ("arena_used_bytes", _u64),
+        ("queue_depth", _u32),
+        ("next_op", _u64),
+    ]
+
+
+class AdminStageStats(ctypes.Structure):
+    """struct epd_admin_stage_stats."""
+
+    _fields_ = [
+        ("op", ctypes.c_char_p),
+        ("stage", ctypes.c_char_p),
+        ("latency", ctypes.POINTER(AdminOpStats)),
+    ]
+
+
+class AdminGroupStats(ctypes.Structure):
+    """struct epd_admin_group_stats."""
+
+    _fields_ = [
+        ("id", _u64),
+        ("name", ctypes.c_char_p),
+        ("state", ctypes.c_char_p),
+        ("world_size", _u32),
+        ("dispatch", ctypes.POINTER(AdminOpStats)),
+        ("combine", ctypes.POINTER(AdminOpStats)),
+        ("pending_ops", _u32),
+        ("handles", _u32),
+        ("num_ranks", _u32),
+        ("ranks", ctypes.POINTER(AdminRankStats)),
+        ("num_stages", _u32),
+        ("stages", ctypes.POINTER(AdminStageStats)),
+    ]
+
+
+class AdminClientStats(ctypes.Structure):
+    """struct epd_admin_client_stats."""
+
+    _fields_ = [
+        ("id", _u64),
+        ("pid", _i32),
+        ("name", ctypes.c_char_p),
+        ("requests", _u64),
+        ("ops", _u64),
+        ("outstanding_ops", _u32),
+        ("regions", _u32),
+        ("region_bytes", _u64),
+    ]
+
+
+class AdminDeviceStats(ctypes.Structure):
+    """struct epd_admin_device_stats."""
+
+    _fields_ = [
+        ("index", _u32),
+        ("uuid", ctypes.c_char_p),
+        ("kind", ctypes.c_char_p),
+        ("ops", _u64),
+        ("bytes", _u64),
+        ("ranks", _u32),
+    ]
+
+
+class AdminDaemonStats(ctypes.Structure):
+    """struct epd_admin_daemon_stats."""
+
+    _fields_ = [
+        ("backend", ctypes.c_char_p),
+        ("uptime_ms", _u64),
+        ("ops_completed", _u64),
+        ("ops_failed", _u64),
+        ("frames_in", _u64),
+        ("frames_out", _u64),
+        ("protocol_errors", _u64),
+        ("clients_accepted", _u64),
+        ("clients_refused", _u64),
+        ("mailbox_replies", _u64),
+        ("mailbox_requests", _u64),
+        ("num_groups", _u32),
+        ("groups", ctypes.POINTER(AdminGroupStats)),
+        ("num_clients", _u32),
+        ("clients", ctypes.POINTER(AdminClientStats)),
+        ("num_devices", _u32),
+        ("devices", ctypes.POINTER(AdminDeviceStats)),
+    ]
+
+
+class DrainResult(ctypes.Structure):
+    """struct epd_drain_result."""
+
+    _fields_ = [
+        ("groups", _u32),
+        ("executing_ops", _u32),
+        ("waiting_ops", _u32),
+        ("daemon_draining", _int),
+    ]
+
+
+class ResizeRank(ctypes.Structure):
+    """struct epd_resize_rank."""
+
+    _fields_ = [
+        ("rank", _u32),
+        ("old_bytes", _u64),
+        ("new_bytes", _u64),
+        ("segments", _u32),
+        ("used_bytes", _u64),
+        ("reserved_bytes", _u64),
+    ]
+
+
+class ResizeInfo(ctypes.Structure):
+    """struct epd_resize_info."""
+
+    _fields_ = [
+        ("group_id", _u64),
+        ("requested_bytes", _u64),
+        ("old_bytes", _u64),
+        ("new_bytes", _u64),
+        ("wait_ns", _u64),
+        ("num_ranks", _u32),
+        ("ranks", ctypes.POINTER(ResizeRank)),
+    ]
+
+
 # Sizes the C compiler gives these structures on x86-64 and aarch64 Linux; the tests compare.
 EXPECTED_SIZES = {
     Tensor: 88, ConnectArgs: 32, DeviceInfo: 160, DaemonInfo: 2648, GroupConfig: 48,
     GroupArgs: 56, SizeHint: 40, DispatchArgs: 928, DispatchResult: 664, CombineArgs: 472,
-    CombineResult: 40,
+    CombineResult: 40, AdminDevice: 40, DaemonStatusInfo: 96, AdminRank: 32, GroupInfo: 112,
+    ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 72, AdminStageStats: 24,
+    AdminGroupStats: 88, AdminClientStats: 56, AdminDeviceStats: 48, AdminDaemonStats: 136,
+    DrainResult: 16, ResizeRank: 48, ResizeInfo: 56,
 }
 
 _c_void_pp = ctypes.POINTER(ctypes.c_void_p)
@@ -308,7 +552,37 @@ _PROTOTYPES = {
     "epd_client_capabilities": (_u64, [ctypes.c_void_p]),
     "epd_bf16_to_float": (ctypes.c_float, [ctypes.c_uint16]),
     "epd_float_to_bf16": (ctypes.c_uint16, [ctypes.c_float]),
+    # Administration: snapshots are opaque pointers, read through their accessors.
+    "epd_daemon_status_get": (_int, [ctypes.c_void_p, _c_void_pp]),
+    "epd_daemon_status_info": (ctypes.POINTER(DaemonStatusInfo), [ctypes.c_void_p]),
+    "epd_daemon_status_free": (None, [ctypes.c_void_p]),
+    "epd_group_list_get": (_int, [ctypes.c_void_p, _c_void_pp]),
+    "epd_group_list_count": (_size, [ctypes.c_void_p]),
+    "epd_group_list_at": (ctypes.POINTER(GroupInfo), [ctypes.c_void_p, _size]),
+    "epd_group_list_free": (None, [ctypes.c_void_p]),
+    "epd_client_list_get": (_int, [ctypes.c_void_p, _c_void_pp]),
+    "epd_client_list_count": (_size, [ctypes.c_void_p]),
+    "epd_client_list_at": (ctypes.POINTER(ClientInfo), [ctypes.c_void_p, _size]),
+    "epd_client_list_free": (None, [ctypes.c_void_p]),
+    "epd_stats_get": (_int, [ctypes.c_void_p, _c_void_pp]),
+    "epd_stats_daemon": (ctypes.POINTER(AdminDaemonStats), [ctypes.c_void_p]),
+    "epd_stats_free": (None, [ctypes.c_void_p]),
+    "epd_drain": (_int, [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(DrainResult)]),
+    "epd_undrain": (_int, [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(DrainResult)]),
+    "epd_evict": (_int, [ctypes.c_void_p, _u64]),
+    "epd_resize": (_int, [ctypes.c_void_p, ctypes.c_char_p, _u64, _c_void_pp]),
+    "epd_resize_result_info": (ctypes.POINTER(ResizeInfo), [ctypes.c_void_p]),
+    "epd_resize_result_free": (None, [ctypes.c_void_p]),
 }
+
+# The administration calls (epd.admin): a libepd without them still loads for everything else.
+ADMIN_FUNCTIONS = (
+    "epd_daemon_status_get", "epd_daemon_status_info", "epd_daemon_status_free",
+    "epd_group_list_get", "epd_group_list_count", "epd_group_list_at", "epd_group_list_free",
+    "epd_client_list_get", "epd_client_list_count", "epd_client_list_at",
+    "epd_client_list_free", "epd_stats_get", "epd_stats_daemon", "epd_stats_free",
+    "epd_drain", "epd_undrain", "epd_evict", "epd_resize", "epd_resize_result_info",
+    "epd_resize_result_free")
 
 # Declared in epd.h but not needed by the binding's host path: a library without them still
 # loads (lib.optional[name] is then None). libepd.so of some builds does not export the bf16
@@ -316,7 +590,7 @@ _PROTOTYPES = {
 _OPTIONAL = {"epd_op_sequence", "epd_op_stream_wait", "epd_bf16_to_float", "epd_float_to_bf16",
              "epd_region_register_device", "epd_device_alloc", "epd_device_free",
              "epd_group_mark_inputs_ready",
-             "epd_group_mark_inputs_ready_host", "epd_client_capabilities"}
+             "epd_group_mark_inputs_ready_host", "epd_client_capabilities"} | set(ADMIN_FUNCTIONS)
 _NAMES = ("libepd.so", "libepd.so.0")
 
 _lib = None

@@ -1,6 +1,6 @@
 /* touch_probe.cu - epd-touch-probe: what one warp's first loads cost right after the benchmark's
  * L2 flush (256 MB written, the GPU then idle), the state in which a decode combine's warps wait
- * 1.7 us for their workspace entries (docs/performance.md, twentieth session). One thread chases
+ * 1.7 us for their workspace entries (docs/performance.md). One thread chases
  * a chain of dependent 4-byte loads (ld.global.cg: the L2, never L1) through two buffers and
  * times each with the SM's clock:
  *

@@ -1,4 +1,4 @@
-/* probe_check.cuh - how the GPU probes under bench/ (epd-floor-probe, epd-memop-probe,
+/* probe_check.cuh - how the GPU probes under bench/probes/ (epd-floor-probe, epd-memop-probe,
  * epd-param-probe, epd-touch-probe) stop on a CUDA runtime error: CK(call) prints the probe's
  * name (PROBE_NAME, defined before this header is included), the place, the call and CUDA's
  * message, then exits 1.

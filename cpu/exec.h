@@ -1,4 +1,4 @@
-/* host_exec.h - the data movement of dispatch and combine on the CPU (host backend).
+/* exec.h - the data movement of dispatch and combine on the CPU (host backend).
  *
  * Pure compute over raw pointers that the caller has already bounds-checked against registered
  * regions: no daemon state, no locking, no allocation except a per-call fp32 accumulator. Work is
@@ -8,12 +8,12 @@
  * Floating point follows SEMANTICS.md section 3 exactly; this file is compiled with
  * -ffp-contract=off and without fast-math.
  */
-#ifndef EPD_CPU_HOST_EXEC_H
-#define EPD_CPU_HOST_EXEC_H
+#ifndef EPD_CPU_EXEC_H
+#define EPD_CPU_EXEC_H
 
 #include <stdint.h>
 
-#include "exec_io.h"
+#include "mat.h"
 #include "plan.h"
 
 /* A dispatch that reads and writes at least this many bytes in all writes its recv_x rows with

@@ -1,11 +1,11 @@
 /* floor_probe.cu - epd-floor-probe: what the bytes of a small op cost on this GPU with nothing of
- * epd around them, so that issue 5's decode targets can be set against a measured floor rather
+ * epd around them, so that the decode targets can be set against a measured floor rather
  * than against the op's bytes at the copy ceiling (docs/performance.md, "Decode floors").
  *
  * The data are epd-bench's (the same seed, generators and order: bench/epd_bench.c, make_inputs),
  * so the routing is the one the daemon's decode op sees: R ranks of T tokens, H = 7168, top-8
  * of 256 experts, fp8 rows with 56 fp32 scales, int64 topk. The host routes the op (rows in
- * SEMANTICS.md 2.1's order: ascending source, then token) and uploads a plan, one destination
+ * docs/semantics.md §2.1's order: ascending source, then token) and uploads a plan, one destination
  * row per (token, rank). What each kernel does with it:
  *
  *   empty     an empty kernel of one warp, and one with the one-launch dispatch's shape (clusters
@@ -32,7 +32,7 @@
  *   and the empty kernel and the 2-slice reduce again with an unused parameter block as large as
  *   epd's combine launch carries (FP_PAD_BYTES).
  *
- * Each is timed three ways around the GPU's state before it: Fresh (BENCHMARKS.md: 256 MB written,
+ * Each is timed three ways around the GPU's state before it: Fresh (docs/benchmarks.md, "Time": 256 MB written,
  * which leaves the L2 full of dirty lines, then the stream synchronised so the GPU is idle), clean
  * (256 MB read by a kernel: the L2 holds clean lines) and warm (nothing between launches). And two
  * ways around the launch: `event` records an event, launches, records another on an idle GPU, as
@@ -41,8 +41,7 @@
  * so the figure is the GPU's alone; `graph` captures the two events and the launch as one CUDA graph
  * and launches that, so they reach the GPU in one submission. Median and p99 over --reps launches after one untimed one.
  * The copy, reduce, stream and epd outputs are checked bitwise against the host once, so a floor is
- * never taken from a kernel that skipped its work. FP_EPD_NOCHECK=1 in the environment skips the
- * epd combine's check only, for builds of the kernels with parts knowingly left out (timing only).
+ * never taken from a kernel that skipped its work.
  *
  * Usage: epd-floor-probe [--ranks R] [--tokens T] [--reps N] [--seed S] [--device D] [--idle-us U]
  *        [--json]
@@ -65,10 +64,10 @@ extern "C" {
 #include "testdata.h"
 #include "util.h"
 }
-#include "cb_trace.h"
-#include "internal.cuh"
+#include "epd_kernels.h"
+#include "layout.h"
 
-/* The BENCHMARKS.md model shape (bench/epd_bench.c keeps the same numbers). */
+/* The docs/benchmarks.md model shape ("Workloads") (bench/epd_bench.c keeps the same numbers). */
 #define FP_HIDDEN 7168u
 #define FP_TOPK 8u
 #define FP_EXPERTS 256u
@@ -77,14 +76,36 @@ extern "C" {
 #define FP_WRITE_CEILING_BYTES (1ull << 30)
 #define FP_THREADS 256
 #define FP_MAX_RANKS 32 /* a plan row is read by one lane per rank */
-/* about epd's combine parameters for 8 ranks until the twenty-fifth session (1112 bytes; since
- * then 496: combine_hot and combine_inl in kernels/combine.cu) */
+/* a parameter block larger than epd's combine launch carries for 8 ranks (combine_hot and
+ * combine_inl in kernels/combine.cu), so that the padded launches bound its cost from above */
 #define FP_PAD_BYTES 1280
 
 #define PROBE_NAME "epd-floor-probe"
 #include "probe_check.cuh"
 
 /* ---- kernels ------------------------------------------------------------------------------ */
+
+/* The GPU's global timer in ns: the same clock on every multiprocessor, so stamps of different
+ * warps compare. */
+static __device__ __forceinline__ uint64_t fp_globaltimer_ns(void)
+{
+        uint64_t t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        return t;
+}
+
+/* A 16-byte read-only load with the L2 evict-first hint, as epd's combine issues for rows it
+ * reads once (the probe measures that load, so it issues the same instructions). */
+static __device__ __forceinline__ int4 fp_ldg_evict_first(const int4 *p)
+{
+        uint64_t policy;
+        int4 v;
+        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+        asm("ld.global.nc.L2::cache_hint.v4.s32 {%0, %1, %2, %3}, [%4], %5;"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+            : "l"(p), "l"(policy));
+        return v;
+}
 
 __global__ void fp_empty(void)
 {
@@ -268,8 +289,7 @@ static __device__ __forceinline__ int4 fp_sum(const int4 (&buf)[8][VEC], uint32_
 }
 
 /* The traced reduce's stamps, per warp: entry, plan row back, end (global timer, ns) and its
- * contributions; the same four words as epd's combine stamps in DS_TRACE builds
- * (kernels/combine.cu), so that one report reads both. */
+ * contributions. */
 #define FP_TRACE_WARPS 8192
 static __device__ uint64_t fp_rtrace[FP_TRACE_WARPS * 4];
 
@@ -279,14 +299,14 @@ static __device__ __forceinline__ void fp_reduce_body(const struct fp_reduce_arg
         const uint32_t lane = threadIdx.x % 32;
         const uint32_t item = (blockIdx.x * FP_THREADS + threadIdx.x) / 32;
         const uint32_t g = item / a.slices, slice = item % a.slices;
-        const uint64_t tr_entry = TR ? epd_globaltimer_ns() : 0;
+        const uint64_t tr_entry = TR ? fp_globaltimer_ns() : 0;
 
         if (g >= a.tokens)
                 return;
         const int32_t r = lane < a.ranks ? a.plan[(uint64_t)g * a.ranks + lane] : -1;
         const uint32_t mask = __ballot_sync(0xffffffffu, r >= 0);
         const uint32_t n = __popc(mask);
-        const uint64_t tr_plan = TR ? epd_globaltimer_ns() : 0;
+        const uint64_t tr_plan = TR ? fp_globaltimer_ns() : 0;
         const uint32_t nvec = a.row_bytes / 16, svec = nvec / a.slices;
         const uint32_t v0 = slice * svec, v1 = slice + 1 == a.slices ? nvec : v0 + svec;
         const int4 *rows[8];
@@ -310,7 +330,7 @@ static __device__ __forceinline__ void fp_reduce_body(const struct fp_reduce_arg
                                 const uint32_t i = base + u * 32 + lane;
                                 buf[c][u] = make_int4(0, 0, 0, 0);
                                 if ((uint32_t)c < n && i < v1)
-                                        buf[c][u] = EF ? epd__k_ldg_evict_first(rows[c] + i)
+                                        buf[c][u] = EF ? fp_ldg_evict_first(rows[c] + i)
                                                        : __ldg(rows[c] + i);
                         }
 #pragma unroll
@@ -324,7 +344,7 @@ static __device__ __forceinline__ void fp_reduce_body(const struct fp_reduce_arg
         if (TR && lane == 0 && item < FP_TRACE_WARPS) {
                 fp_rtrace[item * 4 + 0] = tr_entry;
                 fp_rtrace[item * 4 + 1] = tr_plan;
-                fp_rtrace[item * 4 + 2] = epd_globaltimer_ns();
+                fp_rtrace[item * 4 + 2] = fp_globaltimer_ns();
                 fp_rtrace[item * 4 + 3] = n;
         }
 }
@@ -391,7 +411,7 @@ static __device__ __forceinline__ void fp_stream_load(const struct fp_stream_arg
 #pragma unroll
                 for (int u = 0; u < VEC; u++)
                         st.v[c][u] = (uint32_t)c < st.n
-                                             ? epd__k_ldg_evict_first((const int4 *)(a.y + (k0 + c) * (512 * VEC)) +
+                                             ? fp_ldg_evict_first((const int4 *)(a.y + (k0 + c) * (512 * VEC)) +
                                                                       u * 32 + lane)
                                              : make_int4(0, 0, 0, 0);
 }
@@ -550,23 +570,17 @@ static double time_once(struct fp_state *st, const struct fp_probe *p, enum fp_m
         return ms * 1e3;
 }
 
-#ifdef DS_TRACE
-extern "C" int epd_k_cb_trace(uint64_t *dst, size_t warps);
-#endif
 
-/* FP_TRACE_LAUNCHES Fresh-mode graph launches of p, each followed by its per-warp stamps (the
- * traced reduce's, or with epd != 0 epd's combine's, which DS_TRACE builds of the kernels keep):
- * where in the launch its warps entered, had their routing and ended, and the ends by the
- * token's contributions, each averaged over the launches. epd's stamps also give the ns from a
- * warp's entry until it had the parameters its first workspace load needs. */
+/* FP_TRACE_LAUNCHES Fresh-mode graph launches of p, each followed by the traced reduce's
+ * per-warp stamps: where in the launch its warps entered, had their routing and ended, and the
+ * ends by the token's contributions, each averaged over the launches. */
 #define FP_TRACE_LAUNCHES 20
-static void trace_report(struct fp_state *st, const struct fp_probe *p, int epd, uint32_t warps,
-                         FILE *tf)
+static void trace_report(struct fp_state *st, const struct fp_probe *p, uint32_t warps, FILE *tf)
 {
         static uint64_t w[FP_TRACE_WARPS * 4];
         cudaGraphExec_t exec = capture(st, p);
-        /* per launch: the means and maxima of entry, routing and end, the parameters' mean */
-        double sum[3] = { 0, 0, 0 }, max[3] = { 0, 0, 0 }, pre = 0, back = 0, desc = 0, us = 0;
+        /* per launch: the means and maxima of entry, routing and end */
+        double sum[3] = { 0, 0, 0 }, max[3] = { 0, 0, 0 }, us = 0;
         double nsum[33] = { 0 }, nmax[33] = { 0 };
         uint32_t nl[33] = { 0 }, nw[33] = { 0 }, launches = 0;
 
@@ -575,20 +589,11 @@ static void trace_report(struct fp_state *st, const struct fp_probe *p, int epd,
         time_once(st, p, MODE_FRESH, LAUNCH_GRAPH, exec, 0);
         for (uint32_t r = 0; r < FP_TRACE_LAUNCHES; r++) {
                 const double t = time_once(st, p, MODE_FRESH, LAUNCH_GRAPH, exec, r + 1);
-                if (epd) {
-#ifdef DS_TRACE
-                        if (epd_k_cb_trace(w, warps) != 0)
-                                break;
-#else
-                        break;
-#endif
-                } else {
-                        CK(cudaMemcpyFromSymbol(w, fp_rtrace, (size_t)warps * 32));
-                }
+                CK(cudaMemcpyFromSymbol(w, fp_rtrace, (size_t)warps * 32));
                 uint64_t t0 = UINT64_MAX;
                 for (uint32_t i = 0; i < warps; i++)
                         t0 = w[i * 4] != 0 && w[i * 4] < t0 ? w[i * 4] : t0;
-                double s[3] = { 0, 0, 0 }, m[3] = { 0, 0, 0 }, ps = 0, bs = 0, ds = 0;
+                double s[3] = { 0, 0, 0 }, m[3] = { 0, 0, 0 };
                 double ns[33] = { 0 }, nm[33] = { 0 };
                 uint32_t cnt = 0, nc[33] = { 0 };
                 for (uint32_t i = 0; i < warps; i++) {
@@ -599,12 +604,7 @@ static void trace_report(struct fp_state *st, const struct fp_probe *p, int epd,
                                 s[q] += (double)(e[q] - t0);
                                 m[q] = (double)(e[q] - t0) > m[q] ? (double)(e[q] - t0) : m[q];
                         }
-                        if (epd) {
-                                ps += (double)epd_cb_trace_pre_ns(e[3]);
-                                bs += (double)epd_cb_trace_back_ns(e[3]);
-                                ds += (double)epd_cb_trace_desc_ns(e[3]);
-                        }
-                        const uint32_t n = epd_cb_trace_contributions(e[3]) % 33;
+                        const uint32_t n = (uint32_t)(e[3] % 33);
                         ns[n] += (double)(e[2] - t0);
                         nm[n] = (double)(e[2] - t0) > nm[n] ? (double)(e[2] - t0) : nm[n];
                         nc[n]++;
@@ -616,9 +616,6 @@ static void trace_report(struct fp_state *st, const struct fp_probe *p, int epd,
                         sum[q] += s[q] / cnt;
                         max[q] += m[q];
                 }
-                pre += ps / cnt;
-                back += bs / cnt;
-                desc += ds / cnt;
                 us += t;
                 for (uint32_t n = 0; n < 33; n++)
                         if (nc[n]) {
@@ -634,17 +631,11 @@ static void trace_report(struct fp_state *st, const struct fp_probe *p, int epd,
                 fprintf(tf, "  trace %s %s: no stamps\n", p->name, p->variant);
                 return;
         }
-        char params[128] = "";
-        if (epd) /* only epd's stamps carry these */
-                snprintf(params, sizeof(params),
-                         ", parameters read %.0f, entries back %.0f, y descriptor %.0f (from "
-                         "the warp's entry)",
-                         pre / launches, back / launches, desc / launches);
         fprintf(tf, "  trace %s %s (%u fresh graph launches, %.2f us on average; ns from the first "
-                    "warp's entry): entry mean %.0f max %.0f%s, routing back mean %.0f max %.0f, "
+                    "warp's entry): entry mean %.0f max %.0f, routing back mean %.0f max %.0f, "
                     "end mean %.0f max %.0f\n",
                 p->name, p->variant, launches, us / launches, sum[0] / launches, max[0] / launches,
-                params, sum[1] / launches, max[1] / launches, sum[2] / launches, max[2] / launches);
+                sum[1] / launches, max[1] / launches, sum[2] / launches, max[2] / launches);
         for (uint32_t n = 0; n < 33; n++)
                 if (nl[n])
                         fprintf(tf, "  trace %s %s: %u contributions, %u warps, end mean %.0f max %.0f\n",
@@ -1117,8 +1108,8 @@ static struct fp_epd_ctx epd_ctx(const struct fp_host *h, const uint8_t *y_dev, 
         return c;
 }
 
-/* epd's combine against the host: each token's rows in ascending top-k position (SEMANTICS.md
- * 3), the fp32 sum rounded once, and the combined weights. */
+/* epd's combine against the host: each token's rows in ascending top-k position (docs/semantics.md
+ * §3), the fp32 sum rounded once, and the combined weights. */
 static int check_epd(const struct fp_host *h, const struct fp_epd_bufs *b, int has_weights)
 {
         const uint32_t K = FP_TOPK;
@@ -1418,8 +1409,7 @@ int main(int argc, char **argv)
                         probes[i].launch(&probes[i], st.stream);
                         CK(cudaGetLastError());
                         CK(cudaStreamSynchronize(st.stream));
-                        if (!getenv("FP_EPD_NOCHECK") &&
-                            check_epd(&h, &eb, ((const struct fp_epd_ctx *)probes[i].ctx)->a.has_weights)) {
+                        if (check_epd(&h, &eb, ((const struct fp_epd_ctx *)probes[i].ctx)->a.has_weights)) {
                                 fprintf(stderr, "epd-floor-probe: epd combine is wrong; no figures\n");
                                 return 1;
                         }
@@ -1464,11 +1454,7 @@ int main(int argc, char **argv)
         for (size_t i = 0; i < nprobes; i++) {
                 if (probes[i].launch == launch_reduce &&
                     ((const struct fp_reduce_ctx *)probes[i].ctx)->evict_first == 3)
-                        trace_report(&st, &probes[i], 0, h.N * 2, tf);
-#ifdef DS_TRACE
-                if (probes[i].launch == launch_epd)
-                        trace_report(&st, &probes[i], 1, h.N * 2, tf);
-#endif
+                        trace_report(&st, &probes[i], h.N * 2, tf);
         }
         if (o->json) {
                 size_t i;

@@ -1,4 +1,4 @@
-/* host_exec.c - the data movement of dispatch and combine on the CPU (host backend).
+/* exec.c - the data movement of dispatch and combine on the CPU (host backend).
  *
  * Dispatch is a push: each item takes a chunk of one source's tokens and copies every token to the
  * rows the plan assigned it, writing the metadata beside it. Rows of different items never
@@ -31,7 +31,7 @@
 #endif
 
 #include "bf16.h"
-#include "host_exec.h"
+#include "exec.h"
 #include "routing.h"
 
 /* The combine kernels are compute-bound with SSE2 (the x86-64 baseline); an AVX2 clone, picked at

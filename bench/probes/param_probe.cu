@@ -1,7 +1,7 @@
 /* param_probe.cu - epd-param-probe: what the start of a kernel costs. First, its reads of its
  * own parameters, by how many 64-byte lines of the parameter block they touch and how they are
  * read. The decode combine's warps take about 0.6 us from their entry until they have the
- * parameters that their first workspace load needs (docs/performance.md, twenty-second session), while a reduce whose
+ * parameters that their first workspace load needs (docs/performance.md), while a reduce whose
  * parameters fit one line has its plan row back in that time. Each warp of a grid shaped like the
  * combine's (2 blocks of 256 threads per multiprocessor) reads one 4-byte word from each of N lines
  * of a 2 KiB __grid_constant__ parameter block and stamps the global timer before the first read

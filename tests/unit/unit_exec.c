@@ -1,4 +1,4 @@
-/* unit_host_exec.c - host dispatch/combine (cpu/host_exec.c) bitwise against the reference.
+/* unit_exec.c - host dispatch/combine (cpu/exec.c) bitwise against the reference.
  *
  * Each case builds every rank's inputs from a printed seed, plans with cpu/plan.c, runs every
  * dispatch item (forward, reverse, shuffled or from two threads), compares every destination with
@@ -21,7 +21,7 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "host_exec.h"
+#include "exec.h"
 #include "plan.h"
 #include "reference.h"
 #include "testdata.h"
@@ -326,7 +326,7 @@ static void run_case(const struct hx_case *c, uint64_t seed)
         char msg[512];
 
         ck_assert_uint_le(R, MAX_R);
-        printf("host_exec case %s: R=%u E=%u H=%u T=%u K=%u layout=%s dtype=%s align=%u zp=%d "
+        printf("exec case %s: R=%u E=%u H=%u T=%u K=%u layout=%s dtype=%s align=%u zp=%d "
                "bias=%d weights=%d apply=%d topk=%s strided=%d order=%d seed=0x%016" PRIx64 "\n",
                c->name, R, c->E, H, c->T, K, expand ? "EXPAND" : "NON_EXPAND",
                fp8 ? "fp8" : "bf16", c->align, c->zero_padding, c->nbias, c->has_weights, apply,
@@ -712,9 +712,9 @@ START_TEST(test_bf16_random)
 }
 END_TEST
 
-static Suite *host_exec_suite(void)
+static Suite *exec_suite(void)
 {
-        Suite *s = suite_create("host_exec");
+        Suite *s = suite_create("exec");
         TCase *tc = tcase_create("bf16");
 
         tcase_set_timeout(tc, 60);
@@ -743,7 +743,7 @@ static Suite *host_exec_suite(void)
 
 int main(void)
 {
-        SRunner *sr = srunner_create(host_exec_suite());
+        SRunner *sr = srunner_create(exec_suite());
         int failed;
 
         srunner_run_all(sr, CK_NORMAL);

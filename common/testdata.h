@@ -1,11 +1,12 @@
-/* testdata.h - seeded, deterministic test data for dispatch and combine.
+/* testdata.h - seeded, deterministic data for dispatch and combine: the inputs of the tests, of
+ * epd-bench and of epd-demo (library epd_datagen).
  *
  * Everything is a function of a 64-bit seed (xoshiro256** seeded through splitmix64), so a failing
- * case can be replayed from the seed its test printed. Generators write into caller-owned strided
+ * case can be replayed from the seed its run printed. Generators write into caller-owned strided
  * buffers and never allocate.
  */
-#ifndef EPD_TESTS_TESTDATA_H
-#define EPD_TESTS_TESTDATA_H
+#ifndef EPD_COMMON_TESTDATA_H
+#define EPD_COMMON_TESTDATA_H
 
 #include <stddef.h>
 #include <stdint.h>

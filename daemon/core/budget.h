@@ -1,0 +1,27 @@
+/* budget.h - limits on what clients hold, per uid and for the whole daemon, beside the
+ * per-client ones: rank bindings, groups, registered regions and their bytes, and file
+ * descriptors with headroom (queued reply bytes are the network layer's, net/admission.c). One client, or one user with many clients, can
+ * exhaust none of them for the others. Every check names the limit it hit. Loop thread only. */
+#ifndef EPD_DAEMON_BUDGET_H
+#define EPD_DAEMON_BUDGET_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct epdd_daemon;
+struct epdd_client;
+
+/* Raises the soft fd limit to the hard one (at most 1 << 20) and records it. */
+void epd_budget_init(struct epdd_daemon *d);
+/* A new rank binding for c (2 descriptors: its doorbell page and arena). 0 or EPD_UNAVAILABLE. */
+int epd_budget_binding(struct epdd_daemon *d, const struct epdd_client *c, char *err,
+                       size_t err_len);
+/* A new group created by c. */
+int epd_budget_group(struct epdd_daemon *d, const struct epdd_client *c, char *err, size_t err_len);
+/* A new region of `bytes` registered by c (one mapping). */
+int epd_budget_region(struct epdd_daemon *d, const struct epdd_client *c, uint64_t bytes, char *err,
+                      size_t err_len);
+/* Descriptors open in the daemon now (from /proc/self/fd). */
+int epd_budget_open_fds(void);
+
+#endif

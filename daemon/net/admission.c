@@ -1,0 +1,137 @@
+/* admission.c - see admission.h. */
+#include <errno.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "admission.h"
+#include "net.h"
+#include "log.h"
+#include "util.h"
+
+#define SWEEP_MS 100
+#define BACKOFF_MIN_MS 50
+#define BACKOFF_MAX_MS 2000
+/* Connections closed to free descriptors each time accept() runs out of them. */
+#define HANDSHAKES_CLOSED_PER_EMFILE 16
+
+static void on_sweep(uv_timer_t *timer)
+{
+        struct epdd_daemon *d = timer->data;
+        uint64_t now = epd__now_ns(), limit = (uint64_t)d->cfg.handshake_timeout_ms * 1000000ull;
+        struct epd_list *pos, *tmp;
+
+        epd_list_for_each_safe(pos, tmp, &d->conns)
+        {
+                struct epdd_conn *c = epd_conn_of(epd_list_entry(pos, struct epdd_client, link));
+                if (!c->hello_done && !c->cl.closing && now - c->accepted_ns >= limit) {
+                        d->stats.handshakes_timed_out++;
+                        epd_conn_close(c, "no Hello within handshake_timeout_ms");
+                }
+        }
+}
+
+static void on_backoff_done(uv_timer_t *timer)
+{
+        struct epdd_daemon *d = timer->data;
+
+        d->net->accept_paused = 0;
+        epd_server_resume(d);
+}
+
+void epd_admission_init(struct epdd_daemon *d)
+{
+        uv_timer_init(d->loop, &d->net->sweep_timer);
+        d->net->sweep_timer.data = d;
+        uv_timer_start(&d->net->sweep_timer, on_sweep, SWEEP_MS, SWEEP_MS);
+        uv_unref((uv_handle_t *)&d->net->sweep_timer);
+        uv_timer_init(d->loop, &d->net->backoff_timer);
+        d->net->backoff_timer.data = d;
+        d->net->backoff_ms = BACKOFF_MIN_MS;
+}
+
+void epd_admission_close(struct epdd_daemon *d)
+{
+        uv_timer_stop(&d->net->sweep_timer);
+        uv_timer_stop(&d->net->backoff_timer);
+        uv_close((uv_handle_t *)&d->net->sweep_timer, NULL);
+        uv_close((uv_handle_t *)&d->net->backoff_timer, NULL);
+}
+
+int epd_admission_check(struct epdd_daemon *d, const struct ucred *cred, int admin,
+                        const char **why)
+{
+        struct epd_list *pos;
+        unsigned same_uid = 0;
+
+        if (d->num_conns >= d->cfg.max_clients + (admin ? d->cfg.admin_reserved_clients : 0)) {
+                *why = admin ? "too many clients (max_clients and the administrators' reserve reached)"
+                             : "too many clients (max_clients reached)";
+                return EPD_UNAVAILABLE;
+        }
+        /* An administrator may always use the reserve, so that epctl reaches a daemon that
+         * others have filled up. */
+        if (admin)
+                return 0;
+        epd_list_for_each(pos, &d->conns)
+        {
+                struct epdd_conn *c = epd_conn_of(epd_list_entry(pos, struct epdd_client, link));
+                same_uid += c->cl.uid == cred->uid && !c->cl.closing;
+        }
+        if (same_uid >= d->cfg.max_clients_per_uid) {
+                *why = "too many clients of this uid (max_clients_per_uid reached)";
+                return EPD_UNAVAILABLE;
+        }
+        return 0;
+}
+
+int epd_admission_accept_failed(struct epdd_daemon *d, int err)
+{
+        struct epd_list *pos, *tmp;
+        unsigned closed = 0;
+
+        if (err != EMFILE && err != ENFILE && err != ENOBUFS && err != ENOMEM) {
+                log_warning("accept failed: %s, ignoring", strerror(err));
+                return 0;
+        }
+        /* Oldest first: the list is in order of acceptance. */
+        epd_list_for_each_safe(pos, tmp, &d->conns)
+        {
+                struct epdd_conn *c = epd_conn_of(epd_list_entry(pos, struct epdd_client, link));
+                if (closed == HANDSHAKES_CLOSED_PER_EMFILE)
+                        break;
+                if (!c->hello_done && !c->cl.closing) {
+                        epd_conn_close(c, "descriptors exhausted: handshake not finished");
+                        closed++;
+                }
+        }
+        log_warning("accept failed: %s; not accepting for %u ms, closed %u unfinished handshakes",
+                    strerror(err), d->net->backoff_ms, closed);
+        d->stats.accept_pauses++;
+        d->net->accept_paused = 1;
+        epd_server_pause(d);
+        uv_timer_start(&d->net->backoff_timer, on_backoff_done, d->net->backoff_ms, 0);
+        d->net->backoff_ms = d->net->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : d->net->backoff_ms * 2;
+        return 1;
+}
+
+void epd_admission_accepted(struct epdd_daemon *d)
+{
+        d->net->backoff_ms = BACKOFF_MIN_MS;
+}
+
+int epd_admission_queue(struct epdd_daemon *d, struct epdd_conn *c, struct epdd_conn **victim)
+{
+        struct epd_list *pos;
+        struct epdd_conn *most = c;
+
+        if (d->net->out_bytes <= d->cfg.max_output_queue_bytes_total)
+                return 0;
+        epd_list_for_each(pos, &d->conns)
+        {
+                struct epdd_conn *o = epd_conn_of(epd_list_entry(pos, struct epdd_client, link));
+                if (!o->cl.closing && o->out_bytes > most->out_bytes)
+                        most = o;
+        }
+        *victim = most;
+        return -1;
+}

@@ -1,0 +1,534 @@
+/* cx_dispatch.cu - the client-executed dispatch: one kernel per rank, the protocol of cpu/cx.c.
+ *
+ * Phases, separated by grid barriers (cx_sync.cuh):
+ * 1. Block 0 only: admit the op (cx_op.cuh); validate and normalise topk_idx into the handle slot
+ *    (or take the handle's routing for a cached dispatch); count tokens per destination and
+ *    selections per expert (shared-memory atomics: counts do not depend on the order); publish
+ *    the count record to every rank and wait for every rank's; reach the verdict every rank reaches
+ *    (cx_dispatch_verdict); place this rank's rows: one thread per destination (NON_EXPAND) or
+ *    expert (EXPAND) scans the tokens in order, so each row is a pure function of topk_idx and no
+ *    atomic decides an order; write the counts.
+ * 2. Every block: a token per block at a time, converted once to fp8 when quantizing, written
+ *    straight to its rows in the destinations' receive areas with its metadata; then this rank's
+ *    own EXPAND padding rows.
+ * 3. Block 0: raise the done flag at every destination, wait for every source's, record the end.
+ * Nothing is written to a receive area unless the verdict is OK.
+ */
+#include <limits.h>
+#include <stdint.h>
+
+#include <cuda_runtime.h>
+
+#include "cx_layout.h"
+#include "cx_op.cuh"
+#include "cx_sync.cuh"
+#include "epd_cx.h"
+#include "fp8.h"
+#include "routing.h"
+
+#define CX_THREADS 256
+
+static __device__ __forceinline__ int64_t load_topk(const void *p, enum epd_dtype dtype,
+                                                    uint64_t i)
+{
+        if (dtype == EPD_DTYPE_INT64)
+                return ((const int64_t *)p)[i];
+        return ((const int32_t *)p)[i];
+}
+
+/* Thread 0: this rank's checks of its own arguments (cpu/cx.c check_dispatch), into the record
+ * head. */
+static __device__ void check_args(const struct epd_cx_group *g,
+                                  const struct epd_cx_dispatch_args *a, uint64_t epoch,
+                                  struct cx_count_rec *head)
+{
+        const struct cx_layout *l = &g->layout;
+        const struct cx_handle *h;
+        uint32_t A = a->expert_alignment ? a->expert_alignment : 1;
+
+        head->status = EPD_INVALID_ARGUMENT;
+        head->reason = CX_REASON_BAD_ARGS;
+        if (a->num_tokens > l->shape.max_tokens || a->num_topk < 1 ||
+            a->num_topk > l->shape.max_topk || a->handle >= l->shape.num_handles ||
+            (a->layout != EPD_LAYOUT_NON_EXPAND && a->layout != EPD_LAYOUT_EXPAND))
+                return;
+        if (a->expert_block_rows && (a->layout != EPD_LAYOUT_EXPAND ||
+                                     a->expert_block_rows % A != 0 ||
+                                     (uint64_t)a->expert_block_rows * l->num_local_experts >
+                                             l->recv_rows))
+                return;
+        if ((a->quantize && !l->shape.quantize) || (a->num_tokens && !a->x) ||
+            (a->num_tokens && l->shape.dtype == EPD_DTYPE_FP8_E4M3 && !a->quantize && !a->scales))
+                return;
+        h = cx_handle_at(g->bufs[g->rank], l, a->handle);
+        if (a->cached) {
+                if (h->tag == 0 || h->tag >> CX_OP_BITS != epoch ||
+                    h->num_tokens != a->num_tokens || h->layout != (uint32_t)a->layout ||
+                    h->num_topk != a->num_topk ||
+                    h->alignment != A || h->block_rows != a->expert_block_rows ||
+                    h->quantize != (a->quantize ? 1u : 0u))
+                        return;
+        } else if ((a->topk_dtype != EPD_DTYPE_INT32 && a->topk_dtype != EPD_DTYPE_INT64) ||
+                   (a->num_tokens && !a->topk_idx)) {
+                return;
+        }
+        head->status = 0;
+        head->reason = CX_REASON_NONE;
+}
+
+struct phase1_smem {
+        int32_t tok[CX_MAX_RANKS];
+        int32_t sel[EPD_MAX_EXPERTS];
+        struct cx_count_rec head;
+        struct cx_op_status st;
+        int bad;
+        int early;
+        unsigned long long sent;
+};
+
+/* Block 0: everything up to the placed rows. Returns the op's status so far, which sm->st
+ * describes. */
+static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cx_dispatch_args *a,
+                             struct cx_dev_op *o, struct phase1_smem *sm)
+{
+        const struct cx_layout *l = &g->layout;
+        const uint32_t R = l->shape.world_size, E = l->shape.num_experts;
+        const uint32_t L = l->num_local_experts, me = g->rank;
+        const uint32_t A = a->expert_alignment ? a->expert_alignment : 1;
+        const uint32_t N = a->num_tokens, K = a->num_topk, C = a->expert_block_rows;
+        uint8_t *own = g->bufs[me];
+        const uint32_t handle = a->handle < l->shape.num_handles ? a->handle : 0;
+        int32_t *htopk = cx_handle_i32(own, l, handle, l->h_topk);
+        int32_t *hrow = cx_handle_i32(own, l, handle, l->h_row);
+        int32_t *scratch = (int32_t *)(own + l->scratch);
+        int32_t who;
+
+        if (threadIdx.x == 0) {
+                sm->early = cx_op_admit(g, o, &sm->st);
+                memset(&sm->head, 0, sizeof(sm->head));
+                sm->head.token = sm->head.pos = -1;
+                cx_dispatch_sig(sm->head.sig, (uint32_t)a->layout, A, C, a->handle,
+                                a->cached ? 1u : 0u, a->quantize ? 1u : 0u, a->weights != NULL,
+                                a->layout == EPD_LAYOUT_EXPAND && a->zero_padding);
+                sm->head.num_tokens = N;
+                sm->head.capacity_rows = a->capacity_rows && a->capacity_rows < l->recv_rows
+                                                 ? (uint32_t)a->capacity_rows
+                                                 : l->recv_rows;
+                if (!sm->early)
+                        check_args(g, a, o->epoch, &sm->head);
+                sm->bad = INT_MAX;
+                sm->sent = 0;
+                /* A dispatch that fails leaves no half-written handle behind. */
+                if (!sm->early && sm->head.status == 0 && !a->cached)
+                        cx_handle_at(own, l, handle)->tag = 0;
+        }
+        for (uint32_t i = threadIdx.x; i < R + E; i += blockDim.x) {
+                if (i < R)
+                        sm->tok[i] = 0;
+                else
+                        sm->sel[i - R] = 0;
+        }
+        __syncthreads();
+        if (sm->early)
+                return sm->early; /* cx_op_admit described it in sm->st */
+
+        /* Validate and normalise, then count. The first bad entry (lowest t * K + k) is the
+         * verdict's, as the host plan reports it. */
+        if (sm->head.status == 0) {
+                for (uint32_t i = threadIdx.x; i < N * K; i += blockDim.x) {
+                        int64_t v = a->cached ? htopk[i] : load_topk(a->topk_idx, a->topk_dtype, i);
+
+                        if (v < -1 || v >= (int64_t)E)
+                                atomicMin(&sm->bad, (int)i);
+                        else if (!a->cached)
+                                htopk[i] = (int32_t)v;
+                }
+                __syncthreads();
+                for (uint32_t i = threadIdx.x; i < N * K; i += blockDim.x) {
+                        uint32_t t = i / K, k = i % K;
+
+                        if (htopk[i] < 0 || (int)i > sm->bad)
+                                continue;
+                        for (uint32_t j = 0; j < k; j++)
+                                if (htopk[t * K + j] == htopk[i])
+                                        atomicMin(&sm->bad, (int)i);
+                }
+                __syncthreads();
+                if (sm->bad == INT_MAX) {
+                        for (uint32_t i = threadIdx.x; i < N * K; i += blockDim.x) {
+                                int32_t v = htopk[i];
+
+                                if (v < 0)
+                                        continue;
+                                atomicAdd(&sm->sel[v], 1);
+                                if (epd_route_is_first_for_rank(htopk + (i / K) * K, i % K, L))
+                                        atomicAdd(&sm->tok[epd_route_expert_rank(v, L)], 1);
+                        }
+                } else if (threadIdx.x == 0) {
+                        int64_t v = a->cached ? htopk[sm->bad]
+                                              : load_topk(a->topk_idx, a->topk_dtype, sm->bad);
+
+                        sm->head.status = EPD_INVALID_ARGUMENT;
+                        sm->head.reason = v < -1 || v >= (int64_t)E ? CX_REASON_BAD_EXPERT
+                                                                    : CX_REASON_DUP_EXPERT;
+                        sm->head.token = sm->bad / (int)K;
+                        sm->head.pos = sm->bad % (int)K;
+                        sm->head.value = v;
+                }
+        }
+        __syncthreads();
+
+        /* The count record to every rank: body, then (after a fence at the group's scope) the
+         * tag, released at each reader's scope. */
+        for (uint32_t d = 0; d < R; d++) {
+                struct cx_count_rec *rec = cx_count_rec_at(g->bufs[d], l, o->parity, me);
+                int ok = sm->head.status == 0;
+
+                /* Everything but the tag, which readers are polling. */
+                if (threadIdx.x == 0)
+                        memcpy((uint8_t *)rec + sizeof(rec->tag),
+                               (const uint8_t *)&sm->head + sizeof(rec->tag),
+                               sizeof(*rec) - sizeof(rec->tag));
+                for (uint32_t i = threadIdx.x; i < R + E; i += blockDim.x)
+                        cx_count_tok(rec)[i] = !ok ? 0 : i < R ? sm->tok[i] : sm->sel[i - R];
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+                cx_fence_group(g);
+                for (uint32_t d = 0; d < R; d++)
+                        cx_signal(g, d, &cx_count_rec_at(g->bufs[d], l, o->parity, me)->tag,
+                                  o->tag);
+        }
+        {
+                int r = cx_wait_all(g, l->count_recs, l->count_rec_bytes, o->parity, o->tag, &who);
+
+                if (r) {
+                        if (threadIdx.x == 0)
+                                cx_status_set(&sm->st, r, r == EPD_PEER_LOST ? CX_REASON_ABORT
+                                                                             : CX_REASON_TIMEOUT,
+                                              who);
+                        __syncthreads();
+                        return r;
+                }
+        }
+
+        /* The verdict, the same on every rank. */
+        if (threadIdx.x == 0)
+                cx_dispatch_verdict(own, l, o->parity, &sm->st);
+        __syncthreads();
+        if (sm->st.status)
+                return sm->st.status;
+
+        /* Where this rank's rows start: per destination (NON_EXPAND) or per expert (EXPAND). */
+        if (a->layout == EPD_LAYOUT_NON_EXPAND) {
+                for (uint32_t d = threadIdx.x; d < R; d += blockDim.x) {
+                        int32_t base = 0;
+
+                        for (uint32_t s = 0; s < me; s++)
+                                base += cx_count_tok(cx_count_rec_at(own, l, o->parity, s))[d];
+                        sm->tok[d] = base;
+                }
+        } else {
+                for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
+                        int32_t cnt = 0, pre = 0;
+
+                        for (uint32_t s = 0; s < R; s++) {
+                                struct cx_count_rec *rec = cx_count_rec_at(own, l, o->parity, s);
+                                int32_t n = cx_count_sel(rec, l)[e];
+
+                                cnt += n;
+                                pre += s < me ? n : 0;
+                        }
+                        scratch[R + e] = cnt;
+                        sm->sel[e] = pre;
+                }
+                __syncthreads();
+                for (uint32_t d = threadIdx.x; d < R; d += blockDim.x) {
+                        int32_t base = 0;
+
+                        for (uint32_t j = 0; j < L; j++) {
+                                sm->sel[d * L + j] += cx_block_base(j, C, base);
+                                base += (int32_t)epd_route_align_up(
+                                        (uint64_t)scratch[R + d * L + j], A);
+                        }
+                }
+        }
+        for (uint32_t i = threadIdx.x; i < N * K; i += blockDim.x)
+                hrow[i] = -1;
+        __syncthreads();
+
+        /* Rows: one thread per key scans the tokens in order (plan.c's placement). */
+        if (a->layout == EPD_LAYOUT_NON_EXPAND) {
+                for (uint32_t d = threadIdx.x; d < R; d += blockDim.x) {
+                        int32_t cur = sm->tok[d];
+
+                        for (uint32_t t = 0; t < N; t++)
+                                for (uint32_t k = 0; k < K; k++) {
+                                        int32_t v = htopk[t * K + k];
+
+                                        if (v >= 0 && epd_route_expert_rank(v, L) == d) {
+                                                hrow[t * K + k] = cur++;
+                                                break;
+                                        }
+                                }
+                        atomicAdd(&sm->sent, (unsigned long long)(cur - sm->tok[d]));
+                }
+        } else {
+                for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
+                        int32_t cur = sm->sel[e], first = cur;
+
+                        for (uint32_t i = 0; i < N * K; i++)
+                                if (htopk[i] == (int32_t)e)
+                                        hrow[i] = cur++;
+                        atomicAdd(&sm->sent, (unsigned long long)(cur - first));
+                }
+        }
+        if (a->weights)
+                for (uint32_t i = threadIdx.x; i < N * K; i += blockDim.x)
+                        ((float *)cx_handle_i32(own, l, handle, l->h_weights))[i] = a->weights[i];
+        __syncthreads();
+        if (threadIdx.x == 0) {
+                struct cx_handle *h = cx_handle_at(own, l, handle);
+
+                cx_write_counts(own, l, o->parity, me, handle, A, C);
+                h->layout = (uint32_t)a->layout;
+                h->num_topk = K;
+                h->num_tokens = N;
+                h->has_weights = a->weights != NULL;
+                h->alignment = A;
+                h->block_rows = C;
+                h->quantize = a->quantize ? 1u : 0u;
+                h->zero_padding = a->layout == EPD_LAYOUT_EXPAND && a->zero_padding;
+                if (!a->cached)
+                        h->topk_dtype = (uint32_t)a->topk_dtype;
+                h->tag = o->tag;
+        }
+        __syncthreads();
+        return 0;
+}
+
+/* Moves one token to all its rows. src/src_scales: the token's payload (the fp8 conversion in
+ * shared memory when quantizing). row_bytes is a multiple of 16 and src 16-byte aligned. */
+static __device__ void copy_token(const struct epd_cx_group *g,
+                                  const struct epd_cx_dispatch_args *a, const struct cx_handle *h,
+                                  const int32_t *htopk, const int32_t *hrow, uint32_t t,
+                                  const uint8_t *src,
+                                  const float *src_scales, uint32_t row_bytes, uint32_t nsc)
+{
+        const struct cx_layout *l = &g->layout;
+        const uint32_t K = a->num_topk, L = l->num_local_experts;
+        const int expand = a->layout == EPD_LAYOUT_EXPAND;
+        const uint32_t esz = h->topk_dtype == EPD_DTYPE_INT64 ? 8 : 4;
+        const int32_t *sel = htopk + (uint64_t)t * K;
+
+        for (uint32_t k = 0; k < K; k++) {
+                int32_t r = hrow[(uint64_t)t * K + k];
+                uint32_t d;
+                uint8_t *b;
+
+                if (r < 0)
+                        continue;
+                d = epd_route_expert_rank(sel[k], L);
+                b = g->bufs[d];
+                for (uint32_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x)
+                        ((int4 *)(b + l->recv_x + (uint64_t)r * row_bytes))[i] =
+                                ((const int4 *)src)[i];
+                for (uint32_t i = threadIdx.x; i < nsc; i += blockDim.x)
+                        ((float *)(b + l->recv_scales))[(uint64_t)r * nsc + i] = src_scales[i];
+                if (threadIdx.x == 0)
+                        ((int64_t *)(b + l->recv_src))[r] =
+                                epd_route_global_src(g->rank, l->shape.max_tokens, t);
+                if (expand) {
+                        if (threadIdx.x == 0) {
+                                ((int32_t *)(b + l->recv_topk_slot))[r] = (int32_t)k;
+                                if (a->weights)
+                                        ((float *)(b + l->recv_weights))[r] =
+                                                a->weights[(uint64_t)t * K + k];
+                        }
+                        continue;
+                }
+                for (uint32_t j = threadIdx.x; j < K; j += blockDim.x) {
+                        int on_d = sel[j] >= 0 && epd_route_expert_rank(sel[j], L) == d;
+                        int64_t v = on_d ? sel[j] - (int64_t)d * L : -1;
+                        uint8_t *out = b + l->recv_topk_idx + ((uint64_t)r * K + j) * esz;
+
+                        if (esz == 8)
+                                *(int64_t *)out = v;
+                        else
+                                *(int32_t *)out = (int32_t)v;
+                        if (a->weights)
+                                ((float *)(b + l->recv_weights))[(uint64_t)r * K + j] =
+                                        on_d ? a->weights[(uint64_t)t * K + j] : 0.0f;
+                }
+        }
+}
+
+/* This rank's EXPAND padding rows after local expert j's selections. */
+static __device__ void write_padding(const struct epd_cx_group *g,
+                                     const struct epd_cx_dispatch_args *a, uint32_t handle,
+                                     uint32_t j, uint32_t row_bytes, uint32_t nsc)
+{
+        const struct cx_layout *l = &g->layout;
+        uint8_t *own = g->bufs[g->rank];
+        const int32_t *per = cx_handle_i32(own, l, handle, l->h_per_expert);
+        const int32_t *base = cx_handle_i32(own, l, handle, l->h_expert_base);
+
+        for (int32_t r = base[j] + per[j]; r < base[j + 1]; r++) {
+                if (threadIdx.x == 0) {
+                        ((int64_t *)(own + l->recv_src))[r] = -1;
+                        ((int32_t *)(own + l->recv_topk_slot))[r] = -1;
+                        if (a->zero_padding && a->weights)
+                                ((float *)(own + l->recv_weights))[r] = 0.0f;
+                }
+                if (!a->zero_padding)
+                        continue;
+                for (uint32_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x)
+                        ((int4 *)(own + l->recv_x + (uint64_t)r * row_bytes))[i] =
+                                make_int4(0, 0, 0, 0);
+                for (uint32_t i = threadIdx.x; i < nsc; i += blockDim.x)
+                        ((float *)(own + l->recv_scales))[(uint64_t)r * nsc + i] = 0.0f;
+        }
+}
+
+__global__ void __launch_bounds__(CX_THREADS)
+cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cx_dispatch_args a)
+{
+        extern __shared__ int4 dyn[]; /* quantizing: the token's fp8 row, then its scales */
+        __shared__ struct phase1_smem sm;
+        __shared__ int s_verdict;
+        const struct cx_layout *l = &g.layout;
+        uint8_t *own = g.bufs[g.rank];
+        struct cx_header *hdr = cx_header_of(own, l);
+        const uint32_t handle = a.handle < l->shape.num_handles ? a.handle : 0;
+        const uint32_t row_bytes = a.quantize ? l->shape.hidden : l->x_row_bytes;
+        const uint32_t nsc = a.quantize ? l->shape.hidden / CX_QUANT_BLOCK : l->num_scales;
+        struct cx_dev_op o;
+        int verdict = 0, r;
+
+        cx_op_identity(&g, &o);
+        if (blockIdx.x == 0) {
+                verdict = phase1(&g, &a, &o, &sm);
+                if (threadIdx.x == 0)
+                        *(volatile int32_t *)&hdr->verdict = verdict;
+        }
+        r = cx_grid_barrier(&g, cx_barrier_key(o.epoch, o.seq, 0));
+        if (r) {
+                if (blockIdx.x == 0 && threadIdx.x == 0) {
+                        if (!verdict)
+                                cx_status_set(&sm.st, r, r == EPD_PEER_LOST ? CX_REASON_ABORT
+                                                                            : CX_REASON_TIMEOUT,
+                                              -1);
+                        cx_op_end(&g, &o, &sm.st, 0, 0);
+                }
+                return;
+        }
+        if (threadIdx.x == 0)
+                s_verdict = *(volatile int32_t *)&hdr->verdict;
+        __syncthreads();
+        verdict = s_verdict;
+        if (verdict) {
+                if (blockIdx.x == 0 && threadIdx.x == 0)
+                        cx_op_end(&g, &o, &sm.st, 0, 0);
+                return;
+        }
+
+        {
+                const struct cx_handle *h = cx_handle_at(own, l, handle);
+                const int32_t *htopk = cx_handle_i32(own, l, handle, l->h_topk);
+                const int32_t *hrow = cx_handle_i32(own, l, handle, l->h_row);
+                const uint64_t xs = a.x_stride ? a.x_stride : l->x_row_bytes;
+                const uint64_t ss = a.scales_stride ? a.scales_stride : (uint64_t)nsc * 4;
+                uint8_t *qrow = (uint8_t *)dyn;
+                float *qscales = (float *)(qrow + (a.quantize ? row_bytes : 0));
+
+                for (uint32_t t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+                        const uint8_t *x = (const uint8_t *)a.x + t * xs;
+                        const uint8_t *src = x;
+                        const float *src_scales =
+                                (const float *)((const uint8_t *)a.scales + t * ss);
+
+                        if (a.quantize) {
+                                for (uint32_t b = threadIdx.x; b < nsc; b += blockDim.x)
+                                        qscales[b] = epd_fp8_quantize_block(
+                                                (const uint16_t *)x + b * CX_QUANT_BLOCK,
+                                                CX_QUANT_BLOCK, qrow + b * CX_QUANT_BLOCK);
+                                __syncthreads();
+                                src = qrow;
+                                src_scales = qscales;
+                        }
+                        copy_token(&g, &a, h, htopk, hrow, t, src, src_scales, row_bytes, nsc);
+                        __syncthreads(); /* the shared row is rewritten by the next token */
+                }
+                if (a.layout == EPD_LAYOUT_EXPAND)
+                        for (uint32_t j = blockIdx.x; j < l->num_local_experts; j += gridDim.x)
+                                write_padding(&g, &a, handle, j, row_bytes, nsc);
+        }
+
+        r = cx_grid_barrier(&g, cx_barrier_key(o.epoch, o.seq, 1));
+        if (blockIdx.x != 0)
+                return;
+        if (r) {
+                if (threadIdx.x == 0) {
+                        cx_status_set(&sm.st, r, r == EPD_PEER_LOST ? CX_REASON_ABORT
+                                                                    : CX_REASON_TIMEOUT, -1);
+                        cx_op_end(&g, &o, &sm.st, 0, 0);
+                }
+                return;
+        }
+        /* Every block's rows are published (the barrier fenced at the group's scope): raise the
+         * done flags, then wait for every source's rows here. */
+        if (threadIdx.x == 0)
+                for (uint32_t d = 0; d < l->shape.world_size; d++)
+                        cx_signal(&g, d, &cx_flag_at(g.bufs[d], l->done, l, o.parity, g.rank)->tag,
+                                  o.tag);
+        {
+                int32_t who;
+
+                r = cx_wait_all(&g, l->done, sizeof(struct cx_flag), o.parity, o.tag, &who);
+                if (threadIdx.x == 0) {
+                        const struct cx_handle *h = cx_handle_at(own, l, handle);
+                        uint64_t rows = a.layout == EPD_LAYOUT_EXPAND ? h->num_expanded_rows
+                                                                      : h->num_recv_tokens;
+
+                        if (r)
+                                cx_status_set(&sm.st, r, r == EPD_PEER_LOST ? CX_REASON_ABORT
+                                                                            : CX_REASON_TIMEOUT,
+                                              who);
+                        cx_op_end(&g, &o, &sm.st, r ? 0 : rows,
+                                  r ? 0 : sm.sent * (row_bytes + 4ull * nsc));
+                }
+        }
+}
+
+extern "C" int epd__cx_preload_combine(void);
+
+extern "C" int epd_cx_preload(void)
+{
+        struct cudaFuncAttributes attr;
+
+        if (cudaFuncGetAttributes(&attr, cx_dispatch_kernel) != cudaSuccess)
+                return EPD_INTERNAL;
+        return epd__cx_preload_combine();
+}
+
+extern "C" int epd_cx_dispatch_launch(const struct epd_cx_group *g,
+                                      const struct epd_cx_dispatch_args *a, uint32_t num_blocks,
+                                      cudaStream_t stream)
+{
+        const struct cx_layout *l = &g->layout;
+        size_t dyn = 0;
+
+        if (num_blocks < 1 || num_blocks > CX_MAX_BLOCKS || g->rank >= l->shape.world_size ||
+            ((uintptr_t)a->x % 16) != 0 || (a->x_stride % 16) != 0)
+                return EPD_INVALID_ARGUMENT;
+        if (a->quantize) {
+                dyn = l->shape.hidden + (size_t)l->shape.hidden / CX_QUANT_BLOCK * 4;
+                if (dyn > 48 * 1024 &&
+                    cudaFuncSetAttribute(cx_dispatch_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)dyn) != cudaSuccess)
+                        return EPD_INTERNAL;
+        }
+        cx_dispatch_kernel<<<num_blocks, CX_THREADS, dyn, stream>>>(*g, *a);
+        return cudaPeekAtLastError() == cudaSuccess ? 0 : EPD_INTERNAL;
+}

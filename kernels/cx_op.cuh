@@ -1,0 +1,113 @@
+/* cx_op.cuh - the frame of one client-executed op on the device: its number, whether it may run,
+ * and how it ends (status ring, sticky failure, statistics), as cpu/cx.c does on the host.
+ *
+ * Only block 0's thread 0 decides and records. The op number and the sticky status are written
+ * only by this rank's own kernels, which the stream orders, so plain loads see the last op's
+ * values. The epoch, drain and abort words are the daemon's (CPU): relaxed .sys loads, value
+ * only. The other blocks learn the decision through the header's verdict word after the first
+ * grid barrier.
+ */
+#ifndef EPD_KERNELS_CX_OP_CUH
+#define EPD_KERNELS_CX_OP_CUH
+
+#include <stdint.h>
+
+#include "cx_layout.h"
+#include "cx_sync.cuh"
+
+struct cx_dev_op {
+        uint64_t epoch, op, tag, seq;
+        uint32_t parity;
+        int numbered;        /* the op took a number (not refused by drain) */
+};
+
+static __device__ __forceinline__ uint64_t cx_ld_relaxed_sys_u64(const uint64_t *p)
+{
+        uint64_t v;
+        asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+        return v;
+}
+
+/* Every thread: the op's identity (same in every block: nothing but this rank's previous kernels
+ * wrote op_counter and launch_seq). */
+static __device__ __forceinline__ void cx_op_identity(const struct epd_cx_group *g,
+                                                      struct cx_dev_op *o)
+{
+        const struct cx_header *h = cx_header_of(g->bufs[g->rank], &g->layout);
+
+        o->epoch = cx_ld_relaxed_sys_u64(&h->epoch);
+        o->op = *(const volatile uint64_t *)&h->op_counter;
+        o->seq = *(const volatile uint64_t *)&h->launch_seq;
+        o->tag = cx_tag(o->epoch, o->op);
+        o->parity = (uint32_t)(o->op & 1u);
+        o->numbered = 1;
+}
+
+static __device__ __forceinline__ void cx_status_set(struct cx_op_status *st, int32_t status,
+                                                     int32_t reason, int32_t rank)
+{
+        st->status = status;
+        st->reason = reason;
+        st->rank = rank;
+        st->num_short = 0;
+        st->token = st->pos = -1;
+        st->value = st->capacity = 0;
+}
+
+/* Block 0, thread 0: whether the op may run. Returns 0, or its status in st. */
+static __device__ int cx_op_admit(const struct epd_cx_group *g, struct cx_dev_op *o,
+                                  struct cx_op_status *st)
+{
+        struct cx_header *h = cx_header_of(g->bufs[g->rank], &g->layout);
+        uint64_t drain = cx_ld_relaxed_sys_u64(&h->drain_op);
+
+        cx_status_set(st, 0, CX_REASON_NONE, -1);
+        if (drain && o->op >= drain - 1) {
+                o->numbered = 0;
+                cx_status_set(st, EPD_ABORTED, CX_REASON_DRAIN, (int32_t)g->rank);
+        } else if (h->sticky_status != 0 && h->sticky_epoch == o->epoch) {
+                *st = h->sticky;
+                st->status = h->sticky_status;
+                st->reason = CX_REASON_STICKY;
+        } else if (epd_ld_relaxed_sys_u32(&h->abort_word) != 0) {
+                cx_status_set(st, EPD_PEER_LOST, CX_REASON_ABORT, -1);
+        }
+        return st->status;
+}
+
+/* Block 0, thread 0, last: records the end and advances the counters. The status entry's tag is
+ * released at .sys: the host reads it (epd's status call) once the stream has passed the op. */
+static __device__ void cx_op_end(const struct epd_cx_group *g, const struct cx_dev_op *o,
+                                 struct cx_op_status *st, uint64_t rows, uint64_t bytes)
+{
+        struct cx_header *h = cx_header_of(g->bufs[g->rank], &g->layout);
+        struct cx_op_status *slot = &h->status[o->op % CX_STATUS_RING];
+
+        *(volatile uint64_t *)&h->launch_seq = o->seq + 1;
+        if (!o->numbered)
+                return;
+        if (st->status == 0) {
+                h->stats.ops++;
+                h->stats.rows += rows;
+                h->stats.bytes += bytes;
+        } else {
+                h->stats.failures++;
+                if (h->sticky_status == 0 || h->sticky_epoch != o->epoch) {
+                        h->sticky = *st;
+                        h->sticky_epoch = o->epoch;
+                        h->sticky_status = st->status;
+                }
+        }
+        slot->status = st->status;
+        slot->reason = st->reason;
+        slot->rank = st->rank;
+        slot->num_short = st->num_short;
+        slot->token = st->token;
+        slot->pos = st->pos;
+        slot->value = st->value;
+        slot->capacity = st->capacity;
+        epd_st_release_sys_u64(&slot->tag, o->tag);
+        *(volatile uint64_t *)&h->op_counter = o->op + 1;
+}
+
+#endif
