@@ -768,6 +768,16 @@ static void config_to_wire(const struct epd_group_config *cfg, Epd__V1__GroupCon
         w->scale_block = cfg->scale_block;
         w->op_timeout_ms = cfg->op_timeout_ms;
         w->arena_bytes = cfg->arena_bytes;
+        /* Fields appended later count only when the caller's struct has them. */
+        if (cfg->size >= offsetof(struct epd_group_config, sms_per_rank) +
+                                 sizeof(cfg->sms_per_rank)) {
+                w->execution = (Epd__V1__Execution)cfg->execution;
+                w->max_expert_alignment = cfg->max_expert_alignment;
+                w->expert_block_rows = cfg->expert_block_rows;
+                w->quantize = cfg->quantize != 0;
+                w->num_handle_slots = cfg->num_handle_slots;
+                w->sms_per_rank = cfg->sms_per_rank;
+        }
 }
 
 /* ---- output arenas ---- */
@@ -1053,6 +1063,12 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
         g->config.scale_block = j->config->scale_block;
         g->config.op_timeout_ms = j->config->op_timeout_ms;
         g->config.arena_bytes = j->config->arena_bytes;
+        g->config.execution = (enum epd_execution)j->config->execution;
+        g->config.max_expert_alignment = j->config->max_expert_alignment;
+        g->config.expert_block_rows = j->config->expert_block_rows;
+        g->config.quantize = j->config->quantize;
+        g->config.num_handle_slots = j->config->num_handle_slots;
+        g->config.sms_per_rank = j->config->sms_per_rank;
         if (fds[0] >= 0 && j->doorbell_bytes >= sizeof(struct epd_doorbell)) {
                 void *p = mmap(NULL, j->doorbell_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
                                fds[0], 0);
@@ -1068,6 +1084,14 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
                 fds[1] = -1; /* taken */
                 if (rc < 0) {
                         /* The daemon keeps the binding; leaving releases it. */
+                        (void)epd_group_leave(g);
+                        goto out;
+                }
+        }
+        if (g->config.execution == EPD_EXECUTION_CLIENT) {
+                rc = epd__cx_enter(g, j, fds[1]);
+                fds[1] = -1; /* taken */
+                if (rc < 0) {
                         (void)epd_group_leave(g);
                         goto out;
                 }
@@ -1122,6 +1146,7 @@ int epd_group_leave(struct epd_group *group)
         if (group->arena)
                 munmap(group->arena, group->arena_reserved);
         free(group->arena_segs);
+        epd__cx_leave(group->cx);
         epd__group_stream_fini(group);
         if (group->doorbell)
                 munmap(group->doorbell, group->doorbell_bytes);
@@ -1178,6 +1203,8 @@ int epd_size_hint(struct epd_client *client, const struct epd_group_config *conf
                 out->max_rows_expand = resp->size_hint->max_rows_expand;
                 out->arena_bytes_non_expand = resp->size_hint->arena_bytes_non_expand;
                 out->arena_bytes_expand = resp->size_hint->arena_bytes_expand;
+                out->client_buffer_bytes_per_rank =
+                        resp->size_hint->client_buffer_bytes_per_rank;
         }
         epd__v1__response__free_unpacked(resp, NULL);
         return 0;

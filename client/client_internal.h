@@ -96,7 +96,17 @@ struct epd_group {
         void *doorbell_dev;           /* its device address once registered with CUDA */
         uint64_t submitted;           /* ops this rank submitted since it was bound */
         uint64_t inputs_marked;       /* inputs_ready values handed out */
+        /* Client-executed groups (cx.c): every rank's buffer, mapped once at join. */
+        struct epd__cx_group *cx;
 };
+
+/* cx.c: a client-executed group's buffers as this process maps them. */
+struct epd__cx_group;
+/* Maps the buffers GroupJoined announced (fd: the host backend's memfd of all R buffers, taken).
+ * 0, or a negative status with the reason recorded on the client. */
+int epd__cx_enter(struct epd_group *g, const Epd__V1__GroupJoined *j, int fd);
+/* Unmaps them; NULL does nothing. */
+void epd__cx_leave(struct epd__cx_group *cx);
 
 /* Records a failure on the client and returns status. */
 int epd__client_fail(struct epd_client *c, int status, const char *fmt, ...)

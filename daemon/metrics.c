@@ -416,6 +416,42 @@ static void render_ranks(struct textbuf *b, const Epd__V1__StatsReply *s)
                 rank_labels(labels, sizeof(labels), gs, rs);
                 sample_u64(b, "epd_arena_used_bytes", labels, rs->arena_used_bytes);
         }
+        /* Client-executed groups: the counters the ranks' own ops keep in their buffers. */
+        family(b, "epd_client_buffer_bytes", "gauge",
+               "Size of the rank's communication buffer (client-executed groups, else 0).");
+        for_each_rank(s, gs, rs)
+        {
+                rank_labels(labels, sizeof(labels), gs, rs);
+                sample_u64(b, "epd_client_buffer_bytes", labels, rs->client_buffer_bytes);
+        }
+        family(b, "epd_client_executed_ops_total", "counter",
+               "Client-executed ops of the rank that ended OK.");
+        for_each_rank(s, gs, rs)
+        {
+                rank_labels(labels, sizeof(labels), gs, rs);
+                sample_u64(b, "epd_client_executed_ops_total", labels, rs->client_ops);
+        }
+        family(b, "epd_client_executed_failed_ops_total", "counter",
+               "Client-executed ops of the rank that ended with another status.");
+        for_each_rank(s, gs, rs)
+        {
+                rank_labels(labels, sizeof(labels), gs, rs);
+                sample_u64(b, "epd_client_executed_failed_ops_total", labels, rs->client_failures);
+        }
+        family(b, "epd_client_executed_rows_total", "counter",
+               "Rows the rank received (dispatch) or reduced (combine) in client-executed ops.");
+        for_each_rank(s, gs, rs)
+        {
+                rank_labels(labels, sizeof(labels), gs, rs);
+                sample_u64(b, "epd_client_executed_rows_total", labels, rs->client_rows);
+        }
+        family(b, "epd_client_executed_bytes_total", "counter",
+               "Payload bytes the rank wrote to destinations in client-executed ops.");
+        for_each_rank(s, gs, rs)
+        {
+                rank_labels(labels, sizeof(labels), gs, rs);
+                sample_u64(b, "epd_client_executed_bytes_total", labels, rs->client_bytes);
+        }
 }
 
 static void client_labels(char *out, size_t out_len, const Epd__V1__ClientStats *cs)

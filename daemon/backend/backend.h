@@ -36,6 +36,14 @@ struct epdd_group_cfg {
         uint64_t arena_bytes;
         uint64_t row_bytes;           /* bytes of one x row */
         uint64_t scale_cols;          /* fp32 scales per row, 0 for bf16 */
+        /* Client-executed groups (docs/client-execution.md): the shape of their buffers. */
+        enum epd_execution execution;
+        uint32_t max_alignment;       /* 1 .. for client-executed groups */
+        uint32_t block_rows;
+        uint32_t quantize;
+        uint32_t num_handles;
+        uint32_t sms_per_rank;
+        uint64_t cx_bytes;            /* one rank's buffer (cx_layout_compute), 0 in daemon mode */
 };
 
 /* What an op does: the op record's kinds (common/oprec.h). */
@@ -150,6 +158,16 @@ struct epdd_backend_ops {
         /* Undoes arena_map: the range becomes reserved address space again. The caller closes
          * the fd. No op may use the range. Loop thread. */
         void (*arena_unmap)(struct epdd_backend *b, uint8_t *addr, uint64_t bytes);
+        /* Client-executed groups: memory of `bytes` for the communication buffers of a group,
+         * zeroed, that clients map through *fd (kind says how). *host is where the loop thread
+         * reads and writes it (the buffers' header words); *state is the backend's. NULL: the
+         * backend has no client-executed mode. Loop thread. */
+        int (*cx_alloc)(struct epdd_backend *b, uint32_t device, uint64_t bytes, uint8_t **host,
+                        void **state, int *fd, enum epd_region_kind *kind, char *err,
+                        size_t err_len);
+        /* Frees what cx_alloc made; clients may still have it mapped (the memory lives on in
+         * their mappings). The caller closes the fd. */
+        void (*cx_free)(struct epdd_backend *b, uint8_t *host, uint64_t bytes, void *state);
         /* Makes daemon host memory (a doorbell page) reachable by the backend's devices; *dev
          * is its device address, or NULL when the backend has no devices. */
         int (*host_register)(struct epdd_backend *b, void *ptr, uint64_t bytes, void **dev);

@@ -12,6 +12,7 @@
 #include <unistd.h>
 #include "backend.h"
 #include "core.h"
+#include "cx.h"
 #include "log.h"
 #include "routing.h"
 #include "util.h"
@@ -52,6 +53,65 @@ struct epdd_group *epd_group_find_name(struct epdd_daemon *d, const char *name)
                         return g;
         }
         return NULL;
+}
+
+/* The client-executed part of a configuration: the buffers' shape (w as the client gave it,
+ * cfg the checked daemon-mode part). A client-executed group has no output arena. */
+static int cx_cfg_check(const struct epdd_daemon *d, const struct epdd_group_cfg *w,
+                        struct epdd_group_cfg *cfg, char *err, size_t err_len)
+{
+        struct cx_shape shape;
+        struct cx_layout l;
+        enum cx_shape_error e;
+
+        if (w->execution == EPD_EXECUTION_DAEMON) {
+                if (w->max_alignment || w->block_rows || w->quantize || w->num_handles ||
+                    w->sms_per_rank) {
+                        snprintf(err, err_len,
+                                 "max_expert_alignment, expert_block_rows, quantize, "
+                                 "num_handle_slots and sms_per_rank apply to client-executed "
+                                 "groups only (execution = client)");
+                        return EPD_INVALID_ARGUMENT;
+                }
+                return 0;
+        }
+        if (w->execution != EPD_EXECUTION_CLIENT) {
+                snprintf(err, err_len, "execution %d is neither daemon (0) nor client (1)",
+                         (int)w->execution);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (!d->backend->ops->cx_alloc) {
+                snprintf(err, err_len,
+                         "client-executed groups are not available on the %s backend yet",
+                         d->backend->ops->name);
+                return EPD_UNAVAILABLE;
+        }
+        shape = (struct cx_shape){
+                .world_size = cfg->world_size, .num_experts = cfg->num_experts,
+                .hidden = cfg->hidden, .max_tokens = cfg->max_tokens, .max_topk = cfg->max_topk,
+                .dtype = cfg->dtype, .scale_block = cfg->scale_block,
+                .quantize = w->quantize ? 1u : 0u, .max_alignment = w->max_alignment,
+                .expert_block_rows = w->block_rows, .num_handles = w->num_handles,
+        };
+        e = cx_layout_compute(&shape, &l);
+        if (e != CX_SHAPE_OK) {
+                snprintf(err, err_len, "client-executed group: %s", cx_shape_error_str(e));
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (w->sms_per_rank > CX_MAX_BLOCKS) {
+                snprintf(err, err_len, "sms_per_rank %u exceeds %u", w->sms_per_rank,
+                         CX_MAX_BLOCKS);
+                return EPD_INVALID_ARGUMENT;
+        }
+        cfg->execution = EPD_EXECUTION_CLIENT;
+        cfg->max_alignment = l.shape.max_alignment;
+        cfg->block_rows = l.shape.expert_block_rows;
+        cfg->quantize = l.shape.quantize;
+        cfg->num_handles = l.shape.num_handles;
+        cfg->sms_per_rank = w->sms_per_rank;
+        cfg->cx_bytes = l.total_bytes;
+        cfg->arena_bytes = 0; /* outputs land in the buffers: no daemon-mode ops */
+        return 0;
 }
 
 int epd_group_cfg_check(const struct epdd_daemon *d, struct epdd_group_cfg *cfg, char *err,
@@ -138,7 +198,7 @@ int epd_group_cfg_check(const struct epdd_daemon *d, struct epdd_group_cfg *cfg,
                          (unsigned long long)cfg->arena_bytes);
                 return EPD_INVALID_ARGUMENT;
         }
-        return 0;
+        return cx_cfg_check(d, &w, cfg, err, err_len);
 }
 
 struct epdd_group *epd_group_find_name_of(struct epdd_daemon *d, uid_t owner, const char *name)
@@ -177,6 +237,145 @@ struct epdd_group *epd_group_find_for_join(struct epdd_daemon *d, uid_t uid, con
                         match = o;
         }
         return match;
+}
+
+/* ---- client-executed groups' buffers ---- */
+
+static int cx_create(struct epdd_group *g, char *err, size_t err_len)
+{
+        struct epdd_backend *b = g->daemon->backend;
+        const struct epdd_group_cfg *cfg = &g->cfg;
+        struct cx_shape shape = {
+                .world_size = cfg->world_size, .num_experts = cfg->num_experts,
+                .hidden = cfg->hidden, .max_tokens = cfg->max_tokens, .max_topk = cfg->max_topk,
+                .dtype = cfg->dtype, .scale_block = cfg->scale_block, .quantize = cfg->quantize,
+                .max_alignment = cfg->max_alignment, .expert_block_rows = cfg->block_rows,
+                .num_handles = cfg->num_handles,
+        };
+        uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+        struct epdd_cx *cx = calloc(1, sizeof(*cx));
+        int rc;
+
+        if (!cx) {
+                snprintf(err, err_len, "out of memory");
+                return EPD_INTERNAL;
+        }
+        if (cx_layout_compute(&shape, &cx->layout) != CX_SHAPE_OK) {
+                free(cx);
+                snprintf(err, err_len, "client-executed group: shape refused");
+                return EPD_INVALID_ARGUMENT;
+        }
+        /* One allocation for all R buffers, so one fd exports them all whatever R is; each
+         * buffer starts on a page so a rank's words never share a page with another's. */
+        cx->stride = (cx->layout.total_bytes + page - 1) / page * page;
+        cx->bytes = cx->stride * cfg->world_size;
+        cx->fd = -1;
+        rc = b->ops->cx_alloc(b, 0, cx->bytes, &cx->host, &cx->state, &cx->fd, &cx->kind, err,
+                              err_len);
+        if (rc < 0) {
+                free(cx);
+                return rc;
+        }
+        cx->epoch = 1;
+        for (uint32_t r = 0; r < cfg->world_size; r++)
+                cx_buffer_init(cx->host + r * cx->stride, &cx->layout, r, cx->epoch);
+        g->cx = cx;
+        return 0;
+}
+
+static void cx_destroy(struct epdd_group *g)
+{
+        struct epdd_backend *b = g->daemon->backend;
+        struct epdd_cx *cx = g->cx;
+
+        if (!cx)
+                return;
+        b->ops->cx_free(b, cx->host, cx->bytes, cx->state);
+        if (cx->fd >= 0)
+                close(cx->fd);
+        free(cx);
+        g->cx = NULL;
+}
+
+uint8_t *epd_group_cx_buffer(const struct epdd_group *g, uint32_t rank)
+{
+        return g->cx ? g->cx->host + rank * g->cx->stride : NULL;
+}
+
+/* A member died or left: every op of every rank that waits, or starts later, ends PEER_LOST. */
+static void cx_abort(struct epdd_group *g)
+{
+        if (!g->cx || g->cx->aborted)
+                return;
+        for (uint32_t r = 0; r < g->cfg.world_size; r++)
+                cx_buffer_abort(epd_group_cx_buffer(g, r), &g->cx->layout);
+        g->cx->aborted = 1;
+}
+
+/* Every rank is bound again after a loss: a new epoch, op numbers from 0. The ops of the old
+ * epoch ended when the abort word was written (they poll it), before any rank was re-bound. */
+static void cx_reform(struct epdd_group *g)
+{
+        struct epdd_cx *cx = g->cx;
+
+        if (!cx || !cx->aborted)
+                return;
+        cx->epoch++;
+        for (uint32_t r = 0; r < g->cfg.world_size; r++)
+                cx_buffer_reform(epd_group_cx_buffer(g, r), &cx->layout, cx->epoch);
+        cx->aborted = 0;
+        cx->drained = 0;
+        log_info("group re-formed group=%s epoch=%llu", g->name, (unsigned long long)cx->epoch);
+}
+
+void epd_group_cx_drain(struct epdd_group *g, int on)
+{
+        struct epdd_cx *cx = g->cx;
+        uint64_t boundary = 0, seen;
+
+        if (!cx)
+                return;
+        if (!on) {
+                for (uint32_t r = 0; r < g->cfg.world_size; r++)
+                        __atomic_store_n(&cx_header_of(epd_group_cx_buffer(g, r),
+                                                       &cx->layout)->drain_op,
+                                         0, __ATOMIC_SEQ_CST);
+                cx->drained = 0;
+                return;
+        }
+        /* The boundary is the highest op number any rank has taken: ranks behind it still run
+         * up to it (their peers ahead wait for them), and nobody starts an op at or past it. A
+         * rank may take a number between our read and our store; reading again after the
+         * store finds it and moves the boundary past it. */
+        do {
+                seen = boundary;
+                for (uint32_t r = 0; r < g->cfg.world_size; r++) {
+                        uint64_t n = __atomic_load_n(&cx_header_of(epd_group_cx_buffer(g, r),
+                                                                   &cx->layout)->op_counter,
+                                                     __ATOMIC_SEQ_CST);
+                        if (n > boundary)
+                                boundary = n;
+                }
+                for (uint32_t r = 0; r < g->cfg.world_size; r++)
+                        __atomic_store_n(&cx_header_of(epd_group_cx_buffer(g, r),
+                                                       &cx->layout)->drain_op,
+                                         boundary + 1, __ATOMIC_SEQ_CST);
+        } while (boundary != seen);
+        cx->drained = 1;
+}
+
+void epd_group_cx_stats(const struct epdd_group *g, uint32_t rank, struct cx_stats *out)
+{
+        const struct cx_stats *s;
+
+        memset(out, 0, sizeof(*out));
+        if (!g->cx)
+                return;
+        s = &cx_header_of(epd_group_cx_buffer(g, rank), &g->cx->layout)->stats;
+        out->ops = __atomic_load_n(&s->ops, __ATOMIC_RELAXED);
+        out->rows = __atomic_load_n(&s->rows, __ATOMIC_RELAXED);
+        out->bytes = __atomic_load_n(&s->bytes, __ATOMIC_RELAXED);
+        out->failures = __atomic_load_n(&s->failures, __ATOMIC_RELAXED);
 }
 
 int epd_group_new(struct epdd_daemon *d, uid_t owner, const char *name, const void *secret,
@@ -224,6 +423,14 @@ int epd_group_new(struct epdd_daemon *d, uid_t owner, const char *name, const vo
         epd_list_init(&g->retired);
         for (uint32_t r = 0; r < cfg->world_size; r++)
                 g->ranks[r].doorbell_fd = -1;
+        if (cfg->execution == EPD_EXECUTION_CLIENT) {
+                int rc = cx_create(g, err, err_len);
+                if (rc < 0) {
+                        free(g->ranks);
+                        free(g);
+                        return rc;
+                }
+        }
         epd_list_add_tail(&d->groups, &g->link);
         d->num_groups++;
         log_info("group created group=%s id=%llu ranks=%u experts=%u hidden=%u tokens=%u topk=%u",
@@ -510,6 +717,9 @@ int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, u
                 if (g->state == EPD_GROUP_BROKEN)
                         for (uint32_t i = 0; i < g->cfg.world_size; i++)
                                 g->ranks[i].next_op = 0;
+                cx_reform(g);
+                if (d->draining)
+                        epd_group_cx_drain(g, 1);
                 log_info("group ready group=%s from=%s", g->name, epd_group_state_name(g->state));
                 g->state = EPD_GROUP_READY;
         }
@@ -570,6 +780,12 @@ void epd_group_unbind(struct epdd_group *g, uint32_t rank, int lost)
         int ran = 0;
         for (uint32_t i = 0; i < g->cfg.world_size; i++)
                 ran |= g->ranks[i].next_op > 0;
+        /* A client-executed group's ops are invisible here: assume they ran, and end every
+         * op of the peers, waiting or not, with PEER_LOST. */
+        if (g->cx) {
+                ran = 1;
+                cx_abort(g);
+        }
         if (g->state == EPD_GROUP_READY || g->state == EPD_GROUP_DRAINING ||
             (g->state == EPD_GROUP_FORMING && ran)) {
                 log_notice("group broken group=%s rank=%u reason=%s", g->name, rank,
@@ -605,6 +821,7 @@ void epd_group_maybe_free(struct epdd_group *g)
                 rank_doorbell_retire(g, &g->ranks[r]);
         }
         epd_group_free_retired(g);
+        cx_destroy(g);
         log_info("group destroyed group=%s id=%llu", g->name, (unsigned long long)g->id);
         epd_list_del(&g->link);
         d->num_groups--;

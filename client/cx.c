@@ -1,0 +1,289 @@
+/* cx.c - client-executed ops in libepd (include/epd.h, docs/client-execution.md).
+ *
+ * At join, a client-executed group's GroupJoined carries every rank's communication buffer; this
+ * file maps them once and runs the rank's ops over them. On the host backend all R buffers are one
+ * sealed memfd (rank r at r * stride), mapped shared, and an op runs now on the calling thread
+ * through cpu/cx.c: no message to the daemon, no lock of the client. The daemon writes the abort,
+ * drain and epoch words of the same memory; cpu/cx.c polls them.
+ *
+ * Threading: the mapping is fixed from join to leave, so calls of different ranks (groups) run
+ * concurrently; calls of one rank are a sequence (docs/client-execution.md).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "client_internal.h"
+#include "cx.h"
+#include "cx_layout.h"
+
+struct epd__cx_group {
+        struct cx_layout layout;
+        uint8_t *map;                 /* every rank's buffer */
+        uint64_t map_bytes;
+        uint64_t stride;
+        uint8_t **bufs;               /* [R] */
+        struct cx_rank rank;
+};
+
+int epd__cx_enter(struct epd_group *g, const Epd__V1__GroupJoined *j, int fd)
+{
+        struct epd_client *c = g->client;
+        const struct epd_group_config *cfg = &g->config;
+        struct cx_shape shape = {
+                .world_size = cfg->world_size, .num_experts = cfg->num_experts,
+                .hidden = cfg->hidden, .max_tokens = cfg->max_tokens_per_rank,
+                .max_topk = cfg->max_topk, .dtype = cfg->dispatch_dtype,
+                .scale_block = cfg->scale_block, .quantize = cfg->quantize,
+                .max_alignment = cfg->max_expert_alignment,
+                .expert_block_rows = cfg->expert_block_rows,
+                .num_handles = cfg->num_handle_slots,
+        };
+        struct epd__cx_group *cx;
+        void *p;
+
+        if (fd < 0 || j->cx_kind != EPD__V1__REGION_KIND__HOST_MEMFD) {
+                if (fd >= 0)
+                        close(fd);
+                return epd__client_fail(c, EPD_UNAVAILABLE,
+                                        "client-executed group: the daemon sent no host buffers "
+                                        "(kind %d); this libepd maps host memfd buffers only",
+                                        (int)j->cx_kind);
+        }
+        cx = calloc(1, sizeof(*cx));
+        if (!cx || !(cx->bufs = calloc(cfg->world_size, sizeof(*cx->bufs)))) {
+                free(cx);
+                close(fd);
+                return epd__client_fail(c, EPD_INTERNAL, "out of memory");
+        }
+        /* The same header computes the same layout here as in the daemon; a difference means
+         * the two were built from different sources. */
+        if (cx_layout_compute(&shape, &cx->layout) != CX_SHAPE_OK ||
+            cx->layout.total_bytes != j->cx_bytes_per_rank ||
+            j->cx_stride < j->cx_bytes_per_rank ||
+            j->cx_total_bytes < j->cx_stride * cfg->world_size) {
+                free(cx->bufs);
+                free(cx);
+                close(fd);
+                return epd__client_fail(c, EPD_VERSION_MISMATCH,
+                                        "client-executed group: the daemon's buffer layout (%llu "
+                                        "bytes a rank) differs from this libepd's",
+                                        (unsigned long long)j->cx_bytes_per_rank);
+        }
+        p = mmap(NULL, j->cx_total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+        if (p == MAP_FAILED) {
+                free(cx->bufs);
+                free(cx);
+                return epd__client_fail(c, EPD_UNAVAILABLE,
+                                        "cannot map the group's %llu-byte buffers",
+                                        (unsigned long long)j->cx_total_bytes);
+        }
+        cx->map = p;
+        cx->map_bytes = j->cx_total_bytes;
+        cx->stride = j->cx_stride;
+        for (uint32_t r = 0; r < cfg->world_size; r++) {
+                const struct cx_header *h;
+
+                cx->bufs[r] = cx->map + r * cx->stride;
+                h = cx_header_of(cx->bufs[r], &cx->layout);
+                if (h->magic != CX_MAGIC || h->version != CX_VERSION || h->rank != r) {
+                        epd__cx_leave(cx);
+                        return epd__client_fail(c, EPD_VERSION_MISMATCH,
+                                                "client-executed group: rank %u's buffer has no "
+                                                "valid header (magic 0x%08x, version %u)",
+                                                r, h->magic, h->version);
+                }
+        }
+        cx->rank.layout = &cx->layout;
+        cx->rank.rank = g->rank;
+        cx->rank.bufs = cx->bufs;
+        cx->rank.timeout_ns = (uint64_t)cfg->op_timeout_ms * 1000000ull;
+        g->cx = cx;
+        return 0;
+}
+
+void epd__cx_leave(struct epd__cx_group *cx)
+{
+        if (!cx)
+                return;
+        if (cx->map)
+                munmap(cx->map, cx->map_bytes);
+        free(cx->bufs);
+        free(cx);
+}
+
+/* The group's buffers, or a failure naming the misuse. */
+static int cx_of(struct epd_group *group, const void *args, size_t size, size_t need,
+                 void *stream, const char *what)
+{
+        if (!group)
+                return EPD_INVALID_ARGUMENT;
+        if (!args || size < need)
+                return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
+                                        "%s: arguments missing or their size too small", what);
+        if (!group->cx)
+                return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
+                                        "%s: group %llu is daemon-executed; use epd_dispatch "
+                                        "and epd_combine, or create the group with execution "
+                                        "EPD_EXECUTION_CLIENT", what,
+                                        (unsigned long long)group->id);
+        if (stream)
+                return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
+                                        "%s: the host backend runs ops on the calling thread; "
+                                        "stream must be NULL", what);
+        return 0;
+}
+
+/* An op's failure, recorded on the client like any other call's. */
+static int cx_result(struct epd_group *group, int rc, const char *msg)
+{
+        if (rc == 0)
+                return 0;
+        return epd__client_fail(group->client, rc, "%s", msg);
+}
+
+int epd_cx_dispatch(struct epd_group *group, const struct epd_cx_dispatch_args *args,
+                    void *stream)
+{
+        struct cx_dispatch_args a;
+        char msg[512] = "";
+        int rc = cx_of(group, args, args ? args->size : 0, sizeof(*args), stream,
+                       "epd_cx_dispatch");
+
+        if (rc)
+                return rc;
+        a = (struct cx_dispatch_args){
+                .num_tokens = args->num_tokens, .x = args->x, .x_stride = args->x_stride,
+                .scales = args->scales, .scales_stride = args->scales_stride,
+                .topk_idx = args->topk_idx, .topk_dtype = args->topk_dtype,
+                .num_topk = args->num_topk, .weights = args->topk_weights,
+                .layout = args->layout, .expert_alignment = args->expert_alignment,
+                .zero_padding = args->zero_padding,
+                .expert_block_rows = args->expert_block_rows, .quantize = args->quantize,
+                .handle = args->handle, .cached = args->cached,
+                .capacity_rows = args->capacity_rows,
+        };
+        rc = cx_dispatch(&group->cx->rank, &a, NULL, msg, sizeof(msg));
+        return cx_result(group, rc, msg);
+}
+
+int epd_cx_combine(struct epd_group *group, const struct epd_cx_combine_args *args,
+                   void *stream)
+{
+        struct cx_combine_args a;
+        char msg[512] = "";
+        int rc = cx_of(group, args, args ? args->size : 0, sizeof(*args), stream,
+                       "epd_cx_combine");
+
+        if (rc)
+                return rc;
+        if (args->num_bias > 2)
+                return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
+                                        "epd_cx_combine: num_bias %u above 2", args->num_bias);
+        a = (struct cx_combine_args){
+                .handle = args->handle, .recv_weights = args->recv_weights,
+                .apply_weights = args->apply_weights, .source_weights = args->source_weights,
+                .bias = { args->num_bias > 0 ? args->bias[0] : NULL,
+                          args->num_bias > 1 ? args->bias[1] : NULL },
+                .combined = args->combined,
+                .combined_topk_weights = args->combined_topk_weights,
+        };
+        rc = cx_combine(&group->cx->rank, &a, NULL, msg, sizeof(msg));
+        return cx_result(group, rc, msg);
+}
+
+int epd_cx_status(struct epd_group *group, struct epd_cx_status *out)
+{
+        const struct cx_header *h;
+        struct cx_op_status st;
+        uint64_t epoch, next, tag;
+        int rc = cx_of(group, out, out ? out->size : 0, sizeof(*out), NULL, "epd_cx_status");
+
+        if (rc)
+                return rc;
+        h = cx_header_of(group->cx->bufs[group->rank], &group->cx->layout);
+        epoch = __atomic_load_n(&h->epoch, __ATOMIC_RELAXED);
+        next = __atomic_load_n(&h->op_counter, __ATOMIC_RELAXED);
+        if (next == 0)
+                return epd__client_fail(group->client, EPD_NOT_FOUND,
+                                        "epd_cx_status: rank %u has run no op since the group "
+                                        "formed", group->rank);
+        /* The entry is complete once its tag names the op (written last, release). */
+        tag = __atomic_load_n(&h->status[(next - 1) % CX_STATUS_RING].tag, __ATOMIC_ACQUIRE);
+        if (tag != cx_tag(epoch, next - 1))
+                return epd__client_fail(group->client, EPD_UNAVAILABLE,
+                                        "epd_cx_status: op %llu of rank %u has not ended yet",
+                                        (unsigned long long)(next - 1), group->rank);
+        st = h->status[(next - 1) % CX_STATUS_RING];
+        out->op = next - 1;
+        out->status = st.status;
+        out->message[0] = '\0';
+        if (st.status)
+                cx_format_status(&st, group->rank, next - 1, out->message,
+                                 sizeof(out->message));
+        return 0;
+}
+
+int epd_cx_counts(struct epd_group *group, uint32_t handle, struct epd_cx_counts *out)
+{
+        const struct cx_layout *l;
+        uint8_t *own;
+        const struct cx_handle *h;
+        uint64_t epoch;
+        int rc = cx_of(group, out, out ? out->size : 0, sizeof(*out), NULL, "epd_cx_counts");
+
+        if (rc)
+                return rc;
+        l = &group->cx->layout;
+        own = group->cx->bufs[group->rank];
+        if (handle >= l->shape.num_handles)
+                return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
+                                        "epd_cx_counts: handle slot %u outside 0..%u", handle,
+                                        l->shape.num_handles - 1);
+        h = cx_handle_at(own, l, handle);
+        epoch = __atomic_load_n(&cx_header_of(own, l)->epoch, __ATOMIC_RELAXED);
+        if (h->tag == 0 || h->tag >> CX_OP_BITS != epoch)
+                return epd__client_fail(group->client, EPD_NOT_FOUND,
+                                        "epd_cx_counts: handle slot %u holds no dispatch of the "
+                                        "group's current formation", handle);
+        out->num_recv_tokens = h->num_recv_tokens;
+        out->num_expanded_rows = h->num_expanded_rows;
+        out->num_local_experts = l->num_local_experts;
+        out->num_recv_tokens_per_expert = cx_handle_i32(own, l, handle, l->h_per_expert);
+        out->num_recv_tokens_per_expert_aligned =
+                cx_handle_i32(own, l, handle, l->h_per_expert_aligned);
+        out->world_size = l->shape.world_size;
+        out->rank_prefix = cx_handle_i32(own, l, handle, l->h_rank_prefix);
+        out->expert_base = cx_handle_i32(own, l, handle, l->h_expert_base);
+        return 0;
+}
+
+int epd_cx_buffers(const struct epd_group *group, struct epd_cx_buffers *out)
+{
+        const struct cx_layout *l;
+        uint8_t *own;
+
+        if (!group || !out || out->size < sizeof(*out))
+                return EPD_INVALID_ARGUMENT;
+        if (!group->cx)
+                return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
+                                        "epd_cx_buffers: group %llu is daemon-executed",
+                                        (unsigned long long)group->id);
+        l = &group->cx->layout;
+        own = group->cx->bufs[group->rank];
+        out->bytes_per_rank = l->total_bytes;
+        out->recv_rows = l->recv_rows;
+        out->num_handle_slots = l->shape.num_handles;
+        out->recv_x = own + l->recv_x;
+        out->recv_scales = l->num_scales ? (float *)(own + l->recv_scales) : NULL;
+        out->recv_topk_idx = own + l->recv_topk_idx;
+        out->recv_weights = (float *)(own + l->recv_weights);
+        out->recv_src = (int64_t *)(own + l->recv_src);
+        out->recv_topk_slot = (int32_t *)(own + l->recv_topk_slot);
+        out->y = (uint16_t *)(own + l->y);
+        out->y_weights = (float *)(own + l->y_weights);
+        return 0;
+}
