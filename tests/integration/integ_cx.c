@@ -360,10 +360,12 @@ static int data_fits(const struct shared *sh)
         cx_case_shape(&sh->c, &shape);
         ck_assert_int_eq(cx_layout_compute(&shape, &l), CX_SHAPE_OK);
         for (uint32_t i = 0; i < sh->c.rounds; i++) {
-                if (cx_case_data_make(&sh->c, l.recv_rows, td_mix_seed(sh->seed, i), &rd, err,
-                                      sizeof(err)))
+                int bad = cx_case_data_make(&sh->c, l.recv_rows, td_mix_seed(sh->seed, i),
+                                            &rd, err, sizeof(err));
+
+                cx_case_data_free(&sh->c, &rd); /* also what a failed make left */
+                if (bad)
                         return 0;
-                cx_case_data_free(&sh->c, &rd);
         }
         return 1;
 }
