@@ -1002,6 +1002,27 @@ static int arena_enter_locked(struct epd_group *g, const Epd__V1__GroupJoined *j
         return rc;
 }
 
+/* Whether CUDA MPS is enabled on the device a create or join names, as the daemon asks for
+ * client-executed groups (ranks of several processes share a GPU only under it). Only on the
+ * cuda backend, and only then does joining initialise CUDA in this process. */
+static int join_mps(struct epd_client *c, const struct epd_group_args *args)
+{
+#ifdef EPD_HAVE_CUDA
+        uint32_t dev = args->device;
+
+        if (!(c->daemon_caps & EPD__V1__CAPABILITY__CAP_CUDA_REGIONS))
+                return 0;
+        for (uint32_t i = 0; args->device_uuid && i < c->info.num_devices && i < 16; i++)
+                if (strcmp(c->info.devices[i].uuid, args->device_uuid) == 0)
+                        dev = i;
+        return epd__cuda_mps_enabled(c, dev);
+#else
+        (void)c;
+        (void)args;
+        return 0;
+#endif
+}
+
 static int group_enter(struct epd_client *c, const struct epd_group_args *args, int create,
                        struct epd_group **out)
 {
@@ -1027,6 +1048,10 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
                 gc.rank = args->rank;
                 gc.device = args->device;
                 gc.device_uuid = (char *)(args->device_uuid ? args->device_uuid : "");
+                if (args->config->size >= offsetof(struct epd_group_config, execution) +
+                                                   sizeof(args->config->execution) &&
+                    args->config->execution == EPD_EXECUTION_CLIENT)
+                        gc.mps_enabled = join_mps(c, args);
                 req.body_case = EPD__V1__REQUEST__BODY_GROUP_CREATE;
                 req.group_create = &gc;
         } else {
@@ -1036,6 +1061,7 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
                 gj.rank = args->rank;
                 gj.device = args->device;
                 gj.device_uuid = (char *)(args->device_uuid ? args->device_uuid : "");
+                gj.mps_enabled = join_mps(c, args);
                 req.body_case = EPD__V1__REQUEST__BODY_GROUP_JOIN;
                 req.group_join = &gj;
         }

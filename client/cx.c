@@ -6,6 +6,11 @@
  * through cpu/cx.c: no message to the daemon, no lock of the client. The daemon writes the abort,
  * drain and epoch words of the same memory; cpu/cx.c polls them.
  *
+ * On the cuda backend the buffers are one cuMem allocation that cx_cuda.c imports and maps on
+ * this process's GPU, and an op is a kernel launch on the caller's stream; the calls below that
+ * read a buffer then copy from device memory (the caller synchronises its stream first), and the
+ * pointers they hand out are device addresses.
+ *
  * Threading: the mapping is fixed from join to leave, so calls of different ranks (groups) run
  * concurrently; calls of one rank are a sequence (docs/client-execution.md).
  */
@@ -26,7 +31,40 @@ struct epd__cx_group {
         uint64_t stride;
         uint8_t **bufs;               /* [R] */
         struct cx_rank rank;
+#ifdef EPD_HAVE_CUDA
+        struct epd__cx_dev *dev;      /* device memory (cuda backend), else NULL */
+#endif
 };
+
+/* Copies n bytes at src of the buffers (a host mapping or device memory) to dst. */
+static int cx_read(const struct epd__cx_group *cx, const void *src, void *dst, size_t n)
+{
+#ifdef EPD_HAVE_CUDA
+        if (cx->dev)
+                return epd__cx_dev_read(cx->dev, src, dst, n);
+#endif
+        (void)cx;
+        memcpy(dst, src, n);
+        return 0;
+}
+
+/* A word of the buffers: an acquire load in host memory (the rank's executor releases it), a
+ * copy from device memory. */
+static uint64_t cx_load(const struct epd__cx_group *cx, const uint64_t *p)
+{
+        uint64_t v = 0;
+
+#ifdef EPD_HAVE_CUDA
+        if (cx->dev) {
+                if (epd__cx_dev_read(cx->dev, p, &v, sizeof(v)) < 0)
+                        return 0;
+                return v;
+        }
+#endif
+        (void)cx;
+        v = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+        return v;
+}
 
 int epd__cx_enter(struct epd_group *g, const Epd__V1__GroupJoined *j, int fd)
 {
@@ -44,14 +82,22 @@ int epd__cx_enter(struct epd_group *g, const Epd__V1__GroupJoined *j, int fd)
         struct epd__cx_group *cx;
         void *p;
 
-        if (fd < 0 || j->cx_kind != EPD__V1__REGION_KIND__HOST_MEMFD) {
+        if (fd < 0 || (j->cx_kind != EPD__V1__REGION_KIND__HOST_MEMFD &&
+                       j->cx_kind != EPD__V1__REGION_KIND__CUMEM_FD)) {
                 if (fd >= 0)
                         close(fd);
                 return epd__client_fail(c, EPD_UNAVAILABLE,
-                                        "client-executed group: the daemon sent no host buffers "
-                                        "(kind %d); this libepd maps host memfd buffers only",
-                                        (int)j->cx_kind);
+                                        "client-executed group: the daemon sent no buffers this "
+                                        "libepd can map (kind %d)", (int)j->cx_kind);
         }
+#ifndef EPD_HAVE_CUDA
+        if (j->cx_kind == EPD__V1__REGION_KIND__CUMEM_FD) {
+                close(fd);
+                return epd__client_fail(c, EPD_UNAVAILABLE,
+                                        "client-executed group on the cuda backend: this libepd "
+                                        "was built without CUDA");
+        }
+#endif
         cx = calloc(1, sizeof(*cx));
         if (!cx || !(cx->bufs = calloc(cfg->world_size, sizeof(*cx->bufs)))) {
                 free(cx);
@@ -72,6 +118,26 @@ int epd__cx_enter(struct epd_group *g, const Epd__V1__GroupJoined *j, int fd)
                                         "bytes a rank) differs from this libepd's",
                                         (unsigned long long)j->cx_bytes_per_rank);
         }
+        cx->stride = j->cx_stride;
+#ifdef EPD_HAVE_CUDA
+        if (j->cx_kind == EPD__V1__REGION_KIND__CUMEM_FD) {
+                uint8_t *base;
+                int rc = epd__cx_dev_enter(g, &cx->layout, fd, j->cx_total_bytes, j->cx_stride,
+                                           &cx->dev, &base);
+                if (rc < 0) {
+                        free(cx->bufs);
+                        free(cx);
+                        return rc;
+                }
+                for (uint32_t r = 0; r < cfg->world_size; r++)
+                        cx->bufs[r] = base + r * cx->stride;
+                cx->rank.layout = &cx->layout;
+                cx->rank.rank = g->rank;
+                cx->rank.bufs = cx->bufs;
+                g->cx = cx;
+                return 0;
+        }
+#endif
         p = mmap(NULL, j->cx_total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         close(fd);
         if (p == MAP_FAILED) {
@@ -83,7 +149,6 @@ int epd__cx_enter(struct epd_group *g, const Epd__V1__GroupJoined *j, int fd)
         }
         cx->map = p;
         cx->map_bytes = j->cx_total_bytes;
-        cx->stride = j->cx_stride;
         for (uint32_t r = 0; r < cfg->world_size; r++) {
                 const struct cx_header *h;
 
@@ -109,6 +174,9 @@ void epd__cx_leave(struct epd__cx_group *cx)
 {
         if (!cx)
                 return;
+#ifdef EPD_HAVE_CUDA
+        epd__cx_dev_leave(cx->dev);
+#endif
         if (cx->map)
                 munmap(cx->map, cx->map_bytes);
         free(cx->bufs);
@@ -130,6 +198,10 @@ static int cx_of(struct epd_group *group, const void *args, size_t size, size_t 
                                         "and epd_combine, or create the group with execution "
                                         "EPD_EXECUTION_CLIENT", what,
                                         (unsigned long long)group->id);
+#ifdef EPD_HAVE_CUDA
+        if (group->cx->dev)
+                return 0; /* any stream of the group's GPU; NULL: the legacy default stream */
+#endif
         if (stream)
                 return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
                                         "%s: the host backend runs ops on the calling thread; "
@@ -155,6 +227,10 @@ int epd_cx_dispatch(struct epd_group *group, const struct epd_cx_dispatch_args *
 
         if (rc)
                 return rc;
+#ifdef EPD_HAVE_CUDA
+        if (group->cx->dev)
+                return epd__cx_dev_dispatch(group, group->cx->dev, args, stream);
+#endif
         a = (struct cx_dispatch_args){
                 .num_tokens = args->num_tokens, .x = args->x, .x_stride = args->x_stride,
                 .scales = args->scales, .scales_stride = args->scales_stride,
@@ -183,6 +259,10 @@ int epd_cx_combine(struct epd_group *group, const struct epd_cx_combine_args *ar
         if (args->num_bias > 2)
                 return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
                                         "epd_cx_combine: num_bias %u above 2", args->num_bias);
+#ifdef EPD_HAVE_CUDA
+        if (group->cx->dev)
+                return epd__cx_dev_combine(group, group->cx->dev, args, stream);
+#endif
         a = (struct cx_combine_args){
                 .handle = args->handle, .recv_weights = args->recv_weights,
                 .apply_weights = args->apply_weights, .source_weights = args->source_weights,
@@ -205,19 +285,19 @@ int epd_cx_status(struct epd_group *group, struct epd_cx_status *out)
         if (rc)
                 return rc;
         h = cx_header_of(group->cx->bufs[group->rank], &group->cx->layout);
-        epoch = __atomic_load_n(&h->epoch, __ATOMIC_RELAXED);
-        next = __atomic_load_n(&h->op_counter, __ATOMIC_RELAXED);
+        epoch = cx_load(group->cx, &h->epoch);
+        next = cx_load(group->cx, &h->op_counter);
         if (next == 0)
                 return epd__client_fail(group->client, EPD_NOT_FOUND,
                                         "epd_cx_status: rank %u has run no op since the group "
                                         "formed", group->rank);
         /* The entry is complete once its tag names the op (written last, release). */
-        tag = __atomic_load_n(&h->status[(next - 1) % CX_STATUS_RING].tag, __ATOMIC_ACQUIRE);
-        if (tag != cx_tag(epoch, next - 1))
+        tag = cx_load(group->cx, &h->status[(next - 1) % CX_STATUS_RING].tag);
+        if (tag != cx_tag(epoch, next - 1) ||
+            cx_read(group->cx, &h->status[(next - 1) % CX_STATUS_RING], &st, sizeof(st)) < 0)
                 return epd__client_fail(group->client, EPD_UNAVAILABLE,
                                         "epd_cx_status: op %llu of rank %u has not ended yet",
                                         (unsigned long long)(next - 1), group->rank);
-        st = h->status[(next - 1) % CX_STATUS_RING];
         out->op = next - 1;
         out->status = st.status;
         out->message[0] = '\0';
@@ -231,7 +311,7 @@ int epd_cx_counts(struct epd_group *group, uint32_t handle, struct epd_cx_counts
 {
         const struct cx_layout *l;
         uint8_t *own;
-        const struct cx_handle *h;
+        struct cx_handle h;
         uint64_t epoch;
         int rc = cx_of(group, out, out ? out->size : 0, sizeof(*out), NULL, "epd_cx_counts");
 
@@ -243,14 +323,14 @@ int epd_cx_counts(struct epd_group *group, uint32_t handle, struct epd_cx_counts
                 return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
                                         "epd_cx_counts: handle slot %u outside 0..%u", handle,
                                         l->shape.num_handles - 1);
-        h = cx_handle_at(own, l, handle);
-        epoch = __atomic_load_n(&cx_header_of(own, l)->epoch, __ATOMIC_RELAXED);
-        if (h->tag == 0 || h->tag >> CX_OP_BITS != epoch)
+        epoch = cx_load(group->cx, &cx_header_of(own, l)->epoch);
+        if (cx_read(group->cx, cx_handle_at(own, l, handle), &h, sizeof(h)) < 0 || h.tag == 0 ||
+            h.tag >> CX_OP_BITS != epoch)
                 return epd__client_fail(group->client, EPD_NOT_FOUND,
                                         "epd_cx_counts: handle slot %u holds no dispatch of the "
                                         "group's current formation", handle);
-        out->num_recv_tokens = h->num_recv_tokens;
-        out->num_expanded_rows = h->num_expanded_rows;
+        out->num_recv_tokens = h.num_recv_tokens;
+        out->num_expanded_rows = h.num_expanded_rows;
         out->num_local_experts = l->num_local_experts;
         out->num_recv_tokens_per_expert = cx_handle_i32(own, l, handle, l->h_per_expert);
         out->num_recv_tokens_per_expert_aligned =

@@ -470,7 +470,13 @@ int epd_group_mark_inputs_ready(struct epd_group *group, void *stream, uint64_t 
  * On the host backend an op runs now, on the calling thread, and `stream` must be NULL. The n-th
  * op of each rank meets the n-th of every other rank; a failed op leaves every later op of the
  * group failing at once with the same status until the group is formed again (a lost rank is
- * bound again). Inputs are the caller's memory; outputs land in the rank's receive area
+ * bound again). On the cuda backend an op is a kernel launch on `stream` (a cudaStream_t of the
+ * group's GPU; NULL: the legacy default stream) and the call returns at once, so sequences of
+ * ops can be captured in CUDA graphs; pointers in the arguments are device pointers, the status
+ * of a launch only says whether it was queued, and epd_cx_status reads the op's own status once
+ * the stream has passed it. A group's ranks then share one GPU (CUDA MPS is needed for ranks of
+ * several processes: without it the create or join fails EPD_UNAVAILABLE naming MPS), and
+ * sms_per_rank times the ranks must fit its SMs. Inputs are the caller's memory; outputs land in the rank's receive area
  * (epd_cx_buffers), and counts in the handle slot the dispatch names. epd_dispatch and
  * epd_combine are refused on such a group, and these calls on a daemon-executed one, with
  * EPD_INVALID_ARGUMENT. Calls of one rank must not overlap; ranks may run on any threads. */
@@ -530,7 +536,8 @@ struct epd_cx_status {
 int epd_cx_status(struct epd_group *group, struct epd_cx_status *out);
 
 /* The counts of SEMANTICS.md 2.3 of the dispatch that last filled a handle slot. Pointers are
- * into the rank's buffer, valid until the slot's next dispatch. */
+ * into the rank's buffer, valid until the slot's next dispatch (device addresses on the cuda
+ * backend, where the two totals are copied to the host). */
 struct epd_cx_counts {
         size_t size;
         int32_t num_recv_tokens;
@@ -545,8 +552,9 @@ struct epd_cx_counts {
 /* EPD_NOT_FOUND when the slot holds no dispatch of this formation. */
 int epd_cx_counts(struct epd_group *group, uint32_t handle, struct epd_cx_counts *out);
 
-/* Where this rank's outputs and combine inputs live in its buffer (as mapped here). Rows of
- * the receive area are packed at the op's row size; recv_rows is their number. */
+/* Where this rank's outputs and combine inputs live in its buffer (as mapped here: device
+ * addresses on the cuda backend). Rows of the receive area are packed at the op's row size;
+ * recv_rows is their number. */
 struct epd_cx_buffers {
         size_t size;
         uint64_t bytes_per_rank;       /* the communication buffer of each rank */

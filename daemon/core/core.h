@@ -221,7 +221,9 @@ struct epdd_cx {
         struct cx_layout layout;
         uint64_t stride;              /* bytes between ranks' buffers (page multiple) */
         uint64_t bytes;               /* R * stride */
-        uint8_t *host;                /* the loop thread's mapping of all R buffers */
+        uint8_t *host;                /* the loop thread's mapping of all R buffers, or NULL
+                                       * (device memory: the backend's cx_copy reaches it) */
+        uint32_t device;              /* where they live */
         void *state;                  /* the backend's */
         int fd;                       /* exported at join */
         enum epd_region_kind kind;
@@ -309,13 +311,14 @@ struct epdd_group *epd_group_find_for_join(struct epdd_daemon *d, uid_t uid, con
 int epd_group_new(struct epdd_daemon *d, uid_t owner, const char *name, const void *secret,
                   size_t secret_len, const struct epdd_group_cfg *cfg, struct epdd_group **out,
                   char *err, size_t err_len);
+/* mps: the client reported CUDA MPS on the device (client-executed groups share a GPU only
+ * under it). */
 int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, uint32_t device,
-                   char *err, size_t err_len);
+                   int mps, char *err, size_t err_len);
 /* Unbinds a rank. lost != 0: the client vanished (the group breaks); else it left politely. */
 void epd_group_unbind(struct epdd_group *g, uint32_t rank, int lost);
 void epd_group_maybe_free(struct epdd_group *g);
-/* Client-executed groups. The buffer of rank r as the loop thread maps it. */
-uint8_t *epd_group_cx_buffer(const struct epdd_group *g, uint32_t rank);
+/* Client-executed groups. */
 /* Stops (on) or resumes the group's ops at an op boundary every rank observes: the drain word
  * of every buffer (docs/client-execution.md, "Drain"). */
 void epd_group_cx_drain(struct epdd_group *g, int on);

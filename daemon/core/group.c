@@ -1,6 +1,7 @@
 /* group.c - EP groups (SEMANTICS.md section 1): configuration checks, rank binding, the
  * FORMING -> READY <-> BROKEN lifecycle, output arenas and handles. Loop thread only. */
 #include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -239,9 +240,83 @@ struct epdd_group *epd_group_find_for_join(struct epdd_daemon *d, uid_t uid, con
         return match;
 }
 
-/* ---- client-executed groups' buffers ---- */
+/* ---- client-executed groups' buffers ----
+ *
+ * The daemon touches only header words of the buffers: the epoch, abort and drain words it owns,
+ * the op counters (to place a drain) and the statistics. Host memory is reached through the loop
+ * thread's mapping with atomics (the clients' executors use them on the same words); device
+ * memory through the backend's cx_copy. */
 
-static int cx_create(struct epdd_group *g, char *err, size_t err_len)
+static void cx_destroy(struct epdd_group *g);
+
+/* Offset of a header field of rank r's buffer in the group's allocation. */
+#define CX_FIELD(cx, r, field) \
+        ((uint64_t)(r) * (cx)->stride + (cx)->layout.header + offsetof(struct cx_header, field))
+
+static uint64_t cx_load64(const struct epdd_group *g, uint64_t off)
+{
+        struct epdd_backend *b = g->daemon->backend;
+        uint64_t v = 0;
+
+        if (g->cx->host)
+                return __atomic_load_n((uint64_t *)(g->cx->host + off), __ATOMIC_SEQ_CST);
+        if (b->ops->cx_copy(b, g->cx->state, off, &v, sizeof(v), 0) < 0)
+                log_warning("group=%s: cannot read a buffer word", g->name);
+        return v;
+}
+
+static void cx_store(const struct epdd_group *g, uint64_t off, uint64_t v, unsigned bytes)
+{
+        struct epdd_backend *b = g->daemon->backend;
+        uint32_t v32 = (uint32_t)v;
+
+        if (g->cx->host) {
+                if (bytes == 4)
+                        __atomic_store_n((uint32_t *)(g->cx->host + off), v32, __ATOMIC_SEQ_CST);
+                else
+                        __atomic_store_n((uint64_t *)(g->cx->host + off), v, __ATOMIC_SEQ_CST);
+                return;
+        }
+        if (b->ops->cx_copy(b, g->cx->state, off, bytes == 4 ? (void *)&v32 : (void *)&v, bytes,
+                            1) < 0)
+                log_warning("group=%s: cannot write a buffer word", g->name);
+}
+
+/* Initialises (init) or re-forms rank r's buffer: in place in host memory; for device memory on
+ * a copy of its metadata (zeroed for init: device memory starts undefined) written back. */
+static int cx_rank_meta(struct epdd_group *g, uint32_t r, int init)
+{
+        struct epdd_backend *b = g->daemon->backend;
+        struct epdd_cx *cx = g->cx;
+        uint64_t base = (uint64_t)r * cx->stride;
+        uint8_t *m;
+        int rc = 0;
+
+        if (cx->host) {
+                if (init)
+                        cx_buffer_init(cx->host + base, &cx->layout, r, cx->epoch);
+                else
+                        cx_buffer_reform(cx->host + base, &cx->layout, cx->epoch);
+                return 0;
+        }
+        m = calloc(1, cx->layout.metadata_bytes);
+        if (!m)
+                return EPD_INTERNAL;
+        if (!init)
+                rc = b->ops->cx_copy(b, cx->state, base, m, cx->layout.metadata_bytes, 0);
+        if (rc == 0) {
+                if (init)
+                        cx_buffer_init(m, &cx->layout, r, cx->epoch);
+                else
+                        cx_buffer_reform(m, &cx->layout, cx->epoch);
+                rc = b->ops->cx_copy(b, cx->state, base, m, cx->layout.metadata_bytes, 1);
+        }
+        free(m);
+        return rc;
+}
+
+/* The group's buffers, at the first bind, on the binding rank's device. */
+static int cx_create(struct epdd_group *g, uint32_t device, char *err, size_t err_len)
 {
         struct epdd_backend *b = g->daemon->backend;
         const struct epdd_group_cfg *cfg = &g->cfg;
@@ -270,17 +345,22 @@ static int cx_create(struct epdd_group *g, char *err, size_t err_len)
         cx->stride = (cx->layout.total_bytes + page - 1) / page * page;
         cx->bytes = cx->stride * cfg->world_size;
         cx->fd = -1;
-        rc = b->ops->cx_alloc(b, 0, cx->bytes, &cx->host, &cx->state, &cx->fd, &cx->kind, err,
-                              err_len);
+        cx->device = device;
+        rc = b->ops->cx_alloc(b, device, cx->bytes, &cx->host, &cx->state, &cx->fd, &cx->kind,
+                              err, err_len);
         if (rc < 0) {
                 free(cx);
                 return rc;
         }
-        cx->epoch = 1;
-        for (uint32_t r = 0; r < cfg->world_size; r++)
-                cx_buffer_init(cx->host + r * cx->stride, &cx->layout, r, cx->epoch);
         g->cx = cx;
-        return 0;
+        cx->epoch = 1;
+        for (uint32_t r = 0; r < cfg->world_size && rc == 0; r++)
+                rc = cx_rank_meta(g, r, 1);
+        if (rc < 0) {
+                snprintf(err, err_len, "cannot initialise the group's buffers");
+                cx_destroy(g);
+        }
+        return rc;
 }
 
 static void cx_destroy(struct epdd_group *g)
@@ -297,9 +377,51 @@ static void cx_destroy(struct epdd_group *g)
         g->cx = NULL;
 }
 
-uint8_t *epd_group_cx_buffer(const struct epdd_group *g, uint32_t rank)
+/* What a bind of a client-executed group needs on a backend of device memory: every rank on
+ * the buffers' GPU (one GPU per group for now), MPS for ranks of several processes on it, and
+ * SM budgets that fit it together. Fills the group's sms_per_rank at the first bind. */
+static int cx_bind_check(struct epdd_group *g, struct epdd_client *c, uint32_t rank,
+                         uint32_t device, int mps, char *err, size_t err_len)
 {
-        return g->cx ? g->cx->host + rank * g->cx->stride : NULL;
+        const struct epdd_backend *b = g->daemon->backend;
+        const uint32_t R = g->cfg.world_size;
+        uint32_t sms = b->devices[device].sm_count, want;
+
+        if (!b->ops->cx_copy)
+                return 0; /* host memory: any device, no SMs */
+        if (g->cx && device != g->cx->device) {
+                snprintf(err, err_len,
+                         "rank %u of client-executed group '%s' asks for device %u, but the "
+                         "group's buffers are on device %u: a client-executed group keeps "
+                         "every rank on one GPU for now",
+                         rank, g->name, device, g->cx->device);
+                return EPD_UNAVAILABLE;
+        }
+        for (uint32_t o = 0; R > 1 && !mps && o < R; o++) {
+                if (o != rank && g->ranks[o].conn == c)
+                        continue; /* this process's own ranks share its context */
+                snprintf(err, err_len,
+                         "client-executed group '%s' puts its %u ranks on GPU %u, and ranks of "
+                         "different processes run at once on one GPU only under CUDA MPS, which "
+                         "is not enabled for this client (start nvidia-cuda-mps-control -d "
+                         "before the workers, or create groups of one rank)",
+                         g->name, R, device);
+                return EPD_UNAVAILABLE;
+        }
+        if (g->cx)
+                return 0;
+        want = g->cfg.sms_per_rank ? g->cfg.sms_per_rank : (sms / R ? sms / R : 1);
+        if (want > CX_MAX_BLOCKS)
+                want = CX_MAX_BLOCKS;
+        if (sms && (uint64_t)want * R > sms) {
+                snprintf(err, err_len,
+                         "sms_per_rank %u x %u ranks exceeds the %u SMs of GPU %u: every rank's "
+                         "kernel must be resident at once",
+                         want, R, sms, device);
+                return EPD_INVALID_ARGUMENT;
+        }
+        g->cfg.sms_per_rank = want;
+        return 0;
 }
 
 /* A member died or left: every op of every rank that waits, or starts later, ends PEER_LOST. */
@@ -308,7 +430,7 @@ static void cx_abort(struct epdd_group *g)
         if (!g->cx || g->cx->aborted)
                 return;
         for (uint32_t r = 0; r < g->cfg.world_size; r++)
-                cx_buffer_abort(epd_group_cx_buffer(g, r), &g->cx->layout);
+                cx_store(g, CX_FIELD(g->cx, r, abort_word), 1, 4);
         g->cx->aborted = 1;
 }
 
@@ -322,7 +444,8 @@ static void cx_reform(struct epdd_group *g)
                 return;
         cx->epoch++;
         for (uint32_t r = 0; r < g->cfg.world_size; r++)
-                cx_buffer_reform(epd_group_cx_buffer(g, r), &cx->layout, cx->epoch);
+                if (cx_rank_meta(g, r, 0) < 0)
+                        log_warning("group=%s: cannot re-form rank %u's buffer", g->name, r);
         cx->aborted = 0;
         cx->drained = 0;
         log_info("group re-formed group=%s epoch=%llu", g->name, (unsigned long long)cx->epoch);
@@ -337,9 +460,7 @@ void epd_group_cx_drain(struct epdd_group *g, int on)
                 return;
         if (!on) {
                 for (uint32_t r = 0; r < g->cfg.world_size; r++)
-                        __atomic_store_n(&cx_header_of(epd_group_cx_buffer(g, r),
-                                                       &cx->layout)->drain_op,
-                                         0, __ATOMIC_SEQ_CST);
+                        cx_store(g, CX_FIELD(cx, r, drain_op), 0, 8);
                 cx->drained = 0;
                 return;
         }
@@ -350,32 +471,25 @@ void epd_group_cx_drain(struct epdd_group *g, int on)
         do {
                 seen = boundary;
                 for (uint32_t r = 0; r < g->cfg.world_size; r++) {
-                        uint64_t n = __atomic_load_n(&cx_header_of(epd_group_cx_buffer(g, r),
-                                                                   &cx->layout)->op_counter,
-                                                     __ATOMIC_SEQ_CST);
+                        uint64_t n = cx_load64(g, CX_FIELD(cx, r, op_counter));
                         if (n > boundary)
                                 boundary = n;
                 }
                 for (uint32_t r = 0; r < g->cfg.world_size; r++)
-                        __atomic_store_n(&cx_header_of(epd_group_cx_buffer(g, r),
-                                                       &cx->layout)->drain_op,
-                                         boundary + 1, __ATOMIC_SEQ_CST);
+                        cx_store(g, CX_FIELD(cx, r, drain_op), boundary + 1, 8);
         } while (boundary != seen);
         cx->drained = 1;
 }
 
 void epd_group_cx_stats(const struct epdd_group *g, uint32_t rank, struct cx_stats *out)
 {
-        const struct cx_stats *s;
-
         memset(out, 0, sizeof(*out));
         if (!g->cx)
                 return;
-        s = &cx_header_of(epd_group_cx_buffer(g, rank), &g->cx->layout)->stats;
-        out->ops = __atomic_load_n(&s->ops, __ATOMIC_RELAXED);
-        out->rows = __atomic_load_n(&s->rows, __ATOMIC_RELAXED);
-        out->bytes = __atomic_load_n(&s->bytes, __ATOMIC_RELAXED);
-        out->failures = __atomic_load_n(&s->failures, __ATOMIC_RELAXED);
+        out->ops = cx_load64(g, CX_FIELD(g->cx, rank, stats.ops));
+        out->rows = cx_load64(g, CX_FIELD(g->cx, rank, stats.rows));
+        out->bytes = cx_load64(g, CX_FIELD(g->cx, rank, stats.bytes));
+        out->failures = cx_load64(g, CX_FIELD(g->cx, rank, stats.failures));
 }
 
 int epd_group_new(struct epdd_daemon *d, uid_t owner, const char *name, const void *secret,
@@ -423,14 +537,6 @@ int epd_group_new(struct epdd_daemon *d, uid_t owner, const char *name, const vo
         epd_list_init(&g->retired);
         for (uint32_t r = 0; r < cfg->world_size; r++)
                 g->ranks[r].doorbell_fd = -1;
-        if (cfg->execution == EPD_EXECUTION_CLIENT) {
-                int rc = cx_create(g, err, err_len);
-                if (rc < 0) {
-                        free(g->ranks);
-                        free(g);
-                        return rc;
-                }
-        }
         epd_list_add_tail(&d->groups, &g->link);
         d->num_groups++;
         log_info("group created group=%s id=%llu ranks=%u experts=%u hidden=%u tokens=%u topk=%u",
@@ -632,7 +738,7 @@ void epd_group_rank_refused(struct epdd_group *g, uint32_t rank)
 }
 
 int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, uint32_t device,
-                   char *err, size_t err_len)
+                   int mps, char *err, size_t err_len)
 {
         struct epdd_daemon *d = g->daemon;
         struct epdd_rank *r;
@@ -667,6 +773,13 @@ int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, u
                 snprintf(err, err_len, "rank %u of group '%s' is already bound to client %llu",
                          rank, g->name, (unsigned long long)r->conn->id);
                 return EPD_ALREADY_EXISTS;
+        }
+        if (g->cfg.execution == EPD_EXECUTION_CLIENT) {
+                rc = cx_bind_check(g, c, rank, device, mps, err, err_len);
+                if (rc == 0 && !g->cx)
+                        rc = cx_create(g, device, err, err_len);
+                if (rc < 0)
+                        return rc;
         }
         rc = epd_budget_binding(d, c, err, err_len);
         if (rc != 0)

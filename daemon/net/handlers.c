@@ -199,7 +199,7 @@ static void handle_group_create(struct epdd_conn *c, const Epd__V1__Request *req
                 epd_conn_reply_status(c, req->id, rc, "group create: %s", err);
                 return;
         }
-        rc = epd_group_bind(g, &c->cl, m->rank, device, err, sizeof(err));
+        rc = epd_group_bind(g, &c->cl, m->rank, device, m->mps_enabled, err, sizeof(err));
         if (rc < 0) {
                 epd_conn_reply_status(c, req->id, rc, "group create: %s", err);
                 epd_group_maybe_free(g);
@@ -241,7 +241,8 @@ static void handle_group_join(struct epdd_conn *c, const Epd__V1__Request *req)
         }
         rc = resolve_device(d, m->device, m->device_uuid, &device, err, sizeof(err));
         if (rc == 0)
-                rc = epd_group_bind(g, &c->cl, m->rank, device, err, sizeof(err));
+                rc = epd_group_bind(g, &c->cl, m->rank, device, m->mps_enabled, err,
+                                    sizeof(err));
         if (rc < 0) {
                 epd_conn_reply_status(c, req->id, rc, "group join: %s", err);
                 return;
