@@ -397,9 +397,8 @@ static int cx_bind_check(struct epdd_group *g, struct epdd_client *c, uint32_t r
                          rank, g->name, device, g->cx->device);
                 return EPD_UNAVAILABLE;
         }
-        for (uint32_t o = 0; R > 1 && !mps && o < R; o++) {
-                if (o != rank && g->ranks[o].conn == c)
-                        continue; /* this process's own ranks share its context */
+        (void)c;
+        if (R > 1 && !mps) {
                 snprintf(err, err_len,
                          "client-executed group '%s' puts its %u ranks on GPU %u, and ranks of "
                          "different processes run at once on one GPU only under CUDA MPS, which "

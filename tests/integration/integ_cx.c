@@ -85,39 +85,16 @@ static void daemon_start(struct shared *sh)
                 unlink(conf);
 }
 
-static void group_config(const struct cx_case *c, uint32_t op_timeout_ms,
-                         struct epd_group_config *cfg)
-{
-        *cfg = (struct epd_group_config){
-                .size = sizeof(*cfg), .world_size = c->R, .num_experts = c->E, .hidden = c->H,
-                .max_tokens_per_rank = c->T, .max_topk = c->K, .dispatch_dtype = c->dtype,
-                .scale_block = c->dtype == EPD_DTYPE_FP8_E4M3 ? CX_CASE_SCALE_BLOCK : 0,
-                .op_timeout_ms = op_timeout_ms, .execution = EPD_EXECUTION_CLIENT,
-                .max_expert_alignment = c->align, .expert_block_rows = c->block_rows,
-                .quantize = (uint32_t)c->quantize,
-        };
-}
-
-/* Rank 0 creates, the others join once the group exists. NULL with msg set on failure. */
+/* The group of the case, entered as rank `rank`. NULL with msg set on failure. */
 static struct epd_group *enter(struct shared *sh, struct epd_client *cl, uint32_t rank,
                                char *msg, size_t len)
 {
         struct epd_group_config cfg;
-        unsigned char secret[16];
-        struct epd_group_args ga = { .size = sizeof(ga), .name = sh->name, .secret = secret,
-                                     .secret_len = sizeof(secret), .rank = rank,
-                                     .config = &cfg };
         struct epd_group *g = NULL;
-        long long until = h_now_ms() + 10000;
         int rc;
 
-        h_secret(sh->name, secret);
-        group_config(&sh->c, sh->op_timeout_ms, &cfg);
-        do {
-                rc = rank == 0 ? epd_group_create(cl, &ga, &g) : epd_group_join(cl, &ga, &g);
-                if (rc == EPD_NOT_FOUND)
-                        usleep(2000);
-        } while (rc == EPD_NOT_FOUND && h_now_ms() < until);
+        cx_case_group_config(&sh->c, sh->op_timeout_ms, &cfg);
+        rc = h_group_enter(cl, sh->name, rank, &cfg, &g);
         if (rc)
                 snprintf(msg, len, "rank %u: enter returned %d: %s", rank, rc,
                          epd_client_last_error(cl));
@@ -675,7 +652,7 @@ START_TEST(test_modes)
         daemon_start(sh);
         cl = h_connect_ok(&sh->d, "modes");
         ck_assert(case_at(0, 1, &sh->c));
-        group_config(&sh->c, 0, &cfg);
+        cx_case_group_config(&sh->c, 0, &cfg);
         ck_assert_int_eq(create_status(cl, "cx-client", &cfg, &gc), 0);
         ck_assert_ptr_eq(epd_group_arena(gc, NULL), NULL);
         ck_assert_int_eq(epd_group_config(gc)->execution, EPD_EXECUTION_CLIENT);
