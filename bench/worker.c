@@ -76,8 +76,7 @@ uint32_t phase_of(const struct bench *b, uint32_t it)
         return it / b->per_phase;
 }
 
-/* Tells the parent this worker is at a sync point and blocks until it says go on. */
-static int worker_sync(const struct bench *b, uint32_t rank)
+int worker_sync(const struct bench *b, uint32_t rank)
 {
         char c = 's';
 
@@ -150,6 +149,10 @@ int worker_run(struct bench *b, uint32_t rank)
         char err[1024];
         int rc, status = 1;
 
+        if (b->opt.execution == EPD_EXECUTION_CLIENT) {
+                free(ybufs);
+                return worker_run_cx(b, rank);
+        }
         memset(&wc, 0, sizeof(wc));
         if (!ybufs)
                 WFAIL("out of memory");
