@@ -392,6 +392,25 @@ int stream_complete(struct wcuda *wc, struct epd_op *op, char *err, size_t len);
 
 /* ---- worker.c ---- */
 
+/* In a worker function with `rank`, `b` and an `out:` label: reports and leaves. */
+#define WFAIL(...)                                                                      \
+        do {                                                                            \
+                fprintf(stderr, "epd-bench rank %u (seed %llu): ", rank,                \
+                        (unsigned long long)b->opt.seed);                               \
+                fprintf(stderr, __VA_ARGS__);                                           \
+                fprintf(stderr, "\n");                                                  \
+                goto out;                                                               \
+        } while (0)
+
+/* The clean order at a worker's end: the daemon lets go of device memory before it is freed
+ * (epd_device_free does both for --alloc cumem; else the regions are released and
+ * wcuda_fini frees the memory). bufs[i] and regions[i] belong together. */
+void dev_release(struct epd_client *client, const struct wcuda *wc, uint8_t **const *bufs,
+                 uint64_t *regions, int n);
+/* Creates (rank 0) or joins the run's group, in the run's execution mode. */
+int enter_group(const struct bench *b, struct epd_client *client, uint32_t rank,
+                struct epd_group **out);
+
 /* Whether parent and workers meet after iteration it, and whether the parent then probes the
  * ceiling (*probe); the phase of iteration it. */
 int sync_after(const struct bench *b, uint32_t it, int *probe);

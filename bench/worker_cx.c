@@ -14,41 +14,6 @@
 #include "bench.h"
 #include "oracle.h"
 
-#define WFAIL(...)                                                                      \
-        do {                                                                            \
-                fprintf(stderr, "epd-bench rank %u (seed %llu, client-executed): ", rank, \
-                        (unsigned long long)b->opt.seed);                               \
-                fprintf(stderr, __VA_ARGS__);                                           \
-                fprintf(stderr, "\n");                                                  \
-                goto out;                                                               \
-        } while (0)
-
-static int enter_group(const struct bench *b, struct epd_client *client, uint32_t rank,
-                       struct epd_group **out)
-{
-        struct epd_group_config cfg = {
-                .size = sizeof(cfg), .world_size = b->R, .num_experts = b->E, .hidden = b->H,
-                .max_tokens_per_rank = b->T, .max_topk = b->K,
-                .dispatch_dtype = b->opt.wl->dtype, .scale_block = BENCH_SCALE_BLOCK,
-                .op_timeout_ms = 60000, .execution = EPD_EXECUTION_CLIENT,
-        };
-        struct epd_group_args ga = {
-                .size = sizeof(ga), .name = b->group_name, .secret = b->secret,
-                .secret_len = sizeof(b->secret), .rank = rank, .device = rank % b->opt.devices,
-                .config = &cfg,
-        };
-
-        if (rank == 0)
-                return epd_group_create(client, &ga, out);
-        for (int attempt = 0; attempt < 4000; attempt++) {
-                int rc = epd_group_join(client, &ga, out);
-                if (rc != EPD_NOT_FOUND)
-                        return rc;
-                usleep(5000);
-        }
-        return EPD_NOT_FOUND;
-}
-
 /* One op: launched at *t0, complete at *t1 (cuda: the stream synchronised, then the op's own
  * status read from the rank's buffer). */
 static int run_cx_op(struct epd_group *group, struct wcuda *wc, int cuda,
@@ -252,18 +217,10 @@ int worker_run_cx(struct bench *b, uint32_t rank)
         status = 0;
 out:
         epd_group_leave(group);
-        if (wc.cumem) {
+        {
                 uint8_t **devbufs[2] = { &wc.d_in, &wc.d_comb };
-                for (int i = 0; i < 2; i++) {
-                        if (*devbufs[i])
-                                epd_device_free(client, *devbufs[i]);
-                        *devbufs[i] = NULL;
-                        dregion[i] = 0;
-                }
+                dev_release(client, &wc, devbufs, dregion, 2);
         }
-        for (int i = 0; i < 2; i++)
-                if (dregion[i])
-                        epd_region_release(client, dregion[i]);
         epd_client_free(client);
         wcuda_fini(&wc);
         free(recv_copy);

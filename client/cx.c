@@ -209,9 +209,52 @@ static int cx_of(struct epd_group *group, const void *args, size_t size, size_t 
         return 0;
 }
 
-/* An op's failure, recorded on the client like any other call's. */
-static int cx_result(struct epd_group *group, int rc, const char *msg)
+/* One op of the rank: a dispatch (dispatch, da) or a combine (ca), checked, then launched on
+ * the device or run here. */
+static int cx_run(struct epd_group *group, int dispatch, const struct epd_cx_dispatch_args *da,
+                  const struct epd_cx_combine_args *ca, void *stream)
 {
+        const char *what = dispatch ? "epd_cx_dispatch" : "epd_cx_combine";
+        size_t size = da ? da->size : ca ? ca->size : 0;
+        char msg[512] = "";
+        int rc = cx_of(group, dispatch ? (const void *)da : ca, size,
+                       dispatch ? sizeof(*da) : sizeof(*ca), stream, what);
+
+        if (rc)
+                return rc;
+        if (ca && ca->num_bias > 2)
+                return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
+                                        "epd_cx_combine: num_bias %u above 2", ca->num_bias);
+#ifdef EPD_HAVE_CUDA
+        if (group->cx->dev)
+                return dispatch ? epd__cx_dev_dispatch(group, group->cx->dev, da, stream)
+                          : epd__cx_dev_combine(group, group->cx->dev, ca, stream);
+#endif
+        if (dispatch) {
+                struct cx_dispatch_args a = {
+                        .num_tokens = da->num_tokens, .x = da->x, .x_stride = da->x_stride,
+                        .scales = da->scales, .scales_stride = da->scales_stride,
+                        .topk_idx = da->topk_idx, .topk_dtype = da->topk_dtype,
+                        .num_topk = da->num_topk, .weights = da->topk_weights,
+                        .layout = da->layout, .expert_alignment = da->expert_alignment,
+                        .zero_padding = da->zero_padding,
+                        .expert_block_rows = da->expert_block_rows, .quantize = da->quantize,
+                        .handle = da->handle, .cached = da->cached,
+                        .capacity_rows = da->capacity_rows,
+                };
+                rc = cx_dispatch(&group->cx->rank, &a, NULL, msg, sizeof(msg));
+        } else {
+                struct cx_combine_args a = {
+                        .handle = ca->handle, .recv_weights = ca->recv_weights,
+                        .apply_weights = ca->apply_weights,
+                        .source_weights = ca->source_weights,
+                        .bias = { ca->num_bias > 0 ? ca->bias[0] : NULL,
+                                  ca->num_bias > 1 ? ca->bias[1] : NULL },
+                        .combined = ca->combined,
+                        .combined_topk_weights = ca->combined_topk_weights,
+                };
+                rc = cx_combine(&group->cx->rank, &a, NULL, msg, sizeof(msg));
+        }
         if (rc == 0)
                 return 0;
         return epd__client_fail(group->client, rc, "%s", msg);
@@ -220,59 +263,13 @@ static int cx_result(struct epd_group *group, int rc, const char *msg)
 int epd_cx_dispatch(struct epd_group *group, const struct epd_cx_dispatch_args *args,
                     void *stream)
 {
-        struct cx_dispatch_args a;
-        char msg[512] = "";
-        int rc = cx_of(group, args, args ? args->size : 0, sizeof(*args), stream,
-                       "epd_cx_dispatch");
-
-        if (rc)
-                return rc;
-#ifdef EPD_HAVE_CUDA
-        if (group->cx->dev)
-                return epd__cx_dev_dispatch(group, group->cx->dev, args, stream);
-#endif
-        a = (struct cx_dispatch_args){
-                .num_tokens = args->num_tokens, .x = args->x, .x_stride = args->x_stride,
-                .scales = args->scales, .scales_stride = args->scales_stride,
-                .topk_idx = args->topk_idx, .topk_dtype = args->topk_dtype,
-                .num_topk = args->num_topk, .weights = args->topk_weights,
-                .layout = args->layout, .expert_alignment = args->expert_alignment,
-                .zero_padding = args->zero_padding,
-                .expert_block_rows = args->expert_block_rows, .quantize = args->quantize,
-                .handle = args->handle, .cached = args->cached,
-                .capacity_rows = args->capacity_rows,
-        };
-        rc = cx_dispatch(&group->cx->rank, &a, NULL, msg, sizeof(msg));
-        return cx_result(group, rc, msg);
+        return cx_run(group, 1, args, NULL, stream);
 }
 
 int epd_cx_combine(struct epd_group *group, const struct epd_cx_combine_args *args,
                    void *stream)
 {
-        struct cx_combine_args a;
-        char msg[512] = "";
-        int rc = cx_of(group, args, args ? args->size : 0, sizeof(*args), stream,
-                       "epd_cx_combine");
-
-        if (rc)
-                return rc;
-        if (args->num_bias > 2)
-                return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
-                                        "epd_cx_combine: num_bias %u above 2", args->num_bias);
-#ifdef EPD_HAVE_CUDA
-        if (group->cx->dev)
-                return epd__cx_dev_combine(group, group->cx->dev, args, stream);
-#endif
-        a = (struct cx_combine_args){
-                .handle = args->handle, .recv_weights = args->recv_weights,
-                .apply_weights = args->apply_weights, .source_weights = args->source_weights,
-                .bias = { args->num_bias > 0 ? args->bias[0] : NULL,
-                          args->num_bias > 1 ? args->bias[1] : NULL },
-                .combined = args->combined,
-                .combined_topk_weights = args->combined_topk_weights,
-        };
-        rc = cx_combine(&group->cx->rank, &a, NULL, msg, sizeof(msg));
-        return cx_result(group, rc, msg);
+        return cx_run(group, 0, NULL, args, stream);
 }
 
 int epd_cx_status(struct epd_group *group, struct epd_cx_status *out)

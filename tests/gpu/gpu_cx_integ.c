@@ -16,7 +16,6 @@
 #include <check.h>
 #include <cuda_runtime_api.h>
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,17 +63,9 @@ struct worker {
         uint64_t ops;
 };
 
-static int worker_fail(struct worker *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static int worker_fail(struct worker *w, const char *fmt, ...)
-{
-        va_list ap;
-
-        va_start(ap, fmt);
-        vsnprintf(w->sh->msg[w->me], sizeof(w->sh->msg[w->me]), fmt, ap);
-        va_end(ap);
-        return 1;
-}
+/* Records the worker's failure where the test process reads it; returns 1. */
+#define worker_fail(w, ...) \
+        h_fail((w)->sh->msg[(w)->me], sizeof((w)->sh->msg[(w)->me]), __VA_ARGS__)
 
 #define CK(w, call)                                                                           \
         do {                                                                                  \
@@ -232,6 +223,16 @@ static int check_combined(struct worker *w, const struct cx_case_data *rd,
         return failed;
 }
 
+/* After a launch (rc): the stream synchronised, then the op's own status. */
+static int op_done(struct worker *w, int rc, const char *what)
+{
+        if (rc)
+                return worker_fail(w, "rank %u: %s launch %d: %s", w->me, what, rc,
+                                   epd_client_last_error(w->cl));
+        CK(w, cudaStreamSynchronize(w->stream));
+        return expect_status(w, w->ops++, what);
+}
+
 /* One dispatch (cached or not) and its combine, checked. */
 static int op_pair(struct worker *w, const struct cx_case_data *rd,
                    const struct ref_dispatch *ref, struct dev_round *dr, uint32_t handle,
@@ -242,19 +243,13 @@ static int op_pair(struct worker *w, const struct cx_case_data *rd,
         struct epd_cx_combine_args cb = combine_args(c, dr, handle);
         uint8_t *dev_base = (uint8_t *)w->b.recv_x - w->l.recv_x;
         char msg[400];
-        int rc;
 
         if (cached) {
                 a.cached = 1;
                 a.topk_idx = NULL;
                 a.topk_weights = c->has_weights ? dr->w2 : NULL;
         }
-        rc = epd_cx_dispatch(w->g, &a, w->stream);
-        if (rc)
-                return worker_fail(w, "rank %u: dispatch launch %d: %s", w->me, rc,
-                                   epd_client_last_error(w->cl));
-        CK(w, cudaStreamSynchronize(w->stream));
-        if (expect_status(w, w->ops++, "dispatch"))
+        if (op_done(w, epd_cx_dispatch(w->g, &a, w->stream), "dispatch"))
                 return 1;
         CK(w, cudaMemcpy(w->host, dev_base, w->l.total_bytes, cudaMemcpyDeviceToHost));
         if (cx_case_check_dispatch(c, &w->l, w->host, handle, w->host, ref, w->me, msg,
@@ -265,12 +260,7 @@ static int op_pair(struct worker *w, const struct cx_case_data *rd,
         if (c->recv_weights)
                 CK(w, cudaMemcpy(w->b.y_weights, dr->yw, (size_t)w->l.recv_rows * c->K * 4,
                                  cudaMemcpyDeviceToDevice));
-        rc = epd_cx_combine(w->g, &cb, w->stream);
-        if (rc)
-                return worker_fail(w, "rank %u: combine launch %d: %s", w->me, rc,
-                                   epd_client_last_error(w->cl));
-        CK(w, cudaStreamSynchronize(w->stream));
-        if (expect_status(w, w->ops++, "combine"))
+        if (op_done(w, epd_cx_combine(w->g, &cb, w->stream), "combine"))
                 return 1;
         return check_combined(w, rd, ref, dr, "combine");
 }

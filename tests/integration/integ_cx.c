@@ -17,7 +17,6 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,6 +58,12 @@ static struct shared *shared_new(void)
         ck_assert_msg(sh != MAP_FAILED, "mmap of the shared state failed");
         memset(sh, 0, sizeof(*sh));
         return sh;
+}
+
+static void shared_free(struct shared *sh)
+{
+        ck_assert_int_eq(h_daemon_stop(&sh->d, 5000), 0);
+        munmap(sh, sizeof(*sh));
 }
 
 /* Starts the daemon with this process as an admin (root, or through admin_group). */
@@ -114,17 +119,9 @@ struct worker {
         uint64_t ops;
 };
 
-static int worker_fail(struct worker *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static int worker_fail(struct worker *w, const char *fmt, ...)
-{
-        va_list ap;
-
-        va_start(ap, fmt);
-        vsnprintf(w->sh->msg[w->me], sizeof(w->sh->msg[w->me]), fmt, ap);
-        va_end(ap);
-        return 1;
-}
+/* Records the worker's failure where the test process reads it; returns 1. */
+#define worker_fail(w, ...) \
+        h_fail((w)->sh->msg[(w)->me], sizeof((w)->sh->msg[(w)->me]), __VA_ARGS__)
 
 static int worker_open(struct worker *w, struct shared *sh, uint32_t me)
 {
@@ -372,8 +369,7 @@ START_TEST(test_bitwise)
         /* Every case runs at R = 2 or R = 4 or both. */
         ck_assert_uint_ge(ran, cx_num_cases + 4);
         h_assert_daemon_alive(&sh->d, "after the bitwise cases");
-        ck_assert_int_eq(h_daemon_stop(&sh->d, 5000), 0);
-        munmap(sh, sizeof(*sh));
+        shared_free(sh);
 }
 END_TEST
 
@@ -511,8 +507,7 @@ START_TEST(test_peer_lost)
         ck_assert_msg(h_daemon_log_contains(&sh->d, "group re-formed group=cx-peer-lost"),
                       "the daemon did not re-form the group");
         h_assert_daemon_alive(&sh->d, "after the kill");
-        ck_assert_int_eq(h_daemon_stop(&sh->d, 5000), 0);
-        munmap(sh, sizeof(*sh));
+        shared_free(sh);
 }
 END_TEST
 
@@ -564,8 +559,7 @@ START_TEST(test_timeout)
         epd_group_leave(g0);
         epd_client_free(c1);
         epd_client_free(c0);
-        ck_assert_int_eq(h_daemon_stop(&sh->d, 5000), 0);
-        munmap(sh, sizeof(*sh));
+        shared_free(sh);
 }
 END_TEST
 
@@ -617,8 +611,7 @@ START_TEST(test_capacity)
         snprintf(sh->name, sizeof(sh->name), "cx-capacity");
         sh->op_timeout_ms = 20000;
         run_workers(sh, capacity_worker);
-        ck_assert_int_eq(h_daemon_stop(&sh->d, 5000), 0);
-        munmap(sh, sizeof(*sh));
+        shared_free(sh);
 }
 END_TEST
 
@@ -723,8 +716,7 @@ START_TEST(test_modes)
         epd_group_leave(gd);
         epd_group_leave(gc);
         epd_client_free(cl);
-        ck_assert_int_eq(h_daemon_stop(&sh->d, 5000), 0);
-        munmap(sh, sizeof(*sh));
+        shared_free(sh);
 }
 END_TEST
 
@@ -778,8 +770,7 @@ START_TEST(test_drain)
         epd_stats_free(stats);
         ck_assert_int_eq(found, 1);
         worker_close(&w);
-        ck_assert_int_eq(h_daemon_stop(&sh->d, 5000), 0);
-        munmap(sh, sizeof(*sh));
+        shared_free(sh);
 }
 END_TEST
 

@@ -1,5 +1,6 @@
 /* harness.c - see harness.h. */
 #include <dirent.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -206,4 +207,14 @@ int h_group_enter(struct epd_client *cl, const char *name, uint32_t rank,
                         usleep(2000);
         } while (rc == EPD_NOT_FOUND && h_now_ms() < until);
         return rc;
+}
+
+int h_fail(char *msg, size_t len, const char *fmt, ...)
+{
+        va_list ap;
+
+        va_start(ap, fmt);
+        vsnprintf(msg, len, fmt, ap);
+        va_end(ap);
+        return 1;
 }
