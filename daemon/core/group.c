@@ -465,8 +465,10 @@ void epd_group_cx_drain(struct epdd_group *g, int on)
         }
         /* The boundary is the highest op number any rank has taken: ranks behind it still run
          * up to it (their peers ahead wait for them), and nobody starts an op at or past it. A
-         * rank may take a number between our read and our store; reading again after the
-         * store finds it and moves the boundary past it. */
+         * rank may take a number between our read and our store (it read the drain word before
+         * our store and publishes its counter a moment later); reading again a millisecond
+         * after the store finds it and moves the boundary past it. A drain is rare and the
+         * loop thread can spare the pause. */
         do {
                 seen = boundary;
                 for (uint32_t r = 0; r < g->cfg.world_size; r++) {
@@ -476,6 +478,12 @@ void epd_group_cx_drain(struct epdd_group *g, int on)
                 }
                 for (uint32_t r = 0; r < g->cfg.world_size; r++)
                         cx_store(g, CX_FIELD(cx, r, drain_op), boundary + 1, 8);
+                usleep(1000);
+                for (uint32_t r = 0; r < g->cfg.world_size; r++) {
+                        uint64_t n = cx_load64(g, CX_FIELD(cx, r, op_counter));
+                        if (n > boundary)
+                                boundary = n;
+                }
         } while (boundary != seen);
         cx->drained = 1;
 }

@@ -44,6 +44,10 @@ struct shared {
         atomic_int launching;         /* peers about to wait in the op the victim never joins */
         atomic_int failed_twice;      /* peers saw their later launch fail at once */
         atomic_int rejoined;          /* the replacement rank is bound */
+        atomic_int busy;              /* drain under load: ranks well into their ops */
+        atomic_int refused;           /* ranks that saw ABORTED */
+        atomic_int undrained;         /* the parent undrained the group */
+        uint64_t refused_at[MAX_R];   /* the op number each rank was refused at */
         long long kill_ms;
         int status[MAX_R];
         long long done_ms[MAX_R];
@@ -615,6 +619,106 @@ START_TEST(test_capacity)
 }
 END_TEST
 
+/* Drain under load: the ranks run dispatch -> combine back to back; a drain stops every rank at
+ * the same op number (ABORTED, nothing else), and after the undrain they go on from there. */
+#define DRAIN_OPS 400u
+
+static int drain_load_worker(void *arg, int index)
+{
+        struct shared *sh = arg;
+        const struct cx_case *c = &sh->c;
+        struct worker w;
+        struct cx_case_data rd;
+        struct epd_cx_dispatch_args a;
+        struct epd_cx_status st = { .size = sizeof(st) };
+        uint16_t *combined;
+        float *cw;
+        char err[256];
+        int refused = 0;
+
+        if (worker_open(&w, sh, (uint32_t)index))
+                return 1;
+        if (cx_case_data_make(c, w.l.recv_rows, 5, &rd, err, sizeof(err)))
+                return worker_fail(&w, "%s", err);
+        combined = malloc((size_t)c->T * c->H * 2 + 2);
+        cw = malloc((size_t)c->T * c->K * 4 + 4);
+        a = dispatch_args(c, &rd, w.me, 0);
+        memcpy(w.b.y, rd.y[w.me], (size_t)w.l.recv_rows * c->H * 2);
+        for (uint32_t i = 0; i < DRAIN_OPS; i++) {
+                struct epd_cx_combine_args cb = {
+                        .size = sizeof(cb), .handle = 0, .combined = combined,
+                        .combined_topk_weights = cw,
+                };
+                int rc = i % 2 ? epd_cx_combine(w.g, &cb, NULL) : epd_cx_dispatch(w.g, &a, NULL);
+
+                if (i == 40)
+                        atomic_fetch_add(&sh->busy, 1);
+                if (rc == EPD_ABORTED && !refused) {
+                        if (epd_cx_status(w.g, &st))
+                                return worker_fail(&w, "rank %u: no status", w.me);
+                        sh->refused_at[w.me] = st.op + 1;
+                        refused = 1;
+                        atomic_fetch_add(&sh->refused, 1);
+                        if (h_flag_wait(&sh->undrained, 1, 30000))
+                                return worker_fail(&w, "rank %u: never undrained", w.me);
+                        i--; /* the same op again */
+                        continue;
+                }
+                if (rc)
+                        return worker_fail(&w, "rank %u op %u: %d: %s", w.me, i, rc,
+                                           epd_client_last_error(w.cl));
+        }
+        if (!refused)
+                return worker_fail(&w, "rank %u: the drain never stopped it", w.me);
+        if (epd_cx_status(w.g, &st) || st.op != DRAIN_OPS - 1)
+                return worker_fail(&w, "rank %u: last op %llu, expected %u", w.me,
+                                   (unsigned long long)st.op, DRAIN_OPS - 1);
+        w.ops = DRAIN_OPS;
+        if (run_round(&w, 0))
+                return 1;
+        cx_case_data_free(c, &rd);
+        free(combined);
+        free(cw);
+        worker_close(&w);
+        return 0;
+}
+
+START_TEST(test_drain_load)
+{
+        struct shared *sh = shared_new();
+        pid_t pids[MAX_R];
+        struct epd_client *admin;
+        int bad;
+
+        daemon_start(sh);
+        ck_assert(case_at(0, 4, &sh->c));
+        snprintf(sh->name, sizeof(sh->name), "cx-drain-load");
+        sh->op_timeout_ms = 20000;
+        sh->seed = 11;
+        admin = h_connect_ok(&sh->d, "admin");
+        for (uint32_t r = 0; r < sh->c.R; r++)
+                pids[r] = h_spawn(drain_load_worker, sh, (int)r);
+        ck_assert_msg(h_flag_wait(&sh->busy, (int)sh->c.R, 30000) == 0, "%s", sh->msg[0]);
+        ck_assert_int_eq(epd_drain(admin, "cx-drain-load", NULL), 0);
+        ck_assert_msg(h_flag_wait(&sh->refused, (int)sh->c.R, 30000) == 0,
+                      "not every rank was stopped: %s | %s", sh->msg[0], sh->msg[1]);
+        for (uint32_t r = 1; r < sh->c.R; r++)
+                ck_assert_msg(sh->refused_at[r] == sh->refused_at[0],
+                              "rank %u stopped at op %llu, rank 0 at %llu", r,
+                              (unsigned long long)sh->refused_at[r],
+                              (unsigned long long)sh->refused_at[0]);
+        ck_assert_int_eq(epd_undrain(admin, "cx-drain-load", NULL), 0);
+        atomic_store(&sh->undrained, 1);
+        bad = h_wait_all(pids, (int)sh->c.R, 120000);
+        for (uint32_t r = 0; r < sh->c.R; r++)
+                if (sh->msg[r][0])
+                        fprintf(stderr, "%s\n", sh->msg[r]);
+        ck_assert_int_eq(bad, 0);
+        epd_client_free(admin);
+        shared_free(sh);
+}
+END_TEST
+
 static int create_status(struct epd_client *cl, const char *name,
                          const struct epd_group_config *cfg, struct epd_group **g)
 {
@@ -782,6 +886,7 @@ static Suite *cx_suite(void)
         tcase_set_timeout(tc, 600);
         tcase_add_test(tc, test_modes);
         tcase_add_test(tc, test_drain);
+        tcase_add_test(tc, test_drain_load);
         tcase_add_test(tc, test_timeout);
         tcase_add_test(tc, test_capacity);
         tcase_add_test(tc, test_peer_lost);
