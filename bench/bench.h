@@ -7,6 +7,7 @@
  *   ceilings.c      the host memcpy, device-to-device copy and P2P store ceilings
  *   cuda_util.c     a worker's CUDA side (device memory, L2 flush, stream completion)
  *   worker.c        one rank's process: group, regions, ops, the check of iteration 0
+ *   worker_cx.c     the same for --execution client: the rank runs its own ops (epd_cx_*)
  *   stats.c         percentiles and the per-op statistics of the samples
  *   report_table.c  the table (stdout, or stderr with --json)
  *   report_json.c   the JSON lines
@@ -98,6 +99,7 @@ struct options {
         int flush_l2;           /* -1: default (on for decode with --backend cuda) */
         enum completion completion;
         uint32_t extra_regions; /* --extra-regions: unused regions each worker holds */
+        enum epd_execution execution; /* --execution: who runs the ops */
 };
 
 /* A MAP_SHARED memfd made before fork, so that every worker sees it at the same address. */
@@ -390,12 +392,40 @@ int stream_complete(struct wcuda *wc, struct epd_op *op, char *err, size_t len);
 
 /* ---- worker.c ---- */
 
+/* In a worker function with `rank`, `b` and an `out:` label: reports and leaves. */
+#define WFAIL(...)                                                                      \
+        do {                                                                            \
+                fprintf(stderr, "epd-bench rank %u (seed %llu): ", rank,                \
+                        (unsigned long long)b->opt.seed);                               \
+                fprintf(stderr, __VA_ARGS__);                                           \
+                fprintf(stderr, "\n");                                                  \
+                goto out;                                                               \
+        } while (0)
+
+/* The clean order at a worker's end: the daemon lets go of device memory before it is freed
+ * (epd_device_free does both for --alloc cumem; else the regions are released and
+ * wcuda_fini frees the memory). bufs[i] and regions[i] belong together. */
+void dev_release(struct epd_client *client, const struct wcuda *wc, uint8_t **const *bufs,
+                 uint64_t *regions, int n);
+/* Creates (rank 0) or joins the run's group, in the run's execution mode. */
+int enter_group(const struct bench *b, struct epd_client *client, uint32_t rank,
+                struct epd_group **out);
+
 /* Whether parent and workers meet after iteration it, and whether the parent then probes the
  * ceiling (*probe); the phase of iteration it. */
 int sync_after(const struct bench *b, uint32_t it, int *probe);
 uint32_t phase_of(const struct bench *b, uint32_t it);
 /* The whole life of rank's worker process; its exit status. */
 int worker_run(struct bench *b, uint32_t rank);
+/* Tells the parent this worker is at a sync point and blocks until it says go on. */
+int worker_sync(const struct bench *b, uint32_t rank);
+
+/* ---- worker_cx.c ---- */
+
+/* worker_run for --execution client. */
+int worker_run_cx(struct bench *b, uint32_t rank);
+/* CUDA mode: waits for the work queued on the worker's stream. */
+int wc_sync(struct wcuda *wc, char *err, size_t len);
 
 /* ---- stats.c ---- */
 

@@ -175,6 +175,17 @@ int dev_flush(struct wcuda *wc, uint32_t seq, char *err, size_t len)
 /* Stream-ordered completion: the worker's stream waits for the op's doorbell, an event is
  * recorded after the wait, and the host spins on the event: the op is complete for the client
  * when work queued behind it could start. */
+int wc_sync(struct wcuda *wc, char *err, size_t len)
+{
+#ifdef EPD_BENCH_CUDA
+        return cu_ok(cudaStreamSynchronize(wc->stream), "cudaStreamSynchronize", err, len);
+#else
+        (void)wc;
+        snprintf(err, len, "epd-bench was built without CUDA");
+        return -1;
+#endif
+}
+
 int stream_complete(struct wcuda *wc, struct epd_op *op, char *err, size_t len)
 {
 #ifdef EPD_BENCH_CUDA

@@ -23,7 +23,8 @@ void usage(FILE *f)
                 "                 [--seed S] [--warmup N] [--threads N] [--outputs arena|regions]\n"
                 "                 [--backend host|cuda] [--device-memory|--host-memory]\n"
                 "                 [--alloc cudamalloc|cumem] [--devices N] [--flush-l2|--no-flush-l2]\n"
-                "                 [--completion host|stream|both] [--stream-order]\n\n"
+                "                 [--completion host|stream|both] [--stream-order]\n"
+                "                 [--execution daemon|client]\n\n"
                 "Measures dispatch and combine through real client processes, one per rank, as\n"
                 "docs/benchmarks.md defines. Without --socket it starts build/bin/epd (host backend,\n"
                 "or the CUDA backend with --backend cuda) on a temporary socket and stops it at the\n"
@@ -39,6 +40,11 @@ void usage(FILE *f)
                 "  --seed S          data and routing seed (default 1)\n"
                 "  --threads N       host backend threads (daemon --host-threads) and memcpy-ceiling\n"
                 "                    threads; default: the number of CPUs\n"
+                "  --execution X     daemon (default): the daemon runs each op; client: each\n"
+                "                    worker runs its own ops in a client-executed group\n"
+                "                    (epd_cx_dispatch/combine; host backend: on its own thread,\n"
+                "                    cuda: on its stream); the op time is then what the worker\n"
+                "                    sees from the launch to its completion\n"
                 "  --outputs O       arena (default in host memory): outputs in the daemon's output\n"
                 "                    arena; regions: client-registered outputs of exact capacity\n"
                 "  --socket PATH     use a running daemon instead of starting one (else the\n"
@@ -131,6 +137,7 @@ int parse_args(int argc, char **argv, struct options *o)
                 { "stream-order", no_argument, NULL, 'O' },
                 { "poll-us", required_argument, NULL, 'P' },
                 { "extra-regions", required_argument, NULL, 'X' },
+                { "execution", required_argument, NULL, 'E' },
                 { "help", no_argument, NULL, 'h' },
                 { NULL, 0, NULL, 0 },
         };
@@ -236,6 +243,14 @@ int parse_args(int argc, char **argv, struct options *o)
                         if (parse_u32(optarg, 0, 1000, &o->extra_regions) < 0)
                                 goto bad;
                         break;
+                case 'E':
+                        if (strcmp(optarg, "daemon") == 0)
+                                o->execution = EPD_EXECUTION_DAEMON;
+                        else if (strcmp(optarg, "client") == 0)
+                                o->execution = EPD_EXECUTION_CLIENT;
+                        else
+                                goto bad;
+                        break;
                 case 'C':
                         if (strcmp(optarg, "host") == 0)
                                 o->completion = COMPLETION_HOST;
@@ -278,6 +293,14 @@ bad:
         if (optind < argc || !o->wl || !o->ranks) {
                 fprintf(stderr, "epd-bench: --workload and --ranks are required\n");
                 usage(stderr);
+                return -1;
+        }
+        if (o->execution == EPD_EXECUTION_CLIENT &&
+            (o->outputs_given || o->completion != COMPLETION_HOST || o->extra_regions)) {
+                fprintf(stderr, "epd-bench: --execution client: outputs land in the group's "
+                                "buffers and each op completes on the worker's own thread or "
+                                "stream, so --outputs, --completion, --stream-order and "
+                                "--extra-regions do not apply\n");
                 return -1;
         }
         if (!o->cuda) {

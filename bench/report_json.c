@@ -56,7 +56,7 @@ static json_t *p2p_pairs_json(const struct bench *b, const struct run_info *ri)
 static void print_json_one(const struct bench *b, const struct run_info *ri, uint32_t p, int k)
 {
         static const char *names[2] = { "dispatch", "combine" };
-        const int cuda = b->opt.cuda;
+        const int cuda = b->opt.cuda, cx = b->opt.execution == EPD_EXECUTION_CLIENT;
         const struct op_stats *st = &ri->st[p][k];
         double lg = (double)ri->bytes.logical[k] / (st->exec_p50 * 1e3);
         double fl = (double)ri->bytes.floor[k] / (st->exec_p50 * 1e3);
@@ -73,6 +73,9 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
         json_object_set_new(o, "devices", json_integer(cuda ? b->opt.devices : 1));
         json_object_set_new(o, "daemon_devices", json_integer(ri->devices));
         json_object_set_new(o, "backend", json_string(ri->backend));
+        json_object_set_new(o, "execution",
+                            json_string(b->opt.execution == EPD_EXECUTION_CLIENT ? "client"
+                                                                                 : "daemon"));
         json_object_set_new(o, "mps", json_string(ri->mps));
         json_object_set_new(o, "mps_detail", json_string(ri->mps_detail));
         json_object_set_new(o, "device_name", json_string(ri->device_name));
@@ -122,32 +125,38 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
         json_object_set_new(o, "data_bytes", json_integer((json_int_t)ri->bytes.data));
         json_object_set_new(o, cuda ? "gpu_l2_bytes" : "llc_bytes",
                             json_integer((json_int_t)ri->llc));
-        json_object_set_new(o, "time_basis", json_string(b->kernel_time ? "kernel_ns"
-                                                                         : "exec_ns"));
+        json_object_set_new(o, "time_basis", json_string(cx                ? "launch_to_completion"
+                                                         : b->kernel_time ? "kernel_ns"
+                                                                          : "exec_ns"));
         json_object_set_new(o, "kernel_time_p50_us", json_real(st->exec_p50));
         json_object_set_new(o, "kernel_time_p99_us", json_real(st->exec_p99));
         json_object_set_new(o, "e2e_p50_us", json_real(st->e2e_p50));
         json_object_set_new(o, "e2e_p99_us", json_real(st->e2e_p99));
         json_object_set_new(o, "e2e_max_us", json_real(st->e2e_max));
-        json_object_set_new(o, "daemon_overhead_p50_us", json_real(st->ovh_p50));
-        json_object_set_new(o, "daemon_overhead_p99_us", json_real(st->ovh_p99));
+        /* Client-executed ops pass through no daemon: its overhead and timeline are null. */
+#define DAEMON_ONLY(v) json_real_or_null((v), !cx)
+        json_object_set_new(o, "daemon_overhead_p50_us", DAEMON_ONLY(st->ovh_p50));
+        json_object_set_new(o, "daemon_overhead_p99_us", DAEMON_ONLY(st->ovh_p99));
         json_object_set_new(o, "daemon_overhead_last_submitter_p50_us",
-                            json_real(st->last_ovh_p50));
+                            DAEMON_ONLY(st->last_ovh_p50));
         json_object_set_new(o, "daemon_overhead_last_submitter_p99_us",
-                            json_real(st->last_ovh_p99));
-        json_object_set_new(o, "daemon_overhead_group_p50_us", json_real(st->group_ovh_p50));
-        json_object_set_new(o, "daemon_overhead_group_p99_us", json_real(st->group_ovh_p99));
-        json_object_set_new(o, "replies_in_doorbell", json_real(st->replies_in_doorbell));
-        json_object_set_new(o, "requests_in_doorbell", json_real(st->requests_in_doorbell));
-        json_object_set_new(o, "queue_p50_us", json_real(st->queue_p50));
-        json_object_set_new(o, "last_submitter_queue_p50_us", json_real(st->last_queue_p50));
+                            DAEMON_ONLY(st->last_ovh_p99));
+        json_object_set_new(o, "daemon_overhead_group_p50_us", DAEMON_ONLY(st->group_ovh_p50));
+        json_object_set_new(o, "daemon_overhead_group_p99_us", DAEMON_ONLY(st->group_ovh_p99));
+        json_object_set_new(o, "replies_in_doorbell", DAEMON_ONLY(st->replies_in_doorbell));
+        json_object_set_new(o, "requests_in_doorbell", DAEMON_ONLY(st->requests_in_doorbell));
+        json_object_set_new(o, "queue_p50_us", DAEMON_ONLY(st->queue_p50));
+        json_object_set_new(o, "last_submitter_queue_p50_us", DAEMON_ONLY(st->last_queue_p50));
         json_object_set_new(o, "last_submitter_host_exec_p50_us",
-                            json_real(st->last_host_exec_p50));
-        json_object_set_new(o, "last_submitter_socket_loop_p50_us", json_real(st->last_rest_p50));
+                            DAEMON_ONLY(st->last_host_exec_p50));
+        json_object_set_new(o, "last_submitter_socket_loop_p50_us", DAEMON_ONLY(st->last_rest_p50));
         json_t *tl = json_object();
         for (int j = 0; j < TL_STEPS; j++)
-                json_object_set_new(tl, tl_step_names[j], json_real(st->last_tl_p50[j]));
-        json_object_set_new(o, "last_submitter_timeline_p50_us", tl);
+                json_object_set_new(tl, tl_step_names[j], DAEMON_ONLY(st->last_tl_p50[j]));
+        json_object_set_new(o, "last_submitter_timeline_p50_us", cx ? json_null() : tl);
+        if (cx)
+                json_decref(tl);
+#undef DAEMON_ONLY
         json_object_set_new(o, "logical_gbps", json_real(lg));
         json_object_set_new(o, "floor_gbps", json_real(fl));
         json_object_set_new(o, "floor_fraction_of_ceiling", json_real(fl / ri->ceiling));

@@ -107,6 +107,10 @@ void print_table(const struct bench *b, const struct run_info *ri, FILE *f)
                 dtype_name(b->opt.wl->dtype),
                 b->opt.layout == EPD_LAYOUT_EXPAND ? "expand" : "non-expand",
                 b->opt.use_arena ? "arena" : "client-region", (unsigned long long)b->opt.seed);
+        if (b->opt.execution == EPD_EXECUTION_CLIENT)
+                fprintf(f, "  client-executed: each worker runs its own ops (epd_cx_*); the op "
+                           "time is the worker's launch to completion, outputs in the group's "
+                           "buffers\n");
         if (ri->scaled)
                 fprintf(f, "  SCALED: %u tokens per rank instead of the workload's %u (--tokens)\n",
                         b->T, b->opt.wl->tokens);
@@ -207,7 +211,8 @@ void print_table(const struct bench *b, const struct run_info *ri, FILE *f)
                        "epd_op_stream_wait"
                      : "the reply in epd_op_wait",
                 b->kernel_time ? "kernel time" : "exec");
-        for (uint32_t p = 0; p < b->num_phases; p++) {
+        /* Client-executed ops pass through no daemon: no overhead to split. */
+        for (uint32_t p = 0; b->opt.execution != EPD_EXECUTION_CLIENT && p < b->num_phases; p++) {
                 for (int k = 0; k < 2; k++) {
                         const struct op_stats *st = &ri->st[p][k];
                         fprintf(f, "  last-sub overhead, %s%s%s%s, p50 per step (us):", names[k],

@@ -11,23 +11,16 @@
 #include "bench.h"
 #include "oracle.h"
 
-#define WFAIL(...)                                                                      \
-        do {                                                                            \
-                fprintf(stderr, "epd-bench rank %u (seed %llu): ", rank,                \
-                        (unsigned long long)b->opt.seed);                               \
-                fprintf(stderr, __VA_ARGS__);                                           \
-                fprintf(stderr, "\n");                                                  \
-                goto out;                                                               \
-        } while (0)
-
-static int enter_group(const struct bench *b, struct epd_client *client, uint32_t rank,
-                       struct epd_group **out)
+int enter_group(const struct bench *b, struct epd_client *client, uint32_t rank,
+                struct epd_group **out)
 {
+        const int cx = b->opt.execution == EPD_EXECUTION_CLIENT;
         struct epd_group_config cfg = {
                 .size = sizeof(cfg), .world_size = b->R, .num_experts = b->E, .hidden = b->H,
                 .max_tokens_per_rank = b->T, .max_topk = b->K,
                 .dispatch_dtype = b->opt.wl->dtype, .scale_block = BENCH_SCALE_BLOCK,
-                .op_timeout_ms = 60000, .arena_bytes = b->arena_bytes,
+                .op_timeout_ms = 60000, .arena_bytes = cx ? 0 : b->arena_bytes,
+                .execution = b->opt.execution,
         };
         struct epd_group_args ga = {
                 .size = sizeof(ga), .name = b->group_name, .secret = b->secret,
@@ -76,8 +69,7 @@ uint32_t phase_of(const struct bench *b, uint32_t it)
         return it / b->per_phase;
 }
 
-/* Tells the parent this worker is at a sync point and blocks until it says go on. */
-static int worker_sync(const struct bench *b, uint32_t rank)
+int worker_sync(const struct bench *b, uint32_t rank)
 {
         char c = 's';
 
@@ -128,6 +120,21 @@ static int run_op(struct epd_group *group, struct wcuda *wc, int strm,
         return rc;
 }
 
+void dev_release(struct epd_client *client, const struct wcuda *wc, uint8_t **const *bufs,
+                 uint64_t *regions, int n)
+{
+        for (int i = 0; i < n; i++) {
+                if (wc->cumem) {
+                        if (*bufs[i])
+                                epd_device_free(client, *bufs[i]);
+                        *bufs[i] = NULL;
+                        regions[i] = 0;
+                }
+                if (regions[i])
+                        epd_region_release(client, regions[i]);
+        }
+}
+
 int worker_run(struct bench *b, uint32_t rank)
 {
         struct rank_data *me = &b->ranks[rank];
@@ -150,6 +157,10 @@ int worker_run(struct bench *b, uint32_t rank)
         char err[1024];
         int rc, status = 1;
 
+        if (b->opt.execution == EPD_EXECUTION_CLIENT) {
+                free(ybufs);
+                return worker_run_cx(b, rank);
+        }
         memset(&wc, 0, sizeof(wc));
         if (!ybufs)
                 WFAIL("out of memory");
@@ -416,18 +427,10 @@ out:
         /* The clean order: the daemon lets go of the device memory before it is freed.
          * epd_device_free does both for --alloc cumem (dregion[] follows d_in, d_y, d_out,
          * d_comb). */
-        if (wc.cumem) {
+        {
                 uint8_t **bufs[4] = { &wc.d_in, &wc.d_y, &wc.d_out, &wc.d_comb };
-                for (int i = 0; i < 4; i++) {
-                        if (*bufs[i])
-                                epd_device_free(client, *bufs[i]);
-                        *bufs[i] = NULL;
-                        dregion[i] = 0;
-                }
+                dev_release(client, &wc, bufs, dregion, 4);
         }
-        for (int i = 0; i < 4; i++)
-                if (dregion[i])
-                        epd_region_release(client, dregion[i]);
         epd_client_free(client);
         wcuda_fini(&wc);
         free(h_out);

@@ -236,7 +236,14 @@ static int group_info(struct snapshot *s, const Epd__V1__GroupInfo *g, struct ep
                 o->config.scale_block = cfg->scale_block;
                 o->config.op_timeout_ms = cfg->op_timeout_ms;
                 o->config.arena_bytes = cfg->arena_bytes;
+                o->config.execution = (enum epd_execution)cfg->execution;
+                o->config.max_expert_alignment = cfg->max_expert_alignment;
+                o->config.expert_block_rows = cfg->expert_block_rows;
+                o->config.quantize = cfg->quantize;
+                o->config.num_handle_slots = cfg->num_handle_slots;
+                o->config.sms_per_rank = cfg->sms_per_rank;
         }
+        o->client_buffer_bytes_per_rank = g->client_buffer_bytes_per_rank;
         o->ops_completed = g->ops_completed;
         o->ops_failed = g->ops_failed;
         o->num_handles = g->num_handles;
@@ -352,6 +359,10 @@ static int group_stats(struct snapshot *s, const Epd__V1__GroupStats *g,
                         .combine = op_stats(s, rs->combine), .arena_bytes = rs->arena_bytes,
                         .arena_used_bytes = rs->arena_used_bytes,
                         .queue_depth = rs->queue_depth, .next_op = rs->next_op,
+                        .client_ops = rs->client_ops, .client_rows = rs->client_rows,
+                        .client_bytes = rs->client_bytes,
+                        .client_failures = rs->client_failures,
+                        .client_buffer_bytes = rs->client_buffer_bytes,
                 };
                 if (!ranks[k].dispatch || !ranks[k].combine)
                         return -1;

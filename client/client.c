@@ -768,6 +768,16 @@ static void config_to_wire(const struct epd_group_config *cfg, Epd__V1__GroupCon
         w->scale_block = cfg->scale_block;
         w->op_timeout_ms = cfg->op_timeout_ms;
         w->arena_bytes = cfg->arena_bytes;
+        /* Fields appended later count only when the caller's struct has them. */
+        if (cfg->size >= offsetof(struct epd_group_config, sms_per_rank) +
+                                 sizeof(cfg->sms_per_rank)) {
+                w->execution = (Epd__V1__Execution)cfg->execution;
+                w->max_expert_alignment = cfg->max_expert_alignment;
+                w->expert_block_rows = cfg->expert_block_rows;
+                w->quantize = cfg->quantize != 0;
+                w->num_handle_slots = cfg->num_handle_slots;
+                w->sms_per_rank = cfg->sms_per_rank;
+        }
 }
 
 /* ---- output arenas ---- */
@@ -992,6 +1002,27 @@ static int arena_enter_locked(struct epd_group *g, const Epd__V1__GroupJoined *j
         return rc;
 }
 
+/* Whether CUDA MPS is enabled on the device a create or join names, as the daemon asks for
+ * client-executed groups (ranks of several processes share a GPU only under it). Only on the
+ * cuda backend, and only then does joining initialise CUDA in this process. */
+static int join_mps(struct epd_client *c, const struct epd_group_args *args)
+{
+#ifdef EPD_HAVE_CUDA
+        uint32_t dev = args->device;
+
+        if (!(c->daemon_caps & EPD__V1__CAPABILITY__CAP_CUDA_REGIONS))
+                return 0;
+        for (uint32_t i = 0; args->device_uuid && i < c->info.num_devices && i < 16; i++)
+                if (strcmp(c->info.devices[i].uuid, args->device_uuid) == 0)
+                        dev = i;
+        return epd__cuda_mps_enabled(c, dev);
+#else
+        (void)c;
+        (void)args;
+        return 0;
+#endif
+}
+
 static int group_enter(struct epd_client *c, const struct epd_group_args *args, int create,
                        struct epd_group **out)
 {
@@ -1017,6 +1048,10 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
                 gc.rank = args->rank;
                 gc.device = args->device;
                 gc.device_uuid = (char *)(args->device_uuid ? args->device_uuid : "");
+                if (args->config->size >= offsetof(struct epd_group_config, execution) +
+                                                   sizeof(args->config->execution) &&
+                    args->config->execution == EPD_EXECUTION_CLIENT)
+                        gc.mps_enabled = join_mps(c, args);
                 req.body_case = EPD__V1__REQUEST__BODY_GROUP_CREATE;
                 req.group_create = &gc;
         } else {
@@ -1026,6 +1061,7 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
                 gj.rank = args->rank;
                 gj.device = args->device;
                 gj.device_uuid = (char *)(args->device_uuid ? args->device_uuid : "");
+                gj.mps_enabled = join_mps(c, args);
                 req.body_case = EPD__V1__REQUEST__BODY_GROUP_JOIN;
                 req.group_join = &gj;
         }
@@ -1053,6 +1089,12 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
         g->config.scale_block = j->config->scale_block;
         g->config.op_timeout_ms = j->config->op_timeout_ms;
         g->config.arena_bytes = j->config->arena_bytes;
+        g->config.execution = (enum epd_execution)j->config->execution;
+        g->config.max_expert_alignment = j->config->max_expert_alignment;
+        g->config.expert_block_rows = j->config->expert_block_rows;
+        g->config.quantize = j->config->quantize;
+        g->config.num_handle_slots = j->config->num_handle_slots;
+        g->config.sms_per_rank = j->config->sms_per_rank;
         if (fds[0] >= 0 && j->doorbell_bytes >= sizeof(struct epd_doorbell)) {
                 void *p = mmap(NULL, j->doorbell_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
                                fds[0], 0);
@@ -1068,6 +1110,14 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
                 fds[1] = -1; /* taken */
                 if (rc < 0) {
                         /* The daemon keeps the binding; leaving releases it. */
+                        (void)epd_group_leave(g);
+                        goto out;
+                }
+        }
+        if (g->config.execution == EPD_EXECUTION_CLIENT) {
+                rc = epd__cx_enter(g, j, fds[1]);
+                fds[1] = -1; /* taken */
+                if (rc < 0) {
                         (void)epd_group_leave(g);
                         goto out;
                 }
@@ -1122,6 +1172,7 @@ int epd_group_leave(struct epd_group *group)
         if (group->arena)
                 munmap(group->arena, group->arena_reserved);
         free(group->arena_segs);
+        epd__cx_leave(group->cx);
         epd__group_stream_fini(group);
         if (group->doorbell)
                 munmap(group->doorbell, group->doorbell_bytes);
@@ -1178,6 +1229,8 @@ int epd_size_hint(struct epd_client *client, const struct epd_group_config *conf
                 out->max_rows_expand = resp->size_hint->max_rows_expand;
                 out->arena_bytes_non_expand = resp->size_hint->arena_bytes_non_expand;
                 out->arena_bytes_expand = resp->size_hint->arena_bytes_expand;
+                out->client_buffer_bytes_per_rank =
+                        resp->size_hint->client_buffer_bytes_per_rank;
         }
         epd__v1__response__free_unpacked(resp, NULL);
         return 0;

@@ -96,7 +96,43 @@ struct epd_group {
         void *doorbell_dev;           /* its device address once registered with CUDA */
         uint64_t submitted;           /* ops this rank submitted since it was bound */
         uint64_t inputs_marked;       /* inputs_ready values handed out */
+        /* Client-executed groups (cx.c): every rank's buffer, mapped once at join. */
+        struct epd__cx_group *cx;
 };
+
+/* cx.c: a client-executed group's buffers as this process maps them. */
+struct epd__cx_group;
+/* Maps the buffers GroupJoined announced (fd: the host backend's memfd of all R buffers, taken).
+ * 0, or a negative status with the reason recorded on the client. */
+int epd__cx_enter(struct epd_group *g, const Epd__V1__GroupJoined *j, int fd);
+/* Unmaps them; NULL does nothing. */
+void epd__cx_leave(struct epd__cx_group *cx);
+
+#ifdef EPD_HAVE_CUDA
+/* cuda.c: the CUDA ordinal of this process's device with the UUID of daemon device
+ * daemon_device (0, or EPD_NOT_FOUND recorded on the client); whether CUDA MPS is enabled on it
+ * (0 when it cannot be told; records nothing). */
+int epd__cuda_ordinal(struct epd_client *c, uint32_t daemon_device, int *ordinal);
+int epd__cuda_mps_enabled(struct epd_client *c, uint32_t daemon_device);
+
+/* cx_cuda.c: a client-executed group's buffers in device memory (the cuda backend). */
+struct epd__cx_dev;
+struct cx_layout;
+struct epd_cx_dispatch_args;
+struct epd_cx_combine_args;
+/* Imports the buffers (fd, always taken) of `total` bytes, rank r's at r * stride, and maps them
+ * on this process's device of the group; *base is their device address. */
+int epd__cx_dev_enter(struct epd_group *g, const struct cx_layout *l, int fd, uint64_t total,
+                      uint64_t stride, struct epd__cx_dev **out, uint8_t **base);
+void epd__cx_dev_leave(struct epd__cx_dev *d);
+/* Queue one op of the group's rank on stream (a cudaStream_t); 0 or a status recorded. */
+int epd__cx_dev_dispatch(struct epd_group *g, struct epd__cx_dev *d,
+                         const struct epd_cx_dispatch_args *a, void *stream);
+int epd__cx_dev_combine(struct epd_group *g, struct epd__cx_dev *d,
+                        const struct epd_cx_combine_args *a, void *stream);
+/* Copies device memory of the buffers to the host, synchronously. 0 or EPD_INTERNAL. */
+int epd__cx_dev_read(struct epd__cx_dev *d, const void *src, void *dst, size_t bytes);
+#endif
 
 /* Records a failure on the client and returns status. */
 int epd__client_fail(struct epd_client *c, int status, const char *fmt, ...)

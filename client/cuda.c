@@ -632,3 +632,56 @@ void epd__device_alloc_free_all(struct epd_client *c)
                 unmap_alloc(&c->device_allocs[i]);
         c->num_device_allocs = 0;
 }
+
+/* ---- client-executed groups (cx_cuda.c) ---- */
+
+int epd__cuda_ordinal(struct epd_client *c, uint32_t daemon_device, int *ordinal)
+{
+        const char *want;
+        int count = 0;
+
+        if (daemon_device >= c->info.num_devices || daemon_device >= 16)
+                return epd__client_fail(c, EPD_NOT_FOUND,
+                                        "daemon device %u is not among the devices it listed",
+                                        daemon_device);
+        want = c->info.devices[daemon_device].uuid;
+        if (cudaGetDeviceCount(&count) != cudaSuccess) {
+                cudaGetLastError();
+                count = 0;
+        }
+        for (int d = 0; d < count; d++) {
+                CUdevice dev;
+                CUuuid id;
+                char uuid[64];
+
+                if (epd_cudrv()->DeviceGet(&dev, d) != CUDA_SUCCESS ||
+                    epd_cudrv()->DeviceGetUuid(&id, dev) != CUDA_SUCCESS)
+                        continue;
+                uuid_format(&id, uuid, sizeof(uuid));
+                if (strcmp(uuid, want) == 0) {
+                        *ordinal = d;
+                        return 0;
+                }
+        }
+        return epd__client_fail(c, EPD_NOT_FOUND,
+                                "the daemon's device %u (%s) is not visible to this process",
+                                daemon_device, want);
+}
+
+int epd__cuda_mps_enabled(struct epd_client *c, uint32_t daemon_device)
+{
+        int ordinal, on = 0;
+        char saved[sizeof(c->last_error)];
+
+        /* A probe: a failure here only means "no MPS reported"; keep the client's message. */
+        memcpy(saved, c->last_error, sizeof(saved));
+        if (!epd_cudrv() || epd__cuda_ordinal(c, daemon_device, &ordinal) < 0) {
+                memcpy(c->last_error, saved, sizeof(saved));
+                return 0;
+        }
+        if (cudaDeviceGetAttribute(&on, cudaDevAttrMpsEnabled, ordinal) != cudaSuccess) {
+                cudaGetLastError();
+                on = 0;
+        }
+        return on != 0;
+}

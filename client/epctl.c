@@ -126,8 +126,7 @@ static int cmd_groups(struct epd_client *c, int json)
                                                          "device", (json_int_t)ri->device,
                                                          "next_op", (json_int_t)ri->next_op));
                         }
-                        json_array_append_new(
-                                arr,
+                        json_t *obj =
                                 json_pack("{s:I, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:I, s:o}",
                                           "id", (json_int_t)g->id, "name", g->name, "state",
                                           g->state, "world_size", (json_int_t)cfg->world_size,
@@ -140,7 +139,15 @@ static int cmd_groups(struct epd_client *c, int json)
                                           (json_int_t)g->ops_completed, "ops_failed",
                                           (json_int_t)g->ops_failed, "handles",
                                           (json_int_t)g->num_handles, "pending_ops",
-                                          (json_int_t)g->pending_ops, "ranks", ranks));
+                                          (json_int_t)g->pending_ops, "ranks", ranks);
+                        json_object_set_new(obj, "execution",
+                                            json_string(cfg->execution == EPD_EXECUTION_CLIENT
+                                                                ? "client"
+                                                                : "daemon"));
+                        json_object_set_new(obj, "client_buffer_bytes_per_rank",
+                                            json_integer((json_int_t)
+                                                                 g->client_buffer_bytes_per_rank));
+                        json_array_append_new(arr, obj);
                 }
                 json_dumpf(arr, stdout, JSON_INDENT(2));
                 putchar('\n');
@@ -162,6 +169,9 @@ static int cmd_groups(struct epd_client *c, int json)
                                (unsigned long long)g->ops_completed,
                                (unsigned long long)g->ops_failed, g->num_handles, bound,
                                g->num_ranks);
+                        if (g->config.execution == EPD_EXECUTION_CLIENT)
+                                printf("%-4s client-executed: %.1f MiB buffer per rank\n", "",
+                                       g->client_buffer_bytes_per_rank / 1048576.0);
                 }
         }
         epd_group_list_free(list);
@@ -290,6 +300,14 @@ static void print_stats_table(const struct epd_admin_daemon_stats *s,
                                                     errors_total(rs->combine)),
                                rs->queue_depth, rs->arena_used_bytes / 1048576.0,
                                rs->arena_bytes / 1048576.0);
+                        if (rs->client_buffer_bytes)
+                                printf("%-16s client-executed: ops %llu failed %llu rows %llu "
+                                       "bytes %llu buffer %.1f MiB\n", "",
+                                       (unsigned long long)rs->client_ops,
+                                       (unsigned long long)rs->client_failures,
+                                       (unsigned long long)rs->client_rows,
+                                       (unsigned long long)rs->client_bytes,
+                                       rs->client_buffer_bytes / 1048576.0);
                 }
                 /* Where the group's ops spent their time (p50/p99 us per stage). */
                 if (gs->num_stages > 0) {
@@ -328,8 +346,8 @@ static int cmd_stats(struct epd_client *c, int json)
                 json_t *ranks = json_array();
                 for (uint32_t r = 0; r < gs->num_ranks; r++) {
                         const struct epd_admin_rank_stats *rs = &gs->ranks[r];
-                        json_array_append_new(
-                                ranks, json_pack("{s:I, s:b, s:I, s:I, s:o, s:o, s:I, s:I, s:I, s:I}",
+                        json_t *robj =
+                                json_pack("{s:I, s:b, s:I, s:I, s:o, s:o, s:I, s:I, s:I, s:I}",
                                                  "rank", (json_int_t)rs->rank, "bound", rs->bound,
                                                  "client_id", (json_int_t)rs->client_id, "device",
                                                  (json_int_t)rs->device, "dispatch",
@@ -338,7 +356,17 @@ static int cmd_stats(struct epd_client *c, int json)
                                                  (json_int_t)rs->arena_bytes, "arena_used_bytes",
                                                  (json_int_t)rs->arena_used_bytes, "queue_depth",
                                                  (json_int_t)rs->queue_depth, "next_op",
-                                                 (json_int_t)rs->next_op));
+                                                 (json_int_t)rs->next_op);
+                        if (rs->client_buffer_bytes)
+                                json_object_set_new(
+                                        robj, "client",
+                                        json_pack("{s:I, s:I, s:I, s:I, s:I}", "ops",
+                                                  (json_int_t)rs->client_ops, "failures",
+                                                  (json_int_t)rs->client_failures, "rows",
+                                                  (json_int_t)rs->client_rows, "bytes",
+                                                  (json_int_t)rs->client_bytes, "buffer_bytes",
+                                                  (json_int_t)rs->client_buffer_bytes));
+                        json_array_append_new(ranks, robj);
                 }
                 json_t *stages = json_array();
                 for (uint32_t i = 0; i < gs->num_stages; i++)

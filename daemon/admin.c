@@ -78,6 +78,8 @@ static void handle_drain(struct epdd_conn *c, uint64_t request_id, uint64_t grou
                                 g->state = EPD_GROUP_READY;
                                 dr.groups++;
                         }
+                        /* Client-executed groups stop at an op boundary of their own. */
+                        epd_group_cx_drain(g, drain);
                         count_ops(g, &dr);
                 }
                 if (!drain) {
@@ -112,12 +114,15 @@ static void handle_drain(struct epdd_conn *c, uint64_t request_id, uint64_t grou
                 }
                 if (g->state == EPD_GROUP_READY) {
                         g->state = EPD_GROUP_DRAINING;
+                        epd_group_cx_drain(g, 1);
                         dr.groups = 1;
                         log_notice("group draining group=%s by=client=%llu uid=%u", g->name,
                                    (unsigned long long)c->cl.id, c->cl.uid);
                 }
         } else if (g->state == EPD_GROUP_DRAINING) {
                 g->state = EPD_GROUP_READY;
+                if (!d->draining)
+                        epd_group_cx_drain(g, 0);
                 dr.groups = 1;
                 log_notice("group resumed group=%s by=client=%llu uid=%u", g->name,
                            (unsigned long long)c->cl.id, c->cl.uid);

@@ -19,6 +19,7 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -415,6 +416,36 @@ static void render_ranks(struct textbuf *b, const Epd__V1__StatsReply *s)
         {
                 rank_labels(labels, sizeof(labels), gs, rs);
                 sample_u64(b, "epd_arena_used_bytes", labels, rs->arena_used_bytes);
+        }
+        /* Client-executed groups: the counters the ranks' own ops keep in their buffers. */
+        static const struct {
+                const char *name, *type, *help;
+                size_t off;
+        } cx_families[] = {
+                { "epd_client_buffer_bytes", "gauge",
+                  "Size of the rank's communication buffer (client-executed groups, else 0).",
+                  offsetof(Epd__V1__RankStats, client_buffer_bytes) },
+                { "epd_client_executed_ops_total", "counter",
+                  "Client-executed ops of the rank that ended OK.",
+                  offsetof(Epd__V1__RankStats, client_ops) },
+                { "epd_client_executed_failed_ops_total", "counter",
+                  "Client-executed ops of the rank that ended with another status.",
+                  offsetof(Epd__V1__RankStats, client_failures) },
+                { "epd_client_executed_rows_total", "counter",
+                  "Rows the rank received (dispatch) or reduced (combine) in client-executed ops.",
+                  offsetof(Epd__V1__RankStats, client_rows) },
+                { "epd_client_executed_bytes_total", "counter",
+                  "Payload bytes the rank wrote to destinations in client-executed ops.",
+                  offsetof(Epd__V1__RankStats, client_bytes) },
+        };
+        for (size_t i = 0; i < sizeof(cx_families) / sizeof(cx_families[0]); i++) {
+                family(b, cx_families[i].name, cx_families[i].type, cx_families[i].help);
+                for_each_rank(s, gs, rs)
+                {
+                        rank_labels(labels, sizeof(labels), gs, rs);
+                        sample_u64(b, cx_families[i].name, labels,
+                                   *(const uint64_t *)((const char *)rs + cx_families[i].off));
+                }
         }
 }
 

@@ -168,6 +168,17 @@ int epd_report_build(struct epdd_daemon *d, Epd__V1__StatsReply *out, struct epd
                                 rs->arena_used_bytes = epd_arena_used(rk->arena);
                         }
                         rs->queue_depth = rank_queue_depth(g, r);
+                        if (g->cx) {
+                                /* Client-executed: the rank's own ops counted in its buffer. */
+                                struct cx_stats st;
+
+                                epd_group_cx_stats(g, r, &st);
+                                rs->client_ops = st.ops;
+                                rs->client_rows = st.rows;
+                                rs->client_bytes = st.bytes;
+                                rs->client_failures = st.failures;
+                                rs->client_buffer_bytes = g->cx->layout.total_bytes;
+                        }
                         gs->ranks[gs->n_ranks++] = rs;
                 }
                 out->groups[gi++] = gs;

@@ -251,6 +251,12 @@ int epd_tensor_at(struct epd_client *client, const void *ptr, enum epd_dtype dty
 
 /* ---- groups ---- */
 
+/* Where a group's dispatch and combine run (docs/client-execution.md), chosen at creation. */
+enum epd_execution {
+        EPD_EXECUTION_DAEMON = 0,      /* the daemon runs each op (epd_dispatch, epd_combine) */
+        EPD_EXECUTION_CLIENT = 1,      /* each rank runs its ops itself (epd_cx_dispatch, ...) */
+};
+
 struct epd_group_config {
         size_t size;
         uint32_t world_size;
@@ -261,7 +267,18 @@ struct epd_group_config {
         enum epd_dtype dispatch_dtype; /* BF16 or FP8_E4M3 */
         uint32_t scale_block;          /* fp8 only; 0: 128 */
         uint32_t op_timeout_ms;        /* 0: daemon default */
-        uint64_t arena_bytes;          /* per-rank output arena; 0: daemon default */
+        uint64_t arena_bytes;          /* per-rank output arena; 0: daemon default. Client-
+                                        * executed groups have none (0). */
+        /* The fields below are read when `size` covers them (0 or absent: the default). */
+        enum epd_execution execution;  /* EPD_EXECUTION_DAEMON (default) or _CLIENT */
+        /* Client-executed groups only: the shape the communication buffers are sized for.
+         * Ops that ask for more are refused with EPD_INVALID_ARGUMENT. */
+        uint32_t max_expert_alignment; /* the largest expert_alignment an op uses; 0: 1 */
+        uint32_t expert_block_rows;    /* the largest C of fixed expert blocks (SEMANTICS.md
+                                        * 2.6) an op uses; 0: none */
+        uint32_t quantize;             /* bf16 groups: ops may quantize to fp8 rows (2.7) */
+        uint32_t num_handle_slots;     /* handle slots per rank; 0: 2, at most 8 */
+        uint32_t sms_per_rank;         /* cuda: blocks of each rank's kernels; 0: default */
 };
 
 struct epd_group_args {
@@ -298,6 +315,9 @@ struct epd_size_hint {
         uint64_t max_rows_expand;
         uint64_t arena_bytes_non_expand;
         uint64_t arena_bytes_expand;
+        /* A client-executed group's communication buffer per rank (docs/client-execution.md);
+         * 0 for a daemon-executed config. */
+        uint64_t client_buffer_bytes_per_rank;
 };
 
 int epd_size_hint(struct epd_client *client, const struct epd_group_config *config,
@@ -443,6 +463,114 @@ int epd_group_mark_inputs_ready_host(struct epd_group *group, uint64_t *seq);
 int epd_op_stream_wait(struct epd_op *op, void *stream);
 int epd_group_mark_inputs_ready(struct epd_group *group, void *stream, uint64_t *seq);
 
+/* ---- client-executed ops (docs/client-execution.md) ----
+ *
+ * In a group created with execution EPD_EXECUTION_CLIENT each rank runs its own dispatch and
+ * combine over communication buffers the daemon allocated; no message goes to the daemon per op.
+ * On the host backend an op runs now, on the calling thread, and `stream` must be NULL. The n-th
+ * op of each rank meets the n-th of every other rank; a failed op leaves every later op of the
+ * group failing at once with the same status until the group is formed again (a lost rank is
+ * bound again). On the cuda backend an op is a kernel launch on `stream` (a cudaStream_t of the
+ * group's GPU; NULL: the legacy default stream) and the call returns at once, so sequences of
+ * ops can be captured in CUDA graphs; pointers in the arguments are device pointers, the status
+ * of a launch only says whether it was queued, and epd_cx_status reads the op's own status once
+ * the stream has passed it. A group's ranks then share one GPU (CUDA MPS is needed for ranks of
+ * several processes: without it the create or join fails EPD_UNAVAILABLE naming MPS), and
+ * sms_per_rank times the ranks must fit its SMs. Inputs are the caller's memory; outputs land in the rank's receive area
+ * (epd_cx_buffers), and counts in the handle slot the dispatch names. epd_dispatch and
+ * epd_combine are refused on such a group, and these calls on a daemon-executed one, with
+ * EPD_INVALID_ARGUMENT. Calls of one rank must not overlap; ranks may run on any threads. */
+
+struct epd_cx_dispatch_args {
+        size_t size;
+        uint32_t num_tokens;           /* N <= max_tokens_per_rank */
+        uint32_t num_topk;             /* K_op <= max_topk */
+        const void *x;                 /* [N, H] of the group dtype (bf16 when quantizing) */
+        uint64_t x_stride;             /* bytes between rows; 0: packed */
+        const float *scales;           /* fp8 groups: [N, H / scale_block] */
+        uint64_t scales_stride;        /* bytes; 0: packed */
+        const void *topk_idx;          /* [N, K_op] packed; ignored by a cached dispatch */
+        enum epd_dtype topk_dtype;     /* INT32 or INT64 */
+        const float *topk_weights;     /* [N, K_op] packed, optional */
+        enum epd_layout layout;
+        uint32_t expert_alignment;     /* 0: 1; at most the group's max_expert_alignment */
+        int zero_padding;              /* EXPAND */
+        uint32_t expert_block_rows;    /* EXPAND: C of SEMANTICS.md 2.6; 0: packed */
+        int quantize;                  /* bf16 groups created with quantize: fp8 rows (2.7) */
+        uint32_t handle;               /* handle slot it fills (or reuses when cached) */
+        int cached;                    /* reuse the routing of the slot's dispatch (2.4) */
+        uint64_t capacity_rows;        /* rows this rank accepts; 0: its whole receive area */
+};
+
+struct epd_cx_combine_args {
+        size_t size;
+        uint32_t handle;               /* the slot of the dispatch whose layout y uses */
+        int recv_weights;              /* NON_EXPAND: weights are in the y_weights area */
+        int apply_weights;             /* EXPAND: multiply by the weights */
+        const float *source_weights;   /* [N, K_op] packed, optional */
+        uint32_t num_bias;             /* 0, 1 or 2 */
+        const uint16_t *bias[2];       /* [N, H] bf16 packed */
+        uint16_t *combined;            /* [N, H] bf16 packed, written */
+        float *combined_topk_weights;  /* [N, K_op] packed, optional, written */
+};
+
+/* Runs (host) or enqueues on `stream` (cuda, a cudaStream_t) one dispatch of this rank. Host:
+ * returns the op's status (the message in epd_client_last_error). A drained group refuses at
+ * once with EPD_ABORTED without taking an op number. */
+int epd_cx_dispatch(struct epd_group *group, const struct epd_cx_dispatch_args *args,
+                    void *stream);
+/* Combine: this rank's expert output must be in its y area (epd_cx_buffers: y and, for
+ * recv_weights, y_weights) before the op starts; it may be rewritten once the op is done. */
+int epd_cx_combine(struct epd_group *group, const struct epd_cx_combine_args *args,
+                   void *stream);
+
+/* The end of a rank's op, read from its buffer once the op is done. */
+struct epd_cx_status {
+        size_t size;
+        uint64_t op;                   /* the op's number in the group's current formation */
+        int status;                    /* 0 or a negative enum epd_status */
+        char message[256];             /* what failed, naming the rank and numbers */
+};
+/* The rank's most recent op (the host: the one that last returned; cuda: synchronise the
+ * stream first). EPD_NOT_FOUND when the rank has run no op since the group formed. */
+int epd_cx_status(struct epd_group *group, struct epd_cx_status *out);
+
+/* The counts of SEMANTICS.md 2.3 of the dispatch that last filled a handle slot. Pointers are
+ * into the rank's buffer, valid until the slot's next dispatch (device addresses on the cuda
+ * backend, where the two totals are copied to the host). */
+struct epd_cx_counts {
+        size_t size;
+        int32_t num_recv_tokens;
+        int32_t num_expanded_rows;
+        uint32_t num_local_experts;
+        const int32_t *num_recv_tokens_per_expert;         /* [L] */
+        const int32_t *num_recv_tokens_per_expert_aligned; /* [L] */
+        uint32_t world_size;
+        const int32_t *rank_prefix;                        /* [R+1] */
+        const int32_t *expert_base;                        /* [L+1]: first row of each expert */
+};
+/* EPD_NOT_FOUND when the slot holds no dispatch of this formation. */
+int epd_cx_counts(struct epd_group *group, uint32_t handle, struct epd_cx_counts *out);
+
+/* Where this rank's outputs and combine inputs live in its buffer (as mapped here: device
+ * addresses on the cuda backend). Rows of the receive area are packed at the op's row size;
+ * recv_rows is their number. */
+struct epd_cx_buffers {
+        size_t size;
+        uint64_t bytes_per_rank;       /* the communication buffer of each rank */
+        uint32_t recv_rows;
+        uint32_t num_handle_slots;
+        void *recv_x;
+        float *recv_scales;
+        void *recv_topk_idx;           /* NON_EXPAND, of the dispatch's topk dtype */
+        float *recv_weights;
+        int64_t *recv_src;
+        int32_t *recv_topk_slot;       /* EXPAND */
+        uint16_t *y;                   /* [recv_rows, H] bf16: the expert's output */
+        float *y_weights;              /* [recv_rows, K_op]: combine's recv_weights */
+};
+int epd_cx_buffers(const struct epd_group *group, struct epd_cx_buffers *out);
+
 /* Releases this rank's share of a handle (local bookkeeping, not collective). */
 int epd_handle_release(struct epd_group *group, uint64_t handle_id);
 
@@ -512,6 +640,7 @@ struct epd_group_info {
         uint32_t pending_ops;
         uint32_t num_ranks;
         const struct epd_admin_rank *ranks;
+        uint64_t client_buffer_bytes_per_rank; /* client-executed groups, else 0 */
 };
 
 /* Every group of the daemon, in the daemon's order. epd_group_list_at returns NULL for
@@ -570,6 +699,13 @@ struct epd_admin_rank_stats {
         uint64_t arena_used_bytes;
         uint32_t queue_depth;          /* ops this rank submitted that have not completed */
         uint64_t next_op;
+        /* Client-executed groups: what the rank's own ops counted in its buffer since the group
+         * was created (dispatch and combine together), and the buffer's size. */
+        uint64_t client_ops;
+        uint64_t client_rows;
+        uint64_t client_bytes;
+        uint64_t client_failures;
+        uint64_t client_buffer_bytes;
 };
 
 /* Where a group's successful ops spent their time: stage "peers" (first rank's request to the

@@ -24,7 +24,7 @@
 
 /* Thread 0: this rank's checks of its own arguments (cpu/cx.c check_combine). */
 static __device__ int32_t check_args(const struct epd_cx_group *g,
-                                     const struct epd_cx_combine_args *a, uint64_t epoch)
+                                     const struct epd_cxk_combine_args *a, uint64_t epoch)
 {
         const struct cx_layout *l = &g->layout;
         const struct cx_handle *h;
@@ -45,7 +45,7 @@ static __device__ int32_t check_args(const struct epd_cx_group *g,
 }
 
 /* Block 0: admit, exchange y records, verdict. Returns the status; st describes it. */
-static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cx_combine_args *a,
+static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_combine_args *a,
                              struct cx_dev_op *o, struct cx_op_status *st)
 {
         __shared__ int s_status;
@@ -95,9 +95,9 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cx_c
 /* One source token: its contributions in top-k order, reduced as docs/semantics.md section 3
  * says. */
 static __device__ void combine_token(const struct epd_cx_group *g,
-                                     const struct epd_cx_combine_args *a, const struct cx_handle *h,
-                                     const int32_t *htopk, const int32_t *hrow, const float *hw,
-                                     uint32_t t)
+                                     const struct epd_cxk_combine_args *a,
+                                     const struct cx_handle *h, const int32_t *htopk,
+                                     const int32_t *hrow, const float *hw, uint32_t t)
 {
         const struct cx_layout *l = &g->layout;
         const uint32_t K = h->num_topk, L = l->num_local_experts, H = l->shape.hidden;
@@ -158,7 +158,7 @@ static __device__ void combine_token(const struct epd_cx_group *g,
 }
 
 __global__ void __launch_bounds__(CX_THREADS)
-cx_combine_kernel(const struct epd_cx_group g, const struct epd_cx_combine_args a)
+cx_combine_kernel(const struct epd_cx_group g, const struct epd_cxk_combine_args a)
 {
         __shared__ struct cx_op_status st;
         __shared__ int s_verdict;
@@ -224,10 +224,10 @@ cx_combine_kernel(const struct epd_cx_group g, const struct epd_cx_combine_args 
 }
 
 extern "C" int epd_cx_combine_launch(const struct epd_cx_group *g,
-                                     const struct epd_cx_combine_args *a, uint32_t num_blocks,
+                                     const struct epd_cxk_combine_args *a, uint32_t num_blocks,
                                      cudaStream_t stream)
 {
-        static_assert(sizeof(struct epd_cx_group) + sizeof(struct epd_cx_combine_args) < 4000,
+        static_assert(sizeof(struct epd_cx_group) + sizeof(struct epd_cxk_combine_args) < 4000,
                       "kernel parameters must stay within 4 KiB");
 
         if (num_blocks < 1 || num_blocks > CX_MAX_BLOCKS ||

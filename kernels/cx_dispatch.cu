@@ -39,7 +39,7 @@ static __device__ __forceinline__ int64_t load_topk(const void *p, enum epd_dtyp
 /* Thread 0: this rank's checks of its own arguments (cpu/cx.c check_dispatch), into the record
  * head. */
 static __device__ void check_args(const struct epd_cx_group *g,
-                                  const struct epd_cx_dispatch_args *a, uint64_t epoch,
+                                  const struct epd_cxk_dispatch_args *a, uint64_t epoch,
                                   struct cx_count_rec *head)
 {
         const struct cx_layout *l = &g->layout;
@@ -88,7 +88,7 @@ struct phase1_smem {
 
 /* Block 0: everything up to the placed rows. Returns the op's status so far, which sm->st
  * describes. */
-static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cx_dispatch_args *a,
+static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_dispatch_args *a,
                              struct cx_dev_op *o, struct phase1_smem *sm)
 {
         const struct cx_layout *l = &g->layout;
@@ -310,7 +310,7 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cx_d
 /* Moves one token to all its rows. src/src_scales: the token's payload (the fp8 conversion in
  * shared memory when quantizing). row_bytes is a multiple of 16 and src 16-byte aligned. */
 static __device__ void copy_token(const struct epd_cx_group *g,
-                                  const struct epd_cx_dispatch_args *a, const struct cx_handle *h,
+                                  const struct epd_cxk_dispatch_args *a, const struct cx_handle *h,
                                   const int32_t *htopk, const int32_t *hrow, uint32_t t,
                                   const uint8_t *src,
                                   const float *src_scales, uint32_t row_bytes, uint32_t nsc)
@@ -365,7 +365,7 @@ static __device__ void copy_token(const struct epd_cx_group *g,
 
 /* This rank's EXPAND padding rows after local expert j's selections. */
 static __device__ void write_padding(const struct epd_cx_group *g,
-                                     const struct epd_cx_dispatch_args *a, uint32_t handle,
+                                     const struct epd_cxk_dispatch_args *a, uint32_t handle,
                                      uint32_t j, uint32_t row_bytes, uint32_t nsc)
 {
         const struct cx_layout *l = &g->layout;
@@ -391,7 +391,7 @@ static __device__ void write_padding(const struct epd_cx_group *g,
 }
 
 __global__ void __launch_bounds__(CX_THREADS)
-cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cx_dispatch_args a)
+cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_args a)
 {
         extern __shared__ int4 dyn[]; /* quantizing: the token's fp8 row, then its scales */
         __shared__ struct phase1_smem sm;
@@ -512,7 +512,7 @@ extern "C" int epd_cx_preload(void)
 }
 
 extern "C" int epd_cx_dispatch_launch(const struct epd_cx_group *g,
-                                      const struct epd_cx_dispatch_args *a, uint32_t num_blocks,
+                                      const struct epd_cxk_dispatch_args *a, uint32_t num_blocks,
                                       cudaStream_t stream)
 {
         const struct cx_layout *l = &g->layout;

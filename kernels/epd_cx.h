@@ -43,8 +43,9 @@ struct epd_cx_group {
         uint8_t *bufs[CX_MAX_RANKS];    /* every rank's buffer, addressable from this GPU */
 };
 
-/* Device pointers; the same meaning as struct cx_dispatch_args (cpu/cx.h). */
-struct epd_cx_dispatch_args {
+/* Device pointers; the same meaning as struct cx_dispatch_args (cpu/cx.h). Not the public
+ * struct epd_cx_dispatch_args of epd.h, which libepd turns into this. */
+struct epd_cxk_dispatch_args {
         uint32_t num_tokens;
         uint32_t num_topk;
         const void *x;
@@ -64,7 +65,7 @@ struct epd_cx_dispatch_args {
         uint64_t capacity_rows;
 };
 
-struct epd_cx_combine_args {
+struct epd_cxk_combine_args {
         uint32_t handle;
         uint32_t recv_weights;
         uint32_t apply_weights;
@@ -81,12 +82,12 @@ struct epd_cx_combine_args {
 int epd_cx_preload(void);
 
 /* Queues rank g->rank's dispatch on stream with num_blocks blocks. */
-int epd_cx_dispatch_launch(const struct epd_cx_group *g, const struct epd_cx_dispatch_args *a,
+int epd_cx_dispatch_launch(const struct epd_cx_group *g, const struct epd_cxk_dispatch_args *a,
                            uint32_t num_blocks, cudaStream_t stream);
 
 /* Queues rank g->rank's combine; y (and recv_weights) must be in the rank's y area, written by
  * earlier work on the same stream. */
-int epd_cx_combine_launch(const struct epd_cx_group *g, const struct epd_cx_combine_args *a,
+int epd_cx_combine_launch(const struct epd_cx_group *g, const struct epd_cxk_combine_args *a,
                           uint32_t num_blocks, cudaStream_t stream);
 
 #ifdef __cplusplus

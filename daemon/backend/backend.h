@@ -36,6 +36,14 @@ struct epdd_group_cfg {
         uint64_t arena_bytes;
         uint64_t row_bytes;           /* bytes of one x row */
         uint64_t scale_cols;          /* fp32 scales per row, 0 for bf16 */
+        /* Client-executed groups (docs/client-execution.md): the shape of their buffers. */
+        enum epd_execution execution;
+        uint32_t max_alignment;       /* 1 .. for client-executed groups */
+        uint32_t block_rows;
+        uint32_t quantize;
+        uint32_t num_handles;
+        uint32_t sms_per_rank;
+        uint64_t cx_bytes;            /* one rank's buffer (cx_layout_compute), 0 in daemon mode */
 };
 
 /* What an op does: the op record's kinds (common/oprec.h). */
@@ -60,6 +68,7 @@ struct epdd_device_desc {
         char name[64];
         char kind[16];
         uint64_t memory_bytes;
+        uint32_t sm_count;            /* cuda: multiprocessors; 0 on the host backend */
 };
 
 /* Per-rank part of an exec. Pointers are backend addresses, already bounds-checked. */
@@ -150,6 +159,22 @@ struct epdd_backend_ops {
         /* Undoes arena_map: the range becomes reserved address space again. The caller closes
          * the fd. No op may use the range. Loop thread. */
         void (*arena_unmap)(struct epdd_backend *b, uint8_t *addr, uint64_t bytes);
+        /* Client-executed groups: memory of `bytes` for the communication buffers of a group,
+         * zeroed (host memory) or not (device memory), that clients map through *fd (kind
+         * says how). *host is where the loop thread reads and writes it (the buffers' header
+         * words), or NULL for device memory, which it reaches through cx_copy; *state is the
+         * backend's. NULL: the backend has no client-executed mode. Loop thread. */
+        int (*cx_alloc)(struct epdd_backend *b, uint32_t device, uint64_t bytes, uint8_t **host,
+                        void **state, int *fd, enum epd_region_kind *kind, char *err,
+                        size_t err_len);
+        /* Frees what cx_alloc made; clients may still have it mapped (the memory lives on in
+         * their mappings). The caller closes the fd. */
+        void (*cx_free)(struct epdd_backend *b, uint8_t *host, uint64_t bytes, void *state);
+        /* Copies bytes between the daemon's memory at host and the buffers at offset (to_buffers:
+         * into them), for buffers without a host mapping; synchronous. 0 or EPD_INTERNAL. NULL
+         * when cx_alloc always gives a host mapping. Loop thread. */
+        int (*cx_copy)(struct epdd_backend *b, void *state, uint64_t offset, void *host,
+                       uint64_t bytes, int to_buffers);
         /* Makes daemon host memory (a doorbell page) reachable by the backend's devices; *dev
          * is its device address, or NULL when the backend has no devices. */
         int (*host_register)(struct epdd_backend *b, void *ptr, uint64_t bytes, void **dev);

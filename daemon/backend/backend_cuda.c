@@ -902,6 +902,7 @@ static int cuda_init(struct epdd_backend *b, const struct epdd_config *cfg, char
                 snprintf(dev->name, sizeof(dev->name), "%.63s", prop.name);
                 snprintf(dev->kind, sizeof(dev->kind), "cuda");
                 dev->memory_bytes = prop.totalGlobalMem;
+                dev->sm_count = (uint32_t)prop.multiProcessorCount;
                 if ((ce = cudaStreamCreateWithFlags(&cb->dev[d].stream, cudaStreamNonBlocking)) ||
                     (ce = cudaEventCreateWithFlags(&cb->dev[d].counted, cudaEventDisableTiming)) ||
                     (ce = cudaEventCreateWithFlags(&cb->dev[d].done, cudaEventDisableTiming)) ||
@@ -1171,6 +1172,126 @@ static void cuda_arena_unmap(struct epdd_backend *b, uint8_t *addr, uint64_t byt
         epd__memfd_segment_drop(addr, bytes);
 }
 
+/* A client-executed group's buffers: one cuMem allocation on the device, exported as a POSIX
+ * fd that each client imports and maps on its own device, and mapped here for the devices with
+ * peer access to it (the daemon itself only copies header words in and out). */
+struct cuda_cx {
+        CUdeviceptr va;
+        size_t size;
+        int device;
+};
+
+static int cuda_cx_alloc(struct epdd_backend *b, uint32_t device, uint64_t bytes, uint8_t **host,
+                         void **state, int *fd, enum epd_region_kind *kind, char *err,
+                         size_t err_len)
+{
+        struct cuda_backend *cb = b->priv;
+        CUmemGenericAllocationHandle h;
+        CUmemAllocationProp prop;
+        CUmemAccessDesc acc[MAX_DEVICES];
+        struct cuda_cx *cx;
+        size_t gran = 0;
+        CUresult r;
+        int n = 0, shared_fd = -1;
+
+        if (!epd_cudrv()) {
+                snprintf(err, err_len, "the CUDA driver API is not available");
+                return EPD_UNAVAILABLE;
+        }
+        memset(&prop, 0, sizeof(prop));
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = (int)device;
+        prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        r = epd_cudrv()->MemGetAllocationGranularity(&gran, &prop,
+                                                     CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+        if (r != CUDA_SUCCESS || gran == 0)
+                return cu_fail(err, err_len, "cuMemGetAllocationGranularity", r);
+        cx = calloc(1, sizeof(*cx));
+        if (!cx) {
+                snprintf(err, err_len, "out of memory");
+                return EPD_INTERNAL;
+        }
+        cx->device = (int)device;
+        cx->size = (bytes + gran - 1) / gran * gran;
+        r = epd_cudrv()->MemCreate(&h, cx->size, &prop, 0);
+        if (r != CUDA_SUCCESS) {
+                free(cx);
+                return cu_fail(err, err_len, "cuMemCreate of a client-executed group's buffers",
+                               r);
+        }
+        r = epd_cudrv()->MemExportToShareableHandle(&shared_fd, h,
+                                                    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+        if (r == CUDA_SUCCESS)
+                r = epd_cudrv()->MemAddressReserve(&cx->va, cx->size, gran, 0, 0);
+        if (r == CUDA_SUCCESS)
+                r = epd_cudrv()->MemMap(cx->va, cx->size, 0, h, 0);
+        /* The mapping (and the clients' imports) hold the memory from here on. */
+        epd_cudrv()->MemRelease(h);
+        for (int d = 0; r == CUDA_SUCCESS && d < cb->num_devices; d++) {
+                if (!epd_cuda_peer_ok(b, device, (uint32_t)d))
+                        continue;
+                acc[n].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+                acc[n].location.id = d;
+                acc[n].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                n++;
+        }
+        if (r == CUDA_SUCCESS)
+                r = epd_cudrv()->MemSetAccess(cx->va, cx->size, acc, (size_t)n);
+        if (r != CUDA_SUCCESS) {
+                if (cx->va) {
+                        epd_cudrv()->MemUnmap(cx->va, cx->size);
+                        epd_cudrv()->MemAddressFree(cx->va, cx->size);
+                }
+                if (shared_fd >= 0)
+                        close(shared_fd);
+                free(cx);
+                return cu_fail(err, err_len, "exporting a client-executed group's buffers", r);
+        }
+        *host = NULL;
+        *state = cx;
+        *fd = shared_fd;
+        *kind = EPD_REGION_CUMEM_FD;
+        return 0;
+}
+
+static void cuda_cx_free(struct epdd_backend *b, uint8_t *host, uint64_t bytes, void *state)
+{
+        struct cuda_cx *cx = state;
+
+        (void)b;
+        (void)host;
+        (void)bytes;
+        if (!cx)
+                return;
+        epd_cudrv()->MemUnmap(cx->va, cx->size);
+        epd_cudrv()->MemAddressFree(cx->va, cx->size);
+        free(cx);
+}
+
+static int cuda_cx_copy(struct epdd_backend *b, void *state, uint64_t offset, void *host,
+                        uint64_t bytes, int to_buffers)
+{
+        struct cuda_cx *cx = state;
+        void *dev = (void *)(uintptr_t)(cx->va + offset);
+        cudaError_t ce;
+
+        (void)b;
+        if (offset > cx->size || bytes > cx->size - offset)
+                return EPD_INTERNAL;
+        cudaSetDevice(cx->device);
+        /* Synchronous and ordered with nothing but itself: the clients' kernels may run; the
+         * words written here are the ones they poll. */
+        ce = to_buffers ? cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice)
+                        : cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost);
+        if (ce != cudaSuccess) {
+                log_warning("client-executed buffers: cudaMemcpy: %s", cudaGetErrorString(ce));
+                cudaGetLastError();
+                return EPD_INTERNAL;
+        }
+        return 0;
+}
+
 static int cuda_host_register(struct epdd_backend *b, void *ptr, uint64_t bytes, void **dev)
 {
         cudaError_t ce;
@@ -1243,6 +1364,9 @@ const struct epdd_backend_ops epd_backend_cuda_ops = {
         .region_release = cuda_region_release,
         .arena_map = cuda_arena_map,
         .arena_unmap = cuda_arena_unmap,
+        .cx_alloc = cuda_cx_alloc,
+        .cx_free = cuda_cx_free,
+        .cx_copy = cuda_cx_copy,
         .host_register = cuda_host_register,
         .host_unregister = cuda_host_unregister,
         .submit = cuda_submit,

@@ -520,6 +520,32 @@ static void host_arena_unmap(struct epdd_backend *b, uint8_t *addr, uint64_t byt
         epd__memfd_segment_drop(addr, bytes);
 }
 
+/* A client-executed group's buffers: one sealed memfd that the daemon and every rank map
+ * shared, so the protocol's words are plain shared memory (docs/client-execution.md). */
+static int host_cx_alloc(struct epdd_backend *b, uint32_t device, uint64_t bytes, uint8_t **host,
+                         void **state, int *fd, enum epd_region_kind *kind, char *err,
+                         size_t err_len)
+{
+        int rc;
+
+        (void)b;
+        (void)device;
+        rc = epd__memfd_arena(bytes, host, fd, err, err_len);
+        if (rc < 0)
+                return rc;
+        *state = NULL; /* a new memfd reads as zeros */
+        *kind = EPD_REGION_HOST_MEMFD;
+        return 0;
+}
+
+static void host_cx_free(struct epdd_backend *b, uint8_t *host, uint64_t bytes, void *state)
+{
+        (void)b;
+        (void)state;
+        if (host)
+                munmap(host, bytes);
+}
+
 static int host_host_register(struct epdd_backend *b, void *ptr, uint64_t bytes, void **dev)
 {
         (void)b;
@@ -566,6 +592,8 @@ const struct epdd_backend_ops epd_backend_host_ops = {
         .region_release = host_region_release,
         .arena_map = host_arena_map,
         .arena_unmap = host_arena_unmap,
+        .cx_alloc = host_cx_alloc,
+        .cx_free = host_cx_free,
         .host_register = host_host_register,
         .host_unregister = host_host_unregister,
         .submit = host_submit,

@@ -17,6 +17,7 @@
 
 #include "backend.h"
 #include "config.h"
+#include "cx_layout.h"
 #include "doorbell.h"
 #include "epd.h"
 #include "list.h"
@@ -202,6 +203,24 @@ struct epdd_op {
         uint64_t completed_ns;        /* the loop thread took the completion */
 };
 
+/* A client-executed group's communication buffers (docs/client-execution.md): rank r's buffer
+ * is at host + r * stride, laid out by common/cx_layout.h. The daemon writes only the header
+ * words it owns (epoch, abort, drain) and reads the statistics. */
+struct epdd_cx {
+        struct cx_layout layout;
+        uint64_t stride;              /* bytes between ranks' buffers (page multiple) */
+        uint64_t bytes;               /* R * stride */
+        uint8_t *host;                /* the loop thread's mapping of all R buffers, or NULL
+                                       * (device memory: the backend's cx_copy reaches it) */
+        uint32_t device;              /* where they live */
+        void *state;                  /* the backend's */
+        int fd;                       /* exported at join */
+        enum epd_region_kind kind;
+        uint64_t epoch;               /* the buffers' current epoch, < 2^24 */
+        int aborted;                  /* the abort word is set in every buffer */
+        int drained;                  /* the drain word is set in every buffer */
+};
+
 struct epdd_group {
         struct epd_list link;
         struct epdd_daemon *daemon;
@@ -224,6 +243,7 @@ struct epdd_group {
         struct epd_list retired;      /* doorbell pages and arenas of past bindings that the
                                        * executing op may still use */
         struct epdd_resize *resize;    /* pending `epctl resize` (resize.c): no op is launched */
+        struct epdd_cx *cx;            /* client-executed groups' buffers, else NULL */
         struct epdd_group_stats stats;
 };
 
@@ -280,11 +300,19 @@ struct epdd_group *epd_group_find_for_join(struct epdd_daemon *d, uid_t uid, con
 int epd_group_new(struct epdd_daemon *d, uid_t owner, const char *name, const void *secret,
                   size_t secret_len, const struct epdd_group_cfg *cfg, struct epdd_group **out,
                   char *err, size_t err_len);
+/* mps: the client reported CUDA MPS on the device (client-executed groups share a GPU only
+ * under it). */
 int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, uint32_t device,
-                   char *err, size_t err_len);
+                   int mps, char *err, size_t err_len);
 /* Unbinds a rank. lost != 0: the client vanished (the group breaks); else it left politely. */
 void epd_group_unbind(struct epdd_group *g, uint32_t rank, int lost);
 void epd_group_maybe_free(struct epdd_group *g);
+/* Client-executed groups. */
+/* Stops (on) or resumes the group's ops at an op boundary every rank observes: the drain word
+ * of every buffer (docs/client-execution.md, "Drain"). */
+void epd_group_cx_drain(struct epdd_group *g, int on);
+/* Reads the statistics of rank r's buffer. */
+void epd_group_cx_stats(const struct epdd_group *g, uint32_t rank, struct cx_stats *out);
 const char *epd_group_state_name(enum epdd_group_state s);
 
 /* handle.c: handle lifetime */

@@ -1,6 +1,7 @@
 /* group.c - EP groups (docs/semantics.md section 1): configuration checks, rank binding, the
  * FORMING -> READY <-> BROKEN lifecycle, output arenas and handles. Loop thread only. */
 #include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +13,7 @@
 #include <unistd.h>
 #include "backend.h"
 #include "core.h"
+#include "cx.h"
 #include "log.h"
 #include "routing.h"
 #include "util.h"
@@ -52,6 +54,65 @@ struct epdd_group *epd_group_find_name(struct epdd_daemon *d, const char *name)
                         return g;
         }
         return NULL;
+}
+
+/* The client-executed part of a configuration: the buffers' shape (w as the client gave it,
+ * cfg the checked daemon-mode part). A client-executed group has no output arena. */
+static int cx_cfg_check(const struct epdd_daemon *d, const struct epdd_group_cfg *w,
+                        struct epdd_group_cfg *cfg, char *err, size_t err_len)
+{
+        struct cx_shape shape;
+        struct cx_layout l;
+        enum cx_shape_error e;
+
+        if (w->execution == EPD_EXECUTION_DAEMON) {
+                if (w->max_alignment || w->block_rows || w->quantize || w->num_handles ||
+                    w->sms_per_rank) {
+                        snprintf(err, err_len,
+                                 "max_expert_alignment, expert_block_rows, quantize, "
+                                 "num_handle_slots and sms_per_rank apply to client-executed "
+                                 "groups only (execution = client)");
+                        return EPD_INVALID_ARGUMENT;
+                }
+                return 0;
+        }
+        if (w->execution != EPD_EXECUTION_CLIENT) {
+                snprintf(err, err_len, "execution %d is neither daemon (0) nor client (1)",
+                         (int)w->execution);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (!d->backend->ops->cx_alloc) {
+                snprintf(err, err_len,
+                         "client-executed groups are not available on the %s backend yet",
+                         d->backend->ops->name);
+                return EPD_UNAVAILABLE;
+        }
+        shape = (struct cx_shape){
+                .world_size = cfg->world_size, .num_experts = cfg->num_experts,
+                .hidden = cfg->hidden, .max_tokens = cfg->max_tokens, .max_topk = cfg->max_topk,
+                .dtype = cfg->dtype, .scale_block = cfg->scale_block,
+                .quantize = w->quantize ? 1u : 0u, .max_alignment = w->max_alignment,
+                .expert_block_rows = w->block_rows, .num_handles = w->num_handles,
+        };
+        e = cx_layout_compute(&shape, &l);
+        if (e != CX_SHAPE_OK) {
+                snprintf(err, err_len, "client-executed group: %s", cx_shape_error_str(e));
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (w->sms_per_rank > CX_MAX_BLOCKS) {
+                snprintf(err, err_len, "sms_per_rank %u exceeds %u", w->sms_per_rank,
+                         CX_MAX_BLOCKS);
+                return EPD_INVALID_ARGUMENT;
+        }
+        cfg->execution = EPD_EXECUTION_CLIENT;
+        cfg->max_alignment = l.shape.max_alignment;
+        cfg->block_rows = l.shape.expert_block_rows;
+        cfg->quantize = l.shape.quantize;
+        cfg->num_handles = l.shape.num_handles;
+        cfg->sms_per_rank = w->sms_per_rank;
+        cfg->cx_bytes = l.total_bytes;
+        cfg->arena_bytes = 0; /* outputs land in the buffers: no daemon-mode ops */
+        return 0;
 }
 
 int epd_group_cfg_check(const struct epdd_daemon *d, struct epdd_group_cfg *cfg, char *err,
@@ -138,7 +199,7 @@ int epd_group_cfg_check(const struct epdd_daemon *d, struct epdd_group_cfg *cfg,
                          (unsigned long long)cfg->arena_bytes);
                 return EPD_INVALID_ARGUMENT;
         }
-        return 0;
+        return cx_cfg_check(d, &w, cfg, err, err_len);
 }
 
 struct epdd_group *epd_group_find_name_of(struct epdd_daemon *d, uid_t owner, const char *name)
@@ -177,6 +238,265 @@ struct epdd_group *epd_group_find_for_join(struct epdd_daemon *d, uid_t uid, con
                         match = o;
         }
         return match;
+}
+
+/* ---- client-executed groups' buffers ----
+ *
+ * The daemon touches only header words of the buffers: the epoch, abort and drain words it owns,
+ * the op counters (to place a drain) and the statistics. Host memory is reached through the loop
+ * thread's mapping with atomics (the clients' executors use them on the same words); device
+ * memory through the backend's cx_copy. */
+
+static void cx_destroy(struct epdd_group *g);
+
+/* Offset of a header field of rank r's buffer in the group's allocation. */
+#define CX_FIELD(cx, r, field) \
+        ((uint64_t)(r) * (cx)->stride + (cx)->layout.header + offsetof(struct cx_header, field))
+
+static uint64_t cx_load64(const struct epdd_group *g, uint64_t off)
+{
+        struct epdd_backend *b = g->daemon->backend;
+        uint64_t v = 0;
+
+        if (g->cx->host)
+                return __atomic_load_n((uint64_t *)(g->cx->host + off), __ATOMIC_SEQ_CST);
+        if (b->ops->cx_copy(b, g->cx->state, off, &v, sizeof(v), 0) < 0)
+                log_warning("group=%s: cannot read a buffer word", g->name);
+        return v;
+}
+
+static void cx_store(const struct epdd_group *g, uint64_t off, uint64_t v, unsigned bytes)
+{
+        struct epdd_backend *b = g->daemon->backend;
+        uint32_t v32 = (uint32_t)v;
+
+        if (g->cx->host) {
+                if (bytes == 4)
+                        __atomic_store_n((uint32_t *)(g->cx->host + off), v32, __ATOMIC_SEQ_CST);
+                else
+                        __atomic_store_n((uint64_t *)(g->cx->host + off), v, __ATOMIC_SEQ_CST);
+                return;
+        }
+        if (b->ops->cx_copy(b, g->cx->state, off, bytes == 4 ? (void *)&v32 : (void *)&v, bytes,
+                            1) < 0)
+                log_warning("group=%s: cannot write a buffer word", g->name);
+}
+
+/* Initialises (init) or re-forms rank r's buffer: in place in host memory; for device memory on
+ * a copy of its metadata (zeroed for init: device memory starts undefined) written back. */
+static int cx_rank_meta(struct epdd_group *g, uint32_t r, int init)
+{
+        struct epdd_backend *b = g->daemon->backend;
+        struct epdd_cx *cx = g->cx;
+        uint64_t base = (uint64_t)r * cx->stride;
+        uint8_t *m;
+        int rc = 0;
+
+        if (cx->host) {
+                if (init)
+                        cx_buffer_init(cx->host + base, &cx->layout, r, cx->epoch);
+                else
+                        cx_buffer_reform(cx->host + base, &cx->layout, cx->epoch);
+                return 0;
+        }
+        m = calloc(1, cx->layout.metadata_bytes);
+        if (!m)
+                return EPD_INTERNAL;
+        if (!init)
+                rc = b->ops->cx_copy(b, cx->state, base, m, cx->layout.metadata_bytes, 0);
+        if (rc == 0) {
+                if (init)
+                        cx_buffer_init(m, &cx->layout, r, cx->epoch);
+                else
+                        cx_buffer_reform(m, &cx->layout, cx->epoch);
+                rc = b->ops->cx_copy(b, cx->state, base, m, cx->layout.metadata_bytes, 1);
+        }
+        free(m);
+        return rc;
+}
+
+/* The group's buffers, at the first bind, on the binding rank's device. */
+static int cx_create(struct epdd_group *g, uint32_t device, char *err, size_t err_len)
+{
+        struct epdd_backend *b = g->daemon->backend;
+        const struct epdd_group_cfg *cfg = &g->cfg;
+        struct cx_shape shape = {
+                .world_size = cfg->world_size, .num_experts = cfg->num_experts,
+                .hidden = cfg->hidden, .max_tokens = cfg->max_tokens, .max_topk = cfg->max_topk,
+                .dtype = cfg->dtype, .scale_block = cfg->scale_block, .quantize = cfg->quantize,
+                .max_alignment = cfg->max_alignment, .expert_block_rows = cfg->block_rows,
+                .num_handles = cfg->num_handles,
+        };
+        uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+        struct epdd_cx *cx = calloc(1, sizeof(*cx));
+        int rc;
+
+        if (!cx) {
+                snprintf(err, err_len, "out of memory");
+                return EPD_INTERNAL;
+        }
+        if (cx_layout_compute(&shape, &cx->layout) != CX_SHAPE_OK) {
+                free(cx);
+                snprintf(err, err_len, "client-executed group: shape refused");
+                return EPD_INVALID_ARGUMENT;
+        }
+        /* One allocation for all R buffers, so one fd exports them all whatever R is; each
+         * buffer starts on a page so a rank's words never share a page with another's. */
+        cx->stride = (cx->layout.total_bytes + page - 1) / page * page;
+        cx->bytes = cx->stride * cfg->world_size;
+        cx->fd = -1;
+        cx->device = device;
+        rc = b->ops->cx_alloc(b, device, cx->bytes, &cx->host, &cx->state, &cx->fd, &cx->kind,
+                              err, err_len);
+        if (rc < 0) {
+                free(cx);
+                return rc;
+        }
+        g->cx = cx;
+        cx->epoch = 1;
+        for (uint32_t r = 0; r < cfg->world_size && rc == 0; r++)
+                rc = cx_rank_meta(g, r, 1);
+        if (rc < 0) {
+                snprintf(err, err_len, "cannot initialise the group's buffers");
+                cx_destroy(g);
+        }
+        return rc;
+}
+
+static void cx_destroy(struct epdd_group *g)
+{
+        struct epdd_backend *b = g->daemon->backend;
+        struct epdd_cx *cx = g->cx;
+
+        if (!cx)
+                return;
+        b->ops->cx_free(b, cx->host, cx->bytes, cx->state);
+        if (cx->fd >= 0)
+                close(cx->fd);
+        free(cx);
+        g->cx = NULL;
+}
+
+/* What a bind of a client-executed group needs on a backend of device memory: every rank on
+ * the buffers' GPU (one GPU per group for now), MPS for ranks of several processes on it, and
+ * SM budgets that fit it together. Fills the group's sms_per_rank at the first bind. */
+static int cx_bind_check(struct epdd_group *g, struct epdd_client *c, uint32_t rank,
+                         uint32_t device, int mps, char *err, size_t err_len)
+{
+        const struct epdd_backend *b = g->daemon->backend;
+        const uint32_t R = g->cfg.world_size;
+        uint32_t sms = b->devices[device].sm_count, want;
+
+        if (!b->ops->cx_copy)
+                return 0; /* host memory: any device, no SMs */
+        if (g->cx && device != g->cx->device) {
+                snprintf(err, err_len,
+                         "rank %u of client-executed group '%s' asks for device %u, but the "
+                         "group's buffers are on device %u: a client-executed group keeps "
+                         "every rank on one GPU for now",
+                         rank, g->name, device, g->cx->device);
+                return EPD_UNAVAILABLE;
+        }
+        (void)c;
+        if (R > 1 && !mps) {
+                snprintf(err, err_len,
+                         "client-executed group '%s' puts its %u ranks on GPU %u, and ranks of "
+                         "different processes run at once on one GPU only under CUDA MPS, which "
+                         "is not enabled for this client (start nvidia-cuda-mps-control -d "
+                         "before the workers, or create groups of one rank)",
+                         g->name, R, device);
+                return EPD_UNAVAILABLE;
+        }
+        if (g->cx)
+                return 0;
+        want = g->cfg.sms_per_rank ? g->cfg.sms_per_rank : (sms / R ? sms / R : 1);
+        if (want > CX_MAX_BLOCKS)
+                want = CX_MAX_BLOCKS;
+        if (sms && (uint64_t)want * R > sms) {
+                snprintf(err, err_len,
+                         "sms_per_rank %u x %u ranks exceeds the %u SMs of GPU %u: every rank's "
+                         "kernel must be resident at once",
+                         want, R, sms, device);
+                return EPD_INVALID_ARGUMENT;
+        }
+        g->cfg.sms_per_rank = want;
+        return 0;
+}
+
+/* A member died or left: every op of every rank that waits, or starts later, ends PEER_LOST. */
+static void cx_abort(struct epdd_group *g)
+{
+        if (!g->cx || g->cx->aborted)
+                return;
+        for (uint32_t r = 0; r < g->cfg.world_size; r++)
+                cx_store(g, CX_FIELD(g->cx, r, abort_word), 1, 4);
+        g->cx->aborted = 1;
+}
+
+/* Every rank is bound again after a loss: a new epoch, op numbers from 0. The ops of the old
+ * epoch ended when the abort word was written (they poll it), before any rank was re-bound. */
+static void cx_reform(struct epdd_group *g)
+{
+        struct epdd_cx *cx = g->cx;
+
+        if (!cx || !cx->aborted)
+                return;
+        cx->epoch++;
+        for (uint32_t r = 0; r < g->cfg.world_size; r++)
+                if (cx_rank_meta(g, r, 0) < 0)
+                        log_warning("group=%s: cannot re-form rank %u's buffer", g->name, r);
+        cx->aborted = 0;
+        cx->drained = 0;
+        log_info("group re-formed group=%s epoch=%llu", g->name, (unsigned long long)cx->epoch);
+}
+
+void epd_group_cx_drain(struct epdd_group *g, int on)
+{
+        struct epdd_cx *cx = g->cx;
+        uint64_t boundary = 0, seen;
+
+        if (!cx)
+                return;
+        if (!on) {
+                for (uint32_t r = 0; r < g->cfg.world_size; r++)
+                        cx_store(g, CX_FIELD(cx, r, drain_op), 0, 8);
+                cx->drained = 0;
+                return;
+        }
+        /* The boundary is the highest op number any rank has taken: ranks behind it still run
+         * up to it (their peers ahead wait for them), and nobody starts an op at or past it. A
+         * rank may take a number between our read and our store (it read the drain word before
+         * our store and publishes its counter a moment later); reading again a millisecond
+         * after the store finds it and moves the boundary past it. A drain is rare and the
+         * loop thread can spare the pause. */
+        do {
+                seen = boundary;
+                for (uint32_t r = 0; r < g->cfg.world_size; r++) {
+                        uint64_t n = cx_load64(g, CX_FIELD(cx, r, op_counter));
+                        if (n > boundary)
+                                boundary = n;
+                }
+                for (uint32_t r = 0; r < g->cfg.world_size; r++)
+                        cx_store(g, CX_FIELD(cx, r, drain_op), boundary + 1, 8);
+                usleep(1000);
+                for (uint32_t r = 0; r < g->cfg.world_size; r++) {
+                        uint64_t n = cx_load64(g, CX_FIELD(cx, r, op_counter));
+                        if (n > boundary)
+                                boundary = n;
+                }
+        } while (boundary != seen);
+        cx->drained = 1;
+}
+
+void epd_group_cx_stats(const struct epdd_group *g, uint32_t rank, struct cx_stats *out)
+{
+        memset(out, 0, sizeof(*out));
+        if (!g->cx)
+                return;
+        out->ops = cx_load64(g, CX_FIELD(g->cx, rank, stats.ops));
+        out->rows = cx_load64(g, CX_FIELD(g->cx, rank, stats.rows));
+        out->bytes = cx_load64(g, CX_FIELD(g->cx, rank, stats.bytes));
+        out->failures = cx_load64(g, CX_FIELD(g->cx, rank, stats.failures));
 }
 
 int epd_group_new(struct epdd_daemon *d, uid_t owner, const char *name, const void *secret,
@@ -425,7 +745,7 @@ void epd_group_rank_refused(struct epdd_group *g, uint32_t rank)
 }
 
 int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, uint32_t device,
-                   char *err, size_t err_len)
+                   int mps, char *err, size_t err_len)
 {
         struct epdd_daemon *d = g->daemon;
         struct epdd_rank *r;
@@ -461,6 +781,13 @@ int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, u
                 snprintf(err, err_len, "rank %u of group '%s' is already bound to client %llu",
                          rank, g->name, (unsigned long long)r->conn->id);
                 return EPD_ALREADY_EXISTS;
+        }
+        if (g->cfg.execution == EPD_EXECUTION_CLIENT) {
+                rc = cx_bind_check(g, c, rank, device, mps, err, err_len);
+                if (rc == 0 && !g->cx)
+                        rc = cx_create(g, device, err, err_len);
+                if (rc < 0)
+                        return rc;
         }
         rc = epd_budget_binding(d, c, err, err_len);
         if (rc != 0)
@@ -511,6 +838,9 @@ int epd_group_bind(struct epdd_group *g, struct epdd_client *c, uint32_t rank, u
                 if (g->state == EPD_GROUP_BROKEN)
                         for (uint32_t i = 0; i < g->cfg.world_size; i++)
                                 g->ranks[i].next_op = 0;
+                cx_reform(g);
+                if (d->draining)
+                        epd_group_cx_drain(g, 1);
                 log_info("group ready group=%s from=%s", g->name, epd_group_state_name(g->state));
                 g->state = EPD_GROUP_READY;
         }
@@ -571,6 +901,12 @@ void epd_group_unbind(struct epdd_group *g, uint32_t rank, int lost)
         int ran = 0;
         for (uint32_t i = 0; i < g->cfg.world_size; i++)
                 ran |= g->ranks[i].next_op > 0;
+        /* A client-executed group's ops are invisible here: assume they ran, and end every
+         * op of the peers, waiting or not, with PEER_LOST. */
+        if (g->cx) {
+                ran = 1;
+                cx_abort(g);
+        }
         if (g->state == EPD_GROUP_READY || g->state == EPD_GROUP_DRAINING ||
             (g->state == EPD_GROUP_FORMING && ran)) {
                 log_notice("group broken group=%s rank=%u reason=%s", g->name, rank,
@@ -606,6 +942,7 @@ void epd_group_maybe_free(struct epdd_group *g)
                 rank_doorbell_retire(g, &g->ranks[r]);
         }
         epd_group_free_retired(g);
+        cx_destroy(g);
         log_info("group destroyed group=%s id=%llu", g->name, (unsigned long long)g->id);
         epd_list_del(&g->link);
         d->num_groups--;

@@ -150,6 +150,14 @@ static void reply_joined(struct epdd_conn *c, uint64_t request_id, struct epdd_g
         fds[num_fds++] = r->doorbell_fd;
         if (r->arena)
                 fds[num_fds++] = epd_wire_fill_joined(r, &j, segs, seg_ptrs);
+        else if (g->cx) {
+                /* A client-executed group has no arena; its buffers take the second fd. */
+                j.cx_bytes_per_rank = g->cx->layout.total_bytes;
+                j.cx_stride = g->cx->stride;
+                j.cx_kind = (Epd__V1__RegionKind)g->cx->kind;
+                j.cx_total_bytes = g->cx->bytes;
+                fds[num_fds++] = g->cx->fd;
+        }
         resp.id = request_id;
         resp.body_case = EPD__V1__RESPONSE__BODY_GROUP_JOINED;
         resp.group_joined = &j;
@@ -191,7 +199,7 @@ static void handle_group_create(struct epdd_conn *c, const Epd__V1__Request *req
                 epd_conn_reply_status(c, req->id, rc, "group create: %s", err);
                 return;
         }
-        rc = epd_group_bind(g, &c->cl, m->rank, device, err, sizeof(err));
+        rc = epd_group_bind(g, &c->cl, m->rank, device, m->mps_enabled, err, sizeof(err));
         if (rc < 0) {
                 epd_conn_reply_status(c, req->id, rc, "group create: %s", err);
                 epd_group_maybe_free(g);
@@ -233,7 +241,8 @@ static void handle_group_join(struct epdd_conn *c, const Epd__V1__Request *req)
         }
         rc = resolve_device(d, m->device, m->device_uuid, &device, err, sizeof(err));
         if (rc == 0)
-                rc = epd_group_bind(g, &c->cl, m->rank, device, err, sizeof(err));
+                rc = epd_group_bind(g, &c->cl, m->rank, device, m->mps_enabled, err,
+                                    sizeof(err));
         if (rc < 0) {
                 epd_conn_reply_status(c, req->id, rc, "group join: %s", err);
                 return;
@@ -278,6 +287,12 @@ void epd_handle_op(struct epdd_conn *c, const struct epd_op_request *req)
                 return;
         }
         g = bound_group(c, req->id, req->group_id, req->rank, req->kind);
+        if (g && g->cx) {
+                epd_reply_op_status(&c->cl, NULL, req->kind, req->id, EPD_INVALID_ARGUMENT,
+                                    "group '%s' is client-executed: run its ops with "
+                                    "epd_cx_dispatch and epd_cx_combine", g->name);
+                return;
+        }
         if (g)
                 epd_op_submit(g, req->rank, &c->cl, req);
 }
@@ -418,6 +433,10 @@ static void handle_size_hint(struct epdd_conn *c, const Epd__V1__Request *req)
         /* The host backend keeps only the handle's routing (int32 per top-k entry and row) and
          * the arena; it has no staging buffers. */
         sh.daemon_bytes_per_rank = cfg.arena_bytes + (uint64_t)cfg.max_tokens * cfg.max_topk * 12;
+        /* A client-executed group: each rank's buffer holds its outputs, signals and routing. */
+        sh.client_buffer_bytes_per_rank = cfg.cx_bytes;
+        if (cfg.execution == EPD_EXECUTION_CLIENT)
+                sh.daemon_bytes_per_rank = cfg.cx_bytes;
         resp.id = req->id;
         resp.body_case = EPD__V1__RESPONSE__BODY_SIZE_HINT;
         resp.size_hint = &sh;
@@ -493,6 +512,7 @@ static void handle_list_groups(struct epdd_conn *c, const Epd__V1__Request *req)
                 gi->ops_completed = g->stats.ops_completed;
                 gi->ops_failed = g->stats.ops_failed;
                 gi->num_handles = g->num_handles;
+                gi->client_buffer_bytes_per_rank = g->cfg.cx_bytes;
                 epd_list_for_each(op_pos, &g->ops) pending++;
                 gi->pending_ops = pending;
                 rank_blocks[n] = calloc(R, sizeof(**rank_blocks));

@@ -28,6 +28,12 @@ int epd_group_cfg_from_wire(const struct epdd_daemon *d, const Epd__V1__GroupCon
         cfg->scale_block = w->scale_block;
         cfg->op_timeout_ms = w->op_timeout_ms;
         cfg->arena_bytes = w->arena_bytes;
+        cfg->execution = (enum epd_execution)w->execution;
+        cfg->max_alignment = w->max_expert_alignment;
+        cfg->block_rows = w->expert_block_rows;
+        cfg->quantize = w->quantize ? 1u : 0u;
+        cfg->num_handles = w->num_handle_slots;
+        cfg->sms_per_rank = w->sms_per_rank;
         return epd_group_cfg_check(d, cfg, err, err_len);
 }
 
@@ -43,6 +49,14 @@ void epd_group_cfg_to_wire(const struct epdd_group_cfg *cfg, Epd__V1__GroupConfi
         w->scale_block = cfg->scale_block;
         w->op_timeout_ms = cfg->op_timeout_ms;
         w->arena_bytes = cfg->arena_bytes;
+        w->execution = (Epd__V1__Execution)cfg->execution;
+        if (cfg->execution == EPD_EXECUTION_CLIENT) {
+                w->max_expert_alignment = cfg->max_alignment;
+                w->expert_block_rows = cfg->block_rows;
+                w->quantize = cfg->quantize != 0;
+                w->num_handle_slots = cfg->num_handles;
+                w->sms_per_rank = cfg->sms_per_rank;
+        }
 }
 
 static void segment_to_wire(const struct epdd_arena_segment *s, Epd__V1__ArenaSegment *w)

@@ -185,10 +185,10 @@ static void dinputs_make(const struct cx_case *c, const struct dgroup *dg, struc
         }
 }
 
-static struct epd_cx_dispatch_args dispatch_args(const struct cx_case *c, struct dinputs *in,
+static struct epd_cxk_dispatch_args dispatch_args(const struct cx_case *c, struct dinputs *in,
                                                  uint32_t s, int cached)
 {
-        struct epd_cx_dispatch_args a = {};
+        struct epd_cxk_dispatch_args a = {};
 
         a.num_tokens = in->h.n[s];
         a.num_topk = c->K;
@@ -210,7 +210,7 @@ static struct epd_cx_dispatch_args dispatch_args(const struct cx_case *c, struct
 static void queue_combine(const struct cx_case *c, struct dgroup *dg, struct dinputs *in,
                           uint32_t s)
 {
-        struct epd_cx_combine_args a = {};
+        struct epd_cxk_combine_args a = {};
 
         a.recv_weights = (uint32_t)c->recv_weights;
         a.apply_weights = (uint32_t)c->apply_weights;
@@ -270,7 +270,7 @@ static void run_case(const struct cx_case *c, uint32_t sms)
                 const struct ref_dispatch *ref = pass ? in.h.ref2 : in.h.ref;
 
                 for (uint32_t s = 0; s < c->R; s++) {
-                        struct epd_cx_dispatch_args a = dispatch_args(c, &in, s, pass);
+                        struct epd_cxk_dispatch_args a = dispatch_args(c, &in, s, pass);
 
                         check(epd_cx_dispatch_launch(&dg.g[s], &a, dg.blocks, dg.stream[s]) == 0,
                               "%s: dispatch launch", c->name);
@@ -311,7 +311,7 @@ static void run_graph(const struct cx_case *c, uint32_t sms)
 
                 CUDA_OK(cudaStreamBeginCapture(dg.stream[s], cudaStreamCaptureModeThreadLocal));
                 for (uint32_t k = 0; k < GRAPH_OPS; k++) {
-                        struct epd_cx_dispatch_args a = dispatch_args(c, &in[k], s, 0);
+                        struct epd_cxk_dispatch_args a = dispatch_args(c, &in[k], s, 0);
 
                         check(epd_cx_dispatch_launch(&dg.g[s], &a, dg.blocks, dg.stream[s]) == 0,
                               "graph dispatch launch");

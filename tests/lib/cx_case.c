@@ -35,6 +35,19 @@ void cx_case_shape(const struct cx_case *c, struct cx_shape *shape)
         };
 }
 
+void cx_case_group_config(const struct cx_case *c, uint32_t op_timeout_ms,
+                          struct epd_group_config *cfg)
+{
+        *cfg = (struct epd_group_config){
+                .size = sizeof(*cfg), .world_size = c->R, .num_experts = c->E, .hidden = c->H,
+                .max_tokens_per_rank = c->T, .max_topk = c->K, .dispatch_dtype = c->dtype,
+                .scale_block = c->dtype == EPD_DTYPE_FP8_E4M3 ? CX_CASE_SCALE_BLOCK : 0,
+                .op_timeout_ms = op_timeout_ms, .execution = EPD_EXECUTION_CLIENT,
+                .max_expert_alignment = c->align, .expert_block_rows = c->block_rows,
+                .quantize = (uint32_t)c->quantize,
+        };
+}
+
 uint64_t cx_case_x_row_bytes(const struct cx_case *c)
 {
         return (uint64_t)c->H * (c->dtype == EPD_DTYPE_BF16 ? 2 : 1);

@@ -67,6 +67,9 @@ extern const struct cx_case cx_cases[];
 extern const size_t cx_num_cases;
 
 void cx_case_shape(const struct cx_case *c, struct cx_shape *shape);
+/* The client-executed group config (epd.h) of the case's shape, with the op timeout given. */
+void cx_case_group_config(const struct cx_case *c, uint32_t op_timeout_ms,
+                          struct epd_group_config *cfg);
 uint64_t cx_case_x_row_bytes(const struct cx_case *c);
 uint32_t cx_case_num_scales(const struct cx_case *c);
 size_t cx_case_topk_size(const struct cx_case *c);

@@ -1,5 +1,6 @@
 /* harness.c - see harness.h. */
 #include <dirent.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -187,4 +188,33 @@ int h_proc_region_mappings(pid_t pid)
                 n += strstr(line, "/memfd:epd-region") != NULL;
         fclose(f);
         return n;
+}
+
+int h_group_enter(struct epd_client *cl, const char *name, uint32_t rank,
+                  const struct epd_group_config *cfg, struct epd_group **out)
+{
+        unsigned char secret[16];
+        struct epd_group_args ga = { .size = sizeof(ga), .name = name, .secret = secret,
+                                     .secret_len = sizeof(secret), .rank = rank,
+                                     .config = cfg };
+        long long until = h_now_ms() + 10000;
+        int rc;
+
+        h_secret(name, secret);
+        do {
+                rc = rank == 0 ? epd_group_create(cl, &ga, out) : epd_group_join(cl, &ga, out);
+                if (rc == EPD_NOT_FOUND)
+                        usleep(2000);
+        } while (rc == EPD_NOT_FOUND && h_now_ms() < until);
+        return rc;
+}
+
+int h_fail(char *msg, size_t len, const char *fmt, ...)
+{
+        va_list ap;
+
+        va_start(ap, fmt);
+        vsnprintf(msg, len, fmt, ap);
+        va_end(ap);
+        return 1;
 }

@@ -45,6 +45,13 @@ int h_run_tool(const char *tool, const char *const *args, char *out, size_t out_
 
 /* A 16-byte secret derived from a label, for groups in tests. */
 void h_secret(const char *label, unsigned char secret[16]);
+/* Formats a failure into msg (len bytes) and returns 1, for workers that report through a
+ * shared mapping. */
+int h_fail(char *msg, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* Rank 0 creates group `name` (secret h_secret(name)) with cfg; other ranks join it, retrying
+ * while it does not exist yet (10 s at most). Returns the status; *out on success. */
+int h_group_enter(struct epd_client *cl, const char *name, uint32_t rank,
+                  const struct epd_group_config *cfg, struct epd_group **out);
 
 /* CLOCK_MONOTONIC in milliseconds (system-wide: comparable across processes). */
 long long h_now_ms(void);

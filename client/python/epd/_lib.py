@@ -144,6 +144,12 @@ class GroupConfig(ctypes.Structure):
         ("scale_block", _u32),
         ("op_timeout_ms", _u32),
         ("arena_bytes", _u64),
+        ("execution", _int),
+        ("max_expert_alignment", _u32),
+        ("expert_block_rows", _u32),
+        ("quantize", _u32),
+        ("num_handle_slots", _u32),
+        ("sms_per_rank", _u32),
     ]
 
 
@@ -171,6 +177,7 @@ class SizeHint(ctypes.Structure):
         ("max_rows_expand", _u64),
         ("arena_bytes_non_expand", _u64),
         ("arena_bytes_expand", _u64),
+        ("client_buffer_bytes_per_rank", _u64),
     ]
 
 
@@ -324,6 +331,7 @@ class GroupInfo(ctypes.Structure):
         ("pending_ops", _u32),
         ("num_ranks", _u32),
         ("ranks", ctypes.POINTER(AdminRank)),
+        ("client_buffer_bytes_per_rank", _u64),
     ]
 
 
@@ -377,6 +385,11 @@ class AdminRankStats(ctypes.Structure):
         ("arena_used_bytes", _u64),
         ("queue_depth", _u32),
         ("next_op", _u64),
+        ("client_ops", _u64),
+        ("client_rows", _u64),
+        ("client_bytes", _u64),
+        ("client_failures", _u64),
+        ("client_buffer_bytes", _u64),
     ]
 
 
@@ -501,10 +514,10 @@ class ResizeInfo(ctypes.Structure):
 
 # Sizes the C compiler gives these structures on x86-64 and aarch64 Linux; the tests compare.
 EXPECTED_SIZES = {
-    Tensor: 88, ConnectArgs: 32, DeviceInfo: 160, DaemonInfo: 2648, GroupConfig: 48,
-    GroupArgs: 56, SizeHint: 40, DispatchArgs: 928, DispatchResult: 664, CombineArgs: 472,
-    CombineResult: 40, AdminDevice: 40, DaemonStatusInfo: 96, AdminRank: 32, GroupInfo: 112,
-    ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 72, AdminStageStats: 24,
+    Tensor: 88, ConnectArgs: 32, DeviceInfo: 160, DaemonInfo: 2648, GroupConfig: 72,
+    GroupArgs: 56, SizeHint: 48, DispatchArgs: 928, DispatchResult: 664, CombineArgs: 472,
+    CombineResult: 40, AdminDevice: 40, DaemonStatusInfo: 96, AdminRank: 32, GroupInfo: 144,
+    ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 112, AdminStageStats: 24,
     AdminGroupStats: 88, AdminClientStats: 56, AdminDeviceStats: 48, AdminDaemonStats: 136,
     DrainResult: 16, ResizeRank: 48, ResizeInfo: 56,
 }

@@ -1,0 +1,231 @@
+/* worker_cx.c - one rank's process for --execution client: the group is client-executed
+ * (docs/client-execution.md), so the worker runs its own dispatch and combine with epd_cx_* (host
+ * backend: on this thread over the daemon's shared buffers; cuda: kernels on its stream, which it
+ * then synchronises). Outputs land in the rank's buffer; iteration 0 is checked bitwise against
+ * the CPU executor (bench/oracle.h) like worker.c's, and every op leaves one sample: t0 before the
+ * launch, t1 once the op is complete, and the op time is t1 - t0 (no daemon is involved, so
+ * there is no queue or timeline). Meets the parent at the same sync points as worker.c.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench.h"
+#include "oracle.h"
+
+/* One op: launched at *t0, complete at *t1 (cuda: the stream synchronised, then the op's own
+ * status read from the rank's buffer). */
+static int run_cx_op(struct epd_group *group, struct wcuda *wc, int cuda,
+                     const struct epd_cx_dispatch_args *da, const struct epd_cx_combine_args *ca,
+                     uint64_t *t0, uint64_t *t1, char *err, size_t len)
+{
+        struct epd_cx_status st = { .size = sizeof(st) };
+        void *stream = cuda ? wc_stream(wc) : NULL;
+        int rc;
+
+        *t0 = now_ns();
+        rc = da ? epd_cx_dispatch(group, da, stream) : epd_cx_combine(group, ca, stream);
+        if (rc == 0 && cuda && wc_sync(wc, err, len) < 0)
+                return EPD_INTERNAL;
+        *t1 = now_ns();
+        if (rc < 0) {
+                snprintf(err, len, "%s", epd_status_name(rc));
+                return rc;
+        }
+        if (cuda) {
+                rc = epd_cx_status(group, &st);
+                if (rc == 0 && st.status != 0)
+                        rc = st.status;
+                if (rc < 0) {
+                        snprintf(err, len, "%s: %s", epd_status_name(rc), st.message);
+                        return rc;
+                }
+        }
+        return 0;
+}
+
+/* Copies n bytes from the rank's buffer (device memory with cuda) to host memory at dst. */
+static int fetch(int cuda, void *dst, const void *src, uint64_t n, char *err, size_t len)
+{
+        if (!cuda) {
+                memcpy(dst, src, n);
+                return 0;
+        }
+        return dev_copy(dst, src, n, COPY_D2H, err, len);
+}
+
+int worker_run_cx(struct bench *b, uint32_t rank)
+{
+        struct rank_data *me = &b->ranks[rank];
+        const int expand = b->opt.layout == EPD_LAYOUT_EXPAND, cuda = b->opt.cuda;
+        const uint32_t n = me->num_tokens, H = b->H, K = b->K, L = b->E / b->R;
+        struct epd_connect_args ca = { .size = sizeof(ca), .socket_path = b->socket,
+                                       .client_name = "epd-bench", .timeout_ms = 120000 };
+        struct epd_client *client = NULL;
+        struct epd_group *group = NULL;
+        struct epd_cx_buffers bufs = { .size = sizeof(bufs) };
+        struct epd_cx_counts counts = { .size = sizeof(counts) };
+        const void **ybufs = calloc(b->R, sizeof(*ybufs));
+        uint8_t *recv_copy = NULL, *combined = NULL, *h_comb = NULL;
+        int32_t *count_copy = malloc(((size_t)2 * L + b->R + 1) * sizeof(int32_t));
+        uint64_t dregion[2] = { 0, 0 }, recv_bytes = 0;
+        struct wcuda wc;
+        char err[1024];
+        int rc, status = 1;
+
+        memset(&wc, 0, sizeof(wc));
+        if (!ybufs || !count_copy)
+                WFAIL("out of memory");
+        for (uint32_t d = 0; d < b->R; d++)
+                ybufs[d] = b->ranks[d].y.ptr;
+        rc = epd_client_connect(&ca, &client, err, sizeof(err));
+        if (rc < 0)
+                WFAIL("connect to %s: %s: %s", b->socket, epd_status_name(rc), err);
+        rc = enter_group(b, client, rank, &group);
+        if (rc < 0)
+                WFAIL("enter group %s: %s: %s", b->group_name, epd_status_name(rc),
+                      epd_client_last_error(client));
+        if (b->worker_cuda && wcuda_init(&wc, b, rank, err, sizeof(err)) < 0)
+                WFAIL("CUDA on device %u: %s", rank % b->opt.devices, err);
+        if (epd_cx_buffers(group, &bufs) < 0)
+                WFAIL("epd_cx_buffers: %s", epd_client_last_error(client));
+
+        /* Inputs: the shared memfd itself, or a device copy of it with the same layout. */
+        uint8_t *in_base = me->in.ptr;
+        uint64_t comb_x = align64((uint64_t)n * H * 2);
+        uint64_t comb_bytes = comb_x + (uint64_t)n * K * 4 + 4096;
+        if (cuda) {
+                if (dev_alloc_register(client, &wc, me->in.bytes, &wc.d_in, &dregion[0], err,
+                                       sizeof(err)) < 0 ||
+                    dev_copy(wc.d_in, me->in.ptr, me->in.bytes, COPY_H2D, err, sizeof(err)) < 0 ||
+                    dev_alloc_register(client, &wc, comb_bytes, &wc.d_comb, &dregion[1], err,
+                                       sizeof(err)) < 0)
+                        WFAIL("device memory: %s", err);
+                in_base = wc.d_in;
+                combined = wc.d_comb;
+                h_comb = malloc(comb_bytes);
+                if (!h_comb)
+                        WFAIL("out of memory");
+        } else {
+                combined = h_comb = malloc(comb_bytes);
+                if (!combined)
+                        WFAIL("out of memory");
+        }
+#define IN_PTR(p) (in_base + ((const uint8_t *)(p) - me->in.ptr))
+        struct epd_cx_dispatch_args da = {
+                .size = sizeof(da), .num_tokens = n, .num_topk = K, .x = IN_PTR(me->x),
+                .scales = b->scale_cols ? (const float *)IN_PTR(me->scales) : NULL,
+                .topk_idx = IN_PTR(me->topk), .topk_dtype = EPD_DTYPE_INT64,
+                .topk_weights = (const float *)IN_PTR(me->weights), .layout = b->opt.layout,
+                .expert_alignment = 1, .handle = 0,
+        };
+#undef IN_PTR
+        struct epd_cx_combine_args cb = {
+                .size = sizeof(cb), .handle = 0, .apply_weights = expand,
+                .combined = (uint16_t *)combined,
+                .combined_topk_weights = (float *)(combined + comb_x),
+        };
+
+        for (uint32_t it = 0; it < b->total_iters; it++) {
+                struct sample *smp = &b->samples[((size_t)rank * b->total_iters + it) * 2];
+                uint64_t t0 = 0, t1 = 0;
+
+                if (b->opt.flush_l2 && dev_flush(&wc, 2 * it, err, sizeof(err)) < 0)
+                        WFAIL("L2 flush before dispatch %u: %s", it, err);
+                rc = run_cx_op(group, &wc, cuda, &da, NULL, &t0, &t1, err, sizeof(err));
+                if (rc < 0)
+                        WFAIL("dispatch %u: %s: %s", it, err, epd_client_last_error(client));
+                smp[OP_DISPATCH] = (struct sample){ t0, t1, t1 - t0, 0, 0,
+                                                    { .size = sizeof(struct epd_op_timeline) } };
+                if (it == 0) {
+                        struct epd_dispatch_result dr;
+                        struct oracle_dispatch_out act;
+                        uint8_t *base = (uint8_t *)bufs.recv_x;
+                        int32_t *c32 = count_copy;
+
+                        if (epd_cx_counts(group, 0, &counts) < 0)
+                                WFAIL("epd_cx_counts: %s", epd_client_last_error(client));
+                        /* The counts and the receive area, copied out of the buffer. */
+                        if (fetch(cuda, c32, counts.num_recv_tokens_per_expert, L * 4, err,
+                                  sizeof(err)) < 0 ||
+                            fetch(cuda, c32 + L, counts.num_recv_tokens_per_expert_aligned, L * 4,
+                                  err, sizeof(err)) < 0 ||
+                            fetch(cuda, c32 + 2 * L, counts.rank_prefix, (b->R + 1) * 4, err,
+                                  sizeof(err)) < 0)
+                                WFAIL("counts: %s", err);
+                        memset(&dr, 0, sizeof(dr));
+                        dr.num_recv_tokens = counts.num_recv_tokens;
+                        dr.num_expanded_rows = counts.num_expanded_rows;
+                        dr.num_local_experts = L;
+                        dr.num_recv_tokens_per_expert = c32;
+                        dr.num_recv_tokens_per_expert_aligned = c32 + L;
+                        dr.world_size = b->R;
+                        dr.rank_prefix = c32 + 2 * L;
+                        if (oracle_check_counts(b->oracle, rank, &dr, err, sizeof(err)) != 0)
+                                WFAIL("VERIFICATION FAILED: dispatch counts: %s", err);
+                        recv_bytes = (uint64_t)((uint8_t *)bufs.y - base);
+                        recv_copy = malloc(recv_bytes);
+                        if (!recv_copy)
+                                WFAIL("out of memory");
+                        if (fetch(cuda, recv_copy, base, recv_bytes, err, sizeof(err)) < 0)
+                                WFAIL("receive area: %s", err);
+#define AT(p) (recv_copy + ((uint8_t *)(p) - base))
+                        act = (struct oracle_dispatch_out){
+                                .recv_x = AT(bufs.recv_x),
+                                .recv_scales = b->scale_cols ? AT(bufs.recv_scales) : NULL,
+                                .recv_topk_idx = expand ? NULL : AT(bufs.recv_topk_idx),
+                                .recv_weights = AT(bufs.recv_weights),
+                                .recv_src = AT(bufs.recv_src),
+                                .recv_topk_slot = expand ? AT(bufs.recv_topk_slot) : NULL,
+                        };
+#undef AT
+                        if (oracle_check_dispatch(b->oracle, rank, &act, err, sizeof(err)) != 0)
+                                WFAIL("VERIFICATION FAILED: dispatch outputs: %s", err);
+                        /* The identity expert for bf16 (y is the received rows), the generated
+                         * y for fp8; written once into the y area, outside the timing: the
+                         * dispatches never touch it, and a peer reads it only inside a combine. */
+                        if (b->opt.wl->dtype == EPD_DTYPE_BF16 && me->rows > 0)
+                                memcpy(me->y.ptr, act.recv_x, (size_t)me->rows * b->row_bytes);
+                        if (me->rows > 0 &&
+                            (cuda ? dev_copy(bufs.y, me->y.ptr, (uint64_t)me->rows * H * 2,
+                                             COPY_H2D, err, sizeof(err))
+                                  : (memcpy(bufs.y, me->y.ptr, (size_t)me->rows * H * 2), 0)) < 0)
+                                WFAIL("y: %s", err);
+                        free(recv_copy);
+                        recv_copy = NULL;
+                }
+
+                if (b->opt.flush_l2 && dev_flush(&wc, 2 * it + 1, err, sizeof(err)) < 0)
+                        WFAIL("L2 flush before combine %u: %s", it, err);
+                rc = run_cx_op(group, &wc, cuda, NULL, &cb, &t0, &t1, err, sizeof(err));
+                if (rc < 0)
+                        WFAIL("combine %u: %s: %s", it, err, epd_client_last_error(client));
+                smp[OP_COMBINE] = (struct sample){ t0, t1, t1 - t0, 0, 0,
+                                                   { .size = sizeof(struct epd_op_timeline) } };
+                if (it == 0) {
+                        if (fetch(cuda, h_comb, combined, comb_bytes - 4096, err, sizeof(err)) < 0)
+                                WFAIL("combined: %s", err);
+                        if (oracle_check_combine(b->oracle, rank, ybufs, cb.apply_weights, h_comb,
+                                                 h_comb + comb_x, err, sizeof(err)) != 0)
+                                WFAIL("VERIFICATION FAILED: combine outputs: %s", err);
+                }
+                int probe;
+                if (sync_after(b, it, &probe) && worker_sync(b, rank) < 0)
+                        WFAIL("lost the parent at the sync point after iteration %u", it);
+        }
+        status = 0;
+out:
+        epd_group_leave(group);
+        {
+                uint8_t **devbufs[2] = { &wc.d_in, &wc.d_comb };
+                dev_release(client, &wc, devbufs, dregion, 2);
+        }
+        epd_client_free(client);
+        wcuda_fini(&wc);
+        free(recv_copy);
+        free(h_comb);
+        free(count_copy);
+        free(ybufs);
+        return status;
+}
