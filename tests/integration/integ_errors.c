@@ -1015,7 +1015,9 @@ static int mismatch_apply_weights(struct rank *rk)
                                   "rank 1", "apply_weights differs from rank 0's"));
         else
                 TRY(combine_fails(rk, &st, handle, 1, EPD_INVALID_ARGUMENT, 1,
-                                  "apply_weights needs an EXPAND dispatch that carried weights",
+                                  rk->sh->variant == MM_APPLY_WEIGHTS_NON_EXPAND
+                                          ? "apply_weights needs an EXPAND dispatch"
+                                          : "apply_weights needs source_weights, fp32 [",
                                   NULL));
         /* Op 2 agrees (with weights applied where they exist) and succeeds. */
         TRY(combine_ok(rk, &st, handle, differ, 0, 2));
