@@ -25,7 +25,7 @@ demo: build
 # A long verified run that watches the daemon's RSS and fds: 8 clients x 100000 ops, minutes;
 # not part of `make test`. SOAK_ARGS="--ops 2000" shortens it (epd-soak --help).
 # The bystander's dispatch p50/p99 under each attack of a hostile tenant beside its quiet
-# figures, and the PEER_LOST latency over 1002 kills (epd-soak-hostile --help); about a minute.
+# figures, and the PEER_LOST latency over 1100 kills (epd-soak-hostile --help); about a minute.
 .PHONY: soak-hostile
 SOAK_HOSTILE_ARGS ?=
 soak-hostile: build

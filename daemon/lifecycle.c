@@ -28,7 +28,6 @@ int epd_daemon_init(struct epdd_daemon *d, uv_loop_t *loop, char *err, size_t er
         int rc;
 
         d->loop = loop;
-        d->listen_fd = -1;
         d->start_ns = epd__now_ns();
         epd_list_init(&d->conns);
         epd_list_init(&d->groups);
@@ -36,16 +35,12 @@ int epd_daemon_init(struct epdd_daemon *d, uv_loop_t *loop, char *err, size_t er
                 snprintf(err, err_len, "no randomness for the daemon epoch");
                 return EPD_INTERNAL;
         }
-        d->rbuf_len = EPD_FRAME_HEADER_BYTES + d->cfg.max_frame_bytes + 1;
-        d->rbuf = malloc(d->rbuf_len);
-        if (!d->rbuf) {
-                snprintf(err, err_len, "out of memory");
-                return EPD_INTERNAL;
-        }
+        rc = epd_net_init(d, err, err_len);
+        if (rc < 0)
+                return rc;
         rc = epd_backend_open(loop, &d->cfg, &d->backend, err, err_len);
         if (rc < 0) {
-                free(d->rbuf);
-                d->rbuf = NULL;
+                epd_net_free(d);
                 return rc;
         }
         d->backend->on_complete = epd_op_complete;

@@ -42,6 +42,13 @@ static void usage(FILE *f)
                 EPD_CONFIG_PATH_DEFAULT, EPD_SOCKET_PATH_DEFAULT);
 }
 
+/* The top level's own handles: signals, the drain tick of a shutdown, the watchdog. */
+static struct {
+        uv_signal_t sig_term, sig_int, sig_hup;
+        uv_timer_t watchdog_timer;
+        uv_timer_t drain_timer;
+} top;
+
 struct flag_override {
         const char *section, *name, *value;
         const char *flag; /* as given, for messages */
@@ -114,7 +121,7 @@ static void begin_shutdown(struct epdd_daemon *d, const char *why)
         sd_notify(0, "STOPPING=1\nSTATUS=draining in-flight ops");
         epd_server_close(d);
         d->drain_start_ns = epd__now_ns();
-        uv_timer_start(&d->drain_timer, on_drain_tick, 0, 10);
+        uv_timer_start(&top.drain_timer, on_drain_tick, 0, 10);
 }
 
 static void on_signal(uv_signal_t *handle, int signum)
@@ -293,49 +300,49 @@ int main(int argc, char **argv)
                 snprintf(metrics_status, sizeof(metrics_status), "; metrics on http://%s/metrics",
                          epd_metrics_address(metrics));
         }
-        uv_signal_init(d->loop, &d->sig_term);
-        uv_signal_init(d->loop, &d->sig_int);
-        uv_signal_init(d->loop, &d->sig_hup);
-        d->sig_term.data = d->sig_int.data = d->sig_hup.data = d;
-        uv_signal_start(&d->sig_term, on_signal, SIGTERM);
-        uv_signal_start(&d->sig_int, on_signal, SIGINT);
-        uv_signal_start(&d->sig_hup, on_signal, SIGHUP);
-        uv_timer_init(d->loop, &d->drain_timer);
-        d->drain_timer.data = d;
-        uv_timer_init(d->loop, &d->watchdog_timer);
-        d->watchdog_timer.data = d;
+        uv_signal_init(d->loop, &top.sig_term);
+        uv_signal_init(d->loop, &top.sig_int);
+        uv_signal_init(d->loop, &top.sig_hup);
+        top.sig_term.data = top.sig_int.data = top.sig_hup.data = d;
+        uv_signal_start(&top.sig_term, on_signal, SIGTERM);
+        uv_signal_start(&top.sig_int, on_signal, SIGINT);
+        uv_signal_start(&top.sig_hup, on_signal, SIGHUP);
+        uv_timer_init(d->loop, &top.drain_timer);
+        top.drain_timer.data = d;
+        uv_timer_init(d->loop, &top.watchdog_timer);
+        top.watchdog_timer.data = d;
         epd_admission_init(d);
         uv_timer_init(d->loop, &log_flush_timer);
         uv_timer_start(&log_flush_timer, on_log_flush, 1000, 1000);
         uv_unref((uv_handle_t *)&log_flush_timer);
         if (sd_watchdog_enabled(0, &watchdog_usec) > 0 && watchdog_usec > 0) {
                 uint64_t period_ms = watchdog_usec / 2000;
-                uv_timer_start(&d->watchdog_timer, on_watchdog, 0, period_ms ? period_ms : 1);
+                uv_timer_start(&top.watchdog_timer, on_watchdog, 0, period_ms ? period_ms : 1);
         }
         log_info("epd %s ready socket=%s backend=%s devices=%u pid=%d", EPD_VERSION_STRING,
-                 d->listen_fd_activated ? "(activated)" : d->cfg.socket_path,
+                 d->net->listen_fd_activated ? "(activated)" : d->cfg.socket_path,
                  d->backend->ops->name, d->backend->num_devices, (int)getpid());
         sd_notifyf(0, "READY=1\nSTATUS=serving on %s with the %s backend%s\nMAINPID=%d",
-                   d->listen_fd_activated ? "the activated socket" : d->cfg.socket_path,
+                   d->net->listen_fd_activated ? "the activated socket" : d->cfg.socket_path,
                    d->backend->ops->name, metrics_status, (int)getpid());
 
         uv_run(d->loop, UV_RUN_DEFAULT);
 
-        uv_timer_stop(&d->watchdog_timer);
-        uv_close((uv_handle_t *)&d->watchdog_timer, NULL);
+        uv_timer_stop(&top.watchdog_timer);
+        uv_close((uv_handle_t *)&top.watchdog_timer, NULL);
         uv_close((uv_handle_t *)&log_flush_timer, NULL);
         epd_admission_close(d);
         epd_log_flush_suppressed();
-        uv_close((uv_handle_t *)&d->drain_timer, NULL);
-        uv_close((uv_handle_t *)&d->sig_term, NULL);
-        uv_close((uv_handle_t *)&d->sig_int, NULL);
-        uv_close((uv_handle_t *)&d->sig_hup, NULL);
+        uv_close((uv_handle_t *)&top.drain_timer, NULL);
+        uv_close((uv_handle_t *)&top.sig_term, NULL);
+        uv_close((uv_handle_t *)&top.sig_int, NULL);
+        uv_close((uv_handle_t *)&top.sig_hup, NULL);
         epd_server_close(d);
         epd_metrics_stop(metrics);
         epd_backend_close(d->backend);
         uv_run(d->loop, UV_RUN_DEFAULT);
         uv_loop_close(d->loop);
-        free(d->rbuf);
+        epd_net_free(d);
         log_info("epd stopped");
         return 0;
 }

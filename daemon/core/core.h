@@ -44,26 +44,16 @@ struct epdd_core_hooks {
         void (*group_closing)(struct epdd_group *g);
 };
 
-/* The daemon. The listening socket, signals, timers and receive buffer belong to the server and
- * the top level (net/server.c, main.c); the core uses the rest. */
+struct epdd_net;
+
+/* The daemon. */
 struct epdd_daemon {
         uv_loop_t *loop;
         struct epdd_config cfg;
         struct epdd_backend *backend;
         uint64_t epoch;               /* random per start, told to clients in Welcome */
         uint64_t start_ns;
-        int listen_fd;
-        int listen_fd_activated;      /* from sd_listen_fds: not ours to unlink */
-        uv_poll_t listen_poll;
-        uv_signal_t sig_term, sig_int, sig_hup;
-        uv_timer_t watchdog_timer;
-        uv_timer_t drain_timer;
-        uv_timer_t sweep_timer;       /* handshake deadlines (net/admission.c) */
-        uv_timer_t backoff_timer;     /* accept() paused while out of descriptors */
-        unsigned backoff_ms;
-        int accept_paused;
         uint64_t fd_limit;            /* RLIMIT_NOFILE once raised (core/budget.c) */
-        uint64_t out_bytes;           /* reply bytes queued for every client together */
         int shutting_down;            /* SIGTERM seen: no new ops, exit when drained */
         int draining;                 /* operator drain: no new ops are launched */
         uint64_t drain_start_ns;
@@ -75,10 +65,8 @@ struct epdd_daemon {
         uint64_t next_group_id;
         uint64_t next_region_id;
         struct epdd_daemon_stats stats;
-        uint8_t *rbuf;                /* receive buffer, max frame + header + 1 */
-        size_t rbuf_len;
-        int polling;                  /* the loop thread looks at the request boxes each turn */
         struct epdd_core_hooks hooks;
+        struct epdd_net *net;         /* the network layer's state (net/net.h); opaque here */
 };
 
 /* A client's registered memory: what the backend reached it through (mem.base: host mapping or

@@ -34,27 +34,27 @@ static void on_backoff_done(uv_timer_t *timer)
 {
         struct epdd_daemon *d = timer->data;
 
-        d->accept_paused = 0;
+        d->net->accept_paused = 0;
         epd_server_resume(d);
 }
 
 void epd_admission_init(struct epdd_daemon *d)
 {
-        uv_timer_init(d->loop, &d->sweep_timer);
-        d->sweep_timer.data = d;
-        uv_timer_start(&d->sweep_timer, on_sweep, SWEEP_MS, SWEEP_MS);
-        uv_unref((uv_handle_t *)&d->sweep_timer);
-        uv_timer_init(d->loop, &d->backoff_timer);
-        d->backoff_timer.data = d;
-        d->backoff_ms = BACKOFF_MIN_MS;
+        uv_timer_init(d->loop, &d->net->sweep_timer);
+        d->net->sweep_timer.data = d;
+        uv_timer_start(&d->net->sweep_timer, on_sweep, SWEEP_MS, SWEEP_MS);
+        uv_unref((uv_handle_t *)&d->net->sweep_timer);
+        uv_timer_init(d->loop, &d->net->backoff_timer);
+        d->net->backoff_timer.data = d;
+        d->net->backoff_ms = BACKOFF_MIN_MS;
 }
 
 void epd_admission_close(struct epdd_daemon *d)
 {
-        uv_timer_stop(&d->sweep_timer);
-        uv_timer_stop(&d->backoff_timer);
-        uv_close((uv_handle_t *)&d->sweep_timer, NULL);
-        uv_close((uv_handle_t *)&d->backoff_timer, NULL);
+        uv_timer_stop(&d->net->sweep_timer);
+        uv_timer_stop(&d->net->backoff_timer);
+        uv_close((uv_handle_t *)&d->net->sweep_timer, NULL);
+        uv_close((uv_handle_t *)&d->net->backoff_timer, NULL);
 }
 
 int epd_admission_check(struct epdd_daemon *d, const struct ucred *cred, int admin,
@@ -105,18 +105,18 @@ int epd_admission_accept_failed(struct epdd_daemon *d, int err)
                 }
         }
         log_warning("accept failed: %s; not accepting for %u ms, closed %u unfinished handshakes",
-                    strerror(err), d->backoff_ms, closed);
+                    strerror(err), d->net->backoff_ms, closed);
         d->stats.accept_pauses++;
-        d->accept_paused = 1;
+        d->net->accept_paused = 1;
         epd_server_pause(d);
-        uv_timer_start(&d->backoff_timer, on_backoff_done, d->backoff_ms, 0);
-        d->backoff_ms = d->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : d->backoff_ms * 2;
+        uv_timer_start(&d->net->backoff_timer, on_backoff_done, d->net->backoff_ms, 0);
+        d->net->backoff_ms = d->net->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : d->net->backoff_ms * 2;
         return 1;
 }
 
 void epd_admission_accepted(struct epdd_daemon *d)
 {
-        d->backoff_ms = BACKOFF_MIN_MS;
+        d->net->backoff_ms = BACKOFF_MIN_MS;
 }
 
 int epd_admission_queue(struct epdd_daemon *d, struct epdd_conn *c, struct epdd_conn **victim)
@@ -124,7 +124,7 @@ int epd_admission_queue(struct epdd_daemon *d, struct epdd_conn *c, struct epdd_
         struct epd_list *pos;
         struct epdd_conn *most = c;
 
-        if (d->out_bytes <= d->cfg.max_output_queue_bytes_total)
+        if (d->net->out_bytes <= d->cfg.max_output_queue_bytes_total)
                 return 0;
         epd_list_for_each(pos, &d->conns)
         {

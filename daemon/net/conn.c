@@ -185,7 +185,7 @@ void epd_conn_close(struct epdd_conn *c, const char *why)
                 epd_list_del(&m->link);
                 free_out_msg(m);
         }
-        d->out_bytes -= c->out_bytes;
+        d->net->out_bytes -= c->out_bytes;
         c->out_bytes = 0;
         close(c->fd);
         c->fd = -1;
@@ -210,7 +210,7 @@ static int conn_flush(struct epdd_conn *c)
                 if (rc < 0)
                         return rc;
                 c->out_bytes -= m->len;
-                c->cl.daemon->out_bytes -= m->len;
+                c->cl.daemon->net->out_bytes -= m->len;
                 epd_list_del(&m->link);
                 free_out_msg(m);
                 c->cl.daemon->stats.frames_out++;
@@ -261,7 +261,7 @@ int epd_conn_send(struct epdd_conn *c, const Epd__V1__Response *resp, const int 
         }
         epd_list_add_tail(&c->out_queue, &m->link);
         c->out_bytes += len;
-        d->out_bytes += len;
+        d->net->out_bytes += len;
         if (c->out_bytes > d->cfg.max_output_queue_bytes) {
                 conn_close_later(c, "output queue limit exceeded: the client does not read its replies");
                 return -ENOBUFS;
@@ -450,16 +450,16 @@ static void conn_page_bound(struct epdd_client *cl, struct epd_doorbell *page)
         struct epdd_conn *c = epd_conn_of(cl);
 
         epd_mailbox_set_read_id(page, c->last_read_id);
-        epd_mailbox_set_polling(page, c->cl.daemon->polling);
+        epd_mailbox_set_polling(page, c->cl.daemon->net->polling);
 }
 
 void epd_conn_set_polling(struct epdd_daemon *d, int on)
 {
         struct epd_list *pos, *bpos;
 
-        if (d->polling == on)
+        if (d->net->polling == on)
                 return;
-        d->polling = on;
+        d->net->polling = on;
         epd_list_for_each(pos, &d->conns)
         {
                 struct epdd_conn *c = epd_list_entry(pos, struct epdd_conn, cl.link);
@@ -504,7 +504,7 @@ static int conn_read(struct epdd_conn *c)
                 return 0;
         struct epd_frame frame;
         const char *why = NULL;
-        int rc = epd_frame_recv(c->fd, d->rbuf, d->rbuf_len, d->cfg.max_frame_bytes,
+        int rc = epd_frame_recv(c->fd, d->net->rbuf, d->net->rbuf_len, d->cfg.max_frame_bytes,
                                 d->cfg.max_fds_per_frame, &frame, &why);
         if (rc == -EAGAIN)
                 return 0;

@@ -16,6 +16,21 @@
 #include "core.h"
 #include "epd.pb-c.h"
 
+/* The network layer's state of a daemon (epdd_daemon.net). */
+struct epdd_net {
+        int listen_fd;
+        int listen_fd_activated;      /* from sd_listen_fds: not ours to unlink */
+        uv_poll_t listen_poll;
+        uint8_t *rbuf;                /* receive buffer, max frame + header + 1 */
+        size_t rbuf_len;
+        int polling;                  /* the loop thread looks at the request boxes each turn */
+        uv_timer_t sweep_timer;       /* handshake deadlines (admission.c) */
+        uv_timer_t backoff_timer;     /* accept() paused while out of descriptors */
+        unsigned backoff_ms;
+        int accept_paused;
+        uint64_t out_bytes;           /* reply bytes queued for every client together */
+};
+
 struct epdd_out_msg {
         struct epd_list link;
         size_t len;
@@ -91,6 +106,9 @@ int epd_wire_fill_joined(const struct epdd_rank *r, Epd__V1__GroupJoined *j,
 void epd_handle_arena_segments(struct epdd_conn *c, const Epd__V1__Request *req);
 
 /* server.c */
+/* Makes d->net (no socket yet); epd_net_free undoes it. 0 or EPD_INTERNAL with err set. */
+int epd_net_init(struct epdd_daemon *d, char *err, size_t err_len);
+void epd_net_free(struct epdd_daemon *d);
 int epd_server_listen(struct epdd_daemon *d, char *err, size_t err_len);
 void epd_server_close(struct epdd_daemon *d);
 /* Stops and restarts watching the listening socket (admission.c's back-off). */

@@ -15,6 +15,7 @@
 
 #include "admission.h"
 #include "net.h"
+#include "frame.h"
 #include "log.h"
 
 static void on_listen_readable(uv_poll_t *handle, int status, int events)
@@ -25,7 +26,7 @@ static void on_listen_readable(uv_poll_t *handle, int status, int events)
         if (status < 0)
                 return;
         for (int i = 0; i < 32; i++) {
-                int fd = accept4(d->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+                int fd = accept4(d->net->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
                 if (fd < 0) {
                         if (errno != EAGAIN && errno != EINTR)
                                 epd_admission_accept_failed(d, errno);
@@ -79,7 +80,7 @@ int epd_server_listen(struct epdd_daemon *d, char *err, size_t err_len)
                         snprintf(err, err_len, "cannot set activated socket non-blocking");
                         return -EINVAL;
                 }
-                d->listen_fd_activated = 1;
+                d->net->listen_fd_activated = 1;
                 log_info("using activated socket fd=%d", fd);
         } else {
                 if (strlen(d->cfg.socket_path) >= sizeof(sa.sun_path)) {
@@ -119,10 +120,10 @@ int epd_server_listen(struct epdd_daemon *d, char *err, size_t err_len)
                 if (listen(fd, 128) < 0)
                         goto sys_fail;
         }
-        d->listen_fd = fd;
-        uv_poll_init(d->loop, &d->listen_poll, fd);
-        d->listen_poll.data = d;
-        uv_poll_start(&d->listen_poll, UV_READABLE, on_listen_readable);
+        d->net->listen_fd = fd;
+        uv_poll_init(d->loop, &d->net->listen_poll, fd);
+        d->net->listen_poll.data = d;
+        uv_poll_start(&d->net->listen_poll, UV_READABLE, on_listen_readable);
         return 0;
 sys_fail:
         rc = -errno;
@@ -134,27 +135,27 @@ sys_fail:
 
 void epd_server_pause(struct epdd_daemon *d)
 {
-        if (d->listen_fd >= 0)
-                uv_poll_stop(&d->listen_poll);
+        if (d->net->listen_fd >= 0)
+                uv_poll_stop(&d->net->listen_poll);
 }
 
 void epd_server_resume(struct epdd_daemon *d)
 {
-        if (d->listen_fd >= 0 && !d->shutting_down)
-                uv_poll_start(&d->listen_poll, UV_READABLE, on_listen_readable);
+        if (d->net->listen_fd >= 0 && !d->shutting_down)
+                uv_poll_start(&d->net->listen_poll, UV_READABLE, on_listen_readable);
 }
 
 void epd_server_close(struct epdd_daemon *d)
 {
-        if (d->listen_fd < 0)
+        if (d->net->listen_fd < 0)
                 return;
-        uv_poll_stop(&d->listen_poll);
-        uv_close((uv_handle_t *)&d->listen_poll, NULL);
-        if (!d->listen_fd_activated) {
-                close(d->listen_fd);
+        uv_poll_stop(&d->net->listen_poll);
+        uv_close((uv_handle_t *)&d->net->listen_poll, NULL);
+        if (!d->net->listen_fd_activated) {
+                close(d->net->listen_fd);
                 unlink(d->cfg.socket_path);
         }
-        d->listen_fd = -1;
+        d->net->listen_fd = -1;
 }
 
 static int in_list(const uint32_t *ids, unsigned n, uint32_t id)
@@ -185,4 +186,29 @@ int epd_conn_is_admin(const struct epdd_daemon *d, uid_t uid, gid_t gid)
                         return 1;
         }
         return 0;
+}
+
+int epd_net_init(struct epdd_daemon *d, char *err, size_t err_len)
+{
+        struct epdd_net *n = calloc(1, sizeof(*n));
+
+        if (n)
+                n->rbuf_len = EPD_FRAME_HEADER_BYTES + d->cfg.max_frame_bytes + 1;
+        if (!n || !(n->rbuf = malloc(n->rbuf_len))) {
+                free(n);
+                snprintf(err, err_len, "out of memory");
+                return EPD_INTERNAL;
+        }
+        n->listen_fd = -1;
+        d->net = n;
+        return 0;
+}
+
+void epd_net_free(struct epdd_daemon *d)
+{
+        if (!d->net)
+                return;
+        free(d->net->rbuf);
+        free(d->net);
+        d->net = NULL;
 }

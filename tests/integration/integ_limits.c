@@ -436,6 +436,8 @@ START_TEST(test_budgets_per_uid_and_daemon)
         ck_assert_int_eq(epd_region_alloc(a, 4096, &p[3], &ids[3]), EPD_OK);
         ck_assert_int_eq(size_hint(b), EPD_OK);
 
+        for (int i = 4; i <= 6; i++)
+                ck_assert_int_eq(epd_group_leave(g[i]), EPD_OK);
         epd_client_free(c);
         epd_client_free(b);
         epd_client_free(a);
@@ -460,6 +462,8 @@ START_TEST(test_max_groups_per_uid)
                        "the uid's third group");
         ck_assert_int_eq(epd_group_leave(g[1]), EPD_OK);
         ck_assert_int_eq(group_enter(a, 1, "g2", 0, &cfg, &g[2]), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g[2]), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g[0]), EPD_OK);
         epd_client_free(b);
         epd_client_free(a);
         daemon_stop_clean(&ld);
