@@ -1141,6 +1141,18 @@ static int check_routing(struct ctx *x)
 
 /* ---- combine ---- */
 
+/* A combine weight input, fp32 [rows, KO] with `pad` bytes after each row: random weights on
+ * the host, and their copy on device `dev`. */
+static int weights_make(struct ctx *x, struct rng *g, int dev, uint64_t rows, uint64_t pad,
+                        uint64_t *stride, uint8_t **host, uint8_t **devp)
+{
+        *stride = 4ull * x->KO + pad;
+        *host = (uint8_t *)halloc(x, rows * *stride);
+        for (uint64_t i = 0; i < rows * *stride / 4; i++)
+                ((float *)*host)[i] = random_weight(g);
+        return upload(x, dev, *host, rows * *stride, devp);
+}
+
 static int setup_combine(struct ctx *x, struct rng *g)
 {
         const struct tcase *c = x->c;
@@ -1169,14 +1181,9 @@ static int setup_combine(struct ctx *x, struct rng *g)
                 }
                 if (upload(x, r->dev, r->y, (r->y_rows + 1) * r->y_stride, &r->d_y) < 0)
                         return -1;
-                if (recv_weights) {
-                        r->rw_stride = 4ull * x->KO + (c->strided ? 8 : 0);
-                        r->rw = (uint8_t *)halloc(x, r->y_rows * r->rw_stride);
-                        for (uint64_t i = 0; i < r->y_rows * r->rw_stride / 4; i++)
-                                ((float *)r->rw)[i] = random_weight(g);
-                        if (upload(x, r->dev, r->rw, r->y_rows * r->rw_stride, &r->d_rw) < 0)
-                                return -1;
-                }
+                if (recv_weights && weights_make(x, g, r->dev, r->y_rows, c->strided ? 8 : 0,
+                                                 &r->rw_stride, &r->rw, &r->d_rw) < 0)
+                        return -1;
         }
         for (uint32_t s = 0; s < x->R; s++) {
                 struct rank_data *r = &x->rk[s];
@@ -1190,14 +1197,9 @@ static int setup_combine(struct ctx *x, struct rng *g)
                 r->comb.present = 1;
                 r->comb.stride = stride;
                 r->comb.bytes = r->n * stride;
-                if (c->source_weights) {
-                        r->sw_stride = 4ull * x->KO + (c->strided ? 12 : 0);
-                        r->sw = (uint8_t *)halloc(x, r->n * r->sw_stride);
-                        for (uint64_t i = 0; i < r->n * r->sw_stride / 4; i++)
-                                ((float *)r->sw)[i] = random_weight(g);
-                        if (upload(x, r->dev, r->sw, r->n * r->sw_stride, &r->d_sw) < 0)
-                                return -1;
-                }
+                if (c->source_weights && weights_make(x, g, r->dev, r->n, c->strided ? 12 : 0,
+                                                      &r->sw_stride, &r->sw, &r->d_sw) < 0)
+                        return -1;
                 r->comb_w.present = c->has_weights || recv_weights;
                 r->comb_w.stride = 4ull * x->KO + (c->strided ? 4 : 0);
                 r->comb_w.bytes = r->n * r->comb_w.stride;
