@@ -369,7 +369,7 @@ struct epd_combine_args {
          * Given by every rank or by none: combined_topk_weights on each source is then, for every
          * k, the fp32 sum over the destinations its token went to, in ascending rank, of their
          * rows' weights (DeepEP's combine(topk_weights=...)); the dispatch need not have carried
-         * weights. A rank that received no rows may leave it absent. */
+         * weights. A rank that received no rows passes a [0, K_op] tensor. */
         struct epd_tensor recv_weights;
         /* Optional: this source's own weights, fp32 [N_s, K_op]: with apply_weights (EXPAND),
          * w(t, k) is source_weights[t][k] in place of the weight the dispatch carried, so a

@@ -342,24 +342,20 @@ static int prep_dispatch(struct prep *p)
 }
 
 /* The weight inputs of a combine (docs/semantics.md §3), after the handle's options are in the
- * exec: recv_weights, fp32 [>= rows, K_op] on each destination, given by every rank that received
- * rows or by none, NON_EXPAND only; source_weights, fp32 [N_s, K_op] on each source, w(t, k) of
- * apply_weights, needed on every source with tokens when the dispatch carried no weights. */
+ * exec and the ranks agree on whether recv_weights are given: recv_weights, fp32 [>= rows, K_op]
+ * on each destination, NON_EXPAND only; source_weights, fp32 [N_s, K_op] on each source, w(t, k)
+ * of apply_weights, needed on every source with tokens when the dispatch carried no weights. */
 static int prep_combine_weights(struct prep *p, const struct epdd_handle *h)
 {
         struct epdd_op *op = p->op;
         struct epdd_exec *ex = p->ex;
         const uint32_t R = op->group->cfg.world_size, K = ex->num_topk;
-        int32_t giver = -1;
         char what[96];
         int rc;
 
-        for (uint32_t r = 0; r < R && giver < 0; r++)
-                if (epd__tensor_present(&op->subs[r].req.t[EPD_OPREC_COMBINE_RECV_WEIGHTS]))
-                        giver = (int32_t)r;
-        ex->recv_weights = giver >= 0;
+        ex->recv_weights = epd__tensor_present(&op->subs[0].req.t[EPD_OPREC_COMBINE_RECV_WEIGHTS]);
         if (ex->recv_weights && ex->layout != EPD_LAYOUT_NON_EXPAND)
-                return prep_fail(p, EPD_INVALID_ARGUMENT, (uint32_t)giver,
+                return prep_fail(p, EPD_INVALID_ARGUMENT, 0,
                                  "recv_weights: the handle's dispatch is EXPAND; recv_weights "
                                  "are NON_EXPAND only");
         for (uint32_t r = 0; r < R; r++) {
@@ -370,12 +366,7 @@ static int prep_combine_weights(struct prep *p, const struct epdd_handle *h)
                 const uint32_t n = h->ranks[r].num_tokens;
                 const uint64_t rows = (uint64_t)h->ranks[r].rows;
 
-                if (ex->recv_weights && (rows > 0 || epd__tensor_present(rw))) {
-                        if (!epd__tensor_present(rw))
-                                return prep_fail(p, EPD_INVALID_ARGUMENT, r,
-                                                 "recv_weights: absent, but rank %d gives them; "
-                                                 "expected fp32 [%llu, %u] on every rank with rows",
-                                                 giver, (unsigned long long)rows, K);
+                if (ex->recv_weights) {
                         snprintf(what, sizeof(what), "recv_weights (expected fp32 [%llu, %u])",
                                  (unsigned long long)rows, K);
                         rc = prep_tensor(p, r, what, rw, EPD_DTYPE_FP32, rows, K, 0,
@@ -421,6 +412,14 @@ static int prep_combine(struct prep *p)
                 if (((m->flags ^ m0->flags) & EPD_OPREC_APPLY_WEIGHTS))
                         return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                          "apply_weights differs from rank 0's");
+                if (epd__tensor_present(&m->t[EPD_OPREC_COMBINE_RECV_WEIGHTS]) !=
+                    epd__tensor_present(&m0->t[EPD_OPREC_COMBINE_RECV_WEIGHTS]))
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                         "recv_weights %s but %s on rank 0",
+                                         epd__tensor_present(&m->t[EPD_OPREC_COMBINE_RECV_WEIGHTS])
+                                                 ? "present" : "absent",
+                                         epd__tensor_present(&m->t[EPD_OPREC_COMBINE_RECV_WEIGHTS])
+                                                 ? "absent" : "present");
         }
         h = epd_group_handle_find(g, m0->handle_id);
         if (!h)

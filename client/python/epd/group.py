@@ -768,7 +768,8 @@ class Group:
 
         ``recv_weights`` (NON_EXPAND, optional): float32 ``[rows, K]``, this rank's weights per
         received row, for example its ``recv_topk_weights``, possibly changed. Every rank gives
-        them or none does (a rank without rows may pass None); ``combined_topk_weights`` is then
+        them or none does (a rank without rows passes a ``[0, K]`` array);
+        ``combined_topk_weights`` is then
         their sum over the ranks each token went to, in ascending rank (DeepEP's
         ``combine(topk_weights=...)``), even when the dispatch carried no weights.
         ``source_weights`` (optional): float32 ``[N, K]``, this rank's own weights for
