@@ -228,8 +228,9 @@ struct tcase {
         int cached;                 /* also run a cached dispatch with new weights */
         int big;                    /* the realistic case: timed, skipped by --quick */
         uint64_t seed;
-        /* combine's weight inputs (docs/semantics.md §3): every source's source_weights (w(t,
-         * k) of apply_weights); every destination's recv_weights (NON_EXPAND) */
+        /* combine's weight inputs (docs/semantics.md §3): source_weights (w(t, k) of
+         * apply_weights) on every source (1) or on even sources only (2, with dispatch
+         * weights); every destination's recv_weights (NON_EXPAND) */
         int source_weights;
         int recv_weights;
 };
@@ -424,9 +425,9 @@ static void build_cases(void)
         c = add_case("weight inputs: recv_weights without dispatch weights, -1 entries, bias");
         c->R = 4; c->E = 32; c->T = 120; c->K = 8; c->KO = 8; c->neg_frac = 0.2;
         c->num_bias = 1; c->recv_weights = 1; c->seed = 0x7001;
-        c = add_case("weight inputs: recv_weights over dispatch weights, fp8, strided, spread");
+        c = add_case("weight inputs: recv_weights over dispatch weights, fp8, strided, cached");
         c->R = 8; c->E = 64; c->T = 150; c->K = 8; c->KO = 6; c->dtype = EPD_DTYPE_FP8_E4M3;
-        c->H = 384; c->has_weights = 1; c->strided = 1; c->spread = 1; c->recv_weights = 1;
+        c->H = 384; c->has_weights = 1; c->strided = 1; c->recv_weights = 1;
         c->cached = 1; c->seed = 0x7002;
         c = add_case("weight inputs: recv_weights, sliced small op, y off 16-byte alignment");
         c->R = 8; c->E = 64; c->T = 30; c->K = 8; c->KO = 8; c->H = 1536; c->y_pad = 2;
@@ -440,6 +441,10 @@ static void build_cases(void)
         c->dtype = EPD_DTYPE_FP8_E4M3; c->layout = EPD_LAYOUT_EXPAND; c->align = 2;
         c->has_weights = 1; c->apply_weights = 1; c->source_weights = 1; c->strided = 1;
         c->empty_rank = 1; c->seed = 0x7005;
+        c = add_case("weight inputs: source_weights on even ranks only, dispatch weights else");
+        c->R = 4; c->E = 32; c->T = 90; c->K = 8; c->KO = 5; c->layout = EPD_LAYOUT_EXPAND;
+        c->has_weights = 1; c->apply_weights = 1; c->source_weights = 2; c->num_bias = 1;
+        c->seed = 0x7006;
         c = add_case("small op, fp8 scale rows of 288 bytes (one destination per scale store)");
         c->R = 4; c->E = 32; c->T = 40; c->K = 8; c->KO = 8; c->H = 9216; c->has_weights = 1;
         c->dtype = EPD_DTYPE_FP8_E4M3; c->seed = 0x6005;
@@ -1197,8 +1202,9 @@ static int setup_combine(struct ctx *x, struct rng *g)
                 r->comb.present = 1;
                 r->comb.stride = stride;
                 r->comb.bytes = r->n * stride;
-                if (c->source_weights && weights_make(x, g, r->dev, r->n, c->strided ? 12 : 0,
-                                                      &r->sw_stride, &r->sw, &r->d_sw) < 0)
+                if ((c->source_weights == 1 || (c->source_weights == 2 && s % 2 == 0)) &&
+                    weights_make(x, g, r->dev, r->n, c->strided ? 12 : 0, &r->sw_stride, &r->sw,
+                                 &r->d_sw) < 0)
                         return -1;
                 r->comb_w.present = c->has_weights || recv_weights;
                 r->comb_w.stride = 4ull * x->KO + (c->strided ? 4 : 0);

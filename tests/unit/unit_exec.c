@@ -52,9 +52,10 @@ struct hx_case {
         int strided;                /* gaps between rows of inputs and outputs */
         enum run_order order;
         double special;             /* bf16 specials in x/y/bias, and special weights */
-        /* docs/semantics.md §3's weight inputs of combine: source_weights on every source (w(t,
-         * k) of apply_weights, also without dispatch weights); recv_weights on every destination
-         * (NON_EXPAND: combined_topk_weights is their reduction). */
+        /* docs/semantics.md §3's weight inputs of combine: source_weights 1 on every source,
+         * 2 on even sources only (w(t, k) of apply_weights, also without dispatch weights);
+         * recv_weights on every destination (NON_EXPAND: combined_topk_weights is their
+         * reduction). */
         int source_weights;
         int recv_weights;
 };
@@ -117,6 +118,8 @@ static const struct hx_case fixed_cases[] = {
           0, NE, BF16, 0, 1, 0, 1, 0, 0, 1, I32, 0, ORDER_SHUFFLED, 0, 0, 1 },
         { "r4_ex_source_weights", 4, 16, 128, 30, 4, TOK_MINUS_R, TD_ROUTING_UNIFORM, 0.1, 0, EX,
           BF16, 0, 4, 1, 2, 1, 1, 1, I32, 1, ORDER_REVERSE, 0.05, 1, 0 },
+        { "r3_e48_ex_source_weights_even_ranks", 3, 48, 64, 30, 8, TOK_FULL, TD_ROUTING_SKEWED,
+          0.1, 0, EX, BF16, 0, 1, 0, 1, 1, 1, 1, I64, 0, ORDER_THREADS, 0, 2, 0 },
         { "r2_ex_fp8_source_weights_noweights", 2, 16, 256, 40, 8, TOK_FULL, TD_ROUTING_SKEWED,
           0.1, 0, EX, FP8, 128, 2, 0, 1, 0, 1, 1, I64, 1, ORDER_THREADS, 0.05, 1, 0 },
         /* At the benchmark's row size, T >= 512, both layouts. */
@@ -512,7 +515,7 @@ static void run_case(const struct hx_case *c, uint64_t seed)
                 tbuf_alloc(&b->combined, b->n, EXTRA_ROWS, (uint64_t)H * 2, 64 * g);
                 if (want_cw)
                         tbuf_alloc(&b->cw, b->n, EXTRA_ROWS, (uint64_t)K * 4, 8 * g);
-                if (c->source_weights) {
+                if (c->source_weights == 1 || (c->source_weights == 2 && s % 2 == 0)) {
                         tbuf_alloc(&b->sw, b->n, 0, (uint64_t)K * 4, 4 * g);
                         td_fill_f32(&rng, b->sw.ptr, b->n, K, b->sw.stride, -2.0f, 2.0f);
                         if (c->special > 0)
@@ -618,7 +621,9 @@ static struct hx_case random_case(struct td_rng *rng)
         c.strided = (int)td_rng_below(rng, 2);
         c.order = (enum run_order)td_rng_below(rng, 4);
         c.special = td_rng_below(rng, 4) == 0 ? 0.05 : 0.0;
-        c.source_weights = td_rng_below(rng, 3) == 0;
+        c.source_weights = (int)td_rng_below(rng, 4) / 2; /* with weights: mixed sources */
+        if (c.source_weights == 2 && !c.has_weights)
+                c.source_weights = 1;
         c.recv_weights = td_rng_below(rng, 3) == 0;
         return c;
 }
