@@ -413,8 +413,10 @@ VECTOR_CLONES static void acc_store(uint16_t *restrict out, const float *restric
 
 /* combined_topk_weights with recv_weights (docs/semantics.md §3): for every k, +0.0f plus, for
  * each destination d that the token went to, in ascending d, d's recv_weights at the token's row
- * there, position k. sel and rows are the token's plan entries: a NON_EXPAND row is set at the
- * first position of each destination only, so each row >= 0 names one destination. */
+ * there, position k; a NaN sum is stored as 0x7FFFFFFF, the NaN that CUDA's fp32 additions give
+ * (x86 keeps an input NaN's payload, and makes Inf + -Inf 0xFFC00000). sel and rows are the
+ * token's plan entries: a NON_EXPAND row is set at the first position of each destination only,
+ * so each row >= 0 names one destination. */
 static void reduce_recv_weights(const struct epd_combine_exec *op, const int32_t *sel,
                                 const int32_t *rows, float *out)
 {
@@ -434,7 +436,13 @@ static void reduce_recv_weights(const struct epd_combine_exec *op, const int32_t
 
                 for (uint32_t j = 0; j < n; j++)
                         acc = acc + wd[j][k];
-                out[k] = acc;
+                if (acc != acc) {
+                        const uint32_t nan = 0x7FFFFFFFu;
+
+                        memcpy(&out[k], &nan, 4);
+                } else {
+                        out[k] = acc;
+                }
         }
 }
 

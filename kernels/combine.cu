@@ -244,7 +244,7 @@ static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_mat *m
 
 /* combined_topk_weights with recv_weights (docs/semantics.md §3), by the warp of a token's
  * first slice: for every k, +0.0f plus, in ascending destination rank d, d's recv_weights at the
- * token's row there, position k, each addition rounded on its own. The contributing lanes (row >=
+ * token's row there, position k, each addition rounded on its own; a NaN sum is 0x7FFFFFFF. The contributing lanes (row >=
  * 0: NON_EXPAND sets one per destination the token went to) place their destinations' weight rows
  * in the warp's slots in ascending d; lane k then adds column k of them in that order. The slots
  * are free here: the previous item's reads of them end before the first __syncwarp, and the
@@ -269,7 +269,8 @@ combine_recv_weights(struct combine_slots *sl, const struct epd_k_combine_args *
                 float acc = 0.0f;
                 for (uint32_t c = 0; c < n; c++)
                         acc = __fadd_rn(acc, ((const float *)sl->rows[c])[lane]);
-                out[lane] = acc;
+                /* the canonical NaN, which the additions give already (cpu/exec.c stores it) */
+                out[lane] = acc != acc ? __uint_as_float(0x7fffffffu) : acc;
         }
 }
 

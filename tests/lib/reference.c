@@ -823,7 +823,11 @@ int ref_combine_row_w(const struct ref_dispatch *ref, const struct ref_combine_i
                                                    k * 4, 4);
                                 acc = acc + wd;
                         }
-                        memcpy(&cw[k], &acc, 4);
+                        /* a NaN sum is 0x7FFFFFFF, whatever the host's additions make of it */
+                        if (acc != acc)
+                                cw[k] = 0x7FFFFFFFu;
+                        else
+                                memcpy(&cw[k], &acc, 4);
                 }
         } else if (cw) {
                 for (uint32_t k = 0; k < K; k++)
