@@ -446,6 +446,17 @@ static void reduce_recv_weights(const struct epd_combine_exec *op, const int32_t
         }
 }
 
+/* combined_topk_weights without recv_weights: the dispatch's weights as bits (a NaN's payload
+ * included), +0.0f where topk_idx held -1. */
+static void combine_copy_weights(uint32_t K, const int32_t *sel, const float *w, uint8_t *out)
+{
+        const float zero = 0.0f;
+
+        for (uint32_t k = 0; k < K; k++)
+                memcpy(out + (size_t)k * 4, sel[k] >= 0 ? (const void *)&w[k] : (const void *)&zero,
+                       4);
+}
+
 static void combine_token(const struct epd_combine_exec *op, uint32_t s, uint32_t t)
 {
         const struct epd_plan *plan = op->plan;
@@ -492,9 +503,8 @@ static void combine_token(const struct epd_combine_exec *op, uint32_t s, uint32_
         if (src->combined_topk_weights.ptr && op->recv_weights)
                 reduce_recv_weights(op, sel, rows, (float *)mat_row(&src->combined_topk_weights, t));
         else if (src->combined_topk_weights.ptr && src->weights)
-                for (uint32_t k = 0; k < K; k++)
-                        ((float *)mat_row(&src->combined_topk_weights, t))[k] =
-                                sel[k] >= 0 ? src->weights[(size_t)t * K + k] : 0.0f;
+                combine_copy_weights(K, sel, src->weights + (size_t)t * K,
+                                     mat_row(&src->combined_topk_weights, t));
 }
 
 void epd_host_combine_item(const struct epd_combine_exec *op, uint64_t item)
