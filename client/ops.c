@@ -166,6 +166,12 @@ int epd_dispatch_submit(struct epd_group *group, const struct epd_dispatch_args 
         return op_send(op, &req, out);
 }
 
+/* The oldest struct epd_combine_args (through wait_inputs), and whether a caller's size covers
+ * a later field. */
+#define COMBINE_ARGS_V1 (offsetof(struct epd_combine_args, wait_inputs) + sizeof(uint64_t))
+#define COMBINE_ARGS_HAS(a, field)                                                                \
+        ((a)->size >= offsetof(struct epd_combine_args, field) + sizeof((a)->field))
+
 int epd_combine_submit(struct epd_group *group, const struct epd_combine_args *args,
                        struct epd_op **out)
 {
@@ -174,10 +180,10 @@ int epd_combine_submit(struct epd_group *group, const struct epd_combine_args *a
 
         if (!group || !args || !out)
                 return EPD_INVALID_ARGUMENT;
-        if (args->size < sizeof(*args))
+        if (args->size < COMBINE_ARGS_V1)
                 return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
                                         "epd_combine_args.size %zu is smaller than %zu", args->size,
-                                        sizeof(*args));
+                                        COMBINE_ARGS_V1);
         if (args->num_bias > 2)
                 return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
                                         "num_bias %u; at most 2", args->num_bias);
@@ -194,6 +200,10 @@ int epd_combine_submit(struct epd_group *group, const struct epd_combine_args *a
         for (uint32_t b = 0; b < args->num_bias; b++)
                 req.t[EPD_OPREC_BIAS0 + b] = args->bias[b];
         req.num_bias = args->num_bias;
+        if (COMBINE_ARGS_HAS(args, recv_weights))
+                req.t[EPD_OPREC_COMBINE_RECV_WEIGHTS] = args->recv_weights;
+        if (COMBINE_ARGS_HAS(args, source_weights))
+                req.t[EPD_OPREC_SOURCE_WEIGHTS] = args->source_weights;
         op = op_new(group, EPD_OPREC_COMBINE);
         if (!op)
                 return EPD_INTERNAL;

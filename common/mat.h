@@ -41,6 +41,9 @@ struct epd_combine_src_io {
         struct epd_mat combined;                /* bf16 [N, H] */
         struct epd_mat combined_topk_weights;   /* fp32 [N, K_op], optional */
         const float *weights;                   /* [N * K_op] the dispatch's weights, or NULL */
+        /* fp32 [N, K_op], optional: w(t, k) of apply_weights in place of weights
+         * (docs/semantics.md §3, source_weights). */
+        struct epd_mat source_weights;
 };
 
 #endif

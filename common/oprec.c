@@ -8,7 +8,8 @@
  *                      48 u32 num_tokens          52 u32 num_topk
  *                      56 u32 layout              60 u32 expert_alignment
  *                      64 u32 topk_idx_dtype      68 u32 num_bias
- *                      72 tensor[10], 96 bytes each:
+ *                      72 tensor[10], 96 bytes each (a combine uses 7: y, bias[0], bias[1],
+ *                         combined, combined_topk_weights, recv_weights, source_weights):
  *                         +0 u64 region_id  +8 u64 offset  +16 u32 dtype  +20 u32 ndim
  *                         +24 u64 reserved (0)  +32 u64 sizes[4]  +64 u64 strides[4]
  *                    1032 end
@@ -124,7 +125,8 @@ static const char *const dispatch_slot_names[EPD_OPREC_TENSORS] = {
         "recv_weights", "recv_src", "recv_topk_slot",
 };
 static const char *const combine_slot_names[EPD_OPREC_COMBINE_TENSORS] = {
-        "y", "bias[0]", "bias[1]", "combined", "combined_topk_weights",
+        "y", "bias[0]", "bias[1]", "combined", "combined_topk_weights", "recv_weights",
+        "source_weights",
 };
 
 static const char *slot_name(uint32_t kind, unsigned i)

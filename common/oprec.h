@@ -42,8 +42,14 @@ enum epd_oprec_dispatch_slot {
 };
 enum epd_oprec_combine_slot {
         EPD_OPREC_Y, EPD_OPREC_BIAS0, EPD_OPREC_BIAS1, EPD_OPREC_COMBINED,
-        EPD_OPREC_COMBINED_TOPK_WEIGHTS, EPD_OPREC_COMBINE_TENSORS
+        EPD_OPREC_COMBINED_TOPK_WEIGHTS,
+        /* docs/semantics.md §3's weight inputs: slots a combine left empty before, so the record's
+         * layout and version are unchanged (a daemon without them refuses a record that uses
+         * them: "tensor slot 5 is not used by this combine"). */
+        EPD_OPREC_COMBINE_RECV_WEIGHTS, EPD_OPREC_SOURCE_WEIGHTS,
+        EPD_OPREC_COMBINE_TENSORS
 };
+_Static_assert((int)EPD_OPREC_COMBINE_TENSORS <= (int)EPD_OPREC_TENSORS, "combine slots fit the record");
 
 /* The output fields of a dispatch reply (arena placements), in placement order. */
 enum epd_oprec_output_field {

@@ -614,38 +614,6 @@ out:
 
 /* ---- combine ---- */
 
-/* combined_topk_weights with recv_weights (docs/semantics.md section 3): for every k, the sum over
- * the destinations d that token t went to, ascending, of d's weight row of t at position k. */
-static void reduce_recv_weights(struct op_ctx *c, const struct cx_handle *h, const int32_t *topk,
-                                const int32_t *row, float *out)
-{
-        const struct cx_layout *l = c->l;
-        const uint32_t K = h->num_topk, L = l->num_local_experts;
-
-        for (uint32_t t = 0; t < h->num_tokens; t++) {
-                const int32_t *sel = topk + (size_t)t * K, *rw = row + (size_t)t * K;
-                const float *wd[CX_MAX_RANKS];
-                uint32_t n = 0;
-
-                for (uint32_t d = 0; d < l->shape.world_size; d++) {
-                        for (uint32_t k = 0; k < K; k++) {
-                                if (rw[k] >= 0 && epd_route_expert_rank(sel[k], L) == d) {
-                                        wd[n++] = (const float *)(c->r->bufs[d] + l->y_weights) +
-                                                  (size_t)rw[k] * K;
-                                        break;
-                                }
-                        }
-                }
-                for (uint32_t k = 0; k < K; k++) {
-                        float acc = +0.0f;
-
-                        for (uint32_t j = 0; j < n; j++)
-                                acc = acc + wd[j][k];
-                        out[(size_t)t * K + k] = acc;
-                }
-        }
-}
-
 static int check_combine(const struct op_ctx *c, const struct cx_combine_args *a,
                          struct cx_flag *rec)
 {
@@ -711,6 +679,7 @@ int cx_combine(const struct cx_rank *r, const struct cx_combine_args *a, uint64_
                 uint32_t num_tokens[CX_MAX_RANKS] = { 0 };
                 struct epd_mat y[CX_MAX_RANKS];
                 struct epd_combine_src_io src[CX_MAX_RANKS];
+                struct epd_mat rw[CX_MAX_RANKS];
                 struct epd_combine_exec exec;
                 uint64_t per_src;
 
@@ -731,25 +700,26 @@ int cx_combine(const struct cx_rank *r, const struct cx_combine_args *a, uint64_
                                         (uint8_t *)a->bias[b], (uint64_t)l->shape.hidden * 2 };
                         src[me].combined = (struct epd_mat){ (uint8_t *)a->combined,
                                                              (uint64_t)l->shape.hidden * 2 };
-                        src[me].weights = a->source_weights ? a->source_weights
-                                          : h->has_weights  ? hw
-                                                            : NULL;
+                        src[me].weights = h->has_weights ? hw : NULL;
+                        src[me].source_weights = (struct epd_mat){
+                                (uint8_t *)a->source_weights, (uint64_t)K * 4 };
+                        src[me].combined_topk_weights = (struct epd_mat){
+                                (uint8_t *)a->combined_topk_weights, (uint64_t)K * 4 };
+                        /* recv_weights: every destination's y_weights area, [rows, K_op] */
+                        for (uint32_t d = 0; d < R; d++)
+                                rw[d] = (struct epd_mat){ r->bufs[d] + l->y_weights,
+                                                          (uint64_t)K * 4 };
                         exec = (struct epd_combine_exec){
                                 .plan = plan,
                                 .hidden = l->shape.hidden,
                                 .apply_weights = a->apply_weights,
                                 .y = y,
                                 .src = src,
+                                .recv_weights = a->recv_weights ? rw : NULL,
                         };
                         per_src = epd_host_combine_items(&exec) / R;
                         for (uint64_t i = me * per_src; i < (me + 1) * per_src; i++)
                                 epd_host_combine_item(&exec, i);
-                        if (a->combined_topk_weights && a->recv_weights) {
-                                reduce_recv_weights(&c, h, topk, row, a->combined_topk_weights);
-                        } else if (a->combined_topk_weights && h->has_weights) {
-                                for (size_t i = 0; i < (size_t)N * K; i++)
-                                        a->combined_topk_weights[i] = topk[i] >= 0 ? hw[i] : 0.0f;
-                        }
                         rows = N;
                 }
         }

@@ -411,6 +411,52 @@ VECTOR_CLONES static void acc_store(uint16_t *restrict out, const float *restric
         }
 }
 
+/* combined_topk_weights with recv_weights (docs/semantics.md §3): for every k, +0.0f plus, for
+ * each destination d that the token went to, in ascending d, d's recv_weights at the token's row
+ * there, position k; a NaN sum is stored as 0x7FFFFFFF, the NaN that CUDA's fp32 additions give
+ * (x86 keeps an input NaN's payload, and makes Inf + -Inf 0xFFC00000). sel and rows are the
+ * token's plan entries: a NON_EXPAND row is set at the first position of each destination only,
+ * so each row >= 0 names one destination. */
+static void reduce_recv_weights(const struct epd_combine_exec *op, const int32_t *sel,
+                                const int32_t *rows, float *out)
+{
+        const struct epd_plan *plan = op->plan;
+        const uint32_t K = plan->num_topk, L = plan->num_local_experts;
+        const float *wd[EPD_MAX_TOPK];
+        uint32_t n = 0;
+
+        for (uint32_t d = 0; d < plan->world_size && n < K; d++)
+                for (uint32_t k = 0; k < K; k++)
+                        if (rows[k] >= 0 && epd_route_expert_rank(sel[k], L) == d) {
+                                wd[n++] = (const float *)mat_row(&op->recv_weights[d], rows[k]);
+                                break;
+                        }
+        for (uint32_t k = 0; k < K; k++) {
+                float acc = +0.0f;
+
+                for (uint32_t j = 0; j < n; j++)
+                        acc = acc + wd[j][k];
+                if (acc != acc) {
+                        const uint32_t nan = 0x7FFFFFFFu;
+
+                        memcpy(&out[k], &nan, 4);
+                } else {
+                        out[k] = acc;
+                }
+        }
+}
+
+/* combined_topk_weights without recv_weights: the dispatch's weights as bits (a NaN's payload
+ * included), +0.0f where topk_idx held -1. */
+static void combine_copy_weights(uint32_t K, const int32_t *sel, const float *w, uint8_t *out)
+{
+        const float zero = 0.0f;
+
+        for (uint32_t k = 0; k < K; k++)
+                memcpy(out + (size_t)k * 4, sel[k] >= 0 ? (const void *)&w[k] : (const void *)&zero,
+                       4);
+}
+
 static void combine_token(const struct epd_combine_exec *op, uint32_t s, uint32_t t)
 {
         const struct epd_plan *plan = op->plan;
@@ -418,7 +464,7 @@ static void combine_token(const struct epd_combine_exec *op, uint32_t s, uint32_
         const struct epd_combine_src_io *src = &op->src[s];
         const int32_t *sel = plan->topk[s] + (size_t)t * K;
         const int32_t *rows = plan->row[s] + (size_t)t * K;
-        const int weighted = op->apply_weights && src->weights;
+        const int weighted = op->apply_weights && (src->source_weights.ptr || src->weights);
         const uint16_t *bias[2] = { NULL, NULL };
         const uint16_t *y[EPD_MAX_TOPK];
         float w[EPD_MAX_TOPK];
@@ -433,7 +479,10 @@ static void combine_token(const struct epd_combine_exec *op, uint32_t s, uint32_
                         continue;
                 y[n] = (const uint16_t *)mat_row(&op->y[epd_route_expert_rank(sel[k], L)],
                                                  rows[k]);
-                w[n] = weighted ? src->weights[(size_t)t * K + k] : 1.0f;
+                w[n] = !weighted ? 1.0f
+                       : src->source_weights.ptr
+                               ? ((const float *)mat_row(&src->source_weights, t))[k]
+                               : src->weights[(size_t)t * K + k];
                 n++;
         }
         for (int b = 0; b < 2; b++)
@@ -451,15 +500,11 @@ static void combine_token(const struct epd_combine_exec *op, uint32_t s, uint32_
                           bias[1] ? bias[1] + c0 : NULL, cols);
         }
 
-        if (src->combined_topk_weights.ptr && src->weights) {
-                uint8_t *cw = mat_row(&src->combined_topk_weights, t);
-                const float zero = 0.0f;
-
-                for (uint32_t k = 0; k < K; k++)
-                        memcpy(cw + (size_t)k * 4,
-                               sel[k] >= 0 ? (const void *)&src->weights[(size_t)t * K + k]
-                                           : (const void *)&zero, 4);
-        }
+        if (src->combined_topk_weights.ptr && op->recv_weights)
+                reduce_recv_weights(op, sel, rows, (float *)mat_row(&src->combined_topk_weights, t));
+        else if (src->combined_topk_weights.ptr && src->weights)
+                combine_copy_weights(K, sel, src->weights + (size_t)t * K,
+                                     mat_row(&src->combined_topk_weights, t));
 }
 
 void epd_host_combine_item(const struct epd_combine_exec *op, uint64_t item)

@@ -44,11 +44,16 @@ struct epd_combine_exec {
         int apply_weights;
         const struct epd_mat *y;                /* [R]: rank d's y (bf16 rows, layout of plan) */
         const struct epd_combine_src_io *src;   /* [R] */
+        /* NULL, or [R]: rank d's recv_weights, fp32 [rows, K_op] in the NON_EXPAND layout of
+         * plan (docs/semantics.md §3); combined_topk_weights is then their reduction over the
+         * destinations. A rank without rows may have ptr NULL. */
+        const struct epd_mat *recv_weights;
 };
 
 /* Work items of a combine: R * ceil(T / 32) token chunks. combined_topk_weights is written only
- * when both it and weights are given; apply_weights without weights is treated as no weights
- * (the caller rejects that combination with INVALID_ARGUMENT first). Combine on x86-64 runs an
+ * when it is given and recv_weights or weights are; apply_weights weighs with source_weights
+ * when given, else weights, and without either is treated as unweighted (the caller rejects that
+ * combination with INVALID_ARGUMENT first). Combine on x86-64 runs an
  * AVX2 clone of its kernels when the CPU has AVX2; the bits are the same either way. */
 uint64_t epd_host_combine_items(const struct epd_combine_exec *op);
 void epd_host_combine_item(const struct epd_combine_exec *op, uint64_t item);

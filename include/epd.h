@@ -382,6 +382,19 @@ struct epd_combine_args {
         struct epd_tensor combined;     /* [N_s, H] bf16 */
         struct epd_tensor combined_topk_weights; /* [N_s, K_op] fp32, optional */
         uint64_t wait_inputs;           /* as in struct epd_dispatch_args */
+        /* The weight inputs of docs/semantics.md §3. Fields past the caller's size are absent,
+         * so callers built before them keep working (size versioning). */
+        /* NON_EXPAND, optional: this destination's weights per received row, fp32
+         * [num_recv_tokens, K_op] (for example the dispatch's recv_weights, possibly changed).
+         * Given by every rank or by none: combined_topk_weights on each source is then, for every
+         * k, the fp32 sum over the destinations its token went to, in ascending rank, of their
+         * rows' weights (DeepEP's combine(topk_weights=...)); the dispatch need not have carried
+         * weights. A rank that received no rows passes a [0, K_op] tensor. */
+        struct epd_tensor recv_weights;
+        /* Optional: this source's own weights, fp32 [N_s, K_op]: with apply_weights (EXPAND),
+         * w(t, k) is source_weights[t][k] in place of the weight the dispatch carried, so a
+         * dispatch without weights can be combined weighted. */
+        struct epd_tensor source_weights;
 };
 
 struct epd_combine_result {

@@ -242,8 +242,44 @@ static __device__ __forceinline__ const uint8_t *mat_row(const struct epd_mat *m
 }
 
 
+/* combined_topk_weights with recv_weights (docs/semantics.md §3), by the warp of a token's
+ * first slice: for every k, +0.0f plus, in ascending destination rank d, d's recv_weights at the
+ * token's row there, position k, each addition rounded on its own; a NaN sum is 0x7FFFFFFF. The contributing lanes (row >=
+ * 0: NON_EXPAND sets one per destination the token went to) place their destinations' weight rows
+ * in the warp's slots in ascending d; lane k then adds column k of them in that order. The slots
+ * are free here: the previous item's reads of them end before the first __syncwarp, and the
+ * caller's next writes come after its own __syncwarp, after these reads. */
+static __device__ __forceinline__ void
+combine_recv_weights(struct combine_slots *sl, const struct epd_k_combine_args *p, int32_t expert,
+                     int32_t row, uint32_t n, uint32_t K, uint32_t L, uint32_t lane, float *out)
+{
+        const uint32_t dest = row >= 0 ? epd_route_expert_rank(expert, L) : UINT32_MAX;
+        uint32_t pos = 0;
+
+        /* this lane's place among the contributions: how many go to a lower rank (lanes without
+         * a row carry UINT32_MAX and never count) */
+        for (uint32_t j = 0; j < K; j++)
+                pos += __shfl_sync(EPD_K_FULL_MASK, dest, j) < dest;
+        __syncwarp();
+        if (row >= 0)
+                sl->rows[pos] = p->ranks[dest].recv_weights.ptr +
+                                (uint64_t)row * p->ranks[dest].recv_weights.stride;
+        __syncwarp();
+        if (lane < K) {
+                float acc = 0.0f;
+                for (uint32_t c = 0; c < n; c++)
+                        acc = __fadd_rn(acc, ((const float *)sl->rows[c])[lane]);
+                /* the canonical NaN, which the additions give already (cpu/exec.c stores it) */
+                out[lane] = acc != acc ? __uint_as_float(0x7fffffffu) : acc;
+        }
+}
+
 /* combine_hot.flags */
 #define COMBINE_WEIGHTED 1u /* multiply each contribution by its weight (apply_weights) */
+/* Launches from device descriptors only (the launcher takes no INL path with them): */
+#define COMBINE_SOURCE_WEIGHTS 4u /* a source's source_weights, when given, is w(t, k) */
+#define COMBINE_RECV_WEIGHTS 8u   /* combined_topk_weights reduces the destinations'
+                                   * recv_weights (docs/semantics.md §3) */
 /* INL launches only: every row the op reads or writes (every rank's y, the local ranks' biases
  * and outputs) is 16-byte aligned with a 16-byte stride, 2H is a multiple of 16, and every local
  * rank with tokens has an output, as the launcher checked on its host copies; the warps then
@@ -324,10 +360,12 @@ template <> struct combine_mode<struct combine_inl_bias> {
  * loads that travel the memory path). epd_k_combine_args: both come from device memory
  * (args.local, args.ranks).
  *
- * Memory ordering: everything it reads (the handle's rows, topk and weights; every rank's y;
- * the biases) was written before the launch by kernels or copies that the host orders before it
- * with events, so plain and read-only (epd__k_ldg) loads are correct: nothing written during this
- * kernel is read by it. Each output element has one writer. */
+ * Memory ordering: everything it reads (the handle's rows, topk and weights; every rank's y,
+ * recv_weights and source_weights; the biases) was written before the launch by kernels or
+ * copies that the host orders before it with events (the clients' inputs as y is, through the
+ * inputs_ready wait), so plain and read-only (epd__k_ldg) loads are correct: nothing written
+ * during this kernel is read by it. Each output element has one writer: combined_topk_weights
+ * row t is written by the warp of (t, slice 0) alone. */
 template <bool STREAM, typename P>
 static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
         combine_kernel(const __grid_constant__ struct combine_hot hot, const __grid_constant__ P p)
@@ -397,9 +435,21 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 }
                 if (lane < K) {
                         /* The dispatch's weights, masked to 0.0f where topk_idx held -1;
-                         * nothing to route back when the dispatch carried none. */
-                        if (slice == 0 && hot.weights != NULL && ctw->ptr != NULL)
+                         * nothing to route back when the dispatch carried none, and the
+                         * reduction below instead with recv_weights. */
+                        if (slice == 0 && hot.weights != NULL && ctw->ptr != NULL &&
+                            (hot.flags & COMBINE_RECV_WEIGHTS) == 0)
                                 ((float *)mat_row(ctw, t))[lane] = expert >= 0 ? weight : 0.0f;
+                }
+                if constexpr (!INL) {
+                        /* w(t, k) of apply_weights: the source's own weights when it gave them
+                         * (read once per item, like the workspace's) */
+                        if ((hot.flags & COMBINE_SOURCE_WEIGHTS) != 0 && lane < K) {
+                                const float *sw =
+                                        (const float *)mat_row(&p.ranks[s].source_weights, t);
+                                if (sw != NULL)
+                                        weight = sw[lane];
+                        }
                 }
                 /* NON_EXPAND rows are set only at each destination's first position, EXPAND rows
                  * at every selection: a row >= 0 is exactly a contribution. */
@@ -424,6 +474,12 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, COMBINE_MIN_BLOCKS)
                 }
                 const uint32_t mask = __ballot_sync(EPD_K_FULL_MASK, row >= 0);
                 const uint32_t n = __popc(mask);
+                if constexpr (!INL) {
+                        if ((hot.flags & COMBINE_RECV_WEIGHTS) != 0 && slice == 0 &&
+                            ctw->ptr != NULL)
+                                combine_recv_weights(sl, &p, expert, row, n, K, L, lane,
+                                                     (float *)mat_row(ctw, t));
+                }
                 /* the previous item's reads of the slots are done before they are rewritten, and
                  * these writes are visible to the warp's reads below (__syncwarp orders the
                  * warp's shared memory accesses) */
@@ -566,7 +622,12 @@ static int combine_describe(const struct epd_k_combine_args *args, struct combin
         h->world_size = args->world_size;
         h->hidden = args->hidden;
         h->flags = args->apply_weights != 0 ? COMBINE_WEIGHTED : 0;
-        const int inl = combine_fill_inl(args, g);
+        /* The weight inputs are read from the device descriptors: such an op takes no INL
+         * launch, whose parameter block stays as measured. */
+        const int weight_inputs = args->source_weights != 0 || args->recv_weights != 0;
+        h->flags |= (args->source_weights != 0 ? COMBINE_SOURCE_WEIGHTS : 0) |
+                    (args->recv_weights != 0 ? COMBINE_RECV_WEIGHTS : 0);
+        const int inl = weight_inputs ? -1 : combine_fill_inl(args, g);
         if (inl >= 0 && combine_all_aligned(args))
                 h->flags |= COMBINE_ALIGNED;
         const uint64_t items = (uint64_t)args->local_tokens * slices;

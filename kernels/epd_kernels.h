@@ -124,6 +124,12 @@ struct epd_k_combine_rank {
         struct epd_mat bias[2];        /* bf16 [N_s, H]; ptr NULL when absent */
         struct epd_mat combined;       /* bf16 [N_s, H] */
         struct epd_mat combined_topk_weights; /* fp32 [N_s, K_op]; ptr NULL when absent */
+        /* docs/semantics.md §3's weight inputs; ptr NULL when absent. source_weights is the
+         * source's fp32 [N_s, K_op], w(t, k) of apply_weights in place of the dispatch's;
+         * recv_weights is the destination's fp32 [>= y_rows, K_op] (NON_EXPAND), read by the
+         * devices of the sources of the rows it received, like y. */
+        struct epd_mat source_weights;
+        struct epd_mat recv_weights;
 };
 
 struct epd_k_combine_args {
@@ -131,10 +137,16 @@ struct epd_k_combine_args {
         uint32_t num_topk;             /* K_op of the handle's dispatch */
         enum epd_layout layout;        /* the handle's */
         uint32_t hidden;               /* H */
-        int apply_weights;             /* EXPAND only, and only when has_weights */
+        int apply_weights;             /* EXPAND only, and only when has_weights or
+                                        * source_weights */
         int has_weights;               /* the handle carries weights: its dispatch's, or the
                                         * last cached dispatch's that gave new ones (the copy
                                         * step keeps them in the workspace) */
+        int source_weights;            /* every source with tokens has ranks[s].source_weights
+                                        * when !has_weights; any source may have them else */
+        int recv_weights;              /* NON_EXPAND: every rank with rows has
+                                        * ranks[d].recv_weights; combined_topk_weights is their
+                                        * reduction (docs/semantics.md §3) */
         const void *workspace;         /* the handle's workspace (placed dispatch) */
         const struct epd_k_combine_rank *ranks; /* [R], device memory */
         const struct epd_k_local *local;        /* [num_local + 1], device memory */

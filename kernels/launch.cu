@@ -158,8 +158,12 @@ int epd__k_check_combine(const struct epd_k_combine_args *a, struct epd_ws_layou
                 return EPD_INVALID_ARGUMENT;
         if (a->layout != EPD_LAYOUT_NON_EXPAND && a->layout != EPD_LAYOUT_EXPAND)
                 return EPD_INVALID_ARGUMENT;
-        /* docs/semantics.md §3: apply_weights needs EXPAND and a dispatch that carried weights. */
-        if (a->apply_weights && (a->layout != EPD_LAYOUT_EXPAND || !a->has_weights))
+        /* docs/semantics.md §3: apply_weights needs EXPAND and weights (the dispatch's or the
+         * sources' own); recv_weights need NON_EXPAND. */
+        if (a->apply_weights && (a->layout != EPD_LAYOUT_EXPAND ||
+                                 (!a->has_weights && !a->source_weights)))
+                return EPD_INVALID_ARGUMENT;
+        if (a->recv_weights && a->layout != EPD_LAYOUT_NON_EXPAND)
                 return EPD_INVALID_ARGUMENT;
         if (a->workspace == NULL || a->ranks == NULL ||
             !local_ok(a->local, a->num_local, a->world_size))

@@ -93,6 +93,7 @@ struct epdd_exec_rank {
         struct epd_mat y;
         uint64_t y_rows;              /* rows the client declared for y */
         struct epd_combine_src_io comb;
+        struct epd_mat recv_weights;  /* fp32 [y_rows, K_op] when the exec's recv_weights */
         /* Stream ordering (common/doorbell.h). */
         struct epd_doorbell *doorbell;  /* host address of the rank's doorbell */
         void *doorbell_dev;             /* device address, cuda backend */
@@ -117,6 +118,7 @@ struct epdd_exec {
         int zero_padding;
         int has_weights;
         int apply_weights;
+        int recv_weights;             /* combine: ranks[].recv_weights given (NON_EXPAND) */
         void *handle_state;           /* combine / cached dispatch: the handle's state */
         void *new_handle_state;       /* dispatch: state produced for the new handle */
         struct epdd_exec_rank *ranks;  /* [R] */

@@ -761,6 +761,7 @@ static int run_combine(struct cuda_backend *cb, struct epdd_exec *ex)
                         break;
                 }
                 struct epd_k_combine_rank *kr = (struct epd_k_combine_rank *)h;
+                memset(a, 0, sizeof(*a));
                 for (uint32_t r = 0; r < R; r++) {
                         const struct epdd_exec_rank *er = &ex->ranks[r];
                         memset(&kr[r], 0, sizeof(kr[r]));
@@ -771,8 +772,10 @@ static int run_combine(struct cuda_backend *cb, struct epdd_exec *ex)
                         kr[r].bias[1] = er->comb.bias[1];
                         kr[r].combined = er->comb.combined;
                         kr[r].combined_topk_weights = er->comb.combined_topk_weights;
+                        kr[r].source_weights = er->comb.source_weights;
+                        kr[r].recv_weights = er->recv_weights;
+                        a->source_weights |= er->comb.source_weights.ptr != NULL;
                 }
-                memset(a, 0, sizeof(*a));
                 build_local(ex, d, (struct epd_k_local *)(h + ranks_bytes), &a->num_local,
                             &a->local_tokens, 1);
                 if (upload_desc(dv, DESC_COMBINE, bytes) < 0) {
@@ -788,6 +791,7 @@ static int run_combine(struct cuda_backend *cb, struct epdd_exec *ex)
                 a->hidden = ex->cfg.hidden;
                 a->apply_weights = ex->apply_weights;
                 a->has_weights = ex->has_weights;
+                a->recv_weights = ex->recv_weights;
                 a->workspace = ch->ws;
                 a->ranks = dv->desc[DESC_COMBINE].d;
                 a->local = (const struct epd_k_local *)((uint8_t *)dv->desc[DESC_COMBINE].d +

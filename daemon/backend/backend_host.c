@@ -348,7 +348,7 @@ static void run_combine(struct host_backend *hb, struct epdd_exec *ex)
         const struct epdd_group_cfg *cfg = &ex->cfg;
         uint32_t R = cfg->world_size;
         struct host_handle *hh = ex->handle_state;
-        struct epd_mat *y = calloc(R, sizeof(*y));
+        struct epd_mat *y = calloc(2 * (size_t)R, sizeof(*y)); /* y[R], then recv_weights[R] */
         struct epd_combine_src_io *src = calloc(R, sizeof(*src));
         uint64_t rows = 0;
 
@@ -361,6 +361,7 @@ static void run_combine(struct host_backend *hb, struct epdd_exec *ex)
         }
         for (uint32_t r = 0; r < R; r++) {
                 y[r] = ex->ranks[r].y;
+                y[R + r] = ex->ranks[r].recv_weights;
                 src[r] = ex->ranks[r].comb;
                 src[r].weights = hh->weights ? hh->weights[r] : NULL;
                 rows += ex->ranks[r].y_rows;
@@ -371,6 +372,7 @@ static void run_combine(struct host_backend *hb, struct epdd_exec *ex)
                 .apply_weights = ex->apply_weights,
                 .y = y,
                 .src = src,
+                .recv_weights = ex->recv_weights ? y + R : NULL,
         };
         pool_run(&hb->pool, combine_item, &ce, epd_host_combine_items(&ce));
         if (aborted(ex)) {

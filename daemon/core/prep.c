@@ -341,6 +341,56 @@ static int prep_dispatch(struct prep *p)
         return 0;
 }
 
+/* The weight inputs of a combine (docs/semantics.md §3), after the handle's options are in the
+ * exec and the ranks agree on whether recv_weights are given: recv_weights, fp32 [>= rows, K_op]
+ * on each destination, NON_EXPAND only; source_weights, fp32 [N_s, K_op] on each source, w(t, k)
+ * of apply_weights, needed on every source with tokens when the dispatch carried no weights. */
+static int prep_combine_weights(struct prep *p, const struct epdd_handle *h)
+{
+        struct epdd_op *op = p->op;
+        struct epdd_exec *ex = p->ex;
+        const uint32_t R = op->group->cfg.world_size, K = ex->num_topk;
+        char what[96];
+        int rc;
+
+        ex->recv_weights = epd__tensor_present(&op->subs[0].req.t[EPD_OPREC_COMBINE_RECV_WEIGHTS]);
+        if (ex->recv_weights && ex->layout != EPD_LAYOUT_NON_EXPAND)
+                return prep_fail(p, EPD_INVALID_ARGUMENT, 0,
+                                 "recv_weights: the handle's dispatch is EXPAND; recv_weights "
+                                 "are NON_EXPAND only");
+        for (uint32_t r = 0; r < R; r++) {
+                const struct epd_op_request *m = &op->subs[r].req;
+                const struct epd_tensor *rw = &m->t[EPD_OPREC_COMBINE_RECV_WEIGHTS];
+                const struct epd_tensor *sw = &m->t[EPD_OPREC_SOURCE_WEIGHTS];
+                struct epdd_exec_rank *er = &ex->ranks[r];
+                const uint32_t n = h->ranks[r].num_tokens;
+                const uint64_t rows = (uint64_t)h->ranks[r].rows;
+
+                if (ex->recv_weights) {
+                        snprintf(what, sizeof(what), "recv_weights (expected fp32 [%llu, %u])",
+                                 (unsigned long long)rows, K);
+                        rc = prep_tensor(p, r, what, rw, EPD_DTYPE_FP32, rows, K, 0,
+                                         &er->recv_weights, NULL);
+                        if (rc < 0)
+                                return rc;
+                }
+                if (epd__tensor_present(sw) || (ex->apply_weights && !h->has_weights && n > 0)) {
+                        if (!epd__tensor_present(sw))
+                                return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                                 "apply_weights needs source_weights, fp32 "
+                                                 "[%u, %u], when the dispatch carried no weights",
+                                                 n, K);
+                        snprintf(what, sizeof(what), "source_weights (expected fp32 [%u, %u])", n,
+                                 K);
+                        rc = prep_tensor(p, r, what, sw, EPD_DTYPE_FP32, n, K, 1,
+                                         &er->comb.source_weights, NULL);
+                        if (rc < 0)
+                                return rc;
+                }
+        }
+        return 0;
+}
+
 static int prep_combine(struct prep *p)
 {
         struct epdd_op *op = p->op;
@@ -350,6 +400,7 @@ static int prep_combine(struct prep *p)
         const struct epd_op_request *m0 = &op->subs[0].req;
         uint32_t R = cfg->world_size;
         struct epdd_handle *h;
+        int rc;
 
         for (uint32_t r = 1; r < R; r++) {
                 const struct epd_op_request *m = &op->subs[r].req;
@@ -361,6 +412,14 @@ static int prep_combine(struct prep *p)
                 if (((m->flags ^ m0->flags) & EPD_OPREC_APPLY_WEIGHTS))
                         return prep_fail(p, EPD_INVALID_ARGUMENT, r,
                                          "apply_weights differs from rank 0's");
+                if (epd__tensor_present(&m->t[EPD_OPREC_COMBINE_RECV_WEIGHTS]) !=
+                    epd__tensor_present(&m0->t[EPD_OPREC_COMBINE_RECV_WEIGHTS]))
+                        return prep_fail(p, EPD_INVALID_ARGUMENT, r,
+                                         "recv_weights %s but %s on rank 0",
+                                         epd__tensor_present(&m->t[EPD_OPREC_COMBINE_RECV_WEIGHTS])
+                                                 ? "present" : "absent",
+                                         epd__tensor_present(&m->t[EPD_OPREC_COMBINE_RECV_WEIGHTS])
+                                                 ? "absent" : "present");
         }
         h = epd_group_handle_find(g, m0->handle_id);
         if (!h)
@@ -376,14 +435,16 @@ static int prep_combine(struct prep *p)
         ex->topk_dtype = h->topk_dtype;
         ex->has_weights = h->has_weights;
         ex->apply_weights = ((m0->flags & EPD_OPREC_APPLY_WEIGHTS) != 0);
-        if (ex->apply_weights && (ex->layout != EPD_LAYOUT_EXPAND || !h->has_weights))
+        if (ex->apply_weights && ex->layout != EPD_LAYOUT_EXPAND)
                 return prep_fail(p, EPD_INVALID_ARGUMENT, 0,
-                                 "apply_weights needs an EXPAND dispatch that carried weights");
+                                 "apply_weights needs an EXPAND dispatch");
+        rc = prep_combine_weights(p, h);
+        if (rc < 0)
+                return rc;
         for (uint32_t r = 0; r < R; r++) {
                 const struct epd_op_request *m = &op->subs[r].req;
                 struct epdd_exec_rank *er = &ex->ranks[r];
                 uint32_t n = h->ranks[r].num_tokens;
-                int rc;
 
                 er->num_tokens = n;
                 er->device = g->ranks[r].device;
@@ -413,9 +474,10 @@ static int prep_combine(struct prep *p)
                                 return rc;
                 }
                 if (epd__tensor_present(&m->t[EPD_OPREC_COMBINED_TOPK_WEIGHTS])) {
-                        if (!h->has_weights)
+                        if (!h->has_weights && !ex->recv_weights)
                                 return prep_fail(p, EPD_INVALID_ARGUMENT, r,
-                                                 "combined_topk_weights needs a dispatch that carried weights");
+                                                 "combined_topk_weights needs a dispatch that "
+                                                 "carried weights, or recv_weights");
                         rc = prep_tensor(p, r, "combined_topk_weights", &m->t[EPD_OPREC_COMBINED_TOPK_WEIGHTS],
                                          EPD_DTYPE_FP32, n, ex->num_topk, 0,
                                          &er->comb.combined_topk_weights, NULL);

@@ -1052,6 +1052,10 @@ static void cmd_combine(struct reader *r, struct fz_client *cl)
         m.t[EPD_OPREC_BIAS1] = read_tensor(r, cl, n, H, EPD_DTYPE_BF16);
         m.t[EPD_OPREC_COMBINED] = read_tensor(r, cl, n, H, EPD_DTYPE_BF16);
         m.t[EPD_OPREC_COMBINED_TOPK_WEIGHTS] = read_tensor(r, cl, n, K, EPD_DTYPE_FP32);
+        if (flags & 2)
+                m.t[EPD_OPREC_COMBINE_RECV_WEIGHTS] = read_tensor(r, cl, rows, K, EPD_DTYPE_FP32);
+        if (flags & 4)
+                m.t[EPD_OPREC_SOURCE_WEIGHTS] = read_tensor(r, cl, n, K, EPD_DTYPE_FP32);
         /* Bias slots past the count stay empty: the script reads them either way. */
         for (uint32_t i = m.num_bias; i < 2; i++)
                 memset(&m.t[EPD_OPREC_BIAS0 + i], 0, sizeof(m.t[0]));

@@ -78,9 +78,11 @@ enum epd_fuzz_op {
          * scales, topk_idx, topk_weights, recv_x, recv_scales, recv_topk_idx, recv_weights,
          * recv_src, recv_topk_slot */
         EPD_FUZZ_OP_DISPATCH = 13,
-        /* u8 binding sel, u8 rank, u8 handle sel, u8 flags (bit 0 apply_weights, bit 3 see
-         * EPD_FUZZ_PAGE, bit 4 wait_inputs, bit 7 posted in the doorbell page), u8 number of
-         * biases (% 4), then the tensors y, bias[0], bias[1], combined, combined_topk_weights */
+        /* u8 binding sel, u8 rank, u8 handle sel, u8 flags (bit 0 apply_weights, bit 1
+         * recv_weights, bit 2 source_weights, bit 3 see EPD_FUZZ_PAGE, bit 4 wait_inputs, bit 7
+         * posted in the doorbell page), u8 number of biases (% 4), then the tensors y, bias[0],
+         * bias[1], combined, combined_topk_weights, then recv_weights (bit 1) and
+         * source_weights (bit 2) */
         EPD_FUZZ_OP_COMBINE = 14,
         /* u8 binding sel, u8 rank, u8 handle sel */
         EPD_FUZZ_OP_HANDLE_RELEASE = 15,

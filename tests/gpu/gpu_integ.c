@@ -99,6 +99,20 @@ static const struct gcase matrix[] = {
                TD_ROUTING_SKEWED, 0.1, WL_TOKENS_DESCENDING, 1, 1, 1), MEM_EPD, 1 },
         { CASE("gpu_r2_ne_fp8_epd_alloc", 708, 2, 16, 512, 32, 4, F8, I32, NE, 1, 0, 1,
                TD_ROUTING_UNIFORM, 0.1, WL_TOKENS_SOME_ZERO, 2, 0, 0), MEM_EPD, 0 },
+        /* combine's weight inputs (docs/semantics.md §3): recv_weights after a dispatch
+         * without weights (and its cached dispatch); source_weights with apply_weights. */
+        { { .name = "gpu_r4_ne_bf16_recv_weights", .seed = 709, .world_size = 4,
+            .num_experts = 32, .hidden = 256, .max_tokens = 48, .num_topk = 8, .dtype = BF,
+            .topk_dtype = I64, .layout = NE, .expert_alignment = 1, .has_weights = 0,
+            .routing = TD_ROUTING_UNIFORM, .minus_one_prob = 0.1,
+            .tokens = WL_TOKENS_DESCENDING, .num_bias = 1, .cached = 1, .steps = 1,
+            .combine_weights = WL_COMBINE_RECV_WEIGHTS }, MEM_MALLOC, 0 },
+        { { .name = "gpu_r4_ex_fp8_source_weights", .seed = 710, .world_size = 4,
+            .num_experts = 32, .hidden = 512, .max_tokens = 48, .num_topk = 8, .dtype = F8,
+            .topk_dtype = I64, .layout = EX, .expert_alignment = 4, .zero_padding = 1,
+            .has_weights = 0, .routing = TD_ROUTING_SKEWED, .minus_one_prob = 0.1,
+            .tokens = WL_TOKENS_SOME_ZERO, .num_bias = 2, .apply_weights = 1, .steps = 1,
+            .combine_weights = WL_COMBINE_SOURCE_WEIGHTS }, MEM_CUMEM, 0 },
 };
 
 /* CAPACITY_EXCEEDED: rank 1's outputs hold one row fewer than it receives. */
@@ -722,10 +736,28 @@ static int combine_ok(struct worker *w, const struct step *st, uint64_t handle, 
         float *cw = NULL;
         char err[1024];
         int rc, bad = 0;
+        /* combine's weight inputs: every rank's recv_weights (wh[d]) and source_weights
+         * (wh[R + s]), seeded, so every worker has them for its reference */
+        const int recv_w = (c->combine_weights & WL_COMBINE_RECV_WEIGHTS) != 0;
+        const int source_w = (c->combine_weights & WL_COMBINE_SOURCE_WEIGHTS) != 0;
+        float *wh[2 * MAX_RANKS] = { NULL };
+        struct ref_buf wbufs[2 * MAX_RANKS];
 
         for (uint32_t d = 0; d < R; d++) {
                 ys[d] = y_make(c, d, st->ref->dst[d].rows, tag);
                 ybufs[d] = (struct ref_buf){ ys[d], 0 };
+        }
+        for (uint32_t i = 0; i < 2 * R; i++) {
+                struct td_rng rng;
+                uint64_t wrows = i < R ? (uint64_t)st->ref->dst[i].rows
+                                       : st->ins[i - R].num_tokens;
+                wh[i] = malloc((size_t)wrows * K * 4 + 4);
+                if (!wh[i])
+                        abort();
+                td_rng_seed(&rng, td_mix_seed(c->seed, 7000000 + (uint64_t)i * 100 +
+                                                               (uint64_t)tag));
+                td_fill_f32(&rng, wh[i], wrows, K, 0, -1.0f, 2.0f);
+                wbufs[i] = (struct ref_buf){ wh[i], 0 };
         }
         int64_t rows = my_rows(w, st);
         uint16_t *y = dtake(w, &w->in, (uint64_t)rows * H * 2);
@@ -756,7 +788,23 @@ static int combine_ok(struct worker *w, const struct step *st, uint64_t handle, 
                 bad = failf(w, __LINE__, "combined output setup failed");
                 goto out;
         }
-        if (c->has_weights) {
+        if (recv_w) {
+                float *rw = dtake(w, &w->in, (uint64_t)rows * K * 4);
+                if (upload(w, rw, wh[w->rank], (uint64_t)rows * K * 4) != 0 ||
+                    dtensor(w, rw, EPD_DTYPE_FP32, (uint64_t)rows, K, &cb.recv_weights) != 0) {
+                        bad = 1;
+                        goto out;
+                }
+        }
+        if (source_w) {
+                float *sw = dtake(w, &w->in, (uint64_t)n * K * 4);
+                if (upload(w, sw, wh[R + w->rank], (uint64_t)n * K * 4) != 0 ||
+                    dtensor(w, sw, EPD_DTYPE_FP32, n, K, &cb.source_weights) != 0) {
+                        bad = 1;
+                        goto out;
+                }
+        }
+        if (c->has_weights || recv_w) {
                 cw = dtake(w, &w->out, (uint64_t)n * K * 4);
                 if (dtensor(w, cw, EPD_DTYPE_FP32, n, K, &cb.combined_topk_weights) != 0) {
                         bad = 1;
@@ -786,12 +834,17 @@ static int combine_ok(struct worker *w, const struct step *st, uint64_t handle, 
                 goto out;
         }
         struct ref_combine_in cin = { ybufs, c->apply_weights };
-        if (ref_check_combine(st->ref, &cin, w->rank, bias, (struct ref_buf){ combined_h, 0 },
-                              (struct ref_buf){ cw_h, 0 }, err, sizeof(err)) != 0)
+        struct ref_combine_weights cws = { .source_weights = source_w ? wbufs + R : NULL,
+                                           .recv_weights = recv_w ? wbufs : NULL };
+        if (ref_check_combine_w(st->ref, &cin, &cws, w->rank, bias,
+                                (struct ref_buf){ combined_h, 0 }, (struct ref_buf){ cw_h, 0 },
+                                err, sizeof(err)) != 0)
                 bad = failf(w, __LINE__, "combine outputs (device memory, tag %d): %s", tag, err);
 out:
         for (uint32_t d = 0; d < R; d++)
                 free(ys[d]);
+        for (uint32_t i = 0; i < 2 * R; i++)
+                free(wh[i]);
         free(bias_h[0]);
         free(bias_h[1]);
         free(combined_h);

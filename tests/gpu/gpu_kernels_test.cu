@@ -228,6 +228,11 @@ struct tcase {
         int cached;                 /* also run a cached dispatch with new weights */
         int big;                    /* the realistic case: timed, skipped by --quick */
         uint64_t seed;
+        /* combine's weight inputs (docs/semantics.md §3): source_weights (w(t, k) of
+         * apply_weights) on every source (1) or on even sources only (2, with dispatch
+         * weights); every destination's recv_weights (NON_EXPAND) */
+        int source_weights;
+        int recv_weights;
 };
 
 #define MAX_CASES 128
@@ -416,6 +421,30 @@ static void build_cases(void)
         c->seed = 0x6004;
         /* The copy's scale stores (copy_token_rows): rows of up to 256 bytes go out two
          * destinations per instruction, 272 to 512 one, longer ones after the x bytes. */
+        /* combine's weight inputs, which take the launch from device descriptors */
+        c = add_case("weight inputs: recv_weights without dispatch weights, -1 entries, bias");
+        c->R = 4; c->E = 32; c->T = 120; c->K = 8; c->KO = 8; c->neg_frac = 0.2;
+        c->num_bias = 1; c->recv_weights = 1; c->seed = 0x7001;
+        c = add_case("weight inputs: recv_weights over dispatch weights, fp8, strided, cached");
+        c->R = 8; c->E = 64; c->T = 150; c->K = 8; c->KO = 6; c->dtype = EPD_DTYPE_FP8_E4M3;
+        c->H = 384; c->has_weights = 1; c->strided = 1; c->recv_weights = 1;
+        c->cached = 1; c->seed = 0x7002;
+        c = add_case("weight inputs: recv_weights, sliced small op, y off 16-byte alignment");
+        c->R = 8; c->E = 64; c->T = 30; c->K = 8; c->KO = 8; c->H = 1536; c->y_pad = 2;
+        c->has_weights = 1; c->recv_weights = 1; c->neg_frac = 0.1; c->seed = 0x7003;
+        c = add_case("weight inputs: source_weights, expand apply_weights without dispatch weights");
+        c->R = 4; c->E = 32; c->T = 100; c->K = 8; c->KO = 8; c->layout = EPD_LAYOUT_EXPAND;
+        c->align = 4; c->zero_padding = 1; c->apply_weights = 1; c->source_weights = 1;
+        c->num_bias = 2; c->neg_frac = 0.1; c->seed = 0x7004;
+        c = add_case("weight inputs: source_weights over dispatch weights, expand fp8, sliced");
+        c->R = 4; c->E = 32; c->T = 40; c->K = 8; c->KO = 8; c->H = 2048;
+        c->dtype = EPD_DTYPE_FP8_E4M3; c->layout = EPD_LAYOUT_EXPAND; c->align = 2;
+        c->has_weights = 1; c->apply_weights = 1; c->source_weights = 1; c->strided = 1;
+        c->empty_rank = 1; c->seed = 0x7005;
+        c = add_case("weight inputs: source_weights on even ranks only, dispatch weights else");
+        c->R = 4; c->E = 32; c->T = 90; c->K = 8; c->KO = 5; c->layout = EPD_LAYOUT_EXPAND;
+        c->has_weights = 1; c->apply_weights = 1; c->source_weights = 2; c->num_bias = 1;
+        c->seed = 0x7006;
         c = add_case("small op, fp8 scale rows of 288 bytes (one destination per scale store)");
         c->R = 4; c->E = 32; c->T = 40; c->K = 8; c->KO = 8; c->H = 9216; c->has_weights = 1;
         c->dtype = EPD_DTYPE_FP8_E4M3; c->seed = 0x6005;
@@ -455,6 +484,9 @@ struct rank_data {
         uint8_t *y, *d_y;
         uint8_t *bias[2], *d_bias[2];
         struct buf comb, comb_w;
+        /* combine's weight inputs: source_weights [n, KO], recv_weights [y_rows, KO] */
+        uint64_t sw_stride, rw_stride;
+        uint8_t *sw, *d_sw, *rw, *d_rw;
 };
 
 #define MAX_ALLOCS 4096
@@ -1114,10 +1146,23 @@ static int check_routing(struct ctx *x)
 
 /* ---- combine ---- */
 
+/* A combine weight input, fp32 [rows, KO] with `pad` bytes after each row: random weights on
+ * the host, and their copy on device `dev`. */
+static int weights_make(struct ctx *x, struct rng *g, int dev, uint64_t rows, uint64_t pad,
+                        uint64_t *stride, uint8_t **host, uint8_t **devp)
+{
+        *stride = 4ull * x->KO + pad;
+        *host = (uint8_t *)halloc(x, rows * *stride);
+        for (uint64_t i = 0; i < rows * *stride / 4; i++)
+                ((float *)*host)[i] = random_weight(g);
+        return upload(x, dev, *host, rows * *stride, devp);
+}
+
 static int setup_combine(struct ctx *x, struct rng *g)
 {
         const struct tcase *c = x->c;
         const uint64_t hb = 2ull * x->H;
+        const int recv_weights = c->recv_weights && c->layout == EPD_LAYOUT_NON_EXPAND;
 
         for (uint32_t d = 0; d < x->R; d++) {
                 struct rank_data *r = &x->rk[d];
@@ -1141,6 +1186,9 @@ static int setup_combine(struct ctx *x, struct rng *g)
                 }
                 if (upload(x, r->dev, r->y, (r->y_rows + 1) * r->y_stride, &r->d_y) < 0)
                         return -1;
+                if (recv_weights && weights_make(x, g, r->dev, r->y_rows, c->strided ? 8 : 0,
+                                                 &r->rw_stride, &r->rw, &r->d_rw) < 0)
+                        return -1;
         }
         for (uint32_t s = 0; s < x->R; s++) {
                 struct rank_data *r = &x->rk[s];
@@ -1154,7 +1202,11 @@ static int setup_combine(struct ctx *x, struct rng *g)
                 r->comb.present = 1;
                 r->comb.stride = stride;
                 r->comb.bytes = r->n * stride;
-                r->comb_w.present = c->has_weights;
+                if ((c->source_weights == 1 || (c->source_weights == 2 && s % 2 == 0)) &&
+                    weights_make(x, g, r->dev, r->n, c->strided ? 12 : 0, &r->sw_stride, &r->sw,
+                                 &r->d_sw) < 0)
+                        return -1;
+                r->comb_w.present = c->has_weights || recv_weights;
                 r->comb_w.stride = 4ull * x->KO + (c->strided ? 4 : 0);
                 r->comb_w.bytes = r->n * r->comb_w.stride;
                 struct buf *bs[2] = { &r->comb, &r->comb_w };
@@ -1186,6 +1238,10 @@ static int setup_combine(struct ctx *x, struct rng *g)
                         cr->combined_topk_weights.ptr = r->comb_w.dev;
                         cr->combined_topk_weights.stride = r->comb_w.stride;
                 }
+                cr->source_weights.ptr = r->d_sw;
+                cr->source_weights.stride = r->sw_stride;
+                cr->recv_weights.ptr = r->d_rw;
+                cr->recv_weights.stride = r->rw_stride;
         }
         for (int dev = 0; dev < x->ndev; dev++) {
                 CK(cudaSetDevice(dev));
@@ -1207,6 +1263,8 @@ static void dev_combine_args(const struct ctx *x, int dev, struct epd_k_combine_
         a->hidden = x->H;
         a->apply_weights = x->c->apply_weights;
         a->has_weights = x->c->has_weights;
+        a->source_weights = x->c->source_weights;
+        a->recv_weights = x->c->recv_weights && x->c->layout == EPD_LAYOUT_NON_EXPAND;
         a->workspace = x->ws;
         a->ranks = x->cr_dev[dev];
         a->local = x->local_dev[dev];
@@ -1265,6 +1323,7 @@ static int gpu_combine(struct ctx *x, int mode)
 static void host_combine(struct ctx *x, int use_w2)
 {
         struct epd_mat *y = (struct epd_mat *)halloc(x, sizeof(*y) * x->R);
+        struct epd_mat *rw = (struct epd_mat *)halloc(x, sizeof(*rw) * x->R);
         struct epd_combine_src_io *src =
                 (struct epd_combine_src_io *)halloc(x, sizeof(*src) * x->R);
         struct epd_combine_exec op;
@@ -1272,6 +1331,8 @@ static void host_combine(struct ctx *x, int use_w2)
         for (uint32_t d = 0; d < x->R; d++) {
                 y[d].ptr = x->rk[d].y;
                 y[d].stride = x->rk[d].y_stride;
+                rw[d].ptr = x->rk[d].rw;
+                rw[d].stride = x->rk[d].rw_stride;
         }
         for (uint32_t s = 0; s < x->R; s++) {
                 struct rank_data *r = &x->rk[s];
@@ -1283,6 +1344,8 @@ static void host_combine(struct ctx *x, int use_w2)
                 src[s].combined.stride = r->comb.stride;
                 src[s].combined_topk_weights.ptr = r->comb_w.present ? r->comb_w.ref : NULL;
                 src[s].combined_topk_weights.stride = r->comb_w.stride;
+                src[s].source_weights.ptr = r->sw;
+                src[s].source_weights.stride = r->sw_stride;
                 src[s].weights = NULL;
                 if (x->c->has_weights) {
                         /* cpu/exec.h wants packed [N * K_op] weights. */
@@ -1299,6 +1362,7 @@ static void host_combine(struct ctx *x, int use_w2)
         op.apply_weights = x->c->apply_weights;
         op.y = y;
         op.src = src;
+        op.recv_weights = x->c->recv_weights && x->c->layout == EPD_LAYOUT_NON_EXPAND ? rw : NULL;
         run_items(epd_host_combine_items(&op), host_combine_fn, &op);
 }
 
@@ -2302,7 +2366,7 @@ int main(int argc, char **argv)
                         continue;
                 }
                 printf("case %2d seed 0x%llx: %s [R %u%s E %u T %u K %u/%u H %u %s %s align %u%s%s "
-                       "topk %s neg %.2f bias %d%s%s%s%s]\n",
+                       "topk %s neg %.2f bias %d%s%s%s%s%s%s]\n",
                        i, (unsigned long long)c->seed, c->name, c->R, c->spread ? " spread" : "",
                        c->E, c->T, c->KO, c->K, c->H,
                        c->dtype == EPD_DTYPE_BF16 ? "bf16" : "fp8",
@@ -2311,7 +2375,9 @@ int main(int argc, char **argv)
                        c->topk_dtype == EPD_DTYPE_INT64 ? "i64" : "i32", c->neg_frac,
                        c->num_bias, c->apply_weights ? " apply-weights" : "",
                        c->strided ? " strided" : "", c->cached ? " cached" : "",
-                       c->worst_case_capacity ? " worst-cap" : "");
+                       c->worst_case_capacity ? " worst-cap" : "",
+                       c->source_weights ? " source-weights" : "",
+                       c->recv_weights ? " recv-weights" : "");
                 fflush(stdout);
                 struct ctx *x = (struct ctx *)calloc(1, sizeof(*x));
                 x->c = c;

@@ -32,7 +32,7 @@
 
 static const struct wl_case base_case = {
         "doorbell", 301, 1, 8, 64, 16, 2, EPD_DTYPE_BF16, EPD_DTYPE_INT64, EPD_LAYOUT_NON_EXPAND,
-        1, 0, 1, TD_ROUTING_UNIFORM, 0.0, WL_TOKENS_FULL, 0, 0, 1, 0, 1, 0, 0,
+        1, 0, 1, TD_ROUTING_UNIFORM, 0.0, WL_TOKENS_FULL, 0, 0, 1, 0, 1, 0, 0, 0,
 };
 
 struct setup {

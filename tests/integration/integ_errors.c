@@ -16,7 +16,11 @@
  * - PEER_LOST when a rank's client is killed during an op, re-forming the group at op 0, and
  *   handles from before the break being gone;
  * - cached dispatch with another token count, an unknown handle or another layout;
- * - combine and cached dispatch naming a handle that one rank released.
+ * - combine and cached dispatch naming a handle that one rank released;
+ * - combine's weight inputs: recv_weights after an EXPAND dispatch, of the wrong width, or given
+ *   by one rank only; source_weights of the wrong dtype or row count; combined_topk_weights with
+ *   neither dispatch weights nor recv_weights; a caller's struct that ends before the weight
+ *   inputs (size versioning) and one too short for the oldest layout.
  *
  * Workers share a small anonymous shared mapping with the test (barriers, flags, the kill time);
  * each test prints its case's seed, and every failure message repeats it.
@@ -25,6 +29,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -701,9 +706,9 @@ static void run_case(const struct wl_case *c, int variant, const char *what,
  * -1 probability, tokens, biases, apply_weights, arena, cached, steps, row padding, arena bytes
  * (only the group shape, the inputs' options and the seed matter here) */
 static const struct wl_case capacity_cases[] = {
-        { "capacity_ne", 301, 3, 12, 64, 16, 4, BF, I64, NE, 1, 0, 1, UNI, 0.1, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 },
+        { "capacity_ne", 301, 3, 12, 64, 16, 4, BF, I64, NE, 1, 0, 1, UNI, 0.1, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0, 0 },
         { "capacity_ex_a4", 302, 3, 12, 64, 16, 4, BF, I32, EX, 4, 1, 1, UNI, 0.1,
-          WL_TOKENS_DESCENDING, 0, 0, 0, 0, 1, 0, 0 },
+          WL_TOKENS_DESCENDING, 0, 0, 0, 0, 1, 0, 0, 0 },
 };
 
 /* ---- 1. CAPACITY_EXCEEDED ---- */
@@ -775,7 +780,7 @@ END_TEST
 /* The output arena holds SMALL_ARENA bytes: too small for the full op on every rank (its recv_x
  * alone is larger), large enough for two tokens per rank. */
 static const struct wl_case arena_case = { "capacity_arena", 303, 3, 12, 64, 16, 4, BF, I64, NE,
-                                           1, 0, 1, UNI, 0.0, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 };
+                                           1, 0, 1, UNI, 0.0, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0, 0 };
 
 static int arena_worker(void *arg, int index)
 {
@@ -865,7 +870,7 @@ static const char *const mismatch_names[MM_COUNT] = {
 };
 
 static const struct wl_case mismatch_case = { "mismatch", 311, 2, 8, 64, 16, 4, BF, I64, EX, 1,
-                                              0, 1, UNI, 0.1, WL_TOKENS_DESCENDING, 0, 0, 0, 0, 1, 0, 0 };
+                                              0, 1, UNI, 0.1, WL_TOKENS_DESCENDING, 0, 0, 0, 0, 1, 0, 0, 0 };
 
 /* Rank 1's case for a dispatch-field mismatch; returns what the message must say. */
 static const char *mismatch_bad_case(int variant, struct wl_case *bad)
@@ -1015,7 +1020,9 @@ static int mismatch_apply_weights(struct rank *rk)
                                   "rank 1", "apply_weights differs from rank 0's"));
         else
                 TRY(combine_fails(rk, &st, handle, 1, EPD_INVALID_ARGUMENT, 1,
-                                  "apply_weights needs an EXPAND dispatch that carried weights",
+                                  rk->sh->variant == MM_APPLY_WEIGHTS_NON_EXPAND
+                                          ? "apply_weights needs an EXPAND dispatch"
+                                          : "apply_weights needs source_weights, fp32 [",
                                   NULL));
         /* Op 2 agrees (with weights applied where they exist) and succeeds. */
         TRY(combine_ok(rk, &st, handle, differ, 0, 2));
@@ -1070,11 +1077,11 @@ enum bad_route { ROUTE_TOO_LARGE, ROUTE_BELOW_MINUS_ONE, ROUTE_DUPLICATE, ROUTE_
 #define BAD_TOKEN 3u
 
 static const struct wl_case route_cases[ROUTE_COUNT] = {
-        { "route_id_E", 321, 3, 12, 64, 16, 4, BF, I64, NE, 1, 0, 1, UNI, 0.1, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 },
+        { "route_id_E", 321, 3, 12, 64, 16, 4, BF, I64, NE, 1, 0, 1, UNI, 0.1, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0, 0 },
         { "route_id_minus_2", 322, 3, 12, 64, 16, 4, BF, I32, EX, 1, 0, 1, UNI, 0.1,
-          WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 },
+          WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0, 0 },
         { "route_duplicate", 323, 3, 12, 64, 16, 4, BF, I64, NE, 1, 0, 0, UNI, 0.1,
-          WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 },
+          WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0, 0 },
 };
 
 /* Corrupts token BAD_TOKEN of rank BAD_RANK in st; returns what the message must say. */
@@ -1158,7 +1165,7 @@ END_TEST
 /* Rank 2 submits op 0 only after ranks 0 and 1 timed out. Variant 0: the group's op timeout
  * (300 ms); variant 1: the daemon's default (--op-timeout-ms 200, group config 0). */
 static const struct wl_case timeout_case = { "timeout", 331, 3, 12, 64, 8, 2, BF, I64, NE, 1, 0,
-                                             0, UNI, 0.0, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 };
+                                             0, UNI, 0.0, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0, 0 };
 
 static int timeout_worker(void *arg, int index)
 {
@@ -1231,7 +1238,7 @@ END_TEST
 /* Op 0 succeeds on all three ranks; ranks 0 and 1 submit op 1 and the test SIGKILLs rank 2's
  * process before it submits. A new process binds rank 2 again and the group restarts at op 0. */
 static const struct wl_case peer_case = { "peer_lost", 341, 3, 12, 64, 16, 4, BF, I64, EX, 4, 1,
-                                          1, UNI, 0.1, WL_TOKENS_DESCENDING, 0, 0, 0, 0, 1, 0, 0 };
+                                          1, UNI, 0.1, WL_TOKENS_DESCENDING, 0, 0, 0, 0, 1, 0, 0, 0 };
 
 /* Every rank after the group re-formed: op 0 is a fresh dispatch, the old handle is gone (op
  * 1), and the new one combines (op 2). */
@@ -1349,7 +1356,7 @@ END_TEST
 /* ---- 7. cached dispatch errors ---- */
 
 static const struct wl_case cached_case = { "cached", 351, 2, 8, 64, 16, 4, BF, I64, NE, 1, 0, 1,
-                                            UNI, 0.1, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0 };
+                                            UNI, 0.1, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0, 0 };
 
 /* A cached dispatch of st's inputs naming `handle` (no topk_idx); outputs of cap rows. */
 static void build_cached(struct rank *rk, const struct step *st, uint64_t handle, uint64_t rows,
@@ -1437,7 +1444,7 @@ END_TEST
 /* ---- 8. a handle released by one rank ---- */
 
 static const struct wl_case release_case = { "released", 361, 3, 12, 64, 16, 4, BF, I64, NE, 1,
-                                             0, 1, UNI, 0.1, WL_TOKENS_DESCENDING, 0, 0, 0, 0, 1, 0, 0 };
+                                             0, 1, UNI, 0.1, WL_TOKENS_DESCENDING, 0, 0, 0, 0, 1, 0, 0, 0 };
 
 static int release_worker(void *arg, int index)
 {
@@ -1486,6 +1493,148 @@ START_TEST(test_released_handle)
 }
 END_TEST
 
+/* ---- 9. combine's weight inputs (docs/semantics.md §3) ---- */
+
+enum combine_weights_variant {
+        CW_RECV_EXPAND,      /* recv_weights after an EXPAND dispatch, on every rank */
+        CW_RECV_WIDTH,       /* rank 1's recv_weights [rows, K + 1] */
+        CW_RECV_ONE_RANK,    /* recv_weights on rank 0 only */
+        CW_SOURCE_DTYPE,     /* rank 1's source_weights bf16 (apply_weights, EXPAND) */
+        CW_SOURCE_ROWS,      /* rank 0's source_weights [N + 1, K] */
+        CW_CTW_NO_WEIGHTS,   /* combined_topk_weights, no dispatch weights, no recv_weights */
+        CW_OLD_SIZE,         /* size ends before recv_weights: they are ignored, the op is OK */
+        CW_COUNT
+};
+
+static const char *const cw_names[CW_COUNT] = {
+        "recv_weights_expand", "recv_weights_width", "recv_weights_one_rank",
+        "source_weights_dtype", "source_weights_rows", "combined_topk_weights_no_weights",
+        "combine_args_old_size",
+};
+
+static const struct wl_case cw_case = { "combine_weights", 371, 2, 8, 64, 16, 4, BF, I64, NE, 1,
+                                        0, 1, UNI, 0.1, WL_TOKENS_FULL, 0, 0, 0, 0, 1, 0, 0, 0 };
+
+/* An fp32 (or bf16) [rows, cols] tensor of the rank's region, filled with 0.5. */
+static struct epd_tensor cw_tensor(struct rank *rk, enum epd_dtype dtype, uint64_t rows,
+                                   uint64_t cols)
+{
+        float *p = take(rk, rows * cols * 4 + 4);
+
+        for (uint64_t i = 0; i < rows * cols; i++)
+                p[i] = 0.5f;
+        return tensor(rk, p, dtype, rows, cols);
+}
+
+static int cw_worker(void *arg, int index)
+{
+        struct shared *sh = arg;
+        struct rank rk_s, *rk = &rk_s;
+        const int v = sh->variant;
+        const uint32_t K = sh->c.num_topk;
+        struct step st = { 0 };
+        struct epd_combine_args cb;
+        struct epd_combine_result res;
+        struct epd_op *op = NULL;
+        uint16_t *combined;
+        float *cw;
+        uint64_t handle;
+        char detail[160];
+        int status;
+
+        TRY(rank_open(rk, sh, (uint32_t)index));
+        TRY(step_make(rk, &st, &sh->c, 0, 0, 0, 1));
+        TRY(dispatch_ok(rk, &st, 0, &handle));
+        const uint32_t me = rk->idx, n = st.ins[me].num_tokens;
+        const uint64_t rows = (uint64_t)ref_rows(&st, me);
+        build_combine(rk, &st, handle, v == CW_SOURCE_DTYPE || v == CW_SOURCE_ROWS, 0, &cb,
+                      &combined, &cw);
+        detail[0] = 0;
+        switch (v) {
+        case CW_RECV_EXPAND:
+                cb.recv_weights = cw_tensor(rk, EPD_DTYPE_FP32, rows, K);
+                snprintf(detail, sizeof(detail), "recv_weights: the handle's dispatch is EXPAND");
+                break;
+        case CW_RECV_WIDTH:
+                cb.recv_weights = cw_tensor(rk, EPD_DTYPE_FP32, rows, me == 1 ? K + 1 : K);
+                snprintf(detail, sizeof(detail),
+                         "rank 1: recv_weights (expected fp32 [%lld, %u]): %u columns, expected %u",
+                         (long long)ref_rows(&st, 1), K, K + 1, K);
+                break;
+        case CW_RECV_ONE_RANK:
+                if (me == 0)
+                        cb.recv_weights = cw_tensor(rk, EPD_DTYPE_FP32, rows, K);
+                snprintf(detail, sizeof(detail),
+                         "rank 1: recv_weights absent but present on rank 0");
+                break;
+        case CW_SOURCE_DTYPE:
+                cb.source_weights = cw_tensor(rk, me == 1 ? BF : EPD_DTYPE_FP32, n, K);
+                snprintf(detail, sizeof(detail),
+                         "rank 1: source_weights (expected fp32 [%u, %u]): dtype",
+                         st.ins[1].num_tokens, K);
+                break;
+        case CW_SOURCE_ROWS:
+                cb.source_weights = cw_tensor(rk, EPD_DTYPE_FP32, me == 0 ? n + 1 : n, K);
+                snprintf(detail, sizeof(detail),
+                         "rank 0: source_weights (expected fp32 [%u, %u]): %u rows, expected %u",
+                         st.ins[0].num_tokens, K, st.ins[0].num_tokens + 1,
+                         st.ins[0].num_tokens);
+                break;
+        case CW_CTW_NO_WEIGHTS:
+                cw = take(rk, (uint64_t)n * K * 4 + 4);
+                memset(cw, COMBINED_FILL, (size_t)n * K * 4);
+                cb.combined_topk_weights = tensor(rk, cw, EPD_DTYPE_FP32, n, K);
+                snprintf(detail, sizeof(detail),
+                         "combined_topk_weights needs a dispatch that carried weights, or "
+                         "recv_weights");
+                break;
+        default:
+                /* A caller built before the weight inputs: its size ends at wait_inputs, and
+                 * whatever lies past it is not read. One size shorter still is refused. */
+                memset(&cb.recv_weights, 0x5C, sizeof(cb.recv_weights));
+                memset(&cb.source_weights, 0x5C, sizeof(cb.source_weights));
+                cb.size = offsetof(struct epd_combine_args, wait_inputs) + sizeof(uint64_t) - 1;
+                status = epd_combine_submit(rk->group, &cb, &op);
+                CHECK(status == EPD_INVALID_ARGUMENT && !op,
+                      "a combine of size %zu gave %s", cb.size, status_text(status));
+                CHECK(strstr(epd_client_last_error(rk->client), "epd_combine_args.size"),
+                      "the message does not name the size: '%s'",
+                      epd_client_last_error(rk->client));
+                cb.size = offsetof(struct epd_combine_args, recv_weights);
+                status = combine_run(rk, &cb, &res);
+                CHECK(status == EPD_OK, "a combine of the oldest size gave %s: %s",
+                      status_text(status), rk->msg);
+                break;
+        }
+        if (v != CW_OLD_SIZE) {
+                status = combine_run(rk, &cb, &res);
+                TRY(expect_fail(rk, "combine", status, EPD_INVALID_ARGUMENT, 1, detail, NULL));
+                TRY(bytes_are(rk, "combined", (const uint8_t *)combined,
+                              (uint64_t)n * sh->c.hidden * 2, COMBINED_FILL));
+                if (cw)
+                        TRY(bytes_are(rk, "combined_topk_weights", (const uint8_t *)cw,
+                                      (uint64_t)n * K * 4, COMBINED_FILL));
+        }
+        /* The handle is intact: op 2, a plain combine, matches the reference. */
+        TRY(combine_ok(rk, &st, handle, v == CW_SOURCE_DTYPE || v == CW_SOURCE_ROWS, 1, 2));
+        TRY(handle_release(rk, handle));
+        step_free(&st);
+        return rank_close(rk);
+}
+
+START_TEST(test_combine_weights)
+{
+        struct wl_case c = cw_case;
+
+        c.name = cw_names[_i];
+        if (_i == CW_RECV_EXPAND || _i == CW_SOURCE_DTYPE || _i == CW_SOURCE_ROWS)
+                c.layout = EX;
+        if (_i == CW_CTW_NO_WEIGHTS)
+                c.has_weights = 0;
+        run_case(&c, _i, "combine weight inputs", NULL, NULL, cw_worker);
+}
+END_TEST
+
 static Suite *errors_suite(void)
 {
         Suite *s = suite_create("integ_errors");
@@ -1518,6 +1667,7 @@ static Suite *errors_suite(void)
         tcase_set_timeout(tc, 30);
         tcase_add_test(tc, test_cached_dispatch_errors);
         tcase_add_test(tc, test_released_handle);
+        tcase_add_loop_test(tc, test_combine_weights, 0, CW_COUNT);
         suite_add_tcase(s, tc);
         return s;
 }

@@ -33,7 +33,7 @@
 static const struct wl_case bystander_case = {
         "bystander", 4401, 2, 8, 256, 32, 2, EPD_DTYPE_BF16, EPD_DTYPE_INT64,
         EPD_LAYOUT_EXPAND, 4, 1, 1, TD_ROUTING_UNIFORM, 0.05, WL_TOKENS_DESCENDING, 1, 1, 1, 1,
-        BYSTANDER_STEPS, 0, 0,
+        BYSTANDER_STEPS, 0, 0, 0,
 };
 
 struct bystander {

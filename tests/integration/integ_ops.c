@@ -26,22 +26,30 @@
 #define ONE TD_ROUTING_ONE_RANK
 
 /* name, seed, R, E, H, T, K, dtype, topk dtype, layout, align, zero_pad, weights, routing,
- * -1 probability, tokens, biases, apply_weights, arena, cached, steps, row padding */
+ * -1 probability, tokens, biases, apply_weights, arena, cached, steps, row padding, arena bytes,
+ * combine's weight inputs (WL_COMBINE_*) */
 static const struct wl_case cases[] = {
-        { "r1_ne_bf16", 101, 1, 8, 64, 16, 2, BF, I64, NE, 1, 0, 1, UNI, 0.1, WL_TOKENS_FULL, 0, 0, 0, 1, 1, 0, 0 },
-        { "r2_ex_fp8_a128", 102, 2, 16, 256, 32, 8, F8, I32, EX, 128, 1, 1, SKW, 0.1, WL_TOKENS_DESCENDING, 1, 1, 1, 1, 1, 0, 0 },
-        { "r3_ne_fp8_a128", 103, 3, 48, 128, 24, 8, F8, I64, NE, 128, 0, 1, UNI, 0.2, WL_TOKENS_SOME_ZERO, 2, 0, 0, 0, 1, 8, 0 },
-        { "r3_ex_bf16", 104, 3, 48, 64, 20, 2, BF, I32, EX, 1, 0, 1, ONE, 0.0, WL_TOKENS_FULL, 2, 1, 1, 0, 1, 0, 0 },
-        { "r4_ne_bf16_k1", 105, 4, 16, 64, 40, 1, BF, I32, NE, 1, 0, 0, SKW, 0.1, WL_TOKENS_DESCENDING, 1, 0, 1, 1, 2, 0, 0 },
-        { "r4_ex_fp8_k1", 106, 4, 32, 128, 16, 1, F8, I64, EX, 128, 0, 0, UNI, 0.0, WL_TOKENS_SOME_ZERO, 0, 0, 0, 0, 1, 0, 0 },
-        { "r8_ne_bf16", 107, 8, 64, 128, 64, 8, BF, I64, NE, 1, 0, 1, UNI, 0.1, WL_TOKENS_DESCENDING, 2, 0, 1, 0, 2, 0, 0 },
-        { "r8_ex_bf16_a128", 108, 8, 64, 64, 32, 8, BF, I64, EX, 128, 1, 1, ONE, 0.1, WL_TOKENS_FULL, 1, 1, 1, 1, 1, 0, 0 },
-        { "r8_ne_fp8_onerank", 109, 8, 256, 256, 48, 2, F8, I32, NE, 1, 0, 1, ONE, 0.0, WL_TOKENS_SOME_ZERO, 0, 0, 0, 0, 1, 0, 0 },
-        { "r8_ex_fp8", 110, 8, 256, 256, 32, 8, F8, I32, EX, 1, 1, 1, SKW, 0.05, WL_TOKENS_DESCENDING, 2, 1, 0, 0, 1, 16, 0 },
-        { "r2_ex_bf16_unpadded", 111, 2, 8, 64, 16, 2, BF, I64, EX, 128, 0, 0, UNI, 0.3, WL_TOKENS_FULL, 0, 0, 0, 1, 1, 0, 0 },
-        { "r4_ne_fp8_cached", 112, 4, 32, 128, 32, 8, F8, I64, NE, 1, 0, 1, SKW, 0.1, WL_TOKENS_FULL, 1, 0, 1, 1, 1, 4, 0 },
-        { "realistic_ne_bf16", 113, 2, 16, 7168, 512, 8, BF, I64, NE, 1, 0, 1, UNI, 0.05, WL_TOKENS_DESCENDING, 1, 0, 1, 0, 1, 0, 0 },
-        { "realistic_ex_fp8", 114, 2, 16, 7168, 512, 8, F8, I64, EX, 128, 1, 1, UNI, 0.05, WL_TOKENS_FULL, 2, 1, 1, 0, 1, 0, 0 },
+        { "r1_ne_bf16", 101, 1, 8, 64, 16, 2, BF, I64, NE, 1, 0, 1, UNI, 0.1, WL_TOKENS_FULL, 0, 0, 0, 1, 1, 0, 0, 0 },
+        { "r2_ex_fp8_a128", 102, 2, 16, 256, 32, 8, F8, I32, EX, 128, 1, 1, SKW, 0.1, WL_TOKENS_DESCENDING, 1, 1, 1, 1, 1, 0, 0, 0 },
+        { "r3_ne_fp8_a128", 103, 3, 48, 128, 24, 8, F8, I64, NE, 128, 0, 1, UNI, 0.2, WL_TOKENS_SOME_ZERO, 2, 0, 0, 0, 1, 8, 0, 0 },
+        { "r3_ex_bf16", 104, 3, 48, 64, 20, 2, BF, I32, EX, 1, 0, 1, ONE, 0.0, WL_TOKENS_FULL, 2, 1, 1, 0, 1, 0, 0, 0 },
+        { "r4_ne_bf16_k1", 105, 4, 16, 64, 40, 1, BF, I32, NE, 1, 0, 0, SKW, 0.1, WL_TOKENS_DESCENDING, 1, 0, 1, 1, 2, 0, 0, 0 },
+        { "r4_ex_fp8_k1", 106, 4, 32, 128, 16, 1, F8, I64, EX, 128, 0, 0, UNI, 0.0, WL_TOKENS_SOME_ZERO, 0, 0, 0, 0, 1, 0, 0, 0 },
+        { "r8_ne_bf16", 107, 8, 64, 128, 64, 8, BF, I64, NE, 1, 0, 1, UNI, 0.1, WL_TOKENS_DESCENDING, 2, 0, 1, 0, 2, 0, 0, 0 },
+        { "r8_ex_bf16_a128", 108, 8, 64, 64, 32, 8, BF, I64, EX, 128, 1, 1, ONE, 0.1, WL_TOKENS_FULL, 1, 1, 1, 1, 1, 0, 0, 0 },
+        { "r8_ne_fp8_onerank", 109, 8, 256, 256, 48, 2, F8, I32, NE, 1, 0, 1, ONE, 0.0, WL_TOKENS_SOME_ZERO, 0, 0, 0, 0, 1, 0, 0, 0 },
+        { "r8_ex_fp8", 110, 8, 256, 256, 32, 8, F8, I32, EX, 1, 1, 1, SKW, 0.05, WL_TOKENS_DESCENDING, 2, 1, 0, 0, 1, 16, 0, 0 },
+        { "r2_ex_bf16_unpadded", 111, 2, 8, 64, 16, 2, BF, I64, EX, 128, 0, 0, UNI, 0.3, WL_TOKENS_FULL, 0, 0, 0, 1, 1, 0, 0, 0 },
+        { "r4_ne_fp8_cached", 112, 4, 32, 128, 32, 8, F8, I64, NE, 1, 0, 1, SKW, 0.1, WL_TOKENS_FULL, 1, 0, 1, 1, 1, 4, 0, 0 },
+        /* combine's weight inputs: recv_weights (NON_EXPAND; also after a dispatch without
+         * weights, and through a cached dispatch), source_weights with apply_weights (EXPAND;
+         * also without dispatch weights) */
+        { "r3_ne_bf16_recv_weights", 115, 3, 24, 64, 24, 4, BF, I64, NE, 1, 0, 1, UNI, 0.2, WL_TOKENS_SOME_ZERO, 1, 0, 0, 1, 1, 0, 0, WL_COMBINE_RECV_WEIGHTS },
+        { "r4_ne_fp8_recv_weights_noweights", 116, 4, 32, 128, 20, 8, F8, I32, NE, 1, 0, 0, SKW, 0.1, WL_TOKENS_DESCENDING, 0, 0, 1, 1, 1, 0, 0, WL_COMBINE_RECV_WEIGHTS },
+        { "r2_ex_bf16_source_weights", 117, 2, 16, 64, 24, 4, BF, I64, EX, 4, 1, 1, UNI, 0.1, WL_TOKENS_FULL, 2, 1, 0, 1, 1, 0, 0, WL_COMBINE_SOURCE_WEIGHTS },
+        { "r4_ex_fp8_source_weights_noweights", 118, 4, 32, 128, 16, 8, F8, I32, EX, 128, 0, 0, SKW, 0.1, WL_TOKENS_SOME_ZERO, 1, 1, 1, 0, 1, 0, 0, WL_COMBINE_SOURCE_WEIGHTS },
+        { "realistic_ne_bf16", 113, 2, 16, 7168, 512, 8, BF, I64, NE, 1, 0, 1, UNI, 0.05, WL_TOKENS_DESCENDING, 1, 0, 1, 0, 1, 0, 0, 0 },
+        { "realistic_ex_fp8", 114, 2, 16, 7168, 512, 8, F8, I64, EX, 128, 1, 1, UNI, 0.05, WL_TOKENS_FULL, 2, 1, 1, 0, 1, 0, 0, 0 },
 };
 
 struct run {

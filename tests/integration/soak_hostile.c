@@ -46,7 +46,7 @@ struct opts {
 static const struct wl_case bystander = {
         "bystander", 4401, 2, 8, 256, 32, 2, EPD_DTYPE_BF16, EPD_DTYPE_INT64,
         EPD_LAYOUT_EXPAND, 4, 1, 1, TD_ROUTING_UNIFORM, 0.05, WL_TOKENS_DESCENDING, 1, 1, 1, 1,
-        1, 0, 0,
+        1, 0, 0, 0,
 };
 
 static uint64_t now_ns(void)

@@ -731,7 +731,9 @@ int ref_combine_row_w(const struct ref_dispatch *ref, const struct ref_combine_i
                       const struct ref_combine_weights *w, uint32_t s,
                       const struct ref_buf bias[2], uint32_t t, uint16_t *out, uint32_t *cw)
 {
-        const struct ref_buf *source_weights = w ? w->source_weights : NULL;
+        /* source s's own weights, when it gave them (each source chooses for itself) */
+        const struct ref_buf *source_weights =
+                w && w->source_weights && w->source_weights[s].ptr ? &w->source_weights[s] : NULL;
         const struct ref_buf *recv_weights = w ? w->recv_weights : NULL;
         const uint32_t K = ref->p.num_topk, L = ref->num_local_experts, H = ref->p.hidden;
         const int expand = ref->p.layout == EPD_LAYOUT_EXPAND;
@@ -770,7 +772,7 @@ int ref_combine_row_w(const struct ref_dispatch *ref, const struct ref_combine_i
                 rows[n] = buf_row(in->y[d], (uint64_t)H * 2, row);
                 if (in->apply_weights && source_weights) {
                         memcpy(&weight[n],
-                               buf_row(source_weights[s], (uint64_t)K * 4, t) + k * 4, 4);
+                               buf_row(*source_weights, (uint64_t)K * 4, t) + k * 4, 4);
                 } else if (in->apply_weights) {
                         uint32_t bits = weight_bits(ref, s, t, k);
                         memcpy(&weight[n], &bits, 4);
@@ -821,7 +823,11 @@ int ref_combine_row_w(const struct ref_dispatch *ref, const struct ref_combine_i
                                                    k * 4, 4);
                                 acc = acc + wd;
                         }
-                        memcpy(&cw[k], &acc, 4);
+                        /* a NaN sum is 0x7FFFFFFF, whatever the host's additions make of it */
+                        if (acc != acc)
+                                cw[k] = 0x7FFFFFFFu;
+                        else
+                                memcpy(&cw[k], &acc, 4);
                 }
         } else if (cw) {
                 for (uint32_t k = 0; k < K; k++)

@@ -158,8 +158,8 @@ struct ref_combine_in {
 
 /* The optional weight inputs of combine (docs/semantics.md section 3), for the *_w functions. */
 struct ref_combine_weights {
-        /* [R] or NULL: source s's source_weights fp32 [N_s, K_op]; when given, w(t, k) of
-         * apply_weights. */
+        /* [R] or NULL: source s's source_weights fp32 [N_s, K_op]; when given (ptr not NULL),
+         * w(t, k) of apply_weights for source s. */
         const struct ref_buf *source_weights;
         /* [R] or NULL (NON_EXPAND): destination d's recv_weights fp32 [rows, K_op]; when given,
          * combined_topk_weights is their reduction over the destinations. */

@@ -247,13 +247,17 @@ int wl_worker(const struct wl_case *c, const char *socket_path, const char *grou
         struct ref_src *srcs = calloc(R, sizeof(*srcs));
         uint16_t **ys = calloc(R, sizeof(*ys));
         struct ref_buf *ybufs = calloc(R, sizeof(*ybufs));
+        /* combine_weights: every rank's recv_weights (wbufs[d]) and source_weights (wbufs[R + s]),
+         * seeded, as each worker regenerates them for its reference */
+        float **ws = calloc(2 * (size_t)R, sizeof(*ws));
+        struct ref_buf *wbufs = calloc(2 * (size_t)R, sizeof(*wbufs));
         struct ref_dispatch *ref = NULL;
         struct epd_op *op = NULL;
         struct slab slab = { 0 };
         char err[1024];
         int step = 0, rc;
 
-        if (!ins || !srcs || !ys || !ybufs)
+        if (!ins || !srcs || !ys || !ybufs || !ws || !wbufs)
                 FAIL("out of memory");
         rc = epd_client_connect(&ca, &client, err, sizeof(err));
         if (rc < 0)
@@ -303,7 +307,8 @@ int wl_worker(const struct wl_case *c, const char *socket_path, const char *grou
                 slab.bytes = (uint64_t)n * (xs + scale_cols(c) * 4 + K * (te + 4)) +
                              cap * (xs + scale_cols(c) * 4 + K * (te + 4) + 16) +
                              2 * ((uint64_t)me->rows * H * 2 + 3ull * n * H * 2 +
-                                  (uint64_t)n * K * 4) + (1 << 16);
+                                  (uint64_t)n * K * 4) +
+                             2 * ((uint64_t)me->rows + n) * K * 4 + (1 << 16);
                 void *base;
                 rc = epd_region_alloc(client, slab.bytes, &base, &slab.region_id);
                 if (rc < 0)
@@ -463,9 +468,35 @@ int wl_worker(const struct wl_case *c, const char *socket_path, const char *grou
                                 td_fill_bf16(&rng, ys[d], (uint64_t)rows, H, 0, 0.0);
                                 ybufs[d] = (struct ref_buf){ ys[d], 0 };
                         }
+                        const int recv_w = (c->combine_weights & WL_COMBINE_RECV_WEIGHTS) != 0;
+                        const int source_w = (c->combine_weights & WL_COMBINE_SOURCE_WEIGHTS) != 0;
+                        for (uint32_t i = 0; i < 2 * R; i++) {
+                                struct td_rng rng;
+                                uint64_t rows = i < R ? (uint64_t)ref->dst[i].rows
+                                                      : ins[i - R].num_tokens;
+                                free(ws[i]);
+                                ws[i] = malloc((size_t)rows * K * 4 + 4);
+                                if (!ws[i])
+                                        FAIL("out of memory");
+                                td_rng_seed(&rng, td_mix_seed(c->seed, 7000000 + i * 100 +
+                                                                              (uint64_t)step * 2 + pass));
+                                td_fill_f32(&rng, ws[i], rows, K, 0, -1.0f, 2.0f);
+                                wbufs[i] = (struct ref_buf){ ws[i], 0 };
+                        }
                         struct epd_combine_args cb = { .size = sizeof(cb), .handle_id = handle,
                                                        .apply_weights = c->apply_weights,
                                                        .num_bias = c->num_bias };
+                        if (recv_w) {
+                                float *w = slab_take(&slab, (uint64_t)my_rows * K * 4 + 4);
+                                memcpy(w, ws[rank], (size_t)my_rows * K * 4);
+                                cb.recv_weights = tensor2(&slab, w, EPD_DTYPE_FP32,
+                                                          (uint64_t)my_rows, K, 0);
+                        }
+                        if (source_w) {
+                                float *w = slab_take(&slab, (uint64_t)n * K * 4 + 4);
+                                memcpy(w, ws[R + rank], (size_t)n * K * 4);
+                                cb.source_weights = tensor2(&slab, w, EPD_DTYPE_FP32, n, K, 0);
+                        }
                         uint16_t *y = slab_take(&slab, (uint64_t)my_rows * H * 2 + 2);
                         memcpy(y, ys[rank], (size_t)my_rows * H * 2);
                         cb.y = tensor2(&slab, y, EPD_DTYPE_BF16, (uint64_t)my_rows, H, 0);
@@ -483,7 +514,7 @@ int wl_worker(const struct wl_case *c, const char *socket_path, const char *grou
                         memset(combined, 0xEE, (size_t)n * H * 2);
                         cb.combined = tensor2(&slab, combined, EPD_DTYPE_BF16, n, H, 0);
                         float *cw = NULL;
-                        if (c->has_weights) {
+                        if (c->has_weights || recv_w) {
                                 cw = slab_take(&slab, (uint64_t)n * K * 4 + 4);
                                 cb.combined_topk_weights = tensor2(&slab, cw, EPD_DTYPE_FP32, n, K, 0);
                         }
@@ -499,9 +530,13 @@ int wl_worker(const struct wl_case *c, const char *socket_path, const char *grou
                                 timing->combine_exec_ns = cr.exec_ns;
                         }
                         struct ref_combine_in cin = { ybufs, c->apply_weights };
-                        if (ref_check_combine(ref, &cin, rank, bias,
-                                              (struct ref_buf){ combined, 0 },
-                                              (struct ref_buf){ cw, 0 }, err, sizeof(err)) != 0)
+                        struct ref_combine_weights cws = {
+                                .source_weights = source_w ? wbufs + R : NULL,
+                                .recv_weights = recv_w ? wbufs : NULL,
+                        };
+                        if (ref_check_combine_w(ref, &cin, &cws, rank, bias,
+                                                (struct ref_buf){ combined, 0 },
+                                                (struct ref_buf){ cw, 0 }, err, sizeof(err)) != 0)
                                 FAIL("combine outputs: %s", err);
                 }
                 epd_op_free(op);
@@ -528,6 +563,10 @@ out:
                         wl_inputs_free(&ins[s]);
         for (uint32_t d = 0; ys && d < R; d++)
                 free(ys[d]);
+        for (uint32_t i = 0; ws && i < 2 * R; i++)
+                free(ws[i]);
+        free(ws);
+        free(wbufs);
         free(ys);
         free(ybufs);
         free(ins);

@@ -42,7 +42,14 @@ struct wl_case {
         int steps;              /* MoE steps to run (>= 1) */
         int row_padding;        /* extra elements of row stride on inputs and outputs */
         uint64_t arena_bytes;   /* group arena; 0: sized from the case */
+        uint32_t combine_weights; /* WL_COMBINE_* bits: combine's weight inputs */
 };
+
+/* combine_weights (docs/semantics.md §3): every destination gives recv_weights (NON_EXPAND;
+ * seeded, so they differ from the dispatch's) and asks for combined_topk_weights, with or without
+ * dispatch weights; every source gives source_weights (the w(t, k) of apply_weights). */
+#define WL_COMBINE_RECV_WEIGHTS 1u
+#define WL_COMBINE_SOURCE_WEIGHTS 2u
 
 /* Per-rank timing of the last step, filled by wl_worker when not NULL. */
 struct wl_timing {

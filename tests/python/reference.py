@@ -91,11 +91,15 @@ class Routing:
                 rows.append(self.xs[r[0]][r[1]])
         return rows
 
-    def combine(self, s, ys, biases=(), apply_weights=False):
+    def combine(self, s, ys, biases=(), apply_weights=False, source_weights=None):
         """Expected combined output (uint16 bf16 bits) of source s.
 
         ``ys[d]`` is destination d's y (uint16 ``[rows, H]``) in the dispatch layout.
+        ``source_weights`` (float32 ``[N_s, K]``), when given, is w(t, k) of apply_weights
+        instead of the dispatch's weights.
         """
+        weights = source_weights if source_weights is not None else \
+            self.weights[s] if self.weights is not None else None
         R, L = self.R, self.L
         topk = self.topks[s]
         n, K = topk.shape
@@ -125,14 +129,26 @@ class Routing:
                     d, i = where[(t, k)]
                     row = _bf16_float(ys[d][i])
                     if apply_weights:
-                        row = row * np.float32(self.weights[s][t][k])
+                        row = row * np.float32(weights[t][k])
                     v[t] = row
             acc = acc + v
         for b in biases:
             acc = acc + _bf16_float(b)
         return _float_bf16(acc)
 
-    def combined_weights(self, s):
-        """Expected combined_topk_weights of source s."""
-        w = np.array(self.weights[s], dtype=np.float32)
-        return np.where(self.topks[s] >= 0, w, np.float32(0))
+    def combined_weights(self, s, recv_weights=None):
+        """Expected combined_topk_weights of source s: the dispatch's weights masked to 0 at
+        -1 entries or, with ``recv_weights`` (``[R]`` of float32 ``[rows_d, K]``, NON_EXPAND),
+        for every k the fp32 sum, from +0 in ascending rank d, of d's row of each token that
+        went to d."""
+        if recv_weights is None:
+            w = np.array(self.weights[s], dtype=np.float32)
+            return np.where(self.topks[s] >= 0, w, np.float32(0))
+        n, K = self.topks[s].shape
+        acc = np.zeros((n, K), dtype=np.float32)
+        for d in range(self.R):
+            for i, (src, t) in enumerate(self.dest(d)["rows"]):
+                if src == s:
+                    acc[t] = acc[t] + np.asarray(recv_weights[d][i], dtype=np.float32)
+        acc.view(np.uint32)[np.isnan(acc)] = 0x7FFFFFFF  # a NaN sum's bits
+        return acc

@@ -482,7 +482,8 @@ class TestDispatchCombine(unittest.TestCase):
     def run_case(self, R=2, layout="non_expand", dtype="bf16", topk_dtype=np.int64,
                  weights=True, alignment=1, zero_padding=False, shared=False, floats=False,
                  use_arena=True, copy_outputs=False, biases=0, apply_weights=False,
-                 tokens=None, cached=False, row_padding=0, seed=7):
+                 tokens=None, cached=False, row_padding=0, seed=7, recv_weights=False,
+                 source_weights=False):
         E, H, T, K = 4 * R, 128 if dtype == "fp8" else 64, 12, 3
         w = World(R, num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K,
                   dtype=dtype)
@@ -537,6 +538,10 @@ class TestDispatchCombine(unittest.TestCase):
                   for res in results]
             bs = [[epd.float_to_bf16(rng.standard_normal((len(xs[r]), H), np.float32))
                    for _ in range(biases)] for r in range(R)]
+            # combine's weight inputs: per received row on each destination, per token on
+            # each source (docs/semantics.md section 3)
+            rws = [rng.standard_normal((res.num_rows, K)).astype(np.float32) for res in results]
+            sws = [rng.standard_normal((len(xs[r]), K)).astype(np.float32) for r in range(R)]
 
             def combine(r, g):
                 res = results[r]
@@ -547,15 +552,20 @@ class TestDispatchCombine(unittest.TestCase):
                     y = epd.bf16_to_float(ys[r]) if floats else ys[r]
                 bias = None if not biases else (bs[r][0] if biases == 1 else tuple(bs[r]))
                 return g.combine(y, res.handle, bias=bias, apply_weights=apply_weights,
-                                 async_op=True)
+                                 async_op=True,
+                                 recv_weights=rws[r] if recv_weights else None,
+                                 source_weights=sws[r] if source_weights else None)
 
             out = w.collective(combine)
             for r in range(R):
                 self.assertIsInstance(out[r], tuple, out[r])
                 combined, cw = out[r]
-                want = ref.combine(r, ys, bs[r], apply_weights)
+                want = ref.combine(r, ys, bs[r], apply_weights,
+                                   sws[r] if source_weights else None)
                 np.testing.assert_array_equal(combined, want)
-                if weights:
+                if recv_weights:
+                    np.testing.assert_array_equal(cw, ref.combined_weights(r, rws))
+                elif weights:
                     np.testing.assert_array_equal(cw, ref.combined_weights(r))
                 else:
                     self.assertIsNone(cw)
@@ -643,6 +653,17 @@ class TestDispatchCombine(unittest.TestCase):
 
     def test_single_rank(self):
         self.run_case(R=1, layout="expand", apply_weights=True)
+
+    def test_recv_weights(self):
+        self.run_case(recv_weights=True, biases=1)
+        self.run_case(R=3, weights=False, recv_weights=True, tokens=[12, 0, 5])
+        self.run_case(recv_weights=True, cached=True, use_arena=False)
+
+    def test_source_weights(self):
+        self.run_case(layout="expand", alignment=2, apply_weights=True, source_weights=True,
+                      weights=False, biases=1)
+        self.run_case(R=3, layout="expand", zero_padding=True, apply_weights=True,
+                      source_weights=True, use_arena=False)
 
     def test_combine_out_and_unpacking(self):
         w = World(2)
@@ -768,6 +789,14 @@ class TestOpErrors(unittest.TestCase):
             out = w.collective(lambda r, g: g.combine(res[r].recv_x, res[r].handle,
                                                       apply_weights=True, async_op=True))
             self.expect_all(out, epd.InvalidArgument, "apply_weights")
+            wide = [np.zeros((res[r].num_rows, 3), np.float32) for r in range(2)]  # K is 2
+            out = w.collective(lambda r, g: g.combine(res[r].recv_x, res[r].handle,
+                                                      recv_weights=wide[r], async_op=True))
+            self.expect_all(out, epd.InvalidArgument, "recv_weights")
+            long = [np.zeros((len(xs[r]) + 1, 2), np.float32) for r in range(2)]
+            out = w.collective(lambda r, g: g.combine(res[r].recv_x, res[r].handle,
+                                                      source_weights=long[r], async_op=True))
+            self.expect_all(out, epd.InvalidArgument, "source_weights")
             for x in res:
                 x.handle.release()
             out = w.collective(lambda r, g: g.combine(res[r].recv_x, res[r].handle,
@@ -921,6 +950,45 @@ class TestDeepEPCompat(unittest.TestCase):
                 np.zeros((0, H), np.uint16), ghost[r])))
             for f in fail:
                 self.assertIsInstance(f, epd.NotFound)
+        finally:
+            for b in bufs:
+                b.destroy()
+
+    def test_combine_reduces_topk_weights(self):
+        """combine(topk_weights=W) returns the reduction of W (changed weights and gradients
+        pass through), also after a dispatch without weights and a cached dispatch."""
+        R, E, H, T, K = 3, 12, 64, 16, 3
+        bufs = self.buffers(R, num_experts=E, hidden=H)
+        try:
+            xs, _, topks, ws = make_inputs(R, E, H, T, K, 23)
+            ref = Routing(R, E, T, xs, topks, ws)
+            rng = np.random.default_rng(23)
+            out = self.parallel(bufs, lambda r, b: b.dispatch(xs[r], topk_idx=topks[r],
+                                                              topk_weights=ws[r]))
+            new = [rng.standard_normal(o[2].shape).astype(np.float32) for o in out]
+            comb = self.parallel(bufs, lambda r, b: b.combine(out[r][0], out[r][4],
+                                                              topk_weights=new[r]))
+            for r, (cx, cw, _) in enumerate(comb):
+                np.testing.assert_array_equal(cw, ref.combined_weights(r, new))
+                self.assertFalse(np.array_equal(cw, ref.combined_weights(r)))
+                np.testing.assert_array_equal(cx, ref.combine(r, [o[0] for o in out]))
+            # Unchanged recv_topk_weights give the dispatch's weights back (0 == -0 here).
+            comb = self.parallel(bufs, lambda r, b: b.combine(out[r][0], out[r][4],
+                                                              topk_weights=out[r][2]))
+            for r, (_, cw, _) in enumerate(comb):
+                np.testing.assert_array_equal(cw, ref.combined_weights(r))
+            # No weights at dispatch, then a cached dispatch without them either.
+            plain = self.parallel(bufs, lambda r, b: b.dispatch(xs[r], topk_idx=topks[r]))
+            self.assertIsNone(plain[0][2])
+            cached = self.parallel(bufs, lambda r, b: b.dispatch(xs[r], handle=plain[r][4]))
+            W = [rng.standard_normal((len(c[0]), K)).astype(np.float32) for c in cached]
+            comb = self.parallel(bufs, lambda r, b: b.combine(cached[r][0], cached[r][4],
+                                                              topk_weights=W[r]))
+            unweighted = Routing(R, E, T, xs, topks)
+            for r, (cx, cw, _) in enumerate(comb):
+                self.assertIsNotNone(cw)
+                np.testing.assert_array_equal(cw, unweighted.combined_weights(r, W))
+                np.testing.assert_array_equal(cx, unweighted.combine(r, [c[0] for c in cached]))
         finally:
             for b in bufs:
                 b.destroy()

@@ -212,6 +212,31 @@ class TestTorchOps(unittest.TestCase):
     def test_expand_arena_r3(self):
         self.run_case("expand", use_arena=True, alignment=2, R=3)
 
+    def test_combine_weight_inputs(self):
+        # recv_weights (NON_EXPAND): combined_topk_weights is their reduction over the ranks.
+        w, res, ref, xs = self.run_case("non_expand", use_arena=True)
+        R, K = len(xs), 3
+        rng = np.random.default_rng(61)
+        rws = [rng.standard_normal((x.num_rows, K)).astype(np.float32) for x in res]
+        comb = w.collective(lambda r, g: g.combine(
+            res[r].recv_x, res[r].handle, recv_weights=torch.from_numpy(rws[r]),
+            async_op=True))
+        for r in range(R):
+            cx, cw = comb[r]
+            self.assertEqual(cw.dtype, torch.float32)
+            np.testing.assert_array_equal(cw.numpy(), ref.combined_weights(r, rws))
+        # source_weights (EXPAND, apply_weights): w(t, k) instead of the dispatch's weights.
+        w, res, ref, xs = self.run_case("expand", use_arena=False, alignment=2)
+        sws = [rng.standard_normal((len(x), K)).astype(np.float32) for x in xs]
+        comb = w.collective(lambda r, g: g.combine(
+            res[r].recv_x, res[r].handle, apply_weights=True,
+            source_weights=torch.from_numpy(sws[r]), async_op=True))
+        ys = [bits(x.recv_x) for x in res]
+        for r in range(R):
+            cx, _ = comb[r]
+            np.testing.assert_array_equal(
+                bits(cx), ref.combine(r, ys, apply_weights=True, source_weights=sws[r]))
+
     def test_shared_inputs_in_place(self):
         # Inputs over shared memory (row-strided) must not be copied.
         orig = tensors._HostMemory.copy_target

@@ -52,6 +52,12 @@ struct hx_case {
         int strided;                /* gaps between rows of inputs and outputs */
         enum run_order order;
         double special;             /* bf16 specials in x/y/bias, and special weights */
+        /* docs/semantics.md §3's weight inputs of combine: source_weights 1 on every source,
+         * 2 on even sources only (w(t, k) of apply_weights, also without dispatch weights);
+         * recv_weights on every destination (NON_EXPAND: combined_topk_weights is their
+         * reduction). */
+        int source_weights;
+        int recv_weights;
 };
 
 #define BF16 EPD_DTYPE_BF16
@@ -63,56 +69,68 @@ struct hx_case {
 
 static const struct hx_case fixed_cases[] = {
         { "r1_basic", 1, 8, 64, 16, 2, TOK_FULL, TD_ROUTING_UNIFORM, 0, 0, NE, BF16, 0, 1, 0, 0,
-          0, 0, 0, I64, 0, ORDER_FORWARD, 0 },
+          0, 0, 0, I64, 0, ORDER_FORWARD, 0, 0, 0 },
         { "r1_expand", 1, 8, 64, 16, 2, TOK_FULL, TD_ROUTING_UNIFORM, 0.1, 0, EX, BF16, 0, 3, 0,
-          1, 1, 1, 1, I32, 0, ORDER_REVERSE, 0 },
+          1, 1, 1, 1, I32, 0, ORDER_REVERSE, 0, 0, 0 },
         { "r2_ex_fp8_a128_zp", 2, 16, 256, 40, 8, TOK_MINUS_R, TD_ROUTING_SKEWED, 0.1, 0, EX, FP8,
-          128, 128, 1, 2, 1, 1, 1, I64, 1, ORDER_SHUFFLED, 0 },
+          128, 128, 1, 2, 1, 1, 1, I64, 1, ORDER_SHUFFLED, 0, 0, 0 },
         { "r3_e48_ne_strided", 3, 48, 128, 50, 8, TOK_FULL, TD_ROUTING_UNIFORM, 0.2, 0.1, NE,
-          BF16, 0, 1, 0, 1, 1, 0, 1, I32, 1, ORDER_THREADS, 0.02 },
+          BF16, 0, 1, 0, 1, 1, 0, 1, I32, 1, ORDER_THREADS, 0.02, 0, 0 },
         { "r3_e48_ex_a128_nozp", 3, 48, 128, 50, 8, TOK_MINUS_R, TD_ROUTING_UNIFORM, 0, 0, EX,
-          BF16, 0, 128, 0, 3, 1, 1, 1, I32, 1, ORDER_REVERSE, 0 },
+          BF16, 0, 128, 0, 3, 1, 1, 1, I32, 1, ORDER_REVERSE, 0, 0, 0 },
         { "r3_e48_ex_fp8_onerank", 3, 48, 256, 30, 2, TOK_ZERO_SOME, TD_ROUTING_ONE_RANK, 0.2, 0,
-          EX, FP8, 64, 4, 1, 1, 1, 1, 1, I64, 1, ORDER_THREADS, 0 },
+          EX, FP8, 64, 4, 1, 1, 1, 1, 1, I64, 1, ORDER_THREADS, 0, 0, 0 },
         { "r4_k1_ne", 4, 32, 64, 33, 1, TOK_ZERO_SOME, TD_ROUTING_UNIFORM, 0.3, 0, NE, BF16, 0, 1,
-          0, 0, 1, 0, 1, I64, 0, ORDER_FORWARD, 0 },
+          0, 0, 1, 0, 1, I64, 0, ORDER_FORWARD, 0, 0, 0 },
         { "r4_k1_ex", 4, 32, 64, 33, 1, TOK_ZERO_SOME, TD_ROUTING_UNIFORM, 0.3, 0, EX, BF16, 0, 4,
-          1, 1, 1, 1, 1, I32, 1, ORDER_SHUFFLED, 0 },
+          1, 1, 1, 1, 1, I32, 1, ORDER_SHUFFLED, 0, 0, 0 },
         { "r4_k2_ex_noweights", 4, 16, 64, 20, 2, TOK_MINUS_R, TD_ROUTING_SKEWED, 0.1, 0, EX, BF16,
-          0, 1, 0, 1, 0, 0, 0, I64, 0, ORDER_THREADS, 0 },
+          0, 1, 0, 1, 0, 0, 0, I64, 0, ORDER_THREADS, 0, 0, 0 },
         { "r4_k32", 4, 64, 64, 24, 32, TOK_FULL, TD_ROUTING_UNIFORM, 0.1, 0.05, EX, BF16, 0, 2, 1,
-          2, 1, 1, 1, I32, 1, ORDER_SHUFFLED, 0 },
+          2, 1, 1, 1, I32, 1, ORDER_SHUFFLED, 0, 0, 0 },
         { "r4_k32_ne", 4, 64, 64, 24, 32, TOK_FULL, TD_ROUTING_UNIFORM, 0.1, 0.05, NE, FP8, 32, 1,
-          0, 2, 1, 0, 1, I64, 1, ORDER_THREADS, 0 },
+          0, 2, 1, 0, 1, I64, 1, ORDER_THREADS, 0, 0, 0 },
         { "r4_all_zero_tokens", 4, 16, 64, 8, 2, TOK_ALL_ZERO, TD_ROUTING_UNIFORM, 0, 0, EX, BF16,
-          0, 128, 1, 2, 1, 1, 1, I64, 0, ORDER_FORWARD, 0 },
+          0, 128, 1, 2, 1, 1, 1, I64, 0, ORDER_FORWARD, 0, 0, 0 },
         { "r8_onerank_ex_fp8", 8, 64, 64, 20, 8, TOK_MINUS_R, TD_ROUTING_ONE_RANK, 0, 0, EX, FP8,
-          32, 1, 0, 2, 1, 1, 1, I64, 0, ORDER_THREADS, 0 },
+          32, 1, 0, 2, 1, 1, 1, I64, 0, ORDER_THREADS, 0, 0, 0 },
         { "r8_onerank_ne", 8, 64, 64, 20, 8, TOK_MINUS_R, TD_ROUTING_ONE_RANK, 0.2, 0, NE, BF16, 0,
-          1, 0, 1, 1, 0, 1, I32, 1, ORDER_THREADS, 0 },
+          1, 0, 1, 1, 0, 1, I32, 1, ORDER_THREADS, 0, 0, 0 },
         { "r8_skewed_ne_fp8", 8, 256, 128, 64, 8, TOK_FULL, TD_ROUTING_SKEWED, 0, 0, NE, FP8, 128,
-          1, 0, 3, 1, 0, 1, I32, 1, ORDER_SHUFFLED, 0 },
+          1, 0, 3, 1, 0, 1, I32, 1, ORDER_SHUFFLED, 0, 0, 0 },
         { "r8_skewed_ex_a128", 8, 256, 128, 64, 8, TOK_FULL, TD_ROUTING_SKEWED, 0, 0, EX, BF16, 0,
-          128, 0, 2, 1, 1, 1, I64, 0, ORDER_THREADS, 0 },
+          128, 0, 2, 1, 1, 1, I64, 0, ORDER_THREADS, 0, 0, 0 },
         { "r2_empty_rows", 2, 8, 64, 40, 2, TOK_FULL, TD_ROUTING_UNIFORM, 0.5, 0.5, EX, BF16, 0, 2,
-          1, 2, 1, 1, 1, I64, 1, ORDER_FORWARD, 0.05 },
+          1, 2, 1, 1, 1, I64, 1, ORDER_FORWARD, 0.05, 0, 0 },
         { "r2_specials_ne", 2, 8, 64, 40, 8, TOK_FULL, TD_ROUTING_UNIFORM, 0, 0, NE, BF16, 0, 1,
-          0, 2, 1, 0, 1, I32, 0, ORDER_REVERSE, 0.1 },
+          0, 2, 1, 0, 1, I32, 0, ORDER_REVERSE, 0.1, 0, 0 },
         { "r2_specials_ex", 2, 8, 64, 40, 8, TOK_FULL, TD_ROUTING_UNIFORM, 0.1, 0, EX, BF16, 0, 1,
-          0, 2, 1, 1, 1, I32, 1, ORDER_THREADS, 0.1 },
+          0, 2, 1, 1, 1, I32, 1, ORDER_THREADS, 0.1, 0, 0 },
         { "r2_wide_h_ne", 2, 4, 4104, 20, 2, TOK_FULL, TD_ROUTING_UNIFORM, 0, 0, NE, BF16, 0, 1, 0,
-          1, 1, 0, 1, I64, 1, ORDER_FORWARD, 0.01 },
+          1, 1, 0, 1, I64, 1, ORDER_FORWARD, 0.01, 0, 0 },
         { "r2_wide_h_ex", 2, 4, 4104, 20, 2, TOK_MINUS_R, TD_ROUTING_UNIFORM, 0, 0, EX, BF16, 0, 8,
-          0, 2, 1, 1, 1, I32, 0, ORDER_THREADS, 0 },
+          0, 2, 1, 1, 1, I32, 0, ORDER_THREADS, 0, 0, 0 },
+        /* The weight inputs of combine: recv_weights (NON_EXPAND, with and without dispatch
+         * weights), source_weights with apply_weights (EXPAND, with and without). */
+        { "r4_ne_recv_weights_fp8", 4, 32, 128, 33, 8, TOK_ZERO_SOME, TD_ROUTING_SKEWED, 0.2, 0.1,
+          NE, FP8, 64, 1, 0, 2, 1, 0, 1, I64, 1, ORDER_THREADS, 0.05, 0, 1 },
+        { "r3_e48_ne_recv_weights_noweights", 3, 48, 64, 40, 8, TOK_FULL, TD_ROUTING_UNIFORM, 0.3,
+          0, NE, BF16, 0, 1, 0, 1, 0, 0, 1, I32, 0, ORDER_SHUFFLED, 0, 0, 1 },
+        { "r4_ex_source_weights", 4, 16, 128, 30, 4, TOK_MINUS_R, TD_ROUTING_UNIFORM, 0.1, 0, EX,
+          BF16, 0, 4, 1, 2, 1, 1, 1, I32, 1, ORDER_REVERSE, 0.05, 1, 0 },
+        { "r3_e48_ex_source_weights_even_ranks", 3, 48, 64, 30, 8, TOK_FULL, TD_ROUTING_SKEWED,
+          0.1, 0, EX, BF16, 0, 1, 0, 1, 1, 1, 1, I64, 0, ORDER_THREADS, 0, 2, 0 },
+        { "r2_ex_fp8_source_weights_noweights", 2, 16, 256, 40, 8, TOK_FULL, TD_ROUTING_SKEWED,
+          0.1, 0, EX, FP8, 128, 2, 0, 1, 0, 1, 1, I64, 1, ORDER_THREADS, 0.05, 1, 0 },
         /* At the benchmark's row size, T >= 512, both layouts. */
         { "big_ne_bf16", 4, 32, 7168, 512, 8, TOK_MINUS_R, TD_ROUTING_UNIFORM, 0.02, 0, NE, BF16,
-          0, 1, 0, 1, 1, 0, 1, I64, 1, ORDER_THREADS, 0 },
+          0, 1, 0, 1, 1, 0, 1, I64, 1, ORDER_THREADS, 0, 0, 0 },
         { "big_ne_fp8", 2, 16, 7168, 512, 8, TOK_FULL, TD_ROUTING_SKEWED, 0, 0, NE, FP8, 128, 1,
-          0, 2, 1, 0, 1, I32, 0, ORDER_SHUFFLED, 0 },
+          0, 2, 1, 0, 1, I32, 0, ORDER_SHUFFLED, 0, 0, 0 },
         { "big_ex_fp8_a128_zp", 2, 16, 7168, 512, 8, TOK_FULL, TD_ROUTING_UNIFORM, 0, 0, EX, FP8,
-          128, 128, 1, 2, 1, 1, 1, I32, 0, ORDER_THREADS, 0 },
+          128, 128, 1, 2, 1, 1, 1, I32, 0, ORDER_THREADS, 0, 0, 0 },
         { "big_ex_bf16", 2, 16, 7168, 512, 8, TOK_MINUS_R, TD_ROUTING_SKEWED, 0.05, 0, EX, BF16, 0,
-          1, 0, 0, 1, 1, 0, I64, 1, ORDER_REVERSE, 0 },
+          1, 0, 0, 1, 1, 0, I64, 1, ORDER_REVERSE, 0, 0, 0 },
 };
 #define NUM_FIXED (int)(sizeof(fixed_cases) / sizeof(fixed_cases[0]))
 #define NUM_RANDOM 150
@@ -263,13 +281,13 @@ static void run_items(item_fn fn, const void *op, uint64_t count, enum run_order
 
 struct src_bufs {
         uint32_t n;
-        struct tbuf x, scales, topk, weights, bias[2], combined, cw;
+        struct tbuf x, scales, topk, weights, bias[2], combined, cw, sw;
         float *weights_dense;
 };
 
 struct dst_bufs {
         struct tbuf recv_x, recv_scales, recv_topk_idx, recv_weights, recv_src, recv_topk_slot;
-        struct tbuf y;
+        struct tbuf y, rw;
 };
 
 static uint32_t tokens_of(const struct hx_case *c, uint32_t s)
@@ -309,7 +327,9 @@ static void run_case(const struct hx_case *c, uint64_t seed)
         const uint64_t row_bytes = fp8 ? H : (uint64_t)H * 2;
         const uint64_t scale_bytes = fp8 ? (uint64_t)(H / scale_block) * 4 : 0;
         const size_t esz = c->topk_dtype == EPD_DTYPE_INT64 ? 8 : 4;
-        const int apply = c->apply_weights && expand && c->has_weights;
+        const int apply = c->apply_weights && expand && (c->has_weights || c->source_weights);
+        const int recv_w = c->recv_weights && !expand;
+        const int want_cw = c->want_cw && (c->has_weights || recv_w);
         const uint64_t g = c->strided ? 1 : 0; /* gap multiplier */
         struct src_bufs sb[MAX_R];
         struct dst_bufs db[MAX_R];
@@ -317,7 +337,8 @@ static void run_case(const struct hx_case *c, uint64_t seed)
         struct epd_dispatch_dst_io dio[MAX_R];
         struct epd_combine_src_io cio[MAX_R];
         struct epd_mat ymat[MAX_R];
-        struct ref_buf yref[MAX_R];
+        struct ref_buf yref[MAX_R], swref[MAX_R], rwref[MAX_R];
+        struct epd_mat rwmat[MAX_R];
         struct ref_src rsrc[MAX_R];
         uint32_t num_tokens[MAX_R];
         struct ref_dispatch *ref = NULL;
@@ -327,10 +348,11 @@ static void run_case(const struct hx_case *c, uint64_t seed)
 
         ck_assert_uint_le(R, MAX_R);
         printf("exec case %s: R=%u E=%u H=%u T=%u K=%u layout=%s dtype=%s align=%u zp=%d "
-               "bias=%d weights=%d apply=%d topk=%s strided=%d order=%d seed=0x%016" PRIx64 "\n",
+               "bias=%d weights=%d apply=%d source_weights=%d recv_weights=%d topk=%s strided=%d "
+               "order=%d seed=0x%016" PRIx64 "\n",
                c->name, R, c->E, H, c->T, K, expand ? "EXPAND" : "NON_EXPAND",
                fp8 ? "fp8" : "bf16", c->align, c->zero_padding, c->nbias, c->has_weights, apply,
-               esz == 8 ? "int64" : "int32", c->strided, (int)c->order, seed);
+               c->source_weights, recv_w, esz == 8 ? "int64" : "int32", c->strided, (int)c->order, seed);
         fflush(stdout);
         td_rng_seed(&rng, seed);
         memset(sb, 0, sizeof(sb));
@@ -478,32 +500,52 @@ static void run_case(const struct hx_case *c, uint64_t seed)
                                         memcpy(b->y.ptr + i * b->y.stride + h * 2, &nan, 2);
                 ymat[d] = tbuf_mat(&b->y);
                 yref[d] = tbuf_ref(&b->y);
+                if (recv_w) {
+                        tbuf_alloc(&b->rw, (uint64_t)rd->rows, 0, (uint64_t)K * 4, 4 * g);
+                        td_fill_f32(&rng, b->rw.ptr, b->rw.rows, K, b->rw.stride, -0.5f, 1.5f);
+                        if (c->special > 0)
+                                special_weights(&rng, &b->rw, K, c->special);
+                }
+                rwmat[d] = tbuf_mat(&b->rw);
+                rwref[d] = tbuf_ref(&b->rw);
         }
         for (uint32_t s = 0; s < R; s++) {
                 struct src_bufs *b = &sb[s];
 
                 tbuf_alloc(&b->combined, b->n, EXTRA_ROWS, (uint64_t)H * 2, 64 * g);
-                if (c->has_weights && c->want_cw)
+                if (want_cw)
                         tbuf_alloc(&b->cw, b->n, EXTRA_ROWS, (uint64_t)K * 4, 8 * g);
+                if (c->source_weights == 1 || (c->source_weights == 2 && s % 2 == 0)) {
+                        tbuf_alloc(&b->sw, b->n, 0, (uint64_t)K * 4, 4 * g);
+                        td_fill_f32(&rng, b->sw.ptr, b->n, K, b->sw.stride, -2.0f, 2.0f);
+                        if (c->special > 0)
+                                special_weights(&rng, &b->sw, K, c->special);
+                }
+                swref[s] = tbuf_ref(&b->sw);
                 cio[s] = (struct epd_combine_src_io){
                         .bias = { tbuf_mat(&b->bias[0]), tbuf_mat(&b->bias[1]) },
                         .combined = tbuf_mat(&b->combined),
                         .combined_topk_weights = tbuf_mat(&b->cw),
                         .weights = b->weights_dense,
+                        .source_weights = tbuf_mat(&b->sw),
                 };
         }
         struct epd_combine_exec cop = {
                 .plan = plan, .hidden = H, .apply_weights = apply, .y = ymat, .src = cio,
+                .recv_weights = recv_w ? rwmat : NULL,
         };
         run_items(combine_item, &cop, epd_host_combine_items(&cop), c->order, &rng);
 
         struct ref_combine_in rin = { .y = yref, .apply_weights = apply };
+        struct ref_combine_weights rcw = { .source_weights = c->source_weights ? swref : NULL,
+                                           .recv_weights = recv_w ? rwref : NULL };
         for (uint32_t s = 0; s < R; s++) {
                 struct src_bufs *b = &sb[s];
                 struct ref_buf bias[2] = { tbuf_ref(&b->bias[0]), tbuf_ref(&b->bias[1]) };
 
-                ck_assert_msg(ref_check_combine(ref, &rin, s, bias, tbuf_ref(&b->combined),
-                                                tbuf_ref(&b->cw), msg, sizeof(msg)) == 0,
+                ck_assert_msg(ref_check_combine_w(ref, &rin, &rcw, s, bias,
+                                                  tbuf_ref(&b->combined), tbuf_ref(&b->cw), msg,
+                                                  sizeof(msg)) == 0,
                               "case %s seed 0x%016" PRIx64 ": %s", c->name, seed, msg);
                 check_untouched(&b->combined, "combined", s);
                 check_untouched(&b->cw, "combined_topk_weights", s);
@@ -520,6 +562,7 @@ static void run_case(const struct hx_case *c, uint64_t seed)
                 tbuf_free(&b->bias[1]);
                 tbuf_free(&b->combined);
                 tbuf_free(&b->cw);
+                tbuf_free(&b->sw);
                 free(b->weights_dense);
         }
         for (uint32_t d = 0; d < R; d++) {
@@ -532,6 +575,7 @@ static void run_case(const struct hx_case *c, uint64_t seed)
                 tbuf_free(&b->recv_src);
                 tbuf_free(&b->recv_topk_slot);
                 tbuf_free(&b->y);
+                tbuf_free(&b->rw);
         }
         ref_dispatch_free(ref);
         epd_plan_free(plan);
@@ -577,6 +621,10 @@ static struct hx_case random_case(struct td_rng *rng)
         c.strided = (int)td_rng_below(rng, 2);
         c.order = (enum run_order)td_rng_below(rng, 4);
         c.special = td_rng_below(rng, 4) == 0 ? 0.05 : 0.0;
+        c.source_weights = (int)td_rng_below(rng, 4) / 2; /* with weights: mixed sources */
+        if (c.source_weights == 2 && !c.has_weights)
+                c.source_weights = 1;
+        c.recv_weights = td_rng_below(rng, 3) == 0;
         return c;
 }
 

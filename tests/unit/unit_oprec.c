@@ -108,6 +108,10 @@ START_TEST(test_request_round_trip)
 
         request_round_trip(&d);
         request_round_trip(&c);
+        /* docs/semantics.md §3's weight inputs ride in the combine's slots 5 and 6 */
+        c.t[EPD_OPREC_COMBINE_RECV_WEIGHTS] = tensor(6, 512, EPD_DTYPE_FP32, 100, 4, 0);
+        c.t[EPD_OPREC_SOURCE_WEIGHTS] = tensor(7, 64, EPD_DTYPE_FP32, 10, 4, 32);
+        request_round_trip(&c);
         memset(&e, 0, sizeof(e));
         e.kind = EPD_OPREC_DISPATCH; /* every tensor absent: a rank without tokens */
         request_round_trip(&e);
@@ -233,6 +237,50 @@ START_TEST(test_request_errors)
         buf[48] = 1;
         expect_request_error(buf, sizeof(good), EPD_OPREC_OUT_OF_RANGE, "dispatch fields");
 #undef FRESH
+}
+END_TEST
+
+/* The combine's weight inputs: where they sit in the record, what the decoder refuses of them,
+ * and that the slot after them is still no combine's. */
+START_TEST(test_request_combine_weights)
+{
+        struct epd_op_request c = combine_request();
+        uint8_t good[EPD_OPREC_REQUEST_BYTES], buf[EPD_OPREC_REQUEST_BYTES];
+        struct epd_op_request back;
+        char err[160];
+
+        c.t[EPD_OPREC_COMBINE_RECV_WEIGHTS] = tensor(6, 512, EPD_DTYPE_FP32, 100, 4, 0);
+        c.t[EPD_OPREC_SOURCE_WEIGHTS] = tensor(7, 64, EPD_DTYPE_FP32, 10, 4, 32);
+        ck_assert_int_eq(epd_oprec_request_encode(&c, good, sizeof(good), err, sizeof(err)),
+                         (int)sizeof(good));
+        ck_assert_uint_eq(EPD_OPREC_COMBINE_RECV_WEIGHTS, 5);
+        ck_assert_uint_eq(EPD_OPREC_SOURCE_WEIGHTS, 6);
+        ck_assert_uint_eq(good[72 + 5 * 96], 6);      /* recv_weights' region_id */
+        ck_assert_uint_eq(good[72 + 5 * 96 + 8] | good[72 + 5 * 96 + 9] << 8, 512);
+        ck_assert_uint_eq(good[72 + 6 * 96], 7);      /* source_weights' region_id */
+        ck_assert_uint_eq(good[72 + 6 * 96 + 16], EPD_DTYPE_FP32);
+        ck_assert_uint_eq(good[72 + 6 * 96 + 64], 32); /* its row stride */
+
+        memcpy(buf, good, sizeof(buf));
+        buf[72 + 5 * 96 + 20] = 0; /* recv_weights with 0 dims */
+        ck_assert_int_eq(epd_oprec_request_decode(buf, sizeof(buf), &back, err, sizeof(err)),
+                         EPD_OPREC_OUT_OF_RANGE);
+        ck_assert_ptr_nonnull(strstr(err, "recv_weights: 0 dims"));
+        memcpy(buf, good, sizeof(buf));
+        buf[72 + 6 * 96 + 16] = 0x77; /* source_weights of an unknown dtype */
+        ck_assert_int_eq(epd_oprec_request_decode(buf, sizeof(buf), &back, err, sizeof(err)),
+                         EPD_OPREC_BAD_ENUM);
+        ck_assert_ptr_nonnull(strstr(err, "source_weights: unknown dtype"));
+        memcpy(buf, good, sizeof(buf));
+        memcpy(buf + 72 + 7 * 96, buf + 72 + 6 * 96, 96);
+        ck_assert_int_eq(epd_oprec_request_decode(buf, sizeof(buf), &back, err, sizeof(err)),
+                         EPD_OPREC_OUT_OF_RANGE);
+        ck_assert_ptr_nonnull(strstr(err, "slot 7"));
+        /* The encoder refuses the same. */
+        c.t[EPD_OPREC_SOURCE_WEIGHTS].ndim = 5;
+        ck_assert_int_eq(epd_oprec_request_encode(&c, buf, sizeof(buf), err, sizeof(err)),
+                         EPD_OPREC_OUT_OF_RANGE);
+        ck_assert_ptr_nonnull(strstr(err, "source_weights: 5 dims"));
 }
 END_TEST
 
@@ -466,6 +514,7 @@ int main(void)
         tcase_add_test(tc, test_request_round_trip);
         tcase_add_test(tc, test_request_layout);
         tcase_add_test(tc, test_request_errors);
+        tcase_add_test(tc, test_request_combine_weights);
         tcase_add_test(tc, test_request_encode_refuses);
         tcase_add_test(tc, test_reply_round_trip);
         tcase_add_test(tc, test_reply_errors);

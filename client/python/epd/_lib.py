@@ -251,6 +251,8 @@ class CombineArgs(ctypes.Structure):
         ("combined", Tensor),
         ("combined_topk_weights", Tensor),
         ("wait_inputs", _u64),
+        ("recv_weights", Tensor),
+        ("source_weights", Tensor),
     ]
 
 
@@ -515,7 +517,7 @@ class ResizeInfo(ctypes.Structure):
 # Sizes the C compiler gives these structures on x86-64 and aarch64 Linux; the tests compare.
 EXPECTED_SIZES = {
     Tensor: 88, ConnectArgs: 32, DeviceInfo: 160, DaemonInfo: 2648, GroupConfig: 72,
-    GroupArgs: 56, SizeHint: 48, DispatchArgs: 928, DispatchResult: 664, CombineArgs: 472,
+    GroupArgs: 56, SizeHint: 48, DispatchArgs: 928, DispatchResult: 664, CombineArgs: 648,
     CombineResult: 40, AdminDevice: 40, DaemonStatusInfo: 96, AdminRank: 32, GroupInfo: 144,
     ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 112, AdminStageStats: 24,
     AdminGroupStats: 88, AdminClientStats: 56, AdminDeviceStats: 48, AdminDaemonStats: 136,

@@ -755,22 +755,31 @@ class Group:
     # ---- combine ----
 
     def combine(self, x, handle, bias=None, apply_weights=False, async_op=False, out=None,
-                stream=None):
+                stream=None, recv_weights=None, source_weights=None):
         """Sends rows back to their sources and reduces them (docs/semantics.md section 3).
 
         ``x`` is the experts' output in the dispatch layout of ``handle``: ``[rows, hidden]``
         bf16 bits as uint16 (floats are rounded to bf16). It may be the dispatch's own
         ``recv_x`` arena view, overwritten in place (no copy). ``bias`` is None, one array or
         a tuple of up to two arrays ``[N, hidden]`` added on this (source) rank.
-        ``apply_weights`` multiplies each row by its dispatch weight (EXPAND with weights only).
-        ``out`` optionally receives ``combined_x`` (an array from :func:`epd.empty` avoids a
-        copy).
+        ``apply_weights`` multiplies each row by its selection's weight w(t, k) (EXPAND only):
+        ``source_weights`` when given, else the dispatch's. ``out`` optionally receives
+        ``combined_x`` (an array from :func:`epd.empty` avoids a copy).
+
+        ``recv_weights`` (NON_EXPAND, optional): float32 ``[rows, K]``, this rank's weights per
+        received row, for example its ``recv_topk_weights``, possibly changed. Every rank gives
+        them or none does (a rank without rows passes a ``[0, K]`` array);
+        ``combined_topk_weights`` is then
+        their sum over the ranks each token went to, in ascending rank (DeepEP's
+        ``combine(topk_weights=...)``), even when the dispatch carried no weights.
+        ``source_weights`` (optional): float32 ``[N, K]``, this rank's own weights for
+        ``apply_weights``, so that a dispatch without weights can be combined weighted.
 
         Returns a :class:`CombineResult`, the pair ``(combined_x, combined_topk_weights)``:
-        uint16 ``[N, hidden]`` and float32 ``[N, K]``, the weights the dispatch carried with 0
-        where ``topk_idx`` was -1 (None when the dispatch carried none), with the op's timing
-        as attributes. epd routes the dispatch's weights back itself, so combine takes no
-        ``topk_weights``. With ``async_op=True``, a :class:`Future` of that.
+        uint16 ``[N, hidden]`` and float32 ``[N, K]``: the reduction of ``recv_weights`` when
+        given, else the weights the dispatch carried with 0 where ``topk_idx`` was -1 (None when
+        the dispatch carried none), with the op's timing as attributes. With ``async_op=True``,
+        a :class:`Future` of that.
 
         torch tensors (:mod:`epd.tensors`): ``combined_x`` is a bf16 tensor on ``x``'s device
         (``out`` if given), ``combined_topk_weights`` a float32 one; a CUDA combine waits for
@@ -780,7 +789,8 @@ class Group:
         if not isinstance(handle, Handle):
             raise InvalidArgument("combine needs the Handle of a dispatch")
         if tensors.is_tensor(x):
-            return tensors.combine(self, x, handle, bias, apply_weights, async_op, out, stream)
+            return tensors.combine(self, x, handle, bias, apply_weights, async_op, out, stream,
+                                   recv_weights, source_weights)
         y = _dims(_payload(x, _lib.DTYPE_BF16, "x"), "x")
         if bias is None:
             biases = []
@@ -806,8 +816,15 @@ class Group:
             sc = st.input(out_arr.view(np.uint16), _lib.DTYPE_BF16)
         else:
             sc = st.output((n, H), np.uint16, _lib.DTYPE_BF16)
+        srw = ssw = None
+        if recv_weights is not None:
+            srw = st.input(_dims(_float32(recv_weights, "recv_weights"), "recv_weights"),
+                           _lib.DTYPE_FP32)
+        if source_weights is not None:
+            ssw = st.input(_dims(_float32(source_weights, "source_weights"), "source_weights"),
+                           _lib.DTYPE_FP32)
         sw = None
-        if handle.has_weights:
+        if handle.has_weights or recv_weights is not None:
             sw = st.output((n, handle.num_topk), np.float32, _lib.DTYPE_FP32)
         st.build()
         args = _lib.CombineArgs(size=ctypes.sizeof(_lib.CombineArgs))
@@ -820,6 +837,10 @@ class Group:
         args.combined = sc["tensor"]
         if sw:
             args.combined_topk_weights = sw["tensor"]
+        if srw:
+            args.recv_weights = srw["tensor"]
+        if ssw:
+            args.source_weights = ssw["tensor"]
 
         def finish(op):
             res = _lib.CombineResult()

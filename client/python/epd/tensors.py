@@ -630,7 +630,8 @@ def _dispatch_outputs(group, op, args, layout, num_topk, topk_code, has_weights,
     return outs
 
 
-def combine(group, x, handle, bias, apply_weights, async_op, out, stream):
+def combine(group, x, handle, bias, apply_weights, async_op, out, stream, recv_weights=None,
+            source_weights=None):
     """Group.combine for a torch ``x``. Returns an epd.CombineResult (or a Future of one)."""
     from .group import CombineResult  # circular import at load time
 
@@ -664,6 +665,11 @@ def combine(group, x, handle, bias, apply_weights, async_op, out, stream):
             for i, b in enumerate(biases):
                 bt, _ = payload(_as_tensor(b, device, "bias"), _lib.DTYPE_BF16, "bias")
                 args.bias[i], _ = op.describe(_dims(bt, "bias", (2,)), _lib.DTYPE_BF16)
+            for name, w in (("recv_weights", recv_weights), ("source_weights", source_weights)):
+                if w is not None:
+                    wt = _dims(_float32(_as_tensor(w, device, name), name), name)
+                    setattr(args, name, op.describe(wt, _lib.DTYPE_FP32)[0])
+            want_weights = handle.has_weights or recv_weights is not None
             if out is not None:
                 if not is_tensor(out) or out.device != device:
                     raise InvalidArgument("out must be a tensor on %s" % device)
@@ -676,7 +682,7 @@ def combine(group, x, handle, bias, apply_weights, async_op, out, stream):
                 combined = None
             weights = None
             need = 0 if combined is not None else (n * H * 2 + _ALIGN - 1) // _ALIGN * _ALIGN
-            if handle.has_weights:
+            if want_weights:
                 need += n * handle.num_topk * 4
             buf = op.fresh(max(need, 1))
             off = 0
@@ -684,7 +690,7 @@ def combine(group, x, handle, bias, apply_weights, async_op, out, stream):
                 combined = buf[:n * H * 2].view(y_dtype).view(n, H)
                 off = (n * H * 2 + _ALIGN - 1) // _ALIGN * _ALIGN
             args.combined, _ = op.describe(combined, _lib.DTYPE_BF16, output=True)
-            if handle.has_weights:
+            if want_weights:
                 weights = buf[off:off + n * handle.num_topk * 4].view(torch.float32).view(
                     n, handle.num_topk)
                 args.combined_topk_weights, _ = op.describe(weights, _lib.DTYPE_FP32,

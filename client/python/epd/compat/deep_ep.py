@@ -44,9 +44,11 @@ What differs from DeepEP:
   ``rank_prefix_matrix`` column of this rank, as a prefix sum). A cached dispatch returns the
   same handle (DeepEP returns None), and the received weights when new ``topk_weights`` are
   given.
-* ``combine`` takes ``topk_weights`` only to decide whether to return
-  ``combined_topk_weights``: epd sends back the weights the dispatch carried (masked to 0 where
-  ``topk_idx`` is -1), which is what DeepEP's sum of the received weights gives.
+* ``combine(topk_weights=W)`` passes ``W`` (``[num_recv_tokens, K]`` float32, this rank's
+  weights per received row: its ``recv_topk_weights``, possibly changed) as the combine's
+  ``recv_weights``, and ``combined_topk_weights`` is their sum over the ranks each token went
+  to, in ascending rank, as DeepEP's combine sums them (in fp32, docs/semantics.md section 3);
+  this holds after a dispatch without weights and after a cached dispatch as well.
 * Tensors: torch CUDA tensors (the cuda backend; see :mod:`epd.tensors`) stay on the GPU:
   outputs are device tensors, allocated per dispatch with room for the group's worst case
   unless the buffer's ``recv_capacity`` bounds the rows. CPU torch tensors and NumPy arrays
@@ -319,20 +321,24 @@ class Buffer:
                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):
         """DeepEP's normal combine: ``x`` ``[num_recv_tokens, hidden]`` in dispatch order.
 
-        ``bias`` is None, one array or a tuple of two ``[N, hidden]``. Returns
-        ``(combined_x, combined_topk_weights, event)``; ``combined_topk_weights`` is None unless
-        ``topk_weights`` is given (its values are not used: see the module docstring).
+        ``bias`` is None, one array or a tuple of two ``[N, hidden]``. ``topk_weights``
+        ``[num_recv_tokens, K]`` float32 are this rank's weights per received row (every rank
+        passes them, or none does). Returns ``(combined_x, combined_topk_weights, event)``;
+        ``combined_topk_weights`` is None unless ``topk_weights`` is given, and then their sum
+        over the ranks each token went to (see the module docstring).
         """
         if isinstance(bias, list):
             bias = tuple(bias)
         stream = self._stream_after(previous_event, x)
         if async_finish and tensors.is_cuda(x):
-            fut = self.group.combine(x, handle, bias=bias, async_op=True, stream=stream)
+            fut = self.group.combine(x, handle, bias=bias, async_op=True, stream=stream,
+                                     recv_weights=topk_weights)
             self._inflight.append(fut)
             self._reap(block=False)
             weights = fut.outputs["combined_topk_weights"] if topk_weights is not None else None
             return fut.outputs["combined_x"], weights, EventOverlap(fut)
-        combined, weights = self.group.combine(x, handle, bias=bias, stream=stream)
+        combined, weights = self.group.combine(x, handle, bias=bias, stream=stream,
+                                               recv_weights=topk_weights)
         self._reap(block=True)
         if topk_weights is None:
             weights = None
