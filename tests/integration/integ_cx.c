@@ -790,6 +790,13 @@ START_TEST(test_modes)
         ck_assert_msg(strstr(epd_client_last_error(cl), "neither daemon"), "%s",
                       epd_client_last_error(cl));
         cfg.execution = EPD_EXECUTION_CLIENT;
+        cfg.max_tokens_per_rank = 32768; /* buffers far above max_arena_bytes */
+        cfg.hidden = 1u << 20;
+        ck_assert_int_eq(create_status(cl, "cx-bad5", &cfg, &bad), EPD_INVALID_ARGUMENT);
+        ck_assert_msg(strstr(epd_client_last_error(cl), "max_arena_bytes"), "%s",
+                      epd_client_last_error(cl));
+        cfg.max_tokens_per_rank = sh->c.T;
+        cfg.hidden = sh->c.H;
         cfg.num_handle_slots = 9;
         ck_assert_int_eq(create_status(cl, "cx-bad4", &cfg, &bad), EPD_INVALID_ARGUMENT);
         cfg.num_handle_slots = 0;
