@@ -407,6 +407,12 @@ int stream_complete(struct wcuda *wc, struct epd_op *op, char *err, size_t len);
  * wcuda_fini frees the memory). bufs[i] and regions[i] belong together. */
 void dev_release(struct epd_client *client, const struct wcuda *wc, uint8_t **const *bufs,
                  uint64_t *regions, int n);
+/* A worker's start: every rank's y as the oracle reads it (*ybufs[R], the caller frees), its
+ * connection, its group, then CUDA when the run needs it (*wc). 0, or -1 with the reason in err
+ * (what was made is the caller's to free). */
+int worker_start(const struct bench *b, uint32_t rank, const void ***ybufs,
+                 struct epd_client **client, struct epd_group **group, struct wcuda *wc,
+                 char *err, size_t len);
 /* Creates (rank 0) or joins the run's group, in the run's execution mode. */
 int enter_group(const struct bench *b, struct epd_client *client, uint32_t rank,
                 struct epd_group **out);

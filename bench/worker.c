@@ -120,6 +120,43 @@ static int run_op(struct epd_group *group, struct wcuda *wc, int strm,
         return rc;
 }
 
+int worker_start(const struct bench *b, uint32_t rank, const void ***ybufs,
+                 struct epd_client **client, struct epd_group **group, struct wcuda *wc,
+                 char *err, size_t len)
+{
+        struct epd_connect_args ca = { .size = sizeof(ca), .socket_path = b->socket,
+                                       .client_name = "epd-bench", .timeout_ms = 120000 };
+        char why[512];
+        int rc;
+
+        memset(wc, 0, sizeof(*wc));
+        *ybufs = calloc(b->R, sizeof(**ybufs));
+        if (!*ybufs) {
+                snprintf(err, len, "out of memory");
+                return -1;
+        }
+        for (uint32_t d = 0; d < b->R; d++)
+                (*ybufs)[d] = b->ranks[d].y.ptr;
+        rc = epd_client_connect(&ca, client, why, sizeof(why));
+        if (rc < 0) {
+                snprintf(err, len, "connect to %s: %s: %s", b->socket, epd_status_name(rc), why);
+                return -1;
+        }
+        /* The group first (rank 0 creates it at once), then CUDA, whose context creation in
+         * several processes at once may take a while. */
+        rc = enter_group(b, *client, rank, group);
+        if (rc < 0) {
+                snprintf(err, len, "enter group %s: %s: %s", b->group_name, epd_status_name(rc),
+                         epd_client_last_error(*client));
+                return -1;
+        }
+        if (b->worker_cuda && wcuda_init(wc, b, rank, why, sizeof(why)) < 0) {
+                snprintf(err, len, "CUDA on device %u: %s", rank % b->opt.devices, why);
+                return -1;
+        }
+        return 0;
+}
+
 void dev_release(struct epd_client *client, const struct wcuda *wc, uint8_t **const *bufs,
                  uint64_t *regions, int n)
 {
@@ -142,12 +179,10 @@ int worker_run(struct bench *b, uint32_t rank)
         const int dev = b->opt.device_memory;
         const enum epd_dtype dt = b->opt.wl->dtype;
         const uint32_t n = me->num_tokens, H = b->H, K = b->K;
-        struct epd_connect_args ca = { .size = sizeof(ca), .socket_path = b->socket,
-                                       .client_name = "epd-bench", .timeout_ms = 120000 };
         struct epd_client *client = NULL;
         struct epd_group *group = NULL;
         struct epd_op *op = NULL;
-        const void **ybufs = calloc(b->R, sizeof(*ybufs));
+        const void **ybufs = NULL;
         struct wcuda wc;
         /* Device memory regions (in, y, outputs, combined), released before the memory is
          * freed; host copies of iteration 0's device outputs. */
@@ -157,26 +192,10 @@ int worker_run(struct bench *b, uint32_t rank)
         char err[1024];
         int rc, status = 1;
 
-        if (b->opt.execution == EPD_EXECUTION_CLIENT) {
-                free(ybufs);
+        if (b->opt.execution == EPD_EXECUTION_CLIENT)
                 return worker_run_cx(b, rank);
-        }
-        memset(&wc, 0, sizeof(wc));
-        if (!ybufs)
-                WFAIL("out of memory");
-        for (uint32_t d = 0; d < b->R; d++)
-                ybufs[d] = b->ranks[d].y.ptr;
-        rc = epd_client_connect(&ca, &client, err, sizeof(err));
-        if (rc < 0)
-                WFAIL("connect to %s: %s: %s", b->socket, epd_status_name(rc), err);
-        /* The group first (rank 0 creates it at once), then CUDA, whose context creation in
-         * several processes at once may take a while. */
-        rc = enter_group(b, client, rank, &group);
-        if (rc < 0)
-                WFAIL("enter group %s: %s: %s", b->group_name, epd_status_name(rc),
-                      epd_client_last_error(client));
-        if (b->worker_cuda && wcuda_init(&wc, b, rank, err, sizeof(err)) < 0)
-                WFAIL("CUDA on device %u: %s", rank % b->opt.devices, err);
+        if (worker_start(b, rank, &ybufs, &client, &group, &wc, err, sizeof(err)) < 0)
+                WFAIL("%s", err);
 
         /* Regions the ops never use, registered first (--extra-regions). */
         for (uint32_t i = 0; i < b->opt.extra_regions; i++) {

@@ -60,13 +60,11 @@ int worker_run_cx(struct bench *b, uint32_t rank)
         struct rank_data *me = &b->ranks[rank];
         const int expand = b->opt.layout == EPD_LAYOUT_EXPAND, cuda = b->opt.cuda;
         const uint32_t n = me->num_tokens, H = b->H, K = b->K, L = b->E / b->R;
-        struct epd_connect_args ca = { .size = sizeof(ca), .socket_path = b->socket,
-                                       .client_name = "epd-bench", .timeout_ms = 120000 };
         struct epd_client *client = NULL;
         struct epd_group *group = NULL;
         struct epd_cx_buffers bufs = { .size = sizeof(bufs) };
         struct epd_cx_counts counts = { .size = sizeof(counts) };
-        const void **ybufs = calloc(b->R, sizeof(*ybufs));
+        const void **ybufs = NULL;
         uint8_t *recv_copy = NULL, *combined = NULL, *h_comb = NULL;
         int32_t *count_copy = malloc(((size_t)2 * L + b->R + 1) * sizeof(int32_t));
         uint64_t dregion[2] = { 0, 0 }, recv_bytes = 0;
@@ -74,20 +72,10 @@ int worker_run_cx(struct bench *b, uint32_t rank)
         char err[1024];
         int rc, status = 1;
 
-        memset(&wc, 0, sizeof(wc));
-        if (!ybufs || !count_copy)
+        if (worker_start(b, rank, &ybufs, &client, &group, &wc, err, sizeof(err)) < 0)
+                WFAIL("%s", err);
+        if (!count_copy)
                 WFAIL("out of memory");
-        for (uint32_t d = 0; d < b->R; d++)
-                ybufs[d] = b->ranks[d].y.ptr;
-        rc = epd_client_connect(&ca, &client, err, sizeof(err));
-        if (rc < 0)
-                WFAIL("connect to %s: %s: %s", b->socket, epd_status_name(rc), err);
-        rc = enter_group(b, client, rank, &group);
-        if (rc < 0)
-                WFAIL("enter group %s: %s: %s", b->group_name, epd_status_name(rc),
-                      epd_client_last_error(client));
-        if (b->worker_cuda && wcuda_init(&wc, b, rank, err, sizeof(err)) < 0)
-                WFAIL("CUDA on device %u: %s", rank % b->opt.devices, err);
         if (epd_cx_buffers(group, &bufs) < 0)
                 WFAIL("epd_cx_buffers: %s", epd_client_last_error(client));
 

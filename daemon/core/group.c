@@ -99,6 +99,15 @@ static int cx_cfg_check(const struct epdd_daemon *d, const struct epdd_group_cfg
                 snprintf(err, err_len, "client-executed group: %s", cx_shape_error_str(e));
                 return EPD_INVALID_ARGUMENT;
         }
+        /* The buffers hold the outputs, as an output arena does: the same bound per rank. */
+        if (l.total_bytes > d->cfg.max_arena_bytes) {
+                snprintf(err, err_len,
+                         "client-executed group: %llu bytes of buffer per rank exceed the "
+                         "daemon's max_arena_bytes %llu (lower max_tokens_per_rank or hidden)",
+                         (unsigned long long)l.total_bytes,
+                         (unsigned long long)d->cfg.max_arena_bytes);
+                return EPD_INVALID_ARGUMENT;
+        }
         if (w->sms_per_rank > CX_MAX_BLOCKS) {
                 snprintf(err, err_len, "sms_per_rank %u exceeds %u", w->sms_per_rank,
                          CX_MAX_BLOCKS);

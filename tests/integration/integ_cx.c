@@ -15,6 +15,7 @@
 #include <check.h>
 #include <grp.h>
 #include <inttypes.h>
+#include <jansson.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -789,6 +790,13 @@ START_TEST(test_modes)
         ck_assert_msg(strstr(epd_client_last_error(cl), "neither daemon"), "%s",
                       epd_client_last_error(cl));
         cfg.execution = EPD_EXECUTION_CLIENT;
+        cfg.max_tokens_per_rank = 32768; /* buffers far above max_arena_bytes */
+        cfg.hidden = 1u << 20;
+        ck_assert_int_eq(create_status(cl, "cx-bad5", &cfg, &bad), EPD_INVALID_ARGUMENT);
+        ck_assert_msg(strstr(epd_client_last_error(cl), "max_arena_bytes"), "%s",
+                      epd_client_last_error(cl));
+        cfg.max_tokens_per_rank = sh->c.T;
+        cfg.hidden = sh->c.H;
         cfg.num_handle_slots = 9;
         ck_assert_int_eq(create_status(cl, "cx-bad4", &cfg, &bad), EPD_INVALID_ARGUMENT);
         cfg.num_handle_slots = 0;
@@ -812,6 +820,38 @@ START_TEST(test_modes)
         }
         epd_group_list_free(list);
         ck_assert_int_eq(found, 1);
+        /* epctl shows the same, and the stats of the group's rank. */
+        json_t *groups = h_epctl_json(&sh->d, "groups"), *stats, *gj;
+        size_t gi;
+        found = 0;
+        json_array_foreach(groups, gi, gj)
+        {
+                if (strcmp(json_string_value(json_object_get(gj, "name")), "cx-client") != 0)
+                        continue;
+                found = 1;
+                ck_assert_str_eq(json_string_value(json_object_get(gj, "execution")), "client");
+                ck_assert_uint_eq(json_integer_value(json_object_get(
+                                          gj, "client_buffer_bytes_per_rank")),
+                                  b.bytes_per_rank);
+        }
+        json_decref(groups);
+        ck_assert_int_eq(found, 1);
+        stats = h_epctl_json(&sh->d, "stats");
+        json_array_foreach(json_object_get(stats, "groups"), gi, gj)
+        {
+                json_t *rank0 = json_array_get(json_object_get(gj, "ranks"), 0);
+                int client = strcmp(json_string_value(json_object_get(gj, "name")),
+                                    "cx-client") == 0;
+
+                ck_assert_int_eq(json_object_get(rank0, "client") != NULL, client);
+                if (client)
+                        ck_assert_uint_eq(json_integer_value(json_object_get(
+                                                  json_object_get(rank0, "client"),
+                                                  "buffer_bytes")),
+                                          b.bytes_per_rank);
+        }
+        ck_assert_uint_eq(json_array_size(json_object_get(stats, "groups")), 2);
+        json_decref(stats);
 
         /* Resize of the buffers is refused, naming why. */
         ck_assert_int_eq(epd_resize(cl, "cx-client", 1 << 20, &rr), EPD_UNAVAILABLE);
