@@ -127,7 +127,7 @@ class TestCxGroup(unittest.TestCase):
                 np.testing.assert_array_equal(res.recv_x[i], ref.xs[s][t])
 
     def layout_case(self, R, layout, alignment=1, zero_padding=False, block_rows=0,
-                    quant=False, weights=True, topk_dtype=np.int64, seed=1):
+                    quant=False, weights=True, topk_dtype=np.int64, seed=1, group_quant=None):
         E, K, H, T = 4 * R, 4, 256, 12
         rng = np.random.default_rng(seed)
         xs, topks, ws = make_inputs(rng, R, [T - s for s in range(R)], E, K, H, weights,
@@ -137,7 +137,7 @@ class TestCxGroup(unittest.TestCase):
         q = [quantize(x) for x in xs] if quant else None
         with CxWorld(R, num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K,
                      max_expert_alignment=alignment, expert_block_rows=block_rows,
-                     quantize=quant) as w:
+                     quantize=quant if group_quant is None else group_quant) as w:
             def go(r, g):
                 res = g.cx_dispatch(xs[r], topk_idx=topks[r],
                                     topk_weights=ws[r] if weights else None, layout=layout,
@@ -202,6 +202,9 @@ class TestCxGroup(unittest.TestCase):
     def test_quantizing_dispatch(self):
         self.layout_case(2, "non_expand", quant=True)
         self.layout_case(2, "expand", quant=True, block_rows=24, seed=6)
+        # bf16 rows in a group that may quantize: no scales are read or sent.
+        self.layout_case(2, "expand", block_rows=24, seed=7, group_quant=True)
+        self.layout_case(3, "non_expand", seed=8, group_quant=True)
 
     def test_fp8_group(self):
         R, E, K, H, T = 2, 8, 2, 256, 8
@@ -290,6 +293,197 @@ class TestCxGroup(unittest.TestCase):
                                  execution="gpu")
         finally:
             c.close()
+
+
+class TestDeepEPLowLatency(unittest.TestCase):
+    """What DeepEP's low-latency test checks, through epd.compat.deep_ep on NumPy arrays."""
+
+    R, T, H, K = 3, 6, 256, 3
+    E = 4 * R
+    OFFSET = 128  # values rank - OFFSET stay exact in bf16
+
+    def buffers(self, **kw):
+        from epd.compat.deep_ep import Buffer
+        name = unique("ll")
+        bufs = []
+        try:
+            for r in range(self.R):
+                bufs.append(Buffer(name, rank=r, secret=SECRET, socket=DAEMON["socket"],
+                                   world_size=self.R, num_experts=self.E, hidden=self.H,
+                                   max_tokens_per_rank=self.T, max_topk=self.K,
+                                   op_timeout_ms=20000, low_latency_mode=True, **kw))
+        except BaseException:
+            for b in bufs:
+                b.destroy()
+            raise
+        return bufs
+
+    def inputs(self, seed):
+        R, T, H, K, E = self.R, self.T, self.H, self.K, self.E
+        rng = np.random.default_rng(seed)
+        xs, topks, ws = [], [], []
+        for r in range(R):
+            x = np.full((T, H), r - self.OFFSET, np.float32)
+            x[:, -128:] = np.arange(T, dtype=np.float32)[:, None]
+            xs.append(epd.float_to_bf16(x))
+            t = np.stack([rng.choice(E, size=K, replace=False) for _ in range(T)])
+            t[rng.integers(0, T), rng.integers(0, K)] = -1
+            topks.append(t.astype(np.int64))
+            ws.append(rng.random((T, K)).astype(np.float32))
+        return xs, topks, ws
+
+    def test_dispatch_and_combine(self):
+        from epd.compat.deep_ep import LowLatencyHandle
+        R, T, H, K, E = self.R, self.T, self.H, self.K, self.E
+        L, C = E // R, R * T
+        bufs = self.buffers()
+        pool = concurrent.futures.ThreadPoolExecutor(R)
+        try:
+            for case, (use_fp8, zero_copy) in enumerate([(False, False), (False, True),
+                                                         (True, False), (True, True)]):
+                xs, topks, ws = self.inputs(case)
+                all_topk = np.stack(topks)
+                q = [quantize(x) for x in xs]
+
+                def go(r):
+                    b = bufs[r]
+                    stats = np.zeros(L, np.int32)
+                    recv_x, recv_count, handle, event, hook = b.low_latency_dispatch(
+                        xs[r], topks[r], T, E, cumulative_local_expert_recv_stats=stats,
+                        use_fp8=use_fp8, async_finish=True)
+                    event.current_stream_wait()
+                    hook()
+                    self.assertIsInstance(handle, LowLatencyHandle)
+                    data = recv_x[0] if use_fp8 else recv_x
+                    self.assertEqual(data.shape, (L, C, H))
+                    got = {"count": recv_count.copy(), "stats": stats,
+                           "src_info": handle[0].copy(), "layout": handle[1].copy(),
+                           "data": data.copy(),
+                           "scales": recv_x[1].copy() if use_fp8 else None,
+                           "meta": tuple(handle[2:])}
+                    # The expert: its input as bf16 (DeepEP's simulated GEMM), unchanged.
+                    sim = data.copy() if not use_fp8 else epd.float_to_bf16(
+                        (reference_dequant(recv_x[0], recv_x[1])))
+                    if zero_copy:
+                        b.get_next_low_latency_combine_buffer(handle)[...] = sim
+                    out = np.empty((T, H), np.uint16)
+                    combined, event, hook = b.low_latency_combine(
+                        sim, topks[r], ws[r], handle, zero_copy=zero_copy, out=out)
+                    hook()
+                    self.assertIs(combined, out)
+                    got["sim"], got["combined"] = sim.reshape(L * C, H), combined.copy()
+                    return got
+
+                res = [f.result(60) for f in [pool.submit(go, r) for r in range(R)]]
+                ref = Routing(R, E, T, [a for a, _ in q] if use_fp8 else xs, topks, ws,
+                              layout="expand", block_rows=C)
+                for r, g in enumerate(res):
+                    self.assertEqual(g["meta"], (T, H, E))
+                    for i in range(L):
+                        e = r * L + i
+                        n = int(g["count"][i])
+                        self.assertEqual(n, int((all_topk == e).sum()))
+                        self.assertEqual(g["stats"][i], n)
+                        lay = g["layout"][i]
+                        self.assertEqual(int((lay & 0xFFFFFFFF).sum()), n)
+                        rows = g["data"][i][:n]
+                        src = g["src_info"][i][:n]
+                        if not use_fp8:
+                            vals = epd.bf16_to_float(rows)
+                            np.testing.assert_array_equal(vals[:, :-128].min(1),
+                                                          vals[:, :-128].max(1))
+                            np.testing.assert_array_equal(vals[:, -128:],
+                                                          np.repeat(src[:, None], 128, 1))
+                            for j in range(R):
+                                begin, cnt = int(lay[j] >> 32), int(lay[j] & 0xFFFFFFFF)
+                                self.assertEqual(cnt, int((all_topk[j] == e).sum()))
+                                np.testing.assert_array_equal(
+                                    vals[begin:begin + cnt, :-128], j - self.OFFSET)
+                        self.assertTrue((g["src_info"][i][n:] == -1).all())
+                    exp = ref.dest(r)
+                    keep = exp["recv_src"] >= 0
+                    np.testing.assert_array_equal(g["data"].reshape(L * C, H)[keep],
+                                                  np.stack([r_ for r_ in ref.recv_x(r)
+                                                            if r_ is not None]))
+                    if use_fp8:
+                        np.testing.assert_array_equal(
+                            g["scales"].reshape(L * C, -1)[keep],
+                            np.stack([q[s][1][t] for s, t, _ in
+                                      [x for x in exp["rows"] if x is not None]]))
+                ys = [g["sim"] for g in res]
+                for s in range(R):
+                    want = ref.combine(s, ys, apply_weights=True, source_weights=ws[s])
+                    np.testing.assert_array_equal(res[s]["combined"], want)
+                    if not use_fp8:
+                        # DeepEP's check: x times the sum of the token's unmasked weights.
+                        approx = epd.bf16_to_float(xs[s]) * \
+                            np.where(topks[s] >= 0, ws[s], 0).sum(1)[:, None]
+                        np.testing.assert_allclose(epd.bf16_to_float(want), approx,
+                                                   rtol=1e-2, atol=1e-2)
+        finally:
+            pool.shutdown()
+            for b in bufs:
+                b.destroy()
+
+    def test_unsupported_options_and_names(self):
+        import epd.compat.deep_ep as de
+        bufs = self.buffers()
+        try:
+            b = bufs[0]
+            x = np.zeros((self.T, self.H), np.uint16)
+            tk = np.zeros((self.T, self.K), np.int64)
+            for kw, name in (({"round_scale": True}, "round_scale"),
+                             ({"use_ue8m0": True}, "use_ue8m0")):
+                with self.assertRaisesRegex(NotImplementedError, name):
+                    b.low_latency_dispatch(x, tk, self.T, self.E, **kw)
+            with self.assertRaisesRegex(NotImplementedError, "use_logfmt"):
+                b.low_latency_combine(x, tk, None, None, use_logfmt=True)
+            with self.assertRaisesRegex(epd.InvalidArgument, "num_experts"):
+                b.low_latency_dispatch(x, tk, self.T, self.E + 1)
+            with self.assertRaisesRegex(epd.InvalidArgument, "num_max_dispatch_tokens"):
+                b.clean_low_latency_buffer(self.T + 1, self.H, self.E)
+            self.assertIsNone(b.clean_low_latency_buffer(self.T, self.H, self.E))
+            for call, name in ((lambda: b.runtime, "runtime"),
+                               (lambda: b.get_local_buffer_tensor(np.uint8),
+                                "get_local_buffer_tensor"),
+                               (lambda: b.low_latency_update_mask_buffer(1, True),
+                                "low_latency_update_mask_buffer")):
+                with self.assertRaisesRegex(NotImplementedError, name):
+                    call()
+            if epd.tensors.torch_module() is None:
+                with self.assertRaisesRegex(NotImplementedError, "get_comm_stream"):
+                    b.get_comm_stream()
+                self.assertEqual(de.topk_idx_t, np.dtype(np.int64))
+            cfg = de.Buffer.get_dispatch_config(self.R)
+            self.assertIsInstance(cfg, de.Config)
+            old = de.Buffer.num_sms
+            try:
+                de.Buffer.set_num_sms(24)
+                self.assertEqual(de.Buffer.get_combine_config().num_sms, 24)
+                with self.assertRaises(epd.InvalidArgument):
+                    de.Buffer.set_num_sms(23)
+            finally:
+                de.Buffer.set_num_sms(old)
+            self.assertIsInstance(de.Buffer.capture(), de.EventOverlap)
+            self.assertIsInstance(de.is_sm90_compiled(), bool)
+            small = de.Buffer.get_low_latency_rdma_size_hint(4, 256, 2, 8,
+                                                             socket=DAEMON["socket"])
+            big = de.Buffer.get_low_latency_rdma_size_hint(64, 256, 2, 8,
+                                                           socket=DAEMON["socket"])
+            self.assertGreater(small, 0)
+            self.assertGreater(big, small)
+        finally:
+            for b in bufs:
+                b.destroy()
+
+
+def reference_dequant(data, scales):
+    """fp8 e4m3 bytes times their per-128-channel scales, as float32 (DeepEP's
+    per_token_cast_back)."""
+    from reference import _E4M3
+    mag = _E4M3[np.minimum(data & 0x7F, 0x7E)].astype(np.float32)
+    val = np.where(data & 0x80, -mag, mag).astype(np.float32)
+    return val * np.repeat(scales, 128, axis=-1)
 
 
 if __name__ == "__main__":
