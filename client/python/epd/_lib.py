@@ -11,7 +11,10 @@ Where the library is looked for, in order:
 2. ``libepd.so`` (then ``libepd.so.0``) in each directory of ``LD_LIBRARY_PATH``;
 3. ``build/lib/libepd.so`` of the source tree this package sits in
    (``client/python/epd/../../../build/lib/libepd.so``);
-4. the system loader (``libepd.so.0``, then ``libepd.so``).
+4. the install prefix: ``lib/libepd.so`` under Python's ``sys.prefix`` (a virtual
+   environment or conda prefix that ``cmake --install`` used), then under ``/usr/local``
+   (CMake's default prefix), for a package installed with ``pip install ./client/python``;
+5. the system loader (``libepd.so.0``, then ``libepd.so``).
 
 A libepd.so built against shared libraries (libuv, protobuf-c, ...) finds them through its
 RUNPATH or ``LD_LIBRARY_PATH``, which the dynamic loader reads when the process starts: set it
@@ -26,6 +29,7 @@ administration calls of :mod:`epd.admin` are optional the same way.
 
 import ctypes
 import os
+import sys
 import threading
 
 # enum epd_status
@@ -745,6 +749,11 @@ def candidate_paths():
     here = os.path.dirname(os.path.abspath(__file__))
     paths.append(os.path.normpath(os.path.join(here, "..", "..", "..", "build", "lib",
                                                "libepd.so")))
+    for prefix in (sys.prefix, "/usr/local"):
+        for name in _NAMES:
+            p = os.path.join(prefix, "lib", name)
+            if os.path.exists(p) and p not in paths:
+                paths.append(p)
     paths += ["libepd.so.0", "libepd.so"]
     return paths
 
