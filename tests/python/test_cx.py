@@ -13,7 +13,7 @@ sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
 
-from test_binding import REPO, SECRET, start_daemon, stop_daemon, unique  # noqa: E402,F401
+from test_binding import SECRET, start_daemon, stop_daemon, unique  # noqa: E402
 
 import epd  # noqa: E402
 from reference import Routing, quantize  # noqa: E402
@@ -334,7 +334,7 @@ class TestDeepEPLowLatency(unittest.TestCase):
 
     def test_dispatch_and_combine(self):
         from epd.compat.deep_ep import LowLatencyHandle
-        R, T, H, K, E = self.R, self.T, self.H, self.K, self.E
+        R, T, H, E = self.R, self.T, self.H, self.E
         L, C = E // R, R * T
         bufs = self.buffers()
         pool = concurrent.futures.ThreadPoolExecutor(R)

@@ -607,5 +607,4 @@ def _no_hook():
     """The receive hook of an op that completed at its call."""
 
 
-__all__ = ["Buffer", "Config", "EventOverlap", "LowLatencyHandle", "is_sm90_compiled",
-           "topk_idx_t"]
+__all__ = ["Buffer", "Config", "EventOverlap", "LowLatencyHandle", "is_sm90_compiled"]
