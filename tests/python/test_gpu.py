@@ -575,18 +575,25 @@ def _sleep(torch, ms):
         a = a / a.norm()
 
 
-class TestInProcess(unittest.TestCase):
+class _InProcessCase(unittest.TestCase):
+    """One connection to the cuda daemon from this process, on cuda:0."""
+
+    client_name = "gpu-inprocess"
+
     @classmethod
     def setUpClass(cls):
         import torch
         cls.torch = torch
         cls.dev = torch.device("cuda", 0)
         torch.cuda.set_device(cls.dev)
-        cls.client = epd.connect(DAEMONS["cuda"]["socket"], name="gpu-inprocess")
+        cls.client = epd.connect(DAEMONS["cuda"]["socket"], name=cls.client_name)
 
     @classmethod
     def tearDownClass(cls):
         cls.client.close()
+
+
+class TestInProcess(_InProcessCase):
 
     def group(self, H=256, T=64, K=2, E=4, dtype="bf16"):
         name = "inproc-%d-%d" % (os.getpid(), time.monotonic_ns())
@@ -790,23 +797,13 @@ if __name__ == "__main__":
 
 # ---- (d) client-executed groups ----
 
-class TestClientExecuted(unittest.TestCase):
+class TestClientExecuted(_InProcessCase):
     """A client-executed group of one rank on the cuda backend (one rank needs no MPS): torch
     CUDA tensors through Group.cx_dispatch / cx_combine bitwise against reference.py, and two
     MoE layers captured with torch.cuda.graph, replayed 100 times with new inputs, bitwise
     equal to eager execution."""
 
-    @classmethod
-    def setUpClass(cls):
-        import torch
-        cls.torch = torch
-        cls.dev = torch.device("cuda", 0)
-        torch.cuda.set_device(cls.dev)
-        cls.client = epd.connect(DAEMONS["cuda"]["socket"], name="gpu-cx")
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
+    client_name = "gpu-cx"
 
     def group(self, **shape):
         name = "cx-%d-%d" % (os.getpid(), time.monotonic_ns())
