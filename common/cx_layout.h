@@ -244,6 +244,15 @@ EPD_HD uint64_t cx_align(uint64_t v)
         return (v + CX_ALIGN - 1) / CX_ALIGN * CX_ALIGN;
 }
 
+/* The scales per row an op sends: an fp8 group's, a quantizing op's (§2.7), none for bf16 rows
+ * (a quantize group reserves scale room that a non-quantizing op leaves unused). */
+EPD_HD uint32_t cx_op_num_scales(const struct cx_layout *l, int quantize)
+{
+        if (quantize)
+                return l->shape.hidden / CX_QUANT_BLOCK;
+        return l->shape.dtype == EPD_DTYPE_FP8_E4M3 ? l->num_scales : 0;
+}
+
 EPD_HD uint64_t cx_tag(uint64_t epoch, uint64_t op)
 {
         return epoch << CX_OP_BITS | (op & CX_OP_MASK);

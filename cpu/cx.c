@@ -573,14 +573,13 @@ int cx_dispatch(const struct cx_rank *r, const struct cx_dispatch_args *a, uint6
                 const uint8_t *x = a->x;
                 const float *scales = a->scales;
                 uint64_t row_bytes = l->x_row_bytes, x_stride, sc_stride;
-                uint32_t num_scales = l->num_scales;
+                uint32_t num_scales = cx_op_num_scales(l, a->quantize);
                 enum epd_dtype topk_dtype = (enum epd_dtype)h->topk_dtype;
 
                 if (a->quantize) {
                         x = qx;
                         scales = qs;
                         row_bytes = l->shape.hidden;
-                        num_scales = l->shape.hidden / CX_QUANT_BLOCK;
                         x_stride = row_bytes;
                         sc_stride = (uint64_t)num_scales * 4;
                 } else {

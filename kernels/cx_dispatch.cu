@@ -401,7 +401,7 @@ cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_ar
         struct cx_header *hdr = cx_header_of(own, l);
         const uint32_t handle = a.handle < l->shape.num_handles ? a.handle : 0;
         const uint32_t row_bytes = a.quantize ? l->shape.hidden : l->x_row_bytes;
-        const uint32_t nsc = a.quantize ? l->shape.hidden / CX_QUANT_BLOCK : l->num_scales;
+        const uint32_t nsc = cx_op_num_scales(l, a.quantize);
         struct cx_dev_op o;
         int verdict = 0, r;
 

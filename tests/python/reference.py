@@ -27,11 +27,12 @@ class Routing:
     """
 
     def __init__(self, world_size, num_experts, max_tokens, xs, topks, weights=None,
-                 scales=None, layout="non_expand", alignment=1):
+                 scales=None, layout="non_expand", alignment=1, block_rows=0):
         self.R, self.E, self.T = world_size, num_experts, max_tokens
         self.L = num_experts // world_size
         self.xs, self.topks, self.weights, self.scales = xs, topks, weights, scales
         self.layout, self.alignment = layout, alignment
+        self.block_rows = block_rows  # C of §2.6 (EXPAND with fixed expert blocks), 0: packed
 
     def dest(self, d):
         """Expected outputs of destination rank d, as a dict (padding rows hold None)."""
@@ -52,7 +53,9 @@ class Routing:
         counts = [len(g) for g in sel]
         a = self.alignment
         aligned = [(c + a - 1) // a * a for c in counts]
-        out = {"num_recv_tokens": len(ne_rows), "num_expanded_rows": sum(aligned),
+        C = self.block_rows
+        out = {"num_recv_tokens": len(ne_rows),
+               "num_expanded_rows": L * C if C else sum(aligned),
                "per_expert": counts, "aligned": aligned, "rank_prefix": prefix}
         if self.layout == "non_expand":
             out["rows"] = ne_rows
@@ -71,7 +74,7 @@ class Routing:
         else:
             rows = []
             for i in range(L):
-                rows += sel[i] + [None] * (aligned[i] - counts[i])
+                rows += sel[i] + [None] * ((C if C else aligned[i]) - counts[i])
             out["rows"] = rows
             out["recv_src"] = np.array([r[0] * T + r[1] if r else -1 for r in rows], np.int64)
             out["recv_topk_slot"] = np.array([r[2] if r else -1 for r in rows], np.int32)
@@ -152,3 +155,52 @@ class Routing:
                     acc[t] = acc[t] + np.asarray(recv_weights[d][i], dtype=np.float32)
         acc.view(np.uint32)[np.isnan(acc)] = 0x7FFFFFFF  # a NaN sum's bits
         return acc
+
+
+# ---- §2.7 quantizing dispatch ----
+
+_INV_448 = np.float32(float.fromhex("0x1.24924ap-9"))
+
+
+def _e4m3_table():
+    """The non-negative finite e4m3 values, indexed by their byte 0x00..0x7E."""
+    vals = []
+    for b in range(0x7F):
+        e, m = b >> 3, b & 7
+        vals.append(m / 8.0 * 2.0 ** -6 if e == 0 else (1 + m / 8.0) * 2.0 ** (e - 7))
+    return np.array(vals, dtype=np.float64)
+
+
+_E4M3 = _e4m3_table()
+
+
+def e4m3(v):
+    """float32 values to e4m3 bytes: nearest, ties to the even byte, subnormals included;
+    beyond ±448 (and ±inf) saturate to ±448; NaN is 0x7F."""
+    v = np.asarray(v, dtype=np.float32)
+    a = np.abs(v.astype(np.float64))
+    hi = np.clip(np.searchsorted(_E4M3, a), 0, len(_E4M3) - 1)
+    lo = np.clip(hi - 1, 0, len(_E4M3) - 1)
+    dlo, dhi = a - _E4M3[lo], _E4M3[hi] - a
+    pick = np.where(dlo < dhi, lo, np.where(dhi < dlo, hi, np.where(lo % 2 == 0, lo, hi)))
+    pick = np.where(a >= _E4M3[-1], len(_E4M3) - 1, pick)
+    out = pick.astype(np.uint8) | np.where(np.signbit(v), 0x80, 0).astype(np.uint8)
+    out[np.isnan(v)] = 0x7F
+    return out
+
+
+def quantize(x_bits, block=128):
+    """§2.7 of bf16 rows ``[N, H]`` (uint16 bits): (e4m3 bytes ``[N, H]``, fp32 scales
+    ``[N, H / block]``)."""
+    f = _bf16_float(x_bits).reshape(x_bits.shape)
+    n, h = f.shape
+    q = np.empty((n, h), np.uint8)
+    scales = np.empty((n, h // block), np.float32)
+    for b in range(h // block):
+        blk = f[:, b * block:(b + 1) * block]
+        amax = np.nanmax(np.where(np.isnan(blk), np.float32(0), np.abs(blk)), axis=1)
+        amax = np.maximum(amax, np.float32(1e-4)).astype(np.float32)
+        scale = (np.float32(448.0) / amax).astype(np.float32)
+        q[:, b * block:(b + 1) * block] = e4m3((blk * scale[:, None]).astype(np.float32))
+        scales[:, b] = (amax * _INV_448).astype(np.float32)
+    return q, scales

@@ -11,7 +11,10 @@ Where the library is looked for, in order:
 2. ``libepd.so`` (then ``libepd.so.0``) in each directory of ``LD_LIBRARY_PATH``;
 3. ``build/lib/libepd.so`` of the source tree this package sits in
    (``client/python/epd/../../../build/lib/libepd.so``);
-4. the system loader (``libepd.so.0``, then ``libepd.so``).
+4. the install prefix: ``lib/libepd.so`` under Python's ``sys.prefix`` (a virtual
+   environment or conda prefix that ``cmake --install`` used), then under ``/usr/local``
+   (CMake's default prefix), for a package installed with ``pip install ./client/python``;
+5. the system loader (``libepd.so.0``, then ``libepd.so``).
 
 A libepd.so built against shared libraries (libuv, protobuf-c, ...) finds them through its
 RUNPATH or ``LD_LIBRARY_PATH``, which the dynamic loader reads when the process starts: set it
@@ -26,6 +29,7 @@ administration calls of :mod:`epd.admin` are optional the same way.
 
 import ctypes
 import os
+import sys
 import threading
 
 # enum epd_status
@@ -53,6 +57,10 @@ DTYPE_INT64 = 5
 # enum epd_layout
 LAYOUT_NON_EXPAND = 0
 LAYOUT_EXPAND = 1
+
+# enum epd_execution
+EXECUTION_DAEMON = 0
+EXECUTION_CLIENT = 1
 
 # enum epd_region_kind
 REGION_HOST_MEMFD = 1
@@ -265,6 +273,95 @@ class CombineResult(ctypes.Structure):
         ("exec_ns", _u64),
         ("queue_ns", _u64),
         ("kernel_ns", _u64),
+    ]
+
+
+# ---- client-executed ops (epd.h, "client-executed ops"; docs/client-execution.md) ----
+
+class CxDispatchArgs(ctypes.Structure):
+    """struct epd_cx_dispatch_args."""
+
+    _fields_ = [
+        ("size", _size),
+        ("num_tokens", _u32),
+        ("num_topk", _u32),
+        ("x", ctypes.c_void_p),
+        ("x_stride", _u64),
+        ("scales", ctypes.c_void_p),
+        ("scales_stride", _u64),
+        ("topk_idx", ctypes.c_void_p),
+        ("topk_dtype", _int),
+        ("topk_weights", ctypes.c_void_p),
+        ("layout", _int),
+        ("expert_alignment", _u32),
+        ("zero_padding", _int),
+        ("expert_block_rows", _u32),
+        ("quantize", _int),
+        ("handle", _u32),
+        ("cached", _int),
+        ("capacity_rows", _u64),
+    ]
+
+
+class CxCombineArgs(ctypes.Structure):
+    """struct epd_cx_combine_args."""
+
+    _fields_ = [
+        ("size", _size),
+        ("handle", _u32),
+        ("recv_weights", _int),
+        ("apply_weights", _int),
+        ("source_weights", ctypes.c_void_p),
+        ("num_bias", _u32),
+        ("bias", ctypes.c_void_p * 2),
+        ("combined", ctypes.c_void_p),
+        ("combined_topk_weights", ctypes.c_void_p),
+    ]
+
+
+class CxStatus(ctypes.Structure):
+    """struct epd_cx_status."""
+
+    _fields_ = [
+        ("size", _size),
+        ("op", _u64),
+        ("status", _int),
+        ("message", ctypes.c_char * 256),
+    ]
+
+
+class CxCounts(ctypes.Structure):
+    """struct epd_cx_counts."""
+
+    _fields_ = [
+        ("size", _size),
+        ("num_recv_tokens", _i32),
+        ("num_expanded_rows", _i32),
+        ("num_local_experts", _u32),
+        ("num_recv_tokens_per_expert", ctypes.c_void_p),
+        ("num_recv_tokens_per_expert_aligned", ctypes.c_void_p),
+        ("world_size", _u32),
+        ("rank_prefix", ctypes.c_void_p),
+        ("expert_base", ctypes.c_void_p),
+    ]
+
+
+class CxBuffers(ctypes.Structure):
+    """struct epd_cx_buffers."""
+
+    _fields_ = [
+        ("size", _size),
+        ("bytes_per_rank", _u64),
+        ("recv_rows", _u32),
+        ("num_handle_slots", _u32),
+        ("recv_x", ctypes.c_void_p),
+        ("recv_scales", ctypes.c_void_p),
+        ("recv_topk_idx", ctypes.c_void_p),
+        ("recv_weights", ctypes.c_void_p),
+        ("recv_src", ctypes.c_void_p),
+        ("recv_topk_slot", ctypes.c_void_p),
+        ("y", ctypes.c_void_p),
+        ("y_weights", ctypes.c_void_p),
     ]
 
 
@@ -521,7 +618,8 @@ EXPECTED_SIZES = {
     CombineResult: 40, AdminDevice: 40, DaemonStatusInfo: 96, AdminRank: 32, GroupInfo: 144,
     ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 112, AdminStageStats: 24,
     AdminGroupStats: 88, AdminClientStats: 56, AdminDeviceStats: 48, AdminDaemonStats: 136,
-    DrainResult: 16, ResizeRank: 48, ResizeInfo: 56,
+    DrainResult: 16, ResizeRank: 48, ResizeInfo: 56, CxDispatchArgs: 112, CxCombineArgs: 72,
+    CxStatus: 280, CxCounts: 64, CxBuffers: 88,
 }
 
 _c_void_pp = ctypes.POINTER(ctypes.c_void_p)
@@ -565,6 +663,12 @@ _PROTOTYPES = {
                                            ctypes.POINTER(_u64)]),
     "epd_group_mark_inputs_ready_host": (_int, [ctypes.c_void_p, ctypes.POINTER(_u64)]),
     "epd_client_capabilities": (_u64, [ctypes.c_void_p]),
+    "epd_cx_dispatch": (_int, [ctypes.c_void_p, ctypes.POINTER(CxDispatchArgs),
+                               ctypes.c_void_p]),
+    "epd_cx_combine": (_int, [ctypes.c_void_p, ctypes.POINTER(CxCombineArgs), ctypes.c_void_p]),
+    "epd_cx_status": (_int, [ctypes.c_void_p, ctypes.POINTER(CxStatus)]),
+    "epd_cx_counts": (_int, [ctypes.c_void_p, _u32, ctypes.POINTER(CxCounts)]),
+    "epd_cx_buffers": (_int, [ctypes.c_void_p, ctypes.POINTER(CxBuffers)]),
     "epd_bf16_to_float": (ctypes.c_float, [ctypes.c_uint16]),
     "epd_float_to_bf16": (ctypes.c_uint16, [ctypes.c_float]),
     # Administration: snapshots are opaque pointers, read through their accessors.
@@ -599,13 +703,18 @@ ADMIN_FUNCTIONS = (
     "epd_drain", "epd_undrain", "epd_evict", "epd_resize", "epd_resize_result_info",
     "epd_resize_result_free")
 
+# The client-executed calls (Group.cx_*): a libepd without them loads for daemon-executed groups.
+CX_FUNCTIONS = ("epd_cx_dispatch", "epd_cx_combine", "epd_cx_status", "epd_cx_counts",
+                "epd_cx_buffers")
+
 # Declared in epd.h but not needed by the binding's host path: a library without them still
 # loads (lib.optional[name] is then None). libepd.so of some builds does not export the bf16
 # helpers; older ones lack the GPU calls.
 _OPTIONAL = {"epd_op_sequence", "epd_op_stream_wait", "epd_bf16_to_float", "epd_float_to_bf16",
              "epd_region_register_device", "epd_device_alloc", "epd_device_free",
              "epd_group_mark_inputs_ready",
-             "epd_group_mark_inputs_ready_host", "epd_client_capabilities"} | set(ADMIN_FUNCTIONS)
+             "epd_group_mark_inputs_ready_host", "epd_client_capabilities"} | set(ADMIN_FUNCTIONS) \
+    | set(CX_FUNCTIONS)
 _NAMES = ("libepd.so", "libepd.so.0")
 
 _lib = None
@@ -640,6 +749,11 @@ def candidate_paths():
     here = os.path.dirname(os.path.abspath(__file__))
     paths.append(os.path.normpath(os.path.join(here, "..", "..", "..", "build", "lib",
                                                "libepd.so")))
+    for prefix in (sys.prefix, "/usr/local"):
+        for name in _NAMES:
+            p = os.path.join(prefix, "lib", name)
+            if os.path.exists(p) and p not in paths:
+                paths.append(p)
     paths += ["libepd.so.0", "libepd.so"]
     return paths
 

@@ -22,7 +22,7 @@ import weakref
 
 import numpy as np
 
-from . import _lib, tensors
+from . import _lib, cx, tensors
 from .bf16 import float_to_bf16
 from .client import NUMPY_DTYPE, Staging, check, describe, epd_dtype
 from .errors import InvalidArgument, NotFound, Timeout, Unavailable, make_error
@@ -414,6 +414,13 @@ class Group:
         self.scale_block = cfg.scale_block or 128
         self.op_timeout_ms = cfg.op_timeout_ms
         self.arena_bytes = cfg.arena_bytes
+        self.execution = "client" if cfg.execution == _lib.EXECUTION_CLIENT else "daemon"
+        self.max_expert_alignment = cfg.max_expert_alignment
+        self.expert_block_rows = cfg.expert_block_rows
+        self.quantize = bool(cfg.quantize)
+        self.num_handle_slots = cfg.num_handle_slots
+        self.sms_per_rank = cfg.sms_per_rank
+        self._cx = None  # epd.cx.CxState of a client-executed group, made on first use
         nbytes = ctypes.c_uint64()
         addr = lib.epd_group_arena(ptr, ctypes.byref(nbytes))
         self._arena = None
@@ -452,7 +459,9 @@ class Group:
     @classmethod
     def create(cls, client, name, secret, rank, *, world_size, num_experts, hidden,
                max_tokens_per_rank, max_topk, dtype="bf16", scale_block=0, arena_bytes=None,
-               op_timeout_ms=0, device=0, device_uuid=None):
+               op_timeout_ms=0, device=0, device_uuid=None, execution="daemon",
+               max_expert_alignment=0, expert_block_rows=0, quantize=False, num_handle_slots=0,
+               sms_per_rank=0):
         """Creates group ``name`` and binds ``rank`` of it to ``client``.
 
         ``secret`` (bytes or str) is what the other ranks must present to join. ``dtype`` is
@@ -461,12 +470,28 @@ class Group:
         ``op_timeout_ms`` how long an op waits for late ranks (0: the daemon's default).
         ``device`` / ``device_uuid`` name the rank's device: the daemon's device index, or a
         torch device (``"cuda:1"``), which names the daemon device holding that GPU.
+
+        ``execution`` is 'daemon' (the daemon runs each op: :meth:`dispatch`, :meth:`combine`)
+        or 'client' (each rank runs its ops itself: :meth:`cx_dispatch`, :meth:`cx_combine`;
+        docs/client-execution.md). A client-executed group's buffers are sized at creation
+        for ``max_expert_alignment`` (the largest ``expert_alignment`` an op uses, 0: 1),
+        ``expert_block_rows`` (the largest C of fixed expert blocks, docs/semantics.md §2.6;
+        0: none), ``quantize`` (a bf16 group whose ops may send fp8 rows, §2.7),
+        ``num_handle_slots`` (0: 2, at most 8) and, on CUDA, ``sms_per_rank`` (0: the
+        backend's).
         """
+        if execution not in ("daemon", "client"):
+            raise InvalidArgument("execution must be 'daemon' or 'client', not %r" %
+                                  (execution,))
         cfg = _lib.GroupConfig(
             size=ctypes.sizeof(_lib.GroupConfig), world_size=world_size,
             num_experts=num_experts, hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
             max_topk=max_topk, dispatch_dtype=epd_dtype(dtype), scale_block=scale_block,
-            op_timeout_ms=op_timeout_ms, arena_bytes=arena_bytes or 0)
+            op_timeout_ms=op_timeout_ms, arena_bytes=arena_bytes or 0,
+            execution=_lib.EXECUTION_CLIENT if execution == "client" else _lib.EXECUTION_DAEMON,
+            max_expert_alignment=max_expert_alignment, expert_block_rows=expert_block_rows,
+            quantize=int(bool(quantize)), num_handle_slots=num_handle_slots,
+            sms_per_rank=sms_per_rank)
         return cls._enter(client, name, secret, rank, device, device_uuid, cfg)
 
     @classmethod
@@ -859,6 +884,61 @@ class Group:
 
         return self._submit("combine", _lib.load().epd_combine_submit, args, st, finish,
                             async_op)
+
+    # ---- client-executed ops (epd.cx, docs/client-execution.md) ----
+
+    def cx_dispatch(self, x, topk_idx=None, topk_weights=None, x_scales=None, handle=0,
+                    cached=False, layout=NON_EXPAND, expert_alignment=1, zero_padding=False,
+                    expert_block_rows=0, quantize=False, capacity_rows=0, stream=None):
+        """This rank's dispatch in a client-executed group (docs/semantics.md §2).
+
+        ``x`` ``[N, hidden]`` (bf16 bits as uint16 or floats rounded to bf16; an fp8 group's
+        e4m3 bytes with ``x_scales``), ``topk_idx`` ``[N, K]``, ``topk_weights`` ``[N, K]``
+        as in :meth:`dispatch`. ``handle`` is the slot the dispatch fills; ``cached=True``
+        reuses that slot's routing (§2.4, no ``topk_idx``). ``expert_block_rows`` C > 0
+        (EXPAND): fixed expert blocks of C rows (§2.6). ``quantize`` (a bf16 group created
+        with it): fp8 rows and scales (§2.7). ``capacity_rows``: the rows this rank accepts
+        (0: its receive area).
+
+        Host backend: NumPy arrays, the op runs now; cuda backend: torch CUDA tensors, the op
+        is queued on ``stream`` (default: the current stream of ``x``'s device) and may be
+        captured in a CUDA graph. Returns a :class:`epd.cx.CxDispatchResult` of views of the
+        receive area; failures raise the op's :class:`~epd.Error` (host) or are read later
+        with :meth:`cx_status` (cuda).
+        """
+        return cx.dispatch(self, x, topk_idx, topk_weights, x_scales, handle, cached, layout,
+                           expert_alignment, zero_padding, expert_block_rows, quantize,
+                           capacity_rows, stream)
+
+    def cx_y(self, handle=0, device=None):
+        """``(y, y_weights)``: views of this rank's y area laid out as the slot's dispatch,
+        bf16 ``[rows, hidden]`` and float32 ``[rows, K]``. The expert writes its output there
+        (and combine's ``recv_weights``), so that :meth:`cx_combine` copies nothing. On cuda,
+        ``device`` is the torch device and the views have the capacity's rows."""
+        return cx.y_view(self, handle, device)
+
+    def cx_combine(self, y=None, handle=0, recv_weights=None, apply_weights=False,
+                   source_weights=None, bias=None, out=None, stream=None):
+        """This rank's combine in a client-executed group (docs/semantics.md §3).
+
+        ``y`` is the experts' output in the layout of the slot's dispatch, copied into the y
+        area unless it is the :meth:`cx_y` view (None: already there). ``recv_weights``
+        (NON_EXPAND) ``[rows, K]``, ``apply_weights`` and ``source_weights`` ``[N, K]`` (EXPAND),
+        ``bias`` (up to two ``[N, hidden]``) and ``out`` as in :meth:`combine`. Returns a
+        :class:`CombineResult` ``(combined_x, combined_topk_weights)``; on cuda the tensors are
+        written when ``stream`` reaches the op.
+        """
+        return cx.combine(self, y, handle, recv_weights, apply_weights, source_weights, bias,
+                          out, stream)
+
+    def cx_status(self):
+        """The status of this rank's last client-executed op (a dict: op, status,
+        status_name, message)."""
+        return cx.cx_status(self)
+
+    def cx_counts(self, handle=0):
+        """The counts (docs/semantics.md §2.3) of the slot's last dispatch, as a dict."""
+        return cx.cx_counts(self, handle)
 
     # ---- common ----
 

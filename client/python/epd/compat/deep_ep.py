@@ -56,17 +56,112 @@ What differs from DeepEP:
   float32 scales, passed as ``(x, x_scales)`` as in DeepEP) go through host shared memory;
   their outputs are copies by default (``copy_outputs=True``); ``copy_outputs=False``
   returns views of the output arena, valid until the handle is released.
-* Not supported: low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``),
-  internode (RDMA) buffers, ``num_worst_tokens`` > 0, and the EXPAND layout (use
-  :meth:`epd.Group.dispatch` with ``layout='expand'``).
+* Not supported: internode (RDMA) buffers, ``num_worst_tokens`` > 0, and the EXPAND layout
+  (use :meth:`epd.Group.dispatch` with ``layout='expand'``).
+
+Low-latency mode (``Buffer(..., low_latency_mode=True)``) runs over a client-executed group
+(docs/client-execution.md) whose buffers hold fixed expert blocks of C = R·T rows
+(docs/semantics.md §2.6) and, for a bf16 group with hidden a multiple of 128, the quantizing
+dispatch (§2.7)::
+
+    buf = Buffer("ll0", rank=rank, secret=secret, world_size=R, num_experts=E, hidden=H,
+                 max_tokens_per_rank=T, max_topk=K, low_latency_mode=True)
+    recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(x, topk_idx, T, E)
+    y = experts(recv_x, recv_count)                      # [L, R*T, H] bf16
+    combined_x, event, hook = buf.low_latency_combine(y, topk_idx, topk_weights, handle)
+
+* ``recv_x`` is ``[num_local_experts, R·T, hidden]``; with ``use_fp8`` it is the pair
+  ``(e4m3 data, float32 scales [L, R·T, hidden/128])``. ``recv_count`` int32 ``[L]`` is the
+  rows received per local expert; ``cumulative_local_expert_recv_stats`` gets them added.
+  ``handle[0]`` int32 ``[L, R·T]`` is the source token (its index on the source rank) of each
+  row, ``handle[1]`` int64 ``[L, R]`` the rows of each source rank, ``begin << 32 | count``;
+  ``handle[2:5]`` are T, hidden and the number of experts, as in DeepEP.
+* Combine is the EXPAND combine with ``apply_weights`` and ``topk_weights`` as the source's
+  weights (§3); ``zero_copy=True`` means the expert output is already in
+  :meth:`Buffer.get_next_low_latency_combine_buffer`.
+* NumPy arrays (host backend) and torch CUDA tensors (cuda backend, ops on the current
+  stream, capturable in a CUDA graph) are both accepted. The event is an
+  :class:`EventOverlap` with nothing to wait for: the op is ordered on the current stream.
+  ``return_recv_hook=True`` returns a hook that does nothing: the op is whole when the call
+  returns (its receive is not split from its send).
+* Not supported, raising NotImplementedError that names them: ``round_scale``, ``use_ue8m0``
+  and ``use_logfmt``, and the mask calls (``low_latency_update_mask_buffer``, ...).
 """
 
 import numpy as np
 
-from .. import tensors
+from .. import _lib, tensors
 from ..client import Client
 from ..errors import InvalidArgument
-from ..group import NON_EXPAND, Group
+from ..group import EXPAND, NON_EXPAND, Group
+
+
+def __getattr__(name):
+    # DeepEP's topk_idx_t: the dtype of topk_idx, torch.int64 once the program imported torch.
+    if name == "topk_idx_t":
+        torch = tensors.torch_module()
+        return torch.int64 if torch is not None else np.dtype(np.int64)
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
+
+
+def is_sm90_compiled():
+    """True when libepd has its CUDA kernels, which are built for sm_90."""
+    return hasattr(_lib.load(), "epd_cx_preload")
+
+
+def _unsupported(what):
+    raise NotImplementedError("%s is not supported by epd's DeepEP front" % what)
+
+
+class Config:
+    """DeepEP's tuning ``Config``. epd sizes and schedules its own buffers, so the values are
+    kept for the caller and never read; the size hints are 0 (the Buffer takes no sizes)."""
+
+    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
+                 num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
+                 num_max_rdma_chunked_recv_tokens=256):
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return 0
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return 0
+
+
+class LowLatencyHandle(tuple):
+    """DeepEP's low-latency handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank,
+    hidden, num_experts)``, with the epd handle ``slot`` its dispatch filled."""
+
+    def __new__(cls, items, slot):
+        self = tuple.__new__(cls, items)
+        self.slot = slot
+        return self
+
+
+def _ll_layout(recv_src, L, C, R, T):
+    """(src_info int32 [L, C], layout_range int64 [L, R]) from a fixed-block dispatch's
+    ``recv_src`` (``s*T + t``, -1 on padding): each row's source token, and each source rank's
+    rows in each block as ``begin << 32 | count`` (rows of a block are ordered by source)."""
+    src = recv_src.reshape(L, C)
+    if tensors.is_tensor(src):
+        torch = tensors.torch_module()
+        valid = src >= 0
+        rank = torch.where(valid, torch.div(src, T, rounding_mode="floor"), -1)
+        info = torch.where(valid, src % T, -1).int()
+        counts = (rank.unsqueeze(-1) == torch.arange(R, device=src.device)).sum(1).long()
+        begin = torch.cumsum(counts, 1) - counts
+    else:
+        valid = src >= 0
+        rank = np.where(valid, src // T, -1)
+        info = np.where(valid, src % T, -1).astype(np.int32)
+        counts = (rank[..., None] == np.arange(R)).sum(1).astype(np.int64)
+        begin = np.cumsum(counts, 1) - counts
+    return info, (begin << 32) | counts
 
 
 def _is_torch(value):
@@ -123,13 +218,30 @@ class Buffer:
     ``copy_outputs`` (default True) makes host-memory outputs copies instead of arena views;
     ``recv_capacity`` bounds the rows of the device tensors a CUDA dispatch allocates for its
     outputs (None: the group's worst case).
+
+    ``low_latency_mode=True`` makes the creating rank create a client-executed group for
+    :meth:`low_latency_dispatch` and :meth:`low_latency_combine` (see the module docstring):
+    fixed expert blocks of ``world_size * max_tokens_per_rank`` rows and, for a bf16 group
+    whose hidden is a multiple of 128, the quantizing dispatch. ``num_nvl_bytes``,
+    ``num_rdma_bytes``, ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``,
+    ``allow_mnnvl`` and ``explicitly_destroy`` are DeepEP's and unused: epd sizes its
+    buffers from the group's shape.
     """
+
+    #: DeepEP's SM count for normal-mode kernels (:meth:`set_num_sms`); epd's SM budget is the
+    #: group's ``sms_per_rank``.
+    num_sms = 20
 
     def __init__(self, group, rank=None, secret=None, socket=None, *, client=None,
                  world_size=None, num_experts=None, hidden=None, max_tokens_per_rank=None,
                  max_topk=None, dtype="bf16", arena_bytes=None, op_timeout_ms=0, create=None,
-                 join_timeout=30.0, copy_outputs=True, recv_capacity=None, device=0):
+                 join_timeout=30.0, copy_outputs=True, recv_capacity=None, device=0,
+                 low_latency_mode=False, num_nvl_bytes=0, num_rdma_bytes=0,
+                 num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
+                 allow_mnnvl=False, explicitly_destroy=False):
         self._owns_client = False
+        self.low_latency_mode = bool(low_latency_mode)
+        self._ll_next = 0  # the handle slot of the next low-latency dispatch
         self._owns_group = False
         self.copy_outputs = copy_outputs
         self.recv_capacity = recv_capacity
@@ -152,12 +264,17 @@ class Buffer:
                     if missing:
                         raise InvalidArgument("the creating rank must give " +
                                               ", ".join(missing))
+                    ll = {}
+                    if low_latency_mode:
+                        ll = {"execution": "client",
+                              "expert_block_rows": world_size * max_tokens_per_rank,
+                              "quantize": dtype == "bf16" and hidden % 128 == 0}
                     self.group = Group.create(
                         client, group, secret, rank, world_size=world_size,
                         num_experts=num_experts, hidden=hidden,
                         max_tokens_per_rank=max_tokens_per_rank, max_topk=max_topk,
                         dtype=dtype, arena_bytes=arena_bytes, op_timeout_ms=op_timeout_ms,
-                        device=device)
+                        device=device, **ll)
                 else:
                     self.group = Group.join(client, group, secret, rank, device=device,
                                             retry_timeout=join_timeout)
@@ -230,14 +347,155 @@ class Buffer:
     # ---- DeepEP's calls ----
 
     @staticmethod
+    def is_sm90_compiled():
+        return is_sm90_compiled()
+
+    @classmethod
+    def set_num_sms(cls, new_num_sms):
+        """Sets :attr:`num_sms` (even, as DeepEP requires), carried by the configs."""
+        if int(new_num_sms) % 2 != 0 or int(new_num_sms) <= 0:
+            raise InvalidArgument("the SM count must be a positive even number")
+        cls.num_sms = int(new_num_sms)
+
+    @staticmethod
+    def capture():
+        """An :class:`EventOverlap` of the work queued on torch's current stream so far
+        (nothing to wait for without torch)."""
+        torch = tensors.torch_module()
+        if torch is None or not torch.cuda.is_available():
+            return EventOverlap()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return EventOverlap(event=event)
+
+    @staticmethod
     def get_dispatch_config(num_ranks=None):
-        """DeepEP's tuning config: epd has none. Returns None."""
-        return None
+        """A :class:`Config` with :attr:`num_sms` (epd reads none of it)."""
+        return Config(Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks=None):
-        """DeepEP's tuning config: epd has none. Returns None."""
-        return None
+        """A :class:`Config` with :attr:`num_sms` (epd reads none of it)."""
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                       num_experts, num_topk=8, socket=None):
+        """The bytes per rank of the buffers of a low-latency group of this shape, as the
+        daemon (at ``socket``, else ``$EPD_SOCKET`` or the default) sizes them."""
+        with Client(socket=socket, name="deep_ep-size-hint") as c:
+            T = int(num_max_dispatch_tokens_per_rank)
+            return c.size_hint(num_ranks, num_experts, hidden, T, num_topk,
+                               execution="client", expert_block_rows=num_ranks * T,
+                               quantize=hidden % 128 == 0)["client_buffer_bytes_per_rank"]
+
+    @property
+    def runtime(self):
+        _unsupported("Buffer.runtime (DeepEP's C++ runtime; the epd group is Buffer.group)")
+
+    def get_comm_stream(self):
+        """The stream epd's client-executed ops run on: torch's current stream."""
+        torch = tensors.torch_module()
+        if torch is None or not torch.cuda.is_available():
+            _unsupported("get_comm_stream without torch and CUDA")
+        return torch.cuda.current_stream()
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
+        _unsupported("get_local_buffer_tensor (epd's buffers are reached through the ops' "
+                     "results and get_next_low_latency_combine_buffer)")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        _unsupported("low_latency_update_mask_buffer")
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        _unsupported("low_latency_query_mask_buffer")
+
+    def low_latency_clean_mask_buffer(self):
+        _unsupported("low_latency_clean_mask_buffer")
+
+    # ---- low-latency mode ----
+
+    def _ll_check(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        g = self.group
+        if g.execution != "client" or not g.expert_block_rows:
+            raise InvalidArgument("low-latency calls need a Buffer made with "
+                                  "low_latency_mode=True (a client-executed group with fixed "
+                                  "expert blocks)")
+        T = int(num_max_dispatch_tokens_per_rank)
+        if not 0 < T <= g.max_tokens_per_rank or g.world_size * T > g.expert_block_rows:
+            raise InvalidArgument("num_max_dispatch_tokens_per_rank %d: the group holds at "
+                                  "most %d" % (T, min(g.max_tokens_per_rank,
+                                                      g.expert_block_rows // g.world_size)))
+        if hidden is not None and int(hidden) != g.hidden:
+            raise InvalidArgument("hidden %d differs from the group's %d" % (hidden, g.hidden))
+        if int(num_experts) != g.num_experts:
+            raise InvalidArgument("num_experts %d differs from the group's %d" %
+                                  (num_experts, g.num_experts))
+        return T
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Checks the shape; epd's buffers need no cleaning (every op carries its number)."""
+        self._ll_check(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None, use_fp8=True,
+                             round_scale=False, use_ue8m0=False, async_finish=False,
+                             return_recv_hook=False):
+        """DeepEP's low-latency dispatch. Returns ``(recv_x, recv_count, handle, event,
+        hook)`` (see the module docstring)."""
+        if round_scale:
+            _unsupported("round_scale")
+        if use_ue8m0:
+            _unsupported("use_ue8m0")
+        g = self.group
+        T = self._ll_check(num_max_dispatch_tokens_per_rank, None, num_experts)
+        if use_fp8 and not g.quantize:
+            raise InvalidArgument("use_fp8 needs a bf16 group with hidden a multiple of 128")
+        R, L, H = g.world_size, g.num_local_experts, g.hidden
+        C = R * T
+        slot = self._ll_next
+        self._ll_next = (slot + 1) % g.num_handle_slots
+        res = g.cx_dispatch(x, topk_idx=topk_idx, handle=slot, layout=EXPAND,
+                            expert_block_rows=C, quantize=bool(use_fp8))
+        data = res.recv_x.reshape(L, C, H)
+        recv_x = (data, res.recv_x_scales.reshape(L, C, -1)) if use_fp8 else data
+        recv_count = res.num_recv_tokens_per_expert
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats += recv_count
+        info, layout_range = _ll_layout(res.recv_src, L, C, R, g.max_tokens_per_rank)
+        handle = LowLatencyHandle((info, layout_range, T, H, g.num_experts), slot)
+        return recv_x, recv_count, handle, EventOverlap(), _no_hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The y area as ``[num_local_experts, R·T, hidden]`` bf16: the expert output written
+        there is combined by ``low_latency_combine(..., zero_copy=True)`` without a copy."""
+        if not isinstance(handle, LowLatencyHandle):
+            raise InvalidArgument("handle must be a low_latency_dispatch handle")
+        g = self.group
+        device = handle[0].device if tensors.is_tensor(handle[0]) else None
+        y, _ = g.cx_y(handle.slot, device)
+        return y.reshape(g.num_local_experts, g.world_size * handle[2], g.hidden)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
+                            zero_copy=False, async_finish=False, return_recv_hook=False,
+                            out=None):
+        """DeepEP's low-latency combine: every row of ``x`` ``[L, R·T, hidden]`` times its
+        selection's weight in ``topk_weights``, reduced on its source. Returns
+        ``(combined_x, event, hook)``."""
+        if use_logfmt:
+            _unsupported("use_logfmt")
+        if not isinstance(handle, LowLatencyHandle):
+            raise InvalidArgument("handle must be a low_latency_dispatch handle")
+        g = self.group
+        y = None
+        if not zero_copy:
+            y = x.reshape(-1, g.hidden)
+        elif out is None and tensors.is_tensor(x):
+            out = tensors.torch_module().empty((len(topk_weights), g.hidden), dtype=x.dtype,
+                                               device=x.device)
+        combined, _ = g.cx_combine(y, handle=handle.slot, apply_weights=True,
+                                   source_weights=topk_weights, out=out)
+        return combined, EventOverlap(), _no_hook
 
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None,
                             async_finish=False, allocate_on_comm_stream=False):
@@ -345,4 +603,8 @@ class Buffer:
         return combined, weights, EventOverlap() if async_finish else None
 
 
-__all__ = ["Buffer", "EventOverlap"]
+def _no_hook():
+    """The receive hook of an op that completed at its call."""
+
+
+__all__ = ["Buffer", "Config", "EventOverlap", "LowLatencyHandle", "is_sm90_compiled"]
