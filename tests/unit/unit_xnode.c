@@ -45,6 +45,7 @@ struct tcase {
         int same_routing;           /* every round routes the same tokens the same way */
         uint32_t rounds;
         uint64_t timeout_ns;
+        uint32_t bad_rank_plus1;    /* 1 + a rank whose first token names expert E (invalid) */
 };
 
 /* One rank's inputs and outputs of one round. */
@@ -85,6 +86,7 @@ struct world {
 struct outcome {
         uint32_t failures;          /* (round, rank) pairs with a bad status or a mismatch */
         char first[512];
+        int st_dispatch[MAX_R];     /* round 0's dispatch status of every rank */
         struct xnode_stats stats;   /* summed over ranks */
         struct xport_test_stats xstats;
 };
@@ -151,6 +153,12 @@ static void make_round(struct world *w, uint32_t round, uint64_t seed)
                           rr->recv_weights && rr->recv_src && rr->recv_topk_slot &&
                           rr->combined && rr->cw);
                 td_gen_topk(&route, &ra, rr->topk);
+                if (w->tc->bad_rank_plus1 == s + 1 && rr->n) {
+                        int64_t bad64 = w->E;
+                        int32_t bad32 = (int32_t)w->E;
+
+                        memcpy(rr->topk, tsz == 8 ? (void *)&bad64 : (void *)&bad32, tsz);
+                }
                 if (w->tc->dtype == EPD_DTYPE_BF16)
                         td_fill_bf16(&rng, rr->x, T_, H, 0, 0.02);
                 else
@@ -178,6 +186,8 @@ static void make_round(struct world *w, uint32_t round, uint64_t seed)
                         .topk_idx = { rr->topk, K * tsz }, .weights = { rr->w, K * 4 },
                 };
         }
+        if (w->tc->bad_rank_plus1)
+                return; /* the reference refuses it too; the test checks statuses only */
         ck_assert_msg(ref_dispatch_new(&p, src, &w->ref[round], err, sizeof(err)) == 0,
                       "reference: %s", err);
 }
@@ -387,7 +397,9 @@ static void run(const struct tcase *tc, uint64_t seed, struct outcome *o)
                 pthread_join(th[r], NULL);
         xport_test_quiesce(w->xp);
 
-        for (uint32_t round = 0; round < tc->rounds; round++)
+        for (uint32_t r = 0; r < w->R; r++)
+                o->st_dispatch[r] = w->rr[0][r].st_dispatch;
+        for (uint32_t round = 0; round < tc->rounds && !tc->bad_rank_plus1; round++)
                 check_round(w, round, o);
         for (uint32_t r = 0; r < w->R; r++) {
                 struct xnode_stats st;
@@ -506,6 +518,24 @@ START_TEST(test_stale_chunk_never_consumed)
 }
 END_TEST
 
+/* One source's invalid routing fails the dispatch on every rank of every node, through the
+ * verdict its count records carry, and nothing waits for a timeout. */
+START_TEST(test_invalid_routing_everywhere)
+{
+        struct tcase tc = {
+                .N = 3, .G = 2, .layout = EPD_LAYOUT_NON_EXPAND, .dtype = EPD_DTYPE_BF16,
+                .xp = _i ? XP_HOSTILE : XP_ORDERED, .rounds = 1,
+                .timeout_ns = 30000000000ull, .bad_rank_plus1 = 1 + 2,
+        };
+        struct outcome o;
+
+        run(&tc, 11, &o);
+        for (uint32_t r = 0; r < tc.N * tc.G; r++)
+                ck_assert_msg(o.st_dispatch[r] == EPD_INVALID_ARGUMENT, "rank %u: status %d", r,
+                              o.st_dispatch[r]);
+}
+END_TEST
+
 START_TEST(test_shape_check)
 {
         struct xnode_shape ok = { .nodes = 2, .ranks_per_node = 2, .num_experts = 8,
@@ -548,6 +578,7 @@ static Suite *xnode_suite(void)
         tc = tcase_create("protocol");
         tcase_add_test(tc, test_ordered_protocol_breaks_on_hostile);
         tcase_add_test(tc, test_stale_chunk_never_consumed);
+        tcase_add_loop_test(tc, test_invalid_routing_everywhere, 0, 2);
         tcase_set_timeout(tc, 600);
         suite_add_tcase(s, tc);
 
