@@ -441,35 +441,24 @@ static void run_matrix_case(const struct tcase *tc, int i)
         struct outcome o;
 
         run(tc, td_mix_seed(0x5ca1e007u, (uint64_t)i), &o);
-        ck_assert_msg(o.failures == 0, "%u x %u %s %s over %s: %u failures, first: %s", tc->N,
+        ck_assert_msg(o.failures == 0, "%u x %u %s %s over %s%s: %u failures, first: %s", tc->N,
                       tc->G, tc->layout == EPD_LAYOUT_EXPAND ? "EXPAND" : "NON_EXPAND",
                       tc->dtype == EPD_DTYPE_BF16 ? "bf16" : "fp8",
-                      tc->xp == XP_ORDERED ? "ordered" : "hostile", o.failures, o.first);
+                      tc->xp == XP_ORDERED ? "ordered" : "hostile",
+                      tc->completion == XNODE_COMPLETION_UNORDERED ? ", unordered completion" : "",
+                      o.failures, o.first);
         ck_assert_uint_gt(o.stats.bytes_sent, 0);
 }
 
-START_TEST(test_ordered)
+/* Cases 0-35 over the ordered transport with ordered completion, 36-71 over the hostile one with
+ * unordered completion, 72-107 over the ordered one with unordered completion (the unordered
+ * protocol is right on both). */
+START_TEST(test_matrix)
 {
-        struct tcase tc = matrix_case(_i, XP_ORDERED);
+        struct tcase tc = matrix_case(_i % 36, _i / 36 == 1 ? XP_HOSTILE : XP_ORDERED);
 
-        run_matrix_case(&tc, _i);
-}
-END_TEST
-
-START_TEST(test_hostile)
-{
-        struct tcase tc = matrix_case(_i, XP_HOSTILE);
-
-        run_matrix_case(&tc, _i);
-}
-END_TEST
-
-/* The unordered protocol is also right over an ordered transport. */
-START_TEST(test_unordered_over_ordered)
-{
-        struct tcase tc = matrix_case(_i, XP_ORDERED);
-
-        tc.completion = XNODE_COMPLETION_UNORDERED;
+        if (_i / 36 == 2)
+                tc.completion = XNODE_COMPLETION_UNORDERED;
         run_matrix_case(&tc, _i);
 }
 END_TEST
@@ -563,15 +552,9 @@ END_TEST
 static Suite *xnode_suite(void)
 {
         Suite *s = suite_create("xnode");
-        TCase *tc = tcase_create("ordered");
+        TCase *tc = tcase_create("matrix");
 
-        tcase_add_loop_test(tc, test_ordered, 0, 36);
-        tcase_set_timeout(tc, 600);
-        suite_add_tcase(s, tc);
-
-        tc = tcase_create("hostile");
-        tcase_add_loop_test(tc, test_hostile, 0, 36);
-        tcase_add_loop_test(tc, test_unordered_over_ordered, 0, 36);
+        tcase_add_loop_test(tc, test_matrix, 0, 3 * 36);
         tcase_set_timeout(tc, 600);
         suite_add_tcase(s, tc);
 
