@@ -158,7 +158,8 @@ int epd_memfd_alloc(size_t bytes, int *fd_out, void **ptr_out);
 
 /* Registers an fd-backed region (host memfd or cuMem POSIX fd). The fd is sent to the daemon and
  * stays owned by the caller. local_ptr, if not NULL, is where the caller has the region mapped,
- * which lets epd_tensor_at resolve pointers. */
+ * which lets epd_tensor_at resolve pointers; for a host memfd libepd then keeps a duplicate of
+ * the fd until the region is released, so that epd_cx_register can share the memory. */
 int epd_region_register_fd(struct epd_client *client, enum epd_region_kind kind, int fd,
                            uint64_t bytes, uint32_t device, void *local_ptr, uint64_t *region_id);
 /* Allocates a memfd of `bytes`, maps it and registers it: the common host-backend path. The

@@ -1,6 +1,7 @@
 /* group.c - EP groups (docs/semantics.md section 1): configuration checks, rank binding, the
  * FORMING -> READY <-> BROKEN lifecycle, output arenas and handles. Loop thread only. */
 #include <errno.h>
+#include <fcntl.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -983,6 +984,7 @@ int epd_group_cx_memory(struct epdd_group *g, struct epdd_client *c, int reg, ui
         struct epdd_cx *cx = g->cx;
         const uint32_t R = g->cfg.world_size;
         struct stat st;
+        int seals;
 
         if (!cx) {
                 snprintf(err, err_len, "group '%s' is daemon-executed: client memory is "
@@ -1027,6 +1029,14 @@ int epd_group_cx_memory(struct epdd_group *g, struct epdd_client *c, int reg, ui
                 snprintf(err, err_len, "the registered range (offset %llu, %llu bytes) is not "
                          "inside the memfd", (unsigned long long)offset,
                          (unsigned long long)bytes);
+                return EPD_INVALID_ARGUMENT;
+        }
+        /* The peers map it: a memfd that could shrink would fault them. Regions registered
+         * with the daemon carry the seal already. */
+        seals = fcntl(*fd, F_GET_SEALS);
+        if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+                snprintf(err, err_len, "the registered memfd is not sealed against shrinking "
+                         "(register its region with the daemon first)");
                 return EPD_INVALID_ARGUMENT;
         }
         cx->mem[rank][cx->num_mem[rank]] = (struct epdd_cx_mem){

@@ -4,7 +4,10 @@
  *
  * - Every case of tests/lib/cx_case.h (every layout and dtype cpu/cx.c supports: NON_EXPAND,
  *   EXPAND, fixed expert blocks, cached dispatch, quantizing dispatch, combine with bias,
- *   source_weights and recv_weights) at R = 2 and R = 4, bitwise against the reference.
+ *   source_weights and recv_weights) at R = 2 and R = 4, bitwise against the reference, with
+ *   outputs and y in the buffers and again in client memory registered with the group.
+ * - Registered memory misused (unregistered, too small, ranks naming different registrations,
+ *   memory outside any region): INVALID_ARGUMENT everywhere, naming it, nothing written.
  * - A rank SIGKILLed while its peers wait in an op: every peer ends PEER_LOST within 100 ms, later
  *   launches fail at once, and after a new process binds the rank the group runs again from op 0.
  * - A peer that never launches: TIMEOUT after the group's op timeout, naming the rank.
