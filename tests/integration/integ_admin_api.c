@@ -634,12 +634,5 @@ static Suite *admin_api_suite(void)
 
 int main(void)
 {
-        SRunner *sr = srunner_create(admin_api_suite());
-        int failed;
-
-        srunner_set_fork_status(sr, CK_FORK);
-        srunner_run_all(sr, CK_NORMAL);
-        failed = srunner_ntests_failed(sr);
-        srunner_free(sr);
-        return failed ? 1 : 0;
+        return h_run_suite(admin_api_suite());
 }

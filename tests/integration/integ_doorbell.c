@@ -736,8 +736,6 @@ int main(void)
 {
         Suite *su = suite_create("integ_doorbell");
         TCase *tc = tcase_create("doorbell");
-        SRunner *sr;
-        int failed;
 
         tcase_set_timeout(tc, 60);
         tcase_add_test(tc, test_completed_counts_ops);
@@ -754,9 +752,5 @@ int main(void)
         tcase_add_test(tc, test_request_page_order);
         tcase_add_test(tc, test_request_page_bad);
         suite_add_tcase(su, tc);
-        sr = srunner_create(su);
-        srunner_run_all(sr, CK_NORMAL);
-        failed = srunner_ntests_failed(sr);
-        srunner_free(sr);
-        return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+        return h_run_suite(su);
 }

@@ -1674,13 +1674,5 @@ static Suite *errors_suite(void)
 
 int main(void)
 {
-        SRunner *sr = srunner_create(errors_suite());
-        int failed;
-
-        /* Fork mode: each test is its own process; CK_ENV: CK_VERBOSITY=verbose lists them. */
-        srunner_set_fork_status(sr, CK_FORK);
-        srunner_run_all(sr, CK_ENV);
-        failed = srunner_ntests_failed(sr);
-        srunner_free(sr);
-        return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+        return h_run_suite(errors_suite());
 }

@@ -1007,12 +1007,5 @@ static Suite *limits_suite(void)
 
 int main(void)
 {
-        SRunner *sr = srunner_create(limits_suite());
-        int failed;
-
-        srunner_set_fork_status(sr, CK_FORK);
-        srunner_run_all(sr, CK_ENV);
-        failed = srunner_ntests_failed(sr);
-        srunner_free(sr);
-        return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+        return h_run_suite(limits_suite());
 }

@@ -149,17 +149,11 @@ int main(void)
 {
         Suite *s = suite_create("integ_ops");
         TCase *tc = tcase_create("host_backend");
-        SRunner *sr;
-        int failed;
 
         tcase_set_timeout(tc, 600);
         tcase_add_loop_test(tc, test_case, 0, (int)(sizeof(cases) / sizeof(cases[0])));
         tcase_add_test(tc, test_two_groups_interleaved);
         tcase_add_test(tc, test_polling);
         suite_add_tcase(s, tc);
-        sr = srunner_create(s);
-        srunner_run_all(sr, CK_NORMAL);
-        failed = srunner_ntests_failed(sr);
-        srunner_free(sr);
-        return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+        return h_run_suite(s);
 }

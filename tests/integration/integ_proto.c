@@ -1615,14 +1615,5 @@ static Suite *proto_suite(void)
 
 int main(void)
 {
-        SRunner *sr = srunner_create(proto_suite());
-        int failed;
-
-        /* Fork mode: each test is its own process, and Check kills the test's process group
-         * afterwards, so a daemon left behind by a failed assertion does not outlive it. */
-        srunner_set_fork_status(sr, CK_FORK);
-        srunner_run_all(sr, CK_ENV); /* CK_VERBOSITY=verbose lists every test */
-        failed = srunner_ntests_failed(sr);
-        srunner_free(sr);
-        return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+        return h_run_suite(proto_suite());
 }

@@ -69,8 +69,8 @@ struct json_t;
 #define H_RAW_MAX_FDS 32u
 
 struct Suite;
-/* Runs every test of suite s (Check's default fork mode) and frees it: the exit status of a
- * test binary's main, EXIT_FAILURE when any test failed. */
+/* Runs every test of suite s in fork mode (CK_VERBOSITY picks the output) and frees it: the
+ * exit status of a test binary's main, EXIT_FAILURE when any test failed. */
 int h_run_suite(struct Suite *s);
 /* h_connect, asserting that it succeeded. */
 struct epd_client *h_connect_ok(const struct h_daemon *d, const char *name);

@@ -26,7 +26,10 @@ int h_run_suite(Suite *s)
         SRunner *sr = srunner_create(s);
         int failed;
 
-        srunner_run_all(sr, CK_NORMAL);
+        /* Fork mode: each test is its own process, and Check kills the test's process group
+         * afterwards, so a daemon left behind by a failed assertion does not outlive it. */
+        srunner_set_fork_status(sr, CK_FORK);
+        srunner_run_all(sr, CK_ENV); /* CK_VERBOSITY=verbose lists every test */
         failed = srunner_ntests_failed(sr);
         srunner_free(sr);
         return failed ? EXIT_FAILURE : EXIT_SUCCESS;
