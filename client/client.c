@@ -318,9 +318,12 @@ static void client_destroy(struct epd_client *c)
                 epd__v1__response__free_unpacked(s->resp, NULL);
                 free(s);
         }
-        for (unsigned i = 0; i < c->num_regions; i++)
+        for (unsigned i = 0; i < c->num_regions; i++) {
                 if (c->regions[i].owned)
                         munmap(c->regions[i].ptr, c->regions[i].bytes);
+                if (c->regions[i].fd >= 0)
+                        close(c->regions[i].fd);
+        }
         free(c->regions);
         if (c->fd >= 0)
                 close(c->fd);
@@ -537,6 +540,8 @@ static unsigned regions_at_or_below(const struct epd_client *c, const uint8_t *p
 
 void epd__client_region_remove_at(struct epd_client *c, unsigned i)
 {
+        if (c->regions[i].fd >= 0)
+                close(c->regions[i].fd);
         memmove(&c->regions[i], &c->regions[i + 1],
                 (c->num_regions - i - 1) * sizeof(c->regions[0]));
         c->num_regions--;
@@ -557,7 +562,8 @@ int epd__client_region_add(struct epd_client *c, uint64_t id, void *ptr, uint64_
         memmove(&c->regions[at + 1], &c->regions[at],
                 (c->num_regions - at) * sizeof(c->regions[0]));
         c->regions[at] =
-                (struct epd__local_region){ .id = id, .ptr = ptr, .bytes = bytes, .owned = owned };
+                (struct epd__local_region){ .id = id, .ptr = ptr, .bytes = bytes, .owned = owned,
+                                            .fd = -1 };
         c->num_regions++;
         return 0;
 }
@@ -603,6 +609,9 @@ int epd__client_region_register(struct epd_client *c, enum epd_region_kind kind,
                 return epd__client_fail(c, EPD_INTERNAL, "daemon returned no region id");
         pthread_mutex_lock(&c->lock);
         rc = epd__client_region_add(c, id, local_ptr, bytes, 0);
+        if (rc == 0 && kind == EPD_REGION_HOST_MEMFD && local_ptr && fd >= 0)
+                c->regions[regions_at_or_below(c, local_ptr) - 1].fd =
+                        fcntl(fd, F_DUPFD_CLOEXEC, 0);
         pthread_mutex_unlock(&c->lock);
         if (rc < 0)
                 return rc;

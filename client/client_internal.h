@@ -29,6 +29,9 @@ struct epd__local_region {
         int device_mem;
         uint32_t device;              /* the daemon's device index */
         uint64_t buffer_id;           /* CUDA's process-unique allocation id; 0 unknown */
+        /* Host memfd regions registered with a local pointer: a dup of the memfd, which
+         * epd_cx_register shares with a client-executed group's peers; else -1. */
+        int fd;
 };
 
 /* GPU memory made by epd_device_alloc (client/cuda.c): a cuMem allocation mapped at its own

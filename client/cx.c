@@ -14,6 +14,8 @@
  * Threading: the mapping is fixed from join to leave, so calls of different ranks (groups) run
  * concurrently; calls of one rank are a sequence (docs/client-execution.md).
  */
+#include <fcntl.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +25,15 @@
 #include "client_internal.h"
 #include "cx.h"
 #include "cx_layout.h"
+#include "util.h"
+
+/* One registration: every rank's part as mapped here (this rank's own: the caller's pointer). */
+struct epd__cx_mem {
+        uint8_t *at[CX_MAX_RANKS];
+        uint64_t bytes[CX_MAX_RANKS];
+        void *map[CX_MAX_RANKS];      /* a peer's mapping, or NULL */
+        uint64_t map_len[CX_MAX_RANKS];
+};
 
 struct epd__cx_group {
         struct cx_layout layout;
@@ -31,6 +42,9 @@ struct epd__cx_group {
         uint64_t stride;
         uint8_t **bufs;               /* [R] */
         struct cx_rank rank;
+        /* Registrations of epd_cx_register, by number - 1. */
+        struct epd__cx_mem *mem[CX_MAX_MEMORY];
+        uint32_t num_mem;
 #ifdef EPD_HAVE_CUDA
         struct epd__cx_dev *dev;      /* device memory (cuda backend), else NULL */
 #endif
@@ -170,10 +184,22 @@ int epd__cx_enter(struct epd_group *g, const Epd__V1__GroupJoined *j, int fd)
         return 0;
 }
 
+static void cx_mem_free(struct epd__cx_mem *m)
+{
+        if (!m)
+                return;
+        for (uint32_t r = 0; r < CX_MAX_RANKS; r++)
+                if (m->map[r])
+                        munmap(m->map[r], m->map_len[r]);
+        free(m);
+}
+
 void epd__cx_leave(struct epd__cx_group *cx)
 {
         if (!cx)
                 return;
+        for (uint32_t i = 0; i < cx->num_mem; i++)
+                cx_mem_free(cx->mem[i]);
 #ifdef EPD_HAVE_CUDA
         epd__cx_dev_leave(cx->dev);
 #endif
@@ -209,6 +235,35 @@ static int cx_of(struct epd_group *group, const void *args, size_t size, size_t 
         return 0;
 }
 
+/* The areas of registration mem_id (from 1) for a dispatch (the receive area) or a combine
+ * (the y area), or NULL with why: this rank's verdict, which its peers see too. */
+static uint8_t *const *cx_mem_area(struct epd_group *group, int dispatch, uint32_t mem_id,
+                                   char *why, size_t why_len)
+{
+        const struct epd__cx_group *cx = group->cx;
+        const char *name = dispatch ? "recv_memory" : "y_memory";
+        uint64_t need = dispatch ? cx_recv_area_bytes(&cx->layout) : cx_y_area_bytes(&cx->layout);
+        const struct epd__cx_mem *m;
+
+        if (mem_id > cx->num_mem) {
+                snprintf(why, why_len, "%s %u is not registered with the group (%u %s)", name,
+                         mem_id, cx->num_mem,
+                         cx->num_mem == 1 ? "registration" : "registrations");
+                return NULL;
+        }
+        m = cx->mem[mem_id - 1];
+        for (uint32_t r = 0; r < cx->layout.shape.world_size; r++) {
+                if (m->bytes[r] < need) {
+                        snprintf(why, why_len, "%s %u of rank %u has %llu bytes, the %s area "
+                                 "needs %llu", name, mem_id, r,
+                                 (unsigned long long)m->bytes[r], dispatch ? "receive" : "y",
+                                 (unsigned long long)need);
+                        return NULL;
+                }
+        }
+        return m->at;
+}
+
 /* One op of the rank: a dispatch (dispatch, da) or a combine (ca), checked, then launched on
  * the device or run here. */
 static int cx_run(struct epd_group *group, int dispatch, const struct epd_cx_dispatch_args *da,
@@ -216,20 +271,34 @@ static int cx_run(struct epd_group *group, int dispatch, const struct epd_cx_dis
 {
         const char *what = dispatch ? "epd_cx_dispatch" : "epd_cx_combine";
         size_t size = da ? da->size : ca ? ca->size : 0;
-        char msg[512] = "";
+        char msg[512] = "", why[256] = "";
+        /* Callers built before recv_memory / y_memory existed pass a shorter struct. */
         int rc = cx_of(group, dispatch ? (const void *)da : ca, size,
-                       dispatch ? sizeof(*da) : sizeof(*ca), stream, what);
+                       dispatch ? offsetof(struct epd_cx_dispatch_args, recv_memory)
+                                : offsetof(struct epd_cx_combine_args, y_memory),
+                       stream, what);
+        uint32_t mem_id;
+        uint8_t *const *area = NULL;
 
         if (rc)
                 return rc;
+        mem_id = dispatch ? (size >= sizeof(*da) ? da->recv_memory : 0)
+                          : (size >= sizeof(*ca) ? ca->y_memory : 0);
         if (ca && ca->num_bias > 2)
                 return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
                                         "epd_cx_combine: num_bias %u above 2", ca->num_bias);
 #ifdef EPD_HAVE_CUDA
+        if (group->cx->dev && mem_id)
+                return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
+                                        "%s: %s %u is not registered (the cuda backend has no "
+                                        "registered client memory yet)", what,
+                                        dispatch ? "recv_memory" : "y_memory", mem_id);
         if (group->cx->dev)
                 return dispatch ? epd__cx_dev_dispatch(group, group->cx->dev, da, stream)
                           : epd__cx_dev_combine(group, group->cx->dev, ca, stream);
 #endif
+        if (mem_id)
+                area = cx_mem_area(group, dispatch, mem_id, why, sizeof(why));
         if (dispatch) {
                 struct cx_dispatch_args a = {
                         .num_tokens = da->num_tokens, .x = da->x, .x_stride = da->x_stride,
@@ -241,6 +310,8 @@ static int cx_run(struct epd_group *group, int dispatch, const struct epd_cx_dis
                         .expert_block_rows = da->expert_block_rows, .quantize = da->quantize,
                         .handle = da->handle, .cached = da->cached,
                         .capacity_rows = da->capacity_rows,
+                        .recv_area = area, .recv_mem = mem_id,
+                        .arg_error = why[0] ? why : NULL,
                 };
                 rc = cx_dispatch(&group->cx->rank, &a, NULL, msg, sizeof(msg));
         } else {
@@ -252,11 +323,15 @@ static int cx_run(struct epd_group *group, int dispatch, const struct epd_cx_dis
                                   ca->num_bias > 1 ? ca->bias[1] : NULL },
                         .combined = ca->combined,
                         .combined_topk_weights = ca->combined_topk_weights,
+                        .y_area = area, .y_mem = mem_id, .arg_error = why[0] ? why : NULL,
                 };
                 rc = cx_combine(&group->cx->rank, &a, NULL, msg, sizeof(msg));
         }
         if (rc == 0)
                 return 0;
+        if (why[0] && rc == EPD_INVALID_ARGUMENT && !dispatch)
+                return epd__client_fail(group->client, rc, "%s (rank %u: %s)", msg, group->rank,
+                                        why);
         return epd__client_fail(group->client, rc, "%s", msg);
 }
 
@@ -343,7 +418,7 @@ int epd_cx_buffers(const struct epd_group *group, struct epd_cx_buffers *out)
         const struct cx_layout *l;
         uint8_t *own;
 
-        if (!group || !out || out->size < sizeof(*out))
+        if (!group || !out || out->size < offsetof(struct epd_cx_buffers, recv_area_bytes))
                 return EPD_INVALID_ARGUMENT;
         if (!group->cx)
                 return epd__client_fail(group->client, EPD_INVALID_ARGUMENT,
@@ -362,5 +437,172 @@ int epd_cx_buffers(const struct epd_group *group, struct epd_cx_buffers *out)
         out->recv_topk_slot = (int32_t *)(own + l->recv_topk_slot);
         out->y = (uint16_t *)(own + l->y);
         out->y_weights = (float *)(own + l->y_weights);
+        if (out->size >= sizeof(*out)) {
+                out->recv_area_bytes = cx_recv_area_bytes(l);
+                out->y_area_bytes = cx_y_area_bytes(l);
+        }
+        return 0;
+}
+
+/* One CxMemory request: registers (fd >= 0) or fetches rank peer's part of registration
+ * index (*fd_out gets its memfd). */
+static int cx_mem_call(struct epd_group *g, int fd, uint64_t offset, uint64_t bytes,
+                       uint32_t index, uint32_t peer, Epd__V1__CxMemoryReply *out, int *fd_out)
+{
+        Epd__V1__Request req = EPD__V1__REQUEST__INIT;
+        Epd__V1__CxMemory m = EPD__V1__CX_MEMORY__INIT;
+        Epd__V1__Response *resp = NULL;
+        int fds[2] = { -1, -1 };
+        int rc;
+
+        m.group_id = g->id;
+        m.rank = g->rank;
+        m.register_ = fd >= 0;
+        m.offset = offset;
+        m.bytes = bytes;
+        m.index = index;
+        m.peer = peer;
+        req.body_case = EPD__V1__REQUEST__BODY_CX_MEMORY;
+        req.cx_memory = &m;
+        rc = epd__client_call(g->client, &req, fd >= 0 ? &fd : NULL, fd >= 0 ? 1 : 0, &resp,
+                              fds);
+        if (rc < 0)
+                return rc;
+        if (resp->body_case != EPD__V1__RESPONSE__BODY_CX_MEMORY || (fd < 0 && fds[0] < 0)) {
+                for (int i = 0; i < 2; i++)
+                        if (fds[i] >= 0)
+                                close(fds[i]);
+                epd__v1__response__free_unpacked(resp, NULL);
+                return epd__client_fail(g->client, EPD_INTERNAL, "bad CxMemory reply");
+        }
+        *out = *resp->cx_memory;
+        if (fds[1] >= 0)
+                close(fds[1]);
+        if (fd_out)
+                *fd_out = fds[0];
+        else if (fds[0] >= 0)
+                close(fds[0]);
+        epd__v1__response__free_unpacked(resp, NULL);
+        return 0;
+}
+
+/* Maps rank peer's part of registration index once it is there, waiting for it until the
+ * group's op timeout. */
+static int cx_mem_map_peer(struct epd_group *g, uint32_t index, uint32_t peer,
+                           struct epd__cx_mem *m, uint64_t deadline_ms)
+{
+        const uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+        Epd__V1__CxMemoryReply r = EPD__V1__CX_MEMORY_REPLY__INIT;
+        uint64_t lo;
+        void *p;
+        int fd = -1, rc;
+
+        for (;;) {
+                rc = cx_mem_call(g, -1, 0, 0, index, peer, &r, &fd);
+                if (rc != EPD_NOT_FOUND)
+                        break;
+                if ((epd__now_ns() / 1000000u) >= deadline_ms)
+                        return epd__client_fail(g->client, EPD_TIMEOUT,
+                                                "epd_cx_register: rank %u did not register its "
+                                                "memory %u within the op timeout", peer,
+                                                index + 1);
+                usleep(1000);
+        }
+        if (rc < 0)
+                return rc;
+        lo = r.offset / page * page;
+        p = mmap(NULL, r.offset + r.bytes - lo, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                 (off_t)lo);
+        close(fd);
+        if (p == MAP_FAILED)
+                return epd__client_fail(g->client, EPD_UNAVAILABLE,
+                                        "epd_cx_register: cannot map rank %u's %llu bytes", peer,
+                                        (unsigned long long)r.bytes);
+        m->map[peer] = p;
+        m->map_len[peer] = r.offset + r.bytes - lo;
+        m->at[peer] = (uint8_t *)p + (r.offset - lo);
+        m->bytes[peer] = r.bytes;
+        return 0;
+}
+
+int epd_cx_register(struct epd_group *group, void *ptr, uint64_t bytes, uint32_t *memory)
+{
+        struct epd_client *c;
+        struct epd__cx_group *cx;
+        struct epd__cx_mem *m;
+        Epd__V1__CxMemoryReply r = EPD__V1__CX_MEMORY_REPLY__INIT;
+        uint64_t offset = 0, deadline;
+        int fd = -1, rc;
+
+        if (!group)
+                return EPD_INVALID_ARGUMENT;
+        c = group->client;
+        cx = group->cx;
+        if (!cx)
+                return epd__client_fail(c, EPD_INVALID_ARGUMENT,
+                                        "epd_cx_register: group %llu is daemon-executed",
+                                        (unsigned long long)group->id);
+#ifdef EPD_HAVE_CUDA
+        if (cx->dev)
+                return epd__client_fail(c, EPD_UNAVAILABLE,
+                                        "epd_cx_register: registered client memory is not "
+                                        "supported on the cuda backend yet; outputs stay in the "
+                                        "group's buffers");
+#endif
+        if (!ptr || !bytes || !memory || (uintptr_t)ptr % 64)
+                return epd__client_fail(c, EPD_INVALID_ARGUMENT,
+                                        "epd_cx_register needs ptr (64-byte aligned), bytes above "
+                                        "0 and memory");
+        pthread_mutex_lock(&c->lock);
+        for (unsigned i = 0; i < c->num_regions; i++) {
+                const struct epd__local_region *lr = &c->regions[i];
+
+                if (lr->fd >= 0 && (uint8_t *)ptr >= lr->ptr &&
+                    (uint8_t *)ptr - lr->ptr <= (ptrdiff_t)lr->bytes &&
+                    bytes <= lr->bytes - (uint64_t)((uint8_t *)ptr - lr->ptr)) {
+                        offset = (uint64_t)((uint8_t *)ptr - lr->ptr);
+                        fd = fcntl(lr->fd, F_DUPFD_CLOEXEC, 0);
+                        break;
+                }
+        }
+        pthread_mutex_unlock(&c->lock);
+        if (fd < 0)
+                return epd__client_fail(c, EPD_INVALID_ARGUMENT,
+                                        "epd_cx_register: [%p, +%llu) is not inside a host memfd "
+                                        "region this client registered with its local pointer "
+                                        "(epd_region_alloc)", ptr, (unsigned long long)bytes);
+        if (!(m = calloc(1, sizeof(*m)))) {
+                close(fd);
+                return epd__client_fail(c, EPD_INTERNAL, "out of memory");
+        }
+        rc = cx_mem_call(group, fd, offset, bytes, 0, 0, &r, NULL);
+        close(fd);
+        if (rc < 0) {
+                free(m);
+                return rc;
+        }
+        /* The daemon forgets registrations when the group re-forms: numbering restarts. */
+        while (cx->num_mem > r.index)
+                cx_mem_free(cx->mem[--cx->num_mem]);
+        if (r.index != cx->num_mem) {
+                free(m);
+                return epd__client_fail(c, EPD_INTERNAL, "epd_cx_register: the daemon numbered "
+                                        "it %u, libepd expected %u", r.index, cx->num_mem);
+        }
+        m->at[group->rank] = ptr;
+        m->bytes[group->rank] = bytes;
+        deadline = (epd__now_ns() / 1000000u) + (group->config.op_timeout_ms ? group->config.op_timeout_ms
+                                                                 : 10000);
+        for (uint32_t p = 0; p < cx->layout.shape.world_size; p++) {
+                if (p == group->rank)
+                        continue;
+                rc = cx_mem_map_peer(group, r.index, p, m, deadline);
+                if (rc < 0) {
+                        cx_mem_free(m);
+                        return rc;
+                }
+        }
+        cx->mem[cx->num_mem++] = m;
+        *memory = cx->num_mem;
         return 0;
 }

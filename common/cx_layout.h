@@ -54,6 +54,8 @@
 #define CX_MAGIC 0x31584345u /* "ECX1" little-endian */
 #define CX_VERSION 1u
 #define CX_MAX_RANKS 64u
+/* Client memories a rank may register with a group (epd_cx_register). */
+#define CX_MAX_MEMORY 16u
 #define CX_MAX_HANDLES 8u
 #define CX_DEFAULT_HANDLES 2u
 #define CX_STATUS_RING 64u
@@ -367,6 +369,20 @@ EPD_HD enum cx_shape_error cx_layout_compute(const struct cx_shape *shape, struc
 }
 
 /* ---- addressing; base is a rank's buffer as mapped by the caller ---- */
+
+/* The receive area ([recv_x, y): recv_x, recv_scales, recv_topk_idx, recv_weights, recv_src,
+ * recv_topk_slot) and the y area ([y, end): y, y_weights) are each one piece. Client memory
+ * registered with the group as a destination or as y holds the same piece at the same offsets,
+ * counted from the area's start. */
+EPD_HD uint64_t cx_recv_area_bytes(const struct cx_layout *l)
+{
+        return l->y - l->recv_x;
+}
+
+EPD_HD uint64_t cx_y_area_bytes(const struct cx_layout *l)
+{
+        return l->total_bytes - l->y;
+}
 
 EPD_HD struct cx_header *cx_header_of(uint8_t *base, const struct cx_layout *l)
 {

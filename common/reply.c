@@ -32,6 +32,8 @@ Epd__V1__Response__BodyCase epd__reply_body(Epd__V1__Request__BodyCase request)
                 return EPD__V1__RESPONSE__BODY_ARENA_SEGMENTS;
         case EPD__V1__REQUEST__BODY_RESIZE:
                 return EPD__V1__RESPONSE__BODY_RESIZE;
+        case EPD__V1__REQUEST__BODY_CX_MEMORY:
+                return EPD__V1__RESPONSE__BODY_CX_MEMORY;
         case EPD__V1__REQUEST__BODY_DRAIN:
         case EPD__V1__REQUEST__BODY_UNDRAIN:
                 return EPD__V1__RESPONSE__BODY_DRAIN;

@@ -271,7 +271,8 @@ void cx_format_status(const struct cx_op_status *st, uint32_t rank, uint64_t op,
                 break;
         case CX_REASON_MISMATCH:
                 snprintf(msg, len, "rank %u op %" PRIu64 ": invalid argument: rank %d's op differs "
-                         "from rank 0's in kind, layout, options, handle or weights", rank, op,
+                         "from rank 0's in kind, layout, options, handle, weights or registered "
+                         "memory", rank, op,
                          st->rank);
                 break;
         case CX_REASON_BAD_EXPERT:
@@ -335,6 +336,8 @@ static int check_dispatch(const struct op_ctx *c, const struct cx_dispatch_args 
         const struct cx_shape *s = &c->l->shape;
         uint32_t A = a->expert_alignment ? a->expert_alignment : 1;
 
+        if (a->arg_error)
+                return bad_args(rec, a->arg_error);
         if (a->num_tokens > s->max_tokens)
                 return bad_args(rec, "num_tokens above max_tokens");
         if (a->num_topk < 1 || a->num_topk > s->max_topk)
@@ -450,7 +453,8 @@ static void move_rows(struct op_ctx *c, const struct cx_dispatch_args *a, struct
         src[me].scales = (struct epd_mat){ (uint8_t *)scales, scales_stride };
         src[me].weights = (struct epd_mat){ (uint8_t *)a->weights, (uint64_t)K * 4 };
         for (uint32_t d = 0; d < R; d++) {
-                uint8_t *b = c->r->bufs[d];
+                /* b + l->recv_x is rank d's receive area, in its buffer or registered memory */
+                uint8_t *b = a->recv_area ? a->recv_area[d] - l->recv_x : c->r->bufs[d];
 
                 dst[d].recv_x = (struct epd_mat){ b + l->recv_x, row_bytes };
                 if (num_scales)
@@ -500,6 +504,7 @@ int cx_dispatch(const struct cx_rank *r, const struct cx_dispatch_args *a, uint6
         cx_dispatch_sig(head.sig, (uint32_t)a->layout, A, a->expert_block_rows, a->handle,
                         !!a->cached, !!a->quantize, a->weights != NULL,
                         a->layout == EPD_LAYOUT_EXPAND && a->zero_padding);
+        head.sig[3] = a->recv_mem;
         head.num_tokens = a->num_tokens;
         head.capacity_rows = a->capacity_rows && a->capacity_rows < l->recv_rows
                                      ? (uint32_t)a->capacity_rows
@@ -620,6 +625,8 @@ static int check_combine(const struct op_ctx *c, const struct cx_combine_args *a
 
         rec->status = EPD_INVALID_ARGUMENT;
         rec->reason = CX_REASON_BAD_ARGS;
+        if (a->arg_error)
+                return rec->status;
         if (a->handle >= c->l->shape.num_handles)
                 return rec->status;
         h = cx_handle_at(c->own, c->l, a->handle);
@@ -655,6 +662,7 @@ int cx_combine(const struct cx_rank *r, const struct cx_combine_args *a, uint64_
 
         memset(&head, 0, sizeof(head));
         cx_combine_sig(head.sig, a->handle, !!a->apply_weights, !!a->recv_weights);
+        head.sig[3] = a->y_mem;
         check_combine(&c, a, &head);
         head.value = me;
         /* The y record: this rank's y (written by the caller before the call, program order)
@@ -692,7 +700,8 @@ int cx_combine(const struct cx_rank *r, const struct cx_combine_args *a, uint64_
                         memcpy(plan->row[me], row, (size_t)N * K * 4);
                         memset(src, 0, sizeof(src));
                         for (uint32_t d = 0; d < R; d++)
-                                y[d] = (struct epd_mat){ r->bufs[d] + l->y,
+                                y[d] = (struct epd_mat){ a->y_area ? a->y_area[d]
+                                                                   : r->bufs[d] + l->y,
                                                          (uint64_t)l->shape.hidden * 2 };
                         for (int b = 0; b < 2; b++)
                                 src[me].bias[b] = (struct epd_mat){
@@ -706,7 +715,9 @@ int cx_combine(const struct cx_rank *r, const struct cx_combine_args *a, uint64_
                                 (uint8_t *)a->combined_topk_weights, (uint64_t)K * 4 };
                         /* recv_weights: every destination's y_weights area, [rows, K_op] */
                         for (uint32_t d = 0; d < R; d++)
-                                rw[d] = (struct epd_mat){ r->bufs[d] + l->y_weights,
+                                rw[d] = (struct epd_mat){
+                                        (a->y_area ? a->y_area[d] - l->y : r->bufs[d]) +
+                                                l->y_weights,
                                                           (uint64_t)K * 4 };
                         exec = (struct epd_combine_exec){
                                 .plan = plan,

@@ -61,6 +61,14 @@ struct cx_dispatch_args {
         uint32_t handle;            /* the handle slot it fills, or reuses when cached */
         int cached;                 /* reuse the routing of the handle's dispatch (2.4) */
         uint64_t capacity_rows;     /* rows this rank accepts; 0: the receive area */
+        /* Destinations in registered client memory: recv_area[d] is where rank d's receive area
+         * (cx_recv_area_bytes, the layout's offsets from recv_x) lives as mapped here; NULL: the
+         * buffers' own receive areas. recv_mem names the registration (part of the op's
+         * signature, so every rank must name the same one); arg_error, when set, is this rank's
+         * verdict that its registration cannot be used (a collective INVALID_ARGUMENT). */
+        uint8_t *const *recv_area;
+        uint32_t recv_mem;
+        const char *arg_error;
 };
 
 struct cx_combine_args {
@@ -71,6 +79,12 @@ struct cx_combine_args {
         const uint16_t *bias[2];    /* [N, H] packed, optional */
         uint16_t *combined;         /* [N, H] packed, written */
         float *combined_topk_weights; /* [N, K_op] packed, optional, written */
+        /* y in registered client memory: y_area[d] is rank d's y area (cx_y_area_bytes, the
+         * layout's offsets from y) as mapped here; NULL: the buffers' own. y_mem and arg_error as
+         * recv_mem and arg_error of a dispatch. */
+        uint8_t *const *y_area;
+        uint32_t y_mem;
+        const char *arg_error;
 };
 
 /* Runs one dispatch of rank r. Inputs stay the caller's; outputs land in the receive areas and,

@@ -158,7 +158,8 @@ int epd_memfd_alloc(size_t bytes, int *fd_out, void **ptr_out);
 
 /* Registers an fd-backed region (host memfd or cuMem POSIX fd). The fd is sent to the daemon and
  * stays owned by the caller. local_ptr, if not NULL, is where the caller has the region mapped,
- * which lets epd_tensor_at resolve pointers. */
+ * which lets epd_tensor_at resolve pointers; for a host memfd libepd then keeps a duplicate of
+ * the fd until the region is released, so that epd_cx_register can share the memory. */
 int epd_region_register_fd(struct epd_client *client, enum epd_region_kind kind, int fd,
                            uint64_t bytes, uint32_t device, void *local_ptr, uint64_t *region_id);
 /* Allocates a memfd of `bytes`, maps it and registers it: the common host-backend path. The
@@ -513,6 +514,10 @@ struct epd_cx_dispatch_args {
         uint32_t handle;               /* handle slot it fills (or reuses when cached) */
         int cached;                    /* reuse the routing of the slot's dispatch (2.4) */
         uint64_t capacity_rows;        /* rows this rank accepts; 0: its whole receive area */
+        /* 0: rows land in the ranks' receive areas (epd_cx_buffers). Else a registration of
+         * epd_cx_register: rows land in each rank's registered memory, laid out as the receive
+         * area. Every rank names the same one. */
+        uint32_t recv_memory;
 };
 
 struct epd_cx_combine_args {
@@ -525,6 +530,10 @@ struct epd_cx_combine_args {
         const uint16_t *bias[2];       /* [N, H] bf16 packed */
         uint16_t *combined;            /* [N, H] bf16 packed, written */
         float *combined_topk_weights;  /* [N, K_op] packed, optional, written */
+        /* 0: y is in the ranks' y areas. Else a registration of epd_cx_register: each rank's y
+         * (and y_weights) is in its registered memory, laid out as the y area. Every rank names
+         * the same one. */
+        uint32_t y_memory;
 };
 
 /* Runs (host) or enqueues on `stream` (cuda, a cudaStream_t) one dispatch of this rank. Host:
@@ -581,8 +590,28 @@ struct epd_cx_buffers {
         int32_t *recv_topk_slot;       /* EXPAND */
         uint16_t *y;                   /* [recv_rows, H] bf16: the expert's output */
         float *y_weights;              /* [recv_rows, K_op]: combine's recv_weights */
+        /* The receive area is one piece from recv_x (every recv_* above at its offset from
+         * recv_x) and the y area one piece from y: what registered memory must hold. */
+        uint64_t recv_area_bytes;
+        uint64_t y_area_bytes;
 };
 int epd_cx_buffers(const struct epd_group *group, struct epd_cx_buffers *out);
+
+/* Registers client memory with a client-executed group, as a destination of dispatched rows
+ * (epd_cx_dispatch_args.recv_memory) or as y (epd_cx_combine_args.y_memory). Collective: every
+ * rank calls it, the k-th call of each rank forming registration k, and it returns once every
+ * peer has registered its part (bounded by the group's op timeout: EPD_TIMEOUT naming the
+ * rank); register before the first op that uses it (and before any capture). [ptr, ptr + bytes)
+ * must lie inside a host memfd region this client registered with its local pointer
+ * (epd_region_alloc, or epd_region_register_fd with local_ptr) and start 64-byte aligned. The
+ * daemon hands the memfd to the peers, and libepd maps each peer's part once; the mappings
+ * last until the group is left or re-formed (a lost rank: register again after re-forming).
+ * The memory is laid out as the receive area (its start is recv_x, the other recv_* at their
+ * offsets from recv_x in epd_cx_buffers) or as the y area (from y); a dispatch or combine
+ * naming memory smaller than epd_cx_buffers' recv_area_bytes or y_area_bytes fails
+ * EPD_INVALID_ARGUMENT on every rank, naming the rank. *memory gets the registration's number
+ * (from 1). At most 16 registrations a rank. On the cuda backend: EPD_UNAVAILABLE for now. */
+int epd_cx_register(struct epd_group *group, void *ptr, uint64_t bytes, uint32_t *memory);
 
 /* Releases this rank's share of a handle (local bookkeeping, not collective). */
 int epd_handle_release(struct epd_group *group, uint64_t handle_id);

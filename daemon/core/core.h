@@ -206,7 +206,18 @@ struct epdd_op {
 /* A client-executed group's communication buffers (docs/client-execution.md): rank r's buffer
  * is at host + r * stride, laid out by common/cx_layout.h. The daemon writes only the header
  * words it owns (epoch, abort, drain) and reads the statistics. */
+/* Client memory one rank registered with a client-executed group (host backend): a dup of the
+ * client's memfd, handed to every peer that asks (CxMemory). */
+struct epdd_cx_mem {
+        int fd;
+        uint64_t offset, bytes, fd_bytes;
+};
+
 struct epdd_cx {
+        /* Registrations per rank, in order: the k-th of every rank is registration k. A
+         * re-forming forgets them all (cx_mem_forget). */
+        struct epdd_cx_mem mem[CX_MAX_RANKS][CX_MAX_MEMORY];
+        uint32_t num_mem[CX_MAX_RANKS];
         struct cx_layout layout;
         uint64_t stride;              /* bytes between ranks' buffers (page multiple) */
         uint64_t bytes;               /* R * stride */
@@ -311,6 +322,13 @@ void epd_group_maybe_free(struct epdd_group *g);
 /* Stops (on) or resumes the group's ops at an op boundary every rank observes: the drain word
  * of every buffer (docs/client-execution.md, "Drain"). */
 void epd_group_cx_drain(struct epdd_group *g, int on);
+/* CxMemory: registers client memory of a rank bound to c (fd taken: set to -1 when kept), or
+ * looks up a peer's part of a registration. Returns 0 with *index, *mem filled, or a negative
+ * status with err. */
+int epd_group_cx_memory(struct epdd_group *g, struct epdd_client *c, int reg, uint32_t rank,
+                        uint32_t index, uint32_t peer, int *fd, uint64_t offset, uint64_t bytes,
+                        uint32_t *out_index, const struct epdd_cx_mem **mem, char *err,
+                        size_t err_len);
 /* Reads the statistics of rank r's buffer. */
 void epd_group_cx_stats(const struct epdd_group *g, uint32_t rank, struct cx_stats *out);
 const char *epd_group_state_name(enum epdd_group_state s);

@@ -1,6 +1,7 @@
 /* group.c - EP groups (docs/semantics.md section 1): configuration checks, rank binding, the
  * FORMING -> READY <-> BROKEN lifecycle, output arenas and handles. Loop thread only. */
 #include <errno.h>
+#include <fcntl.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +11,7 @@
 #include "budget.h"
 #include "memfd.h"
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include "backend.h"
 #include "core.h"
@@ -372,6 +374,16 @@ static int cx_create(struct epdd_group *g, uint32_t device, char *err, size_t er
         return rc;
 }
 
+/* Closes every registration's fd (at re-forming and destruction). */
+static void cx_mem_forget(struct epdd_cx *cx, uint32_t world_size)
+{
+        for (uint32_t r = 0; r < world_size; r++) {
+                for (uint32_t i = 0; i < cx->num_mem[r]; i++)
+                        close(cx->mem[r][i].fd);
+                cx->num_mem[r] = 0;
+        }
+}
+
 static void cx_destroy(struct epdd_group *g)
 {
         struct epdd_backend *b = g->daemon->backend;
@@ -379,6 +391,7 @@ static void cx_destroy(struct epdd_group *g)
 
         if (!cx)
                 return;
+        cx_mem_forget(cx, g->cfg.world_size);
         b->ops->cx_free(b, cx->host, cx->bytes, cx->state);
         if (cx->fd >= 0)
                 close(cx->fd);
@@ -451,6 +464,8 @@ static void cx_reform(struct epdd_group *g)
         if (!cx || !cx->aborted)
                 return;
         cx->epoch++;
+        /* The lost rank's memory went with its client; every rank registers again. */
+        cx_mem_forget(cx, g->cfg.world_size);
         for (uint32_t r = 0; r < g->cfg.world_size; r++)
                 if (cx_rank_meta(g, r, 0) < 0)
                         log_warning("group=%s: cannot re-form rank %u's buffer", g->name, r);
@@ -959,4 +974,75 @@ void epd_group_maybe_free(struct epdd_group *g)
                 free(g->ranks[r].refused);
         free(g->ranks);
         free(g);
+}
+
+int epd_group_cx_memory(struct epdd_group *g, struct epdd_client *c, int reg, uint32_t rank,
+                        uint32_t index, uint32_t peer, int *fd, uint64_t offset, uint64_t bytes,
+                        uint32_t *out_index, const struct epdd_cx_mem **mem, char *err,
+                        size_t err_len)
+{
+        struct epdd_cx *cx = g->cx;
+        const uint32_t R = g->cfg.world_size;
+        struct stat st;
+        int seals;
+
+        if (!cx) {
+                snprintf(err, err_len, "group '%s' is daemon-executed: client memory is "
+                         "registered with client-executed groups only", g->name);
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (rank >= R || g->ranks[rank].conn != c) {
+                snprintf(err, err_len, "rank %u of group '%s' is not bound to this client", rank,
+                         g->name);
+                return EPD_PERMISSION_DENIED;
+        }
+        if (cx->kind != EPD_REGION_HOST_MEMFD) {
+                snprintf(err, err_len, "group '%s': client memory is registered with "
+                         "client-executed groups of the host backend only", g->name);
+                return EPD_UNAVAILABLE;
+        }
+        if (!reg) {
+                if (peer >= R) {
+                        snprintf(err, err_len, "rank %u outside the group's %u ranks", peer, R);
+                        return EPD_INVALID_ARGUMENT;
+                }
+                if (index >= cx->num_mem[peer]) {
+                        snprintf(err, err_len, "rank %u has not registered memory %u of group "
+                                 "'%s' yet", peer, index, g->name);
+                        return EPD_NOT_FOUND;
+                }
+                *out_index = index;
+                *mem = &cx->mem[peer][index];
+                return 0;
+        }
+        if (!fd || *fd < 0) {
+                snprintf(err, err_len, "the registration carries no memfd");
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (cx->num_mem[rank] == CX_MAX_MEMORY) {
+                snprintf(err, err_len, "rank %u registered %u memories with group '%s', the "
+                         "most a rank may", rank, CX_MAX_MEMORY, g->name);
+                return EPD_CAPACITY_EXCEEDED;
+        }
+        if (fstat(*fd, &st) < 0 || !S_ISREG(st.st_mode) || bytes == 0 ||
+            offset > (uint64_t)st.st_size || bytes > (uint64_t)st.st_size - offset) {
+                snprintf(err, err_len, "the registered range (offset %llu, %llu bytes) is not "
+                         "inside the memfd", (unsigned long long)offset,
+                         (unsigned long long)bytes);
+                return EPD_INVALID_ARGUMENT;
+        }
+        /* The peers map it: a memfd that could shrink would fault them. Regions registered
+         * with the daemon carry the seal already. */
+        seals = fcntl(*fd, F_GET_SEALS);
+        if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+                snprintf(err, err_len, "the registered memfd is not sealed against shrinking "
+                         "(register its region with the daemon first)");
+                return EPD_INVALID_ARGUMENT;
+        }
+        cx->mem[rank][cx->num_mem[rank]] = (struct epdd_cx_mem){
+                .fd = *fd, .offset = offset, .bytes = bytes, .fd_bytes = (uint64_t)st.st_size };
+        *fd = -1;
+        *out_index = cx->num_mem[rank]++;
+        *mem = &cx->mem[rank][*out_index];
+        return 0;
 }

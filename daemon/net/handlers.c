@@ -655,7 +655,8 @@ int epd_handle_request(struct epdd_conn *c, Epd__V1__Request *req, int *fds, uns
                 epd__v1__request__free_unpacked(req, NULL);
                 return -1;
         }
-        if (num_fds && req->body_case != EPD__V1__REQUEST__BODY_REGION_REGISTER) {
+        if (num_fds && req->body_case != EPD__V1__REQUEST__BODY_REGION_REGISTER &&
+            req->body_case != EPD__V1__REQUEST__BODY_CX_MEMORY) {
                 epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT,
                                       "protocol error: this request carries no fds, frame has %u",
                                       num_fds);
@@ -710,6 +711,9 @@ int epd_handle_request(struct epdd_conn *c, Epd__V1__Request *req, int *fds, uns
                 break;
         case EPD__V1__REQUEST__BODY_ARENA_SEGMENTS:
                 epd_handle_arena_segments(c, req); /* wire.c */
+                break;
+        case EPD__V1__REQUEST__BODY_CX_MEMORY:
+                epd_handle_cx_memory(c, req, fds, num_fds); /* wire.c */
                 break;
         case EPD__V1__REQUEST__BODY_OP:
                 rc = handle_op_record(c, req);

@@ -104,6 +104,9 @@ void epd_group_cfg_to_wire(const struct epdd_group_cfg *cfg, Epd__V1__GroupConfi
 int epd_wire_fill_joined(const struct epdd_rank *r, Epd__V1__GroupJoined *j,
                          Epd__V1__ArenaSegment *segs, Epd__V1__ArenaSegment **ptrs);
 void epd_handle_arena_segments(struct epdd_conn *c, const Epd__V1__Request *req);
+/* Answers CxMemory: client memory registered with a client-executed group (fd of the frame). */
+void epd_handle_cx_memory(struct epdd_conn *c, const Epd__V1__Request *req, int *fds,
+                          unsigned num_fds);
 
 /* server.c */
 /* Makes d->net (no socket yet); epd_net_free undoes it. 0 or EPD_INTERNAL with err set. */

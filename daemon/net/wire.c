@@ -148,3 +148,47 @@ void epd_handle_arena_segments(struct epdd_conn *c, const Epd__V1__Request *req)
         free(ptrs);
         free(segs);
 }
+
+void epd_handle_cx_memory(struct epdd_conn *c, const Epd__V1__Request *req, int *fds,
+                          unsigned num_fds)
+{
+        const Epd__V1__CxMemory *m = req->cx_memory;
+        struct epdd_group *g = epd_group_find(c->cl.daemon, m->group_id);
+        Epd__V1__Response resp = EPD__V1__RESPONSE__INIT;
+        Epd__V1__CxMemoryReply mr = EPD__V1__CX_MEMORY_REPLY__INIT;
+        const struct epdd_cx_mem *mem = NULL;
+        uint32_t index = 0;
+        char err[256] = "";
+        int rc;
+
+        if (!g) {
+                epd_conn_reply_status(c, req->id, EPD_NOT_FOUND, "group %llu does not exist",
+                                      (unsigned long long)m->group_id);
+                return;
+        }
+        if (num_fds != (m->register_ ? 1u : 0u)) {
+                epd_conn_reply_status(c, req->id, EPD_INVALID_ARGUMENT,
+                                      "protocol error: CxMemory carries %u fds", num_fds);
+                return;
+        }
+        rc = epd_group_cx_memory(g, &c->cl, m->register_, m->rank, m->index, m->peer,
+                                 num_fds ? &fds[0] : NULL, m->offset, m->bytes, &index, &mem,
+                                 err, sizeof(err));
+        if (rc < 0) {
+                epd_conn_reply_status(c, req->id, rc, "%s", err);
+                return;
+        }
+        mr.index = index;
+        mr.offset = mem->offset;
+        mr.bytes = mem->bytes;
+        mr.region_bytes = mem->fd_bytes;
+        resp.id = req->id;
+        resp.status = EPD__V1__STATUS_CODE__OK;
+        resp.message = "";
+        resp.body_case = EPD__V1__RESPONSE__BODY_CX_MEMORY;
+        resp.cx_memory = &mr;
+        if (m->register_)
+                (void)epd_conn_send(c, &resp, NULL, 0);
+        else
+                (void)epd_conn_send(c, &resp, &mem->fd, 1);
+}

@@ -4,7 +4,10 @@
  *
  * - Every case of tests/lib/cx_case.h (every layout and dtype cpu/cx.c supports: NON_EXPAND,
  *   EXPAND, fixed expert blocks, cached dispatch, quantizing dispatch, combine with bias,
- *   source_weights and recv_weights) at R = 2 and R = 4, bitwise against the reference.
+ *   source_weights and recv_weights) at R = 2 and R = 4, bitwise against the reference, with
+ *   outputs and y in the buffers and again in client memory registered with the group.
+ * - Registered memory misused (unregistered, too small, ranks naming different registrations,
+ *   memory outside any region): INVALID_ARGUMENT everywhere, naming it, nothing written.
  * - A rank SIGKILLed while its peers wait in an op: every peer ends PEER_LOST within 100 ms, later
  *   launches fail at once, and after a new process binds the rank the group runs again from op 0.
  * - A peer that never launches: TIMEOUT after the group's op timeout, naming the rank.
@@ -49,6 +52,7 @@ struct shared {
         atomic_int refused;           /* ranks that saw ABORTED */
         atomic_int undrained;         /* the parent undrained the group */
         uint64_t refused_at[MAX_R];   /* the op number each rank was refused at */
+        int registered;               /* rows and y in memory registered with the group */
         long long kill_ms;
         int status[MAX_R];
         long long done_ms[MAX_R];
@@ -122,11 +126,55 @@ struct worker {
         struct epd_cx_buffers b;
         uint8_t *base;                /* this rank's buffer, from epd_cx_buffers */
         uint64_t ops;
+        /* sh->registered: registered memory (epd_cx_register) for the rows (recv_mem, id 1)
+         * and for y (y_mem, id 2); recv_base is where check_dispatch finds the rows. */
+        uint8_t *recv_mem, *y_mem, *recv_base;
+        uint32_t recv_id, y_id;
 };
 
 /* Records the worker's failure where the test process reads it; returns 1. */
 #define worker_fail(w, ...) \
         h_fail((w)->sh->msg[(w)->me], sizeof((w)->sh->msg[(w)->me]), __VA_ARGS__)
+
+/* Registers memory of an epd_region_alloc region for the rows and for y, and poisons the
+ * buffer's own receive area, which no op may write then. */
+static int worker_register(struct worker *w)
+{
+        const uint64_t rb = (w->b.recv_area_bytes + 63) / 64 * 64, yb = w->b.y_area_bytes;
+        uint64_t region;
+        void *p;
+
+        if (rb < cx_recv_area_bytes(&w->l) || yb != cx_y_area_bytes(&w->l))
+                return worker_fail(w, "rank %u: epd_cx_buffers gives area bytes %" PRIu64 ", %"
+                                   PRIu64 "; the layout %" PRIu64 ", %" PRIu64, w->me,
+                                   w->b.recv_area_bytes, yb, cx_recv_area_bytes(&w->l),
+                                   cx_y_area_bytes(&w->l));
+        if (epd_region_alloc(w->cl, rb + yb + 4096, &p, &region))
+                return worker_fail(w, "rank %u: epd_region_alloc: %s", w->me,
+                                   epd_client_last_error(w->cl));
+        /* Offsets inside the region, so the peers map it at an offset that is not a page's. */
+        w->recv_mem = (uint8_t *)p + 64;
+        w->y_mem = w->recv_mem + rb;
+        if (epd_cx_register(w->g, w->recv_mem, w->b.recv_area_bytes, &w->recv_id) ||
+            epd_cx_register(w->g, w->y_mem, yb, &w->y_id) || w->recv_id != 1 || w->y_id != 2)
+                return worker_fail(w, "rank %u: epd_cx_register gave %u, %u: %s", w->me,
+                                   w->recv_id, w->y_id, epd_client_last_error(w->cl));
+        memset(w->recv_mem, POISON, w->b.recv_area_bytes);
+        memset(w->base + w->l.recv_x, POISON, cx_recv_area_bytes(&w->l));
+        w->recv_base = w->recv_mem - w->l.recv_x;
+        return 0;
+}
+
+/* Whether the buffer's own receive area still holds only the poison. */
+static int own_area_untouched(const struct worker *w)
+{
+        const uint8_t *a = w->base + w->l.recv_x;
+
+        for (uint64_t i = 0; i < cx_recv_area_bytes(&w->l); i++)
+                if (a[i] != POISON)
+                        return 0;
+        return 1;
+}
 
 static int worker_open(struct worker *w, struct shared *sh, uint32_t me)
 {
@@ -153,7 +201,8 @@ static int worker_open(struct worker *w, struct shared *sh, uint32_t me)
                                    "says %" PRIu64 ", %u", me, w->b.bytes_per_rank,
                                    w->b.recv_rows, w->l.total_bytes, w->l.recv_rows);
         w->base = (uint8_t *)w->b.recv_x - w->l.recv_x;
-        return 0;
+        w->recv_base = w->base;
+        return sh->registered ? worker_register(w) : 0;
 }
 
 static void worker_close(struct worker *w)
@@ -192,24 +241,29 @@ static int check_and_combine(struct worker *w, const struct cx_case_data *rd,
                 .num_bias = (uint32_t)c->nbias,
                 .bias = { c->nbias > 0 ? rd->bias[me][0] : NULL,
                           c->nbias > 1 ? rd->bias[me][1] : NULL },
-                .combined = combined, .combined_topk_weights = cw,
+                .combined = combined, .combined_topk_weights = cw, .y_memory = w->y_id,
         };
+        uint16_t *y = w->y_mem ? (uint16_t *)w->y_mem : w->b.y;
+        float *yw = w->y_mem ? (float *)(w->y_mem + (w->l.y_weights - w->l.y)) : w->b.y_weights;
         char msg[400];
         int rc, failed = 0;
 
-        if (cx_case_check_dispatch(c, &w->l, w->base, handle, w->base, ref, me, msg,
+        if (cx_case_check_dispatch(c, &w->l, w->base, handle, w->recv_base, ref, me, msg,
                                    sizeof(msg)))
                 failed = worker_fail(w, "%s round %u rank %u: dispatch: %s", c->name, round, me,
                                      msg);
+        else if (w->recv_mem && !own_area_untouched(w))
+                failed = worker_fail(w, "%s round %u rank %u: a dispatch into registered memory "
+                                     "wrote the buffer's receive area", c->name, round, me);
         else if (epd_cx_counts(w->g, handle, &counts) ||
                  counts.num_recv_tokens != cx_handle_at(w->base, &w->l, handle)->num_recv_tokens ||
                  counts.rank_prefix[c->R] != counts.num_recv_tokens)
                 failed = worker_fail(w, "%s round %u rank %u: epd_cx_counts disagrees with the "
                                      "handle slot", c->name, round, me);
         if (!failed) {
-                memcpy(w->b.y, rd->y[me], (size_t)w->l.recv_rows * c->H * 2);
+                memcpy(y, rd->y[me], (size_t)w->l.recv_rows * c->H * 2);
                 if (c->recv_weights)
-                        memcpy(w->b.y_weights, rd->yw[me], (size_t)w->l.recv_rows * c->K * 4);
+                        memcpy(yw, rd->yw[me], (size_t)w->l.recv_rows * c->K * 4);
                 rc = epd_cx_combine(w->g, &a, NULL);
                 w->ops++;
                 if (rc)
@@ -240,6 +294,7 @@ static int run_round(struct worker *w, uint32_t round)
                               sizeof(err)))
                 return worker_fail(w, "%s: %s", c->name, err);
         a = dispatch_args(c, &rd, w->me, handle);
+        a.recv_memory = w->recv_id;
         rc = epd_cx_dispatch(w->g, &a, NULL);
         if (rc) {
                 failed = worker_fail(w, "%s round %u rank %u: dispatch returned %d: %s", c->name,
@@ -349,17 +404,20 @@ static int data_fits(const struct shared *sh)
         return 1;
 }
 
-START_TEST(test_bitwise)
+/* Every case at R = 2 and 4, with outputs in the buffers or (registered) in client memory. */
+static void bitwise_all(int registered)
 {
         struct shared *sh = shared_new();
         unsigned ran = 0;
 
+        sh->registered = registered;
         daemon_start(sh);
         for (uint32_t R = 2; R <= MAX_R; R += 2) {
                 for (size_t i = 0; i < cx_num_cases; i++) {
                         if (!case_at(i, R, &sh->c))
                                 continue;
-                        snprintf(sh->name, sizeof(sh->name), "cx-%s-r%u", sh->c.name, R);
+                        snprintf(sh->name, sizeof(sh->name), "cx-%s-r%u%s", sh->c.name, R,
+                                 registered ? "-reg" : "");
                         sh->op_timeout_ms = 20000;
                         sh->seed = td_mix_seed(0xC0FFEEull, i * 8 + R);
                         if (!data_fits(sh))
@@ -370,10 +428,112 @@ START_TEST(test_bitwise)
                         ran++;
                 }
         }
-        fprintf(stderr, "integ_cx: %u case(s) bitwise at R = 2 and 4\n", ran);
+        fprintf(stderr, "integ_cx: %u case(s) bitwise at R = 2 and 4%s\n", ran,
+                registered ? ", into registered memory" : "");
         /* Every case runs at R = 2 or R = 4 or both. */
         ck_assert_uint_ge(ran, cx_num_cases + 4);
         h_assert_daemon_alive(&sh->d, "after the bitwise cases");
+        shared_free(sh);
+}
+
+START_TEST(test_bitwise)
+{
+        bitwise_all(0);
+}
+END_TEST
+
+START_TEST(test_bitwise_registered)
+{
+        bitwise_all(1);
+}
+END_TEST
+
+/* Misuse of registered memory, each in a group of its own (a failed op sticks): memory outside
+ * any registered region, a dispatch naming a registration that does not exist, one whose memory
+ * of rank 1 is too small, and ranks naming different registrations. Each op fails
+ * INVALID_ARGUMENT on every rank with a message naming the fault, and writes nothing. */
+enum { REG_UNREGISTERED, REG_TOO_SMALL, REG_MISMATCH, REG_CASES };
+
+static int register_error_worker(void *arg, int index)
+{
+        static const char *const want[REG_CASES] = {
+                [REG_UNREGISTERED] = "recv_memory 1 is not registered with the group",
+                [REG_TOO_SMALL] = "recv_memory 1 of rank 1 has",
+                [REG_MISMATCH] = "rank 1",
+        };
+        struct shared *sh = arg;
+        struct worker w;
+        struct cx_case_data rd;
+        struct epd_cx_dispatch_args a;
+        uint32_t id = 0, id2 = 0;
+        char err[256];
+        void *p = NULL, *loose = NULL;
+        uint64_t region;
+        int rc;
+
+        if (worker_open(&w, sh, (uint32_t)index))
+                return 1;
+        if (cx_case_data_make(&sh->c, w.l.recv_rows, 3, &rd, err, sizeof(err)))
+                return worker_fail(&w, "%s", err);
+        if (posix_memalign(&loose, 64, 4096) ||
+            epd_cx_register(w.g, loose, 4096, &id) != EPD_INVALID_ARGUMENT ||
+            !strstr(epd_client_last_error(w.cl), "not inside a host memfd region"))
+                return worker_fail(&w, "rank %u: registering malloc memory: %s", w.me,
+                                   epd_client_last_error(w.cl));
+        free(loose);
+        if (sh->refused != REG_UNREGISTERED) {
+                uint64_t bytes = w.b.recv_area_bytes;
+
+                if (epd_region_alloc(w.cl, 2 * bytes + 128, &p, &region))
+                        return worker_fail(&w, "rank %u: epd_region_alloc: %s", w.me,
+                                           epd_client_last_error(w.cl));
+                if (epd_cx_register(w.g, (uint8_t *)p + 1, bytes, &id) != EPD_INVALID_ARGUMENT)
+                        return worker_fail(&w, "rank %u: an unaligned pointer was registered",
+                                           w.me);
+                if (sh->refused == REG_TOO_SMALL && w.me == 1)
+                        bytes -= 64;
+                if (epd_cx_register(w.g, p, bytes, &id) ||
+                    epd_cx_register(w.g, (uint8_t *)p + (bytes + 127) / 64 * 64, bytes, &id2))
+                        return worker_fail(&w, "rank %u: epd_cx_register: %s", w.me,
+                                           epd_client_last_error(w.cl));
+                memset(p, POISON, 2 * bytes + 128);
+        }
+        memset(w.base + w.l.recv_x, POISON, cx_recv_area_bytes(&w.l));
+        a = dispatch_args(&sh->c, &rd, w.me, 0);
+        a.recv_memory = sh->refused == REG_MISMATCH && w.me == 1 ? 2 : 1;
+        rc = epd_cx_dispatch(w.g, &a, NULL);
+        if (rc != EPD_INVALID_ARGUMENT || !strstr(epd_client_last_error(w.cl), want[sh->refused]))
+                return worker_fail(&w, "case %d rank %u: dispatch returned %d: %s, expected "
+                                   "INVALID_ARGUMENT naming '%s'", sh->refused, w.me, rc,
+                                   epd_client_last_error(w.cl), want[sh->refused]);
+        if (!own_area_untouched(&w))
+                return worker_fail(&w, "case %d rank %u: the failed dispatch wrote the receive "
+                                   "area", sh->refused, w.me);
+        for (uint64_t i = 0; p && i < w.b.recv_area_bytes - 64; i++)
+                if (((const uint8_t *)p)[i] != POISON)
+                        return worker_fail(&w, "case %d rank %u: the failed dispatch wrote byte "
+                                           "%" PRIu64 " of the registered memory", sh->refused,
+                                           w.me, i);
+        fprintf(stderr, "integ_cx: rank %u: %s\n", w.me, epd_client_last_error(w.cl));
+        cx_case_data_free(&sh->c, &rd);
+        worker_close(&w);
+        return 0;
+}
+
+START_TEST(test_register_errors)
+{
+        struct shared *sh = shared_new();
+
+        daemon_start(sh);
+        ck_assert(case_at(0, 2, &sh->c));
+        sh->op_timeout_ms = 20000;
+        for (int k = 0; k < REG_CASES; k++) {
+                snprintf(sh->name, sizeof(sh->name), "cx-register-%d", k);
+                sh->refused = k; /* the case, read by the workers */
+                memset(sh->msg, 0, sizeof(sh->msg));
+                run_workers(sh, register_error_worker);
+        }
+        h_assert_daemon_alive(&sh->d, "after the registration errors");
         shared_free(sh);
 }
 END_TEST
@@ -931,6 +1091,8 @@ static Suite *cx_suite(void)
         tcase_add_test(tc, test_capacity);
         tcase_add_test(tc, test_peer_lost);
         tcase_add_test(tc, test_bitwise);
+        tcase_add_test(tc, test_bitwise_registered);
+        tcase_add_test(tc, test_register_errors);
         suite_add_tcase(s, tc);
         return s;
 }

@@ -300,6 +300,7 @@ class CxDispatchArgs(ctypes.Structure):
         ("handle", _u32),
         ("cached", _int),
         ("capacity_rows", _u64),
+        ("recv_memory", _u32),
     ]
 
 
@@ -316,6 +317,7 @@ class CxCombineArgs(ctypes.Structure):
         ("bias", ctypes.c_void_p * 2),
         ("combined", ctypes.c_void_p),
         ("combined_topk_weights", ctypes.c_void_p),
+        ("y_memory", _u32),
     ]
 
 
@@ -362,6 +364,8 @@ class CxBuffers(ctypes.Structure):
         ("recv_topk_slot", ctypes.c_void_p),
         ("y", ctypes.c_void_p),
         ("y_weights", ctypes.c_void_p),
+        ("recv_area_bytes", _u64),
+        ("y_area_bytes", _u64),
     ]
 
 
@@ -618,8 +622,8 @@ EXPECTED_SIZES = {
     CombineResult: 40, AdminDevice: 40, DaemonStatusInfo: 96, AdminRank: 32, GroupInfo: 144,
     ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 112, AdminStageStats: 24,
     AdminGroupStats: 88, AdminClientStats: 56, AdminDeviceStats: 48, AdminDaemonStats: 136,
-    DrainResult: 16, ResizeRank: 48, ResizeInfo: 56, CxDispatchArgs: 112, CxCombineArgs: 72,
-    CxStatus: 280, CxCounts: 64, CxBuffers: 88,
+    DrainResult: 16, ResizeRank: 48, ResizeInfo: 56, CxDispatchArgs: 120, CxCombineArgs: 80,
+    CxStatus: 280, CxCounts: 64, CxBuffers: 104,
 }
 
 _c_void_pp = ctypes.POINTER(ctypes.c_void_p)
