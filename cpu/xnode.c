@@ -104,7 +104,8 @@ static uint64_t op_tag(uint64_t op, enum kind k)
 static uint64_t checksum(const struct chunk_hdr *h, const uint8_t *payload)
 {
         uint64_t x = h->tag * 0x9E3779B97F4A7C15ull;
-        uint64_t fields[2] = { (uint64_t)h->src << 32 | h->chunk, (uint64_t)h->count << 32 | h->bytes };
+        uint64_t fields[2] = { (uint64_t)h->src << 32 | h->chunk,
+                               (uint64_t)h->count << 32 | h->bytes };
 
         for (uint64_t i = 0; i < 2 + h->bytes / 8u; i++) {
                 uint64_t w;
@@ -305,8 +306,9 @@ struct xnode_node *xnode_node_new(const struct xnode_shape *s, uint32_t node, st
         n->d = d;
         n->node = node;
         n->xp = xp;
-        n->ordered = s->completion == XNODE_COMPLETION_AUTO ? xp->ordered
-                                                             : s->completion == XNODE_COMPLETION_ORDERED;
+        n->ordered = s->completion == XNODE_COMPLETION_AUTO
+                             ? xp->ordered
+                             : s->completion == XNODE_COMPLETION_ORDERED;
         n->num_tokens = zalloc(d.R, sizeof(*n->num_tokens));
         n->topk = zalloc(d.R, sizeof(*n->topk));
         n->x = zalloc(d.R, sizeof(*n->x));
