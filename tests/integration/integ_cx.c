@@ -6,8 +6,9 @@
  *   EXPAND, fixed expert blocks, cached dispatch, quantizing dispatch, combine with bias,
  *   source_weights and recv_weights) at R = 2 and R = 4, bitwise against the reference, with
  *   outputs and y in the buffers and again in client memory registered with the group.
- * - Registered memory misused (unregistered, too small, ranks naming different registrations,
- *   memory outside any region): INVALID_ARGUMENT everywhere, naming it, nothing written.
+ * - Registered memory misused (unregistered, rows or y memory too small, ranks naming different
+ *   registrations, memory outside any region): INVALID_ARGUMENT everywhere, naming it, nothing
+ *   written.
  * - A rank SIGKILLed while its peers wait in an op: every peer ends PEER_LOST within 100 ms, later
  *   launches fail at once, and after a new process binds the rank the group runs again from op 0.
  * - A peer that never launches: TIMEOUT after the group's op timeout, naming the rank.
@@ -450,9 +451,10 @@ END_TEST
 
 /* Misuse of registered memory, each in a group of its own (a failed op sticks): memory outside
  * any registered region, a dispatch naming a registration that does not exist, one whose memory
- * of rank 1 is too small, and ranks naming different registrations. Each op fails
+ * of rank 1 is too small, ranks naming different registrations, and a combine whose y memory of
+ * rank 1 is too small. Each op fails
  * INVALID_ARGUMENT on every rank with a message naming the fault, and writes nothing. */
-enum { REG_UNREGISTERED, REG_TOO_SMALL, REG_MISMATCH, REG_CASES };
+enum { REG_UNREGISTERED, REG_TOO_SMALL, REG_MISMATCH, REG_Y_TOO_SMALL, REG_CASES };
 
 static int register_error_worker(void *arg, int index)
 {
@@ -460,6 +462,7 @@ static int register_error_worker(void *arg, int index)
                 [REG_UNREGISTERED] = "recv_memory 1 is not registered with the group",
                 [REG_TOO_SMALL] = "recv_memory 1 of rank 1 has",
                 [REG_MISMATCH] = "rank 1",
+                [REG_Y_TOO_SMALL] = "y_memory 1 of rank 1 has",
         };
         struct shared *sh = arg;
         struct worker w;
@@ -482,7 +485,8 @@ static int register_error_worker(void *arg, int index)
                                    epd_client_last_error(w.cl));
         free(loose);
         if (sh->refused != REG_UNREGISTERED) {
-                uint64_t bytes = w.b.recv_area_bytes;
+                uint64_t bytes = sh->refused == REG_Y_TOO_SMALL ? w.b.y_area_bytes
+                                                                 : w.b.recv_area_bytes;
 
                 if (epd_region_alloc(w.cl, 2 * bytes + 128, &p, &region))
                         return worker_fail(&w, "rank %u: epd_region_alloc: %s", w.me,
@@ -490,7 +494,8 @@ static int register_error_worker(void *arg, int index)
                 if (epd_cx_register(w.g, (uint8_t *)p + 1, bytes, &id) != EPD_INVALID_ARGUMENT)
                         return worker_fail(&w, "rank %u: an unaligned pointer was registered",
                                            w.me);
-                if (sh->refused == REG_TOO_SMALL && w.me == 1)
+                if ((sh->refused == REG_TOO_SMALL || sh->refused == REG_Y_TOO_SMALL) &&
+                    w.me == 1)
                         bytes -= 64;
                 if (epd_cx_register(w.g, p, bytes, &id) ||
                     epd_cx_register(w.g, (uint8_t *)p + (bytes + 127) / 64 * 64, bytes, &id2))
@@ -498,15 +503,37 @@ static int register_error_worker(void *arg, int index)
                                            epd_client_last_error(w.cl));
                 memset(p, POISON, 2 * bytes + 128);
         }
-        memset(w.base + w.l.recv_x, POISON, cx_recv_area_bytes(&w.l));
         a = dispatch_args(&sh->c, &rd, w.me, 0);
+        if (sh->refused == REG_Y_TOO_SMALL) {
+                /* rows into the buffers, then a combine from too small y memory */
+                uint16_t *combined = malloc((size_t)rd.n[w.me] * sh->c.H * 2 + 2);
+                struct epd_cx_combine_args cb = {
+                        .size = sizeof(cb), .handle = 0, .combined = combined, .y_memory = 1,
+                };
+
+                rc = epd_cx_dispatch(w.g, &a, NULL);
+                if (rc)
+                        return worker_fail(&w, "rank %u: dispatch returned %d: %s", w.me, rc,
+                                           epd_client_last_error(w.cl));
+                memset(combined, POISON, (size_t)rd.n[w.me] * sh->c.H * 2);
+                rc = epd_cx_combine(w.g, &cb, NULL);
+                for (uint64_t i = 0; i < (uint64_t)rd.n[w.me] * sh->c.H * 2; i++)
+                        if (((const uint8_t *)combined)[i] != POISON)
+                                return worker_fail(&w, "rank %u: the failed combine wrote "
+                                                   "byte %" PRIu64 " of combined", w.me, i);
+                free(combined);
+                p = NULL; /* nothing below to check in the y memory */
+                goto check;
+        }
+        memset(w.base + w.l.recv_x, POISON, cx_recv_area_bytes(&w.l));
         a.recv_memory = sh->refused == REG_MISMATCH && w.me == 1 ? 2 : 1;
         rc = epd_cx_dispatch(w.g, &a, NULL);
+check:
         if (rc != EPD_INVALID_ARGUMENT || !strstr(epd_client_last_error(w.cl), want[sh->refused]))
-                return worker_fail(&w, "case %d rank %u: dispatch returned %d: %s, expected "
+                return worker_fail(&w, "case %d rank %u: the op returned %d: %s, expected "
                                    "INVALID_ARGUMENT naming '%s'", sh->refused, w.me, rc,
                                    epd_client_last_error(w.cl), want[sh->refused]);
-        if (!own_area_untouched(&w))
+        if (sh->refused != REG_Y_TOO_SMALL && !own_area_untouched(&w))
                 return worker_fail(&w, "case %d rank %u: the failed dispatch wrote the receive "
                                    "area", sh->refused, w.me);
         for (uint64_t i = 0; p && i < w.b.recv_area_bytes - 64; i++)
