@@ -9,8 +9,9 @@
 #   bench/ab-daemons.sh OUT_DIR EPD_BIN... [-- EPD_BENCH_ARGS...]
 #
 # OUT_DIR gets one JSON Lines file and one log per binary and repetition (NAME-rREP.jsonl, NAME
-# being the binary's file name) and summary.txt. epd-bench is the one beside the first binary
-# unless $EPD_BENCH names another. Without arguments after --: the decode A/B above on the CUDA
+# being the binary's file name, so give them distinct names, e.g. symbolic links epd-before and
+# epd-after) and summary.txt. epd-bench is the one beside the first binary unless $EPD_BENCH
+# names another, or, with EPD_BENCH_PAIRED=1, the one beside each binary's real path. Without arguments after --: the decode A/B above on the CUDA
 # backend with 8 ranks. REPS (default 3) and RUN_TIMEOUT (seconds per run, default 120) come from
 # the environment. Exits non-zero when a run fails; the summary still lists what ran.
 set -u
@@ -47,7 +48,19 @@ for b in "${bins[@]}"; do
         names+=("$n")
 done
 bench=${EPD_BENCH:-$(dirname "${bins[0]}")/epd-bench}
-[ -x "$bench" ] || { echo "ab-daemons: no epd-bench at $bench (set EPD_BENCH)" >&2; exit 2; }
+# EPD_BENCH_PAIRED=1: each daemon runs under the epd-bench of its own build (beside the binary the
+# path resolves to), for builds whose wire protocols differ.
+bench_for() {
+        if [ -n "${EPD_BENCH_PAIRED:-}" ]; then
+                echo "$(dirname "$(readlink -f "$1")")/epd-bench"
+        else
+                echo "$bench"
+        fi
+}
+for b in "${bins[@]}"; do
+        [ -x "$(bench_for "$b")" ] ||
+                { echo "ab-daemons: no epd-bench at $(bench_for "$b") (set EPD_BENCH)" >&2; exit 2; }
+done
 reps=${REPS:-3}
 run_timeout=${RUN_TIMEOUT:-120}
 mkdir -p "$out" || exit 2
@@ -57,7 +70,8 @@ for r in $(seq 1 "$reps"); do
         for i in "${!bins[@]}"; do
                 f="$out/${names[$i]}-r$r"
                 EPD_BENCH_DAEMON=$(cd "$(dirname "${bins[$i]}")" && pwd)/${names[$i]} \
-                        timeout "$run_timeout" "$bench" --json "${args[@]}" > "$f.jsonl" 2> "$f.log"
+                        timeout "$run_timeout" "$(bench_for "${bins[$i]}")" --json "${args[@]}" \
+                        > "$f.jsonl" 2> "$f.log"
                 s=$?
                 if [ $s -ne 0 ]; then
                         echo "ab-daemons: ${names[$i]} repetition $r exited $s (log $f.log)" >&2
