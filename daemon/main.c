@@ -108,15 +108,13 @@ static void begin_shutdown(struct epdd_daemon *d, const char *why)
                 return;
         d->shutting_down = 1;
         log_info("shutting down reason=%s: draining in-flight ops", why);
-        /* Ops that wait for a client's inputs end now with ABORTED; running ones finish. */
+        /* Ops in the backend end now with ABORTED, those waiting for a client's inputs
+         * included. */
         {
                 struct epd_list *pos;
                 epd_list_for_each(pos, &d->groups)
-                {
-                        struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
-                        if (g->executing && g->executing->exec)
-                                epd_exec_abort(g->executing->exec, EPD_ABORTED);
-                }
+                        epd_op_abort_executing(epd_list_entry(pos, struct epdd_group, link),
+                                               EPD_ABORTED);
         }
         sd_notify(0, "STOPPING=1\nSTATUS=draining in-flight ops");
         epd_server_close(d);
@@ -146,17 +144,7 @@ static void on_signal(uv_signal_t *handle, int signum)
                 }
                 epd_config_apply_hot(&d->cfg, &fresh);
                 epd_log_set_level(d->cfg.log_level);
-                /* The allow lists hold for open connections too. */
-                {
-                        struct epd_list *pos, *tmp;
-                        epd_list_for_each_safe(pos, tmp, &d->conns)
-                        {
-                                struct epdd_conn *c =
-                                        epd_conn_of(epd_list_entry(pos, struct epdd_client, link));
-                                if (!epd_conn_is_allowed(d, c->cl.uid, c->cl.gid))
-                                        epd_conn_close(c, "no longer allowed by the allow list");
-                        }
-                }
+                epd_conn_close_disallowed(d);
                 log_info("configuration reloaded path=%s", d->cfg.config_path);
                 return;
         }

@@ -34,8 +34,6 @@ static struct epdd_exec *take_ready(struct epdd_executor *e, int *run)
                 int aborted = atomic_load_explicit(&ex->abort_status, memory_order_relaxed);
                 int ready = 1;
 
-                ex->status = 0;
-                ex->message[0] = '\0';
                 if (aborted) {
                         ex->status = aborted;
                         snprintf(ex->message, sizeof(ex->message), "%s before the op ran",
@@ -47,6 +45,10 @@ static struct epdd_exec *take_ready(struct epdd_executor *e, int *run)
                 }
                 if (ready == 0)
                         continue;
+                if (ready > 0) {
+                        ex->status = 0;
+                        ex->message[0] = '\0';
+                }
                 epd_list_del(&ex->link);
                 atomic_fetch_sub_explicit(&e->queued, 1, memory_order_relaxed);
                 *run = ready > 0;

@@ -60,8 +60,6 @@ struct epdd_daemon_stats {
         uint64_t protocol_errors;
         uint64_t clients_accepted;
         uint64_t clients_refused;
-        uint64_t handshakes_timed_out; /* closed without a Hello within handshake_timeout_ms */
-        uint64_t accept_pauses;       /* accept() out of descriptors: accepting paused */
         struct {
                 uint64_t ops;         /* rank-ops executed for ranks on this device */
                 uint64_t bytes;

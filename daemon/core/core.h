@@ -350,9 +350,13 @@ int epd_handle_release_rank(struct epdd_group *g, uint32_t rank, uint64_t handle
 /* Files rank's submission of its next op; the op keeps a copy of req. */
 void epd_op_submit(struct epdd_group *g, uint32_t rank, struct epdd_client *c,
                    const struct epd_op_request *req);
-/* Fails every op of the group that has not launched with status/message. */
+/* Fails every op of the group that has not launched with status/message, and aborts the one in
+ * the backend (epd_op_abort_executing). */
 void epd_op_fail_pending(struct epdd_group *g, int status, const char *fmt, ...)
         __attribute__((format(printf, 3, 4)));
+/* Aborts the group's op in the backend, if any, with status (epd_exec_abort): it ends without
+ * waiting for what it waits for. */
+void epd_op_abort_executing(struct epdd_group *g, int status);
 /* The backend's completion, on the loop thread (registered as the backend's on_complete). */
 void epd_op_complete(void *daemon, struct epdd_exec *ex);
 void epd_op_kick(struct epdd_group *g);       /* launch queued ops if possible */

@@ -112,13 +112,17 @@ void epd_op_fail_pending(struct epdd_group *g, int status, const char *fmt, ...)
                 } else if (op->state == EPD_OP_FINISHED) {
                         /* Nobody will pass this op any more: the group re-forms at op 0. */
                         op_destroy(op);
-                } else if (op->state == EPD_OP_EXECUTING && op->exec) {
-                        /* In the backend: one still queued (waiting for inputs or its turn)
-                         * ends with this status instead of running; one running stops moving
-                         * data where the backend can. */
-                        epd_exec_abort(op->exec, status);
                 }
         }
+        epd_op_abort_executing(g, status);
+}
+
+void epd_op_abort_executing(struct epdd_group *g, int status)
+{
+        /* In the backend: one still queued (waiting for inputs or its turn) ends with this
+         * status instead of running; one running stops moving data where the backend can. */
+        if (g->executing && g->executing->exec)
+                epd_exec_abort(g->executing->exec, status);
 }
 
 static void on_op_timeout(uv_timer_t *timer)

@@ -24,7 +24,6 @@ static void on_sweep(uv_timer_t *timer)
         {
                 struct epdd_conn *c = epd_conn_of(epd_list_entry(pos, struct epdd_client, link));
                 if (!c->hello_done && !c->cl.closing && now - c->accepted_ns >= limit) {
-                        d->stats.handshakes_timed_out++;
                         epd_conn_close(c, "no Hello within handshake_timeout_ms");
                 }
         }
@@ -34,7 +33,6 @@ static void on_backoff_done(uv_timer_t *timer)
 {
         struct epdd_daemon *d = timer->data;
 
-        d->net->accept_paused = 0;
         epd_server_resume(d);
 }
 
@@ -106,8 +104,6 @@ int epd_admission_accept_failed(struct epdd_daemon *d, int err)
         }
         log_warning("accept failed: %s; not accepting for %u ms, closed %u unfinished handshakes",
                     strerror(err), d->net->backoff_ms, closed);
-        d->stats.accept_pauses++;
-        d->net->accept_paused = 1;
         epd_server_pause(d);
         uv_timer_start(&d->net->backoff_timer, on_backoff_done, d->net->backoff_ms, 0);
         d->net->backoff_ms = d->net->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : d->net->backoff_ms * 2;

@@ -27,7 +27,6 @@ struct epdd_net {
         uv_timer_t sweep_timer;       /* handshake deadlines (admission.c) */
         uv_timer_t backoff_timer;     /* accept() paused while out of descriptors */
         unsigned backoff_ms;
-        int accept_paused;
         uint64_t out_bytes;           /* reply bytes queued for every client together */
 };
 
@@ -80,6 +79,8 @@ void epd_conn_reply_status(struct epdd_conn *c, uint64_t request_id, int status,
 unsigned epd_conn_poll_pages(struct epdd_daemon *d);
 void epd_conn_set_polling(struct epdd_daemon *d, int on);
 int epd_conn_is_allowed(const struct epdd_daemon *d, uid_t uid, gid_t gid);
+/* Closes every connection whose uid and gid the allow lists no longer admit (after SIGHUP). */
+void epd_conn_close_disallowed(struct epdd_daemon *d);
 int epd_conn_is_admin(const struct epdd_daemon *d, uid_t uid, gid_t gid);
 /* The client with this id whose connection is open, or NULL. */
 struct epdd_conn *epd_conn_find(struct epdd_daemon *d, uint64_t id);

@@ -212,3 +212,15 @@ void epd_net_free(struct epdd_daemon *d)
         free(d->net);
         d->net = NULL;
 }
+
+void epd_conn_close_disallowed(struct epdd_daemon *d)
+{
+        struct epd_list *pos, *tmp;
+
+        epd_list_for_each_safe(pos, tmp, &d->conns)
+        {
+                struct epdd_conn *c = epd_conn_of(epd_list_entry(pos, struct epdd_client, link));
+                if (!epd_conn_is_allowed(d, c->cl.uid, c->cl.gid))
+                        epd_conn_close(c, "no longer allowed by the allow list");
+        }
+}

@@ -1126,11 +1126,5 @@ static Suite *cx_suite(void)
 
 int main(void)
 {
-        SRunner *sr = srunner_create(cx_suite());
-        int failed;
-
-        srunner_run_all(sr, CK_NORMAL);
-        failed = srunner_ntests_failed(sr);
-        srunner_free(sr);
-        return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+        return h_run_suite(cx_suite());
 }
