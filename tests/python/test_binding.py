@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 
 import epd  # noqa: E402
 from epd import _lib  # noqa: E402
-from epd.compat.deep_ep import Buffer  # noqa: E402
+from epd.compat.deep_ep import Buffer, DispatchHandle, EventOverlap  # noqa: E402
 from reference import Routing  # noqa: E402
 
 SECRET = b"0123456789abcdef-python-binding"
@@ -883,7 +883,8 @@ class TestDeepEPCompat(unittest.TestCase):
             for r in range(R):
                 ntr, nrdma, nte, in_rank, ev = bufs[r].get_dispatch_layout(topks[r], E)
                 self.assertIsNone(nrdma)
-                self.assertIsNone(ev)
+                self.assertIsInstance(ev, EventOverlap)
+                ev.current_stream_wait()  # nothing to wait for
                 dest = np.where(topks[r] >= 0, topks[r] // (E // R), -1)
                 want_in = np.stack([(dest == d).any(1) for d in range(R)], axis=1)
                 np.testing.assert_array_equal(in_rank, want_in)
@@ -904,13 +905,17 @@ class TestDeepEPCompat(unittest.TestCase):
             out = self.parallel(bufs, dispatch)
             for r, (rx, ridx, rw, counts, handle, ev) in enumerate(out):
                 want = ref.dest(r)
-                self.assertIsNone(ev)
+                self.assertIsInstance(ev, EventOverlap)
+                with ev:
+                    pass
                 np.testing.assert_array_equal(rx, np.array(
                     [xs[s][t] for s, t in want["rows"]]).reshape(-1, H))
                 np.testing.assert_array_equal(ridx, want["recv_topk_idx"])
                 np.testing.assert_array_equal(rw, want["recv_weights"])
                 self.assertEqual(counts, [(c + 1) // 2 * 2 for c in want["per_expert"]])
-                self.assertIsInstance(handle, epd.Handle)
+                self.assertIsInstance(handle, DispatchHandle)
+                self.assertIsInstance(handle.epd, epd.Handle)
+                check_deepep_handle(self, handle, r, R, T, topks, E // R, want["rows"])
             bias = [epd.float_to_bf16(np.full((len(xs[r]), H), 0.5, np.float32))
                     for r in range(R)]
             comb = self.parallel(bufs, lambda r, b: b.combine(out[r][0], out[r][4],
@@ -920,22 +925,25 @@ class TestDeepEPCompat(unittest.TestCase):
                 np.testing.assert_array_equal(cx, ref.combine(r, [o[0] for o in out],
                                                               [bias[r]]))
                 np.testing.assert_array_equal(cw, ref.combined_weights(r))
-                self.assertIsNone(ev)
+                self.assertIsInstance(ev, EventOverlap)
             comb = self.parallel(bufs, lambda r, b: b.combine(out[r][0], out[r][4]))
             self.assertIsNone(comb[0][1])
-            # Cached dispatch, then the handles go with their last reference.
+            # Cached dispatch: DeepEP's (recv_x, None, None, None, None, event); new weights
+            # come back in the third place. Then the handles go with their last reference.
+            cached = self.parallel(bufs, lambda r, b: b.dispatch(xs[r], handle=out[r][4]))
+            for r, c in enumerate(cached):
+                np.testing.assert_array_equal(c[0], out[r][0])
+                self.assertEqual(c[1:5], (None,) * 4)
+                self.assertIsInstance(c[5], EventOverlap)
             cached = self.parallel(bufs, lambda r, b: b.dispatch(xs[r], handle=out[r][4],
                                                                  topk_weights=ws[r] * 3))
             for r, (rx, ridx, rw, counts, handle, ev) in enumerate(cached):
                 np.testing.assert_array_equal(rx, out[r][0])
-                self.assertIsNone(ridx)
-                self.assertIsNone(counts)
+                self.assertEqual((ridx, counts, handle), (None, None, None))
                 np.testing.assert_array_equal(rw, out[r][2] * 3)
-            with self.assertRaises(NotImplementedError):
-                bufs[0].dispatch(xs[0], topk_idx=topks[0], num_worst_tokens=64)
             self.assertEqual(Buffer.get_dispatch_config(R).num_sms, Buffer.num_sms)
             self.assertEqual(Buffer.get_combine_config(R).num_sms, Buffer.num_sms)
-            handle_ids = [o[4].id for o in out]
+            handle_ids = [o[4].epd.id for o in out]
             out = cached = comb = None
             import gc
             gc.collect()
@@ -982,7 +990,7 @@ class TestDeepEPCompat(unittest.TestCase):
             self.assertIsNone(plain[0][2])
             cached = self.parallel(bufs, lambda r, b: b.dispatch(xs[r], handle=plain[r][4]))
             W = [rng.standard_normal((len(c[0]), K)).astype(np.float32) for c in cached]
-            comb = self.parallel(bufs, lambda r, b: b.combine(cached[r][0], cached[r][4],
+            comb = self.parallel(bufs, lambda r, b: b.combine(cached[r][0], plain[r][4],
                                                               topk_weights=W[r]))
             unweighted = Routing(R, E, T, xs, topks)
             for r, (cx, cw, _) in enumerate(comb):
@@ -1063,6 +1071,30 @@ def _catch(fn):
         return fn()
     except epd.Error as e:
         return e
+
+
+def check_deepep_handle(tc, handle, rank, R, T, topks, L, rows):
+    """The DeepEP tuple entries of a dispatch handle on ``rank``: ``rows`` are the (source,
+    token) pairs it received, ``topks`` every rank's routing."""
+    tc.assertEqual(len(handle), 6)
+    rpm, chan, recv_chan, src_idx, in_rank, head = handle
+    tc.assertEqual((rpm.shape, rpm.dtype), ((R, R), np.int32))
+    per_source = [sum(1 for s, _ in rows if s == src) for src in range(R)]
+    np.testing.assert_array_equal(rpm[:, rank], np.cumsum(per_source))
+    np.testing.assert_array_equal(np.delete(rpm, rank, axis=1), -1)
+    np.testing.assert_array_equal(recv_chan[:, 0], np.cumsum(per_source) - per_source)
+    np.testing.assert_array_equal(src_idx, np.array([t for _, t in rows], np.int32))
+    tc.assertEqual(src_idx.dtype, np.int32)
+    tk = np.asarray(topks[rank])
+    dest = np.where(tk >= 0, tk // L, -1)
+    want_in = np.stack([(dest == d).any(1) for d in range(R)], axis=1)
+    np.testing.assert_array_equal(in_rank, want_in)
+    np.testing.assert_array_equal(chan[:, 0], want_in.sum(0))
+    for d in range(R):
+        sent = np.nonzero(want_in[:, d])[0]
+        want_head = np.full(len(tk), -1, np.int32)
+        want_head[sent] = np.arange(len(sent))
+        np.testing.assert_array_equal(head[:, d], want_head)
 
 
 class TestAdmin(unittest.TestCase):

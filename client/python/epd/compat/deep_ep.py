@@ -88,12 +88,14 @@ dispatch (§2.7)::
   and ``use_logfmt``, and the mask calls (``low_latency_update_mask_buffer``, ...).
 """
 
+import secrets
+
 import numpy as np
 
 from .. import _lib, tensors
 from ..client import Client
-from ..errors import InvalidArgument
-from ..group import EXPAND, NON_EXPAND, Group
+from ..errors import InvalidArgument, Unavailable
+from ..group import EXPAND, NON_EXPAND, Group, Handle
 
 
 def __getattr__(name):
@@ -168,12 +170,71 @@ def _is_torch(value):
     return tensors.is_tensor(value)
 
 
+def _torch_distributed():
+    """torch.distributed when the program imported torch and it has it, else None."""
+    if tensors.torch_module() is None:
+        return None
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    return dist if dist.is_available() else None
+
+
+class _Comm:
+    """The collectives a Buffer made from a process group needs: its rank and size, and an
+    all-gather of small picklable objects.
+
+    Adapts a ``torch.distributed`` process group, an mpi4py communicator (``Get_rank``,
+    ``Get_size``, ``allgather``), or any object with ``rank()``, ``size()`` and
+    ``all_gather_object(obj)`` returning the list of every rank's ``obj`` in rank order.
+    """
+
+    def __init__(self, group):
+        dist = _torch_distributed()
+        if dist is not None and isinstance(group, dist.ProcessGroup):
+            self.rank, self.size = group.rank(), group.size()
+
+            def gather(obj):
+                out = [None] * self.size
+                dist.all_gather_object(out, obj, group=group)
+                return out
+        elif all(callable(getattr(group, n, None)) for n in ("Get_rank", "Get_size",
+                                                               "allgather")):
+            self.rank, self.size = group.Get_rank(), group.Get_size()
+            gather = group.allgather
+        elif all(callable(getattr(group, n, None)) for n in ("rank", "size",
+                                                               "all_gather_object")):
+            self.rank, self.size = group.rank(), group.size()
+            gather = group.all_gather_object
+        else:
+            raise InvalidArgument("group must be a torch.distributed process group, an mpi4py "
+                                  "communicator, an object with rank(), size() and "
+                                  "all_gather_object(obj), an epd group name or an epd.Group, "
+                                  "not %r" % (group,))
+        self.rank, self.size = int(self.rank), int(self.size)
+        self.all_gather = gather
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        return self.all_gather(obj if self.rank == 0 else None)[0]
+
+
+def _current_device():
+    """torch's current CUDA device when the program uses torch with CUDA, else 0 (the
+    daemon's first device)."""
+    torch = tensors.torch_module()
+    if torch is not None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return 0
+
+
 class EventOverlap:
-    """DeepEP's ``EventOverlap``: what an ``async_finish`` op returns.
+    """DeepEP's ``EventOverlap``: what every op returns as its event.
 
     :meth:`current_stream_wait` makes torch's current stream wait for the op (or the CUDA
-    event) on the GPU; for an op that already completed on the host it does nothing. As a
-    context manager it waits on exit, like DeepEP's.
+    event) on the GPU; for an op that already completed on the host, or one ordered on the
+    current stream, it does nothing. As a context manager it waits on exit, like DeepEP's.
     """
 
     def __init__(self, future=None, event=None, extra_tensors=None):
@@ -202,18 +263,241 @@ class EventOverlap:
         self.current_stream_wait()
 
 
-class Buffer:
-    """DeepEP's ``deep_ep.Buffer`` (normal mode) over an epd group. See the module docstring.
+def _layout(topk_idx, R, E):
+    """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank
+    bool [N, R]) of ``topk_idx`` [N, K], on its device for a tensor."""
+    L = E // R
+    if _is_torch(topk_idx):
+        torch = tensors.torch_module()
+        tk = topk_idx
+        if tk.dim() != 2 or tk.is_floating_point() or tk.dtype == torch.bool:
+            raise InvalidArgument("topk_idx must be an integer [num_tokens, num_topk] tensor")
+        if tk.numel() and bool(((tk < -1) | (tk >= E)).any()):
+            raise InvalidArgument("topk_idx holds expert ids outside [-1, %d)" % E)
+        tk = tk.long()
+        valid = tk >= 0
+        num_tokens_per_expert = torch.bincount(tk[valid], minlength=E).int()
+        dest = torch.where(valid, torch.div(tk, L, rounding_mode="floor"),
+                           torch.full_like(tk, -1))
+        ranks = torch.arange(R, device=tk.device)
+        is_token_in_rank = (dest.unsqueeze(-1) == ranks).any(dim=1)
+        return is_token_in_rank.sum(dim=0).int(), num_tokens_per_expert, is_token_in_rank
+    tk = np.asarray(topk_idx)
+    if tk.ndim != 2 or tk.dtype.kind not in "iu":
+        raise InvalidArgument("topk_idx must be an integer [num_tokens, num_topk] array")
+    if np.any((tk < -1) | (tk >= E)):
+        raise InvalidArgument("topk_idx holds expert ids outside [-1, %d)" % E)
+    valid = tk >= 0
+    num_tokens_per_expert = np.bincount(tk[valid].astype(np.int64),
+                                        minlength=E).astype(np.int32)
+    dest = np.where(valid, tk // L, -1)
+    is_token_in_rank = np.zeros((tk.shape[0], R), dtype=bool)
+    for r in range(R):
+        is_token_in_rank[:, r] = np.any(dest == r, axis=1)
+    return is_token_in_rank.sum(axis=0).astype(np.int32), num_tokens_per_expert, \
+        is_token_in_rank
 
-    ``group`` is the epd group's name, or an :class:`epd.Group` to wrap (then the other
-    arguments are unused). With a name: ``rank`` is this process's rank, ``secret`` the
-    group's secret (bytes or str, at least 16 bytes), ``socket`` the daemon's socket (None:
-    ``$EPD_SOCKET`` or ``/run/epd/epd.sock``) or ``client`` an open :class:`epd.Client`,
-    ``device`` this rank's daemon device index or a torch device (``"cuda:0"``, matched to the
-    daemon's GPU by UUID). The creating rank (``create``; default: rank 0) also gives the
-    group's shape: ``world_size``, ``num_experts``, ``hidden``, ``max_tokens_per_rank``,
-    ``max_topk``, ``dtype`` ('bf16' or 'fp8'), ``arena_bytes``, ``op_timeout_ms``. The others
-    join, retrying for ``join_timeout`` seconds while the group does not exist yet.
+
+def _rank_topk(is_token_in_rank, num_tokens, R, L, K):
+    """The top-k ids that route like ``is_token_in_rank`` [N, R] (bool): for each rank r a
+    token goes to, the first expert of r (``r * L``), packed into at most ``K`` columns
+    (``min(R, K)`` wide), -1 elsewhere."""
+    m = is_token_in_rank
+    if _is_torch(m):
+        torch = tensors.torch_module()
+        shape, is_bool = tuple(m.shape), m.dtype == torch.bool
+    else:
+        m = np.asarray(m)
+        shape, is_bool = m.shape, m.dtype == np.bool_
+    if not is_bool or shape != (num_tokens, R):
+        raise InvalidArgument("is_token_in_rank must be bool [%d, %d] (tokens, ranks), not %s "
+                              "%s" % (num_tokens, R, m.dtype, shape))
+    if _is_torch(m):
+        first = torch.arange(R, device=m.device, dtype=torch.int64) * L
+        tk = torch.where(m, first, torch.full_like(first, -1))
+        if R > K:
+            most = int(m.sum(dim=1).max()) if num_tokens else 0
+            if most > K:
+                raise InvalidArgument("is_token_in_rank sends a token to %d ranks; the group's "
+                                      "max_topk is %d" % (most, K))
+            order = torch.argsort((~m).to(torch.int8), dim=1, stable=True)
+            tk = tk.gather(1, order)[:, :K].contiguous()
+        return tk
+    first = np.arange(R, dtype=np.int64) * L
+    tk = np.where(m, first, -1)
+    if R > K:
+        most = int(m.sum(axis=1).max()) if num_tokens else 0
+        if most > K:
+            raise InvalidArgument("is_token_in_rank sends a token to %d ranks; the group's "
+                                  "max_topk is %d" % (most, K))
+        order = np.argsort(~m, axis=1, kind="stable")
+        tk = np.ascontiguousarray(np.take_along_axis(tk, order, axis=1)[:, :K])
+    return tk
+
+
+def _like(array, ref):
+    """NumPy ``array`` as ``ref`` holds its data: a tensor on ``ref``'s device for a tensor."""
+    if _is_torch(ref):
+        return tensors.from_numpy(np.ascontiguousarray(array)).to(ref.device)
+    return array
+
+
+def _pad_rows(value, rows, fill):
+    """``value`` [n, ...] in a new array or tensor of ``rows`` rows, the rest ``fill``."""
+    if value is None:
+        return None
+    if _is_torch(value):
+        torch = tensors.torch_module()
+        out = torch.full((rows,) + tuple(value.shape[1:]), fill, dtype=value.dtype,
+                         device=value.device)
+    else:
+        out = np.full((rows,) + value.shape[1:], fill, dtype=value.dtype)
+    out[:value.shape[0]] = value
+    return out
+
+
+class DispatchHandle:
+    """The handle of a normal-mode dispatch: DeepEP's intranode handle tuple, indexable and
+    iterable as ``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+    recv_src_idx, is_token_in_rank, send_head)``, over the epd :class:`epd.Handle`
+    (:attr:`epd`) that combine and cached dispatches use.
+
+    * ``[0]`` int32 ``[R, R]``: column ``rank`` is DeepEP's: ``[s][rank]`` is the end of the
+      rows from sources ``0..s`` (rows ``[s-1][rank]:[s][rank]`` came from rank s). The daemon
+      reports only this rank's column; the other entries are -1.
+    * ``[1]`` int32 ``[R, 1]``: the tokens this rank sent to each rank (one channel).
+    * ``[2]`` int32 ``[R, 1]``: the first row received from each source (one channel).
+    * ``[3]`` int32 ``[rows]``: each received row's token index on its source rank.
+    * ``[4]`` bool ``[N, R]``: the ranks each of this rank's tokens went to.
+    * ``[5]`` int32 ``[N, R]``: a token's position among the tokens this rank sent to that
+      rank, -1 where it was not sent.
+
+    The entries are computed on first access (tensors on the input's device for torch
+    inputs). A handle of a ``num_worst_tokens`` dispatch on CUDA tensors waits on the host for
+    that dispatch at its first use (an index, :attr:`epd`, or combine).
+    """
+
+    def __init__(self, group, result=None, future=None, is_token_in_rank=None, topk_idx=None,
+                 padded_rows=0):
+        self._group = group
+        self._result = result
+        self._future = future
+        self._in_rank = is_token_in_rank
+        self._topk_idx = topk_idx
+        self.padded_rows = padded_rows  # num_worst_tokens of the dispatch, 0: none
+        self._items = None
+        if result is not None:
+            result.handle.auto_release()
+
+    # ---- the dispatch behind it ----
+
+    def done(self):
+        return self._future is None or self._future.done()
+
+    def wait(self):
+        """The dispatch's :class:`epd.DispatchResult` (waits for it on the host)."""
+        if self._result is None:
+            self._result = self._future.wait()
+            self._future = None
+            self._result.handle.auto_release()
+        return self._result
+
+    @property
+    def epd(self):
+        """The :class:`epd.Handle`."""
+        return self.wait().handle
+
+    @property
+    def rank_prefix(self):
+        """int32 ``[R + 1]``: rows ``rank_prefix[s]:rank_prefix[s + 1]`` came from rank s."""
+        return self.wait().rank_prefix
+
+    @property
+    def num_recv_tokens(self):
+        return self.wait().num_recv_tokens
+
+    # ---- DeepEP's tuple ----
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return self._tuple()[i]
+
+    def __iter__(self):
+        return iter(self._tuple())
+
+    def _tuple(self):
+        if self._items is None:
+            self._items = self._build()
+        return self._items
+
+    def _build(self):
+        g, res = self._group, self.wait()
+        R, rank, T, L = g.world_size, g.rank, g.max_tokens_per_rank, g.num_local_experts
+        n = res.num_recv_tokens
+        prefix = np.asarray(res.rank_prefix, dtype=np.int32)
+        rpm = np.full((R, R), -1, np.int32)
+        rpm[:, rank] = prefix[1:]
+        in_rank = self._in_rank
+        if in_rank is None:
+            in_rank = _layout(self._topk_idx, R, L * R)[2]
+        src = res.recv_src[:n]
+        ref = src if _is_torch(src) else in_rank
+        if _is_torch(in_rank):
+            torch = tensors.torch_module()
+            sent = in_rank.sum(dim=0).to(torch.int32).reshape(R, 1)
+            head = torch.where(in_rank, torch.cumsum(in_rank.to(torch.int32), 0) - 1,
+                               torch.full_like(in_rank, -1, dtype=torch.int32)).to(torch.int32)
+        else:
+            in_rank = np.asarray(in_rank)
+            sent = in_rank.sum(axis=0).astype(np.int32).reshape(R, 1)
+            head = np.where(in_rank, np.cumsum(in_rank, axis=0) - 1, -1).astype(np.int32)
+        src_idx = (src % T).to(tensors.torch_module().int32) if _is_torch(src) else \
+            (np.asarray(src) % T).astype(np.int32)
+        self._topk_idx = None
+        return (_like(rpm, ref), sent, _like(prefix[:R].reshape(R, 1), ref), src_idx, in_rank,
+                head)
+
+    def __repr__(self):
+        return "<deep_ep DispatchHandle %s>" % (
+            "pending" if self._result is None else repr(self._result.handle))
+
+
+def _epd_handle(handle):
+    """(epd.Handle, DispatchHandle or None) of a normal-mode dispatch's handle."""
+    if isinstance(handle, DispatchHandle):
+        return handle.epd, handle
+    if isinstance(handle, Handle):
+        return handle, None
+    raise InvalidArgument("handle must be the handle a dispatch of this Buffer returned")
+
+
+class Buffer:
+    """DeepEP's ``deep_ep.Buffer`` over epd groups. See the module docstring.
+
+    ``group`` is one of:
+
+    * a ``torch.distributed`` process group (or, with ``group=None``, ``comm`` an mpi4py
+      communicator), as DeepEP takes it; also any object with ``rank()``, ``size()`` and
+      ``all_gather_object(obj)`` (the list of every rank's ``obj``). The constructor is then
+      collective: rank 0 draws a random epd group name and secret and every rank receives
+      them through the process group. The daemon is at ``socket`` (None: ``$EPD_SOCKET``, else
+      ``/run/epd/epd.sock``); ``device`` defaults to torch's current CUDA device. The epd
+      groups are made on first use, one per dtype (see :meth:`dispatch`);
+    * the epd group's name, with ``rank`` and ``secret`` (bytes or str, at least 16 bytes);
+      the creating rank (``create``; default: rank 0) also gives the group's shape:
+      ``world_size``, ``num_experts``, ``hidden``, ``max_tokens_per_rank``, ``max_topk``,
+      ``dtype`` ('bf16' or 'fp8'), ``arena_bytes``, ``op_timeout_ms``. The others join,
+      retrying for ``join_timeout`` seconds while the group does not exist yet. The group of
+      the other dtype is named ``<name>.<dtype>`` and made on first use with the same shape;
+    * an :class:`epd.Group` to wrap; the Buffer then serves that group's dtype only.
+
+    With a process group, ``num_experts``, ``hidden``, ``max_tokens_per_rank`` and
+    ``max_topk`` may be given; what is not given is agreed by the first dispatch (see the
+    module docstring). ``client`` is an open :class:`epd.Client` to use instead of a new
+    connection, ``device`` this rank's daemon device index or a torch device (``"cuda:0"``,
+    matched to the daemon's GPU by UUID).
 
     ``copy_outputs`` (default True) makes host-memory outputs copies instead of arena views;
     ``recv_capacity`` bounds the rows of the device tensors a CUDA dispatch allocates for its
@@ -222,80 +506,195 @@ class Buffer:
     ``low_latency_mode=True`` makes the creating rank create a client-executed group for
     :meth:`low_latency_dispatch` and :meth:`low_latency_combine` (see the module docstring):
     fixed expert blocks of ``world_size * max_tokens_per_rank`` rows and, for a bf16 group
-    whose hidden is a multiple of 128, the quantizing dispatch. ``num_nvl_bytes``,
+    whose hidden is a multiple of 128, the quantizing dispatch; with a process group it needs
+    the shape keywords and is made by the constructor. ``num_nvl_bytes``,
     ``num_rdma_bytes``, ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``,
-    ``allow_mnnvl`` and ``explicitly_destroy`` are DeepEP's and unused: epd sizes its
-    buffers from the group's shape.
+    ``allow_mnnvl`` and ``explicitly_destroy`` are kept as attributes and unused: epd sizes
+    its buffers from the group's shape. ``enable_shrink`` (masking ranks) is not supported.
     """
 
     #: DeepEP's SM count for normal-mode kernels (:meth:`set_num_sms`); epd's SM budget is the
     #: group's ``sms_per_rank``.
     num_sms = 20
 
-    def __init__(self, group, rank=None, secret=None, socket=None, *, client=None,
-                 world_size=None, num_experts=None, hidden=None, max_tokens_per_rank=None,
-                 max_topk=None, dtype="bf16", arena_bytes=None, op_timeout_ms=0, create=None,
-                 join_timeout=30.0, copy_outputs=True, recv_capacity=None, device=0,
-                 low_latency_mode=False, num_nvl_bytes=0, num_rdma_bytes=0,
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
-                 allow_mnnvl=False, explicitly_destroy=False):
-        self._owns_client = False
+                 allow_mnnvl=False, explicitly_destroy=False, enable_shrink=False, comm=None,
+                 *, rank=None, secret=None, socket=None, client=None, world_size=None,
+                 num_experts=None, hidden=None, max_tokens_per_rank=None, max_topk=None,
+                 dtype="bf16", arena_bytes=None, op_timeout_ms=0, create=None,
+                 join_timeout=30.0, copy_outputs=True, recv_capacity=None, device=None):
+        if enable_shrink:
+            _unsupported("enable_shrink (masking ranks)")
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.allow_mnnvl = allow_mnnvl
+        self.explicitly_destroy = explicitly_destroy
         self.low_latency_mode = bool(low_latency_mode)
-        self._ll_next = 0  # the handle slot of the next low-latency dispatch
-        self._owns_group = False
         self.copy_outputs = copy_outputs
         self.recv_capacity = recv_capacity
-        self._inflight = []  # futures of async_finish combines not yet waited on the host
+        self._ll_next = 0    # the handle slot of the next low-latency dispatch
+        self._inflight = []  # async_finish combines and num_worst_tokens dispatches
         self._side = {}      # device -> stream for ops after a previous_event
+        self._groups = {}    # dtype -> epd.Group
+        self._owns_groups = True
+        self._owns_client = False
+        self._client = client
+        self._comm = None
+        self._join_timeout = join_timeout
+        self._shape = {"world_size": world_size, "num_experts": num_experts, "hidden": hidden,
+                       "max_tokens_per_rank": max_tokens_per_rank, "max_topk": max_topk,
+                       "arena_bytes": arena_bytes, "op_timeout_ms": op_timeout_ms}
+        self._dtype = dtype
         if isinstance(group, Group):
-            self.group = group
-        else:
+            self._owns_groups = False
+            self._dtype = group.dtype
+            self._groups[group.dtype] = group
+            self.rank, self.group_size = group.rank, group.world_size
+            return
+        if isinstance(group, str):
             if rank is None or secret is None:
                 raise InvalidArgument("Buffer(name, ...) needs rank and secret")
-            if client is None:
-                client = Client(socket=socket, name="deep_ep-compat")
-                self._owns_client = True
-            try:
-                if create if create is not None else rank == 0:
-                    missing = [n for n, v in (("world_size", world_size),
-                                              ("num_experts", num_experts), ("hidden", hidden),
-                                              ("max_tokens_per_rank", max_tokens_per_rank),
-                                              ("max_topk", max_topk)) if v is None]
-                    if missing:
-                        raise InvalidArgument("the creating rank must give " +
-                                              ", ".join(missing))
-                    ll = {}
-                    if low_latency_mode:
-                        ll = {"execution": "client",
-                              "expert_block_rows": world_size * max_tokens_per_rank,
-                              "quantize": dtype == "bf16" and hidden % 128 == 0}
-                    self.group = Group.create(
-                        client, group, secret, rank, world_size=world_size,
-                        num_experts=num_experts, hidden=hidden,
-                        max_tokens_per_rank=max_tokens_per_rank, max_topk=max_topk,
-                        dtype=dtype, arena_bytes=arena_bytes, op_timeout_ms=op_timeout_ms,
-                        device=device, **ll)
-                else:
-                    self.group = Group.join(client, group, secret, rank, device=device,
-                                            retry_timeout=join_timeout)
-            except BaseException:
-                if self._owns_client:
-                    client.close()
-                raise
-            self._owns_group = True
-        self.rank = self.group.rank
-        self.group_size = self.group.world_size
-        self.num_experts = self.group.num_experts
-        self.hidden = self.group.hidden
+            self._name, self._secret, self.rank = group, secret, int(rank)
+            self._creates = bool(create) if create is not None else self.rank == 0
+            self._device = 0 if device is None else device
+        else:
+            if group is None and comm is None:
+                raise InvalidArgument("Buffer needs a process group, comm=, an epd group name "
+                                      "or an epd.Group")
+            self._comm = _Comm(group if group is not None else comm)
+            self.rank = self._comm.rank
+            if world_size is not None and int(world_size) != self._comm.size:
+                raise InvalidArgument("world_size %d differs from the process group's size %d"
+                                      % (world_size, self._comm.size))
+            self._shape["world_size"] = self._comm.size
+            ident = None
+            if self.rank == 0:
+                ident = ("deep_ep-" + secrets.token_hex(8), secrets.token_hex(32))
+            self._name, self._secret = self._comm.broadcast(ident)
+            self._creates = self.rank == 0
+            self._device = _current_device() if device is None else device
+        self.group_size = self._shape["world_size"]
+        if client is None:
+            self._client = Client(socket=socket, name="deep_ep-compat")
+            self._owns_client = True
+        try:
+            if self._comm is None or self.low_latency_mode:
+                self._open(dtype)
+        except BaseException:
+            if self._owns_client:
+                self._client.close()
+            raise
+
+    # ---- the epd groups ----
+
+    @property
+    def group(self):
+        """The epd group of the Buffer's first dtype (the constructor's, else the first one
+        made)."""
+        g = self._groups.get(self._dtype)
+        if g is None and self._groups:
+            g = next(iter(self._groups.values()))
+        if g is None:
+            raise Unavailable("no epd group yet: the Buffer's first dispatch of each dtype "
+                              "makes it")
+        return g
+
+    @property
+    def num_experts(self):
+        g = self._groups.get(self._dtype) or next(iter(self._groups.values()), None)
+        return g.num_experts if g is not None else self._shape["num_experts"]
+
+    @property
+    def hidden(self):
+        g = self._groups.get(self._dtype) or next(iter(self._groups.values()), None)
+        return g.hidden if g is not None else self._shape["hidden"]
+
+    def _group_name(self, dtype):
+        if self._comm is None and dtype == self._dtype:
+            return self._name
+        return "%s.%s" % (self._name, dtype)
+
+    def _open(self, dtype):
+        """Creates (the creating rank) or joins the epd group of ``dtype``."""
+        name = self._group_name(dtype)
+        s = self._shape
+        if self._creates:
+            missing = [k for k in ("world_size", "num_experts", "hidden", "max_tokens_per_rank",
+                                   "max_topk") if s[k] is None]
+            if missing:
+                raise InvalidArgument("the creating rank must give " + ", ".join(missing))
+            ll = {}
+            if self.low_latency_mode:
+                ll = {"execution": "client",
+                      "expert_block_rows": s["world_size"] * s["max_tokens_per_rank"],
+                      "quantize": dtype == "bf16" and s["hidden"] % 128 == 0}
+            g = Group.create(self._client, name, self._secret, self.rank,
+                             world_size=s["world_size"], num_experts=s["num_experts"],
+                             hidden=s["hidden"], max_tokens_per_rank=s["max_tokens_per_rank"],
+                             max_topk=s["max_topk"], dtype=dtype, arena_bytes=s["arena_bytes"],
+                             op_timeout_ms=s["op_timeout_ms"], device=self._device, **ll)
+        else:
+            g = Group.join(self._client, name, self._secret, self.rank, device=self._device,
+                           retry_timeout=self._join_timeout)
+        if g.dtype != dtype and dtype != self._dtype:
+            g.leave()
+            raise InvalidArgument("epd group %r is %s, not %s" % (name, g.dtype, dtype))
+        if not self._groups:
+            self._dtype = g.dtype  # a joining rank learns the group's dtype
+        self._groups[g.dtype] = g
+        # A later dtype's group is made alike.
+        for k in ("world_size", "num_experts", "hidden", "max_tokens_per_rank", "max_topk",
+                  "arena_bytes", "op_timeout_ms"):
+            s[k] = getattr(g, k)
+        self.group_size = g.world_size
+        return g
+
+    def _group_for(self, dtype, num_tokens, hidden, num_topk, num_experts=None):
+        """The epd group of ``dtype``, made on its first call (collective: every rank makes
+        its first call of a dtype together, as every dispatch is collective)."""
+        g = self._groups.get(dtype)
+        if g is not None:
+            return g
+        if not self._owns_groups:
+            raise InvalidArgument("this Buffer wraps an epd group of dtype %s; %s calls need a "
+                                  "Buffer made from a process group or a group name" %
+                                  (self._dtype, dtype))
+        if self._comm is not None:
+            E = self._shape["num_experts"] or num_experts
+            every = self._comm.all_gather((int(num_tokens), int(hidden), int(num_topk),
+                                           None if E is None else int(E)))
+            s = self._shape
+            if s["hidden"] is None:
+                hs = sorted({e[1] for e in every})
+                if len(hs) != 1:
+                    raise InvalidArgument("hidden differs across ranks: %s" % hs)
+                s["hidden"] = hs[0]
+            if s["max_tokens_per_rank"] is None:
+                s["max_tokens_per_rank"] = max(1, max(e[0] for e in every))
+            if s["max_topk"] is None:
+                s["max_topk"] = max(1, max(e[2] for e in every))
+            if s["num_experts"] is None:
+                es = sorted({e[3] for e in every if e[3] is not None})
+                if len(es) != 1:
+                    raise InvalidArgument(
+                        "num_experts is unknown or differs across ranks (%s): give "
+                        "Buffer(num_experts=...), call get_dispatch_layout first or pass "
+                        "num_tokens_per_expert" % es)
+                s["num_experts"] = es[0]
+        return self._open(dtype)
 
     # ---- lifetime ----
 
     def synchronize(self):
-        """Waits on the host for the buffer's ``async_finish`` combines; raises their errors."""
+        """Waits on the host for the buffer's ``async_finish`` combines and
+        ``num_worst_tokens`` dispatches; raises their errors."""
         self._reap(block=True)
 
     def _reap(self, block):
-        """Waits for async combines that completed (all of them with ``block``); raises the
+        """Waits for the async ops that completed (all of them with ``block``); raises the
         first error after letting go of every finished one."""
         keep, error = [], None
         for fut in self._inflight:
@@ -328,15 +727,16 @@ class Buffer:
         return side
 
     def destroy(self):
-        """Leaves the group (and closes the connection the buffer opened)."""
+        """Leaves the groups (and closes the connection the buffer opened)."""
         try:
             self._reap(block=True)
         except Exception:
             pass
-        if self._owns_group:
-            self.group.leave()
+        if self._owns_groups:
+            for g in self._groups.values():
+                g.leave()
         if self._owns_client:
-            self.group.client.close()
+            self._client.close()
 
     def __enter__(self):
         return self
@@ -503,44 +903,20 @@ class Buffer:
 
         Returns ``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
         is_token_in_rank [N, R] bool, event)``, as DeepEP (no RDMA ranks). For a torch
-        ``topk_idx`` they are tensors on its device, computed there.
+        ``topk_idx`` they are tensors on its device, computed there. Before the Buffer's first
+        group exists, ``num_experts`` becomes the Buffer's.
         """
-        R, E = self.group_size, int(num_experts)
-        if E != self.num_experts:
+        E = int(num_experts)
+        if self.num_experts is None:
+            if E <= 0 or E % self.group_size:
+                raise InvalidArgument("num_experts %d is not a positive multiple of the %d "
+                                      "ranks" % (E, self.group_size))
+            self._shape["num_experts"] = E
+        elif E != self.num_experts:
             raise InvalidArgument("num_experts %d differs from the group's %d" %
                                   (E, self.num_experts))
-        L = E // R
-        event = EventOverlap() if async_finish else None
-        if _is_torch(topk_idx):
-            torch = tensors.torch_module()
-            tk = topk_idx
-            if tk.dim() != 2 or tk.is_floating_point() or tk.dtype == torch.bool:
-                raise InvalidArgument("topk_idx must be an integer [num_tokens, num_topk] tensor")
-            if tk.numel() and bool(((tk < -1) | (tk >= E)).any()):
-                raise InvalidArgument("topk_idx holds expert ids outside [-1, %d)" % E)
-            tk = tk.long()
-            valid = tk >= 0
-            num_tokens_per_expert = torch.bincount(tk[valid], minlength=E).int()
-            dest = torch.where(valid, torch.div(tk, L, rounding_mode="floor"),
-                               torch.full_like(tk, -1))
-            ranks = torch.arange(R, device=tk.device)
-            is_token_in_rank = (dest.unsqueeze(-1) == ranks).any(dim=1)
-            num_tokens_per_rank = is_token_in_rank.sum(dim=0).int()
-            return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
-        tk = np.asarray(topk_idx)
-        if tk.ndim != 2 or tk.dtype.kind not in "iu":
-            raise InvalidArgument("topk_idx must be an integer [num_tokens, num_topk] array")
-        if np.any((tk < -1) | (tk >= E)):
-            raise InvalidArgument("topk_idx holds expert ids outside [-1, %d)" % E)
-        valid = tk >= 0
-        num_tokens_per_expert = np.bincount(tk[valid].astype(np.int64),
-                                            minlength=E).astype(np.int32)
-        dest = np.where(valid, tk // L, -1)
-        is_token_in_rank = np.zeros((tk.shape[0], R), dtype=bool)
-        for r in range(R):
-            is_token_in_rank[:, r] = np.any(dest == r, axis=1)
-        num_tokens_per_rank = is_token_in_rank.sum(axis=0).astype(np.int32)
-        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
+        ntr, nte, in_rank = _layout(topk_idx, self.group_size, E)
+        return ntr, None, nte, in_rank, EventOverlap()
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
@@ -549,35 +925,150 @@ class Buffer:
         """DeepEP's normal dispatch. ``x`` is an array, or ``(x, x_scales)`` for fp8.
 
         Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
-        handle, event)``; ``recv_x`` is ``(recv_x, recv_x_scales)`` for fp8. A cached dispatch
-        (``handle`` given) returns ``(recv_x, None, recv_topk_weights or None, None, handle,
-        event)``. ``event`` is None unless ``async_finish``.
+        handle, event)``; ``recv_x`` is ``(recv_x, recv_x_scales)`` for fp8, ``handle`` a
+        :class:`DispatchHandle`. Without ``topk_idx`` the tokens go where
+        ``is_token_in_rank`` says and ``recv_topk_idx`` / ``recv_topk_weights`` are None. A
+        cached dispatch (``handle`` given) returns ``(recv_x, None, None, None, None, event)``
+        (``recv_topk_weights`` in place of the first None after ``recv_x`` when new
+        ``topk_weights`` are given). ``num_worst_tokens`` > 0 pads every output to that many
+        rows and returns an empty list. See the module docstring.
         """
-        if num_worst_tokens:
-            raise NotImplementedError("num_worst_tokens is not supported by epd's DeepEP front")
         x_scales = None
         if isinstance(x, tuple):
             x, x_scales = x
+        dtype = "fp8" if x_scales is not None else "bf16"
         cuda = tensors.is_cuda(x)
-        res = self.group.dispatch(
-            x, topk_idx=topk_idx, topk_weights=topk_weights, x_scales=x_scales, handle=handle,
-            expert_alignment=expert_alignment if handle is None else None, layout=NON_EXPAND,
-            copy_outputs=self.copy_outputs,
-            recv_capacity=self.recv_capacity if cuda else None,
-            stream=self._stream_after(previous_event, x))
-        self._reap(block=True)  # ops run in order: older async combines are complete
-        if handle is None:
-            res.handle.auto_release()
-        recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
-        event = EventOverlap() if async_finish else None
+        W = int(num_worst_tokens)
+        stream = self._stream_after(previous_event, x)
         if handle is not None:
-            return recv_x, None, res.recv_topk_weights, None, res.handle, event
-        return (recv_x, res.recv_topk_idx, res.recv_topk_weights,
-                res.num_recv_tokens_per_expert_list, res.handle, event)
+            ehandle, _ = _epd_handle(handle)
+            if topk_idx is not None:
+                raise InvalidArgument("a cached dispatch (handle given) takes no topk_idx")
+            g = ehandle.group
+            recv_x, _, recv_w, _, res = self._dispatch_op(
+                g, x, x_scales, None, topk_weights, ehandle, None, W, cuda, stream,
+                async_finish)
+            if topk_weights is None:
+                recv_w = None
+            return recv_x, None, recv_w, None, None, self._event(res, async_finish)
+        by_rank = topk_idx is None
+        if by_rank:
+            if is_token_in_rank is None:
+                raise InvalidArgument("dispatch needs topk_idx or is_token_in_rank (or a "
+                                      "handle)")
+            if topk_weights is not None:
+                raise InvalidArgument("topk_weights needs topk_idx")
+        shape = tuple(x.shape) if _is_torch(x) else np.shape(x)
+        if len(shape) != 2:
+            raise InvalidArgument("x must be [num_tokens, hidden], not %s" % (shape,))
+        E = self.num_experts
+        if E is None and num_tokens_per_expert is not None:
+            E = len(num_tokens_per_expert)
+        if by_rank:
+            K = self.group_size
+        else:
+            kshape = tuple(topk_idx.shape) if _is_torch(topk_idx) else np.shape(topk_idx)
+            if len(kshape) != 2:
+                raise InvalidArgument("topk_idx must be [num_tokens, num_topk], not %s" %
+                                      (kshape,))
+            K = kshape[1]
+        g = self._group_for(dtype, shape[0], shape[1], K, E)
+        if by_rank:
+            topk_idx = _rank_topk(is_token_in_rank, shape[0], g.world_size,
+                                  g.num_local_experts, g.max_topk)
+        recv_x, recv_idx, recv_w, counts, res = self._dispatch_op(
+            g, x, x_scales, topk_idx, topk_weights, None, expert_alignment, W, cuda, stream,
+            async_finish)
+        if isinstance(res, DispatchHandle):
+            handle = res
+            handle._in_rank = is_token_in_rank
+            handle._topk_idx = topk_idx
+        else:
+            handle = DispatchHandle(g, result=res, is_token_in_rank=is_token_in_rank,
+                                    topk_idx=topk_idx, padded_rows=W)
+        if by_rank:
+            recv_idx = recv_w = None
+            if not W:
+                counts = self._expert_counts_by_rank(g, num_tokens_per_expert, expert_alignment)
+        return recv_x, recv_idx, recv_w, counts, handle, self._event(res, async_finish)
+
+    def _dispatch_op(self, g, x, x_scales, topk_idx, topk_weights, ehandle, alignment, W, cuda,
+                     stream, async_finish):
+        """Runs one dispatch. Returns (recv_x, recv_topk_idx, recv_topk_weights, counts,
+        result), ``result`` a DispatchResult, or for a CUDA ``num_worst_tokens`` dispatch a
+        DispatchHandle whose op is still in flight."""
+        if W:
+            most = g.worst_case_rows()
+            if not 0 < W <= most:
+                raise InvalidArgument("num_worst_tokens %d: the group delivers at most %d rows "
+                                      "per rank (world_size * max_tokens_per_rank)" % (W, most))
+        if W and cuda:
+            torch = tensors.torch_module()
+            if topk_idx is not None:
+                K = np.shape(topk_idx)[1] if not _is_torch(topk_idx) else topk_idx.shape[1]
+                kdt = topk_idx.dtype if _is_torch(topk_idx) and topk_idx.dtype in (
+                    torch.int32, torch.int64) else torch.int64
+            else:
+                K, kdt = ehandle.num_topk, tensors.torch_dtype(ehandle.topk_dtype)
+            # Rows past the count are never written: their top-k ids stay -1, weights 0.
+            out = {"recv_topk_idx": torch.full((W, K), -1, dtype=kdt, device=x.device)}
+            if topk_weights is not None:
+                out["recv_topk_weights"] = torch.zeros((W, K), dtype=torch.float32,
+                                                       device=x.device)
+            fut = g.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, x_scales=x_scales,
+                             handle=ehandle, expert_alignment=alignment, layout=NON_EXPAND,
+                             use_arena=False, recv_capacity=W, out=out, async_op=True,
+                             stream=stream)
+            o = fut.outputs
+            pending = DispatchHandle(g, future=fut, padded_rows=W)
+            self._inflight.append(pending)
+            self._reap(block=False)
+            if not async_finish:
+                fut.current_stream_wait()
+            recv_x = o["recv_x"] if x_scales is None else (o["recv_x"], o["recv_x_scales"])
+            return recv_x, o["recv_topk_idx"], o.get("recv_topk_weights"), [], pending
+        # With num_worst_tokens the outputs have W rows: more rows fail the op on every rank
+        # (CAPACITY_EXCEEDED).
+        res = g.dispatch(
+            x, topk_idx=topk_idx, topk_weights=topk_weights, x_scales=x_scales, handle=ehandle,
+            expert_alignment=alignment, layout=NON_EXPAND, copy_outputs=self.copy_outputs,
+            use_arena=False if W else None,
+            recv_capacity=W if W else self.recv_capacity if cuda else None, stream=stream)
+        self._reap(block=True)  # ops run in order: older async ops are complete
+        recv_x, scales = res.recv_x, res.recv_x_scales
+        idx, w, counts = res.recv_topk_idx, res.recv_topk_weights, \
+            res.num_recv_tokens_per_expert_list
+        if W:
+            recv_x, scales, idx = _pad_rows(recv_x, W, 0), _pad_rows(scales, W, 0), \
+                _pad_rows(idx, W, -1)
+            w, counts = _pad_rows(w, W, 0), []
+        return (recv_x if scales is None else (recv_x, scales)), idx, w, counts, res
+
+    def _event(self, res, async_finish):
+        if async_finish and isinstance(res, DispatchHandle):
+            return EventOverlap(res._future)
+        return EventOverlap()
+
+    def _expert_counts_by_rank(self, g, num_tokens_per_expert, alignment):
+        """DeepEP's num_recv_tokens_per_expert_list of a dispatch routed by is_token_in_rank:
+        every rank's ``num_tokens_per_expert`` summed over the sources for this rank's experts,
+        aligned. Needs the process group (an all-gather); None without it or the counts."""
+        if self._comm is None or num_tokens_per_expert is None:
+            return None
+        nte = num_tokens_per_expert
+        nte = nte.tolist() if _is_torch(nte) else np.asarray(nte).tolist()
+        if len(nte) != g.num_experts:
+            raise InvalidArgument("num_tokens_per_expert has %d entries; the group has %d "
+                                  "experts" % (len(nte), g.num_experts))
+        every = self._comm.all_gather([int(v) for v in nte])
+        L, a = g.num_local_experts, max(1, int(alignment))
+        mine = [sum(e[g.rank * L + i] for e in every) for i in range(L)]
+        return [(c + a - 1) // a * a for c in mine]
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None,
                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):
-        """DeepEP's normal combine: ``x`` ``[num_recv_tokens, hidden]`` in dispatch order.
+        """DeepEP's normal combine: ``x`` ``[num_recv_tokens, hidden]`` in dispatch order
+        (``[num_worst_tokens, hidden]`` after such a dispatch: the padding rows are not read).
 
         ``bias`` is None, one array or a tuple of two ``[N, hidden]``. ``topk_weights``
         ``[num_recv_tokens, K]`` float32 are this rank's weights per received row (every rank
@@ -585,26 +1076,33 @@ class Buffer:
         ``combined_topk_weights`` is None unless ``topk_weights`` is given, and then their sum
         over the ranks each token went to (see the module docstring).
         """
+        ehandle, dh = _epd_handle(handle)
+        if dh is not None and dh.padded_rows:
+            n = ehandle.num_rows
+            x = x[:n]
+            topk_weights = topk_weights[:n] if topk_weights is not None else None
+        g = ehandle.group
         if isinstance(bias, list):
             bias = tuple(bias)
         stream = self._stream_after(previous_event, x)
         if async_finish and tensors.is_cuda(x):
-            fut = self.group.combine(x, handle, bias=bias, async_op=True, stream=stream,
-                                     recv_weights=topk_weights)
+            fut = g.combine(x, ehandle, bias=bias, async_op=True, stream=stream,
+                            recv_weights=topk_weights)
             self._inflight.append(fut)
             self._reap(block=False)
             weights = fut.outputs["combined_topk_weights"] if topk_weights is not None else None
             return fut.outputs["combined_x"], weights, EventOverlap(fut)
-        combined, weights = self.group.combine(x, handle, bias=bias, stream=stream,
-                                               recv_weights=topk_weights)
+        combined, weights = g.combine(x, ehandle, bias=bias, stream=stream,
+                                      recv_weights=topk_weights)
         self._reap(block=True)
         if topk_weights is None:
             weights = None
-        return combined, weights, EventOverlap() if async_finish else None
+        return combined, weights, EventOverlap()
 
 
 def _no_hook():
     """The receive hook of an op that completed at its call."""
 
 
-__all__ = ["Buffer", "Config", "EventOverlap", "LowLatencyHandle", "is_sm90_compiled"]
+__all__ = ["Buffer", "Config", "DispatchHandle", "EventOverlap", "LowLatencyHandle",
+           "is_sm90_compiled", "topk_idx_t"]
