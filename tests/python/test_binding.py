@@ -12,6 +12,7 @@ DeepEP front and the MoE example run at small size.
 """
 
 import concurrent.futures
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -859,13 +860,70 @@ class TestOpErrors(unittest.TestCase):
             w.close()
 
 
+@contextlib.contextmanager
+def socket_in_environment():
+    """$EPD_SOCKET names the test daemon while the block runs."""
+    old = os.environ.get("EPD_SOCKET")
+    os.environ["EPD_SOCKET"] = DAEMON["socket"]
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["EPD_SOCKET"]
+        else:
+            os.environ["EPD_SOCKET"] = old
+
+
+class ThreadGroup:
+    """A process group of threads of this process: rank(), size() and
+    all_gather_object(obj), what epd.compat.deep_ep.Buffer needs of a torch.distributed
+    group. ``calls[r]`` counts rank r's collectives."""
+
+    def __init__(self, shared, rank):
+        self.shared, self.r = shared, rank
+
+    @classmethod
+    def world(cls, R):
+        shared = {"barrier": threading.Barrier(R, timeout=60), "slots": [None] * R,
+                  "calls": [0] * R}
+        return [cls(shared, r) for r in range(R)]
+
+    def rank(self):
+        return self.r
+
+    def size(self):
+        return len(self.shared["slots"])
+
+    def all_gather_object(self, obj):
+        sh = self.shared
+        sh["slots"][self.r] = obj
+        sh["barrier"].wait()
+        out = list(sh["slots"])
+        sh["barrier"].wait()
+        sh["calls"][self.r] += 1
+        return out
+
+
+class MpiLikeComm:
+    """One rank of an mpi4py-style communicator (Get_rank, Get_size, allgather)."""
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 1
+
+    def allgather(self, obj):
+        return [obj]
+
+
 class TestDeepEPCompat(unittest.TestCase):
-    def buffers(self, R, **kw):
+    def buffers(self, R, max_topk=4, **kw):
         name = unique("deepep")
         kw.setdefault("num_experts", 4 * R)
         kw.setdefault("hidden", 64)
         bufs = [Buffer(name, rank=0, secret=SECRET, socket=DAEMON["socket"], world_size=R,
-                       max_tokens_per_rank=16, max_topk=4, **kw)]
+                       max_tokens_per_rank=16, max_topk=max_topk, **kw)]
         for r in range(1, R):
             bufs.append(Buffer(name, rank=r, secret=SECRET, socket=DAEMON["socket"]))
         return bufs
@@ -1017,11 +1075,318 @@ class TestDeepEPCompat(unittest.TestCase):
                     np.testing.assert_array_equal(recv_x[i], xs[s][t])
                     np.testing.assert_array_equal(recv_scales[i], scales[s][t])
                 self.assertIsNone(rw)
+            with self.assertRaisesRegex(epd.InvalidArgument, "wraps an epd group of dtype fp8"):
+                bufs[0].dispatch(np.zeros((2, H), np.uint16), topk_idx=topks[0][:2])
             for b in bufs:
                 b.destroy()  # a wrapped group stays the caller's
             self.assertFalse(w.groups[0].closed)
         finally:
             w.close()
+
+    def pg_buffers(self, R, **kw):
+        """R Buffers made DeepEP's way, from a process group (ThreadGroup), the daemon's
+        socket from $EPD_SOCKET. Returns (buffers, groups)."""
+        groups = ThreadGroup.world(R)
+        with socket_in_environment():
+            with concurrent.futures.ThreadPoolExecutor(R) as ex:
+                bufs = list(ex.map(lambda g: Buffer(g, 1 << 20, 0, **kw), groups))
+        return bufs, groups
+
+    def test_process_group_serves_both_dtypes(self):
+        R, E, H, T, K = 2, 8, 128, 16, 3
+        bufs, groups = self.pg_buffers(R)
+        other, _ = self.pg_buffers(R)
+        try:
+            # The name and secret rank 0 drew reached every rank; another Buffer draws anew.
+            self.assertEqual({b._name for b in bufs}, {bufs[0]._name})
+            self.assertEqual({b._secret for b in bufs}, {bufs[0]._secret})
+            self.assertGreaterEqual(len(bufs[0]._secret), 16)
+            self.assertNotEqual(bufs[0]._name, other[0]._name)
+            self.assertNotEqual(bufs[0]._secret, other[0]._secret)
+            self.assertEqual([(b.rank, b.group_size) for b in bufs], [(0, R), (1, R)])
+            with self.assertRaises(epd.Unavailable):
+                bufs[0].group
+            xs, _, topks, ws = make_inputs(R, E, H, T, K, 31)
+            x8, sc8, topks8, _ = make_inputs(R, E, H, T, K, 32, dtype="fp8")
+
+            def dispatch(r, b, x, tk, w=None):
+                ntr, _, nte, in_rank, _ = b.get_dispatch_layout(tk, E)
+                return b.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=in_rank,
+                                  num_tokens_per_expert=nte, topk_idx=tk, topk_weights=w)
+
+            out = self.parallel(bufs, lambda r, b: dispatch(r, b, xs[r], topks[r], ws[r]))
+            ref = Routing(R, E, T, xs, topks, ws)
+            for r, b in enumerate(bufs):
+                want = ref.dest(r)
+                np.testing.assert_array_equal(out[r][0], np.array(
+                    [xs[s][t] for s, t in want["rows"]]).reshape(-1, H))
+                np.testing.assert_array_equal(out[r][2], want["recv_weights"])
+                g = b.group
+                # The shape agreed by the first call: the most tokens of any rank.
+                self.assertEqual((g.dtype, g.world_size, g.num_experts, g.hidden,
+                                  g.max_tokens_per_rank, g.max_topk),
+                                 ("bf16", R, E, H, max(len(x) for x in xs), K))
+            calls = list(groups[0].shared["calls"])
+            again = self.parallel(bufs, lambda r, b: dispatch(r, b, xs[r], topks[r]))
+            self.assertEqual(groups[0].shared["calls"], calls)  # later calls: no collective
+            for r in range(R):
+                np.testing.assert_array_equal(again[r][0], out[r][0])
+            # fp8 on the same Buffer: a second epd group, made by this first fp8 call.
+            out8 = self.parallel(bufs, lambda r, b: dispatch(r, b, (x8[r], sc8[r]),
+                                                             topks8[r]))
+            self.assertEqual([c + 1 for c in calls], groups[0].shared["calls"])
+            ref8 = Routing(R, E, T, x8, topks8)
+            for r, b in enumerate(bufs):
+                self.assertEqual(sorted(b._groups), ["bf16", "fp8"])
+                self.assertEqual(b._groups["fp8"].dtype, "fp8")
+                self.assertEqual(b.group.dtype, "bf16")
+                rx, rs = out8[r][0]
+                rows = ref8.dest(r)["rows"]
+                np.testing.assert_array_equal(rx, np.array(
+                    [x8[s][t] for s, t in rows]).reshape(-1, H))
+                np.testing.assert_array_equal(rs, np.array(
+                    [sc8[s][t] for s, t in rows]).reshape(len(rows), -1))
+            # Combine each dispatch on its own group.
+            ys = [epd.float_to_bf16(np.full((len(o[0][0]), H), r + 1, np.float32))
+                  for r, o in enumerate(out8)]
+            comb8 = self.parallel(bufs, lambda r, b: b.combine(ys[r], out8[r][4]))
+            comb = self.parallel(bufs, lambda r, b: b.combine(out[r][0], out[r][4],
+                                                              topk_weights=out[r][2]))
+            for r in range(R):
+                np.testing.assert_array_equal(comb8[r][0], ref8.combine(r, ys))
+                np.testing.assert_array_equal(comb[r][0],
+                                              ref.combine(r, [o[0] for o in out]))
+                np.testing.assert_array_equal(comb[r][1], ref.combined_weights(r))
+        finally:
+            for b in bufs + other:
+                b.destroy()
+
+    def test_process_group_needs_num_experts(self):
+        R, H = 2, 64
+        bufs, _ = self.pg_buffers(R)
+        try:
+            x = np.zeros((4, H), np.uint16)
+            tk = np.tile(np.array([[0, -1]], np.int64), (4, 1))
+            errs = self.parallel(bufs, lambda r, b: _catch(lambda: b.dispatch(x, topk_idx=tk)))
+            for e in errs:
+                self.assertIsInstance(e, epd.InvalidArgument)
+                self.assertIn("num_experts", str(e))
+        finally:
+            for b in bufs:
+                b.destroy()
+        # Given to the constructor, the first dispatch needs nothing else.
+        bufs, _ = self.pg_buffers(R, num_experts=2 * R, max_tokens_per_rank=8)
+        try:
+            out = self.parallel(bufs, lambda r, b: b.dispatch(x, topk_idx=tk))
+            self.assertEqual(bufs[1].group.max_tokens_per_rank, 8)
+            self.assertEqual(len(out[0][0]), 2 * 4)  # expert 0 lives on rank 0
+        finally:
+            for b in bufs:
+                b.destroy()
+
+    def test_mpi_style_comm(self):
+        with socket_in_environment():
+            b = Buffer(None, comm=MpiLikeComm(), num_experts=2)
+        try:
+            x = epd.float_to_bf16(np.arange(8 * 64, dtype=np.float32).reshape(8, 64))
+            tk = np.array([[0], [1], [-1], [0], [1], [0], [-1], [1]], np.int64)
+            rx, ridx, _, counts, handle, _ = b.dispatch(x, topk_idx=tk)
+            np.testing.assert_array_equal(rx, x[tk[:, 0] >= 0])
+            self.assertEqual(counts, [3, 3])
+            cx, _, _ = b.combine(rx, handle)
+            np.testing.assert_array_equal(cx[tk[:, 0] >= 0], x[tk[:, 0] >= 0])
+        finally:
+            b.destroy()
+
+    def test_dispatch_by_is_token_in_rank(self):
+        """Without topk_idx a token goes to the ranks is_token_in_rank names: one row per
+        (source, token) on each, recv_topk_idx and recv_topk_weights None; the expert counts
+        come from num_tokens_per_expert through the process group."""
+        R, E, H, T, K = 3, 6, 64, 16, 2
+        L = E // R
+        rng = np.random.default_rng(41)
+        xs, in_rank, rank_topk, ntes = [], [], [], []
+        for s in range(R):
+            n = T - 2 * s
+            xs.append(epd.float_to_bf16(rng.standard_normal((n, H), dtype=np.float32)))
+            m = np.zeros((n, R), bool)
+            for t in range(n):
+                m[t, rng.permutation(R)[:rng.integers(0, K + 1)]] = True
+            in_rank.append(m)
+            rank_topk.append(np.array([[d * L for d in np.nonzero(row)[0]] +
+                                       [-1] * (K - row.sum()) for row in m], np.int64))
+            ntes.append(rng.integers(0, 9, E).astype(np.int32))
+        ref = Routing(R, E, T, xs, rank_topk)
+        want_counts = [[(int(sum(ntes[s][d * L + i] for s in range(R))) + 1) // 2 * 2
+                        for i in range(L)] for d in range(R)]
+        kw = dict(num_experts=E, hidden=H, max_topk=K)
+        by_name = self.buffers(R, **kw)
+        by_pg, _ = self.pg_buffers(R, max_tokens_per_rank=T, **kw)
+        try:
+            for bufs, counts_known in ((by_name, False), (by_pg, True)):
+                out = self.parallel(bufs, lambda r, b: b.dispatch(
+                    xs[r], is_token_in_rank=in_rank[r], num_tokens_per_expert=ntes[r],
+                    expert_alignment=2))
+                for r, (rx, ridx, rw, counts, handle, ev) in enumerate(out):
+                    rows = ref.dest(r)["rows"]
+                    np.testing.assert_array_equal(rx, np.array(
+                        [xs[s][t] for s, t in rows]).reshape(-1, H))
+                    self.assertEqual((ridx, rw), (None, None))
+                    self.assertEqual(counts, want_counts[r] if counts_known else None)
+                    check_deepep_handle(self, handle, r, R, T, rank_topk, L, rows)
+                rng_w = np.random.default_rng(42)
+                Wr = [rng_w.standard_normal((len(o[0]), K)).astype(np.float32) for o in out]
+                comb = self.parallel(bufs, lambda r, b: b.combine(out[r][0], out[r][4],
+                                                                  topk_weights=Wr[r]))
+                for r, (cx, cw, _) in enumerate(comb):
+                    np.testing.assert_array_equal(cx, ref.combine(r, [o[0] for o in out]))
+                    np.testing.assert_array_equal(cw, ref.combined_weights(r, Wr))
+                cached = self.parallel(bufs, lambda r, b: b.dispatch(xs[r], handle=out[r][4]))
+                for r in range(R):
+                    np.testing.assert_array_equal(cached[r][0], out[r][0])
+            b = by_name[0]
+            x0 = xs[0]
+            for kwargs, what in (
+                    ({}, "is_token_in_rank"),
+                    ({"is_token_in_rank": in_rank[0][:, :2]}, "is_token_in_rank"),
+                    ({"is_token_in_rank": in_rank[0].astype(np.int32)}, "is_token_in_rank"),
+                    ({"is_token_in_rank": in_rank[0],
+                      "topk_weights": np.zeros((len(x0), K), np.float32)}, "topk_weights")):
+                with self.assertRaisesRegex(epd.InvalidArgument, what):
+                    b.dispatch(x0, **kwargs)
+            # A token sent to more ranks than the group's max_topk: refused on every rank.
+            wide = [np.ones((len(x), R), bool) for x in xs]
+            errs = self.parallel(by_name, lambda r, b: _catch(
+                lambda: b.dispatch(xs[r], is_token_in_rank=wide[r])))
+            for e in errs:
+                self.assertIsInstance(e, epd.InvalidArgument)
+                self.assertRegex(str(e), "is_token_in_rank.*3 ranks.*max_topk is 2")
+        finally:
+            for b in by_name + by_pg:
+                b.destroy()
+
+    def test_num_worst_tokens(self):
+        """Outputs of num_worst_tokens rows: the received rows first, then top-k ids -1 and
+        weights 0; an empty count list; combine takes the padded rows."""
+        R, E, H, T, K = 2, 8, 128, 16, 3
+        bufs = self.buffers(R, num_experts=E, hidden=H)
+        try:
+            xs, _, topks, ws = make_inputs(R, E, H, T, K, 51)
+            ref = Routing(R, E, T, xs, topks, ws)
+            W = R * T
+            plain = self.parallel(bufs, lambda r, b: b.dispatch(xs[r], topk_idx=topks[r],
+                                                                topk_weights=ws[r]))
+            out = self.parallel(bufs, lambda r, b: b.dispatch(
+                xs[r], topk_idx=topks[r], topk_weights=ws[r], num_worst_tokens=W))
+            for r, (rx, ridx, rw, counts, handle, ev) in enumerate(out):
+                n = len(plain[r][0])
+                self.assertEqual([len(rx), len(ridx), len(rw)], [W] * 3)
+                self.assertEqual(counts, [])
+                np.testing.assert_array_equal(rx[:n], plain[r][0])
+                np.testing.assert_array_equal(ridx[:n], plain[r][1])
+                np.testing.assert_array_equal(rw[:n], plain[r][2])
+                np.testing.assert_array_equal(ridx[n:], -1)
+                np.testing.assert_array_equal(rw[n:], 0)
+                self.assertLess(n, W)
+                self.assertEqual(handle.num_recv_tokens, n)
+                self.assertEqual(len(handle[3]), n)
+                self.assertIsInstance(ev, EventOverlap)
+            comb = self.parallel(bufs, lambda r, b: b.combine(out[r][0], out[r][4],
+                                                              topk_weights=out[r][2]))
+            for r, (cx, cw, _) in enumerate(comb):
+                np.testing.assert_array_equal(cx, ref.combine(r, [p[0] for p in plain]))
+                np.testing.assert_array_equal(cw, ref.combined_weights(r))
+            # fp8 on the same Buffer, cached dispatches padded as well.
+            x8, sc8, tk8, _ = make_inputs(R, E, H, T, K, 52, dtype="fp8")
+            out8 = self.parallel(bufs, lambda r, b: b.dispatch((x8[r], sc8[r]), topk_idx=tk8[r],
+                                                               num_worst_tokens=W))
+            cached = self.parallel(bufs, lambda r, b: b.dispatch(
+                (x8[r], sc8[r]), handle=out8[r][4], num_worst_tokens=W))
+            rows8 = Routing(R, E, T, x8, tk8)
+            for r in range(R):
+                (rx, rs), (cx8, cs8) = out8[r][0], cached[r][0]
+                rows = rows8.dest(r)["rows"]
+                self.assertEqual((len(rx), len(rs), len(cx8)), (W, W, W))
+                np.testing.assert_array_equal(rx[:len(rows)], np.array(
+                    [x8[s][t] for s, t in rows]).reshape(-1, H))
+                np.testing.assert_array_equal(cx8[:len(rows)], rx[:len(rows)])
+                np.testing.assert_array_equal(cs8[:len(rows)], rs[:len(rows)])
+            # More than the group can deliver: refused before the op, naming the bound.
+            with self.assertRaisesRegex(epd.InvalidArgument, "num_worst_tokens 33.* 32 rows"):
+                bufs[0].dispatch(xs[0], topk_idx=topks[0], num_worst_tokens=W + 1)
+            # Fewer than some rank receives: the op fails on every rank.
+            errs = self.parallel(bufs, lambda r, b: _catch(lambda: b.dispatch(
+                xs[r], topk_idx=topks[r], num_worst_tokens=2)))
+            for e in errs:
+                self.assertIsInstance(e, epd.CapacityExceeded)
+        finally:
+            for b in bufs:
+                b.destroy()
+
+    def test_keyword_buffer_second_dtype(self):
+        """A Buffer made by name serves the other dtype with a group named <name>.<dtype>."""
+        R, E, H, T, K = 2, 8, 128, 16, 2
+        bufs = self.buffers(R, num_experts=E, hidden=H)
+        try:
+            x8, sc8, tk8, _ = make_inputs(R, E, H, T, K, 61, dtype="fp8")
+            out = self.parallel(bufs, lambda r, b: b.dispatch((x8[r], sc8[r]), topk_idx=tk8[r]))
+            ref = Routing(R, E, T, x8, tk8)
+            for r, b in enumerate(bufs):
+                g = b._groups["fp8"]
+                self.assertEqual(b._group_name("fp8"), b._name + ".fp8")
+                self.assertEqual((g.dtype, g.num_experts, g.hidden, g.max_tokens_per_rank,
+                                  g.max_topk), ("fp8", E, H, 16, 4))
+                rows = ref.dest(r)["rows"]
+                np.testing.assert_array_equal(out[r][0][0], np.array(
+                    [x8[s][t] for s, t in rows]).reshape(-1, H))
+        finally:
+            for b in bufs:
+                b.destroy()
+
+    def test_names_and_events(self):
+        import epd.compat.deep_ep as de
+        R = 2
+        bufs = self.buffers(R)
+        try:
+            b = bufs[0]
+            for call, name in ((lambda: b.runtime, "runtime"),
+                               (lambda: b.get_local_buffer_tensor(np.uint8),
+                                "get_local_buffer_tensor"),
+                               (lambda: b.get_comm_stream(), "get_comm_stream")):
+                with self.assertRaisesRegex(NotImplementedError, name):
+                    call()
+            with self.assertRaisesRegex(NotImplementedError, "enable_shrink"):
+                Buffer(unique("shrink"), rank=0, secret=SECRET, socket=DAEMON["socket"],
+                       enable_shrink=True)
+            with self.assertRaisesRegex(epd.InvalidArgument, "process group"):
+                Buffer(object())
+            self.assertEqual(de.topk_idx_t, np.dtype(np.int64))
+            ns = {}
+            exec("from epd.compat.deep_ep import *", ns)
+            for name in ("Buffer", "Config", "EventOverlap", "topk_idx_t", "is_sm90_compiled"):
+                self.assertIn(name, ns)
+            self.assertIsInstance(de.is_sm90_compiled(), bool)
+            self.assertEqual(Buffer.is_sm90_compiled(), de.is_sm90_compiled())
+            cfg = Buffer.get_dispatch_config(R)
+            self.assertIsInstance(cfg, de.Config)
+            self.assertIsInstance(Buffer.get_combine_config(R), de.Config)
+            self.assertEqual(cfg.get_nvl_buffer_size_hint(7168 * 2, R), 0)
+            old = Buffer.num_sms
+            try:
+                Buffer.set_num_sms(old + 2)
+                self.assertEqual(Buffer.get_dispatch_config(R).num_sms, old + 2)
+                self.assertEqual(b.num_sms, old + 2)
+            finally:
+                Buffer.set_num_sms(old)
+            ev = Buffer.capture()
+            self.assertIsInstance(ev, EventOverlap)
+            with ev as inside:
+                self.assertIs(inside, ev)
+            self.assertEqual((b.num_nvl_bytes, b.num_rdma_bytes, b.low_latency_mode),
+                             (0, 0, False))
+        finally:
+            for b in bufs:
+                b.destroy()
 
     def test_creator_needs_shape(self):
         with self.assertRaises(epd.InvalidArgument):
