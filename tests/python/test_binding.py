@@ -1180,6 +1180,12 @@ class TestDeepEPCompat(unittest.TestCase):
             out = self.parallel(bufs, lambda r, b: b.dispatch(x, topk_idx=tk))
             self.assertEqual(bufs[1].group.max_tokens_per_rank, 8)
             self.assertEqual(len(out[0][0]), 2 * 4)  # expert 0 lives on rank 0
+            # More tokens than the agreed bound: refused on every rank.
+            x9, tk9 = np.zeros((9, H), np.uint16), np.tile(tk[:1], (9, 1))
+            errs = self.parallel(bufs, lambda r, b: _catch(lambda: b.dispatch(x9, topk_idx=tk9)))
+            for e in errs:
+                self.assertIsInstance(e, epd.InvalidArgument)
+                self.assertIn("max_tokens_per_rank 8", str(e))
         finally:
             for b in bufs:
                 b.destroy()

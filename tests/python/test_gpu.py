@@ -8,9 +8,13 @@
   caller outputs are views of one ``Client.device_alloc`` allocation per rank.
 * TestDeepEPIntranode: DeepEP's intranode test through epd.compat.deep_ep with CUDA tensors:
   x holds its source rank's number, so every received row must equal its source rank (rows are
-  ordered by source rank); combining the untouched received rows and dividing by the number of
-  ranks each token reached gives x back, exactly in bf16. combine uses async_finish, so its
-  output is read after event.current_stream_wait() without a host wait. Ranks 2 and 4.
+  ordered by source rank, handle[0] column rank bounds them); combining the untouched received
+  rows and dividing by the number of ranks each token reached gives x back, exactly in bf16.
+  combine uses async_finish, so its output is read after event.current_stream_wait() without a
+  host wait. Also the cached dispatch, dispatch routed by is_token_in_rank alone,
+  num_worst_tokens (fixed shapes, no host wait) and fp8 on the same Buffer. Ranks 2 and 4,
+  with the Buffer made by group name and (``*_process_group``) from a torch.distributed gloo
+  process group, DeepEP's way.
 * TestInProcess: the registration cache (one region per CUDA allocation), stream ordering (the
   daemon waits for the stream's earlier work; Future.stream_wait orders the stream after the
   op), caller outputs, recv_capacity and CAPACITY_EXCEEDED, arena outputs copied to the device,
@@ -450,16 +454,23 @@ class TestTorchMatchesHost(unittest.TestCase):
 
 # ---- (b) DeepEP's intranode test through the DeepEP front ----
 
-def deepep_intranode(buf, rank, R, device, seed, steps=2):
+def deepep_intranode(buf, rank, R, device, seed, steps=2, shape=None):
     """DeepEP's intranode check on ``buf`` (an epd.compat.deep_ep.Buffer) for this rank.
 
     Every rank derives every rank's routing from ``seed``, so it knows which source each
-    received row must come from. Works on CPU and CUDA tensors.
+    received row must come from. ``shape`` is (T, H, E, K) (default: the Buffer's group).
+    Works on CPU and CUDA tensors. Per step: dispatch with top-k (async_finish), DeepEP's
+    handle[0], combine, cached dispatch (DeepEP's return values), dispatch routed by
+    is_token_in_rank alone, num_worst_tokens, and fp8 (a second epd group of the Buffer)
+    where torch has float8_e4m3fn.
     """
     import torch
-    g = buf.group
-    T, H, E, K = g.max_tokens_per_rank, buf.hidden, buf.num_experts, min(g.max_topk, 4)
+    if shape is None:
+        g = buf.group
+        shape = (g.max_tokens_per_rank, buf.hidden, buf.num_experts, min(g.max_topk, 4))
+    T, H, E, K = shape
     L = E // R
+    fp8 = getattr(torch, "float8_e4m3fn", None)
     for step in range(steps):
         topks, weights = [], []
         for s in range(R):
@@ -492,43 +503,97 @@ def deepep_intranode(buf, rank, R, device, seed, steps=2):
         event.current_stream_wait()
         per_source = [int(in_rank_np[s][:, rank].sum()) for s in range(R)]
         sources = np.repeat(np.arange(R), per_source)
-        assert recv_x.shape == (len(sources), H), (recv_x.shape, len(sources))
+        nrecv = len(sources)
+        assert recv_x.shape == (nrecv, H), (recv_x.shape, nrecv)
         assert recv_x.device == x.device and recv_x.dtype == torch.bfloat16
         rx = recv_x.float()
-        assert bool((rx.amax(dim=1) == rx.amin(dim=1)).all()) if len(sources) else True
-        got = rx[:, 0].cpu().numpy() if len(sources) else np.zeros(0)
+        assert bool((rx.amax(dim=1) == rx.amin(dim=1)).all()) if nrecv else True
+        got = rx[:, 0].cpu().numpy() if nrecv else np.zeros(0)
         assert np.array_equal(got, sources.astype(np.float32)), (got, sources)
         assert list(handle.rank_prefix) == list(np.concatenate([[0], np.cumsum(per_source)]))
+        # DeepEP's check_data: rows rank_prefix_matrix[s - 1][rank]:[s][rank] are from s.
+        rpm = handle[0]
+        assert rpm.shape == (R, R) and rpm.dtype == torch.int32 and rpm.device == x.device
+        assert rpm[:, rank].cpu().tolist() == np.cumsum(per_source).tolist()
+        assert handle[3].cpu().tolist() == [t for s in range(R)
+                                            for t in np.nonzero(in_rank_np[s][:, rank])[0]]
         # Received top-k: local ids of this rank's experts, -1 elsewhere; counts per expert.
         ridx = recv_idx.cpu().numpy()
         want_idx = np.concatenate([np.where(dest[s][in_rank_np[s][:, rank]] == rank,
                                             topks[s][in_rank_np[s][:, rank]] % L, -1)
-                                   for s in range(R)]) if len(sources) else ridx
+                                   for s in range(R)]) if nrecv else ridx
         assert np.array_equal(ridx, want_idx)
         assert counts == [int((ridx == i).sum()) for i in range(L)], counts
         want_w = np.concatenate([np.where(dest[s][in_rank_np[s][:, rank]] == rank,
                                           weights[s][in_rank_np[s][:, rank]], 0)
-                                 for s in range(R)]) if len(sources) else None
+                                 for s in range(R)]) if nrecv else None
         if want_w is not None:
             assert np.array_equal(recv_w.cpu().numpy(), want_w.astype(np.float32))
 
         # Combine the untouched rows: each token comes back once per rank it reached.
+        reached = in_rank.sum(dim=1).to(torch.float32)
+        hit = reached > 0
+
+        def check_combined(combined):
+            cf = combined.float()
+            back = cf[hit] / reached[hit].unsqueeze(1)
+            assert bool((back == x.float()[hit]).all()), "combined / reached != x"
+            assert bool((cf[~hit] == 0).all()), "tokens that reached no rank did not combine to 0"
+
         combined, combined_w, event = buf.combine(recv_x, handle, topk_weights=recv_w,
                                                   async_finish=True)
         event.current_stream_wait()  # the current stream reads `combined` after the op
-        reached = in_rank.sum(dim=1).to(torch.float32)
-        cf = combined.float()
-        hit = reached > 0
-        back = cf[hit] / reached[hit].unsqueeze(1)
-        assert bool((back == x.float()[hit]).all()), "combined / reached != x"
-        assert bool((cf[~hit] == 0).all()), "tokens that reached no rank did not combine to 0"
+        check_combined(combined)
         assert np.array_equal(combined_w.cpu().numpy(),
                               np.where(topks[rank] >= 0, weights[rank], 0).astype(np.float32))
-        # A cached dispatch of 2x: same rows, values doubled.
-        recv2, idx2, _, counts2, handle2, _ = buf.dispatch(x * 2, handle=handle)
-        assert idx2 is None and counts2 is None and handle2 is handle
-        if len(sources):
+        # A cached dispatch of 2x: same rows, values doubled; DeepEP's return values.
+        recv2, idx2, w2, counts2, handle2, event2 = buf.dispatch(x * 2, handle=handle)
+        assert (idx2, w2, counts2, handle2) == (None, None, None, None)
+        event2.current_stream_wait()
+        if nrecv:
             assert np.array_equal(recv2.float()[:, -1].cpu().numpy(), 2 * sources)
+
+        # Routed by is_token_in_rank alone: the same rows, no top-k outputs.
+        recv3, idx3, w3, counts3, handle3, _ = buf.dispatch(
+            x, num_tokens_per_rank=ntr, is_token_in_rank=in_rank, num_tokens_per_expert=nte)
+        assert idx3 is None and w3 is None
+        assert torch.equal(recv3, recv_x)
+        # The expert counts come from num_tokens_per_expert through the process group.
+        assert counts3 == (counts if buf._comm is not None else None), (counts3, counts)
+        assert handle3[0][:, rank].cpu().tolist() == np.cumsum(per_source).tolist()
+        combined3, _, _ = buf.combine(recv3, handle3)
+        check_combined(combined3)
+
+        # num_worst_tokens: fixed shapes, the rows received first, then top-k ids -1.
+        W = R * T
+        recv4, idx4, w4, counts4, handle4, event4 = buf.dispatch(
+            x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=ntr,
+            is_token_in_rank=in_rank, num_tokens_per_expert=nte, num_worst_tokens=W,
+            async_finish=True)
+        event4.current_stream_wait()
+        assert counts4 == [] and recv4.shape == (W, H) and idx4.shape == (W, K)
+        assert torch.equal(recv4[:nrecv], recv_x) and torch.equal(idx4[:nrecv], recv_idx)
+        assert bool((idx4[nrecv:] == -1).all())
+        assert torch.equal(w4[:nrecv], recv_w)
+        combined4, combined_w4, event4 = buf.combine(recv4, handle4, topk_weights=w4,
+                                                     async_finish=True)
+        event4.current_stream_wait()
+        check_combined(combined4)
+        assert torch.equal(combined_w4, combined_w)
+
+        if fp8 is not None:
+            # fp8 (e4m3 with per-128-channel scales 1): the same rows, through the Buffer's
+            # fp8 group, made by this first fp8 call.
+            x8 = x.float().to(fp8)
+            scales = torch.ones((n, H // 128), dtype=torch.float32, device=device)
+            (r8, s8), idx8, _, counts8, handle8, _ = buf.dispatch(
+                (x8, scales), topk_idx=topk_idx, num_tokens_per_rank=ntr,
+                is_token_in_rank=in_rank, num_tokens_per_expert=nte)
+            assert r8.shape == (nrecv, H) and s8.shape == (nrecv, H // 128)
+            assert torch.equal(r8.float(), recv_x.float()) and torch.equal(idx8, recv_idx)
+            assert counts8 == counts
+            combined8, _, _ = buf.combine(recv_x, handle8)
+            check_combined(combined8)
         buf.synchronize()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -547,11 +612,43 @@ def deepep_worker(rank, R, sock, name, seed):
         buf.destroy()
 
 
-class TestDeepEPIntranode(unittest.TestCase):
-    def run_r(self, R):
-        name = "deepep-gpu-%d-%d" % (os.getpid(), R)
+def deepep_pg_worker(rank, R, sock, port, seed):
+    """DeepEP's way: torch.distributed first, then Buffer(group); the daemon from
+    $EPD_SOCKET; the epd groups made by the first call of each dtype."""
+    import torch.distributed as dist
+    from epd.compat.deep_ep import Buffer
+    os.environ["EPD_SOCKET"] = sock
+    dev = _cuda_device(rank)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
+                            world_size=R)
+    try:
+        H, E = 2048, 8 * R
+        buf = Buffer(dist.group.WORLD, int(1e9), 0, max_tokens_per_rank=128)
         try:
-            run_ranks(deepep_worker, R, (R, DAEMONS["cuda"]["socket"], name, 900 + R))
+            # T, H, E, K: the first dispatch agrees hidden and top-k, num_experts comes from
+            # get_dispatch_layout.
+            return deepep_intranode(buf, rank, R, dev, seed, shape=(128, H, E, 4))
+        finally:
+            buf.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socketlib.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TestDeepEPIntranode(unittest.TestCase):
+    def run_r(self, R, pg=False):
+        name = "deepep-gpu-%d-%d" % (os.getpid(), R)
+        sock = DAEMONS["cuda"]["socket"]
+        try:
+            if pg:
+                run_ranks(deepep_pg_worker, R, (R, sock, _free_port(), 950 + R))
+            else:
+                run_ranks(deepep_worker, R, (R, sock, name, 900 + R))
         except AssertionError as e:
             raise AssertionError("%s\n--- cuda daemon log ---\n%s" % (e, daemon_log("cuda")))
 
@@ -560,6 +657,12 @@ class TestDeepEPIntranode(unittest.TestCase):
 
     def test_r4(self):
         self.run_r(4)
+
+    def test_r2_process_group(self):
+        self.run_r(2, pg=True)
+
+    def test_r4_process_group(self):
+        self.run_r(4, pg=True)
 
 
 # ---- (c) in this process ----

@@ -416,22 +416,35 @@ class TestDeepEPTorch(unittest.TestCase):
 
     def test_intranode_rank_pattern(self):
         """DeepEP's intranode test on CPU tensors: see test_gpu.deepep_intranode."""
-        import threading
-        import test_gpu
         R = 3
         name = tb.unique("deepep-cpu")
+        self.run_ranks(R, lambda r: Buffer(
+            name, rank=r, secret=tb.SECRET, socket=tb.DAEMON["socket"], world_size=R,
+            num_experts=4 * R, hidden=128, max_tokens_per_rank=32, max_topk=4), seed=5)
+
+    def test_intranode_process_group(self):
+        """The same through Buffers made from a process group (threads), DeepEP's way."""
+        R, T, H = 2, 32, 128
+        groups = tb.ThreadGroup.world(R)
+        with tb.socket_in_environment():
+            self.run_ranks(R, lambda r: Buffer(groups[r], 1 << 20, 0, max_tokens_per_rank=T,
+                                               device=0),
+                           seed=6, shape=(T, H, 4 * R, 4))
+
+    def run_ranks(self, R, make, **kw):
+        """test_gpu.deepep_intranode on CPU tensors, one thread per rank with make(rank)'s
+        Buffer."""
+        import threading
+        import traceback
+        import test_gpu
         bufs = [None] * R
         errors = []
 
         def run(r):
             try:
-                b = Buffer(name, rank=r, secret=tb.SECRET, socket=tb.DAEMON["socket"],
-                           world_size=R, num_experts=4 * R, hidden=128, max_tokens_per_rank=32,
-                           max_topk=4)
-                bufs[r] = b
-                test_gpu.deepep_intranode(b, r, R, torch.device("cpu"), seed=5)
+                bufs[r] = make(r)
+                test_gpu.deepep_intranode(bufs[r], r, R, torch.device("cpu"), **kw)
             except Exception:
-                import traceback
                 errors.append(traceback.format_exc())
 
         threads = [threading.Thread(target=run, args=(r,)) for r in range(R)]

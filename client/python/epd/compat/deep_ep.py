@@ -1,63 +1,118 @@
-"""DeepEP's normal-mode ``Buffer`` over an epd group.
+"""DeepEP's ``Buffer`` over epd groups.
 
 Code written for ``deep_ep.Buffer`` keeps its calls and their results::
 
     from epd.compat.deep_ep import Buffer
 
-    buf = Buffer("layer0", rank=rank, secret=secret, socket=sock, world_size=R,
-                 num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K)
+    buf = Buffer(group, num_nvl_bytes)          # a torch.distributed process group
     num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = \\
         buf.get_dispatch_layout(topk_idx, E)
-    recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, _ = \\
+    recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event = \\
         buf.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights,
                      num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
                      num_tokens_per_expert=num_tokens_per_expert)
-    combined_x, combined_topk_weights, _ = buf.combine(expert_out, handle, topk_weights=...)
+    combined_x, combined_topk_weights, event = buf.combine(expert_out, handle,
+                                                           topk_weights=recv_topk_weights)
 
 Results follow DeepEP's normal (NON_EXPAND) dispatch: one row per (source rank, token) that
-selected an expert of this rank, ordered by source rank then token (DeepEP's reference order);
+goes to this rank, ordered by source rank then token (DeepEP's reference order);
 ``recv_topk_idx`` holds local expert ids and -1 for experts elsewhere; combine sums the rows
 sent back (plus the biases) in fp32 and rounds once to bf16 (docs/semantics.md section 3).
 
-What differs from DeepEP:
+The Buffer:
 
-* The constructor takes the epd group's name, this process's rank, the group secret and the
-  daemon's socket (or an existing :class:`epd.Group`) instead of a torch process group and
-  buffer sizes; the group's shape (world size, experts, hidden, token and top-k bounds, dtype)
-  is given to the rank that creates it (rank 0 unless ``create`` says otherwise).
-* Events: ``previous_event`` (a DeepEP-style :class:`EventOverlap` or a ``torch.cuda.Event``)
-  is waited for on the GPU before the op reads its inputs; with CUDA tensors every op also
-  waits for the work queued on the current stream, without a host synchronisation. The
-  returned event is None unless ``async_finish=True``; then it is an :class:`EventOverlap`
-  whose ``current_stream_wait()`` makes the current stream wait for the op. dispatch always
-  waits for its op on the host (its output sizes come from the counts, as in DeepEP's
-  CPU-synchronised normal mode), so its event has nothing left to wait for; combine with
-  ``async_finish=True`` returns at once with its output tensors, which the current stream may
-  use after ``event.current_stream_wait()``. Its errors are raised by the buffer's next call
-  (or :meth:`Buffer.synchronize`). ``allocate_on_comm_stream`` and ``config`` are ignored
-  (epd sizes its own buffers).
-* ``num_tokens_per_rank``, ``num_tokens_per_rdma_rank``, ``is_token_in_rank`` and
-  ``num_tokens_per_expert`` are accepted and ignored by ``dispatch``: epd derives the routing
-  from ``topk_idx`` itself.
-* The handle is an :class:`epd.Handle`, released when it is garbage collected (as DeepEP's
-  tensors are freed); ``handle.rank_prefix`` holds the rows per source rank (DeepEP's
-  ``rank_prefix_matrix`` column of this rank, as a prefix sum). A cached dispatch returns the
-  same handle (DeepEP returns None), and the received weights when new ``topk_weights`` are
-  given.
-* ``combine(topk_weights=W)`` passes ``W`` (``[num_recv_tokens, K]`` float32, this rank's
-  weights per received row: its ``recv_topk_weights``, possibly changed) as the combine's
-  ``recv_weights``, and ``combined_topk_weights`` is their sum over the ranks each token went
-  to, in ascending rank, as DeepEP's combine sums them (in fp32, docs/semantics.md section 3);
-  this holds after a dispatch without weights and after a cached dispatch as well.
-* Tensors: torch CUDA tensors (the cuda backend; see :mod:`epd.tensors`) stay on the GPU:
-  outputs are device tensors, allocated per dispatch with room for the group's worst case
-  unless the buffer's ``recv_capacity`` bounds the rows. CPU torch tensors and NumPy arrays
-  (bf16 as uint16 bits, floats rounded to bf16 on the way in; fp8 as uint8 e4m3 bytes with
-  float32 scales, passed as ``(x, x_scales)`` as in DeepEP) go through host shared memory;
-  their outputs are copies by default (``copy_outputs=True``); ``copy_outputs=False``
-  returns views of the output arena, valid until the handle is released.
-* Not supported: internode (RDMA) buffers, ``num_worst_tokens`` > 0, and the EXPAND layout
-  (use :meth:`epd.Group.dispatch` with ``layout='expand'``).
+* ``Buffer(group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, ...)`` takes a
+  ``torch.distributed`` process group (or ``comm=``, an mpi4py communicator; or any object
+  with ``rank()``, ``size()`` and ``all_gather_object(obj)``). Rank and world size come from
+  it; the constructor is collective: rank 0 draws a random epd group name and secret and
+  every rank receives them through the group. The daemon is at ``socket=`` (None:
+  ``$EPD_SOCKET``, else ``/run/epd/epd.sock``), the device torch's current CUDA device.
+* The epd group name, ``rank=`` and ``secret=`` (and on the creating rank the shape:
+  ``world_size``, ``num_experts``, ``hidden``, ``max_tokens_per_rank``, ``max_topk``,
+  ``dtype``) still make a Buffer; so does an :class:`epd.Group` (served alone, one dtype).
+* One Buffer serves bf16 and fp8 calls: an epd group per dtype, ``<name>.bf16`` and
+  ``<name>.fp8`` (by name: the given name for the constructor's ``dtype``, ``<name>.<dtype>``
+  for the other). **The first call of each dtype is collective**: every rank makes it
+  together (as every dispatch is), the creating rank makes the group and the others join it.
+  Made from a process group, that first call also agrees the group's shape through it (one
+  all-gather): ``hidden`` from ``x``; ``max_topk`` the widest ``topk_idx`` (the world size for
+  a dispatch without ``topk_idx``); ``max_tokens_per_rank`` the most tokens of any rank; and
+  ``num_experts`` from ``get_dispatch_layout`` or ``num_tokens_per_expert``. Keywords of the
+  same names fix them instead; give ``max_tokens_per_rank`` when later calls may carry more
+  tokens than the first, which epd refuses (INVALID_ARGUMENT). Later dtypes' groups take the
+  first group's shape. Later calls make no collective of their own (but see dispatch without
+  ``topk_idx``).
+* ``self.group`` is the epd group of the first dtype (the process group is not kept);
+  ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank``, ``allow_nvlink_*``,
+  ``allow_mnnvl`` and ``explicitly_destroy`` are kept and unused (epd sizes its buffers from
+  the group's shape); ``destroy()`` leaves the groups.
+
+dispatch:
+
+* With ``topk_idx`` the routing comes from it; ``num_tokens_per_rank``, ``is_token_in_rank``
+  and ``num_tokens_per_expert`` are then not read.
+* Without ``topk_idx`` (and without ``topk_weights``), ``is_token_in_rank`` bool ``[N, R]``
+  routes: token t goes once to every rank r with ``is_token_in_rank[t, r]``. epd runs it as a
+  NON_EXPAND dispatch whose top-k ids are, for each such r, the first expert of r (``r·L``),
+  packed into ``min(R, max_topk)`` columns; a token sent to more ranks than that is
+  INVALID_ARGUMENT (checking it waits on the host when ``R > max_topk``).
+  ``recv_topk_idx`` and ``recv_topk_weights`` are None, as in DeepEP;
+  ``num_recv_tokens_per_expert_list`` is DeepEP's (every rank's ``num_tokens_per_expert`` for
+  this rank's experts, summed and aligned) when the Buffer has a process group (one
+  all-gather per call), else None. A later combine with ``topk_weights`` takes ``[rows,
+  min(R, max_topk)]``.
+* ``num_worst_tokens`` > 0: every output has that many rows, the received ones first; the
+  padding rows have top-k ids -1 and weights 0 (``recv_x`` padding is unspecified); the
+  count list is empty. At most ``world_size * max_tokens_per_rank`` (else INVALID_ARGUMENT
+  naming it); a rank receiving more rows fails the op on every rank (CAPACITY_EXCEEDED). With
+  CUDA tensors the call does not wait on the host: the outputs are written when the op
+  reaches them on the stream (``async_finish``: after ``event.current_stream_wait()``), and
+  the handle waits on the host at its first use (an index, a combine, a cached dispatch).
+  NumPy arrays and CPU tensors are padded after the op. combine takes the padded rows.
+* A cached dispatch (``handle=``) returns ``(recv_x, None, None, None, None, event)`` as
+  DeepEP's; new ``topk_weights`` are allowed and come back in the third place. Combine uses
+  the first dispatch's handle; after a cached dispatch without weights,
+  ``combine(..., topk_weights=W)`` returns the reduction of ``W``.
+* ``num_tokens_per_rdma_rank``, ``config``, ``allocate_on_comm_stream`` are not read.
+
+The handle (:class:`DispatchHandle`) indexes as DeepEP's intranode tuple
+``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+is_token_in_rank, send_head)``, computed on first access: ``[0]`` int32 ``[R, R]`` whose
+column ``rank`` is DeepEP's (``[s][rank]`` ends the rows from sources ``0..s``) and whose
+other columns are -1 (the daemon reports this rank's column only); ``[1]`` int32 ``[R, 1]``
+the tokens sent to each rank (one channel); ``[2]`` int32 ``[R, 1]`` the first row from each
+source; ``[3]`` int32 each row's token index on its source; ``[4]`` the sender's
+``is_token_in_rank``; ``[5]`` int32 ``[N, R]`` a token's position among those sent to that
+rank, -1 where not sent. ``handle.epd`` is the :class:`epd.Handle` (released when the
+DispatchHandle is garbage collected, as DeepEP's tensors are freed), ``handle.rank_prefix``
+the rows per source as ``[R + 1]`` offsets.
+
+Events: every op returns an :class:`EventOverlap` (``current_stream_wait()``, a context
+manager). ``previous_event`` (an EventOverlap or a ``torch.cuda.Event``) is waited for on the
+GPU before the op reads its inputs; with CUDA tensors every op also waits for the work queued
+on the current stream, without a host synchronisation. dispatch waits for its op on the host
+(its output sizes come from the counts, as in DeepEP's CPU-synchronised normal mode) unless
+``num_worst_tokens`` is given; combine with ``async_finish=True`` returns at once with its
+output tensors, which the current stream may use after ``event.current_stream_wait()``.
+Errors of such ops are raised by the buffer's next call (or :meth:`Buffer.synchronize`).
+Without ``async_finish`` the event has nothing to wait for.
+
+Tensors: torch CUDA tensors (the cuda backend; see :mod:`epd.tensors`) stay on the GPU:
+outputs are device tensors, allocated per dispatch with room for the group's worst case unless
+the buffer's ``recv_capacity`` bounds the rows. CPU torch tensors and NumPy arrays (bf16 as
+uint16 bits, floats rounded to bf16 on the way in; fp8 as uint8 e4m3 bytes with float32
+scales, passed as ``(x, x_scales)`` as in DeepEP) go through host shared memory; their outputs
+are copies by default (``copy_outputs=True``); ``copy_outputs=False`` returns views of the
+output arena, valid until the handle is released.
+
+Other names: ``Config`` (kept, never read; size hints 0), ``topk_idx_t`` (int64),
+``Buffer.capture``, ``is_sm90_compiled`` (libepd has its CUDA kernels), ``set_num_sms`` /
+``num_sms``, ``get_dispatch_config`` / ``get_combine_config`` (a Config with ``num_sms``),
+``get_comm_stream`` (torch's current stream: epd orders its ops there).
+
+Not supported, raising NotImplementedError that names them: internode (RDMA) buffers,
+``runtime`` (DeepEP's C++ runtime), ``get_local_buffer_tensor``, ``enable_shrink``. The EXPAND
+layout is :meth:`epd.Group.dispatch` with ``layout='expand'``.
 
 Low-latency mode (``Buffer(..., low_latency_mode=True)``) runs over a client-executed group
 (docs/client-execution.md) whose buffers hold fixed expert blocks of C = R·T rows
@@ -320,7 +375,7 @@ def _rank_topk(is_token_in_rank, num_tokens, R, L, K):
             if most > K:
                 raise InvalidArgument("is_token_in_rank sends a token to %d ranks; the group's "
                                       "max_topk is %d" % (most, K))
-            order = torch.argsort((~m).to(torch.int8), dim=1, stable=True)
+            order = torch.sort((~m).to(torch.int8), dim=1, stable=True)[1]
             tk = tk.gather(1, order)[:, :K].contiguous()
         return tk
     first = np.arange(R, dtype=np.int64) * L
@@ -348,8 +403,13 @@ def _pad_rows(value, rows, fill):
         return None
     if _is_torch(value):
         torch = tensors.torch_module()
-        out = torch.full((rows,) + tuple(value.shape[1:]), fill, dtype=value.dtype,
-                         device=value.device)
+        shape = (rows,) + tuple(value.shape[1:])
+        if fill == 0:  # as bytes: fp8 tensors cannot be filled
+            nbytes = int(np.prod(shape, dtype=np.int64)) * value.element_size()
+            out = torch.zeros(nbytes, dtype=torch.uint8, device=value.device).view(
+                value.dtype).view(shape)
+        else:
+            out = torch.full(shape, fill, dtype=value.dtype, device=value.device)
     else:
         out = np.full((rows,) + value.shape[1:], fill, dtype=value.dtype)
     out[:value.shape[0]] = value
