@@ -1190,6 +1190,33 @@ class TestDeepEPCompat(unittest.TestCase):
             for b in bufs:
                 b.destroy()
 
+    def test_process_group_low_latency(self):
+        """low_latency_mode from a process group: the constructor makes the client-executed
+        group from the shape keywords, which every rank must give."""
+        R, T, H, K = 2, 4, 256, 2
+        with self.assertRaisesRegex(epd.InvalidArgument, "hidden, max_tokens_per_rank"):
+            Buffer(ThreadGroup.world(1)[0], low_latency_mode=True, num_experts=4, max_topk=K)
+        bufs, _ = self.pg_buffers(R, low_latency_mode=True, num_experts=4 * R, hidden=H,
+                                  max_tokens_per_rank=T, max_topk=K, op_timeout_ms=20000)
+        try:
+            for b in bufs:
+                g = b.group
+                self.assertEqual((g.execution, g.expert_block_rows, g.world_size, g.quantize),
+                                 ("client", R * T, R, True))
+            x = [epd.float_to_bf16(np.full((T, H), r + 1, np.float32)) for r in range(R)]
+            tk = [np.tile(np.array([[0, 4 * R - 1]], np.int64), (T, 1)) for _ in range(R)]
+            out = self.parallel(bufs, lambda r, b: b.low_latency_dispatch(
+                x[r], tk[r], T, 4 * R, use_fp8=False))
+            for r, (recv_x, recv_count, handle, _, _) in enumerate(out):
+                # Expert 0 lives on rank 0, the last expert on the last rank.
+                local = 0 if r == 0 else 3
+                self.assertEqual(int(recv_count[local]), R * T)
+                got = epd.bf16_to_float(recv_x[local])
+                np.testing.assert_array_equal(got[:, 0], np.repeat(np.arange(1, R + 1), T))
+        finally:
+            for b in bufs:
+                b.destroy()
+
     def test_mpi_style_comm(self):
         with socket_in_environment():
             b = Buffer(None, comm=MpiLikeComm(), num_experts=2)
@@ -1366,7 +1393,8 @@ class TestDeepEPCompat(unittest.TestCase):
                        enable_shrink=True)
             with self.assertRaisesRegex(epd.InvalidArgument, "process group"):
                 Buffer(object())
-            self.assertEqual(de.topk_idx_t, np.dtype(np.int64))
+            torch = epd.tensors.torch_module()
+            self.assertEqual(de.topk_idx_t, torch.int64 if torch else np.dtype(np.int64))
             ns = {}
             exec("from epd.compat.deep_ep import *", ns)
             for name in ("Buffer", "Config", "EventOverlap", "topk_idx_t", "is_sm90_compiled"):

@@ -630,6 +630,12 @@ class Buffer:
                 raise InvalidArgument("world_size %d differs from the process group's size %d"
                                       % (world_size, self._comm.size))
             self._shape["world_size"] = self._comm.size
+            if self.low_latency_mode:
+                missing = [k for k in ("num_experts", "hidden", "max_tokens_per_rank",
+                                       "max_topk") if self._shape[k] is None]
+                if missing:
+                    raise InvalidArgument("low_latency_mode with a process group needs " +
+                                          ", ".join(missing))
             ident = None
             if self.rank == 0:
                 ident = ("deep_ep-" + secrets.token_hex(8), secrets.token_hex(32))
