@@ -612,22 +612,26 @@ def deepep_worker(rank, R, sock, name, seed):
         buf.destroy()
 
 
-def deepep_pg_worker(rank, R, sock, port, seed):
-    """DeepEP's way: torch.distributed first, then Buffer(group); the daemon from
-    $EPD_SOCKET; the epd groups made by the first call of each dtype."""
+def deepep_pg_worker(rank, R, sock, port, seed, cpu=False):
+    """DeepEP's way: torch.distributed (gloo) first, then Buffer(group); the daemon from
+    $EPD_SOCKET; the epd groups made by the first call of each dtype. ``cpu``: CPU tensors
+    (a host-backend daemon). Returns the epd group name the ranks agreed."""
+    import torch
     import torch.distributed as dist
     from epd.compat.deep_ep import Buffer
     os.environ["EPD_SOCKET"] = sock
-    dev = _cuda_device(rank)
+    dev = torch.device("cpu") if cpu else _cuda_device(rank)
+    T, H = (32, 128) if cpu else (128, 2048)
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
                             world_size=R)
     try:
-        H, E = 2048, 8 * R
-        buf = Buffer(dist.group.WORLD, int(1e9), 0, max_tokens_per_rank=128)
+        buf = Buffer(dist.group.WORLD, int(1e9), 0, max_tokens_per_rank=T,
+                     **({"device": 0} if cpu else {}))
         try:
-            # T, H, E, K: the first dispatch agrees hidden and top-k, num_experts comes from
+            # The first dispatch agrees hidden and top-k; num_experts comes from
             # get_dispatch_layout.
-            return deepep_intranode(buf, rank, R, dev, seed, shape=(128, H, E, 4))
+            deepep_intranode(buf, rank, R, dev, seed, shape=(T, H, 8 * R, 4))
+            return buf._name
         finally:
             buf.destroy()
     finally:

@@ -5,8 +5,9 @@ only where memory comes from differs (CPU tensors: shared-memory regions and sta
 tensors: registered device allocations). These tests run that plumbing here, without a GPU:
 descriptors from tensor pointers, strided and non-contiguous inputs, zero-token ranks, output
 tensors allocated per dispatch or given by the caller (``out=``), capacity errors, dtypes, the
-CombineResult, cached dispatch, the DeepEP front's torch layout, and the loader's search order.
-Skipped without torch. tests/python/test_gpu.py covers CUDA tensors on a GPU host.
+CombineResult, cached dispatch, the DeepEP front's torch layout and its intranode check (a
+Buffer by group name, from a process group of threads, and from a torch.distributed gloo
+group of processes), and the loader's search order. Skipped without torch. tests/python/test_gpu.py covers CUDA tensors on a GPU host.
 """
 
 import ctypes
@@ -430,6 +431,17 @@ class TestDeepEPTorch(unittest.TestCase):
             self.run_ranks(R, lambda r: Buffer(groups[r], 1 << 20, 0, max_tokens_per_rank=T,
                                                device=0),
                            seed=6, shape=(T, H, 4 * R, 4))
+
+    def test_intranode_torch_process_group(self):
+        """Buffer(torch.distributed group) in one process per rank (gloo), CPU tensors."""
+        import torch.distributed as dist
+        import test_gpu
+        if not dist.is_available():
+            self.skipTest("torch without torch.distributed")
+        R = 2
+        names = test_gpu.run_ranks(test_gpu.deepep_pg_worker, R,
+                                   (R, tb.DAEMON["socket"], test_gpu._free_port(), 7, True))
+        self.assertEqual(len(set(names.values())), 1, names)
 
     def run_ranks(self, R, make, **kw):
         """test_gpu.deepep_intranode on CPU tensors, one thread per rank with make(rank)'s
