@@ -1071,9 +1071,11 @@ class Buffer:
         if W and cuda:
             torch = tensors.torch_module()
             if topk_idx is not None:
-                K = np.shape(topk_idx)[1] if not _is_torch(topk_idx) else topk_idx.shape[1]
-                kdt = topk_idx.dtype if _is_torch(topk_idx) and topk_idx.dtype in (
-                    torch.int32, torch.int64) else torch.int64
+                # recv_topk_idx has topk_idx's dtype: int32 stays int32, others become int64.
+                if not _is_torch(topk_idx):
+                    topk_idx = tensors.from_numpy(np.asarray(topk_idx))
+                K = topk_idx.shape[1]
+                kdt = topk_idx.dtype if topk_idx.dtype == torch.int32 else torch.int64
             else:
                 K, kdt = ehandle.num_topk, tensors.torch_dtype(ehandle.topk_dtype)
             # Rows past the count are never written: their top-k ids stay -1, weights 0.
