@@ -308,6 +308,8 @@ static int cx_run(struct epd_group *group, int dispatch, const struct epd_cx_dis
                         .layout = da->layout, .expert_alignment = da->expert_alignment,
                         .zero_padding = da->zero_padding,
                         .expert_block_rows = da->expert_block_rows, .quantize = da->quantize,
+                        .round_scale = da->round_scale,
+                        .scale_format = (uint32_t)da->scale_format,
                         .handle = da->handle, .cached = da->cached,
                         .capacity_rows = da->capacity_rows,
                         .recv_area = area, .recv_mem = mem_id,
@@ -338,6 +340,18 @@ static int cx_run(struct epd_group *group, int dispatch, const struct epd_cx_dis
 int epd_cx_dispatch(struct epd_group *group, const struct epd_cx_dispatch_args *args,
                     void *stream)
 {
+        struct epd_cx_dispatch_args full;
+
+        /* Callers built against an older epd.h pass a shorter struct (none that has
+         * round_scale also covers it with padding); what it lacks reads 0. Shorter than
+         * recv_memory is refused by cx_run. */
+        if (args && args->size >= offsetof(struct epd_cx_dispatch_args, recv_memory) &&
+            args->size < sizeof(full)) {
+                memset(&full, 0, sizeof(full));
+                memcpy(&full, args, args->size);
+                full.size = sizeof(full);
+                args = &full;
+        }
         return cx_run(group, 1, args, NULL, stream);
 }
 

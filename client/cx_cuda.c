@@ -165,7 +165,8 @@ int epd__cx_dev_dispatch(struct epd_group *g, struct epd__cx_dev *d,
                 .expert_block_rows = a->expert_block_rows,
                 .zero_padding = (uint32_t)!!a->zero_padding, .quantize = (uint32_t)!!a->quantize,
                 .handle = a->handle, .cached = (uint32_t)!!a->cached,
-                .capacity_rows = a->capacity_rows,
+                .capacity_rows = a->capacity_rows, .round_scale = (uint32_t)!!a->round_scale,
+                .scale_format = (uint32_t)a->scale_format,
         };
         int rc = epd_cx_dispatch_launch(&d->desc, &k, d->num_blocks, (cudaStream_t)stream);
 

@@ -29,7 +29,8 @@
  *     scratch       int32 [R + E]: the device dispatch's working totals (per expert at [R + e])
  *   receive area (rows of the dispatches this rank receives, in their final place)
  *     recv_x        [recv_rows][x_row_bytes]; rows are packed at the op's row size
- *     recv_scales   fp32 [recv_rows][num_scales] (fp8 groups and quantizing groups)
+ *     recv_scales   fp32 [recv_rows][num_scales] (fp8 groups and quantizing groups); a ue8m0
+ *                   dispatch packs its rows at num_scales bytes (cx_op_scale_bytes)
  *     recv_topk_idx [recv_rows][K_op] of the op's index dtype (area: K * 8 bytes a row)
  *     recv_weights  fp32, NON_EXPAND [recv_rows][K_op], EXPAND [recv_rows]
  *     recv_src      int64 [recv_rows]
@@ -253,6 +254,17 @@ EPD_HD uint32_t cx_op_num_scales(const struct cx_layout *l, int quantize)
         if (quantize)
                 return l->shape.hidden / CX_QUANT_BLOCK;
         return l->shape.dtype == EPD_DTYPE_FP8_E4M3 ? l->num_scales : 0;
+}
+
+/* The bytes of one row of recv_scales an op writes, the one definition of each scale format's
+ * size: an fp32 per scale, or for a quantizing dispatch with scale_format ue8m0 one byte per block
+ * (§2.7: bytes e + 127, blocks in order, so four blocks fill a little-endian 32-bit word). Rows are
+ * packed at this size; the area reserves the fp32 size, which is never smaller. */
+EPD_HD uint32_t cx_op_scale_bytes(const struct cx_layout *l, int quantize, uint32_t scale_format)
+{
+        uint32_t n = cx_op_num_scales(l, quantize);
+
+        return quantize && scale_format == EPD_SCALE_FORMAT_UE8M0 ? n : n * 4;
 }
 
 EPD_HD uint64_t cx_tag(uint64_t epoch, uint64_t op)
@@ -506,10 +518,11 @@ EPD_HD void cx_write_counts(uint8_t *base, const struct cx_layout *l, uint32_t p
 /* The signature of an op: what docs/semantics.md section 1 says must match across ranks. */
 EPD_HD void cx_dispatch_sig(uint32_t sig[4], uint32_t layout, uint32_t alignment,
                             uint32_t block_rows, uint32_t handle, uint32_t cached,
-                            uint32_t quantize, uint32_t has_weights, uint32_t zero_padding)
+                            uint32_t quantize, uint32_t has_weights, uint32_t zero_padding,
+                            uint32_t round_scale, uint32_t scale_format)
 {
         sig[0] = 1u | layout << 2 | cached << 3 | quantize << 4 | has_weights << 5 |
-                 zero_padding << 6 | handle << 8;
+                 zero_padding << 6 | handle << 8 | round_scale << 12 | scale_format << 13;
         sig[1] = alignment;
         sig[2] = block_rows;
         sig[3] = 0;

@@ -64,12 +64,42 @@ EPD_HD uint8_t epd_fp8_e4m3_from_float(float v)
         return (uint8_t)(sign | q);
 }
 
-/* Quantizes one block of n bf16 channels (n = 128 in 2.7) into e4m3 bytes and returns its fp32
- * scale: amax over |x| ignoring NaN, at least 1e-4; each channel times 448 / amax; the scale is
- * amax times the fp32 nearest to 1/448. */
-EPD_HD float epd_fp8_quantize_block(const uint16_t *x, uint32_t n, uint8_t *out)
+/* The power of two 2^e as an fp32, exact for -149 <= e <= 127 (subnormal below -126); e above 127
+ * gives +infinity. */
+EPD_HD float epd_f32_pow2(int32_t e)
 {
-        float amax = 0.0f, scale;
+        if (e > 127)
+                return epd_f32_from_bits(0x7F800000u);
+        if (e >= -126)
+                return epd_f32_from_bits((uint32_t)(e + 127) << 23);
+        return epd_f32_from_bits(1u << (e + 149));
+}
+
+/* round_scale of docs/semantics.md §2.7: with m = amax * 0x1.24924ap-9f (fp32, rounded to nearest
+ * even), e = exponent(m) + (mantissa bits of m != 0), read from m's fp32 bits: ceil(log2 m) for a
+ * normal m. amax is at least 1e-4 and never NaN, so m is normal or +infinity (an infinite amax
+ * gives e = 128). */
+EPD_HD int32_t epd_fp8_scale_exponent(float amax)
+{
+        uint32_t b = epd_f32_bits(amax * 0x1.24924ap-9f);
+
+        return (int32_t)(b >> 23 & 0xFFu) - 127 + ((b & 0x7FFFFFu) != 0);
+}
+
+/* scale_format ue8m0 (2.7): the byte e + 127 of a power-of-two scale 2^e with e >= -126, which is
+ * its fp32 exponent field (255 for the +infinity of e = 128). */
+EPD_HD uint8_t epd_ue8m0_from_pow2(float scale)
+{
+        return (uint8_t)(epd_f32_bits(scale) >> 23 & 0xFFu);
+}
+
+/* Quantizes one block of n bf16 channels (n = 128 in 2.7) into e4m3 bytes and returns its fp32
+ * recv_scales entry: amax over |x| ignoring NaN, at least 1e-4; without round_scale each channel
+ * times 448 / amax and the entry amax times the fp32 nearest to 1/448; with round_scale each
+ * channel times 2^-e and the entry 2^e (epd_fp8_scale_exponent), both exact. */
+EPD_HD float epd_fp8_quantize_block(const uint16_t *x, uint32_t n, uint8_t *out, int round_scale)
+{
+        float amax = 0.0f, scale, recv;
 
         for (uint32_t c = 0; c < n; c++) {
                 float a = epd_f32_from_bits(((uint32_t)x[c] << 16) & 0x7FFFFFFFu);
@@ -79,10 +109,18 @@ EPD_HD float epd_fp8_quantize_block(const uint16_t *x, uint32_t n, uint8_t *out)
         }
         if (amax < 1e-4f)
                 amax = 1e-4f;
-        scale = 448.0f / amax;
+        if (round_scale) {
+                int32_t e = epd_fp8_scale_exponent(amax);
+
+                scale = epd_f32_pow2(-e);
+                recv = epd_f32_pow2(e);
+        } else {
+                scale = 448.0f / amax;
+                recv = amax * 0x1.24924ap-9f;
+        }
         for (uint32_t c = 0; c < n; c++)
                 out[c] = epd_fp8_e4m3_from_float(epd_f32_from_bits((uint32_t)x[c] << 16) * scale);
-        return amax * 0x1.24924ap-9f;
+        return recv;
 }
 
 #endif

@@ -354,6 +354,12 @@ static int check_dispatch(const struct op_ctx *c, const struct cx_dispatch_args 
                                      "expert_alignment, and L * C rows within the receive area");
         if (a->quantize && !s->quantize)
                 return bad_args(rec, "quantize on a group created without it");
+        if ((a->round_scale || a->scale_format) && !a->quantize)
+                return bad_args(rec, "round_scale and scale_format need quantize");
+        if (a->scale_format != EPD_SCALE_FORMAT_FP32 && a->scale_format != EPD_SCALE_FORMAT_UE8M0)
+                return bad_args(rec, "scale_format must be FP32 or UE8M0");
+        if (a->scale_format == EPD_SCALE_FORMAT_UE8M0 && !a->round_scale)
+                return bad_args(rec, "scale_format UE8M0 needs round_scale");
         if (a->num_tokens && !a->x)
                 return bad_args(rec, "x missing");
         if (a->num_tokens && s->dtype == EPD_DTYPE_FP8_E4M3 && !a->scales)
@@ -374,24 +380,35 @@ static int check_dispatch(const struct op_ctx *c, const struct cx_dispatch_args 
         return 0;
 }
 
-/* The source's fp8 rows and scales (docs/semantics.md §2.7), converted once per token. */
+/* The source's fp8 rows and their recv_scales rows of scale_bytes (docs/semantics.md §2.7),
+ * converted once per token. */
 static int quantize_rows(const struct cx_layout *l, const struct cx_dispatch_args *a,
-                         uint8_t **q, float **scales)
+                         uint32_t scale_bytes, uint8_t **q, uint8_t **scales)
 {
         const uint32_t H = l->shape.hidden, nb = H / CX_QUANT_BLOCK;
+        const int ue8m0 = a->scale_format == EPD_SCALE_FORMAT_UE8M0;
         uint64_t stride = a->x_stride ? a->x_stride : (uint64_t)H * 2;
 
         *q = malloc((size_t)a->num_tokens * H + 1);
-        *scales = malloc((size_t)a->num_tokens * nb * sizeof(float) + 1);
+        *scales = malloc((size_t)a->num_tokens * scale_bytes + 1);
         if (!*q || !*scales)
                 return -1;
         for (uint32_t t = 0; t < a->num_tokens; t++) {
                 const uint16_t *x = (const uint16_t *)((const uint8_t *)a->x + t * stride);
+                uint8_t *srow = *scales + (size_t)t * scale_bytes;
 
-                for (uint32_t b = 0; b < nb; b++)
-                        (*scales)[(size_t)t * nb + b] = epd_fp8_quantize_block(
-                                x + (size_t)b * CX_QUANT_BLOCK, CX_QUANT_BLOCK,
-                                *q + (size_t)t * H + (size_t)b * CX_QUANT_BLOCK);
+                for (uint32_t b = 0; b < nb; b++) {
+                        float s = epd_fp8_quantize_block(x + (size_t)b * CX_QUANT_BLOCK,
+                                                         CX_QUANT_BLOCK,
+                                                         *q + (size_t)t * H +
+                                                                 (size_t)b * CX_QUANT_BLOCK,
+                                                         a->round_scale);
+
+                        if (ue8m0)
+                                srow[b] = epd_ue8m0_from_pow2(s);
+                        else
+                                memcpy(srow + (size_t)b * 4, &s, 4);
+                }
         }
         return 0;
 }
@@ -424,8 +441,8 @@ static void write_handle(struct op_ctx *c, const struct cx_dispatch_args *a,
 
 /* Moves this rank's rows into the destinations and writes its own padding rows. */
 static void move_rows(struct op_ctx *c, const struct cx_dispatch_args *a, struct epd_plan *plan,
-                      const uint8_t *x, uint64_t x_stride, const float *scales,
-                      uint64_t scales_stride, uint64_t row_bytes, uint32_t num_scales,
+                      const uint8_t *x, uint64_t x_stride, const void *scales,
+                      uint64_t scales_stride, uint64_t row_bytes, uint32_t scale_bytes,
                       enum epd_dtype topk_dtype)
 {
         const struct cx_layout *l = c->l;
@@ -438,7 +455,7 @@ static void move_rows(struct op_ctx *c, const struct cx_dispatch_args *a, struct
         struct epd_dispatch_exec exec = {
                 .plan = plan,
                 .row_bytes = row_bytes,
-                .scale_bytes = (uint64_t)num_scales * 4,
+                .scale_bytes = scale_bytes,
                 .topk_dtype = topk_dtype,
                 .has_weights = a->weights != NULL,
                 .zero_padding = expand && a->zero_padding,
@@ -457,9 +474,8 @@ static void move_rows(struct op_ctx *c, const struct cx_dispatch_args *a, struct
                 uint8_t *b = a->recv_area ? a->recv_area[d] - l->recv_x : c->r->bufs[d];
 
                 dst[d].recv_x = (struct epd_mat){ b + l->recv_x, row_bytes };
-                if (num_scales)
-                        dst[d].recv_scales = (struct epd_mat){ b + l->recv_scales,
-                                                               (uint64_t)num_scales * 4 };
+                if (scale_bytes)
+                        dst[d].recv_scales = (struct epd_mat){ b + l->recv_scales, scale_bytes };
                 dst[d].recv_weights = (struct epd_mat){ b + l->recv_weights,
                                                         expand ? 4 : (uint64_t)K * 4 };
                 dst[d].recv_src = (struct epd_mat){ b + l->recv_src, 8 };
@@ -488,8 +504,8 @@ int cx_dispatch(const struct cx_rank *r, const struct cx_dispatch_args *a, uint6
         struct cx_count_rec head, *src_rec;
         struct epd_plan *plan = NULL;
         struct cx_handle *h;
-        uint8_t *qx = NULL;
-        float *qs = NULL;
+        uint8_t *qx = NULL, *qs = NULL;
+        const uint32_t scale_bytes = cx_op_scale_bytes(l, a->quantize, a->scale_format);
         char detail[sizeof(head.text)] = "";
         uint64_t rows = 0, bytes = 0;
         int numbered;
@@ -503,7 +519,8 @@ int cx_dispatch(const struct cx_rank *r, const struct cx_dispatch_args *a, uint6
         head.token = head.pos = -1;
         cx_dispatch_sig(head.sig, (uint32_t)a->layout, A, a->expert_block_rows, a->handle,
                         !!a->cached, !!a->quantize, a->weights != NULL,
-                        a->layout == EPD_LAYOUT_EXPAND && a->zero_padding);
+                        a->layout == EPD_LAYOUT_EXPAND && a->zero_padding, !!a->round_scale,
+                        a->scale_format);
         head.sig[3] = a->recv_mem;
         head.num_tokens = a->num_tokens;
         head.capacity_rows = a->capacity_rows && a->capacity_rows < l->recv_rows
@@ -515,7 +532,7 @@ int cx_dispatch(const struct cx_rank *r, const struct cx_dispatch_args *a, uint6
                                     num_tokens);
                 /* Converted before the record goes out, so that a failure here is still this
                  * rank's verdict on its inputs, which every rank sees. */
-                if (!plan || (a->quantize && quantize_rows(l, a, &qx, &qs))) {
+                if (!plan || (a->quantize && quantize_rows(l, a, scale_bytes, &qx, &qs))) {
                         bad_args(&head, "out of memory for the dispatch plan or fp8 rows");
                 } else if (a->cached) {
                         epd_plan_count_source(plan, me,
@@ -576,9 +593,8 @@ int cx_dispatch(const struct cx_rank *r, const struct cx_dispatch_args *a, uint6
 
         {
                 const uint8_t *x = a->x;
-                const float *scales = a->scales;
+                const void *scales = a->scales;
                 uint64_t row_bytes = l->x_row_bytes, x_stride, sc_stride;
-                uint32_t num_scales = cx_op_num_scales(l, a->quantize);
                 enum epd_dtype topk_dtype = (enum epd_dtype)h->topk_dtype;
 
                 if (a->quantize) {
@@ -586,16 +602,16 @@ int cx_dispatch(const struct cx_rank *r, const struct cx_dispatch_args *a, uint6
                         scales = qs;
                         row_bytes = l->shape.hidden;
                         x_stride = row_bytes;
-                        sc_stride = (uint64_t)num_scales * 4;
+                        sc_stride = scale_bytes;
                 } else {
                         x_stride = a->x_stride ? a->x_stride : row_bytes;
-                        sc_stride = a->scales_stride ? a->scales_stride : (uint64_t)num_scales * 4;
+                        sc_stride = a->scales_stride ? a->scales_stride : scale_bytes;
                 }
-                move_rows(&c, a, plan, x, x_stride, scales, sc_stride, row_bytes,
-                                  num_scales, topk_dtype);
+                move_rows(&c, a, plan, x, x_stride, scales, sc_stride, row_bytes, scale_bytes,
+                          topk_dtype);
                 for (uint64_t i = 0; i < (uint64_t)a->num_tokens * a->num_topk; i++)
                         if (plan->row[me][i] >= 0)
-                                bytes += row_bytes + (uint64_t)num_scales * 4;
+                                bytes += row_bytes + scale_bytes;
         }
 
         /* Rows are in place: raise the done flag at every destination, then wait for every

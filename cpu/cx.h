@@ -58,6 +58,8 @@ struct cx_dispatch_args {
         int zero_padding;           /* EXPAND */
         uint32_t expert_block_rows; /* EXPAND: C of docs/semantics.md §2.6, 0 for packed */
         int quantize;               /* bf16 groups: send fp8 rows and scales (2.7) */
+        int round_scale;            /* quantize: power-of-two scales (2.7) */
+        uint32_t scale_format;      /* quantize: enum epd_scale_format (UE8M0 needs round_scale) */
         uint32_t handle;            /* the handle slot it fills, or reuses when cached */
         int cached;                 /* reuse the routing of the handle's dispatch (2.4) */
         uint64_t capacity_rows;     /* rows this rank accepts; 0: the receive area */

@@ -495,6 +495,14 @@ int epd_group_mark_inputs_ready(struct epd_group *group, void *stream, uint64_t 
  * epd_combine are refused on such a group, and these calls on a daemon-executed one, with
  * EPD_INVALID_ARGUMENT. Calls of one rank must not overlap; ranks may run on any threads. */
 
+/* The form of a quantizing dispatch's recv_scales (docs/semantics.md §2.7). */
+enum epd_scale_format {
+        EPD_SCALE_FORMAT_FP32 = 0,     /* one fp32 per block of 128 channels: [rows, H/128] */
+        EPD_SCALE_FORMAT_UE8M0 = 1,    /* one byte e + 127 per block (needs round_scale): packed
+                                        * [rows, H/128] bytes, four blocks to a little-endian
+                                        * 32-bit word ([rows, H/512] int32 when 512 divides H) */
+};
+
 struct epd_cx_dispatch_args {
         size_t size;
         uint32_t num_tokens;           /* N <= max_tokens_per_rank */
@@ -518,6 +526,11 @@ struct epd_cx_dispatch_args {
          * epd_cx_register: rows land in each rank's registered memory, laid out as the receive
          * area. Every rank names the same one. */
         uint32_t recv_memory;
+        uint32_t reserved;             /* 0 */
+        /* Read when `size` covers them (absent: 0). With quantize only; every rank passes the
+         * same. */
+        int round_scale;               /* power-of-two scales: x times 2^-e, recv_scales 2^e */
+        enum epd_scale_format scale_format; /* UE8M0 needs round_scale */
 };
 
 struct epd_cx_combine_args {
@@ -583,7 +596,8 @@ struct epd_cx_buffers {
         uint32_t recv_rows;
         uint32_t num_handle_slots;
         void *recv_x;
-        float *recv_scales;
+        float *recv_scales;            /* fp32 [recv_rows, H/scale_block] (quantizing: H/128);
+                                        * a UE8M0 dispatch's are bytes [recv_rows, H/128] */
         void *recv_topk_idx;           /* NON_EXPAND, of the dispatch's topk dtype */
         float *recv_weights;
         int64_t *recv_src;

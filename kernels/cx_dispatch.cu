@@ -60,6 +60,11 @@ static __device__ void check_args(const struct epd_cx_group *g,
         if ((a->quantize && !l->shape.quantize) || (a->num_tokens && !a->x) ||
             (a->num_tokens && l->shape.dtype == EPD_DTYPE_FP8_E4M3 && !a->quantize && !a->scales))
                 return;
+        if (((a->round_scale || a->scale_format) && !a->quantize) ||
+            (a->scale_format != EPD_SCALE_FORMAT_FP32 &&
+             a->scale_format != EPD_SCALE_FORMAT_UE8M0) ||
+            (a->scale_format == EPD_SCALE_FORMAT_UE8M0 && !a->round_scale))
+                return;
         h = cx_handle_at(g->bufs[g->rank], l, a->handle);
         if (a->cached) {
                 if (h->tag == 0 || h->tag >> CX_OP_BITS != epoch ||
@@ -109,7 +114,8 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
                 sm->head.token = sm->head.pos = -1;
                 cx_dispatch_sig(sm->head.sig, (uint32_t)a->layout, A, C, a->handle,
                                 a->cached ? 1u : 0u, a->quantize ? 1u : 0u, a->weights != NULL,
-                                a->layout == EPD_LAYOUT_EXPAND && a->zero_padding);
+                                a->layout == EPD_LAYOUT_EXPAND && a->zero_padding,
+                                a->round_scale ? 1u : 0u, a->scale_format);
                 sm->head.num_tokens = N;
                 sm->head.capacity_rows = a->capacity_rows && a->capacity_rows < l->recv_rows
                                                  ? (uint32_t)a->capacity_rows
@@ -307,13 +313,28 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
         return 0;
 }
 
+/* Copies one row of scale_bytes of recv_scales: in 32-bit words when it is a whole number of them
+ * (every row then starts 4-byte aligned), else byte by byte (ue8m0 rows of H/128 bytes). */
+static __device__ __forceinline__ void copy_scales(uint8_t *dst, const uint8_t *src,
+                                                   uint32_t scale_bytes)
+{
+        if (scale_bytes % 4 == 0) {
+                for (uint32_t i = threadIdx.x; i < scale_bytes / 4; i += blockDim.x)
+                        ((uint32_t *)dst)[i] = ((const uint32_t *)src)[i];
+        } else {
+                for (uint32_t i = threadIdx.x; i < scale_bytes; i += blockDim.x)
+                        dst[i] = src[i];
+        }
+}
+
 /* Moves one token to all its rows. src/src_scales: the token's payload (the fp8 conversion in
- * shared memory when quantizing). row_bytes is a multiple of 16 and src 16-byte aligned. */
+ * shared memory when quantizing). row_bytes is a multiple of 16 and src 16-byte aligned;
+ * src_scales holds one recv_scales row of sbytes (cx_op_scale_bytes). */
 static __device__ void copy_token(const struct epd_cx_group *g,
                                   const struct epd_cxk_dispatch_args *a, const struct cx_handle *h,
                                   const int32_t *htopk, const int32_t *hrow, uint32_t t,
                                   const uint8_t *src,
-                                  const float *src_scales, uint32_t row_bytes, uint32_t nsc)
+                                  const uint8_t *src_scales, uint32_t row_bytes, uint32_t sbytes)
 {
         const struct cx_layout *l = &g->layout;
         const uint32_t K = a->num_topk, L = l->num_local_experts;
@@ -333,8 +354,7 @@ static __device__ void copy_token(const struct epd_cx_group *g,
                 for (uint32_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x)
                         ((int4 *)(b + l->recv_x + (uint64_t)r * row_bytes))[i] =
                                 ((const int4 *)src)[i];
-                for (uint32_t i = threadIdx.x; i < nsc; i += blockDim.x)
-                        ((float *)(b + l->recv_scales))[(uint64_t)r * nsc + i] = src_scales[i];
+                copy_scales(b + l->recv_scales + (uint64_t)r * sbytes, src_scales, sbytes);
                 if (threadIdx.x == 0)
                         ((int64_t *)(b + l->recv_src))[r] =
                                 epd_route_global_src(g->rank, l->shape.max_tokens, t);
@@ -366,7 +386,7 @@ static __device__ void copy_token(const struct epd_cx_group *g,
 /* This rank's EXPAND padding rows after local expert j's selections. */
 static __device__ void write_padding(const struct epd_cx_group *g,
                                      const struct epd_cxk_dispatch_args *a, uint32_t handle,
-                                     uint32_t j, uint32_t row_bytes, uint32_t nsc)
+                                     uint32_t j, uint32_t row_bytes, uint32_t sbytes)
 {
         const struct cx_layout *l = &g->layout;
         uint8_t *own = g->bufs[g->rank];
@@ -385,15 +405,15 @@ static __device__ void write_padding(const struct epd_cx_group *g,
                 for (uint32_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x)
                         ((int4 *)(own + l->recv_x + (uint64_t)r * row_bytes))[i] =
                                 make_int4(0, 0, 0, 0);
-                for (uint32_t i = threadIdx.x; i < nsc; i += blockDim.x)
-                        ((float *)(own + l->recv_scales))[(uint64_t)r * nsc + i] = 0.0f;
+                for (uint32_t i = threadIdx.x; i < sbytes; i += blockDim.x)
+                        (own + l->recv_scales)[(uint64_t)r * sbytes + i] = 0;
         }
 }
 
 __global__ void __launch_bounds__(CX_THREADS)
 cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_args a)
 {
-        extern __shared__ int4 dyn[]; /* quantizing: the token's fp8 row, then its scales */
+        extern __shared__ int4 dyn[]; /* quantizing: the token's fp8 row, then its scales row */
         __shared__ struct phase1_smem sm;
         __shared__ int s_verdict;
         const struct cx_layout *l = &g.layout;
@@ -402,6 +422,7 @@ cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_ar
         const uint32_t handle = a.handle < l->shape.num_handles ? a.handle : 0;
         const uint32_t row_bytes = a.quantize ? l->shape.hidden : l->x_row_bytes;
         const uint32_t nsc = cx_op_num_scales(l, a.quantize);
+        const uint32_t sbytes = cx_op_scale_bytes(l, a.quantize, a.scale_format);
         struct cx_dev_op o;
         int verdict = 0, r;
 
@@ -437,31 +458,39 @@ cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_ar
                 const int32_t *htopk = cx_handle_i32(own, l, handle, l->h_topk);
                 const int32_t *hrow = cx_handle_i32(own, l, handle, l->h_row);
                 const uint64_t xs = a.x_stride ? a.x_stride : l->x_row_bytes;
-                const uint64_t ss = a.scales_stride ? a.scales_stride : (uint64_t)nsc * 4;
+                const uint64_t ss = a.scales_stride ? a.scales_stride : sbytes;
+                const int ue8m0 = a.scale_format == EPD_SCALE_FORMAT_UE8M0;
                 uint8_t *qrow = (uint8_t *)dyn;
-                float *qscales = (float *)(qrow + (a.quantize ? row_bytes : 0));
+                uint8_t *qscales = qrow + (a.quantize ? row_bytes : 0);
 
                 for (uint32_t t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
                         const uint8_t *x = (const uint8_t *)a.x + t * xs;
                         const uint8_t *src = x;
-                        const float *src_scales =
-                                (const float *)((const uint8_t *)a.scales + t * ss);
+                        const uint8_t *src_scales = (const uint8_t *)a.scales + t * ss;
 
                         if (a.quantize) {
-                                for (uint32_t b = threadIdx.x; b < nsc; b += blockDim.x)
-                                        qscales[b] = epd_fp8_quantize_block(
+                                for (uint32_t b = threadIdx.x; b < nsc; b += blockDim.x) {
+                                        float s = epd_fp8_quantize_block(
                                                 (const uint16_t *)x + b * CX_QUANT_BLOCK,
-                                                CX_QUANT_BLOCK, qrow + b * CX_QUANT_BLOCK);
+                                                CX_QUANT_BLOCK, qrow + b * CX_QUANT_BLOCK,
+                                                (int)a.round_scale);
+
+                                        if (ue8m0)
+                                                qscales[b] = epd_ue8m0_from_pow2(s);
+                                        else
+                                                ((float *)qscales)[b] = s;
+                                }
                                 __syncthreads();
                                 src = qrow;
                                 src_scales = qscales;
                         }
-                        copy_token(&g, &a, h, htopk, hrow, t, src, src_scales, row_bytes, nsc);
+                        copy_token(&g, &a, h, htopk, hrow, t, src, src_scales, row_bytes,
+                                   sbytes);
                         __syncthreads(); /* the shared row is rewritten by the next token */
                 }
                 if (a.layout == EPD_LAYOUT_EXPAND)
                         for (uint32_t j = blockIdx.x; j < l->num_local_experts; j += gridDim.x)
-                                write_padding(&g, &a, handle, j, row_bytes, nsc);
+                                write_padding(&g, &a, handle, j, row_bytes, sbytes);
         }
 
         r = cx_grid_barrier(&g, cx_barrier_key(o.epoch, o.seq, 1));
@@ -495,7 +524,7 @@ cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_ar
                                                                             : CX_REASON_TIMEOUT,
                                               who);
                         cx_op_end(&g, &o, &sm.st, r ? 0 : rows,
-                                  r ? 0 : sm.sent * (row_bytes + 4ull * nsc));
+                                  r ? 0 : sm.sent * (uint64_t)(row_bytes + sbytes));
                 }
         }
 }

@@ -63,6 +63,8 @@ struct epd_cxk_dispatch_args {
         uint32_t handle;
         uint32_t cached;
         uint64_t capacity_rows;
+        uint32_t round_scale;
+        uint32_t scale_format;          /* enum epd_scale_format */
 };
 
 struct epd_cxk_combine_args {

@@ -954,6 +954,12 @@ static int cuda_init(struct epdd_backend *b, const struct epdd_config *cfg, char
         cb->executor.idle = cuda_idle;
         cb->executor.ctx = cb;
         cb->executor.spin_ns = epd_config_poll_ns(cfg);
+        /* Every group's ops share one executor thread and one stream per device: an op queued
+         * on a stream behind a wait for a client that never marks its inputs ready would hold
+         * every other group's ops until the op timeout. So the executor runs an op only once
+         * the host sees its inputs ready, and ops of other groups go first meanwhile
+         * (executor.c, take_ready); queue_input_waits then finds every wait satisfied. */
+        cb->executor.host_input_waits = 1;
         if (epd_executor_start(&cb->executor) < 0) {
                 snprintf(err, err_len, "cannot start the executor thread");
                 return EPD_INTERNAL;

@@ -64,7 +64,7 @@ static void *executor_main(void *arg)
         /* The bounded waits of the backends sleep in small steps (nanosleep); the default 50 us
          * timer slack would stretch each one to tens of microseconds of op latency. */
         prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
-        uint64_t idle_wait_ns = 20000;
+        uint64_t idle_wait_ns = 10000, waiting_since_ns = 0;
 
         pthread_mutex_lock(&e->lock);
         for (;;) {
@@ -91,21 +91,28 @@ static void *executor_main(void *arg)
                 ex = take_ready(e, &run);
                 if (!ex) {
                         /* Every queued exec waits for a client's inputs, which come without a
-                         * wake-up: look again after a pause that grows from 20 us to 1 ms
-                         * while nothing becomes ready, so that a stalled client costs the
-                         * daemon little CPU. A new exec wakes the thread at once. */
+                         * wake-up (a stream-ordered client's stream stores inputs_ready). Look
+                         * again every 10 us for the first 2 ms of waiting, when inputs usually
+                         * come (a client's kernels still running); then after a pause that
+                         * grows to 1 ms while nothing becomes ready, so that a stalled client
+                         * costs the daemon little CPU. A new exec wakes the thread at once. */
                         struct timespec ts;
-                        uint64_t until;
-                        atomic_store(&e->heartbeat_ns, epd__now_ns());
+                        uint64_t until, now = epd__now_ns();
+                        if (!waiting_since_ns)
+                                waiting_since_ns = now;
+                        atomic_store(&e->heartbeat_ns, now);
                         clock_gettime(CLOCK_REALTIME, &ts);
                         until = (uint64_t)ts.tv_nsec + idle_wait_ns;
                         ts.tv_sec += (time_t)(until / 1000000000ull);
                         ts.tv_nsec = (long)(until % 1000000000ull);
                         pthread_cond_timedwait(&e->cond, &e->lock, &ts);
-                        idle_wait_ns = idle_wait_ns * 2 > 1000000 ? 1000000 : idle_wait_ns * 2;
+                        if (now - waiting_since_ns > 2000000)
+                                idle_wait_ns = idle_wait_ns * 2 > 1000000 ? 1000000
+                                                                          : idle_wait_ns * 2;
                         continue;
                 }
-                idle_wait_ns = 20000;
+                idle_wait_ns = 10000;
+                waiting_since_ns = 0;
                 pthread_mutex_unlock(&e->lock);
 
                 uint64_t t0 = epd__now_ns();

@@ -173,6 +173,8 @@ static struct epd_cx_dispatch_args dispatch_args(const struct cx_case *c,
                 .topk_weights = c->has_weights ? dr->w : NULL, .layout = c->layout,
                 .expert_alignment = c->align, .zero_padding = c->zero_padding,
                 .expert_block_rows = c->block_rows, .quantize = c->quantize, .handle = handle,
+                .round_scale = c->round_scale,
+                .scale_format = (enum epd_scale_format)cx_case_scale_format(c),
         };
 }
 

@@ -202,6 +202,8 @@ static struct epd_cxk_dispatch_args dispatch_args(const struct cx_case *c, struc
         a.expert_block_rows = c->block_rows;
         a.zero_padding = (uint32_t)c->zero_padding;
         a.quantize = (uint32_t)c->quantize;
+        a.round_scale = (uint32_t)c->round_scale;
+        a.scale_format = cx_case_scale_format(c);
         a.cached = (uint32_t)cached;
         return a;
 }
@@ -368,7 +370,7 @@ int main(void)
         /* EXPAND, quantizing, weighted: the richest path, four ranks. */
         const struct cx_case graph_case = { "graph_r4_ex_quant", 4, 16, 256, 12, 4,
                                             EPD_DTYPE_BF16, 1, EPD_LAYOUT_EXPAND, 2, 1, 0, 1,
-                                            EPD_DTYPE_INT64, 1, 1, 0, 0, 0, 1 };
+                                            EPD_DTYPE_INT64, 1, 1, 0, 0, 0, 1, 0, 0 };
 
         if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
                 printf("no usable GPU: skipped\n");

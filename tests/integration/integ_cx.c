@@ -23,6 +23,7 @@
 #include <limits.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,6 +55,7 @@ struct shared {
         atomic_int undrained;         /* the parent undrained the group */
         uint64_t refused_at[MAX_R];   /* the op number each rank was refused at */
         int registered;               /* rows and y in memory registered with the group */
+        int older_args;               /* dispatch args sized as before round_scale existed */
         long long kill_ms;
         int status[MAX_R];
         long long done_ms[MAX_R];
@@ -223,6 +225,8 @@ static struct epd_cx_dispatch_args dispatch_args(const struct cx_case *c,
                 .topk_weights = c->has_weights ? rd->weights[me] : NULL, .layout = c->layout,
                 .expert_alignment = c->align, .zero_padding = c->zero_padding,
                 .expert_block_rows = c->block_rows, .quantize = c->quantize, .handle = handle,
+                .round_scale = c->round_scale,
+                .scale_format = (enum epd_scale_format)cx_case_scale_format(c),
         };
 }
 
@@ -296,6 +300,13 @@ static int run_round(struct worker *w, uint32_t round)
                 return worker_fail(w, "%s: %s", c->name, err);
         a = dispatch_args(c, &rd, w->me, handle);
         a.recv_memory = w->recv_id;
+        if (w->sh->older_args) {
+                /* A caller built against the header before the scale options: what lies past
+                 * its size is not its own and must not be read. */
+                a.size = offsetof(struct epd_cx_dispatch_args, round_scale);
+                a.round_scale = 1;
+                a.scale_format = EPD_SCALE_FORMAT_UE8M0;
+        }
         rc = epd_cx_dispatch(w->g, &a, NULL);
         if (rc) {
                 failed = worker_fail(w, "%s round %u rank %u: dispatch returned %d: %s", c->name,
@@ -446,6 +457,29 @@ END_TEST
 START_TEST(test_bitwise_registered)
 {
         bitwise_all(1);
+}
+END_TEST
+
+/* A dispatch struct of the size before round_scale and scale_format existed, with set bytes past
+ * its end: libepd reads neither, so the rows are the plain §2.7 quantization, bit for bit. */
+START_TEST(test_older_args)
+{
+        struct shared *sh = shared_new();
+        size_t i;
+
+        daemon_start(sh);
+        for (i = 0; i < cx_num_cases; i++)
+                if (cx_cases[i].quantize && !cx_cases[i].round_scale && cx_cases[i].R > 1)
+                        break;
+        ck_assert_uint_lt(i, cx_num_cases);
+        ck_assert(case_at(i, 2, &sh->c));
+        sh->older_args = 1;
+        snprintf(sh->name, sizeof(sh->name), "cx-older-args");
+        sh->op_timeout_ms = 20000;
+        sh->seed = td_mix_seed(0x01DA5ull, i);
+        memset(sh->msg, 0, sizeof(sh->msg));
+        run_workers(sh, bitwise_worker);
+        shared_free(sh);
 }
 END_TEST
 
@@ -1119,6 +1153,7 @@ static Suite *cx_suite(void)
         tcase_add_test(tc, test_peer_lost);
         tcase_add_test(tc, test_bitwise);
         tcase_add_test(tc, test_bitwise_registered);
+        tcase_add_test(tc, test_older_args);
         tcase_add_test(tc, test_register_errors);
         suite_add_tcase(s, tc);
         return s;

@@ -8,19 +8,35 @@
 
 /* Every layout and dtype at R = 1, 2, 3 and 8; fixed blocks leave room for skewed routing. */
 const struct cx_case cx_cases[] = {
-        /* name R E H T K dtype q layout align zp C w topk bias aw sw rw cached rounds */
-        { "r1_ne_bf16", 1, 8, 64, 12, 2, BF16, 0, NE, 1, 0, 0, 1, I64, 1, 0, 0, 0, 0, 1 },
-        { "r2_ne_bf16_recvw", 2, 16, 64, 20, 4, BF16, 0, NE, 1, 0, 0, 1, I32, 2, 0, 0, 1, 1, 2 },
-        { "r3_ex_bf16_a4_zp", 3, 24, 128, 17, 4, BF16, 0, EX, 4, 1, 0, 1, I64, 1, 1, 0, 0, 1, 2 },
-        { "r3_ex_fp8_nozp", 3, 24, 128, 17, 3, FP8, 0, EX, 2, 0, 0, 1, I32, 0, 1, 1, 0, 0, 2 },
-        { "r8_ne_fp8", 8, 32, 64, 9, 4, FP8, 0, NE, 1, 0, 0, 1, I64, 2, 0, 0, 0, 1, 2 },
-        { "r8_ex_bf16_a2", 8, 64, 64, 7, 6, BF16, 0, EX, 2, 1, 0, 1, I32, 1, 1, 1, 0, 0, 2 },
-        { "r2_ex_blocks", 2, 8, 64, 10, 3, BF16, 0, EX, 2, 1, 16, 1, I64, 1, 1, 0, 0, 1, 2 },
-        { "r8_ex_blocks_nozp", 8, 16, 64, 5, 2, BF16, 0, EX, 1, 0, 20, 0, I32, 0, 1, 1, 0, 0, 2 },
-        { "r1_ne_quant", 1, 4, 256, 6, 2, BF16, 1, NE, 1, 0, 0, 1, I64, 1, 0, 0, 1, 0, 1 },
-        { "r3_ne_quant", 3, 12, 256, 9, 3, BF16, 1, NE, 1, 0, 0, 0, I32, 1, 0, 0, 0, 1, 2 },
-        { "r8_ex_quant_blocks", 8, 16, 128, 6, 2, BF16, 1, EX, 2, 1, 24, 1, I64, 2, 1, 0, 0, 1, 1 },
-        { "r2_ex_nowt_sw", 2, 8, 64, 8, 2, BF16, 0, EX, 1, 1, 0, 0, I32, 0, 1, 1, 0, 0, 2 },
+        /* name R E H T K dtype q layout align zp C w topk bias aw sw rw cached rounds
+         * [round_scale ue8m0] */
+        { "r1_ne_bf16", 1, 8, 64, 12, 2, BF16, 0, NE, 1, 0, 0, 1, I64, 1, 0, 0, 0, 0, 1, 0, 0 },
+        { "r2_ne_bf16_recvw", 2, 16, 64, 20, 4, BF16, 0, NE, 1, 0, 0, 1, I32, 2, 0, 0, 1, 1,
+          2, 0, 0 },
+        { "r3_ex_bf16_a4_zp", 3, 24, 128, 17, 4, BF16, 0, EX, 4, 1, 0, 1, I64, 1, 1, 0, 0,
+          1, 2, 0, 0 },
+        { "r3_ex_fp8_nozp", 3, 24, 128, 17, 3, FP8, 0, EX, 2, 0, 0, 1, I32, 0, 1, 1, 0, 0,
+          2, 0, 0 },
+        { "r8_ne_fp8", 8, 32, 64, 9, 4, FP8, 0, NE, 1, 0, 0, 1, I64, 2, 0, 0, 0, 1, 2, 0, 0 },
+        { "r8_ex_bf16_a2", 8, 64, 64, 7, 6, BF16, 0, EX, 2, 1, 0, 1, I32, 1, 1, 1, 0, 0, 2, 0, 0 },
+        { "r2_ex_blocks", 2, 8, 64, 10, 3, BF16, 0, EX, 2, 1, 16, 1, I64, 1, 1, 0, 0, 1, 2, 0, 0 },
+        { "r8_ex_blocks_nozp", 8, 16, 64, 5, 2, BF16, 0, EX, 1, 0, 20, 0, I32, 0, 1, 1, 0,
+          0, 2, 0, 0 },
+        { "r1_ne_quant", 1, 4, 256, 6, 2, BF16, 1, NE, 1, 0, 0, 1, I64, 1, 0, 0, 1, 0, 1, 0, 0 },
+        { "r3_ne_quant", 3, 12, 256, 9, 3, BF16, 1, NE, 1, 0, 0, 0, I32, 1, 0, 0, 0, 1, 2, 0, 0 },
+        { "r8_ex_quant_blocks", 8, 16, 128, 6, 2, BF16, 1, EX, 2, 1, 24, 1, I64, 2, 1, 0, 0,
+          1, 1, 0, 0 },
+        { "r2_ex_nowt_sw", 2, 8, 64, 8, 2, BF16, 0, EX, 1, 1, 0, 0, I32, 0, 1, 1, 0, 0, 2, 0, 0 },
+        /* 2.7's round_scale and ue8m0 scales: whole 32-bit words of blocks (H = 512) and rows
+         * of 3 blocks, so ue8m0 rows start at every byte offset. */
+        { "r2_ne_quant_round", 2, 8, 256, 7, 2, BF16, 1, NE, 1, 0, 0, 1, I64, 1, 0, 0, 1, 1, 2,
+          1, 0 },
+        { "r3_ex_quant_ue8m0", 3, 12, 512, 9, 3, BF16, 1, EX, 2, 1, 0, 1, I32, 1, 1, 0, 0, 1, 2,
+          1, 1 },
+        { "r4_ne_quant_ue8m0_h384", 4, 16, 384, 6, 4, BF16, 1, NE, 1, 0, 0, 0, I64, 0, 0, 0, 0,
+          1, 2, 1, 1 },
+        { "r2_ex_quant_ue8m0_nozp", 2, 8, 384, 5, 2, BF16, 1, EX, 4, 0, 0, 1, I32, 0, 1, 1, 0, 0,
+          2, 1, 1 },
 };
 
 const size_t cx_num_cases = sizeof(cx_cases) / sizeof(cx_cases[0]);
@@ -58,6 +74,11 @@ uint32_t cx_case_num_scales(const struct cx_case *c)
         return c->dtype == EPD_DTYPE_FP8_E4M3 ? c->H / CX_CASE_SCALE_BLOCK : 0;
 }
 
+uint32_t cx_case_scale_format(const struct cx_case *c)
+{
+        return c->ue8m0 ? EPD_SCALE_FORMAT_UE8M0 : EPD_SCALE_FORMAT_FP32;
+}
+
 size_t cx_case_topk_size(const struct cx_case *c)
 {
         return c->topk_dtype == EPD_DTYPE_INT64 ? 8 : 4;
@@ -73,6 +94,7 @@ static int make_ref(const struct cx_case *c, struct cx_case_data *d, float **wei
                 .topk_dtype = c->topk_dtype, .layout = c->layout, .expert_alignment = c->align,
                 .zero_padding = c->zero_padding, .has_weights = c->has_weights,
                 .expert_block_rows = c->block_rows, .quantize = c->quantize,
+                .round_scale = c->round_scale, .scale_ue8m0 = c->ue8m0,
         };
 
         for (uint32_t s = 0; s < c->R; s++)

@@ -44,6 +44,8 @@ struct cx_case {
         int recv_weights;          /* NON_EXPAND: combine's recv_weights (the y_weights area) */
         int cached;                /* a cached dispatch and its combine follow */
         uint32_t rounds;           /* the CPU test: rounds of ops without a join */
+        int round_scale;           /* quantize: power-of-two scales (2.7) */
+        int ue8m0;                 /* quantize with round_scale: scale_format UE8M0 */
 };
 
 /* One round's inputs of every rank and their references. y and yw are each destination's combine
@@ -72,6 +74,8 @@ void cx_case_group_config(const struct cx_case *c, uint32_t op_timeout_ms,
                           struct epd_group_config *cfg);
 uint64_t cx_case_x_row_bytes(const struct cx_case *c);
 uint32_t cx_case_num_scales(const struct cx_case *c);
+/* The case's scale_format (enum epd_scale_format). */
+uint32_t cx_case_scale_format(const struct cx_case *c);
 size_t cx_case_topk_size(const struct cx_case *c);
 
 /* Allocates and fills d from seed (N: T, T - 1, 0, T, ... by rank; R = 1 sends T). Returns 0, or

@@ -411,7 +411,7 @@ static int check_dispatch_sampled(struct rs_worker *w, const struct ref_dispatch
         const uint32_t K = ref->p.num_topk;
         const int expand = ref->p.layout == EPD_LAYOUT_EXPAND;
         const size_t esz = ref->p.topk_dtype == EPD_DTYPE_INT64 ? 8 : 4;
-        const uint64_t scale_bytes = (uint64_t)ref->num_scales * 4;
+        const uint64_t scale_bytes = ref->scale_bytes;
         uint8_t expect[32 * 8];
 
         for (int64_t i = 0; i < dst->rows; i++) {

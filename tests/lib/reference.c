@@ -75,10 +75,27 @@ uint8_t ref_float_to_e4m3(float value)
         return (uint8_t)(sign | best);
 }
 
-void ref_quantize_row(const uint16_t *x, uint32_t hidden, uint8_t *q, float *scales)
+/* round_scale: the power of two 2^e with e = ceil(log2 m), m = amax * 0x1.24924ap-9f (fp32). m is
+ * normal or infinite (amax >= 1e-4); frexpf gives m = f * 2^x with f in [0.5, 1), which is 2^(x-1)
+ * exactly when f is 0.5. */
+static int ref_scale_exponent(float amax)
+{
+        float m = amax * 0x1.24924ap-9f;
+        int x;
+        float f;
+
+        if (isinf(m))
+                return 128;
+        f = frexpf(m, &x);
+        return f == 0.5f ? x - 1 : x;
+}
+
+void ref_quantize_row(const uint16_t *x, uint32_t hidden, int round_scale, int ue8m0, uint8_t *q,
+                      void *scales)
 {
         for (uint32_t b = 0; b < hidden / 128; b++) {
-                float amax = 0.0f, scale;
+                float amax = 0.0f, scale, recv;
+                int e = 0;
 
                 for (uint32_t c = 0; c < 128; c++) {
                         float v = ref_bf16_to_float(x[b * 128 + c]);
@@ -87,11 +104,21 @@ void ref_quantize_row(const uint16_t *x, uint32_t hidden, uint8_t *q, float *sca
                                 amax = fabsf(v);
                 }
                 amax = amax > 1e-4f ? amax : 1e-4f;
-                scale = 448.0f / amax;
+                if (round_scale) {
+                        e = ref_scale_exponent(amax);
+                        scale = ldexpf(1.0f, -e);
+                        recv = ldexpf(1.0f, e); /* +infinity for e = 128 */
+                } else {
+                        scale = 448.0f / amax;
+                        recv = amax * 0x1.24924ap-9f;
+                }
                 for (uint32_t c = 0; c < 128; c++)
                         q[b * 128 + c] = ref_float_to_e4m3(ref_bf16_to_float(x[b * 128 + c]) *
                                                            scale);
-                scales[b] = amax * 0x1.24924ap-9f;
+                if (ue8m0)
+                        ((uint8_t *)scales)[b] = (uint8_t)(e + 127);
+                else
+                        memcpy((uint8_t *)scales + b * 4, &recv, 4);
         }
 }
 
@@ -189,6 +216,14 @@ static int check_params(const struct ref_params *p, char *err, size_t err_len)
         }
         if (p->quantize && (p->dtype != EPD_DTYPE_BF16 || p->hidden % 128 != 0)) {
                 report(err, err_len, "quantize needs bf16 x and hidden a multiple of 128");
+                return EPD_INVALID_ARGUMENT;
+        }
+        if ((p->round_scale || p->scale_ue8m0) && !p->quantize) {
+                report(err, err_len, "round_scale and ue8m0 need quantize");
+                return EPD_INVALID_ARGUMENT;
+        }
+        if (p->scale_ue8m0 && !p->round_scale) {
+                report(err, err_len, "ue8m0 needs round_scale");
                 return EPD_INVALID_ARGUMENT;
         }
         return 0;
@@ -400,7 +435,7 @@ static int quantize_sources(struct ref_dispatch *ref)
                 uint32_t n = ref->src[s].num_tokens;
 
                 ref->qx[s] = calloc((size_t)n * H + 1, 1);
-                ref->qscales[s] = calloc((size_t)n * (H / 128) + 1, sizeof(float));
+                ref->qscales[s] = calloc((size_t)n * ref->scale_bytes + 1, 1);
                 if (!ref->qx[s] || !ref->qscales[s])
                         return EPD_INTERNAL;
                 for (uint32_t t = 0; t < n; t++) {
@@ -409,8 +444,9 @@ static int quantize_sources(struct ref_dispatch *ref)
                         if (!row)
                                 return EPD_INTERNAL;
                         memcpy(row, buf_row(ref->src[s].x, (uint64_t)H * 2, t), (size_t)H * 2);
-                        ref_quantize_row(row, H, ref->qx[s] + (size_t)t * H,
-                                         ref->qscales[s] + (size_t)t * (H / 128));
+                        ref_quantize_row(row, H, ref->p.round_scale, ref->p.scale_ue8m0,
+                                         ref->qx[s] + (size_t)t * H,
+                                         ref->qscales[s] + (size_t)t * ref->scale_bytes);
                         free(row);
                 }
         }
@@ -453,6 +489,7 @@ int ref_dispatch_new(const struct ref_params *p, const struct ref_src *src,
                 ref->row_bytes = p->hidden;
                 ref->num_scales = p->hidden / ref->p.scale_block;
         }
+        ref->scale_bytes = (uint64_t)ref->num_scales * (p->scale_ue8m0 ? 1 : 4);
         ref->src = calloc(p->world_size, sizeof(*ref->src));
         ref->topk = calloc(p->world_size, sizeof(*ref->topk));
         ref->dst = calloc(p->world_size, sizeof(*ref->dst));
@@ -541,16 +578,16 @@ const uint8_t *ref_expected_x(const struct ref_dispatch *ref, uint32_t d, int64_
         return buf_row(ref->src[dst->row_src[i]].x, ref->row_bytes, dst->row_token[i]);
 }
 
-const float *ref_expected_scales(const struct ref_dispatch *ref, uint32_t d, int64_t i)
+const uint8_t *ref_expected_scales(const struct ref_dispatch *ref, uint32_t d, int64_t i)
 {
         const struct ref_dst *dst = &ref->dst[d];
 
         if (dst->row_kind[i] != REF_ROW_DATA || ref->num_scales == 0)
                 return NULL;
         if (ref->qscales)
-                return ref->qscales[dst->row_src[i]] + (size_t)dst->row_token[i] * ref->num_scales;
-        return (const float *)buf_row(ref->src[dst->row_src[i]].scales,
-                                      (uint64_t)ref->num_scales * 4, dst->row_token[i]);
+                return ref->qscales[dst->row_src[i]] +
+                       (size_t)dst->row_token[i] * ref->scale_bytes;
+        return buf_row(ref->src[dst->row_src[i]].scales, ref->scale_bytes, dst->row_token[i]);
 }
 
 /* Binary search for recv_src == key among rows [lo, hi), which are ascending in recv_src. */
@@ -644,7 +681,7 @@ int ref_check_dispatch(const struct ref_dispatch *ref, uint32_t d,
         const uint32_t K = ref->p.num_topk;
         const int expand = ref->p.layout == EPD_LAYOUT_EXPAND;
         const size_t esz = topk_elem_size(ref->p.topk_dtype);
-        const uint64_t scale_bytes = (uint64_t)ref->num_scales * 4;
+        const uint64_t scale_bytes = ref->scale_bytes;
         const uint64_t weight_bytes = expand ? 4 : (uint64_t)K * 4;
         uint8_t zeros[256] = { 0 };
         uint8_t expect[32 * 8];

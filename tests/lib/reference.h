@@ -45,6 +45,8 @@ struct ref_params {
         int has_weights;            /* topk_weights given */
         uint32_t expert_block_rows; /* EXPAND: C of docs/semantics.md §2.6, 0 for packed */
         int quantize;               /* bf16 x sent as fp8 rows with scales (2.7) */
+        int round_scale;            /* quantize: power-of-two scales (2.7) */
+        int scale_ue8m0;            /* quantize with round_scale: recv_scales bytes e + 127 */
 };
 
 /* One source rank's dispatch inputs. Pointers are borrowed (see the file comment). */
@@ -92,11 +94,12 @@ struct ref_dispatch {
         uint32_t num_local_experts;   /* L */
         uint64_t row_bytes;           /* bytes of one x row */
         uint32_t num_scales;          /* scales per row, 0 for bf16 */
+        uint64_t scale_bytes;         /* bytes of one recv_scales row: 4 or (ue8m0) 1 a scale */
         struct ref_src *src;          /* [R] copy of the caller's descriptors */
         int32_t **topk;               /* [R] -> [N_s * K_op] expert ids read from the input */
         struct ref_dst *dst;          /* [R] */
         uint8_t **qx;                 /* quantize: [R] -> [N_s * H] e4m3 rows */
-        float **qscales;              /* quantize: [R] -> [N_s * H / 128] */
+        uint8_t **qscales;            /* quantize: [R] -> [N_s] rows of scale_bytes */
         int32_t short_rank;           /* CAPACITY_EXCEEDED: the first short rank and expert */
         int32_t short_expert;
 };
@@ -114,7 +117,8 @@ struct ref_dispatch *ref_dispatch_free(struct ref_dispatch *ref);
 /* The expected payload of row i at destination d: the source row's bytes for a data row, NULL
  * for a padding row (zero or unwritten, see row_kind). */
 const uint8_t *ref_expected_x(const struct ref_dispatch *ref, uint32_t d, int64_t i);
-const float *ref_expected_scales(const struct ref_dispatch *ref, uint32_t d, int64_t i);
+/* The expected recv_scales row (scale_bytes) of row i at d, NULL for padding. */
+const uint8_t *ref_expected_scales(const struct ref_dispatch *ref, uint32_t d, int64_t i);
 
 /* The row at which destination d holds (s, t) in NON_EXPAND, or -1 when t does not go to d.
  * The EXPAND row of selection (s, t, k), or -1 for a -1 entry. Both search the reference's own
@@ -198,7 +202,9 @@ uint16_t ref_float_to_bf16(float value);
 /* e4m3 of docs/semantics.md §2.7, found by searching every e4m3 value for the nearest (ties to the
  * even encoding), saturating at +-448, NaN to 0x7F. */
 uint8_t ref_float_to_e4m3(float value);
-/* The 2.7 quantization of one bf16 row of H channels into q[H] and scales[H / 128]. */
-void ref_quantize_row(const uint16_t *x, uint32_t hidden, uint8_t *q, float *scales);
+/* The 2.7 quantization of one bf16 row of H channels into q[H] and its recv_scales row: fp32
+ * [H / 128], or with ue8m0 (which needs round_scale) bytes [H / 128]. */
+void ref_quantize_row(const uint16_t *x, uint32_t hidden, int round_scale, int ue8m0, uint8_t *q,
+                      void *scales);
 
 #endif

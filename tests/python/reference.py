@@ -189,18 +189,35 @@ def e4m3(v):
     return out
 
 
-def quantize(x_bits, block=128):
-    """§2.7 of bf16 rows ``[N, H]`` (uint16 bits): (e4m3 bytes ``[N, H]``, fp32 scales
-    ``[N, H / block]``)."""
+def _pow2_exponent(m):
+    """⌈log2 m⌉ of positive float32 values m, normal or +inf (128): frexp gives m = f·2^x with
+    f in [0.5, 1), which is a power of two exactly when f is 0.5."""
+    f, x = np.frexp(m.astype(np.float64))
+    e = np.where(f == 0.5, x - 1, x).astype(np.int32)
+    return np.where(np.isinf(m), 128, e).astype(np.int32)
+
+
+def quantize(x_bits, block=128, round_scale=False, ue8m0=False):
+    """§2.7 of bf16 rows ``[N, H]`` (uint16 bits): (e4m3 bytes ``[N, H]``, scales): fp32
+    ``[N, H / block]``, with ``round_scale`` the powers of two 2^e (x times 2^-e), with
+    ``ue8m0`` (and round_scale) the bytes e + 127 as uint8 ``[N, H / block]``."""
     f = _bf16_float(x_bits).reshape(x_bits.shape)
     n, h = f.shape
     q = np.empty((n, h), np.uint8)
-    scales = np.empty((n, h // block), np.float32)
+    scales = np.empty((n, h // block), np.uint8 if ue8m0 else np.float32)
     for b in range(h // block):
         blk = f[:, b * block:(b + 1) * block]
         amax = np.nanmax(np.where(np.isnan(blk), np.float32(0), np.abs(blk)), axis=1)
         amax = np.maximum(amax, np.float32(1e-4)).astype(np.float32)
-        scale = (np.float32(448.0) / amax).astype(np.float32)
+        m = (amax * _INV_448).astype(np.float32)
+        if round_scale:
+            e = _pow2_exponent(m)
+            with np.errstate(over="ignore"):
+                scale = np.ldexp(np.float32(1), -e).astype(np.float32)
+                recv = np.ldexp(np.float32(1), e).astype(np.float32)
+        else:
+            scale = (np.float32(448.0) / amax).astype(np.float32)
+            recv = m
         q[:, b * block:(b + 1) * block] = e4m3((blk * scale[:, None]).astype(np.float32))
-        scales[:, b] = (amax * _INV_448).astype(np.float32)
+        scales[:, b] = (e + 127).astype(np.uint8) if ue8m0 else recv
     return q, scales

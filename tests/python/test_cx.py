@@ -121,20 +121,23 @@ class TestCxGroup(unittest.TestCase):
             s, t = r[0], r[1]
             if fp8_x is not None:
                 np.testing.assert_array_equal(res.recv_x[i], fp8_x[s][t])
-                np.testing.assert_array_equal(res.recv_x_scales[i].view(np.uint32),
-                                              fp8_scales[s][t].view(np.uint32))
+                # bytes: fp32 scales bit for bit, or ue8m0's e + 127
+                self.assertEqual(res.recv_x_scales.dtype, fp8_scales[s].dtype)
+                np.testing.assert_array_equal(res.recv_x_scales[i].view(np.uint8),
+                                              fp8_scales[s][t].view(np.uint8))
             else:
                 np.testing.assert_array_equal(res.recv_x[i], ref.xs[s][t])
 
     def layout_case(self, R, layout, alignment=1, zero_padding=False, block_rows=0,
-                    quant=False, weights=True, topk_dtype=np.int64, seed=1, group_quant=None):
-        E, K, H, T = 4 * R, 4, 256, 12
+                    quant=False, weights=True, topk_dtype=np.int64, seed=1, group_quant=None,
+                    round_scale=False, ue8m0=False, H=256):
+        E, K, T = 4 * R, 4, 12
         rng = np.random.default_rng(seed)
         xs, topks, ws = make_inputs(rng, R, [T - s for s in range(R)], E, K, H, weights,
                                     topk_dtype)
         ref = Routing(R, E, T, xs, topks, ws, layout=layout, alignment=alignment,
                       block_rows=block_rows)
-        q = [quantize(x) for x in xs] if quant else None
+        q = [quantize(x, round_scale=round_scale, ue8m0=ue8m0) for x in xs] if quant else None
         with CxWorld(R, num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K,
                      max_expert_alignment=alignment, expert_block_rows=block_rows,
                      quantize=quant if group_quant is None else group_quant) as w:
@@ -142,7 +145,9 @@ class TestCxGroup(unittest.TestCase):
                 res = g.cx_dispatch(xs[r], topk_idx=topks[r],
                                     topk_weights=ws[r] if weights else None, layout=layout,
                                     expert_alignment=alignment, zero_padding=zero_padding,
-                                    expert_block_rows=block_rows, quantize=quant)
+                                    expert_block_rows=block_rows, quantize=quant,
+                                    round_scale=round_scale,
+                                    scale_format="ue8m0" if ue8m0 else "fp32")
                 self.check_dispatch(ref, r, res, [a for a, _ in q] if q else None,
                                     [b for _, b in q] if q else None, zero_padding)
                 # The expert: y = -recv as bf16 (quantized rows: a function of the row index).
@@ -205,6 +210,42 @@ class TestCxGroup(unittest.TestCase):
         # bf16 rows in a group that may quantize: no scales are read or sent.
         self.layout_case(2, "expand", block_rows=24, seed=7, group_quant=True)
         self.layout_case(3, "non_expand", seed=8, group_quant=True)
+
+    def test_round_scale_and_ue8m0(self):
+        # §2.7's options: power-of-two scales as fp32, and as ue8m0 bytes in rows of 2 blocks
+        # (every row starts at an even byte) and of 4 blocks (one int32 word).
+        self.layout_case(2, "non_expand", quant=True, round_scale=True, seed=9)
+        self.layout_case(3, "expand", quant=True, round_scale=True, ue8m0=True, alignment=2,
+                         zero_padding=True, seed=10)
+        self.layout_case(2, "expand", quant=True, round_scale=True, ue8m0=True, block_rows=24,
+                         seed=11, H=512)
+        self.layout_case(2, "non_expand", quant=True, round_scale=True, ue8m0=True, seed=12,
+                         H=384)
+
+    def test_scale_option_refusals(self):
+        # Collective INVALID_ARGUMENT naming the field, on every rank.
+        for kw, text in (({"quantize": True, "scale_format": "ue8m0"},
+                          "scale_format UE8M0 needs round_scale"),
+                         ({"round_scale": True}, "round_scale and scale_format need quantize"),
+                         ({"round_scale": True, "scale_format": "ue8m0"},
+                          "round_scale and scale_format need quantize")):
+            with CxWorld(2, hidden=128, max_tokens_per_rank=4, max_topk=2, quantize=True) as w:
+                def go(r, g):
+                    try:
+                        g.cx_dispatch(np.zeros((2, 128), np.uint16),
+                                      topk_idx=np.array([[0], [5]], np.int64), **kw)
+                    except epd.InvalidArgument as e:
+                        return str(e)
+                    return None
+                errs = w.run(go)
+                for e in errs:
+                    self.assertIsNotNone(e, kw)
+                    self.assertIn(text, e)
+        with CxWorld(1, hidden=128, max_tokens_per_rank=4, max_topk=2, quantize=True) as w:
+            with self.assertRaisesRegex(epd.InvalidArgument, "scale_format"):
+                w.groups[0].cx_dispatch(np.zeros((2, 128), np.uint16),
+                                        topk_idx=np.zeros((2, 1), np.int64), quantize=True,
+                                        round_scale=True, scale_format="e8m0")
 
     def test_fp8_group(self):
         R, E, K, H, T = 2, 8, 2, 256, 8
@@ -302,14 +343,15 @@ class TestDeepEPLowLatency(unittest.TestCase):
     E = 4 * R
     OFFSET = 128  # values rank - OFFSET stay exact in bf16
 
-    def buffers(self, **kw):
+    def buffers(self, hidden=None, **kw):
         from epd.compat.deep_ep import Buffer
         name = unique("ll")
         bufs = []
         try:
             for r in range(self.R):
                 bufs.append(Buffer(name, rank=r, secret=SECRET, socket=DAEMON["socket"],
-                                   world_size=self.R, num_experts=self.E, hidden=self.H,
+                                   world_size=self.R, num_experts=self.E,
+                                   hidden=hidden or self.H,
                                    max_tokens_per_rank=self.T, max_topk=self.K,
                                    op_timeout_ms=20000, low_latency_mode=True, **kw))
         except BaseException:
@@ -318,8 +360,9 @@ class TestDeepEPLowLatency(unittest.TestCase):
             raise
         return bufs
 
-    def inputs(self, seed):
-        R, T, H, K, E = self.R, self.T, self.H, self.K, self.E
+    def inputs(self, seed, H=None):
+        R, T, K, E = self.R, self.T, self.K, self.E
+        H = H or self.H
         rng = np.random.default_rng(seed)
         xs, topks, ws = [], [], []
         for r in range(R):
@@ -432,9 +475,11 @@ class TestDeepEPLowLatency(unittest.TestCase):
             b = bufs[0]
             x = np.zeros((self.T, self.H), np.uint16)
             tk = np.zeros((self.T, self.K), np.int64)
-            for kw, name in (({"round_scale": True}, "round_scale"),
-                             ({"use_ue8m0": True}, "use_ue8m0")):
-                with self.assertRaisesRegex(NotImplementedError, name):
+            for kw, text in (({"round_scale": True, "use_fp8": False}, "need use_fp8"),
+                             ({"use_ue8m0": True}, "use_ue8m0 needs round_scale"),
+                             ({"use_ue8m0": True, "round_scale": True},
+                              "multiple of 512")):
+                with self.assertRaisesRegex(epd.InvalidArgument, text):
                     b.low_latency_dispatch(x, tk, self.T, self.E, **kw)
             with self.assertRaisesRegex(NotImplementedError, "use_logfmt"):
                 b.low_latency_combine(x, tk, None, None, use_logfmt=True)
@@ -473,6 +518,65 @@ class TestDeepEPLowLatency(unittest.TestCase):
             self.assertGreater(small, 0)
             self.assertGreater(big, small)
         finally:
+            for b in bufs:
+                b.destroy()
+
+
+class TestDeepEPLowLatencyScales(unittest.TestCase):
+    """low_latency_dispatch's round_scale and use_ue8m0 (§2.7), hidden 512 as ue8m0 needs."""
+
+    R, T, H, K = 3, 6, 512, 3
+    E = 4 * R
+    OFFSET = TestDeepEPLowLatency.OFFSET
+    buffers = TestDeepEPLowLatency.buffers
+    inputs = TestDeepEPLowLatency.inputs
+
+    def test_round_scale_and_ue8m0(self):
+        R, T, H, E = self.R, self.T, self.H, self.E
+        L, C = E // R, R * T
+        bufs = self.buffers()
+        pool = concurrent.futures.ThreadPoolExecutor(R)
+        try:
+            for case, ue8m0 in enumerate([False, True]):
+                xs, topks, ws = self.inputs(20 + case)
+                q = [quantize(x, round_scale=True, ue8m0=ue8m0) for x in xs]
+
+                def go(r):
+                    recv_x, recv_count, handle, event, hook = bufs[r].low_latency_dispatch(
+                        xs[r], topks[r], T, E, use_fp8=True, round_scale=True,
+                        use_ue8m0=ue8m0)
+                    data, scales = recv_x
+                    self.assertEqual(data.shape, (L, C, H))
+                    # DeepEP's shapes: fp32 [L, R·T, H/128], or int32 [L, R·T, H/512]
+                    self.assertEqual(scales.shape, (L, C, H // (512 if ue8m0 else 128)))
+                    self.assertEqual(scales.dtype, np.int32 if ue8m0 else np.float32)
+                    out = {"data": data.copy(), "scales": scales.copy()}
+                    # the combine that the dispatch's handle slot expects next
+                    sim = epd.float_to_bf16(np.zeros((L, C, H), np.float32))
+                    bufs[r].low_latency_combine(sim, topks[r], ws[r], handle)
+                    return out
+
+                res = [f.result(60) for f in [pool.submit(go, r) for r in range(R)]]
+                ref = Routing(R, E, T, [a for a, _ in q], topks, ws, layout="expand",
+                              block_rows=C)
+                for r, g in enumerate(res):
+                    exp = ref.dest(r)
+                    keep = exp["recv_src"] >= 0
+                    rows = [x for x in exp["rows"] if x is not None]
+                    np.testing.assert_array_equal(g["data"].reshape(L * C, H)[keep],
+                                                  np.stack([q[s][0][t] for s, t, _ in rows]))
+                    got = g["scales"].reshape(L * C, -1)[keep]
+                    want = np.stack([q[s][1][t] for s, t, _ in rows])
+                    if ue8m0:  # word w holds blocks 4w .. 4w+3, the lowest byte first
+                        want = want.astype("<u4").reshape(len(want), -1, 4)
+                        want = (want << np.array([0, 8, 16, 24], "<u4")).sum(-1)
+                        np.testing.assert_array_equal(got.view("<u4"), want)
+                    else:
+                        vals = got.view(np.uint32)
+                        self.assertTrue(((vals & 0x7FFFFF) == 0).all(), "powers of two")
+                        np.testing.assert_array_equal(vals, want.view(np.uint32))
+        finally:
+            pool.shutdown()
             for b in bufs:
                 b.destroy()
 

@@ -936,13 +936,17 @@ class TestClientExecuted(_InProcessCase):
         w = rng.random((T, K)).astype(np.float32)
         sw = rng.random((T, K)).astype(np.float32)
         ys = epd.float_to_bf16(rng.standard_normal((E * C, H)).astype(np.float32))
-        for quant in (False, True):
+        # bf16 rows, then §2.7 with fp32 scales, power-of-two scales, and ue8m0 bytes
+        for quant, round_scale, ue8m0 in ((False, False, False), (True, False, False),
+                                          (True, True, False), (True, True, True)):
             res = g.cx_dispatch(self.bf16(x), topk_idx=torch.from_numpy(tk).to(self.dev),
                                 topk_weights=torch.from_numpy(w).to(self.dev),
-                                layout="expand", expert_block_rows=C, quantize=quant)
+                                layout="expand", expert_block_rows=C, quantize=quant,
+                                round_scale=round_scale,
+                                scale_format="ue8m0" if ue8m0 else "fp32")
             torch.cuda.synchronize()
             self.assertEqual(g.cx_status()["status_name"], "OK")
-            q = quantize(x)
+            q = quantize(x, round_scale=round_scale, ue8m0=ue8m0)
             ref = Routing(1, E, T, [q[0] if quant else x], [tk], [w], layout="expand",
                           block_rows=C)
             exp = ref.dest(0)
@@ -957,7 +961,9 @@ class TestClientExecuted(_InProcessCase):
                                           np.stack([r for r in ref.recv_x(0) if r is not None]))
             if quant:
                 want = np.stack([q[1][t] for _, t, _ in [r for r in exp["rows"] if r]])
-                np.testing.assert_array_equal(res.recv_x_scales.cpu().numpy()[keep], want)
+                got_scales = res.recv_x_scales.cpu().numpy()[keep]
+                self.assertEqual(got_scales.dtype, want.dtype)
+                np.testing.assert_array_equal(got_scales.view(np.uint8), want.view(np.uint8))
             self.assertEqual(g.cx_counts(0)["num_expanded_rows"], E * C)
             y, _ = g.cx_y(res.handle, self.dev)
             y.copy_(self.bf16(ys))

@@ -10,6 +10,7 @@
  */
 #include <check.h>
 #include <inttypes.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -158,7 +159,8 @@ static void *rank_main(void *arg)
                         .num_topk = c->K, .weights = c->has_weights ? rd->weights[me] : NULL,
                         .layout = c->layout, .expert_alignment = c->align,
                         .zero_padding = c->zero_padding, .expert_block_rows = c->block_rows,
-                        .quantize = c->quantize, .handle = handle,
+                        .quantize = c->quantize, .round_scale = c->round_scale,
+                        .scale_format = cx_case_scale_format(c), .handle = handle,
                 };
                 uint64_t op = 0;
                 int ret = cx_dispatch(&r, &a, &op, msg, sizeof(msg));
@@ -252,7 +254,7 @@ END_TEST
 START_TEST(test_many_ops)
 {
         static const struct cx_case c = { "r3_many_ops", 3, 12, 64, 5, 3, BF16, 0, EX, 2, 1, 0,
-                                          1, I64, 1, 1, 0, 0, 0, 100 };
+                                          1, I64, 1, 1, 0, 0, 0, 100, 0, 0 };
 
         run_scenario(&c, 0x5107ull);
 }
@@ -295,14 +297,14 @@ struct fixture {
         struct group g;
         uint32_t R;
         struct fail_ctx f[MAX_R];
-        uint16_t x[MAX_R][8 * 64];
+        uint16_t x[MAX_R][8 * 128];
         int32_t topk[MAX_R][8 * 2];
 };
 
 static void fixture_args(struct fixture *fx, enum epd_layout layout, uint32_t block_rows)
 {
         for (uint32_t r = 0; r < fx->R; r++) {
-                for (uint32_t i = 0; i < 8 * 64; i++)
+                for (uint32_t i = 0; i < 8 * 128; i++)
                         fx->x[r][i] = (uint16_t)(0x3F80 + r + i);
                 for (uint32_t t = 0; t < 8; t++) {
                         fx->topk[r][t * 2] = 0;
@@ -317,11 +319,13 @@ static void fixture_args(struct fixture *fx, enum epd_layout layout, uint32_t bl
         }
 }
 
-static struct fixture *fixture_new(uint32_t R, enum epd_layout layout, uint32_t block_rows)
+static struct fixture *fixture_new_shape(uint32_t R, enum epd_layout layout,
+                                         uint32_t block_rows, int quantize)
 {
         struct fixture *fx = calloc(1, sizeof(*fx));
-        struct cx_shape shape = { .world_size = R, .num_experts = 4 * R, .hidden = 64,
-                                  .max_tokens = 8, .max_topk = 2, .dtype = BF16,
+        struct cx_shape shape = { .world_size = R, .num_experts = 4 * R,
+                                  .hidden = quantize ? 128 : 64, .max_tokens = 8, .max_topk = 2,
+                                  .dtype = BF16, .quantize = (uint32_t)quantize,
                                   .expert_block_rows = block_rows };
 
         ck_assert_ptr_nonnull(fx);
@@ -329,6 +333,11 @@ static struct fixture *fixture_new(uint32_t R, enum epd_layout layout, uint32_t 
         group_init(&fx->g, &shape);
         fixture_args(fx, layout, block_rows);
         return fx;
+}
+
+static struct fixture *fixture_new(uint32_t R, enum epd_layout layout, uint32_t block_rows)
+{
+        return fixture_new_shape(R, layout, block_rows, 0);
 }
 
 static void fixture_free(struct fixture *fx)
@@ -441,6 +450,64 @@ START_TEST(test_invalid_collective)
         fixture_run(fx, 7u, 5000000000ull);
         fixture_expect(fx, 3, EPD_INVALID_ARGUMENT, "rank 1's op differs");
         fixture_free(fx);
+}
+END_TEST
+
+/* 2.7's scale options on a quantizing group: UE8M0 without round_scale, either option without
+ * quantize, or an unknown format on one rank is INVALID_ARGUMENT on every rank naming the field
+ * and the rank, with nothing written; ranks that disagree on an option fail as a mismatch. */
+START_TEST(test_scale_options_invalid)
+{
+        static const struct {
+                int quantize, round_scale;
+                uint32_t format;
+                const char *text;
+        } bad[] = {
+                { 1, 0, EPD_SCALE_FORMAT_UE8M0, "scale_format UE8M0 needs round_scale" },
+                { 0, 1, EPD_SCALE_FORMAT_FP32, "round_scale and scale_format need quantize" },
+                { 0, 1, EPD_SCALE_FORMAT_UE8M0, "round_scale and scale_format need quantize" },
+                { 1, 1, 7, "scale_format must be FP32 or UE8M0" },
+        };
+
+        for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+                struct fixture *fx = fixture_new_shape(2, NE, 0, 1);
+
+                for (uint32_t r = 0; r < 2; r++) {
+                        fx->f[r].a.quantize = bad[i].quantize;
+                        fx->f[r].a.round_scale = bad[i].round_scale;
+                        fx->f[r].a.scale_format = bad[i].format;
+                }
+                fixture_run(fx, 3u, 5000000000ull);
+                fixture_expect(fx, 2, EPD_INVALID_ARGUMENT, "invalid argument on rank 0");
+                fixture_expect(fx, 2, EPD_INVALID_ARGUMENT, bad[i].text);
+                ck_assert(receive_areas_untouched(fx));
+                fixture_free(fx);
+        }
+        {
+                struct fixture *fx = fixture_new_shape(2, NE, 0, 1);
+
+                for (uint32_t r = 0; r < 2; r++) {
+                        fx->f[r].a.quantize = 1;
+                        fx->f[r].a.round_scale = 1;
+                }
+                fx->f[1].a.scale_format = EPD_SCALE_FORMAT_UE8M0;
+                fixture_run(fx, 3u, 5000000000ull);
+                fixture_expect(fx, 2, EPD_INVALID_ARGUMENT, "rank 1's op differs");
+                fixture_free(fx);
+        }
+        {
+                /* The same options everywhere are accepted. */
+                struct fixture *fx = fixture_new_shape(2, NE, 0, 1);
+
+                for (uint32_t r = 0; r < 2; r++) {
+                        fx->f[r].a.quantize = 1;
+                        fx->f[r].a.round_scale = 1;
+                        fx->f[r].a.scale_format = EPD_SCALE_FORMAT_UE8M0;
+                }
+                fixture_run(fx, 3u, 5000000000ull);
+                fixture_expect(fx, 2, 0, "");
+                fixture_free(fx);
+        }
 }
 END_TEST
 
@@ -640,6 +707,104 @@ START_TEST(test_fp8_conversion)
 }
 END_TEST
 
+/* One block of 128 bf16 channels: v0 at channel 0, rest everywhere else. */
+static void block_of(uint16_t *x, uint16_t v0, uint16_t rest)
+{
+        for (uint32_t c = 0; c < 128; c++)
+                x[c] = c == 0 ? v0 : rest;
+}
+
+/* 2.7's round_scale and ue8m0 on hand-computed blocks. m = amax * 0x1.24924ap-9f is 1.0 for amax
+ * 448 and 2.0 for 896 (powers of two: e = exponent), 0x1.24924ap-9 for amax 1 (mantissa bits set:
+ * e = -9 + 1), 0x1.df595ap-23 for the floor 1e-4 (e = -22); NaN is ignored and an infinite amax
+ * gives e = 128. */
+START_TEST(test_round_scale_cases)
+{
+        static const struct {
+                uint16_t v0, rest;   /* bf16 */
+                int32_t e;           /* the exponent: scale 2^-e, recv_scales 2^e */
+                uint8_t q0, q1;      /* e4m3 of channel 0 and of the others, round_scale */
+                float plain;         /* recv_scales without round_scale */
+                uint8_t plain_q1;
+        } cases[] = {
+                { 0x43E0, 0x43E0, 0, 0x7E, 0x7E, 1.0f, 0x7E },           /* all 448 */
+                { 0x4460, 0x43E0, 1, 0x7E, 0x76, 2.0f, 0x76 },           /* 896; 448 / 2 = 224 */
+                { 0x3F80, 0x3F80, -8, 0x78, 0x78, 0x1.24924ap-9f, 0x7E }, /* 1.0 * 2^8 = 256 */
+                { 0x7FC0, 0x3F80, -8, 0x7F, 0x78, 0x1.24924ap-9f, 0x7E }, /* NaN ignored */
+                { 0xBF80, 0x3F00, -8, 0xF8, 0x70, 0x1.24924ap-9f, 0x76 }, /* -1 and 0.5 */
+                { 0x3580, 0x0000, -22, 0x48, 0x00, 0x1.df595ap-23f, 0x00 }, /* 2^-20: floor */
+        };
+        uint16_t x[128];
+        uint8_t q[128];
+
+        ck_assert_int_eq(epd_fp8_scale_exponent(448.0f), 0);
+        ck_assert_int_eq(epd_fp8_scale_exponent(896.0f), 1);
+        ck_assert_int_eq(epd_fp8_scale_exponent(1.0f), -8);
+        ck_assert_int_eq(epd_fp8_scale_exponent(0.5f), -9);
+        ck_assert_int_eq(epd_fp8_scale_exponent(1e-4f), -22);
+        ck_assert_int_eq(epd_fp8_scale_exponent(57344.0f), 7);
+        ck_assert_int_eq(epd_fp8_scale_exponent(1.0f / 0.0f), 128);
+        ck_assert(epd_f32_pow2(-128) == 0x1p-128f && epd_f32_pow2(-126) == 0x1p-126f);
+        ck_assert(epd_f32_pow2(127) == 0x1p127f && epd_f32_pow2(128) == 1.0f / 0.0f);
+        for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+                float s;
+
+                block_of(x, cases[i].v0, cases[i].rest);
+                s = epd_fp8_quantize_block(x, 128, q, 1);
+                ck_assert_msg(s == ldexpf(1.0f, cases[i].e), "case %zu: recv %a, e %d", i,
+                              (double)s, cases[i].e);
+                ck_assert_uint_eq(epd_ue8m0_from_pow2(s), (uint32_t)(cases[i].e + 127));
+                ck_assert_msg(q[0] == cases[i].q0 && q[1] == cases[i].q1,
+                              "case %zu: q 0x%02x 0x%02x", i, q[0], q[1]);
+                s = epd_fp8_quantize_block(x, 128, q, 0);
+                ck_assert_msg(s == cases[i].plain, "case %zu: plain recv %a", i, (double)s);
+                ck_assert_msg(q[1] == cases[i].plain_q1, "case %zu: plain q 0x%02x", i, q[1]);
+        }
+        /* +inf: e = 128, recv_scales +inf and byte 255; 1.0 * 2^-128 rounds to 0, inf saturates. */
+        block_of(x, 0x7F80, 0x3F80);
+        ck_assert(epd_fp8_quantize_block(x, 128, q, 1) == 1.0f / 0.0f);
+        ck_assert_uint_eq(q[0], 0x7E);
+        ck_assert_uint_eq(q[1], 0x00);
+        ck_assert_uint_eq(epd_ue8m0_from_pow2(1.0f / 0.0f), 255);
+}
+END_TEST
+
+/* The shared block quantization against the reference's, every option, on random rows with
+ * specials (NaN, infinities, subnormals, huge values). */
+START_TEST(test_quantize_block_reference)
+{
+        enum { H = 512, NB = H / 128 };
+        struct td_rng rng;
+        uint16_t x[H];
+        uint8_t q[H], rq[H], rs[NB * 4];
+
+        td_rng_seed(&rng, 0x2E8);
+        for (uint32_t i = 0; i < 3000; i++) {
+                int round_scale = (int)(i % 3 != 0), ue8m0 = (int)(i % 3 == 2);
+
+                td_fill_bf16(&rng, x, 1, H, 0, i % 2 ? 0.02 : 0.0);
+                if (i % 7 == 0)
+                        for (uint32_t c = 0; c < H; c++)
+                                x[c] = (uint16_t)(x[c] - (12u << 7)); /* amax near the floor */
+                ref_quantize_row(x, H, round_scale, ue8m0, rq, rs);
+                for (uint32_t b = 0; b < NB; b++) {
+                        float s = epd_fp8_quantize_block(x + b * 128, 128, q + b * 128,
+                                                         round_scale);
+
+                        if (ue8m0) {
+                                ck_assert_msg(epd_ue8m0_from_pow2(s) == rs[b],
+                                              "row %u block %u: byte %u, expected %u", i, b,
+                                              epd_ue8m0_from_pow2(s), rs[b]);
+                        } else {
+                                ck_assert_msg(memcmp(&s, rs + b * 4, 4) == 0,
+                                              "row %u block %u: scale %a", i, b, (double)s);
+                        }
+                }
+                ck_assert_msg(memcmp(q, rq, H) == 0, "row %u: fp8 bytes differ", i);
+        }
+}
+END_TEST
+
 static Suite *cx_suite(void)
 {
         Suite *s = suite_create("cx");
@@ -654,6 +819,7 @@ static Suite *cx_suite(void)
         tcase_add_test(tc, test_capacity_blocks);
         tcase_add_test(tc, test_capacity_rows);
         tcase_add_test(tc, test_invalid_collective);
+        tcase_add_test(tc, test_scale_options_invalid);
         tcase_add_test(tc, test_abort);
         tcase_add_test(tc, test_timeout);
         tcase_add_test(tc, test_drain);
@@ -663,6 +829,8 @@ static Suite *cx_suite(void)
         tc = tcase_create("layout");
         tcase_add_test(tc, test_layout_sizes);
         tcase_add_test(tc, test_fp8_conversion);
+        tcase_add_test(tc, test_round_scale_cases);
+        tcase_add_test(tc, test_quantize_block_reference);
         suite_add_tcase(s, tc);
         return s;
 }

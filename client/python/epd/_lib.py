@@ -58,6 +58,9 @@ DTYPE_INT64 = 5
 LAYOUT_NON_EXPAND = 0
 LAYOUT_EXPAND = 1
 
+SCALE_FORMAT_FP32 = 0
+SCALE_FORMAT_UE8M0 = 1
+
 # enum epd_execution
 EXECUTION_DAEMON = 0
 EXECUTION_CLIENT = 1
@@ -301,6 +304,9 @@ class CxDispatchArgs(ctypes.Structure):
         ("cached", _int),
         ("capacity_rows", _u64),
         ("recv_memory", _u32),
+        ("reserved", _u32),
+        ("round_scale", _int),
+        ("scale_format", _int),
     ]
 
 
@@ -622,7 +628,7 @@ EXPECTED_SIZES = {
     CombineResult: 40, AdminDevice: 40, DaemonStatusInfo: 96, AdminRank: 32, GroupInfo: 144,
     ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 112, AdminStageStats: 24,
     AdminGroupStats: 88, AdminClientStats: 56, AdminDeviceStats: 48, AdminDaemonStats: 136,
-    DrainResult: 16, ResizeRank: 48, ResizeInfo: 56, CxDispatchArgs: 120, CxCombineArgs: 80,
+    DrainResult: 16, ResizeRank: 48, ResizeInfo: 56, CxDispatchArgs: 128, CxCombineArgs: 80,
     CxStatus: 280, CxCounts: 64, CxBuffers: 104,
 }
 

@@ -119,6 +119,25 @@ def _scale_cols(group):
     return group.hidden // (group.scale_block or 128)
 
 
+def _byte_view(group, st, address, shape, device):
+    """uint8 ``shape`` at ``address`` (ue8m0 scales)."""
+    if not st.on_device:
+        return host_view(group, address, shape, np.uint8)
+    torch = tensors.torch_module()
+    if int(np.prod(shape, dtype=np.int64)) == 0:
+        return torch.empty(shape, dtype=torch.uint8, device=device)
+    return torch.as_tensor(_CudaArray(address, shape, "|u1"), device=device)
+
+
+def _scale_format(scale_format):
+    """The enum epd_scale_format of the ``scale_format`` argument ("fp32" or "ue8m0"); the
+    library checks the rest (ue8m0 needs round_scale, both need quantize) on every rank."""
+    name = str(scale_format or "fp32").lower()
+    if name not in ("fp32", "ue8m0"):
+        raise InvalidArgument("scale_format must be 'fp32' or 'ue8m0', not %r" % (scale_format,))
+    return _lib.SCALE_FORMAT_UE8M0 if name == "ue8m0" else _lib.SCALE_FORMAT_FP32
+
+
 # ---- results ----
 
 class CxDispatchResult:
@@ -126,7 +145,9 @@ class CxDispatchResult:
 
     Views of the receive area: ``recv_x`` ``[rows, hidden]`` (bf16 bits as uint16, or fp8 e4m3
     bytes as uint8 for an fp8 group or a quantizing dispatch), ``recv_x_scales`` float32
-    ``[rows, hidden/128]`` (fp8 rows only), ``recv_topk_idx`` ``[rows, K]`` (NON_EXPAND),
+    ``[rows, hidden/scale_block]`` (fp8 rows only; a quantizing dispatch's blocks are 128
+    channels, and with ``scale_format="ue8m0"`` they are uint8 ``[rows, hidden/128]``, the bytes
+    e + 127, four to a little-endian int32 word), ``recv_topk_idx`` ``[rows, K]`` (NON_EXPAND),
     ``recv_weights`` (alias ``recv_topk_weights``; only when weights were given: ``[rows, K]``
     NON_EXPAND, ``[rows]`` EXPAND), ``recv_src`` int64 ``[rows]`` and ``recv_topk_slot`` int32
     ``[rows]`` (EXPAND). Counts (docs/semantics.md §2.3): ``num_recv_tokens``,
@@ -203,9 +224,10 @@ def _topk_code(a):
 
 def dispatch(group, x, topk_idx, topk_weights, x_scales, handle, cached, layout,
              expert_alignment, zero_padding, expert_block_rows, quantize, capacity_rows,
-             stream):
+             stream, round_scale=False, scale_format=None):
     """Group.cx_dispatch (see there)."""
     st = state(group)
+    fmt = _scale_format(scale_format)
     handle = _slot(st, handle)
     layout = _layout(layout)
     if cached:
@@ -223,6 +245,8 @@ def dispatch(group, x, topk_idx, topk_weights, x_scales, handle, cached, layout,
     args.zero_padding = int(bool(zero_padding))
     args.expert_block_rows = int(expert_block_rows or 0)
     args.quantize = int(bool(quantize))
+    args.round_scale = int(bool(round_scale))
+    args.scale_format = fmt
     args.handle = handle
     args.cached = int(bool(cached))
     args.capacity_rows = int(capacity_rows or 0)
@@ -310,7 +334,8 @@ def dispatch(group, x, topk_idx, topk_weights, x_scales, handle, cached, layout,
                              bool(quantize))
     if device is not None:
         st.keep = keep  # the inputs stay referenced until the next launch of this rank
-    return _dispatch_result(group, st, handle, device, fp8_rows)
+    return _dispatch_result(group, st, handle, device, fp8_rows,
+                            bool(quantize) and fmt == _lib.SCALE_FORMAT_UE8M0)
 
 
 def _counts(group, st, handle):
@@ -356,7 +381,7 @@ def _host_counts(group, st, handle):
             "rank_prefix": arr(c.rank_prefix, R + 1), "expert_base": arr(c.expert_base, L + 1)}
 
 
-def _dispatch_result(group, st, handle, device, fp8_rows):
+def _dispatch_result(group, st, handle, device, fp8_rows, ue8m0=False):
     info = st.slots[handle]
     b = st.buffers
     expand = info.layout == EXPAND
@@ -377,11 +402,17 @@ def _dispatch_result(group, st, handle, device, fp8_rows):
     def view(addr, shape, code):
         return _view(group, st, addr, shape, code, device)
 
+    if not fp8_rows:
+        scales = None
+    elif ue8m0:
+        scales = _byte_view(group, st, b.recv_scales, (rows, H // 128), device)
+    else:
+        scales = view(b.recv_scales, (rows, H // 128 if info.quantize else _scale_cols(group)),
+                      _lib.DTYPE_FP32)
     return CxDispatchResult(
         layout=info.layout, handle=handle, op_number=op_number,
         recv_x=view(b.recv_x, (rows, H), x_code),
-        recv_x_scales=view(b.recv_scales, (rows, _scale_cols(group)), _lib.DTYPE_FP32)
-        if fp8_rows else None,
+        recv_x_scales=scales,
         recv_topk_idx=None if expand else view(b.recv_topk_idx, (rows, K), info.topk_code),
         recv_weights=(view(b.recv_weights, (rows,) if expand else (rows, K), _lib.DTYPE_FP32)
                       if info.has_weights else None),

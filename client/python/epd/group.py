@@ -889,7 +889,8 @@ class Group:
 
     def cx_dispatch(self, x, topk_idx=None, topk_weights=None, x_scales=None, handle=0,
                     cached=False, layout=NON_EXPAND, expert_alignment=1, zero_padding=False,
-                    expert_block_rows=0, quantize=False, capacity_rows=0, stream=None):
+                    expert_block_rows=0, quantize=False, capacity_rows=0, stream=None,
+                    round_scale=False, scale_format="fp32"):
         """This rank's dispatch in a client-executed group (docs/semantics.md §2).
 
         ``x`` ``[N, hidden]`` (bf16 bits as uint16 or floats rounded to bf16; an fp8 group's
@@ -897,7 +898,10 @@ class Group:
         as in :meth:`dispatch`. ``handle`` is the slot the dispatch fills; ``cached=True``
         reuses that slot's routing (§2.4, no ``topk_idx``). ``expert_block_rows`` C > 0
         (EXPAND): fixed expert blocks of C rows (§2.6). ``quantize`` (a bf16 group created
-        with it): fp8 rows and scales (§2.7). ``capacity_rows``: the rows this rank accepts
+        with it): fp8 rows and scales (§2.7); with it ``round_scale=True`` makes every scale a
+        power of two (x times 2^-e, ``recv_x_scales`` 2^e) and ``scale_format="ue8m0"`` (which
+        needs ``round_scale``) returns the scales as uint8 ``[rows, hidden/128]`` bytes e + 127,
+        four to a little-endian int32 word. ``capacity_rows``: the rows this rank accepts
         (0: its receive area).
 
         Host backend: NumPy arrays, the op runs now; cuda backend: torch CUDA tensors, the op
@@ -908,7 +912,7 @@ class Group:
         """
         return cx.dispatch(self, x, topk_idx, topk_weights, x_scales, handle, cached, layout,
                            expert_alignment, zero_padding, expert_block_rows, quantize,
-                           capacity_rows, stream)
+                           capacity_rows, stream, round_scale, scale_format)
 
     def cx_y(self, handle=0, device=None):
         """``(y, y_weights)``: views of this rank's y area laid out as the slot's dispatch,

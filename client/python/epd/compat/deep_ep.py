@@ -126,7 +126,11 @@ dispatch (§2.7)::
     combined_x, event, hook = buf.low_latency_combine(y, topk_idx, topk_weights, handle)
 
 * ``recv_x`` is ``[num_local_experts, R·T, hidden]``; with ``use_fp8`` it is the pair
-  ``(e4m3 data, float32 scales [L, R·T, hidden/128])``. ``recv_count`` int32 ``[L]`` is the
+  ``(e4m3 data, float32 scales [L, R·T, hidden/128])``. ``round_scale=True`` makes every scale
+  a power of two (§2.7: the data is x times 2^-e, the scale 2^e, e = ⌈log2(amax/448)⌉);
+  ``use_ue8m0=True`` (which needs ``round_scale``, and hidden a multiple of 512) returns the
+  scales as DeepEP does, int32 ``[L, R·T, hidden/512]``, each word four bytes e + 127 of
+  consecutive blocks, little-endian. ``recv_count`` int32 ``[L]`` is the
   rows received per local expert; ``cumulative_local_expert_recv_stats`` gets them added.
   ``handle[0]`` int32 ``[L, R·T]`` is the source token (its index on the source rank) of each
   row, ``handle[1]`` int64 ``[L, R]`` the rows of each source rank, ``begin << 32 | count``;
@@ -139,8 +143,8 @@ dispatch (§2.7)::
   :class:`EventOverlap` with nothing to wait for: the op is ordered on the current stream.
   ``return_recv_hook=True`` returns a hook that does nothing: the op is whole when the call
   returns (its receive is not split from its send).
-* Not supported, raising NotImplementedError that names them: ``round_scale``, ``use_ue8m0``
-  and ``use_logfmt``, and the mask calls (``low_latency_update_mask_buffer``, ...).
+* Not supported, raising NotImplementedError that names them: ``use_logfmt`` and the mask
+  calls (``low_latency_update_mask_buffer``, ...).
 """
 
 import secrets
@@ -909,22 +913,34 @@ class Buffer:
                              return_recv_hook=False):
         """DeepEP's low-latency dispatch. Returns ``(recv_x, recv_count, handle, event,
         hook)`` (see the module docstring)."""
-        if round_scale:
-            _unsupported("round_scale")
-        if use_ue8m0:
-            _unsupported("use_ue8m0")
         g = self.group
         T = self._ll_check(num_max_dispatch_tokens_per_rank, None, num_experts)
         if use_fp8 and not g.quantize:
             raise InvalidArgument("use_fp8 needs a bf16 group with hidden a multiple of 128")
+        if (round_scale or use_ue8m0) and not use_fp8:
+            raise InvalidArgument("round_scale and use_ue8m0 need use_fp8=True")
+        if use_ue8m0 and not round_scale:
+            raise InvalidArgument("use_ue8m0 needs round_scale=True")
         R, L, H = g.world_size, g.num_local_experts, g.hidden
+        if use_ue8m0 and H % 512:
+            raise InvalidArgument("use_ue8m0 needs hidden a multiple of 512 (scales int32 "
+                                  "[.., hidden/512]), not %d" % H)
         C = R * T
         slot = self._ll_next
         self._ll_next = (slot + 1) % g.num_handle_slots
         res = g.cx_dispatch(x, topk_idx=topk_idx, handle=slot, layout=EXPAND,
-                            expert_block_rows=C, quantize=bool(use_fp8))
+                            expert_block_rows=C, quantize=bool(use_fp8),
+                            round_scale=bool(round_scale),
+                            scale_format="ue8m0" if use_ue8m0 else "fp32")
         data = res.recv_x.reshape(L, C, H)
-        recv_x = (data, res.recv_x_scales.reshape(L, C, -1)) if use_fp8 else data
+        if use_fp8:
+            scales = res.recv_x_scales.reshape(L, C, H // 128)
+            if use_ue8m0:  # four bytes to a little-endian word
+                scales = scales.view(np.int32 if isinstance(scales, np.ndarray)
+                                     else tensors.torch_module().int32)
+            recv_x = (data, scales)
+        else:
+            recv_x = data
         recv_count = res.num_recv_tokens_per_expert
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += recv_count
