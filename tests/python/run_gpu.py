@@ -8,7 +8,8 @@ this.) What runs:
 
 1. test_gpu: torch CUDA tensors on a cuda-backend epd, bitwise against NumPy on a host-backend
    epd (2 and 4 ranks as processes); DeepEP's intranode test through epd.compat.deep_ep (2 and
-   4 ranks); registration cache, stream ordering, caller outputs, capacity, arena, kernel_ns.
+   4 ranks, the Buffer by group name and from a torch.distributed process group);
+   registration cache, stream ordering, caller outputs, capacity, arena, kernel_ns.
    EPD_GPU_REQUIRED=1 is set, so a missing GPU, torch, CUDA libepd or daemon fails instead of
    skipping (--allow-skip keeps skips).
 2. test_torch and test_binding: the host paths, under this machine's torch and NumPy
