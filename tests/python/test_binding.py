@@ -1104,6 +1104,7 @@ class TestDeepEPCompat(unittest.TestCase):
             self.assertNotEqual(bufs[0]._name, other[0]._name)
             self.assertNotEqual(bufs[0]._secret, other[0]._secret)
             self.assertEqual([(b.rank, b.group_size) for b in bufs], [(0, R), (1, R)])
+            self.assertEqual([b.process_group for b in bufs], groups)
             with self.assertRaises(epd.Unavailable):
                 bufs[0].group
             xs, _, topks, ws = make_inputs(R, E, H, T, K, 31)

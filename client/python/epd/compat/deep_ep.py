@@ -42,7 +42,8 @@ The Buffer:
   tokens than the first, which epd refuses (INVALID_ARGUMENT). Later dtypes' groups take the
   first group's shape. Later calls make no collective of their own (but see dispatch without
   ``topk_idx``).
-* ``self.group`` is the epd group of the first dtype (the process group is not kept);
+* ``self.group`` is the epd group of the first dtype (DeepEP's process group is
+  ``self.process_group``);
   ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank``, ``allow_nvlink_*``,
   ``allow_mnnvl`` and ``explicitly_destroy`` are kept and unused (epd sizes its buffers from
   the group's shape); ``destroy()`` leaves the groups.
@@ -607,6 +608,7 @@ class Buffer:
         self._owns_client = False
         self._client = client
         self._comm = None
+        self.process_group = None
         self._join_timeout = join_timeout
         self._shape = {"world_size": world_size, "num_experts": num_experts, "hidden": hidden,
                        "max_tokens_per_rank": max_tokens_per_rank, "max_topk": max_topk,
@@ -628,7 +630,8 @@ class Buffer:
             if group is None and comm is None:
                 raise InvalidArgument("Buffer needs a process group, comm=, an epd group name "
                                       "or an epd.Group")
-            self._comm = _Comm(group if group is not None else comm)
+            self.process_group = group if group is not None else comm
+            self._comm = _Comm(self.process_group)
             self.rank = self._comm.rank
             if world_size is not None and int(world_size) != self._comm.size:
                 raise InvalidArgument("world_size %d differs from the process group's size %d"
