@@ -918,14 +918,23 @@ class MpiLikeComm:
 
 
 class TestDeepEPCompat(unittest.TestCase):
+    """DeepEP's normal mode through epd.compat.deep_ep over daemon-executed groups
+    (TestDeepEPCompatClient: the same over client-executed groups)."""
+
+    EXECUTION = "daemon"
+
     def buffers(self, R, max_topk=4, **kw):
         name = unique("deepep")
         kw.setdefault("num_experts", 4 * R)
         kw.setdefault("hidden", 64)
+        kw.setdefault("execution", self.EXECUTION)
         bufs = [Buffer(name, rank=0, secret=SECRET, socket=DAEMON["socket"], world_size=R,
                        max_tokens_per_rank=16, max_topk=max_topk, **kw)]
+        local = {k: kw[k] for k in ("execution", "copy_outputs") if k in kw}
         for r in range(1, R):
-            bufs.append(Buffer(name, rank=r, secret=SECRET, socket=DAEMON["socket"]))
+            bufs.append(Buffer(name, rank=r, secret=SECRET, socket=DAEMON["socket"], **local))
+        for b in bufs:
+            self.assertEqual(b.execution, kw["execution"] or "client")
         return bufs
 
     def parallel(self, bufs, fn):
@@ -972,7 +981,10 @@ class TestDeepEPCompat(unittest.TestCase):
                 np.testing.assert_array_equal(rw, want["recv_weights"])
                 self.assertEqual(counts, [(c + 1) // 2 * 2 for c in want["per_expert"]])
                 self.assertIsInstance(handle, DispatchHandle)
-                self.assertIsInstance(handle.epd, epd.Handle)
+                if self.EXECUTION == "daemon":
+                    self.assertIsInstance(handle.epd, epd.Handle)
+                else:
+                    self.assertEqual((handle.epd, handle.slot), (None, 0))
                 check_deepep_handle(self, handle, r, R, T, topks, E // R, want["rows"])
             bias = [epd.float_to_bf16(np.full((len(xs[r]), H), 0.5, np.float32))
                     for r in range(R)]
@@ -1001,13 +1013,15 @@ class TestDeepEPCompat(unittest.TestCase):
                 np.testing.assert_array_equal(rw, out[r][2] * 3)
             self.assertEqual(Buffer.get_dispatch_config(R).num_sms, Buffer.num_sms)
             self.assertEqual(Buffer.get_combine_config(R).num_sms, Buffer.num_sms)
+            for r, b in enumerate(bufs):
+                self.assertEqual(b.rank, r)
+                self.assertEqual(b.group_size, R)
+            if self.EXECUTION == "client":
+                return
             handle_ids = [o[4].epd.id for o in out]
             out = cached = comb = None
             import gc
             gc.collect()
-            for r, b in enumerate(bufs):
-                self.assertEqual(b.rank, r)
-                self.assertEqual(b.group_size, R)
             # The released handle is gone on the daemon: combine on its id fails everywhere.
             ghost = [epd.Handle(b.group, handle_ids[r], "non_expand", len(xs[r]), K,
                                 _lib.DTYPE_INT64, True, 0, 1, False)
@@ -1061,9 +1075,11 @@ class TestDeepEPCompat(unittest.TestCase):
 
     def test_fp8_and_wrapped_group(self):
         R, E, H, T, K = 2, 8, 128, 16, 2
-        w = World(R, num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K, dtype="fp8")
+        w = World(R, num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K, dtype="fp8",
+                  execution=self.EXECUTION)
         try:
             bufs = [Buffer(g) for g in w.groups]
+            self.assertEqual([b.execution for b in bufs], [self.EXECUTION] * R)
             xs, scales, topks, ws = make_inputs(R, E, H, T, K, 22, dtype="fp8")
             ref = Routing(R, E, T, xs, topks, ws)
             out = self.parallel(bufs, lambda r, b: b.dispatch((xs[r], scales[r]),
@@ -1087,6 +1103,7 @@ class TestDeepEPCompat(unittest.TestCase):
         """R Buffers made DeepEP's way, from a process group (ThreadGroup), the daemon's
         socket from $EPD_SOCKET. Returns (buffers, groups)."""
         groups = ThreadGroup.world(R)
+        kw.setdefault("execution", self.EXECUTION)
         with socket_in_environment():
             with concurrent.futures.ThreadPoolExecutor(R) as ex:
                 bufs = list(ex.map(lambda g: Buffer(g, 1 << 20, 0, **kw), groups))
@@ -1186,7 +1203,8 @@ class TestDeepEPCompat(unittest.TestCase):
             errs = self.parallel(bufs, lambda r, b: _catch(lambda: b.dispatch(x9, topk_idx=tk9)))
             for e in errs:
                 self.assertIsInstance(e, epd.InvalidArgument)
-                self.assertIn("max_tokens_per_rank 8", str(e))
+                self.assertIn("max_tokens_per_rank 8" if self.EXECUTION == "daemon" else
+                              "num_tokens above max_tokens", str(e))
         finally:
             for b in bufs:
                 b.destroy()
@@ -1198,7 +1216,8 @@ class TestDeepEPCompat(unittest.TestCase):
         with self.assertRaisesRegex(epd.InvalidArgument, "hidden, max_tokens_per_rank"):
             Buffer(ThreadGroup.world(1)[0], low_latency_mode=True, num_experts=4, max_topk=K)
         bufs, _ = self.pg_buffers(R, low_latency_mode=True, num_experts=4 * R, hidden=H,
-                                  max_tokens_per_rank=T, max_topk=K, op_timeout_ms=20000)
+                                  max_tokens_per_rank=T, max_topk=K, op_timeout_ms=20000,
+                                  execution=None)
         try:
             for b in bufs:
                 g = b.group
@@ -1220,7 +1239,7 @@ class TestDeepEPCompat(unittest.TestCase):
 
     def test_mpi_style_comm(self):
         with socket_in_environment():
-            b = Buffer(None, comm=MpiLikeComm(), num_experts=2)
+            b = Buffer(None, comm=MpiLikeComm(), num_experts=2, execution=self.EXECUTION)
         try:
             x = epd.float_to_bf16(np.arange(8 * 64, dtype=np.float32).reshape(8, 64))
             tk = np.array([[0], [1], [-1], [0], [1], [0], [-1], [1]], np.int64)
@@ -1464,6 +1483,117 @@ class TestDeepEPCompat(unittest.TestCase):
         finally:
             for b in bufs:
                 b.destroy()
+
+
+class TestDeepEPCompatClient(TestDeepEPCompat):
+    """TestDeepEPCompat over client-executed groups (Buffer(execution='client')): the ops run
+    on the calling thread over the groups' buffers. Also the choice of execution, outputs that
+    outlive the next dispatch, and handles whose slot a later dispatch filled."""
+
+    EXECUTION = "client"
+
+    def test_execution_default(self):
+        """Without execution=, a Buffer's groups are client-executed where the backend runs
+        the inputs that way: on the host backend, NumPy arrays (and CPU tensors)."""
+        R, E, H = 2, 8, 64
+        by_name = self.buffers(R, execution=None)
+        by_pg, _ = self.pg_buffers(R, execution=None, num_experts=E)
+        daemon, _ = self.pg_buffers(R, execution="daemon", num_experts=E)
+        try:
+            self.assertEqual([b.execution for b in by_name], ["client"] * R)
+            self.assertEqual([b.execution for b in by_pg + daemon], [None] * R + ["daemon"] * R)
+            x = epd.float_to_bf16(np.ones((4, H), np.float32))
+            tk = np.tile(np.array([[0, E - 1]], np.int64), (4, 1))
+            for bufs in (by_pg, daemon):
+                out = self.parallel(bufs, lambda r, b: b.dispatch(x, topk_idx=tk))
+                for o in out:
+                    self.assertEqual(len(o[0]), R * 4)
+            self.assertEqual([b.group.execution for b in by_pg + daemon],
+                             ["client"] * R + ["daemon"] * R)
+            self.assertEqual([b._groups["bf16"].execution for b in by_pg], ["client"] * R)
+            with self.assertRaisesRegex(epd.InvalidArgument, "execution"):
+                Buffer(unique("bad"), rank=0, secret=SECRET, socket=DAEMON["socket"],
+                       execution="both")
+            with self.assertRaisesRegex(epd.InvalidArgument, "execution"):
+                Buffer(daemon[0].group, execution="client")
+            with self.assertRaisesRegex(epd.InvalidArgument, "low_latency_mode"):
+                Buffer(unique("ll"), rank=0, secret=SECRET, socket=DAEMON["socket"],
+                       low_latency_mode=True, execution="daemon")
+        finally:
+            for b in by_name + by_pg + daemon:
+                b.destroy()
+        # A joining rank that asks for the other execution than the group's is refused.
+        name = unique("mismatch")
+        first = Buffer(name, rank=0, secret=SECRET, socket=DAEMON["socket"], world_size=2,
+                       num_experts=E, hidden=H, max_tokens_per_rank=4, max_topk=2,
+                       execution="client")
+        try:
+            with self.assertRaisesRegex(epd.InvalidArgument, "client-executed, not daemon"):
+                Buffer(name, rank=1, secret=SECRET, socket=DAEMON["socket"],
+                       execution="daemon")
+        finally:
+            first.destroy()
+
+    def test_outputs_outlive_the_next_dispatch(self):
+        """recv_x and the rest are copies: a later dispatch into the receive area leaves them;
+        with copy_outputs=False they are views of it, rewritten by the next dispatch."""
+        R, E, H, T, K = 2, 8, 64, 16, 2
+        xs, _, topks, ws = make_inputs(R, E, H, T, K, 71)
+        ref = Routing(R, E, T, xs, topks, ws)
+        for copy in (True, False):
+            bufs = self.buffers(R, num_experts=E, hidden=H, copy_outputs=copy)
+            try:
+                first = self.parallel(bufs, lambda r, b: b.dispatch(xs[r], topk_idx=topks[r],
+                                                                    topk_weights=ws[r]))
+                kept = [(o[0].copy(), o[1].copy(), o[2].copy()) for o in first]
+                other = [np.full_like(x, 7) for x in xs]
+                flip = [np.where(t >= 0, (t + 1) % E, -1) for t in topks]
+                self.parallel(bufs, lambda r, b: b.dispatch(other[r], topk_idx=flip[r],
+                                                            topk_weights=ws[r] * 2))
+                for r in range(R):
+                    same = [np.array_equal(a, b) for a, b in zip(first[r][:3], kept[r])]
+                    self.assertEqual(same, [True] * 3 if copy else [False] * 3)
+                # The first handle still combines the first routing.
+                comb = self.parallel(bufs, lambda r, b: b.combine(kept[r][0], first[r][4],
+                                                                  topk_weights=kept[r][2]))
+                for r, (cx, cw, _) in enumerate(comb):
+                    np.testing.assert_array_equal(cx, ref.combine(r, [k[0] for k in kept]))
+                    np.testing.assert_array_equal(cw, ref.combined_weights(r))
+            finally:
+                for b in bufs:
+                    b.destroy()
+
+    def test_handle_of_a_refilled_slot(self):
+        """A Buffer fills its group's handle slots in turn: a handle whose slot a later
+        dispatch filled is refused by combine and cached dispatch, on every rank, before
+        anything runs; its tuple stays readable and the group goes on."""
+        R, E, H, T, K = 2, 8, 64, 16, 2
+        xs, _, topks, _ = make_inputs(R, E, H, T, K, 72)
+        ref = Routing(R, E, T, xs, topks)
+        for slots in (2, 3):
+            bufs = self.buffers(R, num_experts=E, hidden=H, num_handle_slots=slots)
+            try:
+                self.assertEqual(bufs[0].group.num_handle_slots, slots)
+                out = [self.parallel(bufs, lambda r, b: b.dispatch(xs[r], topk_idx=topks[r]))
+                       for _ in range(slots + 1)]
+                self.assertEqual([o[0][4].slot for o in out], list(range(slots)) + [0])
+                for call in (lambda r, b: b.combine(out[0][r][0], out[0][r][4]),
+                             lambda r, b: b.dispatch(xs[r], handle=out[0][r][4])):
+                    errs = self.parallel(bufs, lambda r, b: _catch(lambda: call(r, b)))
+                    for e in errs:
+                        self.assertIsInstance(e, epd.InvalidArgument)
+                        self.assertRegex(str(e), "slot 0 was filled by a later dispatch.*%d "
+                                         "dispatches" % slots)
+                for r in range(R):
+                    check_deepep_handle(self, out[0][r][4], r, R, T, topks, E // R,
+                                        ref.dest(r)["rows"])
+                for o in out[1:]:
+                    comb = self.parallel(bufs, lambda r, b: b.combine(o[r][0], o[r][4]))
+                    for r, (cx, _, _) in enumerate(comb):
+                        np.testing.assert_array_equal(cx, ref.combine(r, [p[0] for p in o]))
+            finally:
+                for b in bufs:
+                    b.destroy()
 
 
 def _catch(fn):

@@ -154,7 +154,7 @@ import numpy as np
 
 from .. import _lib, tensors
 from ..client import Client
-from ..errors import InvalidArgument, Unavailable
+from ..errors import InvalidArgument, Unavailable, make_error
 from ..group import EXPAND, NON_EXPAND, Group, Handle
 
 
@@ -442,6 +442,9 @@ class DispatchHandle:
     that dispatch at its first use (an index, :attr:`epd`, or combine).
     """
 
+    #: the handle slot of a client-executed dispatch (None: daemon-executed)
+    slot = None
+
     def __init__(self, group, result=None, future=None, is_token_in_rank=None, topk_idx=None,
                  padded_rows=0):
         self._group = group
@@ -497,17 +500,21 @@ class DispatchHandle:
             self._items = self._build()
         return self._items
 
+    def _recv_src(self):
+        """recv_src of the received rows (``[num_recv_tokens]``)."""
+        res = self.wait()
+        return res.recv_src[:res.num_recv_tokens]
+
     def _build(self):
-        g, res = self._group, self.wait()
+        g = self._group
         R, rank, T, L = g.world_size, g.rank, g.max_tokens_per_rank, g.num_local_experts
-        n = res.num_recv_tokens
-        prefix = np.asarray(res.rank_prefix, dtype=np.int32)
+        prefix = np.asarray(self.rank_prefix, dtype=np.int32)
         rpm = np.full((R, R), -1, np.int32)
         rpm[:, rank] = prefix[1:]
         in_rank = self._in_rank
         if in_rank is None:
             in_rank = _layout(self._topk_idx, R, L * R)[2]
-        src = res.recv_src[:n]
+        src = self._recv_src()
         ref = src if _is_torch(src) else in_rank
         if _is_torch(in_rank):
             torch = tensors.torch_module()
@@ -527,6 +534,80 @@ class DispatchHandle:
     def __repr__(self):
         return "<deep_ep DispatchHandle %s>" % (
             "pending" if self._result is None else repr(self._result.handle))
+
+
+def _cx_check(group):
+    """Raises the error of the rank's last client-executed op (after a host wait on CUDA): a
+    failure sticks, so an OK last op means every earlier one of the epoch ended OK."""
+    st = group.cx_status()
+    if st["status"] < 0:
+        raise make_error(st["status"], st["message"] or st["status_name"])
+
+
+class _CxDispatchHandle(DispatchHandle):
+    """A :class:`DispatchHandle` of a client-executed dispatch: the handle slot it filled
+    (:attr:`slot`), and copies of what the tuple is computed from (the rows per source and
+    recv_src), taken when the op completes.
+
+    The slot keeps the routing for combine and cached dispatches until a later (not cached)
+    dispatch of the group fills it again: each Buffer fills the slots in turn, so the handles of
+    the last ``num_handle_slots`` dispatches stay usable; an older one is refused
+    (INVALID_ARGUMENT) before anything runs, on every rank alike. Its tuple stays readable.
+    """
+
+    def __init__(self, group, slot, slots, alignment, num_topk, padded_rows, prefix, src,
+                 event=None):
+        DispatchHandle.__init__(self, group, padded_rows=padded_rows)
+        self.slot = slot
+        self.alignment = alignment
+        self.num_topk = num_topk
+        self._slots = slots                  # the Buffer's slot record of the group
+        self._generation = slots["filled"][slot]
+        self._prefix = prefix                # int32 [R + 1]; a device tensor until waited
+        self._src = src                      # recv_src rows; [:W] on the device until waited
+        self._event = event                  # CUDA: the op's end on its stream, until waited
+
+    def done(self):
+        return self._event is None or self._event.query()
+
+    def wait(self):
+        """Waits on the host for the dispatch (CUDA ``num_worst_tokens``) and raises its error.
+        Returns the handle."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+            _cx_check(self._group)
+            self._prefix = self._prefix.cpu().numpy().astype(np.int32)
+            self._src = self._src[:int(self._prefix[-1])]
+        return self
+
+    @property
+    def epd(self):
+        """None: a client-executed dispatch has no :class:`epd.Handle` (see :attr:`slot`)."""
+        return None
+
+    @property
+    def rank_prefix(self):
+        return self.wait()._prefix
+
+    @property
+    def num_recv_tokens(self):
+        return int(self.rank_prefix[-1])
+
+    def _recv_src(self):
+        return self.wait()._src
+
+    def check_live(self):
+        """Refuses a handle whose slot a later dispatch filled."""
+        if self._slots["filled"][self.slot] != self._generation:
+            raise InvalidArgument(
+                "handle: its slot %d was filled by a later dispatch (a client-executed group "
+                "keeps the handles of its last %d dispatches; Buffer(num_handle_slots=...) "
+                "keeps more)" % (self.slot, len(self._slots["filled"])))
+
+    def __repr__(self):
+        return "<deep_ep DispatchHandle slot %d%s>" % (self.slot,
+                                                       " pending" if self._event else "")
 
 
 def _epd_handle(handle):
@@ -588,9 +669,16 @@ class Buffer:
                  *, rank=None, secret=None, socket=None, client=None, world_size=None,
                  num_experts=None, hidden=None, max_tokens_per_rank=None, max_topk=None,
                  dtype="bf16", arena_bytes=None, op_timeout_ms=0, create=None,
-                 join_timeout=30.0, copy_outputs=True, recv_capacity=None, device=None):
+                 join_timeout=30.0, copy_outputs=True, recv_capacity=None, device=None,
+                 execution=None, num_handle_slots=0):
         if enable_shrink:
             _unsupported("enable_shrink (masking ranks)")
+        if execution not in (None, "client", "daemon"):
+            raise InvalidArgument("execution must be 'client', 'daemon' or None, not %r" %
+                                  (execution,))
+        if low_latency_mode and execution == "daemon":
+            raise InvalidArgument("low_latency_mode runs over a client-executed group, not "
+                                  "execution='daemon'")
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.num_qps_per_rank = num_qps_per_rank
@@ -600,7 +688,10 @@ class Buffer:
         self.low_latency_mode = bool(low_latency_mode)
         self.copy_outputs = copy_outputs
         self.recv_capacity = recv_capacity
-        self._ll_next = 0    # the handle slot of the next low-latency dispatch
+        self._execution = execution  # as asked; None: chosen when a group is made
+        self._num_handle_slots = num_handle_slots
+        self._slots = {}     # client-executed group id -> {"next": slot, "filled": [count]}
+        self._cx_events = {}  # client-executed group id -> (group, CUDA event of its last op)
         self._inflight = []  # async_finish combines and num_worst_tokens dispatches
         self._side = {}      # device -> stream for ops after a previous_event
         self._groups = {}    # dtype -> epd.Group
@@ -615,6 +706,9 @@ class Buffer:
                        "arena_bytes": arena_bytes, "op_timeout_ms": op_timeout_ms}
         self._dtype = dtype
         if isinstance(group, Group):
+            if execution is not None and execution != group.execution:
+                raise InvalidArgument("execution %r differs from the epd group's %r" %
+                                      (execution, group.execution))
             self._owns_groups = False
             self._dtype = group.dtype
             self._groups[group.dtype] = group
@@ -690,8 +784,9 @@ class Buffer:
             return self._name
         return "%s.%s" % (self._name, dtype)
 
-    def _open(self, dtype):
-        """Creates (the creating rank) or joins the epd group of ``dtype``."""
+    def _open(self, dtype, kinds=None):
+        """Creates (the creating rank) or joins the epd group of ``dtype``. ``kinds``: every
+        rank's input kind where the ranks agreed them (see :meth:`_execution_for`)."""
         name = self._group_name(dtype)
         s = self._shape
         if self._creates:
@@ -699,22 +794,43 @@ class Buffer:
                                    "max_topk") if s[k] is None]
             if missing:
                 raise InvalidArgument("the creating rank must give " + ", ".join(missing))
-            ll = {}
+            mode = self._execution_for(kinds)
+            opts = {}
             if self.low_latency_mode:
-                ll = {"execution": "client",
-                      "expert_block_rows": s["world_size"] * s["max_tokens_per_rank"],
-                      "quantize": dtype == "bf16" and s["hidden"] % 128 == 0}
-            g = Group.create(self._client, name, self._secret, self.rank,
-                             world_size=s["world_size"], num_experts=s["num_experts"],
-                             hidden=s["hidden"], max_tokens_per_rank=s["max_tokens_per_rank"],
-                             max_topk=s["max_topk"], dtype=dtype, arena_bytes=s["arena_bytes"],
-                             op_timeout_ms=s["op_timeout_ms"], device=self._device, **ll)
+                opts = {"execution": "client",
+                        "expert_block_rows": s["world_size"] * s["max_tokens_per_rank"],
+                        "quantize": dtype == "bf16" and s["hidden"] % 128 == 0,
+                        "num_handle_slots": self._num_handle_slots}
+            elif mode == "client":
+                opts = {"execution": "client", "num_handle_slots": self._num_handle_slots}
+
+            def create(**opts):
+                return Group.create(self._client, name, self._secret, self.rank,
+                                    world_size=s["world_size"], num_experts=s["num_experts"],
+                                    hidden=s["hidden"],
+                                    max_tokens_per_rank=s["max_tokens_per_rank"],
+                                    max_topk=s["max_topk"], dtype=dtype,
+                                    arena_bytes=s["arena_bytes"],
+                                    op_timeout_ms=s["op_timeout_ms"], device=self._device,
+                                    **opts)
+            try:
+                g = create(**opts)
+            except Unavailable:
+                # A client-executed group the daemon cannot make here (CUDA: ranks of several
+                # processes on a GPU without MPS): daemon-executed, unless asked for.
+                if self.low_latency_mode or self._execution is not None or not opts:
+                    raise
+                g = create()
         else:
             g = Group.join(self._client, name, self._secret, self.rank, device=self._device,
                            retry_timeout=self._join_timeout)
         if g.dtype != dtype and dtype != self._dtype:
             g.leave()
             raise InvalidArgument("epd group %r is %s, not %s" % (name, g.dtype, dtype))
+        if self._execution is not None and g.execution != self._execution:
+            g.leave()
+            raise InvalidArgument("epd group %r is %s-executed, not %s" %
+                                  (name, g.execution, self._execution))
         if not self._groups:
             self._dtype = g.dtype  # a joining rank learns the group's dtype
         self._groups[g.dtype] = g
@@ -725,7 +841,7 @@ class Buffer:
         self.group_size = g.world_size
         return g
 
-    def _group_for(self, dtype, num_tokens, hidden, num_topk, num_experts=None):
+    def _group_for(self, dtype, num_tokens, hidden, num_topk, num_experts=None, x=None):
         """The epd group of ``dtype``, made on its first call (collective: every rank makes
         its first call of a dtype together, as every dispatch is collective)."""
         g = self._groups.get(dtype)
@@ -735,10 +851,12 @@ class Buffer:
             raise InvalidArgument("this Buffer wraps an epd group of dtype %s; %s calls need a "
                                   "Buffer made from a process group or a group name" %
                                   (self._dtype, dtype))
+        kinds = None
         if self._comm is not None:
             E = self._shape["num_experts"] or num_experts
             every = self._comm.all_gather((int(num_tokens), int(hidden), int(num_topk),
-                                           None if E is None else int(E)))
+                                           None if E is None else int(E), self._kind(x)))
+            kinds = [e[4] for e in every]
             s = self._shape
             if s["hidden"] is None:
                 hs = sorted({e[1] for e in every})
@@ -757,14 +875,69 @@ class Buffer:
                         "Buffer(num_experts=...), call get_dispatch_layout first or pass "
                         "num_tokens_per_expert" % es)
                 s["num_experts"] = es[0]
-        return self._open(dtype)
+        return self._open(dtype, kinds)
+
+    def _kind(self, x):
+        """What a rank's input is, for choosing the execution: 'numpy', 'cpu' (a CPU tensor)
+        or 'cuda:N' (N: the daemon's index of its GPU)."""
+        if tensors.is_cuda(x):
+            return "cuda:%d" % tensors.daemon_device(self._client, x.device)
+        return "cpu" if _is_torch(x) else "numpy"
+
+    def _execution_for(self, kinds):
+        """The execution of a group this Buffer makes: as asked; else its first group's; else
+        client-executed where the daemon's backend runs the inputs that way (host backend:
+        NumPy arrays and CPU tensors; cuda backend: CUDA tensors, every rank's on one GPU),
+        judged from every rank's input kind (``kinds``, a process group's first call) or, for
+        a Buffer made by name, from the backend alone."""
+        if self._execution is not None:
+            return self._execution
+        if self._groups:
+            return next(iter(self._groups.values())).execution
+        if kinds is None:
+            return "client"
+        if self._client.info()["backend"] == "cuda":
+            one_gpu = len(set(kinds)) == 1 and kinds[0].startswith("cuda:")
+            return "client" if one_gpu else "daemon"
+        return "client" if all(k in ("numpy", "cpu") for k in kinds) else "daemon"
+
+    @property
+    def execution(self):
+        """'client' or 'daemon': how the Buffer's groups run their ops (None before its first
+        group exists, unless asked for)."""
+        if self._groups:
+            return next(iter(self._groups.values())).execution
+        return self._execution
+
+    def _slot_record(self, g):
+        """The Buffer's record of a client-executed group's handle slots: the next slot a
+        dispatch fills, and how often each was filled."""
+        rec = self._slots.get(g.id)
+        if rec is None:
+            rec = self._slots[g.id] = {"next": 0, "filled": [0] * g.num_handle_slots}
+        return rec
+
+    def _next_slot(self, g):
+        rec = self._slot_record(g)
+        return rec["next"], rec
+
+    @staticmethod
+    def _filled(rec, slot):
+        """Notes that a (not cached) dispatch filled ``slot``; the next one takes the next."""
+        rec["filled"][slot] += 1
+        rec["next"] = (slot + 1) % len(rec["filled"])
 
     # ---- lifetime ----
 
     def synchronize(self):
         """Waits on the host for the buffer's ``async_finish`` combines and
-        ``num_worst_tokens`` dispatches; raises their errors."""
+        ``num_worst_tokens`` dispatches, and for its client-executed ops queued on CUDA;
+        raises their errors."""
         self._reap(block=True)
+        events, self._cx_events = list(self._cx_events.values()), {}
+        for g, ev in events:
+            ev.synchronize()
+            _cx_check(g)
 
     def _reap(self, block):
         """Waits for the async ops that completed (all of them with ``block``); raises the
@@ -802,7 +975,7 @@ class Buffer:
     def destroy(self):
         """Leaves the groups (and closes the connection the buffer opened)."""
         try:
-            self._reap(block=True)
+            self.synchronize()
         except Exception:
             pass
         if self._owns_groups:
@@ -929,12 +1102,12 @@ class Buffer:
             raise InvalidArgument("use_ue8m0 needs hidden a multiple of 512 (scales int32 "
                                   "[.., hidden/512]), not %d" % H)
         C = R * T
-        slot = self._ll_next
-        self._ll_next = (slot + 1) % g.num_handle_slots
+        slot, rec = self._next_slot(g)
         res = g.cx_dispatch(x, topk_idx=topk_idx, handle=slot, layout=EXPAND,
                             expert_block_rows=C, quantize=bool(use_fp8),
                             round_scale=bool(round_scale),
                             scale_format="ue8m0" if use_ue8m0 else "fp32")
+        self._filled(rec, slot)
         data = res.recv_x.reshape(L, C, H)
         if use_fp8:
             scales = res.recv_x_scales.reshape(L, C, H // 128)
@@ -1026,9 +1199,16 @@ class Buffer:
         W = int(num_worst_tokens)
         stream = self._stream_after(previous_event, x)
         if handle is not None:
-            ehandle, _ = _epd_handle(handle)
             if topk_idx is not None:
                 raise InvalidArgument("a cached dispatch (handle given) takes no topk_idx")
+            if getattr(handle, "slot", None) is not None:
+                self._check_bound(handle._group, W)
+                recv_x, _, recv_w, _, _, event = self._cx_dispatch_op(
+                    handle._group, x, x_scales, None, topk_weights, handle, None, W, stream,
+                    async_finish)
+                return recv_x, None, recv_w if topk_weights is not None else None, None, \
+                    None, event
+            ehandle, _ = _epd_handle(handle)
             g = ehandle.group
             recv_x, _, recv_w, _, res = self._dispatch_op(
                 g, x, x_scales, None, topk_weights, ehandle, None, W, cuda, stream,
@@ -1057,10 +1237,23 @@ class Buffer:
                 raise InvalidArgument("topk_idx must be [num_tokens, num_topk], not %s" %
                                       (kshape,))
             K = kshape[1]
-        g = self._group_for(dtype, shape[0], shape[1], K, E)
+        g = self._group_for(dtype, shape[0], shape[1], K, E, x)
         if by_rank:
             topk_idx = _rank_topk(is_token_in_rank, shape[0], g.world_size,
                                   g.num_local_experts, g.max_topk)
+        if g.execution == "client":
+            self._check_bound(g, W)
+            recv_x, recv_idx, recv_w, counts, handle, event = self._cx_dispatch_op(
+                g, x, x_scales, topk_idx, topk_weights, None, expert_alignment, W, stream,
+                async_finish)
+            handle._in_rank = is_token_in_rank
+            handle._topk_idx = topk_idx
+            if by_rank:
+                recv_idx = recv_w = None
+                if not W:
+                    counts = self._expert_counts_by_rank(g, num_tokens_per_expert,
+                                                         expert_alignment)
+            return recv_x, recv_idx, recv_w, counts, handle, event
         recv_x, recv_idx, recv_w, counts, res = self._dispatch_op(
             g, x, x_scales, topk_idx, topk_weights, None, expert_alignment, W, cuda, stream,
             async_finish)
@@ -1082,11 +1275,7 @@ class Buffer:
         """Runs one dispatch. Returns (recv_x, recv_topk_idx, recv_topk_weights, counts,
         result), ``result`` a DispatchResult, or for a CUDA ``num_worst_tokens`` dispatch a
         DispatchHandle whose op is still in flight."""
-        if W:
-            most = g.worst_case_rows()
-            if not 0 < W <= most:
-                raise InvalidArgument("num_worst_tokens %d: the group delivers at most %d rows "
-                                      "per rank (world_size * max_tokens_per_rank)" % (W, most))
+        self._check_bound(g, W)
         if W and cuda:
             torch = tensors.torch_module()
             if topk_idx is not None:
@@ -1131,6 +1320,120 @@ class Buffer:
             w, counts = _pad_rows(w, W, 0), []
         return (recv_x if scales is None else (recv_x, scales)), idx, w, counts, res
 
+    @staticmethod
+    def _check_bound(g, W):
+        if W:
+            most = g.worst_case_rows()
+            if not 0 < W <= most:
+                raise InvalidArgument("num_worst_tokens %d: the group delivers at most %d rows "
+                                      "per rank (world_size * max_tokens_per_rank)" % (W, most))
+
+    def _cx_dispatch_op(self, g, x, x_scales, topk_idx, topk_weights, cached, alignment, W,
+                        stream, async_finish):
+        """One NON_EXPAND dispatch of a client-executed group (``cached``: the DispatchHandle
+        of a cached dispatch). Returns (recv_x, recv_topk_idx, recv_topk_weights, counts,
+        handle, event)."""
+        if cached is not None:
+            cached.check_live()
+            slot, rec, alignment = cached.slot, cached._slots, cached.alignment
+        else:
+            slot, rec = self._next_slot(g)
+            alignment = max(1, int(alignment or 1))
+        cpu_dtype = None
+        if _is_torch(x) and not tensors.is_cuda(x):
+            # CPU tensors on the host backend: NumPy views in, tensors out.
+            cpu_dtype = x.dtype
+            x, x_scales, topk_idx, topk_weights = (
+                None if v is None else np.asarray(tensors.to_numpy(v))
+                for v in (x, x_scales, topk_idx, topk_weights))
+        res = g.cx_dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights,
+                            x_scales=x_scales, handle=slot, cached=cached is not None,
+                            layout=NON_EXPAND, expert_alignment=alignment, capacity_rows=W,
+                            stream=stream)
+        if cached is None:
+            self._filled(rec, slot)
+        K = res.recv_topk_idx.shape[1]
+        if tensors.is_cuda(x):
+            return self._cx_cuda_outputs(g, x, res, slot, rec, alignment, K, W, stream,
+                                         async_finish, cached)
+        n = res.num_recv_tokens
+        outs = [res.recv_x, res.recv_x_scales, res.recv_topk_idx, res.recv_weights]
+        if W:
+            outs = [_pad_rows(v, W, f) for v, f in zip(outs, (0, 0, -1, 0))]
+            counts = []
+        else:
+            if self.copy_outputs:
+                outs = [None if v is None else v.copy() for v in outs]
+            counts = [int(v) for v in res.num_recv_tokens_per_expert_aligned]
+        src = res.recv_src[:n].copy()
+        if cpu_dtype is not None:
+            dts = (cpu_dtype, None, None, None)
+            outs = [None if v is None else tensors.from_numpy(v, d) for v, d in zip(outs, dts)]
+            src = tensors.from_numpy(src)
+        handle = cached if cached is not None else _CxDispatchHandle(g, slot, rec, alignment, K, W,
+                                             np.asarray(res.rank_prefix, np.int32), src)
+        recv_x, scales, idx, w = outs
+        return (recv_x if scales is None else (recv_x, scales)), idx, w, counts, handle, \
+            EventOverlap()
+
+    def _cx_cuda_outputs(self, g, x, res, slot, rec, alignment, K, W, stream, async_finish,
+                         cached):
+        """The outputs of a client-executed dispatch queued on CUDA (see _cx_dispatch_op):
+        copies (or with ``copy_outputs=False`` views) of the received rows after a host wait
+        for the counts; with ``num_worst_tokens`` W rows copied on the stream, no host wait."""
+        torch = tensors.torch_module()
+        current = torch.cuda.current_stream(x.device)
+        s = stream if stream is not None else current
+        R = g.world_size
+        outs = [res.recv_x, res.recv_x_scales, res.recv_topk_idx, res.recv_weights]
+        with torch.cuda.stream(s):
+            if W:
+                # The rows past the count are padding: top-k ids -1, weights 0.
+                prefix = res.rank_prefix.clone()
+                pad = (torch.arange(W, device=x.device) >= prefix[R]).unsqueeze(1)
+                recv_x, scales, idx, w = [None if v is None else v[:W] for v in outs]
+                outs = [recv_x.clone(), None if scales is None else scales.clone(),
+                        idx.masked_fill(pad, -1), None if w is None else w.masked_fill(pad, 0)]
+                src = res.recv_src[:W].clone()
+                done = torch.cuda.Event()
+                done.record(s)
+                counts = []
+            else:
+                s.synchronize()  # the counts size the outputs, as in DeepEP's normal mode
+                _cx_check(g)
+                prefix = res.rank_prefix.cpu().numpy().astype(np.int32)
+                counts = [int(v) for v in res.num_recv_tokens_per_expert_aligned.cpu()]
+                n = int(prefix[R])
+                outs = [None if v is None else v[:n].clone() if self.copy_outputs else v[:n]
+                        for v in outs]
+                src = res.recv_src[:n].clone()
+                done = None
+        self._note_cx_op(g, s)
+        handle = cached if cached is not None else _CxDispatchHandle(g, slot, rec, alignment, K, W, prefix, src, done)
+        recv_x, scales, idx, w = outs
+        return (recv_x if scales is None else (recv_x, scales)), idx, w, counts, handle, \
+            self._cx_event(s, current, async_finish)
+
+    def _note_cx_op(self, g, s):
+        """Records the end of a client-executed op queued on ``s`` for :meth:`synchronize`."""
+        ev = tensors.torch_module().cuda.Event()
+        ev.record(s)
+        self._cx_events[g.id] = (g, ev)
+
+    @staticmethod
+    def _cx_event(s, current, async_finish):
+        """The EventOverlap of a client-executed op queued on ``s``: nothing to wait for on the
+        current stream; on a side stream (``previous_event``) the current stream waits for it
+        now, or with ``async_finish`` at ``event.current_stream_wait()``."""
+        if s is current:
+            return EventOverlap()
+        if async_finish:
+            ev = tensors.torch_module().cuda.Event()
+            ev.record(s)
+            return EventOverlap(event=ev)
+        current.wait_stream(s)
+        return EventOverlap()
+
     def _event(self, res, async_finish):
         if async_finish and isinstance(res, DispatchHandle):
             return EventOverlap(res._future)
@@ -1163,6 +1466,8 @@ class Buffer:
         ``combined_topk_weights`` is None unless ``topk_weights`` is given, and then their sum
         over the ranks each token went to (see the module docstring).
         """
+        if getattr(handle, "slot", None) is not None:
+            return self._cx_combine(x, handle, topk_weights, bias, previous_event, async_finish)
         ehandle, dh = _epd_handle(handle)
         if dh is not None and dh.padded_rows:
             n = ehandle.num_rows
@@ -1185,6 +1490,38 @@ class Buffer:
         if topk_weights is None:
             weights = None
         return combined, weights, EventOverlap()
+
+    def _cx_combine(self, x, handle, topk_weights, bias, previous_event, async_finish):
+        """combine of a client-executed dispatch: the rows of ``x`` (and ``topk_weights``) go
+        to the y area of the handle's slot, then the combine runs (host backend: now; CUDA:
+        queued on the current stream, or after ``previous_event`` on a side stream)."""
+        handle.check_live()
+        g = handle._group
+        if isinstance(bias, list):
+            bias = tuple(bias)
+        cpu = _is_torch(x) and not tensors.is_cuda(x)
+        if cpu:
+            torch = tensors.torch_module()
+            x, topk_weights = (None if v is None else np.asarray(tensors.to_numpy(v))
+                               for v in (x, topk_weights))
+            if bias is not None:
+                bias = tuple(np.asarray(tensors.to_numpy(b)) for b in
+                             (bias if isinstance(bias, tuple) else (bias,)))
+        stream = self._stream_after(previous_event, x)
+        combined, weights = g.cx_combine(x, handle=handle.slot, recv_weights=topk_weights,
+                                         bias=bias, stream=stream)
+        if topk_weights is None:
+            weights = None
+        if cpu:
+            combined = tensors.from_numpy(combined, torch.bfloat16)
+            weights = None if weights is None else tensors.from_numpy(weights)
+        if not tensors.is_cuda(x):
+            return combined, weights, EventOverlap()
+        torch = tensors.torch_module()
+        current = torch.cuda.current_stream(x.device)
+        s = stream if stream is not None else current
+        self._note_cx_op(g, s)
+        return combined, weights, self._cx_event(s, current, async_finish)
 
 
 def _no_hook():
