@@ -335,7 +335,8 @@ def dispatch(group, x, topk_idx, topk_weights, x_scales, handle, cached, layout,
     if device is not None:
         st.keep = keep  # the inputs stay referenced until the next launch of this rank
     return _dispatch_result(group, st, handle, device, fp8_rows,
-                            bool(quantize) and fmt == _lib.SCALE_FORMAT_UE8M0)
+                            bool(quantize) and fmt == _lib.SCALE_FORMAT_UE8M0,
+                            torch_stream if device is not None else None)
 
 
 def _counts(group, st, handle):
@@ -348,16 +349,17 @@ def _counts(group, st, handle):
     return c
 
 
-def _count_views(group, st, handle, device):
+def _count_views(group, st, handle, device, stream=None):
     """Device views of the slot's counts. Their addresses are fixed per slot; the first time
-    a slot is asked for they are read with epd_cx_counts, which needs the stream to have
-    passed a dispatch into that slot (not allowed while a CUDA graph is being captured)."""
+    a slot is asked for they are read with epd_cx_counts, which needs ``stream`` (None: the
+    current stream) to have passed a dispatch into that slot (not allowed while a CUDA graph
+    is being captured)."""
     if handle not in st.count_addresses:
         torch = tensors.torch_module()
         if torch.cuda.is_current_stream_capturing():
             raise InvalidArgument("handle slot %d: run one dispatch into it before capturing "
                                   "a CUDA graph (its counts' addresses are read then)" % handle)
-        torch.cuda.current_stream(device).synchronize()
+        (stream if stream is not None else torch.cuda.current_stream(device)).synchronize()
         _counts(group, st, handle)
     L, R = group.num_local_experts, group.world_size
     pe, al, rp, eb = st.count_addresses[handle]
@@ -381,7 +383,7 @@ def _host_counts(group, st, handle):
             "rank_prefix": arr(c.rank_prefix, R + 1), "expert_base": arr(c.expert_base, L + 1)}
 
 
-def _dispatch_result(group, st, handle, device, fp8_rows, ue8m0=False):
+def _dispatch_result(group, st, handle, device, fp8_rows, ue8m0=False, stream=None):
     info = st.slots[handle]
     b = st.buffers
     expand = info.layout == EXPAND
@@ -391,7 +393,7 @@ def _dispatch_result(group, st, handle, device, fp8_rows, ue8m0=False):
         status = cx_status(group)
         op_number = status["op"]
     else:
-        counts = _count_views(group, st, handle, device)
+        counts = _count_views(group, st, handle, device, stream)
         counts.update(num_recv_tokens=None, num_expanded_rows=None)
         rows = (group.num_local_experts * info.block_rows if info.block_rows
                 else st.recv_rows)
