@@ -600,27 +600,42 @@ def deepep_intranode(buf, rank, R, device, seed, steps=2, shape=None):
     return True
 
 
-def deepep_worker(rank, R, sock, name, seed):
+def deepep_worker(rank, R, sock, name, seed, execution="daemon"):
+    """deepep_intranode with a Buffer made by group name. Daemon-executed: rank r on GPU
+    r % count. Client-executed: every rank on GPU 0 (the GPU of the group's buffers)."""
+    import torch
     from epd.compat.deep_ep import Buffer
-    dev = _cuda_device(rank)
+    if execution == "client":
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+    else:
+        dev = _cuda_device(rank)
     buf = Buffer(name, rank=rank, secret=SECRET, socket=sock, world_size=R,
-                 num_experts=8 * R, hidden=7168 if R == 2 else 2048, max_tokens_per_rank=128,
-                 max_topk=8, op_timeout_ms=60000, device=dev)
+                 num_experts=8 * R, hidden=7168 if R <= 2 else 2048, max_tokens_per_rank=128,
+                 max_topk=8, op_timeout_ms=60000, device=dev, execution=execution)
     try:
+        assert (buf.execution, buf.group.execution) == (execution, execution)
         return deepep_intranode(buf, rank, R, dev, seed)
     finally:
         buf.destroy()
 
 
-def deepep_pg_worker(rank, R, sock, port, seed, cpu=False):
+def deepep_pg_worker(rank, R, sock, port, seed, cpu=False, gpu0=False, expect=None):
     """DeepEP's way: torch.distributed (gloo) first, then Buffer(group); the daemon from
     $EPD_SOCKET; the epd groups made by the first call of each dtype. ``cpu``: CPU tensors
-    (a host-backend daemon). Returns the epd group name the ranks agreed."""
+    (a host-backend daemon); ``gpu0``: every rank on GPU 0; ``expect``: the execution the
+    Buffer must have chosen. Returns the epd group name the ranks agreed."""
     import torch
     import torch.distributed as dist
     from epd.compat.deep_ep import Buffer
     os.environ["EPD_SOCKET"] = sock
-    dev = torch.device("cpu") if cpu else _cuda_device(rank)
+    if cpu:
+        dev = torch.device("cpu")
+    elif gpu0:
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+    else:
+        dev = _cuda_device(rank)
     T, H = (32, 128) if cpu else (128, 2048)
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
                             world_size=R)
@@ -631,6 +646,8 @@ def deepep_pg_worker(rank, R, sock, port, seed, cpu=False):
             # The first dispatch agrees hidden and top-k; num_experts comes from
             # get_dispatch_layout.
             deepep_intranode(buf, rank, R, dev, seed, shape=(T, H, 8 * R, 4))
+            if expect is not None:
+                assert buf.execution == expect, (buf.execution, expect)
             return buf._name
         finally:
             buf.destroy()
@@ -644,15 +661,42 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def mps_refusal():
+    """The daemon's refusal of a client-executed group of 2 ranks on GPU 0 (ranks of several
+    processes share a GPU only under CUDA MPS), or None when it makes one."""
+    import torch
+    with epd.connect(DAEMONS["cuda"]["socket"], name="gpu-mps-probe") as c:
+        try:
+            g = epd.Group.create(c, "mps-probe-%d-%d" % (os.getpid(), time.monotonic_ns()),
+                                 SECRET, 0, world_size=2, num_experts=2, hidden=128,
+                                 max_tokens_per_rank=1, max_topk=1, execution="client",
+                                 device=torch.device("cuda", 0))
+        except epd.Unavailable as e:
+            return str(e)
+        g.leave()
+    return None
+
+
 class TestDeepEPIntranode(unittest.TestCase):
-    def run_r(self, R, pg=False):
-        name = "deepep-gpu-%d-%d" % (os.getpid(), R)
+    """Daemon-executed by group name (rank r on GPU r % count); from a process group the
+    Buffer chooses (client-executed where every rank is on one GPU and MPS is on). The
+    ``*_client`` cases run client-executed groups, every rank on GPU 0; with several ranks
+    they need CUDA MPS and skip without it."""
+
+    def run_r(self, R, pg=False, client=False):
+        name = "deepep-gpu-%d-%d-%s" % (os.getpid(), R, "cx" if client else "d")
         sock = DAEMONS["cuda"]["socket"]
+        if client and R > 1:
+            why = mps_refusal()
+            if why:
+                self.skipTest("client-executed groups of several processes on one GPU: " + why)
         try:
             if pg:
-                run_ranks(deepep_pg_worker, R, (R, sock, _free_port(), 950 + R))
+                run_ranks(deepep_pg_worker, R, (R, sock, _free_port(), 950 + R, False, client,
+                                                "client" if client else None))
             else:
-                run_ranks(deepep_worker, R, (R, sock, name, 900 + R))
+                run_ranks(deepep_worker, R, (R, sock, name, 900 + R,
+                                             "client" if client else "daemon"))
         except AssertionError as e:
             raise AssertionError("%s\n--- cuda daemon log ---\n%s" % (e, daemon_log("cuda")))
 
@@ -667,6 +711,20 @@ class TestDeepEPIntranode(unittest.TestCase):
 
     def test_r4_process_group(self):
         self.run_r(4, pg=True)
+
+    def test_r1_client(self):
+        self.run_r(1, client=True)
+
+    def test_r2_client(self):
+        self.run_r(2, client=True)
+
+    def test_r4_client(self):
+        self.run_r(4, client=True)
+
+    def test_r2_process_group_client(self):
+        """From a process group with every rank's CUDA tensors on GPU 0, the Buffer chooses
+        client-executed groups by itself."""
+        self.run_r(2, pg=True, client=True)
 
 
 # ---- (c) in this process ----
@@ -1034,3 +1092,98 @@ class TestClientExecuted(_InProcessCase):
         torch.cuda.synchronize()
         status = g.cx_status()
         self.assertEqual(status["status_name"], "OK", status["message"])
+
+
+class TestDeepEPClientExecuted(_InProcessCase):
+    """The DeepEP front over a client-executed group of one rank (no MPS needed) with CUDA
+    tensors: outputs that outlive later dispatches into the receive area, ops after a
+    previous_event on a side stream with async_finish, num_worst_tokens without a host wait,
+    the refusal of a handle whose slot a later dispatch filled, and the error of a failed op
+    raised at the next host wait."""
+
+    client_name = "gpu-deepep-cx"
+
+    def test_streams_copies_and_handles(self):
+        import torch
+        from epd.compat.deep_ep import Buffer
+        T, H, K, E = 32, 256, 2, 4
+        buf = Buffer("deepep-cx-%d-%d" % (os.getpid(), time.monotonic_ns()), rank=0,
+                     secret=SECRET, client=self.client, world_size=1, num_experts=E, hidden=H,
+                     max_tokens_per_rank=T, max_topk=K, op_timeout_ms=60000, device=self.dev,
+                     execution="client", num_handle_slots=2)
+        self.addCleanup(buf.destroy)
+        gen = torch.Generator(device=self.dev).manual_seed(3)
+
+        def inputs():
+            x = torch.randn((T, H), generator=gen, device=self.dev).to(torch.bfloat16)
+            tk = torch.argsort(torch.rand((T, E), generator=gen, device=self.dev),
+                               dim=1)[:, :K].contiguous()
+            tk[::5] = -1  # tokens that go nowhere
+            tk[1::5, 1] = -1
+            return x, tk, torch.rand((T, K), generator=gen, device=self.dev)
+
+        x, tk, w = inputs()
+        hit = (tk >= 0).any(1)
+        n = int(hit.sum())
+        rx, ridx, rw, counts, h, _ = buf.dispatch(x, topk_idx=tk, topk_weights=w)
+        # One rank: every token with a selection arrives once, in token order.
+        self.assertEqual(h.slot, 0)
+        self.assertTrue(torch.equal(rx, x[hit]))
+        self.assertTrue(torch.equal(ridx, tk[hit]))
+        own_w = torch.where(tk >= 0, w, torch.zeros_like(w))
+        self.assertTrue(torch.equal(rw, own_w[hit]))
+        self.assertEqual(counts, [int((tk == e).sum()) for e in range(E)])
+        self.assertEqual(h.num_recv_tokens, n)
+        kept = [t.clone() for t in (rx, ridx, rw)]
+        x2, tk2, w2 = inputs()
+        buf.dispatch(x2, topk_idx=tk2, topk_weights=w2)  # slot 1: the receive area rewritten
+        for got, want in zip((rx, ridx, rw), kept):
+            self.assertTrue(torch.equal(got, want))
+        combined, cw, _ = buf.combine(rx, h, topk_weights=rw)
+        torch.cuda.current_stream().synchronize()
+        self.assertTrue(torch.equal(combined[hit], x[hit]))
+        self.assertTrue(bool((combined[~hit].float() == 0).all()))
+        self.assertTrue(torch.equal(cw, own_w))
+
+        # After a previous_event: on a side stream; async_finish: the current stream waits at
+        # event.current_stream_wait().
+        rx3, ridx3, rw3, _, h3, ev3 = buf.dispatch(x, topk_idx=tk, topk_weights=w,
+                                                   previous_event=Buffer.capture(),
+                                                   async_finish=True)
+        ev3.current_stream_wait()
+        self.assertEqual(h3.slot, 0)
+        self.assertTrue(torch.equal(rx3, rx) and torch.equal(rw3, rw))
+        c3, cw3, ev4 = buf.combine(rx3, h3, topk_weights=rw3, previous_event=ev3,
+                                   async_finish=True)
+        ev4.current_stream_wait()
+        self.assertTrue(torch.equal(c3, combined) and torch.equal(cw3, cw))
+        # h's slot 0 was filled again by h3's dispatch.
+        with self.assertRaisesRegex(epd.InvalidArgument, "slot 0 was filled by a later"):
+            buf.combine(rx, h)
+        self.assertEqual(h[3].cpu().tolist(), torch.nonzero(hit).flatten().cpu().tolist())
+
+        # num_worst_tokens: W rows, no host wait; the handle waits at its first use.
+        W = T
+        r4, i4, w4, c4, h4, ev5 = buf.dispatch(x, topk_idx=tk, topk_weights=w,
+                                               num_worst_tokens=W, async_finish=True)
+        ev5.current_stream_wait()
+        self.assertEqual((c4, tuple(r4.shape), tuple(i4.shape)), ([], (W, H), (W, K)))
+        self.assertTrue(torch.equal(r4[:n], rx) and torch.equal(i4[:n], ridx))
+        self.assertTrue(bool((i4[n:] == -1).all()) and bool((w4[n:] == 0).all()))
+        self.assertTrue(torch.equal(w4[:n], rw))
+        c5, cw5, _ = buf.combine(r4, h4, topk_weights=w4)
+        self.assertTrue(torch.equal(c5, combined) and torch.equal(cw5, cw))
+        self.assertEqual(h4.num_recv_tokens, n)
+        cached = buf.dispatch(x2, handle=h4, num_worst_tokens=W)
+        self.assertEqual(cached[1:5], (None, None, None, None))
+        self.assertTrue(torch.equal(cached[0][:n], x2[hit]))
+
+        # Fewer rows than this rank receives: the op fails (CAPACITY_EXCEEDED), raised at the
+        # handle's first use and by synchronize (a failure sticks).
+        _, _, _, _, h6, _ = buf.dispatch(x, topk_idx=tk, num_worst_tokens=1)
+        with self.assertRaises(epd.CapacityExceeded):
+            h6.num_recv_tokens
+        with self.assertRaises(epd.CapacityExceeded):
+            h6[0]
+        with self.assertRaises(epd.CapacityExceeded):
+            buf.synchronize()

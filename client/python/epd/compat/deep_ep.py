@@ -42,6 +42,8 @@ The Buffer:
   tokens than the first, which epd refuses (INVALID_ARGUMENT). Later dtypes' groups take the
   first group's shape. Later calls make no collective of their own (but see dispatch without
   ``topk_idx``).
+* ``execution=`` (``'client'``, ``'daemon'`` or None) says how the groups the Buffer makes
+  run their ops; see "Execution" below. ``Buffer.execution`` tells which they do.
 * ``self.group`` is the epd group of the first dtype (DeepEP's process group is
   ``self.process_group``);
   ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank``, ``allow_nvlink_*``,
@@ -84,9 +86,49 @@ other columns are -1 (the daemon reports this rank's column only); ``[1]`` int32
 the tokens sent to each rank (one channel); ``[2]`` int32 ``[R, 1]`` the first row from each
 source; ``[3]`` int32 each row's token index on its source; ``[4]`` the sender's
 ``is_token_in_rank``; ``[5]`` int32 ``[N, R]`` a token's position among those sent to that
-rank, -1 where not sent. ``handle.epd`` is the :class:`epd.Handle` (released when the
-DispatchHandle is garbage collected, as DeepEP's tensors are freed), ``handle.rank_prefix``
-the rows per source as ``[R + 1]`` offsets.
+rank, -1 where not sent. ``handle.epd`` is the :class:`epd.Handle` of a daemon-executed
+dispatch (released when the DispatchHandle is garbage collected, as DeepEP's tensors are
+freed; None when client-executed), ``handle.slot`` the handle slot of a client-executed one
+(None when daemon-executed), ``handle.rank_prefix`` the rows per source as ``[R + 1]``
+offsets.
+
+Execution. Normal mode runs over daemon-executed groups (the daemon runs each op) or
+client-executed ones (docs/client-execution.md: each rank runs its ops itself, on the calling
+thread on the host backend, on a CUDA stream on the cuda backend; no daemon message per op).
+The results are the same. ``Buffer(execution=None)`` (the default) makes client-executed
+groups where the daemon's backend runs the inputs that way: on the host backend NumPy arrays
+and CPU tensors (as NumPy views), on the cuda backend torch CUDA tensors with every rank on one
+GPU (the GPU of the group's buffers). A Buffer made from a process group judges that from
+every rank's input at the first call of each dtype; one made by name from the daemon's
+backend alone (so its ranks must then be on the creating rank's GPU, else give
+``execution='daemon'``). Where the daemon refuses the client-executed group (Unavailable:
+ranks of several processes on one GPU without CUDA MPS) the group is daemon-executed. The
+second dtype's group takes the first's execution; a wrapped :class:`epd.Group` keeps its own;
+a joining rank that asks for another execution than the group's is refused.
+``low_latency_mode`` is always client-executed.
+
+Over a client-executed group:
+
+* A dispatch is a NON_EXPAND ``Group.cx_dispatch`` into the receive area; the Buffer fills
+  the group's handle slots in turn (``num_handle_slots=``, default 2, at most 8; given by the
+  creating rank), and a cached dispatch reuses its handle's slot. The handles of the last
+  ``num_handle_slots`` dispatches can be combined and cached; an older one (whose slot a later
+  dispatch filled) is refused with INVALID_ARGUMENT before anything runs (on every rank alike,
+  as they issue the same calls). Its tuple stays readable.
+* The outputs are copies of the ``num_recv_tokens`` received rows (``copy_outputs=False``:
+  views of the receive area, rewritten by the group's next dispatch). On CUDA the dispatch
+  waits on the host for its stream to pass the op and reads the counts, as DeepEP's normal mode
+  does; with ``num_worst_tokens`` it does not: the W rows are copied on the stream and the
+  padding's top-k ids set to -1 and weights to 0 there, from the count in device memory.
+* combine copies ``x`` (and ``topk_weights`` as ``recv_weights``) into the slot's y area and
+  runs ``Group.cx_combine``. On CUDA it is queued on the current stream (no host wait, with or
+  without ``async_finish``); its outputs are ready for the current stream's later work.
+* On CUDA, the ops run on the current stream, or after ``previous_event`` on a side stream
+  that the current stream waits for at once (``async_finish``: at
+  ``event.current_stream_wait()``). A failed op is found at the next host wait: a dispatch
+  without ``num_worst_tokens``, the first use of a ``num_worst_tokens`` dispatch's handle, or
+  :meth:`Buffer.synchronize`, which raise its error (a failure sticks: every later op of the
+  group fails alike).
 
 Events: every op returns an :class:`EventOverlap` (``current_stream_wait()``, a context
 manager). ``previous_event`` (an EventOverlap or a ``torch.cuda.Event``) is waited for on the
@@ -96,15 +138,17 @@ on the current stream, without a host synchronisation. dispatch waits for its op
 ``num_worst_tokens`` is given; combine with ``async_finish=True`` returns at once with its
 output tensors, which the current stream may use after ``event.current_stream_wait()``.
 Errors of such ops are raised by the buffer's next call (or :meth:`Buffer.synchronize`).
-Without ``async_finish`` the event has nothing to wait for.
+Without ``async_finish`` the event has nothing to wait for. (That is daemon-executed; for
+client-executed ops see "Execution".)
 
 Tensors: torch CUDA tensors (the cuda backend; see :mod:`epd.tensors`) stay on the GPU:
-outputs are device tensors, allocated per dispatch with room for the group's worst case unless
-the buffer's ``recv_capacity`` bounds the rows. CPU torch tensors and NumPy arrays (bf16 as
+outputs are device tensors; a daemon-executed dispatch allocates them with room for the
+group's worst case unless the buffer's ``recv_capacity`` bounds the rows. CPU torch tensors and NumPy arrays (bf16 as
 uint16 bits, floats rounded to bf16 on the way in; fp8 as uint8 e4m3 bytes with float32
 scales, passed as ``(x, x_scales)`` as in DeepEP) go through host shared memory; their outputs
 are copies by default (``copy_outputs=True``); ``copy_outputs=False`` returns views of the
-output arena, valid until the handle is released.
+output arena, valid until the handle is released (client-executed: of the receive area,
+valid until the next dispatch).
 
 Other names: ``Config`` (kept, never read; size hints 0), ``topk_idx_t`` (int64),
 ``Buffer.capture``, ``is_sm90_compiled`` (libepd has its CUDA kernels), ``set_num_sms`` /
@@ -154,7 +198,7 @@ import numpy as np
 
 from .. import _lib, tensors
 from ..client import Client
-from ..errors import InvalidArgument, Unavailable, make_error
+from ..errors import InvalidArgument, NotFound, Unavailable, make_error
 from ..group import EXPAND, NON_EXPAND, Group, Handle
 
 
@@ -575,8 +619,8 @@ class _CxDispatchHandle(DispatchHandle):
         Returns the handle."""
         if self._event is not None:
             self._event.synchronize()
+            _cx_check(self._group)  # raised at every use of the handle of a failed op
             self._event = None
-            _cx_check(self._group)
             self._prefix = self._prefix.cpu().numpy().astype(np.int32)
             self._src = self._src[:int(self._prefix[-1])]
         return self
@@ -645,9 +689,15 @@ class Buffer:
     connection, ``device`` this rank's daemon device index or a torch device (``"cuda:0"``,
     matched to the daemon's GPU by UUID).
 
-    ``copy_outputs`` (default True) makes host-memory outputs copies instead of arena views;
-    ``recv_capacity`` bounds the rows of the device tensors a CUDA dispatch allocates for its
-    outputs (None: the group's worst case).
+    ``copy_outputs`` (default True) makes host-memory outputs copies instead of arena views,
+    and a client-executed dispatch's outputs copies instead of views of the receive area;
+    ``recv_capacity`` bounds the rows of the device tensors a daemon-executed CUDA dispatch
+    allocates for its outputs (None: the group's worst case).
+
+    ``execution`` is ``'client'``, ``'daemon'`` or None (choose; see the module docstring's
+    "Execution"): how the groups of normal-mode calls run their ops. ``num_handle_slots``
+    (the creating rank; 0: the group's default, 2) is how many dispatches' handles a
+    client-executed group keeps.
 
     ``low_latency_mode=True`` makes the creating rank create a client-executed group for
     :meth:`low_latency_dispatch` and :meth:`low_latency_combine` (see the module docstring):
@@ -1346,10 +1396,16 @@ class Buffer:
             x, x_scales, topk_idx, topk_weights = (
                 None if v is None else np.asarray(tensors.to_numpy(v))
                 for v in (x, x_scales, topk_idx, topk_weights))
-        res = g.cx_dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights,
-                            x_scales=x_scales, handle=slot, cached=cached is not None,
-                            layout=NON_EXPAND, expert_alignment=alignment, capacity_rows=W,
-                            stream=stream)
+        try:
+            res = g.cx_dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights,
+                                x_scales=x_scales, handle=slot, cached=cached is not None,
+                                layout=NON_EXPAND, expert_alignment=alignment, capacity_rows=W,
+                                stream=stream)
+        except NotFound:
+            # CUDA, a slot's first dispatch: its counts were not written, as the op failed.
+            if tensors.is_cuda(x):
+                _cx_check(g)
+            raise
         if cached is None:
             self._filled(rec, slot)
         K = res.recv_topk_idx.shape[1]
@@ -1370,10 +1426,11 @@ class Buffer:
             dts = (cpu_dtype, None, None, None)
             outs = [None if v is None else tensors.from_numpy(v, d) for v, d in zip(outs, dts)]
             src = tensors.from_numpy(src)
-        handle = cached if cached is not None else _CxDispatchHandle(g, slot, rec, alignment, K, W,
-                                             np.asarray(res.rank_prefix, np.int32), src)
+        if cached is None:
+            cached = _CxDispatchHandle(g, slot, rec, alignment, K, W,
+                                       np.asarray(res.rank_prefix, np.int32), src)
         recv_x, scales, idx, w = outs
-        return (recv_x if scales is None else (recv_x, scales)), idx, w, counts, handle, \
+        return (recv_x if scales is None else (recv_x, scales)), idx, w, counts, cached, \
             EventOverlap()
 
     def _cx_cuda_outputs(self, g, x, res, slot, rec, alignment, K, W, stream, async_finish,
@@ -1409,9 +1466,10 @@ class Buffer:
                 src = res.recv_src[:n].clone()
                 done = None
         self._note_cx_op(g, s)
-        handle = cached if cached is not None else _CxDispatchHandle(g, slot, rec, alignment, K, W, prefix, src, done)
+        if cached is None:
+            cached = _CxDispatchHandle(g, slot, rec, alignment, K, W, prefix, src, done)
         recv_x, scales, idx, w = outs
-        return (recv_x if scales is None else (recv_x, scales)), idx, w, counts, handle, \
+        return (recv_x if scales is None else (recv_x, scales)), idx, w, counts, cached, \
             self._cx_event(s, current, async_finish)
 
     def _note_cx_op(self, g, s):
@@ -1505,7 +1563,7 @@ class Buffer:
             x, topk_weights = (None if v is None else np.asarray(tensors.to_numpy(v))
                                for v in (x, topk_weights))
             if bias is not None:
-                bias = tuple(np.asarray(tensors.to_numpy(b)) for b in
+                bias = tuple(None if b is None else np.asarray(tensors.to_numpy(b)) for b in
                              (bias if isinstance(bias, tuple) else (bias,)))
         stream = self._stream_after(previous_event, x)
         combined, weights = g.cx_combine(x, handle=handle.slot, recv_weights=topk_weights,
