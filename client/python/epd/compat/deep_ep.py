@@ -143,9 +143,10 @@ client-executed ops see "Execution".)
 
 Tensors: torch CUDA tensors (the cuda backend; see :mod:`epd.tensors`) stay on the GPU:
 outputs are device tensors; a daemon-executed dispatch allocates them with room for the
-group's worst case unless the buffer's ``recv_capacity`` bounds the rows. CPU torch tensors and NumPy arrays (bf16 as
-uint16 bits, floats rounded to bf16 on the way in; fp8 as uint8 e4m3 bytes with float32
-scales, passed as ``(x, x_scales)`` as in DeepEP) go through host shared memory; their outputs
+group's worst case unless the buffer's ``recv_capacity`` bounds the rows. CPU torch tensors
+and NumPy arrays (bf16 as uint16 bits, floats rounded to bf16 on the way in; fp8 as uint8 e4m3
+bytes with float32 scales, passed as ``(x, x_scales)`` as in DeepEP) go through host shared
+memory; their outputs
 are copies by default (``copy_outputs=True``); ``copy_outputs=False`` returns views of the
 output arena, valid until the handle is released (client-executed: of the receive area,
 valid until the next dispatch).
