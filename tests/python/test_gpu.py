@@ -13,8 +13,15 @@
   combine uses async_finish, so its output is read after event.current_stream_wait() without a
   host wait. Also the cached dispatch, dispatch routed by is_token_in_rank alone,
   num_worst_tokens (fixed shapes, no host wait) and fp8 on the same Buffer. Ranks 2 and 4,
-  with the Buffer made by group name and (``*_process_group``) from a torch.distributed gloo
-  process group, DeepEP's way.
+  with the Buffer made by group name (daemon-executed) and (``*_process_group``) from a
+  torch.distributed gloo process group, DeepEP's way (the Buffer chooses the execution). The
+  ``*_client`` cases run it over client-executed groups, every rank on GPU 0: 1 rank, and 2
+  and 4 ranks (by name, and from a process group whose Buffer must choose client-executed
+  groups) where the daemon makes such groups of several processes (CUDA MPS), else skipped.
+* TestDeepEPClientExecuted: the DeepEP front over a client-executed group of one rank:
+  outputs that outlive later dispatches, previous_event on a side stream with async_finish,
+  num_worst_tokens without a host wait, a refilled slot's handle refused, and a failed op's
+  error raised at the next host wait.
 * TestInProcess: the registration cache (one region per CUDA allocation), stream ordering (the
   daemon waits for the stream's earlier work; Future.stream_wait orders the stream after the
   op), caller outputs, recv_capacity and CAPACITY_EXCEEDED, arena outputs copied to the device,
