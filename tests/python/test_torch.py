@@ -7,7 +7,7 @@ descriptors from tensor pointers, strided and non-contiguous inputs, zero-token 
 tensors allocated per dispatch or given by the caller (``out=``), capacity errors, dtypes, the
 CombineResult, cached dispatch, the DeepEP front's torch layout and its intranode check (a
 Buffer by group name, from a process group of threads, and from a torch.distributed gloo
-group of processes), and the loader's search order. Skipped without torch. tests/python/test_gpu.py covers CUDA tensors on a GPU host.
+group of processes; over client- and daemon-executed groups), and the loader's search order. Skipped without torch. tests/python/test_gpu.py covers CUDA tensors on a GPU host.
 """
 
 import ctypes
@@ -416,31 +416,40 @@ class TestDeepEPTorch(unittest.TestCase):
             w.close()
 
     def test_intranode_rank_pattern(self):
-        """DeepEP's intranode test on CPU tensors: see test_gpu.deepep_intranode."""
+        """DeepEP's intranode test on CPU tensors: see test_gpu.deepep_intranode. By default
+        over client-executed groups (the host backend runs CPU tensors so), and over
+        daemon-executed ones."""
         R = 3
-        name = tb.unique("deepep-cpu")
-        self.run_ranks(R, lambda r: Buffer(
-            name, rank=r, secret=tb.SECRET, socket=tb.DAEMON["socket"], world_size=R,
-            num_experts=4 * R, hidden=128, max_tokens_per_rank=32, max_topk=4), seed=5)
+        for execution in (None, "daemon"):
+            name = tb.unique("deepep-cpu")
+            bufs = self.run_ranks(R, lambda r: Buffer(
+                name, rank=r, secret=tb.SECRET, socket=tb.DAEMON["socket"], world_size=R,
+                num_experts=4 * R, hidden=128, max_tokens_per_rank=32, max_topk=4,
+                execution=execution), seed=5)
+            self.assertEqual([b.execution for b in bufs], [execution or "client"] * R)
 
     def test_intranode_process_group(self):
         """The same through Buffers made from a process group (threads), DeepEP's way."""
         R, T, H = 2, 32, 128
-        groups = tb.ThreadGroup.world(R)
-        with tb.socket_in_environment():
-            self.run_ranks(R, lambda r: Buffer(groups[r], 1 << 20, 0, max_tokens_per_rank=T,
-                                               device=0),
-                           seed=6, shape=(T, H, 4 * R, 4))
+        for execution in (None, "daemon"):
+            groups = tb.ThreadGroup.world(R)
+            with tb.socket_in_environment():
+                bufs = self.run_ranks(R, lambda r: Buffer(
+                    groups[r], 1 << 20, 0, max_tokens_per_rank=T, device=0,
+                    execution=execution), seed=6, shape=(T, H, 4 * R, 4))
+            self.assertEqual([b.execution for b in bufs], [execution or "client"] * R)
 
     def test_intranode_torch_process_group(self):
-        """Buffer(torch.distributed group) in one process per rank (gloo), CPU tensors."""
+        """Buffer(torch.distributed group) in one process per rank (gloo), CPU tensors: the
+        Buffer chooses client-executed groups."""
         import torch.distributed as dist
         import test_gpu
         if not dist.is_available():
             self.skipTest("torch without torch.distributed")
         R = 2
         names = test_gpu.run_ranks(test_gpu.deepep_pg_worker, R,
-                                   (R, tb.DAEMON["socket"], test_gpu._free_port(), 7, True))
+                                   (R, tb.DAEMON["socket"], test_gpu._free_port(), 7, True,
+                                    False, "client"))
         self.assertEqual(len(set(names.values())), 1, names)
 
     def run_ranks(self, R, make, **kw):
@@ -468,6 +477,7 @@ class TestDeepEPTorch(unittest.TestCase):
             if b is not None:
                 b.destroy()
         self.assertEqual(errors, [])
+        return bufs
 
 
 class TestCombineResult(unittest.TestCase):
