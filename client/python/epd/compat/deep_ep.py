@@ -118,7 +118,8 @@ Over a client-executed group:
 * The outputs are copies of the ``num_recv_tokens`` received rows (``copy_outputs=False``:
   views of the receive area, rewritten by the group's next dispatch). On CUDA the dispatch
   waits on the host for its stream to pass the op and reads the counts, as DeepEP's normal mode
-  does; with ``num_worst_tokens`` it does not: the W rows are copied on the stream and the
+  does; with ``num_worst_tokens`` it does not (except at the first dispatch into each handle
+  slot, which reads where its counts live): the W rows are copied on the stream and the
   padding's top-k ids set to -1 and weights to 0 there, from the count in device memory.
 * combine copies ``x`` (and ``topk_weights`` as ``recv_weights``) into the slot's y area and
   runs ``Group.cx_combine``. On CUDA it is queued on the current stream (no host wait, with or
@@ -579,6 +580,17 @@ class DispatchHandle:
     def __repr__(self):
         return "<deep_ep DispatchHandle %s>" % (
             "pending" if self._result is None else repr(self._result.handle))
+
+
+def _keep_for(stream, *values):
+    """Marks the CUDA tensors among ``values`` as used on ``stream`` (a side stream, None:
+    none), so that the caching allocator does not reuse their memory before ``stream``'s work
+    that reads or writes them is done."""
+    if stream is None:
+        return
+    for v in values:
+        if tensors.is_cuda(v):
+            v.record_stream(stream)
 
 
 def _cx_check(group):
@@ -1390,6 +1402,7 @@ class Buffer:
         else:
             slot, rec = self._next_slot(g)
             alignment = max(1, int(alignment or 1))
+        _keep_for(stream, x, x_scales, topk_idx, topk_weights)
         cpu_dtype = None
         if _is_torch(x) and not tensors.is_cuda(x):
             # CPU tensors on the host backend: NumPy views in, tensors out.
@@ -1467,6 +1480,7 @@ class Buffer:
                 src = res.recv_src[:n].clone()
                 done = None
         self._note_cx_op(g, s)
+        _keep_for(None if s is current else current, *outs)
         if cached is None:
             cached = _CxDispatchHandle(g, slot, rec, alignment, K, W, prefix, src, done)
         recv_x, scales, idx, w = outs
@@ -1567,6 +1581,7 @@ class Buffer:
                 bias = tuple(None if b is None else np.asarray(tensors.to_numpy(b)) for b in
                              (bias if isinstance(bias, tuple) else (bias,)))
         stream = self._stream_after(previous_event, x)
+        _keep_for(stream, x, topk_weights, *(bias if isinstance(bias, tuple) else (bias,)))
         combined, weights = g.cx_combine(x, handle=handle.slot, recv_weights=topk_weights,
                                          bias=bias, stream=stream)
         if topk_weights is None:
@@ -1580,6 +1595,7 @@ class Buffer:
         current = torch.cuda.current_stream(x.device)
         s = stream if stream is not None else current
         self._note_cx_op(g, s)
+        _keep_for(None if s is current else current, combined, weights)
         return combined, weights, self._cx_event(s, current, async_finish)
 
 
