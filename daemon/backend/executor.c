@@ -22,11 +22,14 @@ static void spin_for_work(struct epdd_executor *e)
  * run or only to be completed (aborted, or its input wait timed out); NULL when none can. An exec
  * whose inputs are not ready stays queued and does not hold back those behind it: groups are
  * independent, and a group has at most one op in the backend (daemon/op.c), so taking execs out
- * of order never reorders one group's ops. Lock held. */
-static struct epdd_exec *take_ready(struct epdd_executor *e, int *run)
+ * of order never reorders one group's ops. *youngest_wait_ns gets how long the most recently
+ * submitted of the execs left waiting has waited (UINT64_MAX: none). Lock held. */
+static struct epdd_exec *take_ready(struct epdd_executor *e, int *run, uint64_t *youngest_wait_ns)
 {
         uint64_t now = epd__now_ns();
         struct epd_list *pos;
+
+        *youngest_wait_ns = UINT64_MAX;
 
         epd_list_for_each(pos, &e->queue)
         {
@@ -43,8 +46,12 @@ static struct epdd_exec *take_ready(struct epdd_executor *e, int *run)
                 } else if (e->host_input_waits) {
                         ready = epd_exec_inputs_ready(ex, now, ex->submit_ns + ex->timeout_ns);
                 }
-                if (ready == 0)
+                if (ready == 0) {
+                        uint64_t waited = now > ex->submit_ns ? now - ex->submit_ns : 0;
+                        if (waited < *youngest_wait_ns)
+                                *youngest_wait_ns = waited;
                         continue;
+                }
                 if (ready > 0) {
                         ex->status = 0;
                         ex->message[0] = '\0';
@@ -64,7 +71,7 @@ static void *executor_main(void *arg)
         /* The bounded waits of the backends sleep in small steps (nanosleep); the default 50 us
          * timer slack would stretch each one to tens of microseconds of op latency. */
         prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
-        uint64_t idle_wait_ns = 10000, waiting_since_ns = 0;
+        uint64_t idle_wait_ns = 10000, youngest_wait_ns;
 
         pthread_mutex_lock(&e->lock);
         for (;;) {
@@ -88,31 +95,30 @@ static void *executor_main(void *arg)
                                 break;
                         continue;
                 }
-                ex = take_ready(e, &run);
+                ex = take_ready(e, &run, &youngest_wait_ns);
                 if (!ex) {
                         /* Every queued exec waits for a client's inputs, which come without a
-                         * wake-up (a stream-ordered client's stream stores inputs_ready). Look
-                         * again every 10 us for the first 2 ms of waiting, when inputs usually
-                         * come (a client's kernels still running); then after a pause that
-                         * grows to 1 ms while nothing becomes ready, so that a stalled client
-                         * costs the daemon little CPU. A new exec wakes the thread at once. */
+                         * wake-up (a stream-ordered client's stream stores inputs_ready). While
+                         * some exec has waited less than 2 ms (its client's kernels still
+                         * running, the usual case), look again every 10 us; once every one has
+                         * waited longer, after a pause that grows to 1 ms, so that a stalled
+                         * client costs the daemon, and the clients beside it, little CPU. A new
+                         * exec wakes the thread at once. */
                         struct timespec ts;
-                        uint64_t until, now = epd__now_ns();
-                        if (!waiting_since_ns)
-                                waiting_since_ns = now;
-                        atomic_store(&e->heartbeat_ns, now);
+                        uint64_t until;
+                        if (youngest_wait_ns < 2000000)
+                                idle_wait_ns = 10000;
+                        else
+                                idle_wait_ns = idle_wait_ns * 2 > 1000000 ? 1000000
+                                                                          : idle_wait_ns * 2;
+                        atomic_store(&e->heartbeat_ns, epd__now_ns());
                         clock_gettime(CLOCK_REALTIME, &ts);
                         until = (uint64_t)ts.tv_nsec + idle_wait_ns;
                         ts.tv_sec += (time_t)(until / 1000000000ull);
                         ts.tv_nsec = (long)(until % 1000000000ull);
                         pthread_cond_timedwait(&e->cond, &e->lock, &ts);
-                        if (now - waiting_since_ns > 2000000)
-                                idle_wait_ns = idle_wait_ns * 2 > 1000000 ? 1000000
-                                                                          : idle_wait_ns * 2;
                         continue;
                 }
-                idle_wait_ns = 10000;
-                waiting_since_ns = 0;
                 pthread_mutex_unlock(&e->lock);
 
                 uint64_t t0 = epd__now_ns();
