@@ -368,7 +368,7 @@ out:
 static void usage(FILE *f)
 {
         fprintf(f, "usage: epd-soak-hostile [--steps N] [--kills N] [--attack NAME] [--json]\n"
-                   "  --steps N     bystander steps under each attack (default 400)\n"
+                   "  --steps N     bystander steps under each attack (default 2000)\n"
                    "  --kills N     rank kills for the PEER_LOST latency (default 1100; 0: none)\n"
                    "  --attack NAME only this attack (quiet, stall, idle-connections,\n"
                    "                wrong-secret, bindings, regions); default: all\n"
@@ -382,7 +382,7 @@ int main(int argc, char **argv)
                 { "attack", required_argument, NULL, 'a' }, { "json", no_argument, NULL, 'j' },
                 { "help", no_argument, NULL, 'h' },        { NULL, 0, NULL, 0 },
         };
-        struct opts o = { 400, 1100, 0, -1 };
+        struct opts o = { 2000, 1100, 0, -1 };
         struct attack_result quiet = { 0 };
         int opt, failed = 0;
 
