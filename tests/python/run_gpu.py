@@ -7,9 +7,10 @@
 this.) What runs:
 
 1. test_gpu: torch CUDA tensors on a cuda-backend epd, bitwise against NumPy on a host-backend
-   epd (2 and 4 ranks as processes); DeepEP's intranode test through epd.compat.deep_ep (2 and
-   4 ranks, the Buffer by group name and from a torch.distributed process group; over
+   epd (2 and 4 ranks as processes); DeepEP's intranode test through epd.compat.deep_ep (2, 4
+   and 8 ranks, the Buffer by group name and from a torch.distributed process group; over
    daemon- and client-executed groups, the latter at several ranks only under CUDA MPS);
+   DeepEP's low-latency test through it (1 rank, and 2 and 8 ranks under CUDA MPS);
    registration cache, stream ordering, caller outputs, capacity, arena, kernel_ns.
    EPD_GPU_REQUIRED=1 is set, so a missing GPU, torch, CUDA libepd or daemon fails instead of
    skipping (--allow-skip keeps skips).

@@ -1,6 +1,7 @@
 """Client-executed groups from Python (Group.cx_dispatch / Group.cx_combine, epd.cx) on the host
 backend: every layout, bit for bit against reference.py (docs/semantics.md §2, §2.6, §2.7, §3),
-the counts and statuses, zero-copy views, and collective failures.
+the counts and statuses, zero-copy views, and collective failures; and DeepEP's low-latency
+front on NumPy arrays (test_gpu.deepep_low_latency at 2 and 8 ranks among them).
 """
 
 import concurrent.futures
@@ -579,6 +580,36 @@ class TestDeepEPLowLatencyScales(unittest.TestCase):
             pool.shutdown()
             for b in bufs:
                 b.destroy()
+
+
+class TestDeepEPLowLatencyRanks(unittest.TestCase):
+    """test_gpu.deepep_low_latency (what test_gpu.TestDeepEPLowLatency runs on CUDA tensors)
+    on NumPy arrays at 2 and 8 ranks, one thread per rank, in test_gpu's shapes."""
+
+    def run_r(self, R):
+        import test_gpu
+        from epd.compat.deep_ep import Buffer
+        T, H, E, K = test_gpu.TestDeepEPLowLatency.SHAPES[R]
+        name = unique("ll-ranks")
+
+        def go(r):
+            buf = Buffer(name, rank=r, secret=SECRET, socket=DAEMON["socket"], world_size=R,
+                         num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K,
+                         op_timeout_ms=60000, low_latency_mode=True)
+            try:
+                return test_gpu.deepep_low_latency(buf, r, R, None, 970 + R)
+            finally:
+                buf.destroy()
+
+        with concurrent.futures.ThreadPoolExecutor(R) as pool:
+            futs = [pool.submit(go, r) for r in range(R)]
+            self.assertEqual([f.result(timeout=300) for f in futs], [True] * R)
+
+    def test_r2(self):
+        self.run_r(2)
+
+    def test_r8(self):
+        self.run_r(8)
 
 
 def reference_dequant(data, scales):

@@ -12,12 +12,21 @@
   rows and dividing by the number of ranks each token reached gives x back, exactly in bf16.
   combine uses async_finish, so its output is read after event.current_stream_wait() without a
   host wait. Also the cached dispatch, dispatch routed by is_token_in_rank alone,
-  num_worst_tokens (fixed shapes, no host wait) and fp8 on the same Buffer. Ranks 2 and 4,
-  with the Buffer made by group name (daemon-executed) and (``*_process_group``) from a
+  num_worst_tokens (fixed shapes, no host wait) and fp8 on the same Buffer. Ranks 2, 4 and
+  8, with the Buffer made by group name (daemon-executed) and (``*_process_group``) from a
   torch.distributed gloo process group, DeepEP's way (the Buffer chooses the execution). The
-  ``*_client`` cases run it over client-executed groups, every rank on GPU 0: 1 rank, and 2
-  and 4 ranks (by name, and from a process group whose Buffer must choose client-executed
+  ``*_client`` cases run it over client-executed groups, every rank on GPU 0: 1 rank, and 2,
+  4 and 8 ranks (by name, and from a process group whose Buffer must choose client-executed
   groups) where the daemon makes such groups of several processes (CUDA MPS), else skipped.
+* TestDeepEPLowLatency: DeepEP's low-latency test through the DeepEP front
+  (``low_latency_mode``: a client-executed group, every rank on GPU 0) with CUDA tensors:
+  1 rank, and 2 and 8 ranks under CUDA MPS (else skipped). bf16 and fp8 dispatch (fp32
+  scales, round_scale, use_ue8m0) of rank-stamped and of random rows: received rows and
+  scales bit for bit against reference.py (and each stamped row's source read back from its
+  values), dequantized rows against x, recv_count, handle[0] and handle[1],
+  cumulative_local_expert_recv_stats, return_recv_hook; combine (copied and zero_copy, with
+  and without ``out``) bit for bit against reference.py and within DeepEP's calc_diff bound.
+  tests/python/test_cx.py runs the same check on NumPy arrays against a host-backend daemon.
 * TestDeepEPClientExecuted: the DeepEP front over a client-executed group of one rank:
   outputs that outlive later dispatches, previous_event on a side stream with async_finish,
   num_worst_tokens without a host wait, a refilled slot's handle refused, and a failed op's
@@ -684,6 +693,14 @@ def mps_refusal():
     return None
 
 
+def skip_without_mps(tc):
+    """Skips ``tc`` where the daemon refuses a client-executed group of several processes on
+    GPU 0 (no CUDA MPS), naming its reason."""
+    why = mps_refusal()
+    if why:
+        tc.skipTest("client-executed groups of several processes on one GPU: " + why)
+
+
 class TestDeepEPIntranode(unittest.TestCase):
     """Daemon-executed by group name (rank r on GPU r % count); from a process group the
     Buffer chooses (client-executed where every rank is on one GPU and MPS is on). The
@@ -694,9 +711,7 @@ class TestDeepEPIntranode(unittest.TestCase):
         name = "deepep-gpu-%d-%d-%s" % (os.getpid(), R, "cx" if client else "d")
         sock = DAEMONS["cuda"]["socket"]
         if client and R > 1:
-            why = mps_refusal()
-            if why:
-                self.skipTest("client-executed groups of several processes on one GPU: " + why)
+            skip_without_mps(self)
         try:
             if pg:
                 run_ranks(deepep_pg_worker, R, (R, sock, _free_port(), 950 + R, False, client,
@@ -728,10 +743,405 @@ class TestDeepEPIntranode(unittest.TestCase):
     def test_r4_client(self):
         self.run_r(4, client=True)
 
+    def test_r8(self):
+        self.run_r(8)
+
+    def test_r8_client(self):
+        self.run_r(8, client=True)
+
     def test_r2_process_group_client(self):
         """From a process group with every rank's CUDA tensors on GPU 0, the Buffer chooses
         client-executed groups by itself."""
         self.run_r(2, pg=True, client=True)
+
+    def test_r8_process_group_client(self):
+        """Eight ranks from a process group on GPU 0: the Buffer's default execution, which
+        is client-executed under MPS."""
+        self.run_r(8, pg=True, client=True)
+
+
+# ---- (b2) DeepEP's low-latency test through the DeepEP front ----
+
+LL_CONFIGS = ((False, False, False),  # (use_fp8, round_scale, use_ue8m0): bf16 rows
+              (True, False, False),   # fp8, fp32 scales amax / 448
+              (True, True, False),    # fp8, power-of-two fp32 scales
+              (True, True, True))     # fp8, ue8m0 bytes packed four to an int32
+LL_RANK_OFFSET = 128  # a source rank s stamps s - 128 into its rows: exact in bf16
+BF16_NAN = 0x7FC0
+
+
+def calc_diff(x, y):
+    """DeepEP's similarity error of two float arrays: 1 - 2<x+1, y+1> / (|x+1|^2 + |y+1|^2),
+    0 when they are equal, in float64."""
+    a = np.asarray(x, np.float64).ravel() + 1.0
+    b = np.asarray(y, np.float64).ravel() + 1.0
+    return float(1.0 - 2.0 * np.dot(a, b) / (np.dot(a, a) + np.dot(b, b)))
+
+
+def pack_ue8m0(exps):
+    """ue8m0 bytes ``[..., H/128]`` (uint8 e + 127) as DeepEP's int32 words ``[..., H/512]``:
+    word w holds blocks 4w .. 4w+3, the lowest byte first."""
+    b = np.asarray(exps, np.uint8).astype("<u4")
+    b = b.reshape(b.shape[:-1] + (-1, 4))
+    return (b << np.array([0, 8, 16, 24], "<u4")).sum(-1).astype("<u4").view(np.int32)
+
+
+def block_scales(scales, ue8m0=False):
+    """The float32 scale of every 128-channel block: ``scales`` itself, or from ue8m0's int32
+    words 2^(byte - 127)."""
+    if not ue8m0:
+        return np.asarray(scales, np.float32)
+    w = np.ascontiguousarray(scales).view("<u4")
+    e = (w[..., None] >> np.array([0, 8, 16, 24], "<u4")) & 0xFF
+    e = e.reshape(e.shape[:-2] + (-1,)).astype(np.int32) - 127
+    return np.ldexp(np.float32(1), e).astype(np.float32)
+
+
+def fp8_values(data, scales, ue8m0=False):
+    """e4m3 bytes ``[..., H]`` times their block's scale (see :func:`block_scales`), in
+    float32: DeepEP's per_token_cast_back before its bf16 rounding."""
+    from reference import _E4M3
+    data = np.asarray(data, np.uint8)
+    mag = _E4M3[np.minimum(data & 0x7F, 0x7E)].astype(np.float32)
+    val = np.where(data & 0x80, -mag, mag).astype(np.float32)
+    return (val * np.repeat(block_scales(scales, ue8m0), 128, axis=-1)).astype(np.float32)
+
+
+def ll_inputs(R, T, H, E, K, seed, step, stamped):
+    """Every rank's low-latency inputs for one step: x bf16 bits ``[N_s, H]`` (``stamped``:
+    s - 128 everywhere but the last 128 channels, which hold the token's index, as DeepEP's
+    test; else random), top-k ids from random scores with some entries -1 (token 1 goes
+    nowhere) and positive weights. N_s is T on rank 0 and up to 2 fewer elsewhere."""
+    xs, topks, ws = [], [], []
+    for s in range(R):
+        rng = np.random.default_rng([seed, step, s])
+        n = T - (s % 3 if T > 2 else 0)
+        if stamped:
+            x = np.full((n, H), s - LL_RANK_OFFSET, np.float32)
+            x[:, -128:] = np.arange(n, dtype=np.float32)[:, None]
+        else:
+            x = rng.standard_normal((n, H)).astype(np.float32) * np.float32(s + 1)
+        tk = np.argsort(rng.random((n, E)), axis=1)[:, :K].astype(np.int64)
+        for _ in range(max(1, n // 4)):
+            tk[rng.integers(0, n), rng.integers(0, K)] = -1
+        if n > 1:
+            tk[1] = -1
+        xs.append(epd.float_to_bf16(x))
+        topks.append(tk)
+        ws.append((np.abs(rng.standard_normal((n, K))) + 0.1).astype(np.float32))
+    return xs, topks, ws
+
+
+def ll_expected_blocks(R, L, rank, topks):
+    """For each local expert of ``rank``: the (source, token) of its rows in order (source,
+    then token: docs/semantics.md §2.6) and the rows from each source."""
+    blocks = []
+    for i in range(L):
+        e = rank * L + i
+        rows = [(s, int(t)) for s in range(R) for t in np.nonzero((topks[s] == e).any(1))[0]]
+        blocks.append((rows, [int((topks[s] == e).sum()) for s in range(R)]))
+    return blocks
+
+
+def ll_expert(values, e):
+    """The simulated expert: its input rows (float32) times 1 + (e % 4) / 4, as bf16 bits."""
+    return epd.float_to_bf16(values * np.float32(1 + (e % 4) / 4))
+
+
+class _Arrays:
+    """NumPy arrays for a host-backend daemon (``device`` None), else torch tensors on
+    ``device``: the inputs handed to the DeepEP front and the outputs read back."""
+
+    def __init__(self, device):
+        self.device = device
+        self.torch = None
+        if device is not None:
+            import torch
+            self.torch = torch
+
+    def put(self, a):
+        a = np.ascontiguousarray(a)
+        if self.torch is None:
+            return a.copy()
+        return tensors.from_numpy(a, self.torch.bfloat16 if a.dtype == np.uint16
+                                  else None).to(self.device)
+
+    def get(self, v):
+        """A NumPy copy (bf16 as uint16 bits, fp8 as uint8)."""
+        return np.array(_np(v), copy=True)
+
+    def zeros_int32(self, n):
+        if self.torch is None:
+            return np.zeros(n, np.int32)
+        return self.torch.zeros(n, dtype=self.torch.int32, device=self.device)
+
+    def empty_bf16(self, shape):
+        if self.torch is None:
+            return np.empty(shape, np.uint16)
+        return self.torch.empty(shape, dtype=self.torch.bfloat16, device=self.device)
+
+    def write(self, dst, a):
+        if self.torch is None:
+            dst[...] = a
+        else:
+            dst.copy_(self.put(a))
+
+    def check_meta(self, v, np_dtype, torch_name, shape):
+        """``v`` has ``shape`` and the dtype (NumPy, or torch's ``torch_name`` on the
+        device)."""
+        assert tuple(v.shape) == tuple(shape), (tuple(v.shape), shape)
+        if self.torch is None:
+            assert isinstance(v, np.ndarray) and v.dtype == np_dtype, (type(v), v.dtype)
+        else:
+            want = getattr(self.torch, torch_name, None) or self.torch.uint8
+            assert v.dtype == want and v.device == self.device, (v.dtype, v.device)
+
+
+def deepep_low_latency(buf, rank, R, device, seed):
+    """DeepEP's low-latency check on ``buf`` (a Buffer made with low_latency_mode=True) for
+    this rank. ``device``: a torch CUDA device (CUDA tensors), or None (NumPy arrays on a
+    host-backend daemon).
+
+    Every rank derives every rank's inputs from ``seed`` and checks its own results against
+    expectations computed from them with NumPy (docs/semantics.md §2.6, §2.7, §3 and
+    reference.py). For the bf16 dispatch and the fp8 one (fp32 scales, round_scale,
+    use_ue8m0), each with rank-stamped and with random rows: the received rows (a stamped
+    row's source rank and token read back from its values; every row bit for bit), the
+    scales (powers of two with round_scale; ue8m0's int32 packing), the dequantized rows
+    against x, recv_count against every rank's top-k ids, handle[0] (each row's source
+    token) and handle[1] (``begin << 32 | count`` of each source's rows),
+    cumulative_local_expert_recv_stats summed over every dispatch, and the hook
+    (return_recv_hook) or the event. Then four combines of the simulated expert's output
+    (padding rows NaN: never read), copied and zero_copy, into a new tensor and into
+    ``out``: bit for bit against reference.py, and within DeepEP's calc_diff bound of x
+    times the token's summed weights.
+    """
+    from reference import Routing, quantize
+    g = buf.group
+    T, H, E, K = g.max_tokens_per_rank, g.hidden, g.num_experts, g.max_topk
+    L, C = E // R, R * T
+    arr = _Arrays(device)
+    stats = arr.zeros_int32(L)
+    total = np.zeros(L, np.int64)
+    step = 0
+    for stamped in (True, False):
+        for use_fp8, round_scale, ue8m0 in LL_CONFIGS:
+            step += 1
+            what = "step %d (stamped=%s fp8=%s round_scale=%s ue8m0=%s)" % (
+                step, stamped, use_fp8, round_scale, ue8m0)
+            hooked = step % 2 == 0
+            xs, topks, ws = ll_inputs(R, T, H, E, K, seed, step, stamped)
+            n = len(xs[rank])
+            blocks = ll_expected_blocks(R, L, rank, topks)
+            x_in, tk_in, w_in = arr.put(xs[rank]), arr.put(topks[rank]), arr.put(ws[rank])
+            reps = 1 + step % 2  # a dispatch made twice: the stats add both
+            for _ in range(reps):
+                recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
+                    x_in, tk_in, T, E, cumulative_local_expert_recv_stats=stats,
+                    use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=ue8m0,
+                    async_finish=not hooked, return_recv_hook=hooked)
+                if hooked:
+                    assert callable(hook), what
+                    hook()  # the results are read right after it
+                else:
+                    event.current_stream_wait()
+            total += reps * np.array([sum(per_src) for _, per_src in blocks])
+
+            # DeepEP's shapes and dtypes (on the device for CUDA tensors).
+            if use_fp8:
+                data, scales = recv_x
+                arr.check_meta(data, np.uint8, "float8_e4m3fn", (L, C, H))
+                if ue8m0:
+                    arr.check_meta(scales, np.int32, "int32", (L, C, H // 512))
+                else:
+                    arr.check_meta(scales, np.float32, "float32", (L, C, H // 128))
+                scales = arr.get(scales)
+            else:
+                data, scales = recv_x, None
+                arr.check_meta(data, np.uint16, "bfloat16", (L, C, H))
+            data = arr.get(data)
+            arr.check_meta(recv_count, np.int32, "int32", (L,))
+            arr.check_meta(handle[0], np.int32, "int32", (L, C))
+            arr.check_meta(handle[1], np.int64, "int64", (L, R))
+            assert tuple(handle[2:]) == (T, H, E), (what, tuple(handle[2:]))
+            count, src_info, layout = (arr.get(recv_count), arr.get(handle[0]),
+                                       arr.get(handle[1]))
+            np.testing.assert_array_equal(arr.get(stats), total, what)
+
+            # Every source's rows as they must arrive: bf16 bits, or §2.7's bytes and scales.
+            if use_fp8:
+                q = [quantize(x, round_scale=round_scale, ue8m0=ue8m0) for x in xs]
+                q = [(qd, pack_ue8m0(qs) if ue8m0 else qs) for qd, qs in q]
+                payload = [fp8_values(qd, qs, ue8m0) for qd, qs in q]
+            else:
+                payload = [epd.bf16_to_float(x) for x in xs]
+            for i, (rows, per_src) in enumerate(blocks):
+                e = rank * L + i
+                m = len(rows)
+                where = "%s, local expert %d" % (what, i)
+                assert m == sum(int((tk == e).sum()) for tk in topks), where
+                assert int(count[i]) == m, (where, int(count[i]), m)
+                assert src_info[i][:m].tolist() == [t for _, t in rows], where
+                assert (src_info[i][m:] == -1).all(), where
+                begin = np.cumsum([0] + per_src[:-1]).astype(np.int64)
+                np.testing.assert_array_equal(layout[i],
+                                              (begin << 32) | np.array(per_src, np.int64),
+                                              where)
+                if not m:
+                    continue
+                src = np.array([s for s, _ in rows])
+                tok = np.array([t for _, t in rows])
+                x_rows = np.stack([epd.bf16_to_float(xs[s][t]) for s, t in rows])
+                if use_fp8:
+                    np.testing.assert_array_equal(data[i][:m],
+                                                  np.stack([q[s][0][t] for s, t in rows]),
+                                                  where)
+                    got = scales[i][:m]
+                    want = np.stack([q[s][1][t] for s, t in rows])
+                    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32),
+                                                  where)
+                    if round_scale:  # powers of two: positive, normal, no mantissa bits
+                        sc = block_scales(got, ue8m0).view(np.uint32)
+                        assert ((sc & 0x807FFFFF) == 0).all(), where
+                        assert (((sc >> 23) & 0xFF) > 0).all(), where
+                    # Dequantized against x: e4m3 keeps 3 mantissa bits (at most 2^-4
+                    # relative), its subnormals steps of 2^-9 times the block's scale.
+                    vals = fp8_values(data[i][:m], got, ue8m0)
+                    step_size = np.repeat(block_scales(got, ue8m0), 128, axis=-1) * 2.0 ** -9
+                    bound = np.abs(x_rows) * (1 / 16 + 1e-6) + step_size / 2
+                    assert (np.abs(vals - x_rows) <= bound).all(), where
+                    assert calc_diff(vals, x_rows) < 2e-3, (where, calc_diff(vals, x_rows))
+                    # As DeepEP: without round_scale the stamped rows come back exactly
+                    # after the bf16 rounding.
+                    decoded = epd.round_bf16(vals) if not round_scale else None
+                    if stamped and round_scale:  # DeepEP's bound on the token column
+                        assert calc_diff(vals[:, -1], tok) < 0.007, where
+                else:
+                    np.testing.assert_array_equal(data[i][:m],
+                                                  np.stack([xs[s][t] for s, t in rows]),
+                                                  where)
+                    decoded = epd.bf16_to_float(data[i][:m])
+                if stamped and decoded is not None:
+                    # A row names its source: s - 128 in all channels but the last 128, its
+                    # token's index in those; each source's rows lie in its layout range.
+                    body = decoded[:, :-128]
+                    assert (body.min(1) == body.max(1)).all(), where
+                    np.testing.assert_array_equal(body[:, 0] + LL_RANK_OFFSET, src, where)
+                    np.testing.assert_array_equal(decoded[:, -128:],
+                                                  np.repeat(tok[:, None], 128, 1), where)
+                    for s in range(R):
+                        b0, c0 = int(layout[i][s] >> 32), int(layout[i][s] & 0xFFFFFFFF)
+                        assert (body[b0:b0 + c0, 0] == s - LL_RANK_OFFSET).all(), (where, s)
+
+            # The simulated expert's output y, its padding rows NaN (combine never reads
+            # them); y2 = 2y for the zero_copy combines, so that they must read the buffer.
+            y = np.full((L, C, H), BF16_NAN, np.uint16)
+            for i, (rows, _) in enumerate(blocks):
+                m = len(rows)
+                received = fp8_values(data[i][:m], scales[i][:m], ue8m0) if use_fp8 else \
+                    epd.bf16_to_float(data[i][:m])
+                y[i][:m] = ll_expert(received, rank * L + i)
+
+            def doubled(a):
+                return np.where(a == BF16_NAN, a, epd.float_to_bf16(epd.bf16_to_float(a) * 2))
+
+            y2 = doubled(y)
+            # Every destination's y from the expected payloads, for reference.py's combine.
+            ys = []
+            for d in range(R):
+                yd = np.full((L * C, H), BF16_NAN, np.uint16)
+                for i, (rows, _) in enumerate(ll_expected_blocks(R, L, d, topks)):
+                    if rows:
+                        yd[i * C:i * C + len(rows)] = ll_expert(
+                            np.stack([payload[s][t] for s, t in rows]), d * L + i)
+                ys.append(yd)
+            ref = Routing(R, E, T, xs, topks, layout="expand", block_rows=C)
+            want = ref.combine(rank, ys, apply_weights=True, source_weights=ws[rank])
+            want2 = ref.combine(rank, [doubled(yd) for yd in ys], apply_weights=True,
+                                source_weights=ws[rank])
+            # DeepEP's check: x times the token's summed weights (masked at -1), here each
+            # weight times its expert's factor.
+            f = np.where(topks[rank] >= 0, 1 + (topks[rank] % 4) / 4, 0).astype(np.float32)
+            approx = epd.bf16_to_float(xs[rank]) * (ws[rank] * f).sum(1)[:, None]
+            bound = 1e-5 if not use_fp8 else 9e-4 if not round_scale else 2e-3
+            y_in, y2_in = arr.put(y), arr.put(y2)
+            for zero_copy, use_out in ((False, False), (False, True), (True, True),
+                                       (True, False)):
+                how = "%s, combine zero_copy=%s out=%s" % (what, zero_copy, use_out)
+                if zero_copy:
+                    arr.write(buf.get_next_low_latency_combine_buffer(handle), y2)
+                out = arr.empty_bf16((n, H)) if use_out else None
+                combined, event, hook = buf.low_latency_combine(
+                    y2_in if zero_copy else y_in, tk_in, w_in, handle, zero_copy=zero_copy,
+                    async_finish=not hooked, return_recv_hook=hooked, out=out)
+                if hooked:
+                    assert callable(hook), how
+                    hook()
+                else:
+                    event.current_stream_wait()
+                if use_out:
+                    assert combined is out, how
+                arr.check_meta(combined, np.uint16, "bfloat16", (n, H))
+                got = arr.get(combined)
+                exp = want2 if zero_copy else want
+                if got.tobytes() != exp.tobytes():
+                    bad = np.nonzero((got != exp).any(1))[0]
+                    raise AssertionError("%s: differs from reference.py in tokens %s" %
+                                         (how, bad[:10].tolist()))
+                diff = calc_diff(epd.bf16_to_float(got), approx * (2 if zero_copy else 1))
+                assert diff < bound, (how, diff, bound)
+    buf.synchronize()
+    if device is not None:
+        arr.torch.cuda.synchronize(device)
+    status = g.cx_status()
+    assert status["status_name"] == "OK", status
+    return True
+
+
+def deepep_ll_worker(rank, R, sock, name, seed, shape):
+    """deepep_low_latency in a rank process: a Buffer made by name with low_latency_mode
+    (client-executed), every rank on GPU 0. ``shape``: (T, H, E, K)."""
+    import torch
+    from epd.compat.deep_ep import Buffer
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    T, H, E, K = shape
+    buf = Buffer(name, rank=rank, secret=SECRET, socket=sock, world_size=R, num_experts=E,
+                 hidden=H, max_tokens_per_rank=T, max_topk=K, op_timeout_ms=60000,
+                 device=dev, low_latency_mode=True)
+    try:
+        assert (buf.execution, buf.group.execution) == ("client", "client")
+        return deepep_low_latency(buf, rank, R, dev, seed)
+    finally:
+        buf.destroy()
+
+
+class TestDeepEPLowLatency(unittest.TestCase):
+    """deepep_low_latency with CUDA tensors, one process per rank, every rank on GPU 0 over
+    the client-executed group that low_latency_mode makes: 1 rank, and 2 and 8 ranks where
+    the daemon makes such groups of several processes (CUDA MPS), else skipped."""
+
+    # (T, H, E, K) per world size; H a multiple of 512 for use_ue8m0.
+    SHAPES = {1: (32, 1024, 8, 4), 2: (64, 7168, 16, 6), 8: (32, 2048, 32, 4)}
+
+    def run_r(self, R):
+        if R > 1:
+            skip_without_mps(self)
+        name = "deepep-ll-gpu-%d-%d-%d" % (os.getpid(), R, time.monotonic_ns())
+        try:
+            run_ranks(deepep_ll_worker, R, (R, DAEMONS["cuda"]["socket"], name, 970 + R,
+                                            self.SHAPES[R]))
+        except AssertionError as e:
+            raise AssertionError("%s\n--- cuda daemon log ---\n%s" % (e, daemon_log("cuda")))
+
+    def test_r1(self):
+        self.run_r(1)
+
+    def test_r2(self):
+        self.run_r(2)
+
+    def test_r8(self):
+        self.run_r(8)
 
 
 # ---- (c) in this process ----
@@ -963,10 +1373,6 @@ class TestInProcess(_InProcessCase):
         self.assertEqual(cx.device, x.device)
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 # ---- (d) client-executed groups ----
 
 class TestClientExecuted(_InProcessCase):
@@ -1194,3 +1600,7 @@ class TestDeepEPClientExecuted(_InProcessCase):
             h6[0]
         with self.assertRaises(epd.CapacityExceeded):
             buf.synchronize()
+
+
+if __name__ == "__main__":
+    unittest.main()
