@@ -13,6 +13,44 @@
 #define BACKOFF_MAX_MS 2000
 /* Connections closed to free descriptors each time accept() runs out of them. */
 #define HANDSHAKES_CLOSED_PER_EMFILE 16
+#define PENALTY_MIN_MS 250
+#define PENALTY_MAX_MS 10000
+#define PENALTY_FORGET_MS 60000
+
+/* uid's entry of the penalty table, or NULL; add: make one, reusing a free entry or the one that
+ * expired first. */
+static struct epdd_uid_penalty *penalty_of(struct epdd_net *n, uint32_t uid, int add)
+{
+        struct epdd_uid_penalty *spare = NULL;
+
+        for (unsigned i = 0; i < EPD_PENALTY_UIDS; i++) {
+                struct epdd_uid_penalty *p = &n->penalties[i];
+
+                if (p->ms && p->uid == uid)
+                        return p;
+                if (!spare || (spare->ms && (!p->ms || p->until_ns < spare->until_ns)))
+                        spare = p;
+        }
+        if (!add)
+                return NULL;
+        memset(spare, 0, sizeof(*spare));
+        spare->uid = uid;
+        return spare;
+}
+
+void epd_admission_penalize(struct epdd_daemon *d, uint32_t uid)
+{
+        uint64_t now = epd__now_ns();
+        struct epdd_uid_penalty *p = penalty_of(d->net, uid, 1);
+
+        if (p->ms && now < p->until_ns + PENALTY_FORGET_MS * 1000000ull)
+                p->ms = p->ms * 2 > PENALTY_MAX_MS ? PENALTY_MAX_MS : p->ms * 2;
+        else
+                p->ms = PENALTY_MIN_MS;
+        p->until_ns = now + (uint64_t)p->ms * 1000000ull;
+        log_notice("uid %u gave too many wrong group secrets: its new connections are refused "
+                   "for %u ms", uid, p->ms);
+}
 
 static void on_sweep(uv_timer_t *timer)
 {
@@ -58,6 +96,7 @@ void epd_admission_close(struct epdd_daemon *d)
 int epd_admission_check(struct epdd_daemon *d, const struct ucred *cred, int admin,
                         const char **why)
 {
+        struct epdd_uid_penalty *penalty;
         struct epd_list *pos;
         unsigned same_uid = 0;
 
@@ -70,6 +109,12 @@ int epd_admission_check(struct epdd_daemon *d, const struct ucred *cred, int adm
          * others have filled up. */
         if (admin)
                 return 0;
+        penalty = penalty_of(d->net, cred->uid, 0);
+        if (penalty && epd__now_ns() < penalty->until_ns) {
+                *why = "this uid gave too many wrong group secrets: its new connections are refused "
+                       "for a while (250 ms, doubling up to 10 s while it goes on)";
+                return EPD_UNAVAILABLE;
+        }
         epd_list_for_each(pos, &d->conns)
         {
                 struct epdd_conn *c = epd_conn_of(epd_list_entry(pos, struct epdd_client, link));

@@ -1,9 +1,10 @@
 /* admission.h - who gets a connection when slots or descriptors run short: a deadline for the
- * handshake, connections per uid, slots kept for administrators, and a pause of accept() while
- * the process is out of descriptors. Loop thread only. */
+ * handshake, connections per uid, slots kept for administrators, a pause of accept() while
+ * the process is out of descriptors, and a cool-down for uids that guess group secrets. Loop thread only. */
 #ifndef EPD_DAEMON_ADMISSION_H
 #define EPD_DAEMON_ADMISSION_H
 
+#include <stdint.h>
 #include <sys/socket.h>
 
 struct epdd_daemon;
@@ -24,6 +25,11 @@ int epd_admission_check(struct epdd_daemon *d, const struct ucred *cred, int adm
 int epd_admission_accept_failed(struct epdd_daemon *d, int err);
 /* A connection was accepted: the back-off starts again from its shortest. */
 void epd_admission_accepted(struct epdd_daemon *d);
+
+/* A connection of uid was closed for too many wrong group secrets: refuse the uid's new
+ * connections (administrators' excepted) for 250 ms, doubling up to 10 s while it goes on within
+ * a minute of the last penalty. */
+void epd_admission_penalize(struct epdd_daemon *d, uint32_t uid);
 
 struct epdd_conn;
 /* More reply bytes were queued for c: 0, or -1 when the daemon's total of queued reply bytes is

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "budget.h"
+#include "admission.h"
 #include "arena.h"
 #include "backend.h"
 #include "net.h"
@@ -235,8 +236,11 @@ static void handle_group_join(struct epdd_conn *c, const Epd__V1__Request *req)
                                       c->cl.wrong_secrets >= EPD_MAX_WRONG_SECRETS
                                               ? ": too many wrong secrets, closing the connection"
                                               : "");
-                if (c->cl.wrong_secrets >= EPD_MAX_WRONG_SECRETS)
+                if (c->cl.wrong_secrets >= EPD_MAX_WRONG_SECRETS) {
                         epd_conn_close_later(c, "too many wrong group secrets");
+                        if (!c->cl.admin)
+                                epd_admission_penalize(d, c->cl.uid);
+                }
                 return;
         }
         rc = resolve_device(d, m->device, m->device_uuid, &device, err, sizeof(err));

@@ -16,6 +16,16 @@
 #include "core.h"
 #include "epd.pb-c.h"
 
+/* A uid whose connections were closed for wrong group secrets: its new connections are refused
+ * until until_ns (admission.c). */
+struct epdd_uid_penalty {
+        uint32_t uid;
+        uint32_t ms;                  /* the last penalty; 0: a free entry */
+        uint64_t until_ns;
+};
+
+#define EPD_PENALTY_UIDS 64
+
 /* The network layer's state of a daemon (epdd_daemon.net). */
 struct epdd_net {
         int listen_fd;
@@ -28,6 +38,7 @@ struct epdd_net {
         uv_timer_t backoff_timer;     /* accept() paused while out of descriptors */
         unsigned backoff_ms;
         uint64_t out_bytes;           /* reply bytes queued for every client together */
+        struct epdd_uid_penalty penalties[EPD_PENALTY_UIDS];
 };
 
 struct epdd_out_msg {

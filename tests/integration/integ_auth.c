@@ -72,6 +72,7 @@ enum child_action {
         ACT_JOIN_WRONG,    /* ... with a wrong secret */
         ACT_CREATE_HOLD,   /* create group "shared" (2 ranks, its own secret), report, hold it */
         ACT_CONNECT_HOLD,  /* connect, report, then ask every 20 ms until the daemon refuses */
+        ACT_GUESS,         /* join "shared" with wrong secrets until closed, then connect again */
 };
 
 struct child_result {
@@ -81,6 +82,9 @@ struct child_result {
         uid_t uid;
         char message[400];
 };
+
+/* Wrong secrets that cost a connection (the daemon's EPD_MAX_WRONG_SECRETS). */
+#define EPD_GUESSES 8
 
 /* The 2-rank group of these tests. */
 static struct epd_group_config small_group(void)
@@ -152,6 +156,21 @@ static int child_body(const struct h_daemon *d, enum child_action act, struct ch
         r->caps = epd_client_capabilities(c);
         if (act == ACT_CREATE_HOLD || act == ACT_CONNECT_HOLD)
                 return hold_body(c, act, r);
+        if (act == ACT_GUESS) {
+                /* Each wrong secret is refused; the last one closes the connection. */
+                for (int i = 0; i < EPD_GUESSES; i++) {
+                        h_secret(i % 2 ? "guess one" : "guess two", secret);
+                        if (epd_group_join(c, &ga, &g) != EPD_PERMISSION_DENIED) {
+                                snprintf(r->message, sizeof(r->message), "guess %d: %s", i,
+                                         epd_client_last_error(c));
+                                return -1;
+                        }
+                }
+                epd_client_free(c);
+                c = NULL;
+                /* What a new connection of this uid gets now. */
+                r->rc = epd_client_connect(&args, &c, r->message, sizeof(r->message));
+        }
         if (act == ACT_JOIN || act == ACT_JOIN_WRONG) {
                 h_secret(act == ACT_JOIN ? "shared" : "not shared", secret);
                 r->rc = epd_group_join(c, &ga, &g);
@@ -648,6 +667,45 @@ START_TEST(test_wrong_secrets_close_the_connection)
 }
 END_TEST
 
+/* A uid that keeps guessing is refused new connections for a while; root is not. */
+START_TEST(test_guessing_uid_cools_down)
+{
+        const char *mode_0666[] = { "--socket-mode", "0666", NULL };
+        struct epd_group_config cfg = small_group();
+        unsigned char secret[16];
+        struct epd_group_args ga = { .size = sizeof(ga), .name = "shared", .secret = secret,
+                                     .secret_len = sizeof(secret), .rank = 0, .config = &cfg };
+        struct auth_daemon ad;
+        struct child_result r;
+        struct epd_client *c, *other;
+        struct epd_group *g;
+
+        if (!have_root())
+                return;
+        daemon_start(&ad, "", mode_0666);
+        c = connect_root(&ad.d);
+        h_secret("shared", secret);
+        ck_assert_int_eq(epd_group_create(c, &ga, &g), EPD_OK);
+        r = as_nobody(&ad.d, ACT_GUESS);
+        ck_assert_msg(r.rc == EPD_UNAVAILABLE && strstr(r.message, "wrong group secrets"),
+                      "nobody's connection after its guesses: %s: %s", epd_status_name(r.rc),
+                      r.message);
+        ck_assert(h_daemon_log_contains(&ad.d, "gave too many wrong group secrets"));
+        /* Another uid (root, an administrator) still connects. */
+        other = connect_root(&ad.d);
+        ck_assert_ptr_nonnull(other);
+        epd_client_free(other);
+        /* The first penalty is 250 ms. */
+        usleep(400000);
+        r = as_nobody(&ad.d, ACT_CONNECT);
+        ck_assert_msg(r.rc == EPD_OK, "nobody after the cool-down: %s: %s",
+                      epd_status_name(r.rc), r.message);
+        ck_assert_int_eq(epd_group_leave(g), EPD_OK);
+        epd_client_free(c);
+        daemon_stop_clean(&ad);
+}
+END_TEST
+
 int main(void)
 {
         Suite *s = suite_create("auth");
@@ -664,6 +722,7 @@ int main(void)
         tcase_add_test(tc, test_secret_across_users);
         tcase_add_test(tc, test_names_per_uid);
         tcase_add_test(tc, test_wrong_secrets_close_the_connection);
+        tcase_add_test(tc, test_guessing_uid_cools_down);
         suite_add_tcase(s, tc);
         sr = srunner_create(s);
         srunner_set_fork_status(sr, CK_FORK);
