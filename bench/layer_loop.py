@@ -231,6 +231,13 @@ def worker(rank, args, barrier, results):
                 group = epd.Group.join(client, name, SECRET, rank, device=shape["device"],
                                        retry_timeout=60)
         if args.mode == "client":
+            # A client-executed op waits on the GPU for its peers. A kernel that CUDA loads
+            # lazily can wait for the device's running work, and so for a peer's op that waits
+            # for this rank: the spawned workers load eagerly (CUDA_MODULE_LOADING, set in
+            # main), and one step without communication runs on every rank before the first op.
+            client_layers(torch, model, group, topk, weights, args, False)
+            torch.cuda.synchronize()
+            barrier.wait()
             run = graphed(torch, lambda: client_layers(torch, model, group, topk, weights,
                                                        args, True), args.warmup)
             status = group.cx_status()
@@ -287,6 +294,9 @@ def main():
         fail("--experts %d is not a multiple of --ranks %d" % (args.experts, args.ranks))
     if args.replays < 1 or args.layers < 1 or args.warmup < 1:
         fail("--replays, --layers and --warmup must be at least 1")
+    # Client-executed ops spin on the GPU for their peers; a lazily loaded kernel can wait for
+    # them (docs/client-execution.md, "Co-residency"). Workers inherit this.
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     torch = need_torch_cuda()
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
