@@ -21,6 +21,7 @@
 #include "routing.h"
 
 #define CX_THREADS 256
+#define CX_COMBINE_BATCH 4
 
 /* Thread 0: this rank's checks of its own arguments (cpu/cx.c check_combine). */
 static __device__ int32_t check_args(const struct epd_cx_group *g,
@@ -92,12 +93,100 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
         return s_status;
 }
 
+/* One source token's combined row, 8 channels (16 bytes) per thread: the contributions of up
+ * to CX_COMBINE_BATCH top-k entries are loaded together (their loads in flight at once), then
+ * added in top-k order, so each channel's sum is the one combine_token computes one channel at a
+ * time: the same fp32 operations in the same order. w: the token's K weights, or NULL. Needs H a
+ * multiple of 8 and 16-byte aligned y rows, output and biases (combine_vec8_ok). */
+static __device__ void combine_token_vec8(const struct epd_cx_group *g,
+                                          const struct epd_cxk_combine_args *a,
+                                          const int32_t *sel, const int32_t *rows,
+                                          const float *w, uint32_t K, uint32_t t)
+{
+        const struct cx_layout *l = &g->layout;
+        const uint32_t L = l->num_local_experts, H8 = l->shape.hidden / 8;
+
+        for (uint32_t c8 = threadIdx.x; c8 < H8; c8 += blockDim.x) {
+                float acc[8];
+
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                        acc[i] = +0.0f;
+                for (uint32_t k0 = 0; k0 < K; k0 += CX_COMBINE_BATCH) {
+                        int4 q[CX_COMBINE_BATCH];
+
+#pragma unroll
+                        for (uint32_t j = 0; j < CX_COMBINE_BATCH; j++) {
+                                uint32_t k = k0 + j;
+
+                                if (k < K && rows[k] >= 0)
+                                        q[j] = ((const int4 *)(g->bufs[epd_route_expert_rank(
+                                                                       sel[k], L)] +
+                                                               l->y))[(uint64_t)rows[k] * H8 + c8];
+                        }
+#pragma unroll
+                        for (uint32_t j = 0; j < CX_COMBINE_BATCH; j++) {
+                                uint32_t k = k0 + j;
+                                const __nv_bfloat16 *e = (const __nv_bfloat16 *)&q[j];
+
+                                if (k >= K || rows[k] < 0)
+                                        continue;
+#pragma unroll
+                                for (int i = 0; i < 8; i++) {
+                                        float v = __bfloat162float(e[i]);
+
+                                        if (w)
+                                                v = __fmul_rn(v, w[k]);
+                                        acc[i] = __fadd_rn(acc[i], v);
+                                }
+                        }
+                }
+                for (int b = 0; b < 2; b++) {
+                        const int4 *bias = (const int4 *)a->bias[b];
+                        int4 q;
+                        const __nv_bfloat16 *e = (const __nv_bfloat16 *)&q;
+
+                        if (!bias)
+                                continue;
+                        q = bias[(uint64_t)t * H8 + c8];
+#pragma unroll
+                        for (int i = 0; i < 8; i++)
+                                acc[i] = __fadd_rn(acc[i], __bfloat162float(e[i]));
+                }
+                {
+                        int4 out;
+                        __nv_bfloat16 *o = (__nv_bfloat16 *)&out;
+
+#pragma unroll
+                        for (int i = 0; i < 8; i++)
+                                o[i] = __float2bfloat16_rn(acc[i]);
+                        ((int4 *)a->combined)[(uint64_t)t * H8 + c8] = out;
+                }
+        }
+}
+
+/* Whether combine_token_vec8 may serve this op: H a multiple of 8, every rank's y area, the
+ * output and the biases 16-byte aligned. */
+static __device__ int combine_vec8_ok(const struct epd_cx_group *g,
+                                      const struct epd_cxk_combine_args *a)
+{
+        const struct cx_layout *l = &g->layout;
+
+        if (l->shape.hidden % 8 != 0 || (uintptr_t)a->combined % 16 != 0 ||
+            (uintptr_t)a->bias[0] % 16 != 0 || (uintptr_t)a->bias[1] % 16 != 0)
+                return 0;
+        for (uint32_t d = 0; d < l->shape.world_size; d++)
+                if ((uintptr_t)(g->bufs[d] + l->y) % 16 != 0)
+                        return 0;
+        return 1;
+}
+
 /* One source token: its contributions in top-k order, reduced as docs/semantics.md section 3
  * says. */
 static __device__ void combine_token(const struct epd_cx_group *g,
                                      const struct epd_cxk_combine_args *a,
                                      const struct cx_handle *h, const int32_t *htopk,
-                                     const int32_t *hrow, const float *hw, uint32_t t)
+                                     const int32_t *hrow, const float *hw, uint32_t t, int vec8)
 {
         const struct cx_layout *l = &g->layout;
         const uint32_t K = h->num_topk, L = l->num_local_experts, H = l->shape.hidden;
@@ -105,7 +194,9 @@ static __device__ void combine_token(const struct epd_cx_group *g,
         const float *w = a->source_weights ? a->source_weights : h->has_weights ? hw : NULL;
         const int weighted = a->apply_weights && w;
 
-        for (uint32_t c = threadIdx.x; c < H; c += blockDim.x) {
+        if (vec8)
+                combine_token_vec8(g, a, sel, rows, weighted ? w + (uint64_t)t * K : NULL, K, t);
+        for (uint32_t c = threadIdx.x; c < H && !vec8; c += blockDim.x) {
                 float acc = +0.0f;
 
                 for (uint32_t k = 0; k < K; k++) {
@@ -196,8 +287,10 @@ cx_combine_kernel(const struct epd_cx_group g, const struct epd_cxk_combine_args
                 const int32_t *hrow = cx_handle_i32(own, l, handle, l->h_row);
                 const float *hw = (const float *)cx_handle_i32(own, l, handle, l->h_weights);
 
+                const int vec8 = combine_vec8_ok(&g, &a);
+
                 for (uint32_t t = blockIdx.x; t < h->num_tokens; t += gridDim.x)
-                        combine_token(&g, &a, h, htopk, hrow, hw, t);
+                        combine_token(&g, &a, h, htopk, hrow, hw, t, vec8);
         }
 
         /* Every block's reads of the peers' y are done (the barrier orders them before block 0

@@ -27,6 +27,7 @@
 #include "routing.h"
 
 #define CX_THREADS 256
+#define CX_COPY_UNROLL 4
 
 static __device__ __forceinline__ int64_t load_topk(const void *p, enum epd_dtype dtype,
                                                     uint64_t i)
@@ -342,6 +343,38 @@ static __device__ void copy_token(const struct epd_cx_group *g,
         const uint32_t esz = h->topk_dtype == EPD_DTYPE_INT64 ? 8 : 4;
         const int32_t *sel = htopk + (uint64_t)t * K;
 
+        /* The payload: each thread holds up to CX_COPY_UNROLL 16-byte pieces of the row in
+         * registers, loaded once, and stores them to every row of the token, so that its loads
+         * are in flight together and the source is read once, not once per row. */
+        const uint32_t n16 = row_bytes / 16;
+
+        for (uint32_t base = 0; base < n16; base += blockDim.x * CX_COPY_UNROLL) {
+                int4 v[CX_COPY_UNROLL];
+
+#pragma unroll
+                for (uint32_t j = 0; j < CX_COPY_UNROLL; j++) {
+                        uint32_t i = base + threadIdx.x + j * blockDim.x;
+
+                        if (i < n16)
+                                v[j] = ((const int4 *)src)[i];
+                }
+                for (uint32_t k = 0; k < K; k++) {
+                        int32_t r = hrow[(uint64_t)t * K + k];
+                        int4 *dst;
+
+                        if (r < 0)
+                                continue;
+                        dst = (int4 *)(g->bufs[epd_route_expert_rank(sel[k], L)] + l->recv_x +
+                                       (uint64_t)r * row_bytes);
+#pragma unroll
+                        for (uint32_t j = 0; j < CX_COPY_UNROLL; j++) {
+                                uint32_t i = base + threadIdx.x + j * blockDim.x;
+
+                                if (i < n16)
+                                        dst[i] = v[j];
+                        }
+                }
+        }
         for (uint32_t k = 0; k < K; k++) {
                 int32_t r = hrow[(uint64_t)t * K + k];
                 uint32_t d;
@@ -351,9 +384,6 @@ static __device__ void copy_token(const struct epd_cx_group *g,
                         continue;
                 d = epd_route_expert_rank(sel[k], L);
                 b = g->bufs[d];
-                for (uint32_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x)
-                        ((int4 *)(b + l->recv_x + (uint64_t)r * row_bytes))[i] =
-                                ((const int4 *)src)[i];
                 copy_scales(b + l->recv_scales + (uint64_t)r * sbytes, src_scales, sbytes);
                 if (threadIdx.x == 0)
                         ((int64_t *)(b + l->recv_src))[r] =
