@@ -550,13 +550,25 @@ END_TEST
 
 /* ---- group secrets across users ---- */
 
-START_TEST(test_secret_across_users)
+/* A daemon whose socket anyone may use, and root's group "shared" (secret h_secret("shared")). */
+static struct epd_group *root_creates_shared(struct auth_daemon *ad, struct epd_client **c)
 {
         const char *mode_0666[] = { "--socket-mode", "0666", NULL };
         struct epd_group_config cfg = small_group();
         unsigned char secret[16];
         struct epd_group_args ga = { .size = sizeof(ga), .name = "shared", .secret = secret,
                                      .secret_len = sizeof(secret), .rank = 0, .config = &cfg };
+        struct epd_group *g = NULL;
+
+        daemon_start(ad, "", mode_0666);
+        *c = connect_root(&ad->d);
+        h_secret("shared", secret);
+        ck_assert_int_eq(epd_group_create(*c, &ga, &g), EPD_OK);
+        return g;
+}
+
+START_TEST(test_secret_across_users)
+{
         struct auth_daemon ad;
         struct child_result r;
         struct epd_client *c;
@@ -564,10 +576,7 @@ START_TEST(test_secret_across_users)
 
         if (!have_root())
                 return;
-        daemon_start(&ad, "", mode_0666);
-        c = connect_root(&ad.d);
-        h_secret("shared", secret);
-        ck_assert_int_eq(epd_group_create(c, &ga, &g), EPD_OK);
+        g = root_creates_shared(&ad, &c);
         r = as_nobody(&ad.d, ACT_JOIN_WRONG);
         ck_assert_msg(r.rc == EPD_PERMISSION_DENIED, "nobody with a wrong secret: %s: %s",
                       epd_status_name(r.rc), r.message);
@@ -670,11 +679,6 @@ END_TEST
 /* A uid that keeps guessing is refused new connections for a while; root is not. */
 START_TEST(test_guessing_uid_cools_down)
 {
-        const char *mode_0666[] = { "--socket-mode", "0666", NULL };
-        struct epd_group_config cfg = small_group();
-        unsigned char secret[16];
-        struct epd_group_args ga = { .size = sizeof(ga), .name = "shared", .secret = secret,
-                                     .secret_len = sizeof(secret), .rank = 0, .config = &cfg };
         struct auth_daemon ad;
         struct child_result r;
         struct epd_client *c, *other;
@@ -682,10 +686,7 @@ START_TEST(test_guessing_uid_cools_down)
 
         if (!have_root())
                 return;
-        daemon_start(&ad, "", mode_0666);
-        c = connect_root(&ad.d);
-        h_secret("shared", secret);
-        ck_assert_int_eq(epd_group_create(c, &ga, &g), EPD_OK);
+        g = root_creates_shared(&ad, &c);
         r = as_nobody(&ad.d, ACT_GUESS);
         ck_assert_msg(r.rc == EPD_UNAVAILABLE && strstr(r.message, "wrong group secrets"),
                       "nobody's connection after its guesses: %s: %s", epd_status_name(r.rc),
