@@ -302,11 +302,19 @@ class TestCxGroup(unittest.TestCase):
                         g.cx_dispatch(x, topk_idx=topk, layout="expand", expert_block_rows=8)
                     except epd.CapacityExceeded as e:
                         errs.append(str(e))
-                return errs, g.cx_status()
-            for errs, st in w.run(go):
+                # The failed dispatch left its slot empty: asking for its counts raises the
+                # op's failure, not NOT_FOUND.
+                try:
+                    g.cx_counts(0)
+                    counts_error = None
+                except epd.Error as e:
+                    counts_error = e
+                return errs, g.cx_status(), counts_error
+            for errs, st, counts_error in w.run(go):
                 self.assertEqual(len(errs), 2)
                 self.assertIn("expert_block_rows", errs[0])
                 self.assertEqual(st["status_name"], "CAPACITY_EXCEEDED")
+                self.assertIsInstance(counts_error, epd.CapacityExceeded)
 
     def test_refusals(self):
         with CxWorld(1, num_experts=4, hidden=128, max_tokens_per_rank=4, max_topk=2) as w:

@@ -340,9 +340,16 @@ def dispatch(group, x, topk_idx, topk_weights, x_scales, handle, cached, layout,
 
 
 def _counts(group, st, handle):
-    """The slot's epd_cx_counts (host backend; on cuda it copies from device memory)."""
+    """The slot's epd_cx_counts (host backend; on cuda it copies from device memory). A slot
+    that holds no dispatch because the rank's last op failed raises that op's error (a failed
+    dispatch leaves its slot empty), not NOT_FOUND."""
     c = _lib.CxCounts(size=ctypes.sizeof(_lib.CxCounts))
-    check(group.client, _fn("epd_cx_counts")(group._ptr, handle, ctypes.byref(c)))
+    rc = _fn("epd_cx_counts")(group._ptr, handle, ctypes.byref(c))
+    if rc == _lib.NOT_FOUND:
+        s = _lib.CxStatus(size=ctypes.sizeof(_lib.CxStatus))
+        if _fn("epd_cx_status")(group._ptr, ctypes.byref(s)) == 0 and s.status < 0:
+            raise make_error(s.status, _lib.text(s.message))
+    check(group.client, rc)
     st.count_addresses[handle] = (c.num_recv_tokens_per_expert,
                                   c.num_recv_tokens_per_expert_aligned, c.rank_prefix,
                                   c.expert_base)
