@@ -202,6 +202,22 @@ int worker_run_cx(struct bench *b, uint32_t rank)
                 if (sync_after(b, it, &probe) && worker_sync(b, rank) < 0)
                         WFAIL("lost the parent at the sync point after iteration %u", it);
         }
+        {
+                /* Where the kernel time goes: this rank's phases, averaged over its ops. */
+                struct epd_cx_status st = { .size = sizeof(st) };
+                double us[2][3];
+
+                if (epd_cx_status(group, &st) < 0)
+                        WFAIL("epd_cx_status: %s", epd_client_last_error(client));
+                for (int k = 0; k < 2; k++)
+                        for (int i = 0; i < 3; i++)
+                                us[k][i] = st.kind_ops[k] ? st.phase_ns[k][i] / 1e3 /
+                                                                    (double)st.kind_ops[k]
+                                                          : 0.0;
+                fprintf(stderr, "epd-bench: rank %u phases, us per op (exchange / move / finish): "
+                        "dispatch %.1f / %.1f / %.1f, combine %.1f / %.1f / %.1f\n", rank,
+                        us[0][0], us[0][1], us[0][2], us[1][0], us[1][1], us[1][2]);
+        }
         status = 0;
 out:
         epd_group_leave(group);

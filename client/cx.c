@@ -366,7 +366,9 @@ int epd_cx_status(struct epd_group *group, struct epd_cx_status *out)
         const struct cx_header *h;
         struct cx_op_status st;
         uint64_t epoch, next, tag;
-        int rc = cx_of(group, out, out ? out->size : 0, sizeof(*out), NULL, "epd_cx_status");
+        /* Callers built before the statistics fields pass a shorter struct. */
+        int rc = cx_of(group, out, out ? out->size : 0, offsetof(struct epd_cx_status, kind_ops),
+                       NULL, "epd_cx_status");
 
         if (rc)
                 return rc;
@@ -390,6 +392,18 @@ int epd_cx_status(struct epd_group *group, struct epd_cx_status *out)
         if (st.status)
                 cx_format_status(&st, group->rank, next - 1, out->message,
                                  sizeof(out->message));
+        if (out->size >= offsetof(struct epd_cx_status, phase_ns) + sizeof(out->phase_ns)) {
+                struct cx_stats stats;
+
+                if (cx_read(group->cx, &h->stats, &stats, sizeof(stats)) < 0)
+                        return epd__client_fail(group->client, EPD_INTERNAL,
+                                                "epd_cx_status: cannot read rank %u's statistics",
+                                                group->rank);
+                static_assert(sizeof(out->phase_ns) == sizeof(stats.phase_ns),
+                              "epd_cx_status.phase_ns mirrors cx_stats.phase_ns");
+                memcpy(out->kind_ops, stats.kind_ops, sizeof(out->kind_ops));
+                memcpy(out->phase_ns, stats.phase_ns, sizeof(out->phase_ns));
+        }
         return 0;
 }
 

@@ -98,11 +98,18 @@ enum cx_shape_error {
 };
 
 /* Statistics the rank's executor counts; the daemon reads them for epctl and /metrics. */
+/* The phases of an op as its rank sees them: from its start to the verdict (every rank's count
+ * or y record exchanged, so mostly the wait for the last peer to start), to every row moved or
+ * reduced (the grid barrier after the copy), to its end (every peer's done flags or acks). */
+enum { CX_PHASE_EXCHANGE, CX_PHASE_MOVE, CX_PHASE_FINISH, CX_PHASES };
+
 struct cx_stats {
         uint64_t ops;           /* ops that ended OK */
         uint64_t rows;          /* rows this rank received (dispatch) or reduced (combine) */
         uint64_t bytes;         /* payload bytes this rank wrote to destinations */
         uint64_t failures;      /* ops that ended with another status */
+        uint64_t kind_ops[2];   /* of ops: dispatches, combines */
+        uint64_t phase_ns[2][CX_PHASES]; /* their time in each phase, summed, ns */
 };
 
 /* The end of one op, in the status ring at op % CX_STATUS_RING, and the sticky failure. tag is

@@ -124,6 +124,8 @@ struct op_ctx {
         struct cx_header *hdr;
         uint64_t epoch, op, tag, deadline;
         uint32_t parity;
+        int kind;                   /* 0 dispatch, 1 combine */
+        uint64_t t[CX_PHASES + 1];  /* the phases' bounds (cx_layout.h), ns; 0: not reached */
 };
 
 static void status_clear(struct cx_op_status *st)
@@ -142,8 +144,8 @@ static void status_set(struct cx_op_status *st, int32_t status, int32_t reason, 
 
 /* Takes the next op number and decides whether the op may run. Returns 0, or the op's status in
  * st (drain: the op is refused and takes no number, *numbered = 0). */
-static int op_begin(const struct cx_rank *r, struct op_ctx *c, struct cx_op_status *st,
-                    int *numbered)
+static int op_begin(const struct cx_rank *r, int kind, struct op_ctx *c,
+                    struct cx_op_status *st, int *numbered)
 {
         uint64_t drain;
 
@@ -155,7 +157,10 @@ static int op_begin(const struct cx_rank *r, struct op_ctx *c, struct cx_op_stat
         c->op = load_relaxed64(&c->hdr->op_counter);
         c->tag = cx_tag(c->epoch, c->op);
         c->parity = (uint32_t)(c->op & 1u);
-        c->deadline = now_ns() + (r->timeout_ns ? r->timeout_ns : DEFAULT_TIMEOUT_NS);
+        c->kind = kind;
+        memset(c->t, 0, sizeof(c->t));
+        c->t[0] = now_ns();
+        c->deadline = c->t[0] + (r->timeout_ns ? r->timeout_ns : DEFAULT_TIMEOUT_NS);
         status_clear(st);
         *numbered = 0;
 
@@ -191,6 +196,13 @@ static int op_end(struct op_ctx *c, struct cx_op_status *st, int numbered, uint6
                 add_relaxed64(&c->hdr->stats.ops, 1);
                 add_relaxed64(&c->hdr->stats.rows, rows);
                 add_relaxed64(&c->hdr->stats.bytes, bytes);
+                c->t[CX_PHASES] = now_ns();
+                if (c->t[CX_PHASE_MOVE] && c->t[CX_PHASE_FINISH]) {
+                        add_relaxed64(&c->hdr->stats.kind_ops[c->kind], 1);
+                        for (int i = 0; i < CX_PHASES; i++)
+                                add_relaxed64(&c->hdr->stats.phase_ns[c->kind][i],
+                                              c->t[i + 1] - c->t[i]);
+                }
         } else {
                 add_relaxed64(&c->hdr->stats.failures, 1);
                 if (c->hdr->sticky_status == 0 || c->hdr->sticky_epoch != c->epoch) {
@@ -510,7 +522,7 @@ int cx_dispatch(const struct cx_rank *r, const struct cx_dispatch_args *a, uint6
         uint64_t rows = 0, bytes = 0;
         int numbered;
 
-        if (op_begin(r, &c, &st, &numbered))
+        if (op_begin(r, 0, &c, &st, &numbered))
                 return finish(&c, &st, numbered, 0, 0, NULL, op, err, err_len);
         h = cx_handle_at(c.own, l, a->handle < l->shape.num_handles ? a->handle : 0);
 
@@ -571,6 +583,7 @@ int cx_dispatch(const struct cx_rank *r, const struct cx_dispatch_args *a, uint6
                                  cx_count_rec_at(c.own, l, c.parity, (uint32_t)st.rank)->text);
                 goto out;
         }
+        c.t[CX_PHASE_MOVE] = now_ns();
 
         /* Place this rank's rows from every source's counts (cpu/plan.c). */
         for (uint32_t s = 0; s < R; s++) {
@@ -616,6 +629,7 @@ int cx_dispatch(const struct cx_rank *r, const struct cx_dispatch_args *a, uint6
 
         /* Rows are in place: raise the done flag at every destination, then wait for every
          * source's rows to have arrived here. */
+        c.t[CX_PHASE_FINISH] = now_ns();
         signal_all(&c, l->done);
         {
                 struct cx_op_status wst;
@@ -673,7 +687,7 @@ int cx_combine(const struct cx_rank *r, const struct cx_combine_args *a, uint64_
         uint64_t rows = 0;
         int numbered;
 
-        if (op_begin(r, &c, &st, &numbered))
+        if (op_begin(r, 1, &c, &st, &numbered))
                 return finish(&c, &st, numbered, 0, 0, NULL, op, err, err_len);
 
         memset(&head, 0, sizeof(head));
@@ -692,6 +706,7 @@ int cx_combine(const struct cx_rank *r, const struct cx_combine_args *a, uint64_
         }
         if (wait_all(&c, l->yrec, &st) || cx_combine_verdict(c.own, l, c.parity, &st))
                 goto out;
+        c.t[CX_PHASE_MOVE] = now_ns();
 
         h = cx_handle_at(c.own, l, a->handle);
         {
@@ -752,6 +767,7 @@ int cx_combine(const struct cx_rank *r, const struct cx_combine_args *a, uint64_
 
         /* This rank has read every peer's y: acknowledge, then wait until every peer has read
          * this rank's y, so the caller may rewrite it once the call returns. */
+        c.t[CX_PHASE_FINISH] = now_ns();
         signal_all(&c, l->ack);
         {
                 struct cx_op_status wst;

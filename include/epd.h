@@ -565,6 +565,12 @@ struct epd_cx_status {
         uint64_t op;                   /* the op's number in the group's current formation */
         int status;                    /* 0 or a negative enum epd_status */
         char message[256];             /* what failed, naming the rank and numbers */
+        /* Read when size covers them: this rank's ops that ended OK (dispatches, combines) since
+         * its buffer was made, and their time in each phase, summed, in ns: [0] from the op's
+         * start to every rank's records exchanged (mostly waiting for the last peer to start),
+         * [1] to every row moved or reduced, [2] to every peer's end signals. */
+        uint64_t kind_ops[2];
+        uint64_t phase_ns[2][3];
 };
 /* The rank's most recent op (the host: the one that last returned; cuda: synchronise the
  * stream first). EPD_NOT_FOUND when the rank has run no op since the group formed. */

@@ -261,11 +261,13 @@ cx_combine_kernel(const struct epd_cx_group g, const struct epd_cxk_combine_args
         int32_t who;
         int r;
 
-        cx_op_identity(&g, &o);
+        cx_op_identity(&g, 1, &o);
         if (blockIdx.x == 0) {
                 r = phase1(&g, &a, &o, &st);
-                if (threadIdx.x == 0)
+                if (threadIdx.x == 0) {
+                        o.t[CX_PHASE_MOVE] = cx_now_ns();
                         *(volatile int32_t *)&hdr->verdict = r;
+                }
         }
         r = cx_grid_barrier(&g, cx_barrier_key(o.epoch, o.seq, 0));
         if (threadIdx.x == 0)
@@ -298,6 +300,8 @@ cx_combine_kernel(const struct epd_cx_group g, const struct epd_cxk_combine_args
         r = cx_grid_barrier(&g, cx_barrier_key(o.epoch, o.seq, 1));
         if (blockIdx.x != 0)
                 return;
+        if (threadIdx.x == 0)
+                o.t[CX_PHASE_FINISH] = cx_now_ns();
         if (!r) {
                 if (threadIdx.x == 0)
                         for (uint32_t d = 0; d < l->shape.world_size; d++)

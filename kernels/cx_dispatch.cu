@@ -456,11 +456,13 @@ cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_ar
         struct cx_dev_op o;
         int verdict = 0, r;
 
-        cx_op_identity(&g, &o);
+        cx_op_identity(&g, 0, &o);
         if (blockIdx.x == 0) {
                 verdict = phase1(&g, &a, &o, &sm);
-                if (threadIdx.x == 0)
+                if (threadIdx.x == 0) {
+                        o.t[CX_PHASE_MOVE] = cx_now_ns();
                         *(volatile int32_t *)&hdr->verdict = verdict;
+                }
         }
         r = cx_grid_barrier(&g, cx_barrier_key(o.epoch, o.seq, 0));
         if (r) {
@@ -536,6 +538,8 @@ cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_ar
         }
         /* Every block's rows are published (the barrier fenced at the group's scope): raise the
          * done flags, then wait for every source's rows here. */
+        if (threadIdx.x == 0)
+                o.t[CX_PHASE_FINISH] = cx_now_ns();
         if (threadIdx.x == 0)
                 for (uint32_t d = 0; d < l->shape.world_size; d++)
                         cx_signal(&g, d, &cx_flag_at(g.bufs[d], l->done, l, o.parity, g.rank)->tag,

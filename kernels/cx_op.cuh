@@ -19,7 +19,17 @@ struct cx_dev_op {
         uint64_t epoch, op, tag, seq;
         uint32_t parity;
         int numbered;        /* the op took a number (not refused by drain) */
+        int kind;            /* 0 dispatch, 1 combine */
+        uint64_t t[CX_PHASES + 1]; /* block 0's thread 0: the phases' bounds (cx_layout.h) */
 };
+
+/* The GPU's nanosecond clock, the same on every SM. */
+static __device__ __forceinline__ uint64_t cx_now_ns(void)
+{
+        uint64_t t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        return t;
+}
 
 static __device__ __forceinline__ uint64_t cx_ld_relaxed_sys_u64(const uint64_t *p)
 {
@@ -30,10 +40,15 @@ static __device__ __forceinline__ uint64_t cx_ld_relaxed_sys_u64(const uint64_t 
 
 /* Every thread: the op's identity (same in every block: nothing but this rank's previous kernels
  * wrote op_counter and launch_seq). */
-static __device__ __forceinline__ void cx_op_identity(const struct epd_cx_group *g,
+static __device__ __forceinline__ void cx_op_identity(const struct epd_cx_group *g, int kind,
                                                       struct cx_dev_op *o)
 {
         const struct cx_header *h = cx_header_of(g->bufs[g->rank], &g->layout);
+
+        o->kind = kind;
+        o->t[0] = cx_now_ns();
+        for (int i = 1; i <= CX_PHASES; i++)
+                o->t[i] = 0;
 
         o->epoch = cx_ld_relaxed_sys_u64(&h->epoch);
         o->op = *(const volatile uint64_t *)&h->op_counter;
@@ -90,6 +105,14 @@ static __device__ void cx_op_end(const struct epd_cx_group *g, const struct cx_d
                 h->stats.ops++;
                 h->stats.rows += rows;
                 h->stats.bytes += bytes;
+                if (o->t[CX_PHASE_MOVE] && o->t[CX_PHASE_FINISH]) {
+                        uint64_t end = cx_now_ns();
+
+                        h->stats.kind_ops[o->kind]++;
+                        for (int i = 0; i < CX_PHASES; i++)
+                                h->stats.phase_ns[o->kind][i] +=
+                                        (i + 1 < CX_PHASES ? o->t[i + 1] : end) - o->t[i];
+                }
         } else {
                 h->stats.failures++;
                 if (h->sticky_status == 0 || h->sticky_epoch != o->epoch) {

@@ -129,6 +129,9 @@ struct worker {
         struct epd_cx_buffers b;
         uint8_t *base;                /* this rank's buffer, from epd_cx_buffers */
         uint64_t ops;
+        uint64_t dispatches_ok;       /* epd_cx_status's count of this rank's OK dispatches */
+        uint64_t dispatch_ns;         /* and their phase times, summed */
+        int stats_known;              /* the two above read once */
         /* sh->registered: registered memory (epd_cx_register) for the rows (recv_mem, id 1)
          * and for y (y_mem, id 2); recv_base is where check_dispatch finds the rows. */
         uint8_t *recv_mem, *y_mem, *recv_base;
@@ -293,6 +296,7 @@ static int run_round(struct worker *w, uint32_t round)
         struct epd_cx_dispatch_args a;
         struct epd_cx_status st = { .size = sizeof(st) };
         char err[256];
+        uint64_t t0, t1;
         int rc, failed = 0;
 
         if (cx_case_data_make(c, w->l.recv_rows, td_mix_seed(w->sh->seed, round), &rd, err,
@@ -307,7 +311,9 @@ static int run_round(struct worker *w, uint32_t round)
                 a.round_scale = 1;
                 a.scale_format = EPD_SCALE_FORMAT_UE8M0;
         }
+        t0 = h_now_ms();
         rc = epd_cx_dispatch(w->g, &a, NULL);
+        t1 = h_now_ms();
         if (rc) {
                 failed = worker_fail(w, "%s round %u rank %u: dispatch returned %d: %s", c->name,
                                      round, w->me, rc, epd_client_last_error(w->cl));
@@ -315,6 +321,24 @@ static int run_round(struct worker *w, uint32_t round)
                 failed = worker_fail(w, "%s round %u rank %u: epd_cx_status op %" PRIu64
                                      " status %d, expected op %" PRIu64 " OK", c->name, round,
                                      w->me, st.op, st.status, w->ops);
+        } else {
+                /* The phase times (counted since the buffer was made, earlier formations
+                 * included): from the second round on, one more OK dispatch, and its phases
+                 * within the call. */
+                uint64_t sum = st.phase_ns[0][0] + st.phase_ns[0][1] + st.phase_ns[0][2];
+
+                w->dispatches_ok = w->stats_known ? w->dispatches_ok + 1 : st.kind_ops[0];
+                if (!w->stats_known)
+                        w->dispatch_ns = sum - 1;
+                w->stats_known = 1;
+                if (st.kind_ops[0] != w->dispatches_ok || sum <= w->dispatch_ns ||
+                    sum - w->dispatch_ns > (t1 - t0 + 2) * 1000000ull)
+                        failed = worker_fail(w, "%s round %u rank %u: %" PRIu64 " OK dispatches "
+                                             "(expected %" PRIu64 "), phases %" PRIu64 " ns "
+                                             "after %" PRIu64 ", the call took %" PRIu64 " ms",
+                                             c->name, round, w->me, st.kind_ops[0],
+                                             w->dispatches_ok, sum, w->dispatch_ns, t1 - t0);
+                w->dispatch_ns = sum;
         }
         w->ops++;
         if (!failed)
@@ -325,12 +349,20 @@ static int run_round(struct worker *w, uint32_t round)
                 a.topk_weights = c->has_weights ? rd.weights2[w->me] : NULL;
                 rc = epd_cx_dispatch(w->g, &a, NULL);
                 w->ops++;
-                if (rc)
+                if (rc) {
                         failed = worker_fail(w, "%s round %u rank %u: cached dispatch returned "
                                              "%d: %s", c->name, round, w->me, rc,
                                              epd_client_last_error(w->cl));
-                else
+                } else if (epd_cx_status(w->g, &st) || st.kind_ops[0] != ++w->dispatches_ok) {
+                        failed = worker_fail(w, "%s round %u rank %u: %" PRIu64 " OK dispatches "
+                                             "after the cached one (expected %" PRIu64 ")",
+                                             c->name, round, w->me, st.kind_ops[0],
+                                             w->dispatches_ok);
+                } else {
+                        w->dispatch_ns = st.phase_ns[0][0] + st.phase_ns[0][1] +
+                                         st.phase_ns[0][2];
                         failed = check_and_combine(w, &rd, rd.ref2, handle, round);
+                }
         }
         cx_case_data_free(c, &rd);
         return failed;

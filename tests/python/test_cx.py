@@ -285,9 +285,17 @@ class TestCxGroup(unittest.TestCase):
                 np.testing.assert_array_equal(
                     c["expert_base"][:-1],
                     np.concatenate([[0], np.cumsum(b.num_recv_tokens_per_expert_aligned)[:-1]]))
-                return first["op"], g.cx_status()["op"], b.op_number
+                return first, g.cx_status(), b.op_number
             for first, second, op in w.run(go):
-                self.assertEqual((first, second, op), (0, 1, 1))
+                self.assertEqual((first["op"], second["op"], op), (0, 1, 1))
+                # Phase times of the rank's OK ops, by kind: one dispatch more, no combine.
+                d0, d1 = first["phases"]["dispatch"], second["phases"]["dispatch"]
+                self.assertEqual(d1["ops"], d0["ops"] + 1)
+                self.assertEqual(second["phases"]["combine"]["ops"],
+                                 first["phases"]["combine"]["ops"])
+                t0 = d0["exchange_ns"] + d0["move_ns"] + d0["finish_ns"]
+                t1 = d1["exchange_ns"] + d1["move_ns"] + d1["finish_ns"]
+                self.assertGreater(t1, t0)
 
     def test_capacity_failure_is_collective_and_sticky(self):
         R, E, K, H, T = 2, 4, 2, 128, 8

@@ -335,6 +335,8 @@ class CxStatus(ctypes.Structure):
         ("op", _u64),
         ("status", _int),
         ("message", ctypes.c_char * 256),
+        ("kind_ops", _u64 * 2),
+        ("phase_ns", (_u64 * 3) * 2),
     ]
 
 
@@ -629,7 +631,7 @@ EXPECTED_SIZES = {
     ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 112, AdminStageStats: 24,
     AdminGroupStats: 88, AdminClientStats: 56, AdminDeviceStats: 48, AdminDaemonStats: 136,
     DrainResult: 16, ResizeRank: 48, ResizeInfo: 56, CxDispatchArgs: 128, CxCombineArgs: 80,
-    CxStatus: 280, CxCounts: 64, CxBuffers: 104,
+    CxStatus: 344, CxCounts: 64, CxBuffers: 104,
 }
 
 _c_void_pp = ctypes.POINTER(ctypes.c_void_p)

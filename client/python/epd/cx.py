@@ -564,12 +564,18 @@ def combine(group, y, handle, recv_weights, apply_weights, source_weights, bias,
 
 def cx_status(group):
     """The rank's last op (epd_cx_status): a dict with ``op``, ``status`` (0 or a negative
-    code), ``status_name`` and ``message``. On cuda, synchronise the stream first."""
+    code), ``status_name`` and ``message``, and ``phases``: per kind (``dispatch``,
+    ``combine``) the ops of this rank that ended OK and their summed time in each phase
+    (``exchange_ns``, ``move_ns``, ``finish_ns``; docs/client-execution.md). On cuda,
+    synchronise the stream first."""
     state(group)
     s = _lib.CxStatus(size=ctypes.sizeof(_lib.CxStatus))
     check(group.client, _fn("epd_cx_status")(group._ptr, ctypes.byref(s)))
+    phases = {kind: {"ops": s.kind_ops[i], "exchange_ns": s.phase_ns[i][0],
+                     "move_ns": s.phase_ns[i][1], "finish_ns": s.phase_ns[i][2]}
+              for i, kind in enumerate(("dispatch", "combine"))}
     return {"op": s.op, "status": s.status, "status_name": _lib.status_name(s.status),
-            "message": _lib.text(s.message)}
+            "message": _lib.text(s.message), "phases": phases}
 
 
 def cx_counts(group, handle):
