@@ -413,7 +413,9 @@ int epd_cx_counts(struct epd_group *group, uint32_t handle, struct epd_cx_counts
         uint8_t *own;
         struct cx_handle h;
         uint64_t epoch;
-        int rc = cx_of(group, out, out ? out->size : 0, sizeof(*out), NULL, "epd_cx_counts");
+        /* Callers built before rank_prefix_matrix pass a shorter struct. */
+        int rc = cx_of(group, out, out ? out->size : 0,
+                       offsetof(struct epd_cx_counts, rank_prefix_matrix), NULL, "epd_cx_counts");
 
         if (rc)
                 return rc;
@@ -438,6 +440,9 @@ int epd_cx_counts(struct epd_group *group, uint32_t handle, struct epd_cx_counts
         out->world_size = l->shape.world_size;
         out->rank_prefix = cx_handle_i32(own, l, handle, l->h_rank_prefix);
         out->expert_base = cx_handle_i32(own, l, handle, l->h_expert_base);
+        if (out->size >= offsetof(struct epd_cx_counts, rank_prefix_matrix) +
+                                 sizeof(out->rank_prefix_matrix))
+                out->rank_prefix_matrix = cx_handle_i32(own, l, handle, l->h_rank_matrix);
         return 0;
 }
 

@@ -244,6 +244,7 @@ struct cx_layout {
         uint64_t h_per_expert_aligned;
         uint64_t h_rank_prefix;
         uint64_t h_expert_base;
+        uint64_t h_rank_matrix;  /* int32 [R][R]: [s][d] the tokens of sources 0..s sent to d */
         uint64_t h_topk;
         uint64_t h_row;
         uint64_t h_weights;
@@ -355,7 +356,8 @@ EPD_HD enum cx_shape_error cx_layout_compute(const struct cx_shape *shape, struc
         l->h_per_expert_aligned = l->h_per_expert + 4 * L;
         l->h_rank_prefix = l->h_per_expert_aligned + 4 * L;
         l->h_expert_base = l->h_rank_prefix + 4 * (R + 1);
-        l->h_topk = cx_align(l->h_expert_base + 4 * (L + 1));
+        l->h_rank_matrix = l->h_expert_base + 4 * (L + 1);
+        l->h_topk = cx_align(l->h_rank_matrix + 4 * R * R);
         l->h_row = cx_align(l->h_topk + 4 * T * K);
         l->h_weights = cx_align(l->h_row + 4 * T * K);
         l->handle_bytes = cx_align(l->h_weights + 4 * T * K);
@@ -499,11 +501,17 @@ EPD_HD void cx_write_counts(uint8_t *base, const struct cx_layout *l, uint32_t p
         int32_t *aligned = cx_handle_i32(base, l, handle, l->h_per_expert_aligned);
         int32_t *prefix = cx_handle_i32(base, l, handle, l->h_rank_prefix);
         int32_t *ebase = cx_handle_i32(base, l, handle, l->h_expert_base);
+        int32_t *matrix = cx_handle_i32(base, l, handle, l->h_rank_matrix);
         int32_t acc = 0;
 
         for (uint32_t s = 0; s < R; s++) {
+                const int32_t *tok = cx_count_tok(cx_count_rec_at(base, l, parity, s));
+
                 prefix[s] = acc;
-                acc += cx_count_tok(cx_count_rec_at(base, l, parity, s))[d];
+                acc += tok[d];
+                /* Every source's record holds its tokens for every destination. */
+                for (uint32_t e = 0; e < R; e++)
+                        matrix[s * R + e] = (s ? matrix[(s - 1) * R + e] : 0) + tok[e];
         }
         prefix[R] = acc;
         h->num_recv_tokens = acc;

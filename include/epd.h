@@ -589,6 +589,9 @@ struct epd_cx_counts {
         uint32_t world_size;
         const int32_t *rank_prefix;                        /* [R+1] */
         const int32_t *expert_base;                        /* [L+1]: first row of each expert */
+        /* Read when size covers it: [R][R], [s][d] the tokens that ranks 0..s sent to rank d
+         * in this dispatch (every rank's counts, as DeepEP's rank prefix matrix). */
+        const int32_t *rank_prefix_matrix;
 };
 /* EPD_NOT_FOUND when the slot holds no dispatch of this formation. */
 int epd_cx_counts(struct epd_group *group, uint32_t handle, struct epd_cx_counts *out);

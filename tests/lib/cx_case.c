@@ -221,8 +221,20 @@ int cx_case_check_dispatch(const struct cx_case *c, const struct cx_layout *l, c
                         .rank_prefix = cx_handle_i32(base, l, handle, l->h_rank_prefix),
                 };
 
+                const int32_t *matrix = cx_handle_i32(base, l, handle, l->h_rank_matrix);
+
                 if (ref_check_counts(ref, d, &counts, msg, msg_len))
                         return 1;
+                /* Every rank's counts: [s][e] the tokens of sources 0..s sent to rank e. */
+                for (uint32_t s = 0; s < c->R; s++)
+                        for (uint32_t e = 0; e < c->R; e++)
+                                if (matrix[s * c->R + e] != ref->dst[e].rank_prefix[s + 1]) {
+                                        snprintf(msg, msg_len,
+                                                 "rank prefix matrix [%u][%u] is %d, not %d", s,
+                                                 e, matrix[s * c->R + e],
+                                                 ref->dst[e].rank_prefix[s + 1]);
+                                        return 1;
+                                }
         }
         return ref_check_dispatch(ref, d, &act, msg, msg_len) ? 1 : 0;
 }

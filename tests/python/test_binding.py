@@ -1611,7 +1611,18 @@ def check_deepep_handle(tc, handle, rank, R, T, topks, L, rows):
     tc.assertEqual((rpm.shape, rpm.dtype), ((R, R), np.int32))
     per_source = [sum(1 for s, _ in rows if s == src) for src in range(R)]
     np.testing.assert_array_equal(rpm[:, rank], np.cumsum(per_source))
-    np.testing.assert_array_equal(np.delete(rpm, rank, axis=1), -1)
+    if getattr(handle, "slot", None) is None:
+        # Daemon-executed: only this rank's column is known.
+        np.testing.assert_array_equal(np.delete(rpm, rank, axis=1), -1)
+    else:
+        # Client-executed: every column, from every rank's routing.
+        sent = np.zeros((R, R), np.int64)
+        for src in range(R):
+            tks = np.asarray(topks[src])
+            dst = np.where(tks >= 0, tks // L, -1)
+            for d in range(R):
+                sent[src, d] = int((dst == d).any(1).sum())
+        np.testing.assert_array_equal(rpm, np.cumsum(sent, axis=0))
     np.testing.assert_array_equal(recv_chan[:, 0], np.cumsum(per_source) - per_source)
     np.testing.assert_array_equal(src_idx, np.array([t for _, t in rows], np.int32))
     tc.assertEqual(src_idx.dtype, np.int32)

@@ -353,6 +353,7 @@ class CxCounts(ctypes.Structure):
         ("world_size", _u32),
         ("rank_prefix", ctypes.c_void_p),
         ("expert_base", ctypes.c_void_p),
+        ("rank_prefix_matrix", ctypes.c_void_p),
     ]
 
 
@@ -631,7 +632,7 @@ EXPECTED_SIZES = {
     ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 112, AdminStageStats: 24,
     AdminGroupStats: 88, AdminClientStats: 56, AdminDeviceStats: 48, AdminDaemonStats: 136,
     DrainResult: 16, ResizeRank: 48, ResizeInfo: 56, CxDispatchArgs: 128, CxCombineArgs: 80,
-    CxStatus: 344, CxCounts: 64, CxBuffers: 104,
+    CxStatus: 344, CxCounts: 72, CxBuffers: 104,
 }
 
 _c_void_pp = ctypes.POINTER(ctypes.c_void_p)

@@ -66,7 +66,8 @@ class CxState:
         self.num_handle_slots = b.num_handle_slots
         self.on_device = group.client.info()["backend"] == "cuda"
         self.slots = {}
-        self.count_addresses = {}  # slot -> (per_expert, aligned, rank_prefix, expert_base)
+        # slot -> (per_expert, aligned, rank_prefix, expert_base, rank_prefix_matrix)
+        self.count_addresses = {}
 
 
 def state(group):
@@ -152,9 +153,10 @@ class CxDispatchResult:
     NON_EXPAND, ``[rows]`` EXPAND), ``recv_src`` int64 ``[rows]`` and ``recv_topk_slot`` int32
     ``[rows]`` (EXPAND). Counts (docs/semantics.md §2.3): ``num_recv_tokens``,
     ``num_expanded_rows``, ``num_recv_tokens_per_expert``,
-    ``num_recv_tokens_per_expert_aligned``, ``rank_prefix`` ``[R + 1]`` and ``expert_base``
-    ``[L + 1]`` (the first row of each local expert), plus ``handle`` (the slot), ``layout``
-    and ``op_number``.
+    ``num_recv_tokens_per_expert_aligned``, ``rank_prefix`` ``[R + 1]``, ``expert_base``
+    ``[L + 1]`` (the first row of each local expert) and ``rank_prefix_matrix`` ``[R, R]``
+    (``[s][d]``: the tokens ranks ``0..s`` sent to rank ``d``, every rank's counts), plus
+    ``handle`` (the slot), ``layout`` and ``op_number``.
 
     Host backend: ``rows`` is the op's row count (``num_recv_tokens`` for NON_EXPAND,
     ``num_expanded_rows`` for EXPAND), the counts are NumPy copies. cuda backend: the op has
@@ -352,7 +354,7 @@ def _counts(group, st, handle):
     check(group.client, rc)
     st.count_addresses[handle] = (c.num_recv_tokens_per_expert,
                                   c.num_recv_tokens_per_expert_aligned, c.rank_prefix,
-                                  c.expert_base)
+                                  c.expert_base, c.rank_prefix_matrix)
     return c
 
 
@@ -369,11 +371,12 @@ def _count_views(group, st, handle, device, stream=None):
         (stream if stream is not None else torch.cuda.current_stream(device)).synchronize()
         _counts(group, st, handle)
     L, R = group.num_local_experts, group.world_size
-    pe, al, rp, eb = st.count_addresses[handle]
+    pe, al, rp, eb, rm = st.count_addresses[handle]
     return {"num_recv_tokens_per_expert": device_view(pe, (L,), _lib.DTYPE_INT32, device),
             "num_recv_tokens_per_expert_aligned": device_view(al, (L,), _lib.DTYPE_INT32,
                                                               device),
             "rank_prefix": device_view(rp, (R + 1,), _lib.DTYPE_INT32, device),
+            "rank_prefix_matrix": device_view(rm, (R, R), _lib.DTYPE_INT32, device),
             "expert_base": device_view(eb, (L + 1,), _lib.DTYPE_INT32, device)}
 
 
@@ -387,7 +390,8 @@ def _host_counts(group, st, handle):
     return {"num_recv_tokens": c.num_recv_tokens, "num_expanded_rows": c.num_expanded_rows,
             "num_recv_tokens_per_expert": arr(c.num_recv_tokens_per_expert, L),
             "num_recv_tokens_per_expert_aligned": arr(c.num_recv_tokens_per_expert_aligned, L),
-            "rank_prefix": arr(c.rank_prefix, R + 1), "expert_base": arr(c.expert_base, L + 1)}
+            "rank_prefix": arr(c.rank_prefix, R + 1), "expert_base": arr(c.expert_base, L + 1),
+            "rank_prefix_matrix": arr(c.rank_prefix_matrix, R * R).reshape(R, R)}
 
 
 def _dispatch_result(group, st, handle, device, fp8_rows, ue8m0=False, stream=None):
@@ -596,6 +600,8 @@ def cx_counts(group, handle):
                           ("num_recv_tokens_per_expert_aligned",
                            c.num_recv_tokens_per_expert_aligned, L),
                           ("rank_prefix", c.rank_prefix, R + 1),
-                          ("expert_base", c.expert_base, L + 1)):
+                          ("expert_base", c.expert_base, L + 1),
+                          ("rank_prefix_matrix", c.rank_prefix_matrix, R * R)):
         out[name] = device_view(addr, (m,), _lib.DTYPE_INT32, dev).cpu().numpy()
+    out["rank_prefix_matrix"] = out["rank_prefix_matrix"].reshape(R, R)
     return out

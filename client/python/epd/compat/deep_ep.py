@@ -80,9 +80,9 @@ dispatch:
 
 The handle (:class:`DispatchHandle`) indexes as DeepEP's intranode tuple
 ``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
-is_token_in_rank, send_head)``, computed on first access: ``[0]`` int32 ``[R, R]`` whose
-column ``rank`` is DeepEP's (``[s][rank]`` ends the rows from sources ``0..s``) and whose
-other columns are -1 (the daemon reports this rank's column only); ``[1]`` int32 ``[R, 1]``
+is_token_in_rank, send_head)``, computed on first access: ``[0]`` int32 ``[R, R]``, DeepEP's
+(``[s][d]`` the tokens ranks ``0..s`` sent to rank ``d``) over a client-executed group; over a
+daemon-executed one only column ``rank`` is known and the others are -1; ``[1]`` int32 ``[R, 1]``
 the tokens sent to each rank (one channel); ``[2]`` int32 ``[R, 1]`` the first row from each
 source; ``[3]`` int32 each row's token index on its source; ``[4]`` the sender's
 ``is_token_in_rank``; ``[5]`` int32 ``[N, R]`` a token's position among those sent to that
@@ -473,9 +473,10 @@ class DispatchHandle:
     recv_src_idx, is_token_in_rank, send_head)``, over the epd :class:`epd.Handle`
     (:attr:`epd`) that combine and cached dispatches use.
 
-    * ``[0]`` int32 ``[R, R]``: column ``rank`` is DeepEP's: ``[s][rank]`` is the end of the
-      rows from sources ``0..s`` (rows ``[s-1][rank]:[s][rank]`` came from rank s). The daemon
-      reports only this rank's column; the other entries are -1.
+    * ``[0]`` int32 ``[R, R]``, DeepEP's rank prefix matrix: ``[s][d]`` the tokens ranks
+      ``0..s`` sent to rank ``d`` (rows ``[s-1][rank]:[s][rank]`` came from rank s). Exact in
+      every column for a client-executed dispatch; a daemon-executed one reports only this
+      rank's column, and the other entries are -1.
     * ``[1]`` int32 ``[R, 1]``: the tokens this rank sent to each rank (one channel).
     * ``[2]`` int32 ``[R, 1]``: the first row received from each source (one channel).
     * ``[3]`` int32 ``[rows]``: each received row's token index on its source rank.
@@ -546,6 +547,10 @@ class DispatchHandle:
             self._items = self._build()
         return self._items
 
+    def _rank_prefix_matrix(self):
+        """int32 ``[R, R]``, every column known, or None (daemon-executed: this rank's only)."""
+        return None
+
     def _recv_src(self):
         """recv_src of the received rows (``[num_recv_tokens]``)."""
         res = self.wait()
@@ -555,8 +560,10 @@ class DispatchHandle:
         g = self._group
         R, rank, T, L = g.world_size, g.rank, g.max_tokens_per_rank, g.num_local_experts
         prefix = np.asarray(self.rank_prefix, dtype=np.int32)
-        rpm = np.full((R, R), -1, np.int32)
-        rpm[:, rank] = prefix[1:]
+        rpm = self._rank_prefix_matrix()
+        if rpm is None:
+            rpm = np.full((R, R), -1, np.int32)
+            rpm[:, rank] = prefix[1:]
         in_rank = self._in_rank
         if in_rank is None:
             in_rank = _layout(self._topk_idx, R, L * R)[2]
@@ -613,7 +620,7 @@ class _CxDispatchHandle(DispatchHandle):
     """
 
     def __init__(self, group, slot, slots, alignment, num_topk, padded_rows, prefix, src,
-                 event=None):
+                 event=None, matrix=None):
         DispatchHandle.__init__(self, group, padded_rows=padded_rows)
         self.slot = slot
         self.alignment = alignment
@@ -622,6 +629,7 @@ class _CxDispatchHandle(DispatchHandle):
         self._generation = slots["filled"][slot]
         self._prefix = prefix                # int32 [R + 1]; a device tensor until waited
         self._src = src                      # recv_src rows; [:W] on the device until waited
+        self._matrix = matrix                # int32 [R, R]; a device tensor until waited
         self._event = event                  # CUDA: the op's end on its stream, until waited
 
     def done(self):
@@ -635,6 +643,8 @@ class _CxDispatchHandle(DispatchHandle):
             _cx_check(self._group)  # raised at every use of the handle of a failed op
             self._event = None
             self._prefix = self._prefix.cpu().numpy().astype(np.int32)
+            if self._matrix is not None:
+                self._matrix = self._matrix.cpu().numpy().astype(np.int32)
             self._src = self._src[:int(self._prefix[-1])]
         return self
 
@@ -650,6 +660,9 @@ class _CxDispatchHandle(DispatchHandle):
     @property
     def num_recv_tokens(self):
         return int(self.rank_prefix[-1])
+
+    def _rank_prefix_matrix(self):
+        return self.wait()._matrix
 
     def _recv_src(self):
         return self.wait()._src
@@ -1442,7 +1455,8 @@ class Buffer:
             src = tensors.from_numpy(src)
         if cached is None:
             cached = _CxDispatchHandle(g, slot, rec, alignment, K, W,
-                                       np.asarray(res.rank_prefix, np.int32), src)
+                                       np.asarray(res.rank_prefix, np.int32), src,
+                                       matrix=np.asarray(res.rank_prefix_matrix, np.int32).copy())
         recv_x, scales, idx, w = outs
         return (recv_x if scales is None else (recv_x, scales)), idx, w, counts, cached, \
             EventOverlap()
@@ -1461,6 +1475,7 @@ class Buffer:
             if W:
                 # The rows past the count are padding: top-k ids -1, weights 0.
                 prefix = res.rank_prefix.clone()
+                matrix = res.rank_prefix_matrix.clone()
                 pad = (torch.arange(W, device=x.device) >= prefix[R]).unsqueeze(1)
                 recv_x, scales, idx, w = [None if v is None else v[:W] for v in outs]
                 outs = [recv_x.clone(), None if scales is None else scales.clone(),
@@ -1473,6 +1488,7 @@ class Buffer:
                 s.synchronize()  # the counts size the outputs, as in DeepEP's normal mode
                 _cx_check(g)
                 prefix = res.rank_prefix.cpu().numpy().astype(np.int32)
+                matrix = res.rank_prefix_matrix.cpu().numpy().astype(np.int32)
                 counts = [int(v) for v in res.num_recv_tokens_per_expert_aligned.cpu()]
                 n = int(prefix[R])
                 outs = [None if v is None else v[:n].clone() if self.copy_outputs else v[:n]
@@ -1482,7 +1498,8 @@ class Buffer:
         self._note_cx_op(g, s)
         _keep_for(None if s is current else current, *outs)
         if cached is None:
-            cached = _CxDispatchHandle(g, slot, rec, alignment, K, W, prefix, src, done)
+            cached = _CxDispatchHandle(g, slot, rec, alignment, K, W, prefix, src, done,
+                                       matrix=matrix)
         recv_x, scales, idx, w = outs
         return (recv_x if scales is None else (recv_x, scales)), idx, w, counts, cached, \
             self._cx_event(s, current, async_finish)
