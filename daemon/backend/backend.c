@@ -45,10 +45,16 @@ static void on_poll_idle(uv_idle_t *handle)
 {
         struct epdd_backend *b = handle->data;
 
+        uint64_t now;
+
         drain_done(b);
         if (b->poll_pages)
                 (void)b->poll_pages(b->poll_arg);
-        if (b->inflight == 0 && epd__now_ns() > b->poll_until_ns) {
+        now = epd__now_ns();
+        if (now > b->poll_until_ns &&
+            (b->inflight == 0 ||
+             (!atomic_load_explicit(&b->running, memory_order_relaxed) &&
+              now - b->last_submit_ns > EPD_POLL_WAIT_NS))) {
                 uv_idle_stop(handle);
                 /* Its last look may take a request that launches an op, which polls again. */
                 if (b->set_polling)
@@ -68,6 +74,7 @@ static void poll_start(struct epdd_backend *b)
 void epd_backend_submit(struct epdd_backend *b, struct epdd_exec *ex)
 {
         b->inflight++;
+        b->last_submit_ns = epd__now_ns();
         poll_start(b);
         b->ops->submit(b, ex);
 }

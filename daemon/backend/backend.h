@@ -217,7 +217,14 @@ struct epdd_backend {
         uv_idle_t poll_idle;
         uint64_t poll_ns, poll_until_ns;
         unsigned inflight;
+        /* Polling stops while every exec in flight is one that has waited over
+         * EPD_POLL_WAIT_NS for its inputs, as nothing then completes until a client marks its
+         * inputs ready (the executor's completion wakes the loop anyway). */
+        uint64_t last_submit_ns;      /* loop thread */
+        atomic_int running;           /* the executor runs an exec (executor.c) */
 };
+
+#define EPD_POLL_WAIT_NS 2000000ull
 
 /* Hands an exec to the backend (ops->submit) and starts the loop's polling. Loop thread. */
 void epd_backend_submit(struct epdd_backend *b, struct epdd_exec *ex);

@@ -124,8 +124,10 @@ static void *executor_main(void *arg)
                 uint64_t t0 = epd__now_ns();
                 ex->exec_start_ns = t0;
                 atomic_store(&e->heartbeat_ns, t0);
+                atomic_store_explicit(&e->b->running, 1, memory_order_relaxed);
                 if (run)
                         e->run(e->ctx, ex);
+                atomic_store_explicit(&e->b->running, 0, memory_order_relaxed);
                 ex->exec_ns = epd__now_ns() - t0;
                 atomic_store(&e->heartbeat_ns, epd__now_ns());
                 epd_exec_done(e->b, ex);

@@ -19,6 +19,7 @@
  * Output: a table on stdout, or with --json one JSON object per line. Exit 0 unless a bystander
  * step failed, an attack did not start, a kill did not give PEER_LOST, or something leaked.
  */
+#include <fcntl.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <signal.h>
@@ -42,6 +43,9 @@ struct opts {
         int json;
         int only;                /* an attack, or -1 for all */
 };
+
+/* The daemon's poll_us (--poll-us), or NULL for its default. */
+static const char *poll_us;
 
 static const struct wl_case bystander = {
         "bystander", 4401, 2, 8, 256, 32, 2, EPD_DTYPE_BF16, EPD_DTYPE_INT64,
@@ -74,9 +78,35 @@ static double pct_us(uint64_t *v, size_t n, double q)
         return (double)v[i] / 1e3;
 }
 
+/* The CPU time (user + system) a process has used, in ms; -1 when it cannot be read. */
+static double proc_cpu_ms(pid_t pid)
+{
+        char path[64], buf[1024], *p;
+        unsigned long long ut, st;
+        ssize_t n;
+        int fd;
+
+        snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+                return -1;
+        n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (n <= 0)
+                return -1;
+        buf[n] = '\0';
+        /* Fields 14 and 15 (utime, stime) follow the command name's closing parenthesis. */
+        p = strrchr(buf, ')');
+        if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut,
+                         &st) != 2)
+                return -1;
+        return (double)(ut + st) * 1000.0 / (double)sysconf(_SC_CLK_TCK);
+}
+
 static void daemon_start_open(struct h_daemon *d, char *config_path)
 {
-        const char *args[] = { "--config", config_path, "--socket-mode", "0666", NULL };
+        const char *args[] = { "--config", config_path, "--socket-mode", "0666",
+                               poll_us ? "--poll-us" : NULL, poll_us, NULL };
         const char *text = "[limits]\nmax_clients = 64\nmax_clients_per_uid = 16\n"
                            "handshake_timeout_ms = 2000\nmax_regions_per_uid = 4096\n";
         int fd = mkstemp(config_path);
@@ -136,6 +166,8 @@ static int bystander_run(const struct h_daemon *d, int steps, uint64_t *lat)
 
 struct attack_result {
         double p50, p99;
+        double idle_cpu_pct;    /* the daemon's CPU use in the second after the bystander ended,
+                                 * the attack going on alone, % of one core */
         int ok;
 };
 
@@ -165,6 +197,14 @@ static struct attack_result measure_attack(enum attack a, int steps)
                         attack_name(a));
                 attack_stop(&run);
                 goto out;
+        }
+        {
+                double cpu0 = proc_cpu_ms(d.pid);
+                long long t0 = h_now_ms();
+
+                usleep(1000000);
+                res.idle_cpu_pct = (proc_cpu_ms(d.pid) - cpu0) * 100.0 /
+                                   (double)(h_now_ms() - t0);
         }
         attack_stop(&run);
         for (int i = 0; i < 500 && (fds1 = h_proc_fd_count(d.pid)) > fds0; i++)
@@ -372,7 +412,10 @@ static void usage(FILE *f)
                    "  --kills N     rank kills for the PEER_LOST latency (default 1100; 0: none)\n"
                    "  --attack NAME only this attack (quiet, stall, idle-connections,\n"
                    "                wrong-secret, bindings, regions); default: all\n"
-                   "  --json        one JSON object per line instead of the table\n");
+                   "  --poll-us US  the daemon's poll_us (default: its own)\n"
+                   "  --json        one JSON object per line instead of the table\n"
+                   "Beside each attack: the bystander's dispatch latency, and the daemon's CPU use\n"
+                   "in the second after the bystander ended, the attack going on alone.\n");
 }
 
 int main(int argc, char **argv)
@@ -380,6 +423,7 @@ int main(int argc, char **argv)
         static const struct option options[] = {
                 { "steps", required_argument, NULL, 's' }, { "kills", required_argument, NULL, 'k' },
                 { "attack", required_argument, NULL, 'a' }, { "json", no_argument, NULL, 'j' },
+                { "poll-us", required_argument, NULL, 'p' },
                 { "help", no_argument, NULL, 'h' },        { NULL, 0, NULL, 0 },
         };
         struct opts o = { 2000, 1100, 0, -1 };
@@ -398,6 +442,7 @@ int main(int argc, char **argv)
                         }
                         break;
                 case 'j': o.json = 1; break;
+                case 'p': poll_us = optarg; break;
                 case 'h': usage(stdout); return 0;
                 default: usage(stderr); return 2;
                 }
@@ -408,7 +453,8 @@ int main(int argc, char **argv)
         }
         signal(SIGPIPE, SIG_IGN);
         if (!o.json)
-                printf("%-18s %12s %12s %14s\n", "attack", "p50 us", "p99 us", "p99 / quiet");
+                printf("%-18s %12s %12s %14s %16s\n", "attack", "p50 us", "p99 us",
+                       "p99 / quiet", "attack alone, daemon CPU %");
         fflush(stdout);
         for (int a = 0; a < ATTACK_COUNT; a++) {
                 struct attack_result r;
@@ -420,18 +466,20 @@ int main(int argc, char **argv)
                 failed |= !r.ok;
                 double ratio = quiet.p99 > 0 ? r.p99 / quiet.p99 : 0;
                 if (o.json) {
-                        json_t *j = json_pack("{s:s,s:s,s:i,s:b,s:f,s:f,s:f,s:f}", "kind",
-                                              "bystander_dispatch", "attack",
+                        json_t *j = json_pack("{s:s,s:s,s:i,s:b,s:f,s:f,s:f,s:f,s:f}",
+                                              "kind", "bystander_dispatch", "attack",
                                               attack_name((enum attack)a), "steps", o.steps,
                                               "ok", r.ok, "p50_us", r.p50, "p99_us", r.p99,
-                                              "quiet_p99_us", quiet.p99, "p99_ratio", ratio);
+                                              "quiet_p99_us", quiet.p99, "p99_ratio", ratio,
+                                              "idle_daemon_cpu_pct", r.idle_cpu_pct);
                         char *s = json_dumps(j, JSON_COMPACT);
                         printf("%s\n", s);
                         free(s);
                         json_decref(j);
                 } else {
-                        printf("%-18s %12.1f %12.1f %14.2f%s\n", attack_name((enum attack)a),
-                               r.p50, r.p99, ratio, r.ok ? "" : "  FAILED");
+                        printf("%-18s %12.1f %12.1f %14.2f %28.1f%s\n",
+                               attack_name((enum attack)a), r.p50, r.p99, ratio, r.idle_cpu_pct,
+                               r.ok ? "" : "  FAILED");
                 }
                 fflush(stdout);
         }
