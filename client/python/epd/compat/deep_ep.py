@@ -910,6 +910,11 @@ class Buffer:
         if not self._groups:
             self._dtype = g.dtype  # a joining rank learns the group's dtype
         self._groups[g.dtype] = g
+        if g.execution == "client" and self._comm is not None:
+            # Every rank has joined, and so loaded epd's kernels, before any rank's first op:
+            # a kernel loading in a rank still joining can wait for a peer's op that waits
+            # for that rank (docs/client-execution.md, "Co-residency").
+            self._comm.all_gather(None)
         # A later dtype's group is made alike.
         for k in ("world_size", "num_experts", "hidden", "max_tokens_per_rank", "max_topk",
                   "arena_bytes", "op_timeout_ms"):
