@@ -154,6 +154,10 @@ struct bench {
         int worker_cuda;        /* workers initialise CUDA (device memory, flush or stream) */
         struct sample *samples; /* MAP_SHARED with the workers: [R][total_iters][2] */
         size_t samples_bytes;
+        /* --execution client: each rank's mean time per op in the phases of
+         * epd_cx_status (records exchanged, rows moved, end signals), us; [R][op][phase],
+         * MAP_SHARED with the workers (part of the samples mapping). */
+        double (*cx_phase_us)[2][3];
         int (*to_parent)[2];    /* [R] pipes: a worker says it reached a sync point */
         int (*from_parent)[2];  /* [R] pipes: the parent lets it go on */
 };

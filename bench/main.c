@@ -287,13 +287,15 @@ int main(int argc, char **argv)
                 epd_ws_layout_init(&wl, b.R, b.E, b.T, b.K);
                 ri.ws_bytes = wl.total_bytes;
         }
-        b.samples_bytes = (size_t)b.R * b.total_iters * 2 * sizeof(struct sample);
+        b.samples_bytes = (size_t)b.R * b.total_iters * 2 * sizeof(struct sample) +
+                          (size_t)b.R * sizeof(*b.cx_phase_us);
         b.samples = mmap(NULL, b.samples_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
                          -1, 0);
         if (b.samples == MAP_FAILED) {
                 b.samples = NULL;
                 goto out;
         }
+        b.cx_phase_us = (double (*)[2][3])(b.samples + (size_t)b.R * b.total_iters * 2);
 
         if (b.opt.socket) {
                 snprintf(b.socket, sizeof(b.socket), "%s", b.opt.socket);

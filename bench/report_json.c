@@ -228,6 +228,17 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
                                                       p2p && timed && ri->ring.ok &&
                                                               ri->ring.gbps > 0));
         }
+        if (cx) {
+                /* Where a client-executed op's time goes, per rank (epd_cx_status). */
+                json_t *ranks = json_array();
+
+                for (uint32_t r = 0; r < b->R; r++)
+                        json_array_append_new(ranks, json_pack("{s:f,s:f,s:f}", "exchange",
+                                                               b->cx_phase_us[r][k][0], "move",
+                                                               b->cx_phase_us[r][k][1], "finish",
+                                                               b->cx_phase_us[r][k][2]));
+                json_object_set_new(o, "client_phase_us_per_rank", ranks);
+        }
         s = json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER);
         if (s)
                 printf("%s\n", s);

@@ -214,9 +214,7 @@ int worker_run_cx(struct bench *b, uint32_t rank)
                                 us[k][i] = st.kind_ops[k] ? st.phase_ns[k][i] / 1e3 /
                                                                     (double)st.kind_ops[k]
                                                           : 0.0;
-                fprintf(stderr, "epd-bench: rank %u phases, us per op (exchange / move / finish): "
-                        "dispatch %.1f / %.1f / %.1f, combine %.1f / %.1f / %.1f\n", rank,
-                        us[0][0], us[0][1], us[0][2], us[1][0], us[1][1], us[1][2]);
+                memcpy(b->cx_phase_us[rank], us, sizeof(us));
         }
         status = 0;
 out:
