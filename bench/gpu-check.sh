@@ -11,7 +11,8 @@
 #    kernel needs every rank's blocks resident, so other work on the GPU can make it time out.
 # 3. The layer loop (bench/layer_loop.py): client, daemon and floor with MPS on, daemon without.
 # 4. With BEFORE_BUILD_DIR: the daemon paths of both builds interleaved in one run (each daemon
-#    under its own build's epd-bench), MPS off.
+#    under its own build's epd-bench), MPS off: decode, tiny and prefill host-waited, decode
+#    stream-ordered.
 #
 #   bench/gpu-check.sh OUT_DIR BUILD_DIR [BEFORE_BUILD_DIR]
 #
@@ -155,12 +156,14 @@ if [ -n "$before" ]; then
         mkdir -p "$out/bins"
         ln -sf "$before/bin/epd" "$out/bins/epd-before"
         ln -sf "$build/bin/epd" "$out/bins/epd-after"
-        for w in decode tiny prefill; do
+        for wc in decode:host tiny:host prefill:host decode:stream; do
+                w=${wc%:*}
+                c=${wc#*:}
                 # shellcheck disable=SC2046
-                step "ab-$w" 150 -- env EPD_BENCH_PAIRED=1 REPS="${REPS:-2}" RUN_TIMEOUT=40 \
-                        "$here/ab-daemons.sh" "$out/ab-$w" "$out/bins/epd-before" \
+                step "ab-$w-$c" 150 -- env EPD_BENCH_PAIRED=1 REPS="${REPS:-2}" RUN_TIMEOUT=40 \
+                        "$here/ab-daemons.sh" "$out/ab-$w-$c" "$out/bins/epd-before" \
                         "$out/bins/epd-after" -- --backend cuda --alloc cumem --ranks 8 \
-                        $(workload_args "$w") --completion host --iters "${ITERS:-200}"
+                        $(workload_args "$w") --completion "$c" --iters "${ITERS:-200}"
         done
 fi
 
