@@ -364,6 +364,10 @@ static int group_stats(struct snapshot *s, const Epd__V1__GroupStats *g,
                         .client_failures = rs->client_failures,
                         .client_buffer_bytes = rs->client_buffer_bytes,
                 };
+                for (size_t i = 0; i < rs->n_client_kind_ops && i < 2; i++)
+                        ranks[k].client_kind_ops[i] = rs->client_kind_ops[i];
+                for (size_t i = 0; i < rs->n_client_phase_ns && i < 6; i++)
+                        ranks[k].client_phase_ns[i / 3][i % 3] = rs->client_phase_ns[i];
                 if (!ranks[k].dispatch || !ranks[k].combine)
                         return -1;
         }

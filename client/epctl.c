@@ -300,7 +300,7 @@ static void print_stats_table(const struct epd_admin_daemon_stats *s,
                                                     errors_total(rs->combine)),
                                rs->queue_depth, rs->arena_used_bytes / 1048576.0,
                                rs->arena_bytes / 1048576.0);
-                        if (rs->client_buffer_bytes)
+                        if (rs->client_buffer_bytes) {
                                 printf("%-16s client-executed: ops %llu failed %llu rows %llu "
                                        "bytes %llu buffer %.1f MiB\n", "",
                                        (unsigned long long)rs->client_ops,
@@ -308,6 +308,20 @@ static void print_stats_table(const struct epd_admin_daemon_stats *s,
                                        (unsigned long long)rs->client_rows,
                                        (unsigned long long)rs->client_bytes,
                                        rs->client_buffer_bytes / 1048576.0);
+                                /* Mean us per OK op: exchange / move / finish. */
+                                for (int k = 0; k < 2; k++) {
+                                        double n = (double)rs->client_kind_ops[k];
+
+                                        if (!rs->client_kind_ops[k])
+                                                continue;
+                                        printf("%-16s   %s phases exchange/move/finish[us]: "
+                                               "%.1f/%.1f/%.1f\n", "",
+                                               k ? "combine" : "dispatch",
+                                               rs->client_phase_ns[k][0] / 1e3 / n,
+                                               rs->client_phase_ns[k][1] / 1e3 / n,
+                                               rs->client_phase_ns[k][2] / 1e3 / n);
+                                }
+                        }
                 }
                 /* Where the group's ops spent their time (p50/p99 us per stage). */
                 if (gs->num_stages > 0) {
@@ -357,15 +371,31 @@ static int cmd_stats(struct epd_client *c, int json)
                                                  (json_int_t)rs->arena_used_bytes, "queue_depth",
                                                  (json_int_t)rs->queue_depth, "next_op",
                                                  (json_int_t)rs->next_op);
-                        if (rs->client_buffer_bytes)
-                                json_object_set_new(
-                                        robj, "client",
-                                        json_pack("{s:I, s:I, s:I, s:I, s:I}", "ops",
-                                                  (json_int_t)rs->client_ops, "failures",
-                                                  (json_int_t)rs->client_failures, "rows",
-                                                  (json_int_t)rs->client_rows, "bytes",
-                                                  (json_int_t)rs->client_bytes, "buffer_bytes",
-                                                  (json_int_t)rs->client_buffer_bytes));
+                        if (rs->client_buffer_bytes) {
+                                json_t *cl = json_pack(
+                                        "{s:I, s:I, s:I, s:I, s:I}", "ops",
+                                        (json_int_t)rs->client_ops, "failures",
+                                        (json_int_t)rs->client_failures, "rows",
+                                        (json_int_t)rs->client_rows, "bytes",
+                                        (json_int_t)rs->client_bytes, "buffer_bytes",
+                                        (json_int_t)rs->client_buffer_bytes);
+                                static const char *const kinds[2] = { "dispatch", "combine" };
+                                json_t *ph = json_object();
+
+                                for (int k = 0; k < 2; k++)
+                                        json_object_set_new(
+                                                ph, kinds[k],
+                                                json_pack("{s:I, s:I, s:I, s:I}", "ops",
+                                                          (json_int_t)rs->client_kind_ops[k],
+                                                          "exchange_ns",
+                                                          (json_int_t)rs->client_phase_ns[k][0],
+                                                          "move_ns",
+                                                          (json_int_t)rs->client_phase_ns[k][1],
+                                                          "finish_ns",
+                                                          (json_int_t)rs->client_phase_ns[k][2]));
+                                json_object_set_new(cl, "phases", ph);
+                                json_object_set_new(robj, "client", cl);
+                        }
                         json_array_append_new(ranks, robj);
                 }
                 json_t *stages = json_array();

@@ -447,6 +447,38 @@ static void render_ranks(struct textbuf *b, const Epd__V1__StatsReply *s)
                                    *(const uint64_t *)((const char *)rs + cx_families[i].off));
                 }
         }
+        /* Where client-executed ops spend their time: per op kind, and per phase. */
+        static const char *const ops[2] = { "dispatch", "combine" };
+        static const char *const phases[3] = { "exchange", "move", "finish" };
+        family(b, "epd_client_executed_kind_ops_total", "counter",
+               "Client-executed ops of the rank that ended OK, by op.");
+        for_each_rank(s, gs, rs)
+        {
+                for (size_t k = 0; k < rs->n_client_kind_ops && k < 2; k++) {
+                        char l[512];
+
+                        rank_labels(labels, sizeof(labels), gs, rs);
+                        snprintf(l, sizeof(l), "%s,op=\"%s\"", labels, ops[k]);
+                        sample_u64(b, "epd_client_executed_kind_ops_total", l,
+                                   rs->client_kind_ops[k]);
+                }
+        }
+        family(b, "epd_client_executed_phase_seconds_total", "counter",
+               "Time of the rank's OK client-executed ops in each phase: to every rank's records "
+               "exchanged (mostly waiting for the last peer), to every row moved, to every "
+               "peer's end signals.");
+        for_each_rank(s, gs, rs)
+        {
+                for (size_t i = 0; i < rs->n_client_phase_ns && i < 6; i++) {
+                        char l[512];
+
+                        rank_labels(labels, sizeof(labels), gs, rs);
+                        snprintf(l, sizeof(l), "%s,op=\"%s\",phase=\"%s\"", labels, ops[i / 3],
+                                 phases[i % 3]);
+                        sample_f64(b, "epd_client_executed_phase_seconds_total", l,
+                                   (double)rs->client_phase_ns[i] / 1e9);
+                }
+        }
 }
 
 static void client_labels(char *out, size_t out_len, const Epd__V1__ClientStats *cs)

@@ -178,6 +178,16 @@ int epd_report_build(struct epdd_daemon *d, Epd__V1__StatsReply *out, struct epd
                                 rs->client_bytes = st.bytes;
                                 rs->client_failures = st.failures;
                                 rs->client_buffer_bytes = g->cx->layout.total_bytes;
+                                rs->client_kind_ops = pool_alloc(p, sizeof(st.kind_ops));
+                                rs->client_phase_ns = pool_alloc(p, sizeof(st.phase_ns));
+                                if (rs->client_kind_ops && rs->client_phase_ns) {
+                                        memcpy(rs->client_kind_ops, st.kind_ops,
+                                               sizeof(st.kind_ops));
+                                        memcpy(rs->client_phase_ns, st.phase_ns,
+                                               sizeof(st.phase_ns));
+                                        rs->n_client_kind_ops = 2;
+                                        rs->n_client_phase_ns = 2 * CX_PHASES;
+                                }
                         }
                         gs->ranks[gs->n_ranks++] = rs;
                 }

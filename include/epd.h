@@ -771,6 +771,11 @@ struct epd_admin_rank_stats {
         uint64_t client_bytes;
         uint64_t client_failures;
         uint64_t client_buffer_bytes;
+        /* Of client_ops: dispatches and combines, and their time in each phase, summed, ns:
+         * [0] to every rank's records exchanged, [1] to every row moved or reduced, [2] to every
+         * peer's end signals (as epd_cx_status). */
+        uint64_t client_kind_ops[2];
+        uint64_t client_phase_ns[2][3];
 };
 
 /* Where a group's successful ops spent their time: stage "peers" (first rank's request to the

@@ -521,6 +521,12 @@ void epd_group_cx_stats(const struct epdd_group *g, uint32_t rank, struct cx_sta
         out->rows = cx_load64(g, CX_FIELD(g->cx, rank, stats.rows));
         out->bytes = cx_load64(g, CX_FIELD(g->cx, rank, stats.bytes));
         out->failures = cx_load64(g, CX_FIELD(g->cx, rank, stats.failures));
+        for (int k = 0; k < 2; k++) {
+                out->kind_ops[k] = cx_load64(g, CX_FIELD(g->cx, rank, stats.kind_ops[k]));
+                for (int p = 0; p < CX_PHASES; p++)
+                        out->phase_ns[k][p] =
+                                cx_load64(g, CX_FIELD(g->cx, rank, stats.phase_ns[k][p]));
+        }
 }
 
 int epd_group_new(struct epdd_daemon *d, uid_t owner, const char *name, const void *secret,

@@ -1163,6 +1163,14 @@ START_TEST(test_drain)
                 ck_assert_uint_eq(ds->groups[i].ranks[0].client_failures, 0);
                 ck_assert_uint_gt(ds->groups[i].ranks[0].client_rows, 0);
                 ck_assert_uint_eq(ds->groups[i].ranks[0].client_buffer_bytes, w.b.bytes_per_rank);
+                /* Two rounds of dispatch -> combine: two of each, with their phase times. */
+                const struct epd_admin_rank_stats *rs = &ds->groups[i].ranks[0];
+                ck_assert_uint_eq(rs->client_kind_ops[0], 2);
+                ck_assert_uint_eq(rs->client_kind_ops[1], 2);
+                for (int k = 0; k < 2; k++)
+                        ck_assert_uint_gt(rs->client_phase_ns[k][0] + rs->client_phase_ns[k][1] +
+                                                  rs->client_phase_ns[k][2],
+                                          0);
         }
         epd_stats_free(stats);
         ck_assert_int_eq(found, 1);

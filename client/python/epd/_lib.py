@@ -502,6 +502,8 @@ class AdminRankStats(ctypes.Structure):
         ("client_bytes", _u64),
         ("client_failures", _u64),
         ("client_buffer_bytes", _u64),
+        ("client_kind_ops", _u64 * 2),
+        ("client_phase_ns", (_u64 * 3) * 2),
     ]
 
 
@@ -629,7 +631,7 @@ EXPECTED_SIZES = {
     Tensor: 88, ConnectArgs: 32, DeviceInfo: 160, DaemonInfo: 2648, GroupConfig: 72,
     GroupArgs: 56, SizeHint: 48, DispatchArgs: 928, DispatchResult: 664, CombineArgs: 648,
     CombineResult: 40, AdminDevice: 40, DaemonStatusInfo: 96, AdminRank: 32, GroupInfo: 144,
-    ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 112, AdminStageStats: 24,
+    ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 176, AdminStageStats: 24,
     AdminGroupStats: 88, AdminClientStats: 56, AdminDeviceStats: 48, AdminDaemonStats: 136,
     DrainResult: 16, ResizeRank: 48, ResizeInfo: 56, CxDispatchArgs: 128, CxCombineArgs: 80,
     CxStatus: 344, CxCounts: 72, CxBuffers: 104,

@@ -159,6 +159,21 @@ def _op_stats(p):
     }
 
 
+def _client_executed(r):
+    """A client-executed rank's counters (None for a daemon-executed group's rank): ops, rows,
+    bytes, failures, buffer_bytes, and phases per op kind (ops, exchange_ns, move_ns,
+    finish_ns: docs/client-execution.md)."""
+    if not r.client_buffer_bytes:
+        return None
+    return {"ops": r.client_ops, "rows": r.client_rows, "bytes": r.client_bytes,
+            "failures": r.client_failures, "buffer_bytes": r.client_buffer_bytes,
+            "phases": {kind: {"ops": r.client_kind_ops[k],
+                              "exchange_ns": r.client_phase_ns[k][0],
+                              "move_ns": r.client_phase_ns[k][1],
+                              "finish_ns": r.client_phase_ns[k][2]}
+                       for k, kind in enumerate(("dispatch", "combine"))}}
+
+
 def stats(client):
     """The daemon's statistics (``epd_stats_get``) as a dict, as ``epctl stats --json`` has them.
 
@@ -169,7 +184,8 @@ def stats(client):
     clients_accepted, clients_refused, mailbox_replies, mailbox_requests, and lists groups (id,
     name, state, world_size, dispatch, combine, pending_ops, handles, stages of op/stage/latency,
     ranks of rank, bound, client_id, device, dispatch, combine, arena_bytes, arena_used_bytes,
-    queue_depth, next_op), clients (id, pid, name, requests, ops, outstanding_ops, regions,
+    queue_depth, next_op, client: what a client-executed rank's own ops counted, else None),
+    clients (id, pid, name, requests, ops, outstanding_ops, regions,
     region_bytes) and devices (index, uuid, kind, ops, bytes, ranks).
     """
     snap, free = _snapshot(client, "epd_stats_get", "epd_stats_free")
@@ -191,7 +207,8 @@ def stats(client):
                        "device": r.device, "dispatch": _op_stats(r.dispatch),
                        "combine": _op_stats(r.combine), "arena_bytes": r.arena_bytes,
                        "arena_used_bytes": r.arena_used_bytes, "queue_depth": r.queue_depth,
-                       "next_op": r.next_op} for r in g.ranks[:g.num_ranks]],
+                       "next_op": r.next_op, "client": _client_executed(r)}
+                      for r in g.ranks[:g.num_ranks]],
         } for g in s.groups[:s.num_groups]]
         out["clients"] = [{
             "id": c.id, "pid": c.pid, "name": _lib.text(c.name), "requests": c.requests,
