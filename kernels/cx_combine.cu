@@ -265,7 +265,7 @@ cx_combine_kernel(const struct epd_cx_group g, const struct epd_cxk_combine_args
         if (blockIdx.x == 0) {
                 r = phase1(&g, &a, &o, &st);
                 if (threadIdx.x == 0) {
-                        o.t[CX_PHASE_MOVE] = cx_now_ns();
+                        o.t[CX_PHASE_MOVE] = epd_globaltimer_ns();
                         *(volatile int32_t *)&hdr->verdict = r;
                 }
         }
@@ -301,7 +301,7 @@ cx_combine_kernel(const struct epd_cx_group g, const struct epd_cxk_combine_args
         if (blockIdx.x != 0)
                 return;
         if (threadIdx.x == 0)
-                o.t[CX_PHASE_FINISH] = cx_now_ns();
+                o.t[CX_PHASE_FINISH] = epd_globaltimer_ns();
         if (!r) {
                 if (threadIdx.x == 0)
                         for (uint32_t d = 0; d < l->shape.world_size; d++)

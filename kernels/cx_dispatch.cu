@@ -460,7 +460,7 @@ cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_ar
         if (blockIdx.x == 0) {
                 verdict = phase1(&g, &a, &o, &sm);
                 if (threadIdx.x == 0) {
-                        o.t[CX_PHASE_MOVE] = cx_now_ns();
+                        o.t[CX_PHASE_MOVE] = epd_globaltimer_ns();
                         *(volatile int32_t *)&hdr->verdict = verdict;
                 }
         }
@@ -539,7 +539,7 @@ cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_ar
         /* Every block's rows are published (the barrier fenced at the group's scope): raise the
          * done flags, then wait for every source's rows here. */
         if (threadIdx.x == 0)
-                o.t[CX_PHASE_FINISH] = cx_now_ns();
+                o.t[CX_PHASE_FINISH] = epd_globaltimer_ns();
         if (threadIdx.x == 0)
                 for (uint32_t d = 0; d < l->shape.world_size; d++)
                         cx_signal(&g, d, &cx_flag_at(g.bufs[d], l->done, l, o.parity, g.rank)->tag,

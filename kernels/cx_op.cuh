@@ -23,14 +23,6 @@ struct cx_dev_op {
         uint64_t t[CX_PHASES + 1]; /* block 0's thread 0: the phases' bounds (cx_layout.h) */
 };
 
-/* The GPU's nanosecond clock, the same on every SM. */
-static __device__ __forceinline__ uint64_t cx_now_ns(void)
-{
-        uint64_t t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        return t;
-}
-
 static __device__ __forceinline__ uint64_t cx_ld_relaxed_sys_u64(const uint64_t *p)
 {
         uint64_t v;
@@ -46,7 +38,7 @@ static __device__ __forceinline__ void cx_op_identity(const struct epd_cx_group 
         const struct cx_header *h = cx_header_of(g->bufs[g->rank], &g->layout);
 
         o->kind = kind;
-        o->t[0] = cx_now_ns();
+        o->t[0] = epd_globaltimer_ns();
         for (int i = 1; i <= CX_PHASES; i++)
                 o->t[i] = 0;
 
@@ -106,7 +98,7 @@ static __device__ void cx_op_end(const struct epd_cx_group *g, const struct cx_d
                 h->stats.rows += rows;
                 h->stats.bytes += bytes;
                 if (o->t[CX_PHASE_MOVE] && o->t[CX_PHASE_FINISH]) {
-                        uint64_t end = cx_now_ns();
+                        uint64_t end = epd_globaltimer_ns();
 
                         h->stats.kind_ops[o->kind]++;
                         for (int i = 0; i < CX_PHASES; i++)

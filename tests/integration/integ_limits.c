@@ -302,24 +302,13 @@ START_TEST(test_idle_handshakes_and_admin_reserve)
 }
 END_TEST
 
-/* CPU seconds (user + system) the process has used, from /proc/PID/stat. */
+/* CPU seconds (user + system) the process has used. */
 static double proc_cpu_seconds(pid_t pid)
 {
-        char path[64], buf[1024], *p;
-        unsigned long utime = 0, stime = 0;
-        FILE *f;
+        double s = h_proc_cpu_seconds(pid);
 
-        snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-        f = fopen(path, "re");
-        ck_assert_ptr_nonnull(f);
-        ck_assert_ptr_nonnull(fgets(buf, sizeof(buf), f));
-        fclose(f);
-        p = strrchr(buf, ')');
-        ck_assert_ptr_nonnull(p);
-        /* Fields 14 and 15 (utime, stime); p points at the end of field 2. */
-        ck_assert_int_eq(sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu",
-                                &utime, &stime), 2);
-        return (double)(utime + stime) / (double)sysconf(_SC_CLK_TCK);
+        ck_assert_msg(s >= 0, "cannot read /proc/%d/stat", (int)pid);
+        return s;
 }
 
 /* The daemon runs with few descriptors; connections that never finish their handshake use them

@@ -19,7 +19,6 @@
  * Output: a table on stdout, or with --json one JSON object per line. Exit 0 unless a bystander
  * step failed, an attack did not start, a kill did not give PEER_LOST, or something leaked.
  */
-#include <fcntl.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <signal.h>
@@ -76,31 +75,6 @@ static double pct_us(uint64_t *v, size_t n, double q)
         qsort(v, n, sizeof(*v), cmp_u64);
         i = (size_t)(q / 100.0 * (double)(n - 1) + 0.5);
         return (double)v[i] / 1e3;
-}
-
-/* The CPU time (user + system) a process has used, in ms; -1 when it cannot be read. */
-static double proc_cpu_ms(pid_t pid)
-{
-        char path[64], buf[1024], *p;
-        unsigned long long ut, st;
-        ssize_t n;
-        int fd;
-
-        snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-        fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0)
-                return -1;
-        n = read(fd, buf, sizeof(buf) - 1);
-        close(fd);
-        if (n <= 0)
-                return -1;
-        buf[n] = '\0';
-        /* Fields 14 and 15 (utime, stime) follow the command name's closing parenthesis. */
-        p = strrchr(buf, ')');
-        if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut,
-                         &st) != 2)
-                return -1;
-        return (double)(ut + st) * 1000.0 / (double)sysconf(_SC_CLK_TCK);
 }
 
 static void daemon_start_open(struct h_daemon *d, char *config_path)
@@ -199,11 +173,11 @@ static struct attack_result measure_attack(enum attack a, int steps)
                 goto out;
         }
         {
-                double cpu0 = proc_cpu_ms(d.pid);
+                double cpu0 = h_proc_cpu_seconds(d.pid);
                 long long t0 = h_now_ms();
 
                 usleep(1000000);
-                res.idle_cpu_pct = (proc_cpu_ms(d.pid) - cpu0) * 100.0 /
+                res.idle_cpu_pct = (h_proc_cpu_seconds(d.pid) - cpu0) * 1e5 /
                                    (double)(h_now_ms() - t0);
         }
         attack_stop(&run);

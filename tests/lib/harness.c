@@ -174,6 +174,26 @@ int h_proc_fd_count(pid_t pid)
         return n;
 }
 
+double h_proc_cpu_seconds(pid_t pid)
+{
+        char path[64], buf[1024], *p;
+        unsigned long utime = 0, stime = 0;
+        FILE *f;
+
+        snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+        f = fopen(path, "re");
+        if (!f)
+                return -1;
+        p = fgets(buf, sizeof(buf), f);
+        fclose(f);
+        /* Fields 14 and 15 (utime, stime) follow the command name's closing parenthesis. */
+        if (!p || !(p = strrchr(buf, ')')) ||
+            sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &utime,
+                   &stime) != 2)
+                return -1;
+        return (double)(utime + stime) / (double)sysconf(_SC_CLK_TCK);
+}
+
 int h_proc_region_mappings(pid_t pid)
 {
         char path[64], line[512];

@@ -82,6 +82,8 @@ int h_daemon_region_mappings(const struct h_daemon *d);
  * from /proc; -1 when /proc cannot be read. */
 int h_proc_fd_count(pid_t pid);
 int h_proc_region_mappings(pid_t pid);
+/* CPU seconds (user + system) a process has used, from /proc/PID/stat; -1 when unreadable. */
+double h_proc_cpu_seconds(pid_t pid);
 /* Runs epctl --socket SOCKET COMMAND --json, asserts exit 0 and valid JSON; the caller
  * json_decref()s the result. */
 struct json_t *h_epctl_json(const struct h_daemon *d, const char *command);
