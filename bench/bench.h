@@ -128,6 +128,22 @@ struct sample {
         uint64_t kernel_ns;     /* GPU time of the op's kernels (cuda backend), else 0 */
         uint64_t queue_ns;      /* from this rank's submission to launch, per the daemon */
         struct epd_op_timeline tl; /* where the time went (epd_op_timeline) */
+        /* --execution client on cuda: the kernel's start on the GPU's %globaltimer (kernel_ns is
+         * its length), so that the windows of ranks on one GPU compare; else 0. */
+        uint64_t gpu_start_ns;
+};
+
+/* --execution client on cuda: the start gate every rank's stream waits on before each op, so
+ * that the op starts on every rank at once, after every rank's L2 flush, however late the
+ * processes' launches are (docs/benchmarks.md). One page of the shared samples mapping,
+ * registered with CUDA by each worker. */
+struct cx_gate {
+        uint64_t armed;         /* launches made, every rank, every op (atomic) */
+        uint64_t pad[7];
+        uint64_t open;          /* the ops let start: op s (from 1) waits for open >= s */
+        uint64_t pad2[7];
+        /* Each rank's launch floor (bench/launch_floor.cu), us, measured after its ops. */
+        double launch_floor_us[64];
 };
 
 struct bench {
@@ -158,6 +174,10 @@ struct bench {
          * epd_cx_status (records exchanged, rows moved, end signals), us; [R][op][phase],
          * MAP_SHARED with the workers (part of the samples mapping). */
         double (*cx_phase_us)[2][3];
+        struct cx_gate *gate;   /* page-aligned, in the samples mapping */
+        /* The op time of a measured op is the device figure: the first rank's start to the last
+         * rank's end on the GPU's clock (client-executed, every rank on one GPU). */
+        int device_window;
         int (*to_parent)[2];    /* [R] pipes: a worker says it reached a sync point */
         int (*from_parent)[2];  /* [R] pipes: the parent lets it go on */
 };
@@ -304,6 +324,8 @@ struct wcuda {
         cudaEvent_t ev;
 #endif
         uint8_t *flush;         /* FLUSH_BYTES, Fresh mode only */
+        struct cx_gate *gate;   /* registered with CUDA (wc_gate_init), else NULL */
+        uint64_t gate_dev;      /* its device address */
         uint8_t *d_in, *d_y, *d_out, *d_comb; /* --device-memory */
         int cumem;              /* --alloc cumem: the four above come from epd_device_alloc */
 };
@@ -436,12 +458,21 @@ int worker_sync(const struct bench *b, uint32_t rank);
 int worker_run_cx(struct bench *b, uint32_t rank);
 /* CUDA mode: waits for the work queued on the worker's stream. */
 int wc_sync(struct wcuda *wc, char *err, size_t len);
+/* The start gate (struct cx_gate): registered once; then before each op the stream waits until
+ * gate->open reaches seq. */
+int wc_gate_init(struct wcuda *wc, struct cx_gate *gate, char *err, size_t len);
+int wc_gate_wait(struct wcuda *wc, uint64_t seq, char *err, size_t len);
+/* The median of n launch-to-synchronised round trips of an empty kernel on the worker's stream,
+ * us (bench/launch_floor.cu). */
+int wc_launch_floor(struct wcuda *wc, unsigned n, double *p50_us, char *err, size_t len);
 
 /* ---- stats.c ---- */
 
 extern const char *const tl_step_names[TL_STEPS];
 int cmp_double(const void *a, const void *b);
 double median_of(const double *v, unsigned n);
+/* The median over the ranks of their launch floors (struct cx_gate), us. */
+double launch_floor_us(const struct bench *b);
 void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_stats *st);
 
 /* ---- report_table.c, report_json.c ---- */

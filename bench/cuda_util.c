@@ -1,14 +1,19 @@
 /* cuda_util.c - a worker's CUDA side: its stream and event, device memory registered with the
- * daemon, synchronous copies, the L2 flush of Fresh mode and stream-ordered completion.
+ * daemon, synchronous copies, the L2 flush of Fresh mode, stream-ordered completion, and for
+ * client-executed runs the start gate and the launch floor.
  *
  * Only workers call these, after fork (and the ceiling children cu_ok): the parent never
  * initialises CUDA. Each returns 0, or -1 with the reason in err. Without CUDA (EPD_BENCH_CUDA
  * unset) every call fails so; option parsing refuses --backend cuda before any is made.
  */
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "bench.h"
+#ifdef EPD_BENCH_CUDA
+#include "cudrv.h"
+#endif
 
 #ifdef EPD_BENCH_CUDA
 int cu_ok(cudaError_t e, const char *what, char *err, size_t len)
@@ -65,6 +70,8 @@ void wcuda_fini(struct wcuda *wc)
 
         if (!wc->on)
                 return;
+        if (wc->gate)
+                cudaHostUnregister(wc->gate);
         for (int i = 0; i < 5; i++)
                 if (bufs[i])
                         cudaFree(bufs[i]);
@@ -181,6 +188,87 @@ int wc_sync(struct wcuda *wc, char *err, size_t len)
         return cu_ok(cudaStreamSynchronize(wc->stream), "cudaStreamSynchronize", err, len);
 #else
         (void)wc;
+        snprintf(err, len, "epd-bench was built without CUDA");
+        return -1;
+#endif
+}
+
+int wc_gate_init(struct wcuda *wc, struct cx_gate *gate, char *err, size_t len)
+{
+#ifdef EPD_BENCH_CUDA
+        void *dev = NULL;
+
+        if (!epd_cudrv()) {
+                snprintf(err, len, "the CUDA driver's stream memory operations are missing");
+                return -1;
+        }
+        CU_TRY(cudaHostRegister(gate, sizeof(*gate), cudaHostRegisterMapped |
+                                                         cudaHostRegisterPortable),
+               "cudaHostRegister (the start gate)");
+        wc->gate = gate;
+        CU_TRY(cudaHostGetDevicePointer(&dev, gate, 0), "cudaHostGetDevicePointer (the gate)");
+        wc->gate_dev = (uint64_t)(uintptr_t)dev;
+        return 0;
+#else
+        (void)wc;
+        (void)gate;
+        snprintf(err, len, "epd-bench was built without CUDA");
+        return -1;
+#endif
+}
+
+int wc_gate_wait(struct wcuda *wc, uint64_t seq, char *err, size_t len)
+{
+#ifdef EPD_BENCH_CUDA
+        CUresult r = epd_cudrv()->StreamWaitValue64(
+                (CUstream)wc->stream, (CUdeviceptr)(wc->gate_dev + offsetof(struct cx_gate, open)),
+                seq, CU_STREAM_WAIT_VALUE_GEQ);
+
+        if (r != CUDA_SUCCESS) {
+                snprintf(err, len, "cuStreamWaitValue64 (the start gate): error %d", (int)r);
+                return -1;
+        }
+        return 0;
+#else
+        (void)wc;
+        (void)seq;
+        snprintf(err, len, "epd-bench was built without CUDA");
+        return -1;
+#endif
+}
+
+#ifdef EPD_BENCH_CUDA
+int epd_bench_empty_round_trip(void *stream); /* launch_floor.cu */
+#endif
+
+int wc_launch_floor(struct wcuda *wc, unsigned n, double *p50_us, char *err, size_t len)
+{
+#ifdef EPD_BENCH_CUDA
+        double *us = malloc((n ? n : 1) * sizeof(double));
+
+        if (!us) {
+                snprintf(err, len, "out of memory");
+                return -1;
+        }
+        for (unsigned i = 0; i < 10 + n; i++) { /* 10 untimed first */
+                uint64_t t0 = now_ns();
+
+                if (epd_bench_empty_round_trip((void *)wc->stream) < 0) {
+                        snprintf(err, len, "the launch floor: %s",
+                                 cudaGetErrorString(cudaGetLastError()));
+                        free(us);
+                        return -1;
+                }
+                if (i >= 10)
+                        us[i - 10] = (double)(now_ns() - t0) / 1e3;
+        }
+        *p50_us = median_of(us, n);
+        free(us);
+        return 0;
+#else
+        (void)wc;
+        (void)n;
+        (void)p50_us;
         snprintf(err, len, "epd-bench was built without CUDA");
         return -1;
 #endif

@@ -224,7 +224,8 @@ def worker(rank, args, barrier, results):
                          max_tokens_per_rank=args.tokens, max_topk=args.topk,
                          op_timeout_ms=60000, device="cuda:%d" % args.device)
             if args.mode == "client":
-                shape.update(execution="client", expert_block_rows=C)
+                shape.update(execution="client", expert_block_rows=C,
+                             sms_per_rank=args.sms_per_rank)
             if rank == 0:
                 group = epd.Group.create(client, name, SECRET, 0, **shape)
             else:
@@ -273,6 +274,8 @@ def main():
     p.add_argument("--mode", action="append", choices=("client", "daemon", "floor"),
                    help="repeatable; default: all three")
     p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--sms-per-rank", type=int, default=0,
+                   help="client mode: blocks of each rank's kernels (0: the daemon's default)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--shape", choices=sorted(SHAPES), default="decode")
     p.add_argument("--tokens", type=int, help="tokens per rank (default: the shape's)")

@@ -125,7 +125,9 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
         json_object_set_new(o, "data_bytes", json_integer((json_int_t)ri->bytes.data));
         json_object_set_new(o, cuda ? "gpu_l2_bytes" : "llc_bytes",
                             json_integer((json_int_t)ri->llc));
-        json_object_set_new(o, "time_basis", json_string(cx                ? "launch_to_completion"
+        json_object_set_new(o, "time_basis", json_string(b->device_window ? "device_window"
+                                                         : cx && !b->kernel_time
+                                                                 ? "launch_to_completion"
                                                          : b->kernel_time ? "kernel_ns"
                                                                           : "exec_ns"));
         json_object_set_new(o, "kernel_time_p50_us", json_real(st->exec_p50));
@@ -137,6 +139,15 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
 #define DAEMON_ONLY(v) json_real_or_null((v), !cx)
         json_object_set_new(o, "daemon_overhead_p50_us", DAEMON_ONLY(st->ovh_p50));
         json_object_set_new(o, "daemon_overhead_p99_us", DAEMON_ONLY(st->ovh_p99));
+        /* What the last rank to submit (daemon) or launch (client) waits beyond its own kernel
+         * (docs/benchmarks.md); the host backend's client-executed ops have no kernel. */
+        json_object_set_new(o, "last_rank_wait_p50_us",
+                            json_real_or_null(st->last_ovh_p50, !cx || b->kernel_time));
+        json_object_set_new(o, "last_rank_wait_p99_us",
+                            json_real_or_null(st->last_ovh_p99, !cx || b->kernel_time));
+        /* Its floor: an empty kernel's launch to synchronised, the median over the ranks. */
+        json_object_set_new(o, "launch_floor_us",
+                            json_real_or_null(launch_floor_us(b), b->device_window));
         json_object_set_new(o, "daemon_overhead_last_submitter_p50_us",
                             DAEMON_ONLY(st->last_ovh_p50));
         json_object_set_new(o, "daemon_overhead_last_submitter_p99_us",

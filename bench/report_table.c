@@ -108,9 +108,15 @@ void print_table(const struct bench *b, const struct run_info *ri, FILE *f)
                 b->opt.layout == EPD_LAYOUT_EXPAND ? "expand" : "non-expand",
                 b->opt.use_arena ? "arena" : "client-region", (unsigned long long)b->opt.seed);
         if (b->opt.execution == EPD_EXECUTION_CLIENT)
-                fprintf(f, "  client-executed: each worker runs its own ops (epd_cx_*); the op "
-                           "time is the worker's launch to completion, outputs in the group's "
-                           "buffers\n");
+                fprintf(f, "  client-executed: each worker runs its own ops (epd_cx_*), outputs "
+                           "in the group's buffers; %s\n",
+                        b->device_window
+                                ? "ranks start each op at a common gate after their flushes; "
+                                  "time = the device figure, first rank's kernel start to last "
+                                  "rank's end on the GPU clock; last-sub = the last rank to "
+                                  "launch: launch to completion seen, less its own kernel"
+                        : b->kernel_time ? "time = each rank's kernel, the slowest rank's"
+                                         : "time = the worker's launch to completion");
         if (ri->scaled)
                 fprintf(f, "  SCALED: %u tokens per rank instead of the workload's %u (--tokens)\n",
                         b->T, b->opt.wl->tokens);
@@ -166,7 +172,9 @@ void print_table(const struct bench *b, const struct run_info *ri, FILE *f)
                         ri->num_probes, ri->ceiling_initial, CEILING_REPS, ri->ceiling_min,
                         ri->ceiling_best);
         }
-        if (b->kernel_time)
+        if (b->opt.execution == EPD_EXECUTION_CLIENT)
+                fprintf(f, "\n");
+        else if (b->kernel_time)
                 fprintf(f, "  time = the GPU time of the op's kernels as the daemon reports it "
                            "(kernel_ns, one exec for every rank: the device figure)%s; GB = 1e9 "
                            "bytes\n\n",
@@ -211,6 +219,21 @@ void print_table(const struct bench *b, const struct run_info *ri, FILE *f)
                        "epd_op_stream_wait"
                      : "the reply in epd_op_wait",
                 b->kernel_time ? "kernel time" : "exec");
+        /* Client-executed: where each op's kernel time goes, the ranks' mean per phase. */
+        for (int k = 0; b->opt.execution == EPD_EXECUTION_CLIENT && k < 2; k++) {
+                double ph[3] = { 0, 0, 0 };
+
+                for (uint32_t r = 0; r < b->R; r++)
+                        for (int i = 0; i < 3; i++)
+                                ph[i] += b->cx_phase_us[r][k][i] / b->R;
+                fprintf(f, "  %s kernel phases, mean over ranks and ops (us): records exchanged "
+                           "%.1f, rows moved %.1f, end signals %.1f\n",
+                        names[k], ph[0], ph[1], ph[2]);
+        }
+        if (b->device_window)
+                fprintf(f, "  launch floor (an empty kernel, launch to synchronised, median over "
+                           "ranks): %.1f us, the least last-sub can be\n",
+                        launch_floor_us(b));
         /* Client-executed ops pass through no daemon: no overhead to split. */
         for (uint32_t p = 0; b->opt.execution != EPD_EXECUTION_CLIENT && p < b->num_phases; p++) {
                 for (int k = 0; k < 2; k++) {

@@ -86,6 +86,7 @@ void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_stats *
                 goto out;
         for (uint32_t i = 0; i < iters; i++) {
                 uint64_t emax = 0, emin = UINT64_MAX, last_submit = 0, last_done = 0;
+                uint64_t first_start = UINT64_MAX, last_end = 0;
                 double last_ovh = 0;
 
                 for (uint32_t r = 0; r < R; r++) {
@@ -93,7 +94,14 @@ void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_stats *
                                 &b->samples[((size_t)r * b->total_iters + w + i) * 2 + kind];
                         emax = op_ns(b, s) > emax ? op_ns(b, s) : emax;
                         emin = op_ns(b, s) < emin ? op_ns(b, s) : emin;
+                        if (s->gpu_start_ns < first_start)
+                                first_start = s->gpu_start_ns;
+                        if (s->gpu_start_ns + s->kernel_ns > last_end)
+                                last_end = s->gpu_start_ns + s->kernel_ns;
                 }
+                /* Ranks sharing one GPU: the device figure, first start to last end. */
+                if (b->device_window)
+                        emax = last_end - first_start;
                 for (uint32_t r = 0; r < R; r++) {
                         const struct sample *s =
                                 &b->samples[((size_t)r * b->total_iters + w + i) * 2 + kind];
@@ -119,7 +127,8 @@ void op_stats(const struct bench *b, uint32_t phase, int kind, struct op_stats *
                                         ltl[(size_t)j * iters + i] = steps[j];
                         }
                 }
-                /* One exec serves every rank: its time is the device figure. */
+                /* Daemon-executed: one exec serves every rank, so its time is the device
+                 * figure; client-executed on one GPU, emax is that figure already. */
                 exec[i] = (double)emax / 1e3;
                 last[i] = last_ovh;
                 grp[i] = ((double)last_done - (double)last_submit - (double)emax) / 1e3;
@@ -182,4 +191,14 @@ double median_of(const double *v, unsigned n)
         m = c[n / 2];
         free(c);
         return m;
+}
+
+double launch_floor_us(const struct bench *b)
+{
+        double v[64];
+        unsigned n = b->R < 64 ? b->R : 64;
+
+        for (unsigned r = 0; r < n; r++)
+                v[r] = b->gate->launch_floor_us[r];
+        return median_of(v, n);
 }

@@ -366,7 +366,7 @@ int worker_run(struct bench *b, uint32_t rank)
                 if (rc < 0)
                         WFAIL("dispatch %u result: %s", it, epd_status_name(rc));
                 smp[OP_DISPATCH] = (struct sample){ t0, t1, dr.exec_ns, dr.kernel_ns, dr.queue_ns,
-                                                    { .size = sizeof(struct epd_op_timeline) } };
+                                                    { .size = sizeof(struct epd_op_timeline) }, 0 };
                 if (epd_op_timeline(op, &smp[OP_DISPATCH].tl) < 0)
                         WFAIL("dispatch %u timeline", it);
 
@@ -412,7 +412,7 @@ int worker_run(struct bench *b, uint32_t rank)
                 if (rc < 0)
                         WFAIL("combine %u result: %s", it, epd_status_name(rc));
                 smp[OP_COMBINE] = (struct sample){ t0, t1, cr.exec_ns, cr.kernel_ns, cr.queue_ns,
-                                                   { .size = sizeof(struct epd_op_timeline) } };
+                                                   { .size = sizeof(struct epd_op_timeline) }, 0 };
                 if (epd_op_timeline(op, &smp[OP_COMBINE].tl) < 0)
                         WFAIL("combine %u timeline", it);
                 epd_op_free(op);

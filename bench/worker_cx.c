@@ -3,8 +3,12 @@
  * backend: on this thread over the daemon's shared buffers; cuda: kernels on its stream, which it
  * then synchronises). Outputs land in the rank's buffer; iteration 0 is checked bitwise against
  * the CPU executor (bench/oracle.h) like worker.c's, and every op leaves one sample: t0 before the
- * launch, t1 once the op is complete, and the op time is t1 - t0 (no daemon is involved, so
- * there is no queue or timeline). Meets the parent at the same sync points as worker.c.
+ * launch, t1 once the op is complete, and the op time: on cuda the kernel's window on the GPU's
+ * clock (epd_cx_status), on the host backend t1 - t0 (no daemon is involved, so there is no
+ * queue or timeline). Ranks sharing one GPU start each op at a gate (struct cx_gate) that opens
+ * once every rank has flushed L2 and launched, so a rank's flush never runs beside a peer's op
+ * and the device figure (first start to last end) measures the op, not the processes' skew.
+ * Meets the parent at the same sync points as worker.c.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,18 +18,32 @@
 #include "bench.h"
 #include "oracle.h"
 
+/* This rank's launch of op seq (from 1) is made: the rank whose launch completes the set opens
+ * the gate. */
+static void gate_arm(const struct bench *b, uint64_t seq)
+{
+        if (__atomic_add_fetch(&b->gate->armed, 1, __ATOMIC_ACQ_REL) == (uint64_t)b->R * seq)
+                __atomic_store_n(&b->gate->open, seq, __ATOMIC_RELEASE);
+}
+
 /* One op: launched at *t0, complete at *t1 (cuda: the stream synchronised, then the op's own
- * status read from the rank's buffer). */
-static int run_cx_op(struct epd_group *group, struct wcuda *wc, int cuda,
-                     const struct epd_cx_dispatch_args *da, const struct epd_cx_combine_args *ca,
-                     uint64_t *t0, uint64_t *t1, char *err, size_t len)
+ * status read from the rank's buffer, with its window on the GPU's clock in *win). With seq, the
+ * stream first waits at the start gate for op seq. */
+static int run_cx_op(const struct bench *b, struct epd_group *group, struct wcuda *wc, int cuda,
+                     uint64_t seq, const struct epd_cx_dispatch_args *da,
+                     const struct epd_cx_combine_args *ca, uint64_t *t0, uint64_t *t1,
+                     uint64_t win[2], char *err, size_t len)
 {
         struct epd_cx_status st = { .size = sizeof(st) };
         void *stream = cuda ? wc_stream(wc) : NULL;
         int rc;
 
         *t0 = now_ns();
+        if (seq && wc_gate_wait(wc, seq, err, len) < 0)
+                return EPD_INTERNAL;
         rc = da ? epd_cx_dispatch(group, da, stream) : epd_cx_combine(group, ca, stream);
+        if (seq)
+                gate_arm(b, seq); /* a failed launch too: the peers' ops then fail, not hang */
         if (rc == 0 && cuda && wc_sync(wc, err, len) < 0)
                 return EPD_INTERNAL;
         *t1 = now_ns();
@@ -41,6 +59,8 @@ static int run_cx_op(struct epd_group *group, struct wcuda *wc, int cuda,
                         snprintf(err, len, "%s: %s", epd_status_name(rc), st.message);
                         return rc;
                 }
+                win[0] = st.start_ns;
+                win[1] = st.end_ns;
         }
         return 0;
 }
@@ -70,7 +90,7 @@ int worker_run_cx(struct bench *b, uint32_t rank)
         uint64_t dregion[2] = { 0, 0 }, recv_bytes = 0;
         struct wcuda wc;
         char err[1024];
-        int rc, status = 1;
+        int rc, status = 1, gated = 0;
 
         if (worker_start(b, rank, &ybufs, &client, &group, &wc, err, sizeof(err)) < 0)
                 WFAIL("%s", err);
@@ -78,6 +98,10 @@ int worker_run_cx(struct bench *b, uint32_t rank)
                 WFAIL("out of memory");
         if (epd_cx_buffers(group, &bufs) < 0)
                 WFAIL("epd_cx_buffers: %s", epd_client_last_error(client));
+        /* Ranks sharing a GPU start each op together, after every rank's flush. */
+        gated = cuda && b->R > 1 && b->opt.devices == 1;
+        if (gated && wc_gate_init(&wc, b->gate, err, sizeof(err)) < 0)
+                WFAIL("%s", err);
 
         /* Inputs: the shared memfd itself, or a device copy of it with the same layout. */
         uint8_t *in_base = me->in.ptr;
@@ -117,15 +141,17 @@ int worker_run_cx(struct bench *b, uint32_t rank)
 
         for (uint32_t it = 0; it < b->total_iters; it++) {
                 struct sample *smp = &b->samples[((size_t)rank * b->total_iters + it) * 2];
-                uint64_t t0 = 0, t1 = 0;
+                uint64_t t0 = 0, t1 = 0, win[2] = { 0, 0 };
 
                 if (b->opt.flush_l2 && dev_flush(&wc, 2 * it, err, sizeof(err)) < 0)
                         WFAIL("L2 flush before dispatch %u: %s", it, err);
-                rc = run_cx_op(group, &wc, cuda, &da, NULL, &t0, &t1, err, sizeof(err));
+                rc = run_cx_op(b, group, &wc, cuda, gated ? 2ull * it + 1 : 0, &da, NULL, &t0,
+                               &t1, win, err, sizeof(err));
                 if (rc < 0)
                         WFAIL("dispatch %u: %s: %s", it, err, epd_client_last_error(client));
-                smp[OP_DISPATCH] = (struct sample){ t0, t1, t1 - t0, 0, 0,
-                                                    { .size = sizeof(struct epd_op_timeline) } };
+                smp[OP_DISPATCH] = (struct sample){
+                        t0, t1, t1 - t0, win[1] - win[0], 0,
+                        { .size = sizeof(struct epd_op_timeline) }, win[0] };
                 if (it == 0) {
                         struct epd_dispatch_result dr;
                         struct oracle_dispatch_out act;
@@ -186,11 +212,13 @@ int worker_run_cx(struct bench *b, uint32_t rank)
 
                 if (b->opt.flush_l2 && dev_flush(&wc, 2 * it + 1, err, sizeof(err)) < 0)
                         WFAIL("L2 flush before combine %u: %s", it, err);
-                rc = run_cx_op(group, &wc, cuda, NULL, &cb, &t0, &t1, err, sizeof(err));
+                rc = run_cx_op(b, group, &wc, cuda, gated ? 2ull * it + 2 : 0, NULL, &cb, &t0,
+                               &t1, win, err, sizeof(err));
                 if (rc < 0)
                         WFAIL("combine %u: %s: %s", it, err, epd_client_last_error(client));
-                smp[OP_COMBINE] = (struct sample){ t0, t1, t1 - t0, 0, 0,
-                                                   { .size = sizeof(struct epd_op_timeline) } };
+                smp[OP_COMBINE] = (struct sample){
+                        t0, t1, t1 - t0, win[1] - win[0], 0,
+                        { .size = sizeof(struct epd_op_timeline) }, win[0] };
                 if (it == 0) {
                         if (fetch(cuda, h_comb, combined, comb_bytes - 4096, err, sizeof(err)) < 0)
                                 WFAIL("combined: %s", err);
@@ -216,8 +244,15 @@ int worker_run_cx(struct bench *b, uint32_t rank)
                                                           : 0.0;
                 memcpy(b->cx_phase_us[rank], us, sizeof(us));
         }
+        if (gated && rank < 64 &&
+            wc_launch_floor(&wc, 200, &b->gate->launch_floor_us[rank], err, sizeof(err)) < 0)
+                WFAIL("%s", err);
         status = 0;
 out:
+        /* A rank that fails lets every later op through, so the peers' ops end (PEER_LOST once
+         * this rank leaves) instead of waiting at the gate. */
+        if (gated)
+                __atomic_store_n(&b->gate->open, UINT64_MAX, __ATOMIC_RELEASE);
         epd_group_leave(group);
         {
                 uint8_t **devbufs[2] = { &wc.d_in, &wc.d_comb };

@@ -404,6 +404,10 @@ int epd_cx_status(struct epd_group *group, struct epd_cx_status *out)
                 memcpy(out->kind_ops, stats.kind_ops, sizeof(out->kind_ops));
                 memcpy(out->phase_ns, stats.phase_ns, sizeof(out->phase_ns));
         }
+        if (out->size >= offsetof(struct epd_cx_status, end_ns) + sizeof(out->end_ns)) {
+                out->start_ns = st.start_ns;
+                out->end_ns = st.end_ns;
+        }
         return 0;
 }
 

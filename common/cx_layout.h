@@ -124,7 +124,10 @@ struct cx_op_status {
         int32_t pos;            /* validation: its top-k position; capacity: the short expert */
         int64_t value;          /* validation: the id; capacity: rows needed */
         int64_t capacity;       /* capacity: rows available */
-        uint64_t reserved;
+        /* The op's window on its executor's clock (cuda: the GPU's %globaltimer, shared by every
+         * process on that GPU; host: CLOCK_MONOTONIC): block 0's start and its end. */
+        uint64_t start_ns;
+        uint64_t end_ns;
 };
 
 enum cx_reason {
@@ -571,8 +574,11 @@ EPD_HD void cx_status_init(struct cx_op_status *out)
  * (INVALID_ARGUMENT, naming the lowest differing rank); (2) a source's own invalid inputs
  * (INVALID_ARGUMENT, the lowest such source, with its token, position and value); (3) capacity
  * (CAPACITY_EXCEEDED, naming the lowest short destination, its need and capacity, and how many
- * are short; with fixed expert blocks the short expert too). Returns out->status. */
+ * are short; with fixed expert blocks the short expert too). need_in and short_in, when not
+ * NULL, hold cx_rows_needed's result for every destination, computed beforehand (in parallel on
+ * the GPU). Returns out->status. */
 EPD_HD int32_t cx_dispatch_verdict(uint8_t *base, const struct cx_layout *l, uint32_t parity,
+                                   const int64_t *need_in, const int32_t *short_in,
                                    struct cx_op_status *out)
 {
         const uint32_t R = l->shape.world_size;
@@ -603,8 +609,12 @@ EPD_HD int32_t cx_dispatch_verdict(uint8_t *base, const struct cx_layout *l, uin
         }
         for (uint32_t d = 0; d < R; d++) {
                 int32_t short_expert;
-                int64_t need = cx_rows_needed(base, l, parity, d, layout, alignment, block,
-                                              &short_expert);
+                int64_t need = need_in ? need_in[d]
+                                       : cx_rows_needed(base, l, parity, d, layout, alignment,
+                                                        block, &short_expert);
+
+                if (need_in)
+                        short_expert = short_in[d];
                 int64_t cap = cx_count_rec_at(base, l, parity, d)->capacity_rows;
 
                 if (need <= cap && short_expert < 0)

@@ -192,11 +192,13 @@ static int op_end(struct op_ctx *c, struct cx_op_status *st, int numbered, uint6
 
         if (!numbered)
                 return st->status;
+        c->t[CX_PHASES] = now_ns();
+        st->start_ns = c->t[0];
+        st->end_ns = c->t[CX_PHASES];
         if (st->status == 0) {
                 add_relaxed64(&c->hdr->stats.ops, 1);
                 add_relaxed64(&c->hdr->stats.rows, rows);
                 add_relaxed64(&c->hdr->stats.bytes, bytes);
-                c->t[CX_PHASES] = now_ns();
                 if (c->t[CX_PHASE_MOVE] && c->t[CX_PHASE_FINISH]) {
                         add_relaxed64(&c->hdr->stats.kind_ops[c->kind], 1);
                         for (int i = 0; i < CX_PHASES; i++)
@@ -576,7 +578,7 @@ int cx_dispatch(const struct cx_rank *r, const struct cx_dispatch_args *a, uint6
                         goto out;
 
         /* Every rank reads the same records and reaches the same verdict, before any row moves. */
-        if (cx_dispatch_verdict(c.own, l, c.parity, &st)) {
+        if (cx_dispatch_verdict(c.own, l, c.parity, NULL, NULL, &st)) {
                 if (st.rank >= 0 && st.reason != CX_REASON_CAPACITY &&
                     st.reason != CX_REASON_BLOCK && st.reason != CX_REASON_MISMATCH)
                         snprintf(detail, sizeof(detail), "%s",

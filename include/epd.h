@@ -571,6 +571,11 @@ struct epd_cx_status {
          * [1] to every row moved or reduced, [2] to every peer's end signals. */
         uint64_t kind_ops[2];
         uint64_t phase_ns[2][3];
+        /* Read when size covers them: the op's window on its executor's clock, ns (cuda: the
+         * GPU's %globaltimer, one clock for every process on that GPU, so the windows of ranks
+         * sharing it compare; host backend: CLOCK_MONOTONIC). */
+        uint64_t start_ns;
+        uint64_t end_ns;
 };
 /* The rank's most recent op (the host: the one that last returned; cuda: synchronise the
  * stream first). EPD_NOT_FOUND when the rank has run no op since the group formed. */

@@ -20,8 +20,8 @@
 #include "epd_cx.h"
 #include "routing.h"
 
-#define CX_THREADS 256
-#define CX_COMBINE_BATCH 4
+#define CX_THREADS 512
+#define CX_COMBINE_BATCH 8
 
 /* Thread 0: this rank's checks of its own arguments (cpu/cx.c check_combine). */
 static __device__ int32_t check_args(const struct epd_cx_group *g,

@@ -26,7 +26,7 @@
 #include "fp8.h"
 #include "routing.h"
 
-#define CX_THREADS 256
+#define CX_THREADS 512
 #define CX_COPY_UNROLL 4
 
 static __device__ __forceinline__ int64_t load_topk(const void *p, enum epd_dtype dtype,
@@ -82,9 +82,16 @@ static __device__ void check_args(const struct epd_cx_group *g,
         head->reason = CX_REASON_NONE;
 }
 
+/* Entries of topk_idx staged in shared memory at a time by the EXPAND placement. */
+#define CX_PLACE_TILE 2048u
+
 struct phase1_smem {
         int32_t tok[CX_MAX_RANKS];
         int32_t sel[EPD_MAX_EXPERTS];
+        int32_t wcnt[CX_THREADS / 32][CX_MAX_RANKS]; /* NON_EXPAND: per warp, then its base */
+        int32_t tile[CX_PLACE_TILE];                 /* EXPAND: a tile of topk_idx */
+        int64_t need[CX_MAX_RANKS];                  /* the verdict's rows per destination */
+        int32_t short_expert[CX_MAX_RANKS];
         struct cx_count_rec head;
         struct cx_op_status st;
         int bad;
@@ -219,9 +226,30 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
                 }
         }
 
-        /* The verdict, the same on every rank. */
+        /* Every thread reads the records once, after the acquires above (ordered before these
+         * loads by cx_wait_all's bar.sync), so that the serial reads of thread 0 below hit this
+         * SM's L1 instead of waiting on L2 one after another. */
+        {
+                const uint8_t *recs =
+                        own + l->count_recs + (uint64_t)o->parity * R * l->count_rec_bytes;
+
+                for (uint64_t i = threadIdx.x * 128u; i < R * l->count_rec_bytes;
+                     i += blockDim.x * 128u)
+                        epd_touch_l1(recs + i);
+        }
+        /* The verdict, the same on every rank; each destination's rows counted by its own
+         * thread (the verdict's cx_rows_needed). */
+        {
+                const struct cx_count_rec *r0 = cx_count_rec_at(own, l, o->parity, 0);
+
+                for (uint32_t d = threadIdx.x; d < R; d += blockDim.x)
+                        sm->need[d] = cx_rows_needed(own, l, o->parity, d, r0->sig[0] >> 2 & 1u,
+                                                     r0->sig[1], r0->sig[2],
+                                                     &sm->short_expert[d]);
+        }
+        __syncthreads();
         if (threadIdx.x == 0)
-                cx_dispatch_verdict(own, l, o->parity, &sm->st);
+                cx_dispatch_verdict(own, l, o->parity, sm->need, sm->short_expert, &sm->st);
         __syncthreads();
         if (sm->st.status)
                 return sm->st.status;
@@ -264,30 +292,87 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
                 hrow[i] = -1;
         __syncthreads();
 
-        /* Rows: one thread per key scans the tokens in order (plan.c's placement). */
+        /* Rows, in token order (plan.c's placement), so that each is a pure function of
+         * topk_idx. NON_EXPAND: a token's row at destination d is d's base plus the tokens before
+         * it that go to d, counted a tile of blockDim.x tokens at a time with one ballot per
+         * destination (warp counts scanned in shared memory). EXPAND: a selection's row is its
+         * expert's base plus the earlier selections of that expert: one thread per expert scans
+         * the entries, a tile at a time from shared memory. */
         if (a->layout == EPD_LAYOUT_NON_EXPAND) {
-                for (uint32_t d = threadIdx.x; d < R; d += blockDim.x) {
-                        int32_t cur = sm->tok[d];
+                const uint32_t lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+                const uint32_t nw = blockDim.x >> 5;
 
-                        for (uint32_t t = 0; t < N; t++)
+                for (uint32_t t0 = 0; t0 < N; t0 += blockDim.x) {
+                        const uint32_t t = t0 + threadIdx.x;
+                        uint64_t mask = 0;
+
+                        if (t < N)
+                                for (uint32_t k = 0; k < K; k++) {
+                                        int32_t v = htopk[t * K + k];
+
+                                        if (v >= 0)
+                                                mask |= 1ull << epd_route_expert_rank(v, L);
+                                }
+                        for (uint32_t d = 0; d < R; d++) {
+                                unsigned b = __ballot_sync(0xFFFFFFFFu, (unsigned)(mask >> d & 1));
+
+                                if (lane == 0)
+                                        sm->wcnt[warp][d] = __popc(b);
+                        }
+                        __syncthreads();
+                        for (uint32_t d = threadIdx.x; d < R; d += blockDim.x) {
+                                int32_t run = sm->tok[d];
+
+                                for (uint32_t w = 0; w < nw; w++) {
+                                        int32_t c = sm->wcnt[w][d];
+
+                                        sm->wcnt[w][d] = run;
+                                        run += c;
+                                }
+                                sm->tok[d] = run;
+                        }
+                        __syncthreads();
+                        for (uint32_t d = 0; d < R; d++) {
+                                unsigned b = __ballot_sync(0xFFFFFFFFu, (unsigned)(mask >> d & 1));
+
+                                if (!(mask >> d & 1))
+                                        continue;
                                 for (uint32_t k = 0; k < K; k++) {
                                         int32_t v = htopk[t * K + k];
 
                                         if (v >= 0 && epd_route_expert_rank(v, L) == d) {
-                                                hrow[t * K + k] = cur++;
+                                                hrow[t * K + k] =
+                                                        sm->wcnt[warp][d] +
+                                                        __popc(b & ((1u << lane) - 1u));
                                                 break;
                                         }
                                 }
-                        atomicAdd(&sm->sent, (unsigned long long)(cur - sm->tok[d]));
+                        }
+                        if (mask)
+                                atomicAdd(&sm->sent, (unsigned long long)__popcll(mask));
+                        __syncthreads(); /* wcnt is rewritten by the next tile */
                 }
         } else {
-                for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
-                        int32_t cur = sm->sel[e], first = cur;
+                for (uint32_t i0 = 0; i0 < N * K; i0 += CX_PLACE_TILE) {
+                        const uint32_t n = min(CX_PLACE_TILE, N * K - i0);
+                        uint32_t used = 0;
 
-                        for (uint32_t i = 0; i < N * K; i++)
-                                if (htopk[i] == (int32_t)e)
-                                        hrow[i] = cur++;
-                        atomicAdd(&sm->sent, (unsigned long long)(cur - first));
+                        for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
+                                sm->tile[i] = htopk[i0 + i];
+                                used += sm->tile[i] >= 0;
+                        }
+                        if (used)
+                                atomicAdd(&sm->sent, (unsigned long long)used);
+                        __syncthreads();
+                        for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
+                                int32_t cur = sm->sel[e];
+
+                                for (uint32_t i = 0; i < n; i++)
+                                        if (sm->tile[i] == (int32_t)e)
+                                                hrow[i0 + i] = cur++;
+                                sm->sel[e] = cur;
+                        }
+                        __syncthreads(); /* the tile is rewritten next */
                 }
         }
         if (a->weights)

@@ -90,16 +90,17 @@ static __device__ void cx_op_end(const struct epd_cx_group *g, const struct cx_d
         struct cx_header *h = cx_header_of(g->bufs[g->rank], &g->layout);
         struct cx_op_status *slot = &h->status[o->op % CX_STATUS_RING];
 
+        uint64_t end;
+
         *(volatile uint64_t *)&h->launch_seq = o->seq + 1;
         if (!o->numbered)
                 return;
+        end = epd_globaltimer_ns();
         if (st->status == 0) {
                 h->stats.ops++;
                 h->stats.rows += rows;
                 h->stats.bytes += bytes;
                 if (o->t[CX_PHASE_MOVE] && o->t[CX_PHASE_FINISH]) {
-                        uint64_t end = epd_globaltimer_ns();
-
                         h->stats.kind_ops[o->kind]++;
                         for (int i = 0; i < CX_PHASES; i++)
                                 h->stats.phase_ns[o->kind][i] +=
@@ -121,6 +122,8 @@ static __device__ void cx_op_end(const struct epd_cx_group *g, const struct cx_d
         slot->pos = st->pos;
         slot->value = st->value;
         slot->capacity = st->capacity;
+        slot->start_ns = o->t[0];
+        slot->end_ns = end;
         epd_st_release_sys_u64(&slot->tag, o->tag);
         *(volatile uint64_t *)&h->op_counter = o->op + 1;
 }

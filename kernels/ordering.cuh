@@ -125,7 +125,14 @@ static __device__ __forceinline__ void epd_fence_acq_rel_gpu(void)
         asm volatile("fence.acq_rel.gpu;" : : : "memory");
 }
 
-/* ---- bounded waits ---- */
+/* A weak load of the 128-byte line at p into this SM's L1, its value unused (volatile: kept).
+ * Only after an acquire that orders the line's writers before it: the line then holds their
+ * values, and later weak loads by the block (after bar.sync) may hit it. A performance hint
+ * with no ordering of its own. */
+static __device__ __forceinline__ void epd_touch_l1(const void *p)
+{
+        asm volatile("{ .reg .u32 t; ld.global.ca.u32 t, [%0]; }" : : "l"(p) : "memory");
+}
 
 /* Nanoseconds of the GPU's global timer. It ticks coarsely (about a microsecond) but is the same
  * clock on every SM, which is what a deadline needs. */
@@ -135,6 +142,8 @@ static __device__ __forceinline__ uint64_t epd_globaltimer_ns(void)
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
         return t;
 }
+
+/* ---- bounded waits ---- */
 
 enum epd_wait_scope {
         EPD_WAIT_GPU = 0, /* the signaller runs on this GPU */
