@@ -27,7 +27,7 @@
 #include "routing.h"
 
 #define CX_THREADS 512
-#define CX_COPY_UNROLL 4
+#define CX_COPY_UNROLL 8
 
 static __device__ __forceinline__ int64_t load_topk(const void *p, enum epd_dtype dtype,
                                                     uint64_t i)
@@ -399,24 +399,29 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
         return 0;
 }
 
+/* The threads that move one token together: the whole block, or one warp. */
+struct cx_crew {
+        uint32_t id, size;
+};
+
 /* Copies one row of scale_bytes of recv_scales: in 32-bit words when it is a whole number of them
  * (every row then starts 4-byte aligned), else byte by byte (ue8m0 rows of H/128 bytes). */
-static __device__ __forceinline__ void copy_scales(uint8_t *dst, const uint8_t *src,
-                                                   uint32_t scale_bytes)
+static __device__ __forceinline__ void copy_scales(struct cx_crew c, uint8_t *dst,
+                                                   const uint8_t *src, uint32_t scale_bytes)
 {
         if (scale_bytes % 4 == 0) {
-                for (uint32_t i = threadIdx.x; i < scale_bytes / 4; i += blockDim.x)
+                for (uint32_t i = c.id; i < scale_bytes / 4; i += c.size)
                         ((uint32_t *)dst)[i] = ((const uint32_t *)src)[i];
         } else {
-                for (uint32_t i = threadIdx.x; i < scale_bytes; i += blockDim.x)
+                for (uint32_t i = c.id; i < scale_bytes; i += c.size)
                         dst[i] = src[i];
         }
 }
 
-/* Moves one token to all its rows. src/src_scales: the token's payload (the fp8 conversion in
+/* Moves one token to all its rows, by crew c. src/src_scales: the token's payload (the fp8 conversion in
  * shared memory when quantizing). row_bytes is a multiple of 16 and src 16-byte aligned;
  * src_scales holds one recv_scales row of sbytes (cx_op_scale_bytes). */
-static __device__ void copy_token(const struct epd_cx_group *g,
+static __device__ void copy_token(struct cx_crew c, const struct epd_cx_group *g,
                                   const struct epd_cxk_dispatch_args *a, const struct cx_handle *h,
                                   const int32_t *htopk, const int32_t *hrow, uint32_t t,
                                   const uint8_t *src,
@@ -433,12 +438,12 @@ static __device__ void copy_token(const struct epd_cx_group *g,
          * are in flight together and the source is read once, not once per row. */
         const uint32_t n16 = row_bytes / 16;
 
-        for (uint32_t base = 0; base < n16; base += blockDim.x * CX_COPY_UNROLL) {
+        for (uint32_t base = 0; base < n16; base += c.size * CX_COPY_UNROLL) {
                 int4 v[CX_COPY_UNROLL];
 
 #pragma unroll
                 for (uint32_t j = 0; j < CX_COPY_UNROLL; j++) {
-                        uint32_t i = base + threadIdx.x + j * blockDim.x;
+                        uint32_t i = base + c.id + j * c.size;
 
                         if (i < n16)
                                 v[j] = ((const int4 *)src)[i];
@@ -453,7 +458,7 @@ static __device__ void copy_token(const struct epd_cx_group *g,
                                        (uint64_t)r * row_bytes);
 #pragma unroll
                         for (uint32_t j = 0; j < CX_COPY_UNROLL; j++) {
-                                uint32_t i = base + threadIdx.x + j * blockDim.x;
+                                uint32_t i = base + c.id + j * c.size;
 
                                 if (i < n16)
                                         dst[i] = v[j];
@@ -469,12 +474,12 @@ static __device__ void copy_token(const struct epd_cx_group *g,
                         continue;
                 d = epd_route_expert_rank(sel[k], L);
                 b = g->bufs[d];
-                copy_scales(b + l->recv_scales + (uint64_t)r * sbytes, src_scales, sbytes);
-                if (threadIdx.x == 0)
+                copy_scales(c, b + l->recv_scales + (uint64_t)r * sbytes, src_scales, sbytes);
+                if (c.id == 0)
                         ((int64_t *)(b + l->recv_src))[r] =
                                 epd_route_global_src(g->rank, l->shape.max_tokens, t);
                 if (expand) {
-                        if (threadIdx.x == 0) {
+                        if (c.id == 0) {
                                 ((int32_t *)(b + l->recv_topk_slot))[r] = (int32_t)k;
                                 if (a->weights)
                                         ((float *)(b + l->recv_weights))[r] =
@@ -482,7 +487,7 @@ static __device__ void copy_token(const struct epd_cx_group *g,
                         }
                         continue;
                 }
-                for (uint32_t j = threadIdx.x; j < K; j += blockDim.x) {
+                for (uint32_t j = c.id; j < K; j += c.size) {
                         int on_d = sel[j] >= 0 && epd_route_expert_rank(sel[j], L) == d;
                         int64_t v = on_d ? sel[j] - (int64_t)d * L : -1;
                         uint8_t *out = b + l->recv_topk_idx + ((uint64_t)r * K + j) * esz;
@@ -580,7 +585,16 @@ cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_ar
                 uint8_t *qrow = (uint8_t *)dyn;
                 uint8_t *qscales = qrow + (a.quantize ? row_bytes : 0);
 
-                for (uint32_t t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+                /* Without quantizing, a warp per token: every warp's loads are in flight at
+                 * once, where a block per token would leave most of an fp8 row's block idle. */
+                const uint32_t warps = blockDim.x / 32u;
+
+                for (uint32_t t = blockIdx.x * warps + threadIdx.x / 32u;
+                     !a.quantize && t < a.num_tokens; t += gridDim.x * warps)
+                        copy_token({ threadIdx.x % 32u, 32u }, &g, &a, h, htopk, hrow, t,
+                                   (const uint8_t *)a.x + t * xs,
+                                   (const uint8_t *)a.scales + t * ss, row_bytes, sbytes);
+                for (uint32_t t = blockIdx.x; a.quantize && t < a.num_tokens; t += gridDim.x) {
                         const uint8_t *x = (const uint8_t *)a.x + t * xs;
                         const uint8_t *src = x;
                         const uint8_t *src_scales = (const uint8_t *)a.scales + t * ss;
@@ -601,8 +615,8 @@ cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_ar
                                 src = qrow;
                                 src_scales = qscales;
                         }
-                        copy_token(&g, &a, h, htopk, hrow, t, src, src_scales, row_bytes,
-                                   sbytes);
+                        copy_token({ threadIdx.x, blockDim.x }, &g, &a, h, htopk, hrow, t, src,
+                                   src_scales, row_bytes, sbytes);
                         __syncthreads(); /* the shared row is rewritten by the next token */
                 }
                 if (a.layout == EPD_LAYOUT_EXPAND)
