@@ -456,6 +456,19 @@ EPD_HD int32_t *cx_handle_i32(uint8_t *base, const struct cx_layout *l, uint32_t
 
 /* ---- what every rank computes alike from the count records ---- */
 
+/* Selections of destination d's local expert j from every source, in the records of parity
+ * p. */
+EPD_HD int32_t cx_expert_selections(uint8_t *base, const struct cx_layout *l, uint32_t parity,
+                                    uint32_t d, uint32_t j)
+{
+        const uint32_t R = l->shape.world_size, L = l->num_local_experts;
+        int32_t n = 0;
+
+        for (uint32_t s = 0; s < R; s++)
+                n += cx_count_sel(cx_count_rec_at(base, l, parity, s), l)[d * L + j];
+        return n;
+}
+
 /* The rows destination d needs for a dispatch of the given layout, alignment and block rows,
  * from the count records in recs (slot [parity][0 .. R-1] of any rank's buffer: every source
  * writes the same record to every rank). With block rows C, *short_expert is the first local
@@ -474,10 +487,8 @@ EPD_HD int64_t cx_rows_needed(uint8_t *base, const struct cx_layout *l, uint32_t
                 return rows;
         }
         for (uint32_t j = 0; j < L; j++) {
-                int64_t n = 0;
+                int64_t n = cx_expert_selections(base, l, parity, d, j);
 
-                for (uint32_t s = 0; s < R; s++)
-                        n += cx_count_sel(cx_count_rec_at(base, l, parity, s), l)[d * L + j];
                 n = (int64_t)epd_route_align_up((uint64_t)n, alignment);
                 if (block_rows && n > block_rows && *short_expert < 0)
                         *short_expert = (int32_t)j;
@@ -494,43 +505,67 @@ EPD_HD int32_t cx_block_base(uint32_t j, uint32_t block_rows, int32_t packed_bas
 }
 
 /* The counts of docs/semantics.md §2.3 for destination d into handle slot h of base (d's own
- * buffer), from the count records of parity p in the same buffer. */
-EPD_HD void cx_write_counts(uint8_t *base, const struct cx_layout *l, uint32_t parity,
-                            uint32_t d, uint32_t handle, uint32_t alignment, uint32_t block_rows)
+ * buffer), from the count records of parity p in the same buffer, in two parts so that a GPU
+ * block can spread the first over its threads: cx_write_counts_cols writes column e of the rank
+ * prefix matrix and local expert j's counts for e, j = first, first + step, ...; then, once
+ * every column is written, cx_write_counts_bases writes the rank prefix, the expert bases and
+ * the totals. cx_write_counts does both. */
+EPD_HD void cx_write_counts_cols(uint8_t *base, const struct cx_layout *l, uint32_t parity,
+                                 uint32_t d, uint32_t handle, uint32_t alignment, uint32_t first,
+                                 uint32_t step)
+{
+        const uint32_t R = l->shape.world_size, L = l->num_local_experts;
+        int32_t *per = cx_handle_i32(base, l, handle, l->h_per_expert);
+        int32_t *aligned = cx_handle_i32(base, l, handle, l->h_per_expert_aligned);
+        int32_t *matrix = cx_handle_i32(base, l, handle, l->h_rank_matrix);
+
+        /* Every source's record holds its tokens for every destination. */
+        for (uint32_t e = first; e < R; e += step) {
+                int32_t acc = 0;
+
+                for (uint32_t s = 0; s < R; s++) {
+                        acc += cx_count_tok(cx_count_rec_at(base, l, parity, s))[e];
+                        matrix[s * R + e] = acc;
+                }
+        }
+        for (uint32_t j = first; j < L; j += step) {
+                int32_t n = cx_expert_selections(base, l, parity, d, j);
+
+                per[j] = n;
+                aligned[j] = (int32_t)epd_route_align_up((uint64_t)n, alignment);
+        }
+}
+
+EPD_HD void cx_write_counts_bases(uint8_t *base, const struct cx_layout *l, uint32_t parity,
+                                  uint32_t d, uint32_t handle, uint32_t block_rows)
 {
         const uint32_t R = l->shape.world_size, L = l->num_local_experts;
         struct cx_handle *h = cx_handle_at(base, l, handle);
-        int32_t *per = cx_handle_i32(base, l, handle, l->h_per_expert);
-        int32_t *aligned = cx_handle_i32(base, l, handle, l->h_per_expert_aligned);
+        const int32_t *aligned = cx_handle_i32(base, l, handle, l->h_per_expert_aligned);
         int32_t *prefix = cx_handle_i32(base, l, handle, l->h_rank_prefix);
         int32_t *ebase = cx_handle_i32(base, l, handle, l->h_expert_base);
-        int32_t *matrix = cx_handle_i32(base, l, handle, l->h_rank_matrix);
         int32_t acc = 0;
 
         for (uint32_t s = 0; s < R; s++) {
-                const int32_t *tok = cx_count_tok(cx_count_rec_at(base, l, parity, s));
-
                 prefix[s] = acc;
-                acc += tok[d];
-                /* Every source's record holds its tokens for every destination. */
-                for (uint32_t e = 0; e < R; e++)
-                        matrix[s * R + e] = (s ? matrix[(s - 1) * R + e] : 0) + tok[e];
+                acc += cx_count_tok(cx_count_rec_at(base, l, parity, s))[d];
         }
         prefix[R] = acc;
         h->num_recv_tokens = acc;
         acc = 0;
         for (uint32_t j = 0; j < L; j++) {
-                int32_t n = 0;
-
-                for (uint32_t s = 0; s < R; s++)
-                        n += cx_count_sel(cx_count_rec_at(base, l, parity, s), l)[d * L + j];
-                per[j] = n;
-                aligned[j] = (int32_t)epd_route_align_up((uint64_t)n, alignment);
                 ebase[j] = cx_block_base(j, block_rows, acc);
                 acc += aligned[j];
         }
         ebase[L] = cx_block_base(L, block_rows, acc);
         h->num_expanded_rows = ebase[L];
+}
+
+EPD_HD void cx_write_counts(uint8_t *base, const struct cx_layout *l, uint32_t parity,
+                            uint32_t d, uint32_t handle, uint32_t alignment, uint32_t block_rows)
+{
+        cx_write_counts_cols(base, l, parity, d, handle, alignment, 0, 1);
+        cx_write_counts_bases(base, l, parity, d, handle, block_rows);
 }
 
 /* The signature of an op: what docs/semantics.md section 1 says must match across ranks. */

@@ -98,7 +98,7 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
  * added in top-k order, so each channel's sum is the one combine_token computes one channel at a
  * time: the same fp32 operations in the same order. w: the token's K weights, or NULL. Needs H a
  * multiple of 8 and 16-byte aligned y rows, output and biases (combine_vec8_ok). */
-static __device__ void combine_token_vec8(const struct epd_cx_group *g,
+static __device__ void combine_token_vec8(struct cx_crew cr, const struct epd_cx_group *g,
                                           const struct epd_cxk_combine_args *a,
                                           const int32_t *sel, const int32_t *rows,
                                           const float *w, uint32_t K, uint32_t t)
@@ -106,7 +106,7 @@ static __device__ void combine_token_vec8(const struct epd_cx_group *g,
         const struct cx_layout *l = &g->layout;
         const uint32_t L = l->num_local_experts, H8 = l->shape.hidden / 8;
 
-        for (uint32_t c8 = threadIdx.x; c8 < H8; c8 += blockDim.x) {
+        for (uint32_t c8 = cr.id; c8 < H8; c8 += cr.size) {
                 float acc[8];
 
 #pragma unroll
@@ -183,7 +183,7 @@ static __device__ int combine_vec8_ok(const struct epd_cx_group *g,
 
 /* One source token: its contributions in top-k order, reduced as docs/semantics.md section 3
  * says. */
-static __device__ void combine_token(const struct epd_cx_group *g,
+static __device__ void combine_token(struct cx_crew cr, const struct epd_cx_group *g,
                                      const struct epd_cxk_combine_args *a,
                                      const struct cx_handle *h, const int32_t *htopk,
                                      const int32_t *hrow, const float *hw, uint32_t t, int vec8)
@@ -195,8 +195,8 @@ static __device__ void combine_token(const struct epd_cx_group *g,
         const int weighted = a->apply_weights && w;
 
         if (vec8)
-                combine_token_vec8(g, a, sel, rows, weighted ? w + (uint64_t)t * K : NULL, K, t);
-        for (uint32_t c = threadIdx.x; c < H && !vec8; c += blockDim.x) {
+                combine_token_vec8(cr, g, a, sel, rows, weighted ? w + (uint64_t)t * K : NULL, K, t);
+        for (uint32_t c = cr.id; c < H && !vec8; c += cr.size) {
                 float acc = +0.0f;
 
                 for (uint32_t k = 0; k < K; k++) {
@@ -222,7 +222,7 @@ static __device__ void combine_token(const struct epd_cx_group *g,
         }
         if (!a->combined_topk_weights)
                 return;
-        for (uint32_t k = threadIdx.x; k < K; k += blockDim.x) {
+        for (uint32_t k = cr.id; k < K; k += cr.size) {
                 float out = 0.0f;
 
                 if (a->recv_weights) {
@@ -291,8 +291,14 @@ cx_combine_kernel(const struct epd_cx_group g, const struct epd_cxk_combine_args
 
                 const int vec8 = combine_vec8_ok(&g, &a);
 
-                for (uint32_t t = blockIdx.x; t < h->num_tokens; t += gridDim.x)
-                        combine_token(&g, &a, h, htopk, hrow, hw, t, vec8);
+                const uint32_t warps = blockDim.x / 32u;
+
+                /* A warp per token: every warp's loads are in flight at once, with no block-wide
+                 * step between tokens. */
+                for (uint32_t t = blockIdx.x * warps + threadIdx.x / 32u; t < h->num_tokens;
+                     t += gridDim.x * warps)
+                        combine_token({ threadIdx.x % 32u, 32u }, &g, &a, h, htopk, hrow, hw, t,
+                                      vec8);
         }
 
         /* Every block's reads of the peers' y are done (the barrier orders them before block 0

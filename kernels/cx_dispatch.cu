@@ -146,39 +146,42 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
         if (sm->early)
                 return sm->early; /* cx_op_admit described it in sm->st */
 
-        /* Validate and normalise, then count. The first bad entry (lowest t * K + k) is the
-         * verdict's, as the host plan reports it. */
+        /* Validate and normalise, then count, in one pass with a thread per token and its row
+         * in registers: the first bad entry (lowest t * K + k: an id out of range, or one its
+         * token chose at an earlier position) is the verdict's, as the host plan reports it.
+         * The counts of a token with a bad entry are wrong but never published: a failed op
+         * sends zeros. */
         if (sm->head.status == 0) {
-                for (uint32_t i = threadIdx.x; i < N * K; i += blockDim.x) {
-                        int64_t v = a->cached ? htopk[i] : load_topk(a->topk_idx, a->topk_dtype, i);
+                for (uint32_t t = threadIdx.x; t < N; t += blockDim.x) {
+                        int32_t row[32]; /* max_topk is at most 32 (cx_shape_check) */
+                        int first_bad = -1;
 
-                        if (v < -1 || v >= (int64_t)E)
-                                atomicMin(&sm->bad, (int)i);
-                        else if (!a->cached)
-                                htopk[i] = (int32_t)v;
-                }
-                __syncthreads();
-                for (uint32_t i = threadIdx.x; i < N * K; i += blockDim.x) {
-                        uint32_t t = i / K, k = i % K;
+                        for (uint32_t k = 0; k < K; k++) {
+                                uint64_t i = (uint64_t)t * K + k;
+                                int64_t v = a->cached ? htopk[i]
+                                                      : load_topk(a->topk_idx, a->topk_dtype, i);
+                                int ok = v >= -1 && v < (int64_t)E;
 
-                        if (htopk[i] < 0 || (int)i > sm->bad)
-                                continue;
-                        for (uint32_t j = 0; j < k; j++)
-                                if (htopk[t * K + j] == htopk[i])
-                                        atomicMin(&sm->bad, (int)i);
-                }
-                __syncthreads();
-                if (sm->bad == INT_MAX) {
-                        for (uint32_t i = threadIdx.x; i < N * K; i += blockDim.x) {
-                                int32_t v = htopk[i];
-
-                                if (v < 0)
+                                row[k] = ok ? (int32_t)v : -1;
+                                if (!a->cached)
+                                        htopk[i] = row[k];
+                                if (!ok && first_bad < 0)
+                                        first_bad = (int)k;
+                                if (!ok || v < 0)
                                         continue;
+                                for (uint32_t j = 0; j < k && first_bad < 0; j++)
+                                        if (row[j] == (int32_t)v)
+                                                first_bad = (int)k;
                                 atomicAdd(&sm->sel[v], 1);
-                                if (epd_route_is_first_for_rank(htopk + (i / K) * K, i % K, L))
-                                        atomicAdd(&sm->tok[epd_route_expert_rank(v, L)], 1);
+                                if (epd_route_is_first_for_rank(row, k, L))
+                                        atomicAdd(&sm->tok[epd_route_expert_rank((int32_t)v, L)],
+                                                  1);
                         }
-                } else if (threadIdx.x == 0) {
+                        if (first_bad >= 0)
+                                atomicMin(&sm->bad, (int)(t * K + (uint32_t)first_bad));
+                }
+                __syncthreads();
+                if (sm->bad != INT_MAX && threadIdx.x == 0) {
                         int64_t v = a->cached ? htopk[sm->bad]
                                               : load_topk(a->topk_idx, a->topk_dtype, sm->bad);
 
@@ -378,11 +381,12 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
         if (a->weights)
                 for (uint32_t i = threadIdx.x; i < N * K; i += blockDim.x)
                         ((float *)cx_handle_i32(own, l, handle, l->h_weights))[i] = a->weights[i];
+        cx_write_counts_cols(own, l, o->parity, me, handle, A, threadIdx.x, blockDim.x);
         __syncthreads();
         if (threadIdx.x == 0) {
                 struct cx_handle *h = cx_handle_at(own, l, handle);
 
-                cx_write_counts(own, l, o->parity, me, handle, A, C);
+                cx_write_counts_bases(own, l, o->parity, me, handle, C);
                 h->layout = (uint32_t)a->layout;
                 h->num_topk = K;
                 h->num_tokens = N;
@@ -398,11 +402,6 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
         __syncthreads();
         return 0;
 }
-
-/* The threads that move one token together: the whole block, or one warp. */
-struct cx_crew {
-        uint32_t id, size;
-};
 
 /* Copies one row of scale_bytes of recv_scales: in 32-bit words when it is a whole number of them
  * (every row then starts 4-byte aligned), else byte by byte (ue8m0 rows of H/128 bytes). */

@@ -15,6 +15,11 @@
 #include "cx_layout.h"
 #include "cx_sync.cuh"
 
+/* The threads that move or reduce one token together: the whole block, or one warp. */
+struct cx_crew {
+        uint32_t id, size;
+};
+
 struct cx_dev_op {
         uint64_t epoch, op, tag, seq;
         uint32_t parity;

@@ -431,7 +431,11 @@ static int cx_bind_check(struct epdd_group *g, struct epdd_client *c, uint32_t r
         }
         if (g->cx)
                 return 0;
-        want = g->cfg.sms_per_rank ? g->cfg.sms_per_rank : (sms / R ? sms / R : 1);
+        /* By default the group's kernels take at most half the GPU's SMs: a rank's kernel
+         * holds its SMs while it waits for its peers, and a peer's own work queued before its
+         * launch (a GEMM that needs whole SMs) must still find SMs to run on, or the peer never
+         * launches and the op times out. */
+        want = g->cfg.sms_per_rank ? g->cfg.sms_per_rank : (sms / (2 * R) ? sms / (2 * R) : 1);
         if (want > CX_MAX_BLOCKS)
                 want = CX_MAX_BLOCKS;
         if (sms && (uint64_t)want * R > sms) {
