@@ -339,6 +339,13 @@ static int run_round(struct worker *w, uint32_t round)
                                              c->name, round, w->me, st.kind_ops[0],
                                              w->dispatches_ok, sum, w->dispatch_ns, t1 - t0);
                 w->dispatch_ns = sum;
+                /* The op's window is on CLOCK_MONOTONIC (host backend), within the call. */
+                if (!failed && (st.start_ns > st.end_ns || st.start_ns / 1000000 < t0 ||
+                                st.end_ns / 1000000 > t1))
+                        failed = worker_fail(w, "%s round %u rank %u: the op's window %" PRIu64
+                                             " .. %" PRIu64 " ns is not within the call, %" PRIu64
+                                             " .. %" PRIu64 " ms", c->name, round, w->me,
+                                             st.start_ns, st.end_ns, t0, t1);
         }
         w->ops++;
         if (!failed)
