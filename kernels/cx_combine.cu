@@ -291,14 +291,14 @@ cx_combine_kernel(const struct epd_cx_group g, const struct epd_cxk_combine_args
 
                 const int vec8 = combine_vec8_ok(&g, &a);
 
-                const uint32_t warps = blockDim.x / 32u;
+                const uint32_t size = cx_crew_size(h->num_tokens), crews = blockDim.x / size;
 
-                /* A warp per token: every warp's loads are in flight at once, with no block-wide
-                 * step between tokens. */
-                for (uint32_t t = blockIdx.x * warps + threadIdx.x / 32u; t < h->num_tokens;
-                     t += gridDim.x * warps)
-                        combine_token({ threadIdx.x % 32u, 32u }, &g, &a, h, htopk, hrow, hw, t,
-                                      vec8);
+                /* A crew per token (cx_crew_size): a whole block for a few tokens, down to a
+                 * warp each for many, with no block-wide step between tokens. */
+                for (uint32_t t = blockIdx.x * crews + threadIdx.x / size; t < h->num_tokens;
+                     t += gridDim.x * crews)
+                        combine_token({ threadIdx.x % size, size }, &g, &a, h, htopk, hrow, hw,
+                                      t, vec8);
         }
 
         /* Every block's reads of the peers' y are done (the barrier orders them before block 0

@@ -584,13 +584,14 @@ cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_ar
                 uint8_t *qrow = (uint8_t *)dyn;
                 uint8_t *qscales = qrow + (a.quantize ? row_bytes : 0);
 
-                /* Without quantizing, a warp per token: every warp's loads are in flight at
-                 * once, where a block per token would leave most of an fp8 row's block idle. */
-                const uint32_t warps = blockDim.x / 32u;
+                /* Without quantizing, a crew per token (cx_crew_size): down to a warp each when
+                 * there are many, so that their loads are in flight at once, where a block per
+                 * token would leave most of an fp8 row's block idle. */
+                const uint32_t size = cx_crew_size(a.num_tokens), crews = blockDim.x / size;
 
-                for (uint32_t t = blockIdx.x * warps + threadIdx.x / 32u;
-                     !a.quantize && t < a.num_tokens; t += gridDim.x * warps)
-                        copy_token({ threadIdx.x % 32u, 32u }, &g, &a, h, htopk, hrow, t,
+                for (uint32_t t = blockIdx.x * crews + threadIdx.x / size;
+                     !a.quantize && t < a.num_tokens; t += gridDim.x * crews)
+                        copy_token({ threadIdx.x % size, size }, &g, &a, h, htopk, hrow, t,
                                    (const uint8_t *)a.x + t * xs,
                                    (const uint8_t *)a.scales + t * ss, row_bytes, sbytes);
                 for (uint32_t t = blockIdx.x; a.quantize && t < a.num_tokens; t += gridDim.x) {

@@ -15,10 +15,24 @@
 #include "cx_layout.h"
 #include "cx_sync.cuh"
 
-/* The threads that move or reduce one token together: the whole block, or one warp. */
+/* The threads that move or reduce one token together: the whole block, or a part of it. */
 struct cx_crew {
         uint32_t id, size;
 };
+
+/* The crew size for n tokens over the grid: as wide as lets every token of a block have its own
+ * crew at once, a power of two from a warp to the whole block (blockDim.x a power of two). Wide
+ * crews keep a few tokens' loads in flight; narrow ones keep many tokens going without a
+ * block-wide step between them. */
+static __device__ __forceinline__ uint32_t cx_crew_size(uint32_t n)
+{
+        const uint32_t per_block = (n + gridDim.x - 1) / gridDim.x;
+        uint32_t size = blockDim.x;
+
+        while (size > 32u && blockDim.x / size < per_block)
+                size /= 2u;
+        return size;
+}
 
 struct cx_dev_op {
         uint64_t epoch, op, tag, seq;
