@@ -135,8 +135,8 @@ struct sample {
 
 /* --execution client on cuda: the start gate every rank's stream waits on before each op, so
  * that the op starts on every rank at once, after every rank's L2 flush, however late the
- * processes' launches are (docs/benchmarks.md). One page of the shared samples mapping,
- * registered with CUDA by each worker. */
+ * processes' launches are (docs/benchmarks.md), and what each rank reports at its end. One page
+ * of the shared samples mapping, registered with CUDA by each worker. */
 struct cx_gate {
         uint64_t armed;         /* launches made, every rank, every op (atomic) */
         uint64_t pad[7];
@@ -144,6 +144,9 @@ struct cx_gate {
         uint64_t pad2[7];
         /* Each rank's launch floor (bench/launch_floor.cu), us, measured after its ops. */
         double launch_floor_us[64];
+        /* Each rank's mean time per OK dispatch in each part of its first phase
+         * (epd_cx_status.dispatch_first_ns), us. */
+        double first_us[64][6];
 };
 
 struct bench {

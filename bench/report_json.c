@@ -250,6 +250,20 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
                                                                b->cx_phase_us[r][k][2]));
                 json_object_set_new(o, "client_phase_us_per_rank", ranks);
         }
+        if (b->device_window && k == OP_DISPATCH) {
+                /* Dispatch's first phase in parts, per rank (epd_cx_status.dispatch_first_ns). */
+                json_t *ranks = json_array();
+
+                for (uint32_t r = 0; r < b->R && r < 64; r++) {
+                        const double *u = b->gate->first_us[r];
+
+                        json_array_append_new(ranks, json_pack("{s:f,s:f,s:f,s:f,s:f,s:f}",
+                                                               "check", u[0], "publish", u[1],
+                                                               "wait", u[2], "verdict", u[3],
+                                                               "place", u[4], "counts", u[5]));
+                }
+                json_object_set_new(o, "client_dispatch_first_us_per_rank", ranks);
+        }
         s = json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER);
         if (s)
                 printf("%s\n", s);

@@ -230,6 +230,22 @@ void print_table(const struct bench *b, const struct run_info *ri, FILE *f)
                            "%.1f, rows moved %.1f, end signals %.1f\n",
                         names[k], ph[0], ph[1], ph[2]);
         }
+        if (b->device_window) {
+                static const char *parts[6] = { "inputs checked", "record sent",
+                                                 "records here", "verdict", "rows placed",
+                                                 "counts written" };
+                unsigned n = b->R < 64 ? b->R : 64;
+
+                fprintf(f, "  dispatch's first phase in parts, mean over ranks and ops (us):");
+                for (int i = 0; i < 6; i++) {
+                        double m = 0;
+
+                        for (unsigned r = 0; r < n; r++)
+                                m += b->gate->first_us[r][i] / n;
+                        fprintf(f, "%s %s %.1f", i ? "," : "", parts[i], m);
+                }
+                fprintf(f, "\n");
+        }
         if (b->device_window)
                 fprintf(f, "  launch floor (an empty kernel, launch to synchronised, median over "
                            "ranks): %.1f us, the least last-sub can be\n",

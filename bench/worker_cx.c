@@ -243,6 +243,11 @@ int worker_run_cx(struct bench *b, uint32_t rank)
                                                                     (double)st.kind_ops[k]
                                                           : 0.0;
                 memcpy(b->cx_phase_us[rank], us, sizeof(us));
+                for (int i = 0; gated && rank < 64 && i < 6; i++)
+                        b->gate->first_us[rank][i] =
+                                st.kind_ops[0] ? st.dispatch_first_ns[i] / 1e3 /
+                                                         (double)st.kind_ops[0]
+                                               : 0.0;
         }
         if (gated && rank < 64 &&
             wc_launch_floor(&wc, 200, &b->gate->launch_floor_us[rank], err, sizeof(err)) < 0)

@@ -403,6 +403,13 @@ int epd_cx_status(struct epd_group *group, struct epd_cx_status *out)
                               "epd_cx_status.phase_ns mirrors cx_stats.phase_ns");
                 memcpy(out->kind_ops, stats.kind_ops, sizeof(out->kind_ops));
                 memcpy(out->phase_ns, stats.phase_ns, sizeof(out->phase_ns));
+                if (out->size >= offsetof(struct epd_cx_status, dispatch_first_ns) +
+                                         sizeof(out->dispatch_first_ns)) {
+                        static_assert(sizeof(out->dispatch_first_ns) == sizeof(stats.first_ns),
+                                      "epd_cx_status.dispatch_first_ns mirrors cx_stats.first_ns");
+                        memcpy(out->dispatch_first_ns, stats.first_ns,
+                               sizeof(out->dispatch_first_ns));
+                }
         }
         if (out->size >= offsetof(struct epd_cx_status, end_ns) + sizeof(out->end_ns)) {
                 out->start_ns = st.start_ns;

@@ -103,6 +103,12 @@ enum cx_shape_error {
  * reduced (the grid barrier after the copy), to its end (every peer's done flags or acks). */
 enum { CX_PHASE_EXCHANGE, CX_PHASE_MOVE, CX_PHASE_FINISH, CX_PHASES };
 
+/* Dispatch's first phase on the GPU (block 0), in parts, each up to: this rank's inputs checked
+ * and counted; its count record sent to every rank; every rank's record here; the verdict; the
+ * rows placed; the handle's counts written. The host backend does not split it. */
+enum { CX_FIRST_CHECK, CX_FIRST_PUBLISH, CX_FIRST_WAIT, CX_FIRST_VERDICT, CX_FIRST_PLACE,
+       CX_FIRST_COUNTS, CX_FIRST_PARTS };
+
 struct cx_stats {
         uint64_t ops;           /* ops that ended OK */
         uint64_t rows;          /* rows this rank received (dispatch) or reduced (combine) */
@@ -110,6 +116,8 @@ struct cx_stats {
         uint64_t failures;      /* ops that ended with another status */
         uint64_t kind_ops[2];   /* of ops: dispatches, combines */
         uint64_t phase_ns[2][CX_PHASES]; /* their time in each phase, summed, ns */
+        uint64_t first_ns[CX_FIRST_PARTS]; /* OK dispatches on the GPU: their first phase's
+                                            * parts, summed, ns */
 };
 
 /* The end of one op, in the status ring at op % CX_STATUS_RING, and the sticky failure. tag is

@@ -576,6 +576,11 @@ struct epd_cx_status {
          * sharing it compare; host backend: CLOCK_MONOTONIC). */
         uint64_t start_ns;
         uint64_t end_ns;
+        /* Read when size covers it: cuda only (0 on the host backend), this rank's OK
+         * dispatches' first phase ([0] of phase_ns) in parts, summed, ns: its inputs checked
+         * and counted; its count record sent; every rank's record here; the verdict; its rows
+         * placed; the handle's counts written. */
+        uint64_t dispatch_first_ns[6];
 };
 /* The rank's most recent op (the host: the one that last returned; cuda: synchronise the
  * stream first). EPD_NOT_FOUND when the rank has run no op since the group formed. */

@@ -194,6 +194,7 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
                 }
         }
         __syncthreads();
+        cx_first_stamp(o, CX_FIRST_CHECK);
 
         /* The count record to every rank: body, then (after a fence at the group's scope) the
          * tag, released at each reader's scope. */
@@ -216,6 +217,7 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
                         cx_signal(g, d, &cx_count_rec_at(g->bufs[d], l, o->parity, me)->tag,
                                   o->tag);
         }
+        cx_first_stamp(o, CX_FIRST_PUBLISH);
         {
                 int r = cx_wait_all(g, l->count_recs, l->count_rec_bytes, o->parity, o->tag, &who);
 
@@ -228,6 +230,7 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
                         return r;
                 }
         }
+        cx_first_stamp(o, CX_FIRST_WAIT);
 
         /* Every thread reads the records once, after the acquires above (ordered before these
          * loads by cx_wait_all's bar.sync), so that the serial reads of thread 0 below hit this
@@ -254,6 +257,7 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
         if (threadIdx.x == 0)
                 cx_dispatch_verdict(own, l, o->parity, sm->need, sm->short_expert, &sm->st);
         __syncthreads();
+        cx_first_stamp(o, CX_FIRST_VERDICT);
         if (sm->st.status)
                 return sm->st.status;
 
@@ -378,6 +382,7 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
                         __syncthreads(); /* the tile is rewritten next */
                 }
         }
+        cx_first_stamp(o, CX_FIRST_PLACE);
         if (a->weights)
                 for (uint32_t i = threadIdx.x; i < N * K; i += blockDim.x)
                         ((float *)cx_handle_i32(own, l, handle, l->h_weights))[i] = a->weights[i];
@@ -400,6 +405,7 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
                 h->tag = o->tag;
         }
         __syncthreads();
+        cx_first_stamp(o, CX_FIRST_COUNTS);
         return 0;
 }
 

@@ -40,6 +40,7 @@ struct cx_dev_op {
         int numbered;        /* the op took a number (not refused by drain) */
         int kind;            /* 0 dispatch, 1 combine */
         uint64_t t[CX_PHASES + 1]; /* block 0's thread 0: the phases' bounds (cx_layout.h) */
+        uint64_t first[CX_FIRST_PARTS]; /* dispatch: the ends of its first phase's parts */
 };
 
 static __device__ __forceinline__ uint64_t cx_ld_relaxed_sys_u64(const uint64_t *p)
@@ -60,6 +61,8 @@ static __device__ __forceinline__ void cx_op_identity(const struct epd_cx_group 
         o->t[0] = epd_globaltimer_ns();
         for (int i = 1; i <= CX_PHASES; i++)
                 o->t[i] = 0;
+        for (int i = 0; i < CX_FIRST_PARTS; i++)
+                o->first[i] = 0;
 
         o->epoch = cx_ld_relaxed_sys_u64(&h->epoch);
         o->op = *(const volatile uint64_t *)&h->op_counter;
@@ -67,6 +70,13 @@ static __device__ __forceinline__ void cx_op_identity(const struct epd_cx_group 
         o->tag = cx_tag(o->epoch, o->op);
         o->parity = (uint32_t)(o->op & 1u);
         o->numbered = 1;
+}
+
+/* Block 0's thread 0: the end of part i of dispatch's first phase. */
+static __device__ __forceinline__ void cx_first_stamp(struct cx_dev_op *o, int i)
+{
+        if (threadIdx.x == 0)
+                o->first[i] = epd_globaltimer_ns();
 }
 
 static __device__ __forceinline__ void cx_status_set(struct cx_op_status *st, int32_t status,
@@ -124,6 +134,10 @@ static __device__ void cx_op_end(const struct epd_cx_group *g, const struct cx_d
                         for (int i = 0; i < CX_PHASES; i++)
                                 h->stats.phase_ns[o->kind][i] +=
                                         (i + 1 < CX_PHASES ? o->t[i + 1] : end) - o->t[i];
+                        for (int i = 0; o->kind == 0 && o->first[CX_FIRST_COUNTS] &&
+                                        i < CX_FIRST_PARTS; i++)
+                                h->stats.first_ns[i] += o->first[i] - (i ? o->first[i - 1]
+                                                                          : o->t[0]);
                 }
         } else {
                 h->stats.failures++;

@@ -296,6 +296,12 @@ class TestCxGroup(unittest.TestCase):
                 t0 = d0["exchange_ns"] + d0["move_ns"] + d0["finish_ns"]
                 t1 = d1["exchange_ns"] + d1["move_ns"] + d1["finish_ns"]
                 self.assertGreater(t1, t0)
+                # Each op's window, on the host's monotonic clock: the second after the first.
+                self.assertLessEqual(first["window"][0], first["window"][1])
+                self.assertLessEqual(first["window"][1], second["window"][0])
+                self.assertLessEqual(second["window"][0], second["window"][1])
+                # The first phase's parts are counted on the GPU only.
+                self.assertEqual(set(second["dispatch_first_ns"].values()), {0})
 
     def test_capacity_failure_is_collective_and_sticky(self):
         R, E, K, H, T = 2, 4, 2, 128, 8

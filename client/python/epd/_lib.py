@@ -337,6 +337,9 @@ class CxStatus(ctypes.Structure):
         ("message", ctypes.c_char * 256),
         ("kind_ops", _u64 * 2),
         ("phase_ns", (_u64 * 3) * 2),
+        ("start_ns", _u64),
+        ("end_ns", _u64),
+        ("dispatch_first_ns", _u64 * 6),
     ]
 
 
@@ -634,7 +637,7 @@ EXPECTED_SIZES = {
     ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 176, AdminStageStats: 24,
     AdminGroupStats: 88, AdminClientStats: 56, AdminDeviceStats: 48, AdminDaemonStats: 136,
     DrainResult: 16, ResizeRank: 48, ResizeInfo: 56, CxDispatchArgs: 128, CxCombineArgs: 80,
-    CxStatus: 344, CxCounts: 72, CxBuffers: 104,
+    CxStatus: 408, CxCounts: 72, CxBuffers: 104,
 }
 
 _c_void_pp = ctypes.POINTER(ctypes.c_void_p)

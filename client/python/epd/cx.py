@@ -570,7 +570,9 @@ def cx_status(group):
     """The rank's last op (epd_cx_status): a dict with ``op``, ``status`` (0 or a negative
     code), ``status_name`` and ``message``, and ``phases``: per kind (``dispatch``,
     ``combine``) the ops of this rank that ended OK and their summed time in each phase
-    (``exchange_ns``, ``move_ns``, ``finish_ns``; docs/client-execution.md). On cuda,
+    (``exchange_ns``, ``move_ns``, ``finish_ns``; docs/client-execution.md); ``window``: the
+    op's ``(start_ns, end_ns)`` on its executor's clock (cuda: the GPU's); and
+    ``dispatch_first_ns``: on cuda, the OK dispatches' first phase in parts (epd.h). On cuda,
     synchronise the stream first."""
     state(group)
     s = _lib.CxStatus(size=ctypes.sizeof(_lib.CxStatus))
@@ -579,7 +581,10 @@ def cx_status(group):
                      "move_ns": s.phase_ns[i][1], "finish_ns": s.phase_ns[i][2]}
               for i, kind in enumerate(("dispatch", "combine"))}
     return {"op": s.op, "status": s.status, "status_name": _lib.status_name(s.status),
-            "message": _lib.text(s.message), "phases": phases}
+            "message": _lib.text(s.message), "phases": phases,
+            "window": (s.start_ns, s.end_ns),
+            "dispatch_first_ns": {name: s.dispatch_first_ns[i] for i, name in enumerate(
+                ("check", "publish", "wait", "verdict", "place", "counts"))}}
 
 
 def cx_counts(group, handle):
