@@ -248,8 +248,10 @@ static __device__ void combine_token(struct cx_crew cr, const struct epd_cx_grou
         }
 }
 
+/* __grid_constant__ parameters, as cx_dispatch_kernel's: no per-thread copy. */
 __global__ void __launch_bounds__(CX_THREADS)
-cx_combine_kernel(const struct epd_cx_group g, const struct epd_cxk_combine_args a)
+cx_combine_kernel(const __grid_constant__ struct epd_cx_group g,
+                  const __grid_constant__ struct epd_cxk_combine_args a)
 {
         __shared__ struct cx_op_status st;
         __shared__ int s_verdict;

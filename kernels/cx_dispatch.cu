@@ -535,8 +535,11 @@ static __device__ void write_padding(const struct epd_cx_group *g,
         }
 }
 
+/* Both parameters are __grid_constant__: the kernel takes their addresses, which would otherwise
+ * make every thread copy them (about 1 KiB) to its local memory before anything else. */
 __global__ void __launch_bounds__(CX_THREADS)
-cx_dispatch_kernel(const struct epd_cx_group g, const struct epd_cxk_dispatch_args a)
+cx_dispatch_kernel(const __grid_constant__ struct epd_cx_group g,
+                   const __grid_constant__ struct epd_cxk_dispatch_args a)
 {
         extern __shared__ int4 dyn[]; /* quantizing: the token's fp8 row, then its scales row */
         __shared__ struct phase1_smem sm;
