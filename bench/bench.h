@@ -178,8 +178,11 @@ struct bench {
          * MAP_SHARED with the workers (part of the samples mapping). */
         double (*cx_phase_us)[2][3];
         struct cx_gate *gate;   /* page-aligned, in the samples mapping */
+        /* Client-executed on cuda with every rank on one GPU: the workers start each op at the
+         * gate and report their kernels' windows on that GPU's clock. */
+        int cx_one_gpu;
         /* The op time of a measured op is the device figure: the first rank's start to the last
-         * rank's end on the GPU's clock (client-executed, every rank on one GPU). */
+         * rank's end on the GPU's clock (cx_one_gpu, and every window reported). */
         int device_window;
         int (*to_parent)[2];    /* [R] pipes: a worker says it reached a sync point */
         int (*from_parent)[2];  /* [R] pipes: the parent lets it go on */

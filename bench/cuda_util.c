@@ -15,6 +15,15 @@
 #include "cudrv.h"
 #endif
 
+#ifndef EPD_BENCH_CUDA
+/* What every call answers in a build without CUDA. */
+static int no_cuda(char *err, size_t len)
+{
+        snprintf(err, len, "epd-bench was built without CUDA");
+        return -1;
+}
+#endif
+
 #ifdef EPD_BENCH_CUDA
 int cu_ok(cudaError_t e, const char *what, char *err, size_t len)
 {
@@ -57,8 +66,7 @@ int wcuda_init(struct wcuda *wc, const struct bench *b, uint32_t rank, char *err
         (void)wc;
         (void)b;
         (void)rank;
-        snprintf(err, len, "epd-bench was built without CUDA");
-        return -1;
+        return no_cuda(err, len);
 #endif
 }
 
@@ -119,8 +127,7 @@ int dev_alloc_register(struct epd_client *c, struct wcuda *wc, uint64_t bytes,
         (void)bytes;
         (void)out;
         (void)region;
-        snprintf(err, len, "epd-bench was built without CUDA");
-        return -1;
+        return no_cuda(err, len);
 #endif
 }
 
@@ -141,8 +148,7 @@ int dev_copy(void *dst, const void *src, uint64_t bytes, int kind, char *err, si
         (void)src;
         (void)bytes;
         (void)kind;
-        snprintf(err, len, "epd-bench was built without CUDA");
-        return -1;
+        return no_cuda(err, len);
 #endif
 }
 
@@ -156,8 +162,7 @@ int dev_fill(void *dst, int value, uint64_t bytes, char *err, size_t len)
         (void)dst;
         (void)value;
         (void)bytes;
-        snprintf(err, len, "epd-bench was built without CUDA");
-        return -1;
+        return no_cuda(err, len);
 #endif
 }
 
@@ -174,8 +179,7 @@ int dev_flush(struct wcuda *wc, uint32_t seq, char *err, size_t len)
 #else
         (void)wc;
         (void)seq;
-        snprintf(err, len, "epd-bench was built without CUDA");
-        return -1;
+        return no_cuda(err, len);
 #endif
 }
 
@@ -188,8 +192,7 @@ int wc_sync(struct wcuda *wc, char *err, size_t len)
         return cu_ok(cudaStreamSynchronize(wc->stream), "cudaStreamSynchronize", err, len);
 #else
         (void)wc;
-        snprintf(err, len, "epd-bench was built without CUDA");
-        return -1;
+        return no_cuda(err, len);
 #endif
 }
 
@@ -212,8 +215,7 @@ int wc_gate_init(struct wcuda *wc, struct cx_gate *gate, char *err, size_t len)
 #else
         (void)wc;
         (void)gate;
-        snprintf(err, len, "epd-bench was built without CUDA");
-        return -1;
+        return no_cuda(err, len);
 #endif
 }
 
@@ -232,8 +234,7 @@ int wc_gate_wait(struct wcuda *wc, uint64_t seq, char *err, size_t len)
 #else
         (void)wc;
         (void)seq;
-        snprintf(err, len, "epd-bench was built without CUDA");
-        return -1;
+        return no_cuda(err, len);
 #endif
 }
 
@@ -269,8 +270,7 @@ int wc_launch_floor(struct wcuda *wc, unsigned n, double *p50_us, char *err, siz
         (void)wc;
         (void)n;
         (void)p50_us;
-        snprintf(err, len, "epd-bench was built without CUDA");
-        return -1;
+        return no_cuda(err, len);
 #endif
 }
 
@@ -298,7 +298,6 @@ int stream_complete(struct wcuda *wc, struct epd_op *op, char *err, size_t len)
 #else
         (void)wc;
         (void)op;
-        snprintf(err, len, "epd-bench was built without CUDA");
-        return -1;
+        return no_cuda(err, len);
 #endif
 }

@@ -298,6 +298,8 @@ int main(int argc, char **argv)
         }
         b.cx_phase_us = (double (*)[2][3])(b.samples + (size_t)b.R * b.total_iters * 2);
         b.gate = (struct cx_gate *)((uint8_t *)b.samples + b.samples_bytes - 4096);
+        b.cx_one_gpu = b.opt.cuda && b.opt.execution == EPD_EXECUTION_CLIENT &&
+                       b.opt.devices == 1;
 
         if (b.opt.socket) {
                 snprintf(b.socket, sizeof(b.socket), "%s", b.opt.socket);
@@ -438,8 +440,7 @@ int main(int argc, char **argv)
         if (b.opt.cuda && !b.kernel_time)
                 fprintf(stderr, "epd-bench: WARNING: the CUDA backend reported no kernel time for "
                                 "some op; every op time falls back to exec_ns\n");
-        b.device_window = b.kernel_time && b.opt.execution == EPD_EXECUTION_CLIENT &&
-                          b.opt.devices == 1;
+        b.device_window = b.kernel_time && b.cx_one_gpu;
         for (uint32_t p = 0; p < b.num_phases; p++) {
                 op_stats(&b, p, OP_DISPATCH, &ri.st[p][OP_DISPATCH]);
                 op_stats(&b, p, OP_COMBINE, &ri.st[p][OP_COMBINE]);

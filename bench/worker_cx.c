@@ -99,7 +99,7 @@ int worker_run_cx(struct bench *b, uint32_t rank)
         if (epd_cx_buffers(group, &bufs) < 0)
                 WFAIL("epd_cx_buffers: %s", epd_client_last_error(client));
         /* Ranks sharing a GPU start each op together, after every rank's flush. */
-        gated = cuda && b->R > 1 && b->opt.devices == 1;
+        gated = b->cx_one_gpu;
         if (gated && wc_gate_init(&wc, b->gate, err, sizeof(err)) < 0)
                 WFAIL("%s", err);
 

@@ -134,10 +134,10 @@ static __device__ void cx_op_end(const struct epd_cx_group *g, const struct cx_d
                         for (int i = 0; i < CX_PHASES; i++)
                                 h->stats.phase_ns[o->kind][i] +=
                                         (i + 1 < CX_PHASES ? o->t[i + 1] : end) - o->t[i];
-                        for (int i = 0; o->kind == 0 && o->first[CX_FIRST_COUNTS] &&
-                                        i < CX_FIRST_PARTS; i++)
-                                h->stats.first_ns[i] += o->first[i] - (i ? o->first[i - 1]
-                                                                          : o->t[0]);
+                        if (o->kind == 0 && o->first[CX_FIRST_COUNTS])
+                                for (int i = 0; i < CX_FIRST_PARTS; i++)
+                                        h->stats.first_ns[i] +=
+                                                o->first[i] - (i ? o->first[i - 1] : o->t[0]);
                 }
         } else {
                 h->stats.failures++;
