@@ -224,6 +224,8 @@ struct epdd_backend {
         atomic_int running;           /* the executor runs an exec (executor.c) */
 };
 
+/* How long an exec waits for its inputs before the loop thread stops polling for it and the
+ * executor looks again only after growing pauses. */
 #define EPD_POLL_WAIT_NS 2000000ull
 
 /* Hands an exec to the backend (ops->submit) and starts the loop's polling. Loop thread. */

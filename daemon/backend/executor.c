@@ -99,14 +99,15 @@ static void *executor_main(void *arg)
                 if (!ex) {
                         /* Every queued exec waits for a client's inputs, which come without a
                          * wake-up (a stream-ordered client's stream stores inputs_ready). While
-                         * some exec has waited less than 2 ms (its client's kernels still
-                         * running, the usual case), look again every 10 us; once every one has
-                         * waited longer, after a pause that grows to 1 ms, so that a stalled
-                         * client costs the daemon, and the clients beside it, little CPU. A new
-                         * exec wakes the thread at once. */
+                         * some exec has waited less than EPD_POLL_WAIT_NS (its client's kernels
+                         * still running, the usual case), look again every 10 us; once every one
+                         * has waited longer (the loop thread then stops polling too), after a
+                         * pause that grows to 1 ms, so that a stalled client costs the daemon,
+                         * and the clients beside it, little CPU. A new exec wakes the thread at
+                         * once. */
                         struct timespec ts;
                         uint64_t until;
-                        if (youngest_wait_ns < 2000000)
+                        if (youngest_wait_ns < EPD_POLL_WAIT_NS)
                                 idle_wait_ns = 10000;
                         else
                                 idle_wait_ns = idle_wait_ns * 2 > 1000000 ? 1000000
