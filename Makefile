@@ -39,19 +39,20 @@ soak: build
 test-sanitize: deps
 	@cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DEPD_SANITIZE=ON -DEPD_CUDA=OFF >/dev/null
 	@cmake --build build-asan -j $(JOBS)
-	cd build-asan && ctest --output-on-failure -j $(JOBS) -LE gpu
+	cd build-asan && CK_TIMEOUT_MULTIPLIER=4 ctest --output-on-failure -j $(JOBS) -LE gpu
 
 # ThreadSanitizer (clang) over the same suite, less three tests: the Python one (the interpreter
 # is not instrumented), and unit_exec and integ_faults, whose large workloads and
 # calibrated kill timing do not survive TSan's 10-20x slowdown (integ_ops, integ_doorbell and
-# integ_resize drive the same threads). setarch -R: clang 14's TSan cannot map its shadow under
+# integ_resize drive the same threads). Check's per-test timeouts, there to catch hangs, are
+# scaled by CK_TIMEOUT_MULTIPLIER for the same slowdown (both sanitizer suites). setarch -R: clang 14's TSan cannot map its shadow under
 # the larger address randomisation of newer kernels. Any race report fails its test.
 test-tsan: deps
 	@./scripts/setup-fuzz-deps.sh
 	@cmake -S . -B build-tsan -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug -DEPD_TSAN=ON \
 		-DEPD_CUDA=OFF >/dev/null
 	@cmake --build build-tsan -j $(JOBS)
-	cd build-tsan && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+	cd build-tsan && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" CK_TIMEOUT_MULTIPLIER=4 \
 		setarch $$(uname -m) -R ctest --output-on-failure -j $(JOBS) -LE 'gpu|python' \
 		-E '^(unit_exec|integ_faults)$$'
 

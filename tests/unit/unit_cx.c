@@ -831,6 +831,7 @@ static Suite *cx_suite(void)
         tcase_add_test(tc, test_fp8_conversion);
         tcase_add_test(tc, test_round_scale_cases);
         tcase_add_test(tc, test_quantize_block_reference);
+        tcase_set_timeout(tc, 120); /* 3,000 reference rows: seconds under the sanitizers */
         suite_add_tcase(s, tc);
         return s;
 }
