@@ -242,6 +242,7 @@ static int group_info(struct snapshot *s, const Epd__V1__GroupInfo *g, struct ep
                 o->config.quantize = cfg->quantize;
                 o->config.num_handle_slots = cfg->num_handle_slots;
                 o->config.sms_per_rank = cfg->sms_per_rank;
+                o->config.recv_rows = cfg->recv_rows;
         }
         o->client_buffer_bytes_per_rank = g->client_buffer_bytes_per_rank;
         o->ops_completed = g->ops_completed;

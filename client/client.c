@@ -787,6 +787,8 @@ static void config_to_wire(const struct epd_group_config *cfg, Epd__V1__GroupCon
                 w->num_handle_slots = cfg->num_handle_slots;
                 w->sms_per_rank = cfg->sms_per_rank;
         }
+        if (cfg->size >= offsetof(struct epd_group_config, recv_rows) + sizeof(cfg->recv_rows))
+                w->recv_rows = cfg->recv_rows;
 }
 
 /* ---- output arenas ---- */
@@ -1104,6 +1106,7 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
         g->config.quantize = j->config->quantize;
         g->config.num_handle_slots = j->config->num_handle_slots;
         g->config.sms_per_rank = j->config->sms_per_rank;
+        g->config.recv_rows = j->config->recv_rows;
         if (fds[0] >= 0 && j->doorbell_bytes >= sizeof(struct epd_doorbell)) {
                 void *p = mmap(NULL, j->doorbell_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
                                fds[0], 0);

@@ -91,7 +91,7 @@ int epd__cx_enter(struct epd_group *g, const Epd__V1__GroupJoined *j, int fd)
                 .scale_block = cfg->scale_block, .quantize = cfg->quantize,
                 .max_alignment = cfg->max_expert_alignment,
                 .expert_block_rows = cfg->expert_block_rows,
-                .num_handles = cfg->num_handle_slots,
+                .num_handles = cfg->num_handle_slots, .recv_rows = cfg->recv_rows,
         };
         struct epd__cx_group *cx;
         void *p;

@@ -147,6 +147,8 @@ static int cmd_groups(struct epd_client *c, int json)
                         json_object_set_new(obj, "client_buffer_bytes_per_rank",
                                             json_integer((json_int_t)
                                                                  g->client_buffer_bytes_per_rank));
+                        json_object_set_new(obj, "recv_rows",
+                                            json_integer((json_int_t)cfg->recv_rows));
                         json_array_append_new(arr, obj);
                 }
                 json_dumpf(arr, stdout, JSON_INDENT(2));
@@ -170,8 +172,10 @@ static int cmd_groups(struct epd_client *c, int json)
                                (unsigned long long)g->ops_failed, g->num_handles, bound,
                                g->num_ranks);
                         if (g->config.execution == EPD_EXECUTION_CLIENT)
-                                printf("%-4s client-executed: %.1f MiB buffer per rank\n", "",
-                                       g->client_buffer_bytes_per_rank / 1048576.0);
+                                printf("%-4s client-executed: %.1f MiB buffer per rank, %u "
+                                       "receive rows\n", "",
+                                       g->client_buffer_bytes_per_rank / 1048576.0,
+                                       g->config.recv_rows);
                 }
         }
         epd_group_list_free(list);

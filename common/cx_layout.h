@@ -80,6 +80,8 @@ struct cx_shape {
         uint32_t max_alignment;     /* the largest expert_alignment an op may use; 0: 1 */
         uint32_t expert_block_rows; /* the largest C of 2.6 the receive area must hold; 0: none */
         uint32_t num_handles;       /* handle slots; 0: CX_DEFAULT_HANDLES */
+        uint32_t recv_rows;         /* rows of the receive and y areas; 0: the shape's worst
+                                     * case (cx_layout.worst_rows), the most any op can need */
 };
 
 enum cx_shape_error {
@@ -95,6 +97,7 @@ enum cx_shape_error {
         CX_SHAPE_HANDLES,       /* num_handles above CX_MAX_HANDLES */
         CX_SHAPE_ROWS,          /* the worst-case rows do not fit int32 */
         CX_SHAPE_METADATA,      /* metadata above CX_METADATA_MAX */
+        CX_SHAPE_RECV_ROWS,     /* recv_rows above the worst case, or below L * expert_block_rows */
 };
 
 /* Statistics the rank's executor counts; the daemon reads them for epctl and /metrics. */
@@ -230,6 +233,7 @@ struct cx_layout {
         uint32_t num_scales;        /* scales per received row (0: none) */
         uint32_t x_row_bytes;       /* the largest received x row */
         uint32_t recv_rows;         /* rows of the receive and y areas */
+        uint32_t worst_rows;        /* the most rows one op of the shape can send a rank */
         uint64_t count_rec_bytes;   /* one count record, head and body */
         uint64_t handle_bytes;      /* one handle slot */
         /* Offsets of the parts. */
@@ -341,6 +345,14 @@ EPD_HD enum cx_shape_error cx_layout_compute(const struct cx_shape *shape, struc
                 rows = L * s.expert_block_rows;
         if (rows > INT32_MAX || T * K > INT32_MAX)
                 return CX_SHAPE_ROWS;
+        l->worst_rows = (uint32_t)rows;
+        /* A smaller receive area: ops whose rows do not fit end CAPACITY_EXCEEDED before any
+         * row moves, as with an op's own capacity_rows. Fixed expert blocks need all of theirs. */
+        if (s.recv_rows) {
+                if (s.recv_rows > rows || (uint64_t)s.recv_rows < L * s.expert_block_rows)
+                        return CX_SHAPE_RECV_ROWS;
+                rows = s.recv_rows;
+        }
 
         l->shape = s;
         l->num_local_experts = (uint32_t)L;
@@ -717,6 +729,8 @@ static inline const char *cx_shape_error_str(enum cx_shape_error e)
         case CX_SHAPE_ROWS: return "the worst-case rows do not fit in int32";
         case CX_SHAPE_METADATA: return "signals and metadata would exceed 2 MiB per rank "
                                        "(lower max_tokens * max_topk or num_handles)";
+        case CX_SHAPE_RECV_ROWS: return "recv_rows must be at most the shape's worst case and "
+                                        "at least num_local_experts * expert_block_rows";
         }
         return "unknown shape error";
 }

@@ -280,6 +280,10 @@ struct epd_group_config {
         uint32_t quantize;             /* bf16 groups: ops may quantize to fp8 rows (2.7) */
         uint32_t num_handle_slots;     /* handle slots per rank; 0: 2, at most 8 */
         uint32_t sms_per_rank;         /* cuda: blocks of each rank's kernels; 0: default */
+        uint32_t recv_rows;            /* rows of each rank's receive area; 0: the most one op
+                                        * of the shape can send a rank. Fewer rows cost less
+                                        * memory; an op that needs more ends
+                                        * EPD_CAPACITY_EXCEEDED. Read back: the rows in use. */
 };
 
 struct epd_group_args {

@@ -43,6 +43,7 @@ struct epdd_group_cfg {
         uint32_t quantize;
         uint32_t num_handles;
         uint32_t sms_per_rank;
+        uint32_t recv_rows;           /* rows of each rank's receive area (0 asked: worst case) */
         uint64_t cx_bytes;            /* one rank's buffer (cx_layout_compute), 0 in daemon mode */
 };
 

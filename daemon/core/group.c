@@ -69,11 +69,11 @@ static int cx_cfg_check(const struct epdd_daemon *d, const struct epdd_group_cfg
 
         if (w->execution == EPD_EXECUTION_DAEMON) {
                 if (w->max_alignment || w->block_rows || w->quantize || w->num_handles ||
-                    w->sms_per_rank) {
+                    w->sms_per_rank || w->recv_rows) {
                         snprintf(err, err_len,
                                  "max_expert_alignment, expert_block_rows, quantize, "
-                                 "num_handle_slots and sms_per_rank apply to client-executed "
-                                 "groups only (execution = client)");
+                                 "num_handle_slots, sms_per_rank and recv_rows apply to "
+                                 "client-executed groups only (execution = client)");
                         return EPD_INVALID_ARGUMENT;
                 }
                 return 0;
@@ -95,8 +95,19 @@ static int cx_cfg_check(const struct epdd_daemon *d, const struct epdd_group_cfg
                 .dtype = cfg->dtype, .scale_block = cfg->scale_block,
                 .quantize = w->quantize ? 1u : 0u, .max_alignment = w->max_alignment,
                 .expert_block_rows = w->block_rows, .num_handles = w->num_handles,
+                .recv_rows = w->recv_rows,
         };
         e = cx_layout_compute(&shape, &l);
+        if (e == CX_SHAPE_RECV_ROWS) {
+                uint64_t least = (uint64_t)cfg->num_experts / cfg->world_size * w->block_rows;
+
+                snprintf(err, err_len,
+                         "client-executed group: recv_rows %u is outside %llu .. %u (at least "
+                         "num_local_experts * expert_block_rows, at most the most rows one op "
+                         "of the shape can send a rank)", w->recv_rows,
+                         (unsigned long long)(least ? least : 1), l.worst_rows);
+                return EPD_INVALID_ARGUMENT;
+        }
         if (e != CX_SHAPE_OK) {
                 snprintf(err, err_len, "client-executed group: %s", cx_shape_error_str(e));
                 return EPD_INVALID_ARGUMENT;
@@ -105,7 +116,8 @@ static int cx_cfg_check(const struct epdd_daemon *d, const struct epdd_group_cfg
         if (l.total_bytes > d->cfg.max_arena_bytes) {
                 snprintf(err, err_len,
                          "client-executed group: %llu bytes of buffer per rank exceed the "
-                         "daemon's max_arena_bytes %llu (lower max_tokens_per_rank or hidden)",
+                         "daemon's max_arena_bytes %llu (lower recv_rows, max_tokens_per_rank or "
+                         "hidden)",
                          (unsigned long long)l.total_bytes,
                          (unsigned long long)d->cfg.max_arena_bytes);
                 return EPD_INVALID_ARGUMENT;
@@ -121,6 +133,7 @@ static int cx_cfg_check(const struct epdd_daemon *d, const struct epdd_group_cfg
         cfg->quantize = l.shape.quantize;
         cfg->num_handles = l.shape.num_handles;
         cfg->sms_per_rank = w->sms_per_rank;
+        cfg->recv_rows = l.recv_rows;
         cfg->cx_bytes = l.total_bytes;
         cfg->arena_bytes = 0; /* outputs land in the buffers: no daemon-mode ops */
         return 0;
@@ -336,7 +349,7 @@ static int cx_create(struct epdd_group *g, uint32_t device, char *err, size_t er
                 .hidden = cfg->hidden, .max_tokens = cfg->max_tokens, .max_topk = cfg->max_topk,
                 .dtype = cfg->dtype, .scale_block = cfg->scale_block, .quantize = cfg->quantize,
                 .max_alignment = cfg->max_alignment, .expert_block_rows = cfg->block_rows,
-                .num_handles = cfg->num_handles,
+                .num_handles = cfg->num_handles, .recv_rows = cfg->recv_rows,
         };
         uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
         struct epdd_cx *cx = calloc(1, sizeof(*cx));

@@ -34,6 +34,7 @@ int epd_group_cfg_from_wire(const struct epdd_daemon *d, const Epd__V1__GroupCon
         cfg->quantize = w->quantize ? 1u : 0u;
         cfg->num_handles = w->num_handle_slots;
         cfg->sms_per_rank = w->sms_per_rank;
+        cfg->recv_rows = w->recv_rows;
         return epd_group_cfg_check(d, cfg, err, err_len);
 }
 
@@ -56,6 +57,7 @@ void epd_group_cfg_to_wire(const struct epdd_group_cfg *cfg, Epd__V1__GroupConfi
                 w->quantize = cfg->quantize != 0;
                 w->num_handle_slots = cfg->num_handles;
                 w->sms_per_rank = cfg->sms_per_rank;
+                w->recv_rows = cfg->recv_rows;
         }
 }
 

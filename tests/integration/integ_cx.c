@@ -56,6 +56,8 @@ struct shared {
         uint64_t refused_at[MAX_R];   /* the op number each rank was refused at */
         int registered;               /* rows and y in memory registered with the group */
         int older_args;               /* dispatch args sized as before round_scale existed */
+        uint32_t recv_rows;           /* the group's receive rows; 0: the shape's worst case */
+        int short_rows;               /* the group has fewer receive rows than the op needs */
         long long kill_ms;
         int status[MAX_R];
         long long done_ms[MAX_R];
@@ -111,6 +113,7 @@ static struct epd_group *enter(struct shared *sh, struct epd_client *cl, uint32_
         int rc;
 
         cx_case_group_config(&sh->c, sh->op_timeout_ms, &cfg);
+        cfg.recv_rows = sh->recv_rows;
         rc = h_group_enter(cl, sh->name, rank, &cfg, &g);
         if (rc)
                 snprintf(msg, len, "rank %u: enter returned %d: %s", rank, rc,
@@ -196,6 +199,7 @@ static int worker_open(struct worker *w, struct shared *sh, uint32_t me)
         if (!w->g)
                 return 1;
         cx_case_shape(&sh->c, &shape);
+        shape.recv_rows = sh->recv_rows;
         if (cx_layout_compute(&shape, &w->l) != CX_SHAPE_OK)
                 return worker_fail(w, "rank %u: shape refused", me);
         w->b.size = sizeof(w->b);
@@ -880,6 +884,123 @@ START_TEST(test_capacity)
 }
 END_TEST
 
+static int create_status(struct epd_client *cl, const char *name,
+                         const struct epd_group_config *cfg, struct epd_group **g)
+{
+        unsigned char secret[16];
+        struct epd_group_args ga = { .size = sizeof(ga), .name = name, .secret = secret,
+                                     .secret_len = sizeof(secret), .config = cfg };
+
+        h_secret(name, secret);
+        *g = NULL;
+        return epd_group_create(cl, &ga, g);
+}
+
+/* A group with fewer receive rows than its shape's worst case: exactly the rows round 0 needs
+ * (every rank's op is bitwise, then its combine), or one fewer (CAPACITY_EXCEEDED, naming the
+ * short rank and the group's rows, and no row written). */
+static int recv_rows_worker(void *arg, int index)
+{
+        struct shared *sh = arg;
+        struct worker w;
+        struct cx_case_data rd;
+        struct epd_cx_dispatch_args a;
+        char err[256], want[64];
+        uint64_t area;
+        int rc;
+
+        if (worker_open(&w, sh, (uint32_t)index))
+                return 1;
+        if (w.b.recv_rows != sh->recv_rows)
+                return worker_fail(&w, "rank %u: %u receive rows, the group asked for %u", w.me,
+                                   w.b.recv_rows, sh->recv_rows);
+        if (!sh->short_rows) {
+                rc = run_round(&w, 0);
+                worker_close(&w);
+                return rc;
+        }
+        if (cx_case_data_make(&sh->c, w.l.recv_rows, td_mix_seed(sh->seed, 0), &rd, err,
+                              sizeof(err)))
+                return worker_fail(&w, "%s", err);
+        area = (uint64_t)w.l.recv_rows * w.l.x_row_bytes;
+        memset(w.b.recv_x, POISON, area);
+        a = dispatch_args(&sh->c, &rd, w.me, 0);
+        rc = epd_cx_dispatch(w.g, &a, NULL);
+        snprintf(want, sizeof(want), "capacity %u", sh->recv_rows);
+        if (rc != EPD_CAPACITY_EXCEEDED || !strstr(epd_client_last_error(w.cl), want))
+                return worker_fail(&w, "rank %u: returned %d: %s (expected \"%s\")", w.me, rc,
+                                   epd_client_last_error(w.cl), want);
+        for (uint64_t i = 0; i < area; i++)
+                if (((const uint8_t *)w.b.recv_x)[i] != POISON)
+                        return worker_fail(&w, "rank %u: byte %" PRIu64 " of recv_x written by a "
+                                           "failed op", w.me, i);
+        cx_case_data_free(&sh->c, &rd);
+        worker_close(&w);
+        return 0;
+}
+
+START_TEST(test_recv_rows)
+{
+        struct shared *sh = shared_new();
+        struct epd_client *cl;
+        struct epd_group_config cfg;
+        struct epd_size_hint hint;
+        struct epd_group *bad = NULL;
+        struct cx_case_data rd;
+        struct cx_shape shape;
+        struct cx_layout full, small;
+        uint32_t need = 0;
+        char err[256];
+
+        daemon_start(sh);
+        ck_assert(case_at(2, 2, &sh->c)); /* EXPAND, alignment 4, zero padding */
+        sh->op_timeout_ms = 20000;
+        sh->seed = td_mix_seed(0x5EEDull, 7);
+        cx_case_shape(&sh->c, &shape);
+        ck_assert_int_eq(cx_layout_compute(&shape, &full), CX_SHAPE_OK);
+        ck_assert_int_eq(cx_case_data_make(&sh->c, full.recv_rows, td_mix_seed(sh->seed, 0), &rd,
+                                           err, sizeof(err)),
+                         0);
+        for (uint32_t d = 0; d < sh->c.R; d++)
+                if (rd.ref->dst[d].rows > (int64_t)need)
+                        need = (uint32_t)rd.ref->dst[d].rows;
+        cx_case_data_free(&sh->c, &rd);
+        ck_assert_uint_gt(need, 1);
+        ck_assert_uint_lt(need, full.recv_rows);
+
+        sh->recv_rows = need;
+        snprintf(sh->name, sizeof(sh->name), "cx-recv-rows");
+        run_workers(sh, recv_rows_worker);
+        sh->recv_rows = need - 1;
+        sh->short_rows = 1;
+        snprintf(sh->name, sizeof(sh->name), "cx-recv-rows-short");
+        run_workers(sh, recv_rows_worker);
+
+        /* The size hint counts the smaller buffers; bounds are refused, naming them. */
+        cl = h_connect_ok(&sh->d, "recv-rows");
+        cx_case_shape(&sh->c, &shape);
+        shape.recv_rows = sh->recv_rows;
+        ck_assert_int_eq(cx_layout_compute(&shape, &small), CX_SHAPE_OK);
+        ck_assert_uint_lt(small.total_bytes, full.total_bytes);
+        cx_case_group_config(&sh->c, 0, &cfg);
+        cfg.recv_rows = sh->recv_rows;
+        ck_assert_int_eq(epd_size_hint(cl, &cfg, 1, &hint), 0);
+        ck_assert_uint_eq(hint.client_buffer_bytes_per_rank, small.total_bytes);
+        cfg.recv_rows = full.recv_rows + 1;
+        ck_assert_int_eq(create_status(cl, "cx-rows-big", &cfg, &bad), EPD_INVALID_ARGUMENT);
+        ck_assert_msg(strstr(epd_client_last_error(cl), "recv_rows"), "%s",
+                      epd_client_last_error(cl));
+        cfg.execution = EPD_EXECUTION_DAEMON;
+        cfg.max_expert_alignment = 0;
+        cfg.recv_rows = 8;
+        ck_assert_int_eq(create_status(cl, "cx-rows-daemon", &cfg, &bad), EPD_INVALID_ARGUMENT);
+        ck_assert_msg(strstr(epd_client_last_error(cl), "client-executed groups only"), "%s",
+                      epd_client_last_error(cl));
+        epd_client_free(cl);
+        shared_free(sh);
+}
+END_TEST
+
 /* Drain under load: the ranks run dispatch -> combine back to back; a drain stops every rank at
  * the same op number (ABORTED, nothing else), and after the undrain they go on from there. */
 #define DRAIN_OPS 400u
@@ -979,18 +1100,6 @@ START_TEST(test_drain_load)
         shared_free(sh);
 }
 END_TEST
-
-static int create_status(struct epd_client *cl, const char *name,
-                         const struct epd_group_config *cfg, struct epd_group **g)
-{
-        unsigned char secret[16];
-        struct epd_group_args ga = { .size = sizeof(ga), .name = name, .secret = secret,
-                                     .secret_len = sizeof(secret), .config = cfg };
-
-        h_secret(name, secret);
-        *g = NULL;
-        return epd_group_create(cl, &ga, g);
-}
 
 START_TEST(test_modes)
 {
@@ -1197,6 +1306,7 @@ static Suite *cx_suite(void)
         tcase_add_test(tc, test_drain_load);
         tcase_add_test(tc, test_timeout);
         tcase_add_test(tc, test_capacity);
+        tcase_add_test(tc, test_recv_rows);
         tcase_add_test(tc, test_peer_lost);
         tcase_add_test(tc, test_bitwise);
         tcase_add_test(tc, test_bitwise_registered);

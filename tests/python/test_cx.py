@@ -330,6 +330,43 @@ class TestCxGroup(unittest.TestCase):
                 self.assertEqual(st["status_name"], "CAPACITY_EXCEEDED")
                 self.assertIsInstance(counts_error, epd.CapacityExceeded)
 
+    def test_recv_rows(self):
+        # A group with fewer receive rows than its worst case (R * T * min(K, L) = 32 here): an
+        # op that fits runs, one that does not ends CapacityExceeded naming the rows; the group
+        # and the size hint report them.
+        R, E, K, H, T = 2, 4, 2, 128, 8
+        x = np.zeros((T, H), np.uint16)
+        # Each rank's tokens to its own first expert: T rows each; then all to rank 0: 4T.
+        fits = [np.tile(np.array([[2 * r, -1]], np.int64), (T, 1)) for r in range(R)]
+        over = np.tile(np.array([[0, 1]], np.int64), (T, 1))
+        c = epd.connect(DAEMON["socket"])
+        try:
+            hint = c.size_hint(R, E, H, T, K, execution="client", recv_rows=T)
+            full = c.size_hint(R, E, H, T, K, execution="client")
+        finally:
+            c.close()
+        self.assertLess(hint["client_buffer_bytes_per_rank"],
+                        full["client_buffer_bytes_per_rank"])
+        with CxWorld(R, num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K,
+                     recv_rows=T) as w:
+            def go(r, g):
+                ok = g.cx_dispatch(x, topk_idx=fits[r], layout="expand")
+                try:
+                    g.cx_dispatch(x, topk_idx=over, layout="expand")
+                    err = None
+                except epd.CapacityExceeded as e:
+                    err = str(e)
+                return g.recv_rows, ok.num_rows, err
+            for r, (rows, got, err) in enumerate(w.run(go)):
+                self.assertEqual(rows, T)
+                self.assertEqual(got, T)
+                self.assertIn("capacity %d" % T, err or "")
+        with self.assertRaises(epd.InvalidArgument) as cm:
+            with CxWorld(1, num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K,
+                         recv_rows=T * K + 1):
+                pass
+        self.assertIn("recv_rows", str(cm.exception))
+
     def test_refusals(self):
         with CxWorld(1, num_experts=4, hidden=128, max_tokens_per_rank=4, max_topk=2) as w:
             g = w.groups[0]

@@ -639,6 +639,34 @@ START_TEST(test_layout_sizes)
         check_layout_parts(&l);
         ck_assert_uint_eq(l.recv_rows, 8 * 1024); /* L * C beats R * T * min(K, L) + L * 3 */
 
+        /* A receive area below the worst case: the areas shrink with it, the metadata and
+         * the worst case stay; its bounds are the worst case and L * C. */
+        uint64_t full_bytes, full_meta;
+        ck_assert_int_eq(cx_layout_compute(&decode, &l), CX_SHAPE_OK);
+        full_bytes = l.total_bytes;
+        full_meta = l.metadata_bytes;
+        decode.recv_rows = 8 * 128; /* NON_EXPAND's worst case: R * T */
+        ck_assert_int_eq(cx_layout_compute(&decode, &l), CX_SHAPE_OK);
+        check_layout_parts(&l);
+        ck_assert_uint_eq(l.recv_rows, 8 * 128);
+        ck_assert_uint_eq(l.worst_rows, 8 * 128 * 8);
+        ck_assert_uint_eq(l.metadata_bytes, full_meta);
+        ck_assert_uint_eq(l.y - l.recv_x, cx_align(1024ull * 7168) + cx_align(1024ull * 4 * 56) +
+                                                  cx_align(1024ull * 8 * 8) +
+                                                  cx_align(1024ull * 4 * 8) +
+                                                  cx_align(1024ull * 8) + cx_align(1024ull * 4));
+        ck_assert_uint_lt(l.total_bytes, full_bytes / 6);
+        decode.recv_rows = 8 * 128 * 8;
+        ck_assert_int_eq(cx_layout_compute(&decode, &l), CX_SHAPE_OK);
+        ck_assert_uint_eq(l.total_bytes, full_bytes);
+        decode.recv_rows = 8 * 128 * 8 + 1;
+        ck_assert_int_eq(cx_layout_compute(&decode, &l), CX_SHAPE_RECV_ROWS);
+        decode.recv_rows = 0;
+        blocks.recv_rows = 8 * 1024 - 1;
+        ck_assert_int_eq(cx_layout_compute(&blocks, &l), CX_SHAPE_RECV_ROWS);
+        ck_assert_str_ne(cx_shape_error_str(CX_SHAPE_RECV_ROWS), "unknown shape error");
+        blocks.recv_rows = 0;
+
         /* Impossible shapes, each with its reason. */
         struct { struct cx_shape s; enum cx_shape_error e; } bad[] = {
                 { { .world_size = 65, .num_experts = 65, .hidden = 64, .max_tokens = 1,

@@ -161,6 +161,7 @@ class GroupConfig(ctypes.Structure):
         ("quantize", _u32),
         ("num_handle_slots", _u32),
         ("sms_per_rank", _u32),
+        ("recv_rows", _u32),
     ]
 
 
@@ -631,9 +632,9 @@ class ResizeInfo(ctypes.Structure):
 
 # Sizes the C compiler gives these structures on x86-64 and aarch64 Linux; the tests compare.
 EXPECTED_SIZES = {
-    Tensor: 88, ConnectArgs: 32, DeviceInfo: 160, DaemonInfo: 2648, GroupConfig: 72,
+    Tensor: 88, ConnectArgs: 32, DeviceInfo: 160, DaemonInfo: 2648, GroupConfig: 80,
     GroupArgs: 56, SizeHint: 48, DispatchArgs: 928, DispatchResult: 664, CombineArgs: 648,
-    CombineResult: 40, AdminDevice: 40, DaemonStatusInfo: 96, AdminRank: 32, GroupInfo: 144,
+    CombineResult: 40, AdminDevice: 40, DaemonStatusInfo: 96, AdminRank: 32, GroupInfo: 152,
     ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 176, AdminStageStats: 24,
     AdminGroupStats: 88, AdminClientStats: 56, AdminDeviceStats: 48, AdminDaemonStats: 136,
     DrainResult: 16, ResizeRank: 48, ResizeInfo: 56, CxDispatchArgs: 128, CxCombineArgs: 80,

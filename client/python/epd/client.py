@@ -455,7 +455,7 @@ class Client:
     def size_hint(self, world_size, num_experts, hidden, max_tokens_per_rank, max_topk,
                   dtype="bf16", scale_block=0, expert_alignment=1, execution="daemon",
                   max_expert_alignment=0, expert_block_rows=0, quantize=False,
-                  num_handle_slots=0):
+                  num_handle_slots=0, recv_rows=0):
         """The daemon's sizing for a group shape (``epd_size_hint``, docs/semantics.md section 5).
 
         The shape's keywords are :meth:`epd.Group.create`'s. Returns a dict:
@@ -469,7 +469,8 @@ class Client:
             dispatch_dtype=epd_dtype(dtype), scale_block=scale_block,
             execution=_lib.EXECUTION_CLIENT if execution == "client" else _lib.EXECUTION_DAEMON,
             max_expert_alignment=max_expert_alignment, expert_block_rows=expert_block_rows,
-            quantize=int(bool(quantize)), num_handle_slots=num_handle_slots)
+            quantize=int(bool(quantize)), num_handle_slots=num_handle_slots,
+            recv_rows=recv_rows)
         hint = _lib.SizeHint()
         check(self, _lib.load().epd_size_hint(self._ptr, ctypes.byref(cfg), expert_alignment,
                                               ctypes.byref(hint)))

@@ -420,6 +420,7 @@ class Group:
         self.quantize = bool(cfg.quantize)
         self.num_handle_slots = cfg.num_handle_slots
         self.sms_per_rank = cfg.sms_per_rank
+        self.recv_rows = cfg.recv_rows
         self._cx = None  # epd.cx.CxState of a client-executed group, made on first use
         nbytes = ctypes.c_uint64()
         addr = lib.epd_group_arena(ptr, ctypes.byref(nbytes))
@@ -461,7 +462,7 @@ class Group:
                max_tokens_per_rank, max_topk, dtype="bf16", scale_block=0, arena_bytes=None,
                op_timeout_ms=0, device=0, device_uuid=None, execution="daemon",
                max_expert_alignment=0, expert_block_rows=0, quantize=False, num_handle_slots=0,
-               sms_per_rank=0):
+               sms_per_rank=0, recv_rows=0):
         """Creates group ``name`` and binds ``rank`` of it to ``client``.
 
         ``secret`` (bytes or str) is what the other ranks must present to join. ``dtype`` is
@@ -477,8 +478,10 @@ class Group:
         for ``max_expert_alignment`` (the largest ``expert_alignment`` an op uses, 0: 1),
         ``expert_block_rows`` (the largest C of fixed expert blocks, docs/semantics.md §2.6;
         0: none), ``quantize`` (a bf16 group whose ops may send fp8 rows, §2.7),
-        ``num_handle_slots`` (0: 2, at most 8) and, on CUDA, ``sms_per_rank`` (0: the
-        backend's).
+        ``num_handle_slots`` (0: 2, at most 8), ``recv_rows`` (rows of each rank's receive
+        area, 0: the most one op of the shape can send a rank; an op that needs more ends
+        ``CapacityExceeded``; the group's ``recv_rows`` reads back the rows in use) and, on
+        CUDA, ``sms_per_rank`` (0: the backend's).
         """
         if execution not in ("daemon", "client"):
             raise InvalidArgument("execution must be 'daemon' or 'client', not %r" %
@@ -491,7 +494,7 @@ class Group:
             execution=_lib.EXECUTION_CLIENT if execution == "client" else _lib.EXECUTION_DAEMON,
             max_expert_alignment=max_expert_alignment, expert_block_rows=expert_block_rows,
             quantize=int(bool(quantize)), num_handle_slots=num_handle_slots,
-            sms_per_rank=sms_per_rank)
+            sms_per_rank=sms_per_rank, recv_rows=recv_rows)
         return cls._enter(client, name, secret, rank, device, device_uuid, cfg)
 
     @classmethod

@@ -878,7 +878,10 @@ class Buffer:
                         "quantize": dtype == "bf16" and s["hidden"] % 128 == 0,
                         "num_handle_slots": self._num_handle_slots}
             elif mode == "client":
-                opts = {"execution": "client", "num_handle_slots": self._num_handle_slots}
+                # Normal mode sends NON_EXPAND rows only: R·T a rank at most, not the EXPAND
+                # worst case that the buffers would otherwise hold (K times more).
+                opts = {"execution": "client", "num_handle_slots": self._num_handle_slots,
+                        "recv_rows": s["world_size"] * s["max_tokens_per_rank"]}
 
             def create(**opts):
                 return Group.create(self._client, name, self._secret, self.rank,
