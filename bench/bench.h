@@ -100,6 +100,9 @@ struct options {
         enum completion completion;
         uint32_t extra_regions; /* --extra-regions: unused regions each worker holds */
         enum epd_execution execution; /* --execution: who runs the ops */
+        int start_given;
+        int start_free;         /* --start free: client-executed ranks on one GPU launch each
+                                 * op when they get to it, with no start gate */
 };
 
 /* A MAP_SHARED memfd made before fork, so that every worker sees it at the same address. */

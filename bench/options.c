@@ -24,7 +24,7 @@ void usage(FILE *f)
                 "                 [--backend host|cuda] [--device-memory|--host-memory]\n"
                 "                 [--alloc cudamalloc|cumem] [--devices N] [--flush-l2|--no-flush-l2]\n"
                 "                 [--completion host|stream|both] [--stream-order]\n"
-                "                 [--execution daemon|client]\n\n"
+                "                 [--execution daemon|client] [--start gate|free]\n\n"
                 "Measures dispatch and combine through real client processes, one per rank, as\n"
                 "docs/benchmarks.md defines. Without --socket it starts build/bin/epd (host backend,\n"
                 "or the CUDA backend with --backend cuda) on a temporary socket and stops it at the\n"
@@ -43,8 +43,16 @@ void usage(FILE *f)
                 "  --execution X     daemon (default): the daemon runs each op; client: each\n"
                 "                    worker runs its own ops in a client-executed group\n"
                 "                    (epd_cx_dispatch/combine; host backend: on its own thread,\n"
-                "                    cuda: on its stream); the op time is then what the worker\n"
-                "                    sees from the launch to its completion\n"
+                "                    cuda: on its stream); on one GPU the op time is the device\n"
+                "                    figure (first rank's kernel start to last rank's end, on\n"
+                "                    the GPU's clock), on the host backend the launch to the\n"
+                "                    completion\n"
+                "  --start S         client-executed ranks on one GPU: gate (default) starts every\n"
+                "                    rank's op together once all have launched (and flushed), so\n"
+                "                    the device figure measures the op, not the ranks' skew;\n"
+                "                    free launches each op as the rank gets to it, as an engine\n"
+                "                    does, so the last rank's wait carries no gate (use it with\n"
+                "                    --no-flush-l2: a peer's flush would run beside the op)\n"
                 "  --outputs O       arena (default in host memory): outputs in the daemon's output\n"
                 "                    arena; regions: client-registered outputs of exact capacity\n"
                 "  --socket PATH     use a running daemon instead of starting one (else the\n"
@@ -138,6 +146,7 @@ int parse_args(int argc, char **argv, struct options *o)
                 { "poll-us", required_argument, NULL, 'P' },
                 { "extra-regions", required_argument, NULL, 'X' },
                 { "execution", required_argument, NULL, 'E' },
+                { "start", required_argument, NULL, 'G' },
                 { "help", no_argument, NULL, 'h' },
                 { NULL, 0, NULL, 0 },
         };
@@ -251,6 +260,15 @@ int parse_args(int argc, char **argv, struct options *o)
                         else
                                 goto bad;
                         break;
+                case 'G':
+                        if (strcmp(optarg, "gate") == 0)
+                                o->start_free = 0;
+                        else if (strcmp(optarg, "free") == 0)
+                                o->start_free = 1;
+                        else
+                                goto bad;
+                        o->start_given = 1;
+                        break;
                 case 'C':
                         if (strcmp(optarg, "host") == 0)
                                 o->completion = COMPLETION_HOST;
@@ -301,6 +319,11 @@ bad:
                                 "buffers and each op completes on the worker's own thread or "
                                 "stream, so --outputs, --completion, --stream-order and "
                                 "--extra-regions do not apply\n");
+                return -1;
+        }
+        if (o->start_given && (o->execution != EPD_EXECUTION_CLIENT || !o->cuda)) {
+                fprintf(stderr, "epd-bench: --start applies to --execution client on --backend "
+                                "cuda only\n");
                 return -1;
         }
         if (!o->cuda) {

@@ -101,6 +101,10 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
         json_object_set_new(o, "client_poll_us", json_string(poll_env ? poll_env : "default"));
         json_object_set_new(o, "client_spin_us", json_string(spin_env ? spin_env : "default"));
         json_object_set_new(o, "extra_regions", json_integer(b->opt.extra_regions));
+        /* Client-executed ranks on one GPU: started together at the gate, or free. */
+        json_object_set_new(o, "start", b->cx_one_gpu ? json_string(b->opt.start_free ? "free"
+                                                                                      : "gate")
+                                                      : json_null());
         json_object_set_new(o, "git_rev", json_string(epd_git_rev));
         json_object_set_new(o, "tokens", json_integer(b->T));
         json_object_set_new(o, "nominal_tokens", json_integer(b->opt.wl->tokens));

@@ -110,11 +110,16 @@ void print_table(const struct bench *b, const struct run_info *ri, FILE *f)
         if (b->opt.execution == EPD_EXECUTION_CLIENT)
                 fprintf(f, "  client-executed: each worker runs its own ops (epd_cx_*), outputs "
                            "in the group's buffers; %s\n",
-                        b->device_window
+                        b->device_window && !b->opt.start_free
                                 ? "ranks start each op at a common gate after their flushes; "
                                   "time = the device figure, first rank's kernel start to last "
                                   "rank's end on the GPU clock; last-sub = the last rank to "
                                   "launch: launch to completion seen, less its own kernel"
+                        : b->device_window
+                                ? "ranks launch each op as they get to it (--start free); "
+                                  "time = the device figure, the ranks' skew included; last-sub "
+                                  "= the last rank to launch: launch to completion seen, less "
+                                  "its own kernel"
                         : b->kernel_time ? "time = each rank's kernel, the slowest rank's"
                                          : "time = the worker's launch to completion");
         if (ri->scaled)

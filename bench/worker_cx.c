@@ -8,6 +8,8 @@
  * queue or timeline). Ranks sharing one GPU start each op at a gate (struct cx_gate) that opens
  * once every rank has flushed L2 and launched, so a rank's flush never runs beside a peer's op
  * and the device figure (first start to last end) measures the op, not the processes' skew.
+ * With --start free they launch as they get there, as an engine's ranks do: the last rank's
+ * wait then holds no gate (its wait-value and the GPU's poll of the host word).
  * Meets the parent at the same sync points as worker.c.
  */
 #include <stdio.h>
@@ -98,8 +100,9 @@ int worker_run_cx(struct bench *b, uint32_t rank)
                 WFAIL("out of memory");
         if (epd_cx_buffers(group, &bufs) < 0)
                 WFAIL("epd_cx_buffers: %s", epd_client_last_error(client));
-        /* Ranks sharing a GPU start each op together, after every rank's flush. */
-        gated = b->cx_one_gpu;
+        /* Ranks sharing a GPU start each op together, after every rank's flush (unless
+         * --start free). */
+        gated = b->cx_one_gpu && !b->opt.start_free;
         if (gated && wc_gate_init(&wc, b->gate, err, sizeof(err)) < 0)
                 WFAIL("%s", err);
 
@@ -243,13 +246,13 @@ int worker_run_cx(struct bench *b, uint32_t rank)
                                                                     (double)st.kind_ops[k]
                                                           : 0.0;
                 memcpy(b->cx_phase_us[rank], us, sizeof(us));
-                for (int i = 0; gated && rank < 64 && i < 6; i++)
+                for (int i = 0; b->cx_one_gpu && rank < 64 && i < 6; i++)
                         b->gate->first_us[rank][i] =
                                 st.kind_ops[0] ? st.dispatch_first_ns[i] / 1e3 /
                                                          (double)st.kind_ops[0]
                                                : 0.0;
         }
-        if (gated && rank < 64 &&
+        if (b->cx_one_gpu && rank < 64 &&
             wc_launch_floor(&wc, 200, &b->gate->launch_floor_us[rank], err, sizeof(err)) < 0)
                 WFAIL("%s", err);
         status = 0;
