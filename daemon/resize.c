@@ -17,14 +17,10 @@
 #include <string.h>
 
 #include "arena.h"
+#include "budget.h"
 #include "log.h"
 #include "resize.h"
 #include "util.h"
-
-
-
-
-
 
 /* Resizes every rank's arena to bytes; on a failure, the ranks already resized go back to
  * their old size (a grow that failed on one rank leaves the group as it was). */
@@ -32,9 +28,19 @@ static int resize_ranks(struct epdd_group *g, uint64_t bytes, Epd__V1__RankArena
                         unsigned *num_sizes, char *err, size_t err_len)
 {
         uint32_t R = g->cfg.world_size;
+        uint64_t grow = 0;
         unsigned n = 0;
         int rc = 0;
 
+        /* A grow maps new memory on every rank: the group's owner pays for it. */
+        for (uint32_t r = 0; r < R; r++)
+                if (g->ranks[r].arena && bytes > g->ranks[r].arena->mapped)
+                        grow += bytes - g->ranks[r].arena->mapped;
+        if (grow) {
+                rc = epd_budget_group_bytes(g->daemon, g->owner_uid, grow, err, err_len);
+                if (rc < 0)
+                        return rc;
+        }
         for (uint32_t r = 0; r < R; r++) {
                 struct epdd_rank *rk = &g->ranks[r];
                 struct epdd_arena *a = rk->arena;

@@ -50,6 +50,8 @@ void epd_config_defaults(struct epdd_config *cfg)
         cfg->fd_headroom = 64;
         cfg->max_region_bytes_per_uid = 1ull << 42;
         cfg->max_region_bytes = 1ull << 44;
+        cfg->max_group_bytes_per_uid = 1ull << 42;
+        cfg->max_group_bytes = 1ull << 44;
         cfg->max_output_queue_bytes_total = 256ull << 20;
         cfg->host_devices = 1;
         cfg->host_threads = 0;
@@ -181,6 +183,8 @@ int epd_config_set(struct epdd_config *cfg, const char *section, const char *nam
         NUM_KEY("limits", "fd_headroom", fd_headroom, 65536)
         NUM_KEY("limits", "max_region_bytes_per_uid", max_region_bytes_per_uid, 1ull << 50)
         NUM_KEY("limits", "max_region_bytes", max_region_bytes, 1ull << 50)
+        NUM_KEY("limits", "max_group_bytes_per_uid", max_group_bytes_per_uid, 1ull << 50)
+        NUM_KEY("limits", "max_group_bytes", max_group_bytes, 1ull << 50)
         NUM_KEY("limits", "max_output_queue_bytes_total", max_output_queue_bytes_total, 1ull << 36)
         NUM_KEY("host", "devices", host_devices, 64)
         NUM_KEY("host", "threads", host_threads, 256)
@@ -373,6 +377,8 @@ void epd_config_apply_hot(struct epdd_config *dst, const struct epdd_config *src
         dst->fd_headroom = src->fd_headroom;
         dst->max_region_bytes_per_uid = src->max_region_bytes_per_uid;
         dst->max_region_bytes = src->max_region_bytes;
+        dst->max_group_bytes_per_uid = src->max_group_bytes_per_uid;
+        dst->max_group_bytes = src->max_group_bytes;
         dst->max_output_queue_bytes_total = src->max_output_queue_bytes_total;
         memcpy(dst->allow_uids, src->allow_uids, sizeof(dst->allow_uids));
         dst->num_allow_uids = src->num_allow_uids;

@@ -63,6 +63,9 @@ struct epdd_config {
         uint32_t fd_headroom; /* descriptors kept free for accepting and replying */
         uint64_t max_region_bytes_per_uid; /* region bytes of all the clients of one uid */
         uint64_t max_region_bytes; /* region bytes in the daemon */
+        uint64_t max_group_bytes_per_uid; /* memory the daemon makes for the groups one uid
+                                           * created: output arenas, client-executed buffers */
+        uint64_t max_group_bytes; /* the same for every group */
         uint64_t max_output_queue_bytes_total; /* reply bytes queued for every client together */
         /* [host] */
         uint32_t host_devices;        /* virtual devices; 0: 1 */

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <sys/resource.h>
 
+#include "arena.h"
 #include "budget.h"
 #include "core.h"
 #include "log.h"
@@ -117,6 +118,51 @@ int epd_budget_group(struct epdd_daemon *d, const struct epdd_client *c, char *e
         if (mine >= d->cfg.max_groups_per_uid) {
                 snprintf(err, err_len, "uid %u created %u groups, the limit max_groups_per_uid",
                          (unsigned)c->uid, mine);
+                return EPD_UNAVAILABLE;
+        }
+        return 0;
+}
+
+uint64_t epd_budget_group_memory(const struct epdd_group *g)
+{
+        uint64_t n = g->cx ? g->cx->bytes : 0;
+
+        for (uint32_t r = 0; g->ranks && r < g->cfg.world_size; r++)
+                if (g->ranks[r].arena)
+                        n += g->ranks[r].arena->mapped;
+        return n;
+}
+
+int epd_budget_group_bytes(struct epdd_daemon *d, uid_t owner, uint64_t more, char *err,
+                           size_t err_len)
+{
+        struct epd_list *pos;
+        uint64_t mine = 0, all = 0;
+
+        epd_list_for_each(pos, &d->groups)
+        {
+                const struct epdd_group *g = epd_list_entry(pos, struct epdd_group, link);
+                uint64_t n = epd_budget_group_memory(g);
+
+                all += n;
+                if (g->owner_uid == owner)
+                        mine += n;
+        }
+        if (more > d->cfg.max_group_bytes_per_uid || mine > d->cfg.max_group_bytes_per_uid - more) {
+                snprintf(err, err_len,
+                         "%llu more bytes of group memory would exceed max_group_bytes_per_uid=%llu "
+                         "(the groups uid %u created hold %llu)",
+                         (unsigned long long)more,
+                         (unsigned long long)d->cfg.max_group_bytes_per_uid, (unsigned)owner,
+                         (unsigned long long)mine);
+                return EPD_UNAVAILABLE;
+        }
+        if (more > d->cfg.max_group_bytes || all > d->cfg.max_group_bytes - more) {
+                snprintf(err, err_len,
+                         "%llu more bytes of group memory would exceed max_group_bytes=%llu "
+                         "(every group holds %llu)",
+                         (unsigned long long)more, (unsigned long long)d->cfg.max_group_bytes,
+                         (unsigned long long)all);
                 return EPD_UNAVAILABLE;
         }
         return 0;

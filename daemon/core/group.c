@@ -368,6 +368,11 @@ static int cx_create(struct epdd_group *g, uint32_t device, char *err, size_t er
          * buffer starts on a page so a rank's words never share a page with another's. */
         cx->stride = (cx->layout.total_bytes + page - 1) / page * page;
         cx->bytes = cx->stride * cfg->world_size;
+        rc = epd_budget_group_bytes(g->daemon, g->owner_uid, cx->bytes, err, err_len);
+        if (rc < 0) {
+                free(cx);
+                return rc;
+        }
         cx->fd = -1;
         cx->device = device;
         rc = b->ops->cx_alloc(b, device, cx->bytes, &cx->host, &cx->state, &cx->fd, &cx->kind,
@@ -605,8 +610,13 @@ static int rank_arena_create(struct epdd_group *g, struct epdd_rank *r, int host
 {
         const struct epdd_config *cfg = &g->daemon->cfg;
 
+        int rc;
+
         if (r->arena || g->cfg.arena_bytes == 0)
                 return 0;
+        rc = epd_budget_group_bytes(g->daemon, g->owner_uid, g->cfg.arena_bytes, err, err_len);
+        if (rc < 0)
+                return rc;
         return epd_arena_create(g->daemon->backend, r->device, host_memory, g->cfg.arena_bytes,
                                 cfg->max_arena_bytes, cfg->max_arena_segments, &r->arena, err,
                                 err_len);

@@ -385,6 +385,24 @@ static void refused_naming(struct epd_client *c, int rc, const char *limit, cons
                       msg);
 }
 
+/* Groups g0 (by a) and g1 (by b) of cfg fit; a third, g2, is refused naming `limit` until g1
+ * leaves. Every group has left at the end. */
+static void two_then_refused(struct epd_client *a, struct epd_client *b,
+                             const struct epd_group_config *cfg, const char *limit,
+                             const char *what)
+{
+        struct epd_group *g[3] = { NULL, NULL, NULL };
+
+        ck_assert_int_eq(group_enter(a, 1, "g0", 0, cfg, &g[0]), EPD_OK);
+        ck_assert_int_eq(group_enter(b, 1, "g1", 0, cfg, &g[1]), EPD_OK);
+        refused_naming(a, group_enter(a, 1, "g2", 0, cfg, &g[2]), limit, what);
+        ck_assert_ptr_null(g[2]);
+        ck_assert_int_eq(epd_group_leave(g[1]), EPD_OK);
+        ck_assert_int_eq(group_enter(a, 1, "g2", 0, cfg, &g[2]), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g[2]), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g[0]), EPD_OK);
+}
+
 START_TEST(test_budgets_per_uid_and_daemon)
 {
         struct limits_daemon ld;
@@ -443,21 +461,13 @@ START_TEST(test_max_groups_per_uid)
 {
         struct limits_daemon ld;
         struct epd_group_config cfg = group_config(1);
-        struct epd_group *g[3] = { NULL };
         struct epd_client *a, *b;
 
         daemon_start_with(&ld, "[limits]\nmax_groups_per_uid = 2\n");
         a = h_connect_ok(&ld.d, "a");
         b = h_connect_ok(&ld.d, "b");
-        ck_assert_int_eq(group_enter(a, 1, "g0", 0, &cfg, &g[0]), EPD_OK);
-        ck_assert_int_eq(group_enter(b, 1, "g1", 0, &cfg, &g[1]), EPD_OK);
         /* The uid's, not a client's: both clients are root. */
-        refused_naming(a, group_enter(a, 1, "g2", 0, &cfg, &g[2]), "max_groups_per_uid",
-                       "the uid's third group");
-        ck_assert_int_eq(epd_group_leave(g[1]), EPD_OK);
-        ck_assert_int_eq(group_enter(a, 1, "g2", 0, &cfg, &g[2]), EPD_OK);
-        ck_assert_int_eq(epd_group_leave(g[2]), EPD_OK);
-        ck_assert_int_eq(epd_group_leave(g[0]), EPD_OK);
+        two_then_refused(a, b, &cfg, "max_groups_per_uid", "the uid's third group");
         epd_client_free(b);
         epd_client_free(a);
         daemon_stop_clean(&ld);
@@ -495,6 +505,72 @@ START_TEST(test_max_groups)
         ck_assert_int_eq(json_field(&ld.d, "status", "groups"), 2);
         ck_assert_int_eq(epd_group_leave(g[2]), EPD_OK);
         ck_assert_int_eq(epd_group_leave(g[1]), EPD_OK);
+        epd_client_free(b);
+        epd_client_free(a);
+        daemon_stop_clean(&ld);
+}
+END_TEST
+
+/* The memory the daemon makes for groups: output arenas (at a rank's binding, and a resize's
+ * grow) and client-executed buffers (at the first binding), per creating uid and in the daemon. */
+START_TEST(test_max_group_bytes)
+{
+        struct limits_daemon ld;
+        struct epd_group_config cfg = group_config(1), cx = group_config(2);
+        struct epd_group *g[4] = { NULL }, *bad = NULL;
+        struct epd_resize_result *rr = NULL;
+        struct epd_size_hint hint;
+        struct epd_client *a, *b;
+        char conf[256];
+
+        daemon_start_with(&ld, "[limits]\nmax_group_bytes_per_uid = 3M\n");
+        a = h_connect_ok(&ld.d, "a");
+        b = h_connect_ok(&ld.d, "b");
+        /* Three 1 MiB arenas fill the uid's 3 MiB, from either of its clients. */
+        ck_assert_int_eq(group_enter(a, 1, "m0", 0, &cfg, &g[0]), EPD_OK);
+        ck_assert_int_eq(group_enter(b, 1, "m1", 0, &cfg, &g[1]), EPD_OK);
+        ck_assert_int_eq(group_enter(a, 1, "m2", 0, &cfg, &g[2]), EPD_OK);
+        refused_naming(b, group_enter(b, 1, "m3", 0, &cfg, &g[3]), "max_group_bytes_per_uid",
+                       "a fourth arena of the uid");
+        ck_assert_ptr_null(g[3]);
+        /* A grow maps more on the group's ranks: refused, and the group runs on unchanged. */
+        refused_naming(a, epd_resize(a, "m1", 2u << 20, &rr), "max_group_bytes_per_uid",
+                       "a grow past the uid's group bytes");
+        ck_assert_ptr_null(rr);
+        ck_assert_int_eq(json_field(&ld.d, "status", "groups"), 3);
+        /* Leaving frees the arena; then a client-executed group's buffers count the same. */
+        ck_assert_int_eq(epd_group_leave(g[0]), EPD_OK);
+        cx.arena_bytes = 0;
+        cx.execution = EPD_EXECUTION_CLIENT;
+        ck_assert_int_eq(epd_size_hint(a, &cx, 1, &hint), EPD_OK);
+        ck_assert_uint_le(2 * hint.client_buffer_bytes_per_rank, 1u << 20);
+        ck_assert_int_eq(group_enter(a, 1, "m4", 0, &cx, &g[0]), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g[0]), EPD_OK);
+        /* More tokens, until the buffers of the 2 ranks pass the 1 MiB left. */
+        while (2 * hint.client_buffer_bytes_per_rank <= 1u << 20) {
+                cx.max_tokens_per_rank *= 2;
+                ck_assert_int_eq(epd_size_hint(a, &cx, 1, &hint), EPD_OK);
+        }
+        ck_assert_uint_le(2 * hint.client_buffer_bytes_per_rank, 3u << 20);
+        refused_naming(a, group_enter(a, 1, "m5", 0, &cx, &bad), "max_group_bytes_per_uid",
+                       "client-executed buffers past the uid's group bytes");
+        ck_assert_int_eq(epd_group_leave(g[1]), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g[2]), EPD_OK);
+        ck_assert_int_eq(group_enter(a, 1, "m5", 0, &cx, &g[0]), EPD_OK);
+        ck_assert_int_eq(epd_group_leave(g[0]), EPD_OK);
+        epd_client_free(b);
+        epd_client_free(a);
+        daemon_stop_clean(&ld);
+
+        /* The daemon's limit counts every uid's groups (here one uid's, under a larger uid
+         * limit). */
+        snprintf(conf, sizeof(conf), "[limits]\nmax_group_bytes_per_uid = 1G\n"
+                                     "max_group_bytes = 2M\n");
+        daemon_start_with(&ld, conf);
+        a = h_connect_ok(&ld.d, "a");
+        b = h_connect_ok(&ld.d, "b");
+        two_then_refused(a, b, &cfg, "max_group_bytes=",
+                         "an arena past the daemon's group bytes");
         epd_client_free(b);
         epd_client_free(a);
         daemon_stop_clean(&ld);
@@ -986,6 +1062,7 @@ static Suite *limits_suite(void)
         tcase_add_test(tc, test_idle_handshakes_and_admin_reserve);
         tcase_add_test(tc, test_out_of_descriptors);
         tcase_add_test(tc, test_max_groups);
+        tcase_add_test(tc, test_max_group_bytes);
         tcase_add_test(tc, test_budgets_per_uid_and_daemon);
         tcase_add_test(tc, test_max_groups_per_uid);
         tcase_add_test(tc, test_max_regions);

@@ -91,6 +91,8 @@ static const struct num_key {
         { "limits", "max_frame_bytes", FIELD(max_frame_bytes), 16u << 20 },
         { "limits", "max_fds_per_frame", FIELD(max_fds_per_frame), 16 },
         { "limits", "max_output_queue_bytes", FIELD(max_output_queue_bytes), 1ull << 34 },
+        { "limits", "max_group_bytes_per_uid", FIELD(max_group_bytes_per_uid), 1ull << 50 },
+        { "limits", "max_group_bytes", FIELD(max_group_bytes), 1ull << 50 },
         { "host", "devices", FIELD(host_devices), 64 },
         { "host", "threads", FIELD(host_threads), 256 },
 };
