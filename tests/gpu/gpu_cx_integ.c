@@ -38,6 +38,7 @@ struct shared {
         struct cx_case c;
         char name[64];
         uint64_t seed;
+        uint32_t recv_rows;     /* the group's receive rows; 0: the shape's worst case */
         char msg[MAX_R][512];
 };
 
@@ -90,11 +91,13 @@ static int worker_open(struct worker *w, struct shared *sh, uint32_t me)
         CK(w, cudaSetDevice(0));
         CK(w, cudaStreamCreateWithFlags(&w->stream, cudaStreamNonBlocking));
         cx_case_group_config(&sh->c, 20000, &cfg);
+        cfg.recv_rows = sh->recv_rows;
         rc = h_group_enter(w->cl, sh->name, me, &cfg, &w->g);
         if (rc)
                 return worker_fail(w, "rank %u: enter returned %d: %s", me, rc,
                                    epd_client_last_error(w->cl));
         cx_case_shape(&sh->c, &shape);
+        shape.recv_rows = sh->recv_rows;
         if (cx_layout_compute(&shape, &w->l) != CX_SHAPE_OK)
                 return worker_fail(w, "rank %u: shape refused", me);
         w->b.size = sizeof(w->b);
@@ -295,6 +298,58 @@ static int bitwise_worker(void *arg, int index)
         return failed;
 }
 
+/* A group whose receive rows are exactly what round 0 needs runs it bitwise (bitwise_worker);
+ * with one row fewer the dispatch ends CAPACITY_EXCEEDED on every rank, naming the group's
+ * rows, and no row of the receive area is written. */
+static int short_rows_worker(void *arg, int index)
+{
+        struct shared *sh = arg;
+        struct worker w;
+        struct dev_round dr = { 0 };
+        struct cx_case_data rd;
+        struct epd_cx_status st = { .size = sizeof(st) };
+        char err[256], want[64];
+        const size_t area = (size_t)sh->recv_rows * cx_case_x_row_bytes(&sh->c);
+        int failed = worker_open(&w, sh, (uint32_t)index);
+        uint8_t *back = malloc(area + 1);
+
+        if (!failed && (!back || cx_case_data_make(&sh->c, w.l.recv_rows,
+                                                   td_mix_seed(sh->seed, 0), &rd, err,
+                                                   sizeof(err)))) {
+                failed = worker_fail(&w, "%s", back ? err : "out of memory");
+                back = NULL;
+        }
+        if (!failed) {
+                struct epd_cx_dispatch_args a;
+
+                failed = upload(&w, &rd, &dr);
+                a = dispatch_args(&sh->c, &rd, w.me, &dr, 0);
+                if (!failed && (cudaMemset(w.b.recv_x, 0xA5, area) != cudaSuccess ||
+                                epd_cx_dispatch(w.g, &a, w.stream) != 0 ||
+                                cudaStreamSynchronize(w.stream) != cudaSuccess))
+                        failed = worker_fail(&w, "rank %u: the launch failed: %s", w.me,
+                                             epd_client_last_error(w.cl));
+                snprintf(want, sizeof(want), "capacity %u", sh->recv_rows);
+                if (!failed && (epd_cx_status(w.g, &st) || st.status != EPD_CAPACITY_EXCEEDED ||
+                                !strstr(st.message, want)))
+                        failed = worker_fail(&w, "rank %u: status %d: %s (expected \"%s\")",
+                                             w.me, st.status, st.message, want);
+                if (!failed &&
+                    cudaMemcpy(back, w.b.recv_x, area, cudaMemcpyDeviceToHost) != cudaSuccess)
+                        failed = worker_fail(&w, "rank %u: copying the receive area back", w.me);
+                for (size_t i = 0; !failed && i < area; i++)
+                        if (back[i] != 0xA5)
+                                failed = worker_fail(&w, "rank %u: byte %zu of recv_x written by "
+                                                     "a failed op", w.me, i);
+                cx_case_data_free(&sh->c, &rd);
+        }
+        free(back);
+        dev_round_free(&dr);
+        if (w.g)
+                worker_close(&w);
+        return failed;
+}
+
 /* ---- a CUDA graph of three steps, replayed with new inputs ---- */
 
 static int graph_worker(void *arg, int index)
@@ -461,6 +516,30 @@ START_TEST(test_bitwise)
 }
 END_TEST
 
+START_TEST(test_recv_rows)
+{
+        struct shared *sh = shared_new();
+        struct cx_shape shape;
+        struct cx_layout l;
+
+        sh->c = cx_cases[2]; /* EXPAND, alignment 4, zero padding */
+        sh->c.R = mps_on ? 2 : 1;
+        sh->seed = td_mix_seed(0x5EEDull, 9);
+        cx_case_shape(&sh->c, &shape);
+        ck_assert_int_eq(cx_layout_compute(&shape, &l), CX_SHAPE_OK);
+        sh->recv_rows = cx_case_rows_needed(&sh->c, td_mix_seed(sh->seed, 0));
+        ck_assert_uint_gt(sh->recv_rows, 1);
+        ck_assert_uint_lt(sh->recv_rows, l.recv_rows);
+        sh->c.rounds = 1;
+        snprintf(sh->name, sizeof(sh->name), "gcx-recv-rows");
+        run_workers(sh, bitwise_worker);
+        sh->recv_rows--;
+        snprintf(sh->name, sizeof(sh->name), "gcx-recv-rows-short");
+        run_workers(sh, short_rows_worker);
+        shared_free(sh);
+}
+END_TEST
+
 START_TEST(test_graph)
 {
         struct shared *sh = shared_new();
@@ -552,6 +631,7 @@ int main(void)
         tcase_add_test(tc, test_mps_refusal);
         tcase_add_test(tc, test_bitwise);
         tcase_add_test(tc, test_graph);
+        tcase_add_test(tc, test_recv_rows);
         suite_add_tcase(s, tc);
         sr = srunner_create(s);
         srunner_run_all(sr, CK_NORMAL);

@@ -178,6 +178,25 @@ int cx_case_data_make(const struct cx_case *c, uint32_t recv_rows, uint64_t seed
         return 0;
 }
 
+uint32_t cx_case_rows_needed(const struct cx_case *c, uint64_t seed)
+{
+        struct cx_shape shape;
+        struct cx_layout l;
+        struct cx_case_data d;
+        uint32_t need = 0;
+        char err[256];
+
+        memset(&d, 0, sizeof(d));
+        cx_case_shape(c, &shape);
+        if (cx_layout_compute(&shape, &l) == CX_SHAPE_OK &&
+            cx_case_data_make(c, l.recv_rows, seed, &d, err, sizeof(err)) == 0)
+                for (uint32_t r = 0; r < c->R; r++)
+                        if (d.ref->dst[r].rows > (int64_t)need)
+                                need = (uint32_t)d.ref->dst[r].rows;
+        cx_case_data_free(c, &d);
+        return need;
+}
+
 void cx_case_data_free(const struct cx_case *c, struct cx_case_data *d)
 {
         for (uint32_t s = 0; s < c->R && s < CX_CASE_MAX_R; s++) {

@@ -83,6 +83,8 @@ size_t cx_case_topk_size(const struct cx_case *c);
 int cx_case_data_make(const struct cx_case *c, uint32_t recv_rows, uint64_t seed,
                       struct cx_case_data *d, char *err, size_t err_len);
 void cx_case_data_free(const struct cx_case *c, struct cx_case_data *d);
+/* The most rows the round of seed sends one rank (its reference's), or 0 if it cannot be made. */
+uint32_t cx_case_rows_needed(const struct cx_case *c, uint64_t seed);
 
 /* Compares rank d's dispatch outputs with ref: the receive area at the layout's offsets from
  * recv_base (the rank's buffer or a copy of it) and, when own is not NULL, the counts in handle
