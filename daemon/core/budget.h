@@ -1,8 +1,8 @@
 /* budget.h - limits on what clients hold, per uid and for the whole daemon, beside the
  * per-client ones: rank bindings, groups and the memory made for them, registered regions and
- * their bytes, and file
- * descriptors with headroom (queued reply bytes are the network layer's, net/admission.c). One client, or one user with many clients, can
- * exhaust none of them for the others. Every check names the limit it hit. Loop thread only. */
+ * their bytes, and file descriptors with headroom (queued reply bytes are the network layer's,
+ * net/admission.c). One client, or one user with many clients, can exhaust none of them for the
+ * others. Every check names the limit it hit. Loop thread only. */
 #ifndef EPD_DAEMON_BUDGET_H
 #define EPD_DAEMON_BUDGET_H
 
