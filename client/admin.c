@@ -245,6 +245,8 @@ static int group_info(struct snapshot *s, const Epd__V1__GroupInfo *g, struct ep
                 o->config.recv_rows = cfg->recv_rows;
         }
         o->client_buffer_bytes_per_rank = g->client_buffer_bytes_per_rank;
+        o->owner_uid = g->owner_uid;
+        o->memory_bytes = g->memory_bytes;
         o->ops_completed = g->ops_completed;
         o->ops_failed = g->ops_failed;
         o->num_handles = g->num_handles;

@@ -149,28 +149,35 @@ static int cmd_groups(struct epd_client *c, int json)
                                                                  g->client_buffer_bytes_per_rank));
                         json_object_set_new(obj, "recv_rows",
                                             json_integer((json_int_t)cfg->recv_rows));
+                        json_object_set_new(obj, "owner_uid", json_integer(g->owner_uid));
+                        json_object_set_new(obj, "memory_bytes",
+                                            json_integer((json_int_t)g->memory_bytes));
                         json_array_append_new(arr, obj);
                 }
                 json_dumpf(arr, stdout, JSON_INDENT(2));
                 putchar('\n');
                 json_decref(arr);
         } else {
-                printf("%-4s %-20s %-9s %5s %7s %6s %6s %-8s %10s %8s %7s %s\n", "ID", "NAME",
-                       "STATE", "RANKS", "EXPERTS", "HIDDEN", "TOKENS", "DTYPE", "OPS", "FAILED",
-                       "HANDLES", "BOUND");
+                printf("%-4s %-20s %-9s %5s %7s %6s %6s %-8s %10s %8s %7s %5s %9s %s\n", "ID",
+                       "NAME", "STATE", "RANKS", "EXPERTS", "HIDDEN", "TOKENS", "DTYPE", "OPS",
+                       "FAILED", "HANDLES", "BOUND", "MEM_MIB", "OWNER");
                 for (size_t i = 0; i < n; i++) {
                         const struct epd_group_info *g = epd_group_list_at(list, i);
                         unsigned bound = 0;
                         for (uint32_t k = 0; k < g->num_ranks; k++)
                                 bound += g->ranks[k].bound;
-                        printf("%-4llu %-20s %-9s %5u %7u %6u %6u %-8s %10llu %8llu %7u %u/%u\n",
+                        char ranks_bound[24];
+
+                        snprintf(ranks_bound, sizeof(ranks_bound), "%u/%u", bound, g->num_ranks);
+                        printf("%-4llu %-20s %-9s %5u %7u %6u %6u %-8s %10llu %8llu %7u %5s %9.1f "
+                               "%u\n",
                                (unsigned long long)g->id, g->name, g->state,
                                g->config.world_size, g->config.num_experts, g->config.hidden,
                                g->config.max_tokens_per_rank,
                                dtype_name(g->config.dispatch_dtype),
                                (unsigned long long)g->ops_completed,
-                               (unsigned long long)g->ops_failed, g->num_handles, bound,
-                               g->num_ranks);
+                               (unsigned long long)g->ops_failed, g->num_handles, ranks_bound,
+                               g->memory_bytes / 1048576.0, g->owner_uid);
                         if (g->config.execution == EPD_EXECUTION_CLIENT)
                                 printf("%-4s client-executed: %.1f MiB buffer per rank, %u "
                                        "receive rows\n", "",

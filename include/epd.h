@@ -720,6 +720,10 @@ struct epd_group_info {
         uint32_t num_ranks;
         const struct epd_admin_rank *ranks;
         uint64_t client_buffer_bytes_per_rank; /* client-executed groups, else 0 */
+        uint32_t owner_uid;            /* the uid that created it */
+        uint64_t memory_bytes;         /* the memory the daemon holds for it (output arenas,
+                                        * client-executed buffers): what max_group_bytes_per_uid
+                                        * of its owner counts */
 };
 
 /* Every group of the daemon, in the daemon's order. epd_group_list_at returns NULL for

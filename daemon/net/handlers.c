@@ -517,6 +517,8 @@ static void handle_list_groups(struct epdd_conn *c, const Epd__V1__Request *req)
                 gi->ops_failed = g->stats.ops_failed;
                 gi->num_handles = g->num_handles;
                 gi->client_buffer_bytes_per_rank = g->cfg.cx_bytes;
+                gi->owner_uid = (uint32_t)g->owner_uid;
+                gi->memory_bytes = epd_budget_group_memory(g);
                 epd_list_for_each(op_pos, &g->ops) pending++;
                 gi->pending_ops = pending;
                 rank_blocks[n] = calloc(R, sizeof(**rank_blocks));

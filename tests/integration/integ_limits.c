@@ -520,6 +520,7 @@ START_TEST(test_max_group_bytes)
         struct epd_group *g[4] = { NULL }, *bad = NULL;
         struct epd_resize_result *rr = NULL;
         struct epd_size_hint hint;
+        struct epd_group_list *list;
         struct epd_client *a, *b;
         char conf[256];
 
@@ -533,6 +534,14 @@ START_TEST(test_max_group_bytes)
         refused_naming(b, group_enter(b, 1, "m3", 0, &cfg, &g[3]), "max_group_bytes_per_uid",
                        "a fourth arena of the uid");
         ck_assert_ptr_null(g[3]);
+        /* The group list shows what the budget counts, and whose it is. */
+        ck_assert_int_eq(epd_group_list_get(a, &list), EPD_OK);
+        ck_assert_uint_eq(epd_group_list_count(list), 3);
+        for (size_t i = 0; i < 3; i++) {
+                ck_assert_uint_eq(epd_group_list_at(list, i)->memory_bytes, 1u << 20);
+                ck_assert_uint_eq(epd_group_list_at(list, i)->owner_uid, geteuid());
+        }
+        epd_group_list_free(list);
         /* A grow maps more on the group's ranks: refused, and the group runs on unchanged. */
         refused_naming(a, epd_resize(a, "m1", 2u << 20, &rr), "max_group_bytes_per_uid",
                        "a grow past the uid's group bytes");

@@ -448,6 +448,8 @@ class GroupInfo(ctypes.Structure):
         ("num_ranks", _u32),
         ("ranks", ctypes.POINTER(AdminRank)),
         ("client_buffer_bytes_per_rank", _u64),
+        ("owner_uid", _u32),
+        ("memory_bytes", _u64),
     ]
 
 
@@ -634,7 +636,7 @@ class ResizeInfo(ctypes.Structure):
 EXPECTED_SIZES = {
     Tensor: 88, ConnectArgs: 32, DeviceInfo: 160, DaemonInfo: 2648, GroupConfig: 80,
     GroupArgs: 56, SizeHint: 48, DispatchArgs: 928, DispatchResult: 664, CombineArgs: 648,
-    CombineResult: 40, AdminDevice: 40, DaemonStatusInfo: 96, AdminRank: 32, GroupInfo: 152,
+    CombineResult: 40, AdminDevice: 40, DaemonStatusInfo: 96, AdminRank: 32, GroupInfo: 168,
     ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 176, AdminStageStats: 24,
     AdminGroupStats: 88, AdminClientStats: 56, AdminDeviceStats: 48, AdminDaemonStats: 136,
     DrainResult: 16, ResizeRank: 48, ResizeInfo: 56, CxDispatchArgs: 128, CxCombineArgs: 80,

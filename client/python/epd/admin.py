@@ -121,12 +121,15 @@ def groups(client):
     Keys: id, name, state ("FORMING", "READY", "DRAINING", "BROKEN", "CLOSED"), config (a dict:
     world_size, num_experts, hidden, max_tokens_per_rank, max_topk, dtype "bf16" or "fp8",
     scale_block, op_timeout_ms, arena_bytes), ops_completed, ops_failed, num_handles,
-    pending_ops, and ranks (dicts: rank, bound, client_id, device, next_op).
+    pending_ops, owner_uid (who created it), memory_bytes (its output arenas and
+    client-executed buffers, what the owner's max_group_bytes_per_uid counts), and ranks
+    (dicts: rank, bound, client_id, device, next_op).
     """
     return _list(client, "group", lambda g: {
         "id": g.id, "name": _lib.text(g.name), "state": _lib.text(g.state),
         "config": _config(g.config), "ops_completed": g.ops_completed,
         "ops_failed": g.ops_failed, "num_handles": g.num_handles, "pending_ops": g.pending_ops,
+        "owner_uid": g.owner_uid, "memory_bytes": g.memory_bytes,
         "ranks": [{"rank": r.rank, "bound": bool(r.bound), "client_id": r.client_id,
                    "device": r.device, "next_op": r.next_op} for r in g.ranks[:g.num_ranks]],
     })
