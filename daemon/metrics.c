@@ -310,6 +310,18 @@ static void render_groups(struct textbuf *b, const Epd__V1__StatsReply *s)
                 group_labels(labels, sizeof(labels), s->groups[g]);
                 sample_u64(b, "epd_group_pending_ops", labels, s->groups[g]->pending_ops);
         }
+        family(b, "epd_group_memory_bytes", "gauge",
+               "Memory the daemon holds for the group (output arenas, client-executed buffers), "
+               "counted against max_group_bytes_per_uid of owner_uid, its creator.");
+        for (size_t g = 0; g < s->n_groups; g++) {
+                char l[448];
+
+                if (!group_listed(s->groups[g]))
+                        continue;
+                group_labels(labels, sizeof(labels), s->groups[g]);
+                snprintf(l, sizeof(l), "%s,owner_uid=\"%u\"", labels, s->groups[g]->owner_uid);
+                sample_u64(b, "epd_group_memory_bytes", l, s->groups[g]->memory_bytes);
+        }
         family(b, "epd_group_handles", "gauge", "Dispatch handles the group holds.");
         for (size_t g = 0; g < s->n_groups; g++) {
                 if (!group_listed(s->groups[g]))

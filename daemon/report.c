@@ -5,6 +5,7 @@
 
 #include "arena.h"
 #include "backend.h"
+#include "budget.h"
 #include "daemon.h"
 #include "report.h"
 #include "util.h"
@@ -148,6 +149,8 @@ int epd_report_build(struct epdd_daemon *d, Epd__V1__StatsReply *out, struct epd
                 gs->combine = op_stats(p, &g->stats.kind[1]);
                 gs->stages = group_stages(p, &g->stats, &gs->n_stages);
                 gs->handles = g->num_handles;
+                gs->memory_bytes = epd_budget_group_memory(g);
+                gs->owner_uid = (uint32_t)g->owner_uid;
                 epd_list_for_each(op_pos, &g->ops) gs->pending_ops++;
                 gs->ranks = pool_alloc(p, sizeof(*gs->ranks) * R);
                 for (uint32_t r = 0; gs->ranks && r < R; r++) {

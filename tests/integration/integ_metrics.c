@@ -488,6 +488,20 @@ static int mode_exposition(void)
                 return fail("a gpu stage on the host backend");
         if (metric_sum(b, "epd_group_state", ready) != 1)
                 return fail("the loaded group is not READY in epd_group_state");
+        /* Its memory, charged to the uid that created it (this one): at least its ranks'
+         * arenas, and nothing else, as it has no client-executed buffers. */
+        {
+                char owner[48];
+                const char *const mine[] = { LOAD_GROUP_LABEL, owner, NULL };
+                const char *const group[] = { LOAD_GROUP_LABEL, NULL };
+                double mem, arenas = metric_sum(b, "epd_arena_bytes", group);
+
+                snprintf(owner, sizeof(owner), "owner_uid=\"%u\"", (unsigned)geteuid());
+                mem = metric_sum(b, "epd_group_memory_bytes", mine);
+                if (!(arenas > 0 && mem >= arenas && mem < arenas + 2 * 4096 * 64))
+                        return fail("epd_group_memory_bytes %g for arenas of %g bytes", mem,
+                                    arenas);
+        }
         if (metric_sum(b, "epd_clients", NULL) < 1 || metric_sum(b, "epd_groups", NULL) != 1)
                 return fail("epd_clients or epd_groups wrong");
         free(before);
