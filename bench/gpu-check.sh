@@ -6,8 +6,9 @@
 #    client-executed tests without MPS), beside the hostile-tenant benchmark on the host's spare
 #    cores (host backend; it does not touch the GPU).
 # 2. With MPS on: gpu_cx_integ again (ranks of several processes on one GPU), the Python GPU
-#    tests when BUILD_DIR/lib/libepd.so exists, and client-executed beside daemon-executed
-#    epd-bench runs of decode, tiny and prefill. These run one at a time: a client-executed
+#    tests when BUILD_DIR/lib/libepd.so exists, client-executed beside daemon-executed
+#    epd-bench runs of decode, tiny and prefill, and client-executed decode and tiny without the
+#    start gate (--start free) for the last rank's wait. These run one at a time: a client-executed
 #    kernel needs every rank's blocks resident, so other work on the GPU can make it time out.
 # 3. The layer loop (bench/layer_loop.py): client, daemon and floor with MPS on, daemon without.
 # 4. With BEFORE_BUILD_DIR: the daemon paths of both builds interleaved in one run (each daemon
@@ -137,6 +138,12 @@ if mps_on; then
                                 --alloc cumem --ranks 8 $(workload_args "$w") \
                                 --execution "$mode" --iters "${ITERS:-200}"
                 done
+        done
+        # The last rank's wait without the start gate (its wait-value and host-word poll).
+        for w in decode tiny; do
+                step "client-$w-free-mps" 90 -- "$build/bin/epd-bench" --backend cuda --json \
+                        --alloc cumem --ranks 8 --workload "$w" --no-flush-l2 \
+                        --execution client --start free --iters "${ITERS:-200}"
         done
         # 3. The layer loop, MPS on.
         if have_libepd; then
