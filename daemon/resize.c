@@ -198,13 +198,13 @@ void epd_resize_request(struct epdd_conn *c, const Epd__V1__Request *req)
                                               (unsigned long long)m->group_id);
                 return;
         }
-        if (g->cx) {
-                /* Its buffers are sized by its shape (max_tokens_per_rank and the options it
-                 * was created with), not by an arena size. */
+        if (g->cfg.execution == EPD_EXECUTION_CLIENT) {
+                /* Its buffers are sized by its shape (max_tokens_per_rank, recv_rows and the
+                 * options it was created with), not by an arena size. */
                 epd_conn_reply_status(c, req->id, EPD_UNAVAILABLE,
                                       "group '%s' is client-executed: resizing its "
                                       "communication buffers is not supported; create a group "
-                                      "with the new shape instead", g->name);
+                                      "with the new shape or recv_rows instead", g->name);
                 return;
         }
         if (g->cfg.arena_bytes == 0) {
