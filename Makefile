@@ -45,8 +45,9 @@ test-sanitize: deps
 # is not instrumented), and unit_exec and integ_faults, whose large workloads and
 # calibrated kill timing do not survive TSan's 10-20x slowdown (integ_ops, integ_doorbell and
 # integ_resize drive the same threads). Check's per-test timeouts, there to catch hangs, are
-# scaled by CK_TIMEOUT_MULTIPLIER for the same slowdown (both sanitizer suites). setarch -R: clang 14's TSan cannot map its shadow under
-# the larger address randomisation of newer kernels. Any race report fails its test.
+# scaled by CK_TIMEOUT_MULTIPLIER for the same slowdown (both sanitizer suites). setarch -R:
+# clang 14's TSan cannot map its shadow under the larger address randomisation of newer
+# kernels. Any race report fails its test.
 test-tsan: deps
 	@./scripts/setup-fuzz-deps.sh
 	@cmake -S . -B build-tsan -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug -DEPD_TSAN=ON \

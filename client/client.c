@@ -1126,6 +1126,15 @@ static int group_enter(struct epd_client *c, const struct epd_group_args *args, 
                         goto out;
                 }
         }
+        /* A daemon that predates recv_rows drops it and gives the worst-case receive area. */
+        if (create && wcfg.recv_rows && !g->config.recv_rows) {
+                (void)epd_group_leave(g);
+                rc = epd__client_fail(c, EPD_VERSION_MISMATCH,
+                                      "group '%s': the daemon does not take recv_rows (it "
+                                      "predates it); create the group without it",
+                                      args->name);
+                goto out;
+        }
         if (g->config.execution == EPD_EXECUTION_CLIENT) {
                 rc = epd__cx_enter(g, j, fds[1]);
                 fds[1] = -1; /* taken */

@@ -296,7 +296,7 @@ EPD_HD uint64_t cx_tag(uint64_t epoch, uint64_t op)
 }
 
 /* Fills *l for the shape. Returns CX_SHAPE_OK, or the first reason the shape is impossible
- * (then *l is unspecified). */
+ * (then *l is unspecified, but for CX_SHAPE_RECV_ROWS, which leaves l->worst_rows set). */
 EPD_HD enum cx_shape_error cx_layout_compute(const struct cx_shape *shape, struct cx_layout *l)
 {
         struct cx_shape s = *shape;

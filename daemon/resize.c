@@ -33,9 +33,12 @@ static int resize_ranks(struct epdd_group *g, uint64_t bytes, Epd__V1__RankArena
         int rc = 0;
 
         /* A grow maps new memory on every rank: the group's owner pays for it. */
-        for (uint32_t r = 0; r < R; r++)
-                if (g->ranks[r].arena && bytes > g->ranks[r].arena->mapped)
-                        grow += bytes - g->ranks[r].arena->mapped;
+        for (uint32_t r = 0; r < R; r++) {
+                const struct epdd_arena *a = g->ranks[r].arena;
+
+                if (a && epd_arena_mapped_bytes(bytes) > a->mapped)
+                        grow += epd_arena_mapped_bytes(bytes) - a->mapped;
+        }
         if (grow) {
                 rc = epd_budget_group_bytes(g->daemon, g->owner_uid, grow, err, err_len);
                 if (rc < 0)

@@ -97,6 +97,11 @@ static void segment_drop_last(struct epdd_arena *a)
         memset(s, 0, sizeof(*s));
 }
 
+uint64_t epd_arena_mapped_bytes(uint64_t bytes)
+{
+        return page_up(bytes);
+}
+
 int epd_arena_create(struct epdd_backend *b, uint32_t device, int host_memory, uint64_t bytes,
                      uint64_t reserve_bytes, unsigned max_segments, struct epdd_arena **out,
                      char *err, size_t err_len)

@@ -79,6 +79,8 @@ struct epdd_arena {
 /* An allocator over caller-owned memory [base, base + bytes) exported as one segment with fd
  * (owned by the arena from here on; -1 for none). It cannot be resized. */
 struct epdd_arena *epd_arena_new(uint8_t *base, uint64_t bytes, int fd, enum epd_region_kind kind);
+/* What an arena of `bytes` maps (created or resized to it): the page multiple at or above. */
+uint64_t epd_arena_mapped_bytes(uint64_t bytes);
 /* Creates an arena of `bytes` for a rank on `device`: reserves max(reserve_bytes, bytes) of
  * address space (only bytes when the larger reservation fails) and maps the first segment
  * through the backend (host_memory as in backend.h's arena_map). max_segments bounds the

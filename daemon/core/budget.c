@@ -125,7 +125,7 @@ int epd_budget_group(struct epdd_daemon *d, const struct epdd_client *c, char *e
 
 uint64_t epd_budget_group_memory(const struct epdd_group *g)
 {
-        uint64_t n = g->cx ? g->cx->bytes : 0;
+        uint64_t n = (g->cx ? g->cx->bytes : 0) + g->retired_arena_bytes;
 
         for (uint32_t r = 0; g->ranks && r < g->cfg.world_size; r++)
                 if (g->ranks[r].arena)

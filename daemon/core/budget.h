@@ -21,8 +21,8 @@ int epd_budget_binding(struct epdd_daemon *d, const struct epdd_client *c, char 
                        size_t err_len);
 /* A new group created by c. */
 int epd_budget_group(struct epdd_daemon *d, const struct epdd_client *c, char *err, size_t err_len);
-/* The memory the daemon holds for g: its ranks' output arenas as mapped and its
- * client-executed buffers. */
+/* The memory the daemon holds for g: its ranks' output arenas as mapped (those of past
+ * bindings that its executing op still uses included) and its client-executed buffers. */
 uint64_t epd_budget_group_memory(const struct epdd_group *g);
 /* `more` bytes of such memory for a group created by uid `owner`, against
  * max_group_bytes_per_uid (every group that uid created) and max_group_bytes (every group). */

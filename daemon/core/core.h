@@ -253,6 +253,7 @@ struct epdd_group {
         int free_pending;             /* destroy once the executing op completes */
         struct epd_list retired;      /* doorbell pages and arenas of past bindings that the
                                        * executing op may still use */
+        uint64_t retired_arena_bytes; /* the mapped bytes of those arenas (group budgets) */
         struct epdd_resize *resize;    /* pending `epctl resize` (resize.c): no op is launched */
         struct epdd_cx *cx;            /* client-executed groups' buffers, else NULL */
         struct epdd_group_stats stats;

@@ -614,7 +614,8 @@ static int rank_arena_create(struct epdd_group *g, struct epdd_rank *r, int host
 
         if (r->arena || g->cfg.arena_bytes == 0)
                 return 0;
-        rc = epd_budget_group_bytes(g->daemon, g->owner_uid, g->cfg.arena_bytes, err, err_len);
+        rc = epd_budget_group_bytes(g->daemon, g->owner_uid,
+                                    epd_arena_mapped_bytes(g->cfg.arena_bytes), err, err_len);
         if (rc < 0)
                 return rc;
         return epd_arena_create(g->daemon->backend, r->device, host_memory, g->cfg.arena_bytes,
@@ -644,6 +645,7 @@ static int rank_arena_destroy(struct epdd_group *g, struct epdd_rank *r)
                         return EPD_INTERNAL;
                 rt->arena = r->arena;
                 rt->fd = -1;
+                g->retired_arena_bytes += r->arena->mapped;
                 epd_list_add_tail(&g->retired, &rt->link);
         } else {
                 epd_arena_free(r->arena);
@@ -673,6 +675,8 @@ void epd_group_free_retired(struct epdd_group *g)
                 struct epdd_retired *rt = epd_list_entry(pos, struct epdd_retired, link);
                 epd_list_del(&rt->link);
                 doorbell_free(g, rt->page, rt->fd);
+                if (rt->arena)
+                        g->retired_arena_bytes -= rt->arena->mapped;
                 epd_arena_free(rt->arena);
                 free(rt);
         }

@@ -313,11 +313,12 @@ static int short_rows_worker(void *arg, int index)
         int failed = worker_open(&w, sh, (uint32_t)index);
         uint8_t *back = malloc(area + 1);
 
-        if (!failed && (!back || cx_case_data_make(&sh->c, w.l.recv_rows,
-                                                   td_mix_seed(sh->seed, 0), &rd, err,
-                                                   sizeof(err)))) {
-                failed = worker_fail(&w, "%s", back ? err : "out of memory");
-                back = NULL;
+        if (!failed && !back)
+                failed = worker_fail(&w, "out of memory");
+        if (!failed && cx_case_data_make(&sh->c, w.l.recv_rows, td_mix_seed(sh->seed, 0), &rd,
+                                         err, sizeof(err))) {
+                cx_case_data_free(&sh->c, &rd);
+                failed = worker_fail(&w, "%s", err);
         }
         if (!failed) {
                 struct epd_cx_dispatch_args a;

@@ -926,6 +926,7 @@ static int recv_rows_worker(void *arg, int index)
         memset(w.b.recv_x, POISON, area);
         a = dispatch_args(&sh->c, &rd, w.me, 0);
         rc = epd_cx_dispatch(w.g, &a, NULL);
+        cx_case_data_free(&sh->c, &rd);
         snprintf(want, sizeof(want), "capacity %u", sh->recv_rows);
         if (rc != EPD_CAPACITY_EXCEEDED || !strstr(epd_client_last_error(w.cl), want))
                 return worker_fail(&w, "rank %u: returned %d: %s (expected \"%s\")", w.me, rc,
@@ -934,7 +935,6 @@ static int recv_rows_worker(void *arg, int index)
                 if (((const uint8_t *)w.b.recv_x)[i] != POISON)
                         return worker_fail(&w, "rank %u: byte %" PRIu64 " of recv_x written by a "
                                            "failed op", w.me, i);
-        cx_case_data_free(&sh->c, &rd);
         worker_close(&w);
         return 0;
 }

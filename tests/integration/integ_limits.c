@@ -547,6 +547,10 @@ START_TEST(test_max_group_bytes)
                        "a grow past the uid's group bytes");
         ck_assert_ptr_null(rr);
         ck_assert_int_eq(json_field(&ld.d, "status", "groups"), 3);
+        ck_assert_int_eq(epd_group_list_get(a, &list), EPD_OK);
+        for (size_t i = 0; i < epd_group_list_count(list); i++)
+                ck_assert_uint_eq(epd_group_list_at(list, i)->memory_bytes, 1u << 20);
+        epd_group_list_free(list);
         /* Leaving frees the arena; then a client-executed group's buffers count the same. */
         ck_assert_int_eq(epd_group_leave(g[0]), EPD_OK);
         cx.arena_bytes = 0;

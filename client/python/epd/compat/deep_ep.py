@@ -894,10 +894,12 @@ class Buffer:
                                     **opts)
             try:
                 g = create(**opts)
-            except Unavailable:
+            except Unavailable as e:
                 # A client-executed group the daemon cannot make here (CUDA: ranks of several
-                # processes on a GPU without MPS): daemon-executed, unless asked for.
-                if self.low_latency_mode or self._execution is not None or not opts:
+                # processes on a GPU without MPS): daemon-executed, unless asked for. A refusal
+                # by a memory budget is the caller's to see, not a reason to switch modes.
+                if self.low_latency_mode or self._execution is not None or not opts or \
+                        "max_group_bytes" in str(e):
                     raise
                 g = create()
         else:
