@@ -45,6 +45,9 @@ enum epd_status {
 
 /* "OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for values outside the enum. Static storage. */
 const char *epd_status_name(int status);
+/* sizeof the public structure `name` ("epd_group_config", ...) as this library was compiled, 0
+ * for a name it does not know: for bindings that mirror the structures to check them. */
+size_t epd_abi_struct_size(const char *name);
 
 enum epd_dtype {
         EPD_DTYPE_INVALID = 0,

@@ -17,6 +17,7 @@ import ctypes
 import importlib.util
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket as socketlib
@@ -198,8 +199,19 @@ class TestBf16(unittest.TestCase):
 
 class TestLibrary(unittest.TestCase):
     def test_struct_sizes(self):
-        for cls, size in _lib.EXPECTED_SIZES.items():
-            self.assertEqual(ctypes.sizeof(cls), size, cls.__name__)
+        # Every mirror matches the library (load() refuses one that does not), and the library
+        # knows every structure of the public header.
+        lib = _lib.load()
+        with open(os.path.join(REPO, "include", "epd.h")) as f:
+            header = re.findall(r"^struct (epd_\w+) \{", f.read(), re.M)
+        names = [_lib.c_struct_name(cls) for cls in _lib.STRUCTS]
+        self.assertGreaterEqual(len(names), 31)
+        self.assertLessEqual(set(names), set(header))
+        for name in header:
+            self.assertGreater(lib.epd_abi_struct_size(name.encode()), 0, name)
+        for cls, name in zip(_lib.STRUCTS, names):
+            self.assertEqual(ctypes.sizeof(cls), lib.epd_abi_struct_size(name.encode()), name)
+        self.assertEqual(lib.epd_abi_struct_size(b"epd_no_such_struct"), 0)
 
     def test_library_path(self):
         path = epd.library_path()

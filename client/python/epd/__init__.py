@@ -30,7 +30,6 @@ NotImplementedError, where libepd or the daemon has no CUDA.
 statistics, and the admin verbs drain, undrain, evict and resize.
 """
 
-from ._lib import EXPECTED_SIZES as _EXPECTED_SIZES  # noqa: F401  (tests)
 from . import admin
 from .bf16 import bf16_to_float, float_to_bf16, round_bf16
 from .client import Client, DeviceAllocation, Region, connect, empty

@@ -632,20 +632,21 @@ class ResizeInfo(ctypes.Structure):
     ]
 
 
-# Sizes the C compiler gives these structures on x86-64 and aarch64 Linux; the tests compare.
-EXPECTED_SIZES = {
-    Tensor: 88, ConnectArgs: 32, DeviceInfo: 160, DaemonInfo: 2648, GroupConfig: 80,
-    GroupArgs: 56, SizeHint: 48, DispatchArgs: 928, DispatchResult: 664, CombineArgs: 648,
-    CombineResult: 40, AdminDevice: 40, DaemonStatusInfo: 96, AdminRank: 32, GroupInfo: 168,
-    ClientInfo: 64, AdminOpStats: 96, AdminRankStats: 176, AdminStageStats: 24,
-    AdminGroupStats: 88, AdminClientStats: 56, AdminDeviceStats: 48, AdminDaemonStats: 136,
-    DrainResult: 16, ResizeRank: 48, ResizeInfo: 56, CxDispatchArgs: 128, CxCombineArgs: 80,
-    CxStatus: 408, CxCounts: 72, CxBuffers: 104,
-}
+
+def c_struct_name(cls):
+    """The C structure a mirror class stands for ("epd_group_config"), from its docstring."""
+    return cls.__doc__.split()[1].rstrip(".")
+
+
+# Every mirror of a public structure; load() checks each one's size against the library's.
+STRUCTS = [cls for cls in list(globals().values())
+           if isinstance(cls, type) and issubclass(cls, ctypes.Structure) and
+           (cls.__doc__ or "").startswith("struct epd_")]
 
 _c_void_pp = ctypes.POINTER(ctypes.c_void_p)
 _PROTOTYPES = {
     "epd_status_name": (ctypes.c_char_p, [_int]),
+    "epd_abi_struct_size": (_size, [ctypes.c_char_p]),
     "epd_client_connect": (_int, [ctypes.POINTER(ConnectArgs), _c_void_pp, ctypes.c_char_p,
                                   _size]),
     "epd_client_free": (None, [ctypes.c_void_p]),
@@ -822,6 +823,18 @@ def load():
                 fn.argtypes = argtypes
                 if name in _OPTIONAL:
                     lib.optional[name] = fn
+            # A library built from other sources than these mirrors would be read and written
+            # past its structures' ends.
+            differ = ["struct %s is %d bytes there, %d here" %
+                      (c_struct_name(cls), lib.epd_abi_struct_size(c_struct_name(cls).encode()),
+                       ctypes.sizeof(cls))
+                      for cls in STRUCTS
+                      if lib.epd_abi_struct_size(c_struct_name(cls).encode()) !=
+                      ctypes.sizeof(cls)]
+            if differ:
+                errors.append("%s: built from other sources than this binding (%s)" %
+                              (path, "; ".join(differ)))
+                continue
             lib.path = path
             _lib = lib
             return lib
