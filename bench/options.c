@@ -107,6 +107,17 @@ void usage(FILE *f)
                 "  --stream-order    the same as --completion stream\n");
 }
 
+/* The index of s among the NULL-terminated names, or -1. */
+static int choice(const char *s, const char *const *names)
+{
+        for (int i = 0; names[i]; i++)
+                if (strcmp(s, names[i]) == 0)
+                        return i;
+        return -1;
+}
+
+#define CHOICE(s, ...) choice((s), (const char *const[]){ __VA_ARGS__, NULL })
+
 static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
 {
         char *end;
@@ -150,7 +161,7 @@ int parse_args(int argc, char **argv, struct options *o)
                 { "help", no_argument, NULL, 'h' },
                 { NULL, 0, NULL, 0 },
         };
-        int c;
+        int c, i;
 
         memset(o, 0, sizeof(*o));
         o->iters = 200;
@@ -165,9 +176,9 @@ int parse_args(int argc, char **argv, struct options *o)
         while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
                 switch (c) {
                 case 'w':
-                        for (size_t i = 0; i < sizeof(workloads) / sizeof(workloads[0]); i++)
-                                if (strcmp(optarg, workloads[i].name) == 0)
-                                        o->wl = &workloads[i];
+                        for (size_t w = 0; w < sizeof(workloads) / sizeof(workloads[0]); w++)
+                                if (strcmp(optarg, workloads[w].name) == 0)
+                                        o->wl = &workloads[w];
                         if (!o->wl) {
                                 fprintf(stderr, "epd-bench: unknown workload '%s'\n", optarg);
                                 return -1;
@@ -195,29 +206,20 @@ int parse_args(int argc, char **argv, struct options *o)
                                 goto bad;
                         break;
                 case 'l':
-                        if (strcmp(optarg, "non-expand") == 0)
-                                o->layout = EPD_LAYOUT_NON_EXPAND;
-                        else if (strcmp(optarg, "expand") == 0)
-                                o->layout = EPD_LAYOUT_EXPAND;
-                        else
+                        if ((i = CHOICE(optarg, "non-expand", "expand")) < 0)
                                 goto bad;
+                        o->layout = i ? EPD_LAYOUT_EXPAND : EPD_LAYOUT_NON_EXPAND;
                         break;
                 case 'o':
-                        if (strcmp(optarg, "arena") == 0)
-                                o->use_arena = 1;
-                        else if (strcmp(optarg, "regions") == 0)
-                                o->use_arena = 0;
-                        else
+                        if ((i = CHOICE(optarg, "regions", "arena")) < 0)
                                 goto bad;
+                        o->use_arena = i;
                         o->outputs_given = 1;
                         break;
                 case 'B':
-                        if (strcmp(optarg, "host") == 0)
-                                o->cuda = 0;
-                        else if (strcmp(optarg, "cuda") == 0)
-                                o->cuda = 1;
-                        else
+                        if ((i = CHOICE(optarg, "host", "cuda")) < 0)
                                 goto bad;
+                        o->cuda = i;
                         break;
                 case 'D':
                         o->device_memory = 1;
@@ -226,12 +228,9 @@ int parse_args(int argc, char **argv, struct options *o)
                         o->device_memory = 0;
                         break;
                 case 'A':
-                        if (strcmp(optarg, "cudamalloc") == 0)
-                                o->cumem = 0;
-                        else if (strcmp(optarg, "cumem") == 0)
-                                o->cumem = 1;
-                        else
+                        if ((i = CHOICE(optarg, "cudamalloc", "cumem")) < 0)
                                 goto bad;
+                        o->cumem = i;
                         break;
                 case 'n':
                         if (parse_u32(optarg, 1, D2D_MAX_DEVICES, &o->devices) < 0)
@@ -253,32 +252,26 @@ int parse_args(int argc, char **argv, struct options *o)
                                 goto bad;
                         break;
                 case 'E':
-                        if (strcmp(optarg, "daemon") == 0)
-                                o->execution = EPD_EXECUTION_DAEMON;
-                        else if (strcmp(optarg, "client") == 0)
-                                o->execution = EPD_EXECUTION_CLIENT;
-                        else
+                        if ((i = CHOICE(optarg, "daemon", "client")) < 0)
                                 goto bad;
+                        o->execution = i ? EPD_EXECUTION_CLIENT : EPD_EXECUTION_DAEMON;
                         break;
                 case 'G':
-                        if (strcmp(optarg, "gate") == 0)
-                                o->start_free = 0;
-                        else if (strcmp(optarg, "free") == 0)
-                                o->start_free = 1;
-                        else
+                        if ((i = CHOICE(optarg, "gate", "free")) < 0)
                                 goto bad;
+                        o->start_free = i;
                         o->start_given = 1;
                         break;
-                case 'C':
-                        if (strcmp(optarg, "host") == 0)
-                                o->completion = COMPLETION_HOST;
-                        else if (strcmp(optarg, "stream") == 0)
-                                o->completion = COMPLETION_STREAM;
-                        else if (strcmp(optarg, "both") == 0)
-                                o->completion = COMPLETION_BOTH;
-                        else
+                case 'C': {
+                        static const enum completion modes[] = { COMPLETION_HOST,
+                                                                  COMPLETION_STREAM,
+                                                                  COMPLETION_BOTH };
+
+                        if ((i = CHOICE(optarg, "host", "stream", "both")) < 0)
                                 goto bad;
+                        o->completion = modes[i];
                         break;
+                }
                 case 'O':
                         o->completion = COMPLETION_STREAM;
                         break;
