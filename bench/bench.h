@@ -140,17 +140,21 @@ struct sample {
  * that the op starts on every rank at once, after every rank's L2 flush, however late the
  * processes' launches are (docs/benchmarks.md), and what each rank reports at its end. One page
  * of the shared samples mapping, registered with CUDA by each worker. */
+#define GATE_RANKS 64u /* ranks whose reports fit the gate's page (--ranks is at most 64) */
+#define FIRST_PARTS (sizeof(((struct epd_cx_status *)0)->dispatch_first_ns) / sizeof(uint64_t))
+
 struct cx_gate {
         uint64_t armed;         /* launches made, every rank, every op (atomic) */
         uint64_t pad[7];
         uint64_t open;          /* the ops let start: op s (from 1) waits for open >= s */
         uint64_t pad2[7];
         /* Each rank's launch floor (bench/launch_floor.cu), us, measured after its ops. */
-        double launch_floor_us[64];
+        double launch_floor_us[GATE_RANKS];
         /* Each rank's mean time per OK dispatch in each part of its first phase
          * (epd_cx_status.dispatch_first_ns), us. */
-        double first_us[64][6];
+        double first_us[GATE_RANKS][FIRST_PARTS];
 };
+_Static_assert(sizeof(struct cx_gate) <= 4096, "the gate is one page of the samples mapping");
 
 struct bench {
         struct options opt;

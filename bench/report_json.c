@@ -258,7 +258,7 @@ static void print_json_one(const struct bench *b, const struct run_info *ri, uin
                 /* Dispatch's first phase in parts, per rank (epd_cx_status.dispatch_first_ns). */
                 json_t *ranks = json_array();
 
-                for (uint32_t r = 0; r < b->R && r < 64; r++) {
+                for (uint32_t r = 0; r < b->R && r < GATE_RANKS; r++) {
                         const double *u = b->gate->first_us[r];
 
                         json_array_append_new(ranks, json_pack("{s:f,s:f,s:f,s:f,s:f,s:f}",

@@ -236,13 +236,13 @@ void print_table(const struct bench *b, const struct run_info *ri, FILE *f)
                         names[k], ph[0], ph[1], ph[2]);
         }
         if (b->device_window) {
-                static const char *parts[6] = { "inputs checked", "record sent",
-                                                 "records here", "verdict", "rows placed",
-                                                 "counts written" };
-                unsigned n = b->R < 64 ? b->R : 64;
+                static const char *parts[FIRST_PARTS] = { "inputs checked", "record sent",
+                                                           "records here", "verdict",
+                                                           "rows placed", "counts written" };
+                unsigned n = b->R < GATE_RANKS ? b->R : GATE_RANKS;
 
                 fprintf(f, "  dispatch's first phase in parts, mean over ranks and ops (us):");
-                for (int i = 0; i < 6; i++) {
+                for (size_t i = 0; i < FIRST_PARTS; i++) {
                         double m = 0;
 
                         for (unsigned r = 0; r < n; r++)

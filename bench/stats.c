@@ -195,8 +195,8 @@ double median_of(const double *v, unsigned n)
 
 double launch_floor_us(const struct bench *b)
 {
-        double v[64];
-        unsigned n = b->R < 64 ? b->R : 64;
+        double v[GATE_RANKS];
+        unsigned n = b->R < GATE_RANKS ? b->R : GATE_RANKS;
 
         for (unsigned r = 0; r < n; r++)
                 v[r] = b->gate->launch_floor_us[r];

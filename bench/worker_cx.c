@@ -246,13 +246,13 @@ int worker_run_cx(struct bench *b, uint32_t rank)
                                                                     (double)st.kind_ops[k]
                                                           : 0.0;
                 memcpy(b->cx_phase_us[rank], us, sizeof(us));
-                for (int i = 0; b->cx_one_gpu && rank < 64 && i < 6; i++)
+                for (size_t i = 0; b->cx_one_gpu && rank < GATE_RANKS && i < FIRST_PARTS; i++)
                         b->gate->first_us[rank][i] =
                                 st.kind_ops[0] ? st.dispatch_first_ns[i] / 1e3 /
                                                          (double)st.kind_ops[0]
                                                : 0.0;
         }
-        if (b->cx_one_gpu && rank < 64 &&
+        if (b->cx_one_gpu && rank < GATE_RANKS &&
             wc_launch_floor(&wc, 200, &b->gate->launch_floor_us[rank], err, sizeof(err)) < 0)
                 WFAIL("%s", err);
         status = 0;

@@ -201,8 +201,8 @@ static __device__ int phase1(const struct epd_cx_group *g, const struct epd_cxk_
          * tag, released at each reader's scope. */
         {
                 /* The head but its tag (which readers are polling), in 8-byte words spread over
-                 * the block: one thread copying it byte by byte to every rank cost tens of
-                 * microseconds. */
+                 * the block, where a memcpy by one thread compiled to a byte-by-byte copy to
+                 * every rank in turn. */
                 const uint32_t W = (uint32_t)((sizeof(struct cx_count_rec) - 8) / 8);
                 const uint64_t *head = (const uint64_t *)&sm->head + 1;
                 const int ok = sm->head.status == 0;
